@@ -1,0 +1,48 @@
+# Two entry points for a fresh machine: `make train` (main job) and `make test` (test suite).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.bev-installed
+DATA ?= data/synthetic
+RUN ?= outputs/synthetic_cpu
+TORCH_PINS := torch==2.14.1 torchvision==0.29.1
+
+# Compile the CUDA kernels too when nvcc is present (no GPU needed to compile).
+NVCC := $(shell command -v nvcc 2>/dev/null)
+ifneq ($(NVCC),)
+CUDA_HOME ?= /usr/local/cuda
+TORCH_CUDA_ARCH_LIST ?= 8.0;9.0
+BUILD_ENV = CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST="$(TORCH_CUDA_ARCH_LIST)" \
+	CPATH="$$($(PY) -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cu13", "include"))' 2>/dev/null):$$CPATH"
+endif
+
+.PHONY: venv build train test test-all bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py $(wildcard bev/ops/csrc/*)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip "setuptools>=64" wheel ninja
+	$(PY) -m pip install -q $(TORCH_PINS)
+	$(BUILD_ENV) MAX_JOBS=2 $(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	touch $(STAMP)
+
+build: venv
+
+train: venv
+	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA)
+	$(VENV)/bin/bev-train experiment=synthetic_cpu data.dataroot=$(DATA) hydra.run.dir=$(RUN)
+	$(VENV)/bin/bev-eval ckpt_path=$(RUN)/checkpoints/last.ckpt data.dataroot=$(DATA) hydra.run.dir=$(RUN)/eval
+	@echo "Checkpoints: $(RUN)/checkpoints  Metrics: $(RUN)/eval/metrics.json  Pictures: $(RUN)/eval/*.png"
+
+test: venv
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: venv
+	$(PY) -m pytest -q
+
+bench: venv
+	$(PY) scripts/bench_pool.py
+
+clean:
+	rm -rf build *.egg-info bev/ops/_C*.so

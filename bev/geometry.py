@@ -1,0 +1,195 @@
+"""The one home of the geometric conventions: every other module imports them from here.
+
+Ego frame: x forward, y left, z up (nuScenes; the ego pose of the sample's LIDAR_TOP
+sample_data). Extrinsics are camera->ego: p_ego = R @ p_cam + t. Quaternions are (w, x, y, z).
+Cameras are ordered as CAMERA_NAMES. Pixel coordinates follow OpenCV/nuScenes intrinsics
+(the centre of pixel (i, j) is at u=j, v=i).
+
+Image augmentation is tracked as post_rot (3x3) / post_tran (3) acting on (u, v, d):
+(u', v', d) = post_rot @ (u, v, d) + post_tran, with post_rot[2] = (0, 0, 1) and
+post_tran[2] = 0, so depth is untouched and geometry stays exact after resize/crop/flip/rotate.
+
+Grid: bounds [lo, hi, step] per axis. Cell i covers [lo + i*step, lo + (i+1)*step): indices
+come from floor, never truncation toward zero. BEV arrays are indexed [x_index, y_index]
+(row = forward axis); voxel grids handed to bev.ops are (Z, X, Y).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+CAMERA_NAMES: tuple[str, ...] = (
+    "CAM_FRONT_LEFT",
+    "CAM_FRONT",
+    "CAM_FRONT_RIGHT",
+    "CAM_BACK_LEFT",
+    "CAM_BACK",
+    "CAM_BACK_RIGHT",
+)
+
+
+def _cells(name: str, bound: Sequence[float]) -> int:
+    if len(bound) != 3:
+        raise ValueError(f"{name} must be [lo, hi, step], got {list(bound)}")
+    lo, hi, step = (float(b) for b in bound)
+    if not step > 0:
+        raise ValueError(f"{name} step must be > 0, got {step}")
+    if not hi > lo:
+        raise ValueError(f"{name} needs hi > lo, got lo={lo}, hi={hi}")
+    n = (hi - lo) / step
+    if abs(n - round(n)) > 1e-6:
+        raise ValueError(f"{name}: (hi - lo) / step = {n} is not a whole number of cells")
+    return int(round(n))
+
+
+@dataclass(frozen=True)
+class Grid:
+    """BEV voxel grid and depth bins. Defaults are the Lift-Splat-Shoot ones (200x200x1, D=41)."""
+
+    xbound: tuple[float, float, float] = (-50.0, 50.0, 0.5)
+    ybound: tuple[float, float, float] = (-50.0, 50.0, 0.5)
+    zbound: tuple[float, float, float] = (-10.0, 10.0, 20.0)
+    dbound: tuple[float, float, float] = (4.0, 45.0, 1.0)
+
+    def __post_init__(self) -> None:
+        for name in ("xbound", "ybound", "zbound", "dbound"):
+            bound = tuple(float(b) for b in getattr(self, name))
+            _cells(name, bound)
+            object.__setattr__(self, name, bound)
+
+    @property
+    def nx(self) -> int:
+        return _cells("xbound", self.xbound)
+
+    @property
+    def ny(self) -> int:
+        return _cells("ybound", self.ybound)
+
+    @property
+    def nz(self) -> int:
+        return _cells("zbound", self.zbound)
+
+    @property
+    def depth_bins(self) -> int:
+        return _cells("dbound", self.dbound)
+
+    @property
+    def bev_shape(self) -> tuple[int, int]:
+        """(X, Y): shape of BEV targets and predictions, indexed [x_index, y_index]."""
+        return self.nx, self.ny
+
+    @property
+    def voxel_shape(self) -> tuple[int, int, int]:
+        """(Z, X, Y): the per-sample grid shape handed to bev.ops."""
+        return self.nz, self.nx, self.ny
+
+    def depths(self) -> torch.Tensor:
+        """Depth of each bin, metres: lo, lo + step, ... (D values)."""
+        lo, _, step = self.dbound
+        return lo + step * torch.arange(self.depth_bins, dtype=torch.float32)
+
+    def cell_centers(self) -> np.ndarray:
+        """(X, Y, 2) ego (x, y) of every BEV cell centre."""
+        xs = self.xbound[0] + (np.arange(self.nx) + 0.5) * self.xbound[2]
+        ys = self.ybound[0] + (np.arange(self.ny) + 0.5) * self.ybound[2]
+        return np.stack(np.meshgrid(xs, ys, indexing="ij"), axis=-1)
+
+    def xy_to_index(self, xy: np.ndarray) -> np.ndarray:
+        """(..., 2) ego metres -> (..., 2) integer (x_index, y_index) by floor (may be out of range)."""
+        xy = np.asarray(xy, dtype=np.float64)
+        lo = np.array([self.xbound[0], self.ybound[0]])
+        step = np.array([self.xbound[2], self.ybound[2]])
+        return np.floor((xy - lo) / step).astype(np.int64)
+
+
+def quaternion_to_matrix(q: Sequence[float]) -> np.ndarray:
+    """Unit quaternion (w, x, y, z) -> 3x3 rotation matrix (normalises the input)."""
+    w, x, y, z = np.asarray(q, dtype=np.float64) / np.linalg.norm(q)
+    return np.array(
+        [
+            [1 - 2 * (y * y + z * z), 2 * (x * y - w * z), 2 * (x * z + w * y)],
+            [2 * (x * y + w * z), 1 - 2 * (x * x + z * z), 2 * (y * z - w * x)],
+            [2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y)],
+        ]
+    )
+
+
+def yaw_to_quaternion(yaw: float) -> list[float]:
+    """Rotation by `yaw` radians about +z as (w, x, y, z)."""
+    return [math.cos(yaw / 2), 0.0, 0.0, math.sin(yaw / 2)]
+
+
+def make_frustum(image_size: tuple[int, int], downsample: int, grid: Grid) -> torch.Tensor:
+    """(D, fH, fW, 3) frustum of (u, v, d) in the augmented image.
+
+    Feature cell (i, j) at stride `downsample` covers pixels [j*s, (j+1)*s) so its centre is
+    u = j*s + (s-1)/2 (likewise v); d runs over grid.depths().
+    """
+    H, W = image_size
+    if H % downsample or W % downsample:
+        raise ValueError(f"image_size {image_size} must be divisible by downsample={downsample}")
+    fH, fW = H // downsample, W // downsample
+    s = float(downsample)
+    us = torch.arange(fW, dtype=torch.float32) * s + (s - 1) / 2
+    vs = torch.arange(fH, dtype=torch.float32) * s + (s - 1) / 2
+    ds = grid.depths()
+    d, v, u = torch.meshgrid(ds, vs, us, indexing="ij")
+    return torch.stack([u, v, d], dim=-1)
+
+
+def frustum_to_ego(
+    frustum: torch.Tensor,
+    intrinsics: torch.Tensor,
+    rots: torch.Tensor,
+    trans: torch.Tensor,
+    post_rots: torch.Tensor,
+    post_trans: torch.Tensor,
+) -> torch.Tensor:
+    """Ego-frame (x, y, z) of every frustum point: (D, fH, fW, 3) + (B, N, ...) cams -> (B, N, D, fH, fW, 3)."""
+    B, N = trans.shape[:2]
+    # Undo the image augmentation, then unproject (u, v, d) -> camera -> ego.
+    pts = frustum.view(1, 1, *frustum.shape) - post_trans.view(B, N, 1, 1, 1, 3)
+    pts = torch.linalg.solve(post_rots, pts.reshape(B, N, -1, 3).transpose(-1, -2))  # (B, N, 3, P)
+    pts = torch.cat([pts[:, :, :2] * pts[:, :, 2:3], pts[:, :, 2:3]], dim=2)
+    cam_to_ego = rots @ torch.linalg.inv(intrinsics)
+    pts = cam_to_ego @ pts + trans.unsqueeze(-1)
+    return pts.transpose(-1, -2).reshape(B, N, *frustum.shape[:3], 3)
+
+
+def ego_to_image(
+    points: torch.Tensor,
+    intrinsics: torch.Tensor,
+    rots: torch.Tensor,
+    trans: torch.Tensor,
+    post_rots: torch.Tensor,
+    post_trans: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Project ego points (..., P, 3) into one camera (..., 3, 3)/(..., 3): augmented (u, v) and depth.
+
+    The inverse of frustum_to_ego; used for rendering and as an independent check in tests.
+    """
+    cam = (points - trans.unsqueeze(-2)) @ rots  # rows: R^T (p - t)
+    depth = cam[..., 2]
+    pix = cam @ intrinsics.transpose(-1, -2)
+    uvd = torch.stack([pix[..., 0] / depth, pix[..., 1] / depth, depth], dim=-1)
+    uvd = uvd @ post_rots.transpose(-1, -2) + post_trans.unsqueeze(-2)
+    return uvd[..., :2], depth
+
+
+def voxel_coords(points: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """Ego points (..., 3) -> int64 (..., 3) voxel indices in (z, x, y) order by floor.
+
+    Indices outside the grid stay outside (clamped to -1 or n) so bev.ops ignores them;
+    NaN/inf points map outside too instead of to an undefined integer.
+    """
+    lo = torch.tensor([grid.xbound[0], grid.ybound[0], grid.zbound[0]], dtype=points.dtype, device=points.device)
+    step = torch.tensor([grid.xbound[2], grid.ybound[2], grid.zbound[2]], dtype=points.dtype, device=points.device)
+    n = torch.tensor([grid.nx, grid.ny, grid.nz], dtype=points.dtype, device=points.device)
+    idx = torch.floor((points - lo) / step)
+    idx = torch.nan_to_num(idx, nan=-1.0, posinf=float(max(grid.nx, grid.ny, grid.nz)), neginf=-1.0)
+    idx = torch.maximum(torch.minimum(idx, n), torch.full_like(idx, -1.0)).long()
+    return idx[..., [2, 0, 1]]
