@@ -61,6 +61,18 @@ class Grid:
             _cells(name, bound)
             object.__setattr__(self, name, bound)
 
+    @classmethod
+    def from_any(cls, grid: "Grid | dict | None") -> "Grid":
+        """Accept a Grid, a mapping of bounds (e.g. a Hydra config node) or None (defaults)."""
+        if grid is None:
+            return cls()
+        if isinstance(grid, cls):
+            return grid
+        try:
+            return cls(**{k: tuple(v) for k, v in dict(grid).items()})
+        except TypeError as e:
+            raise ValueError(f"bad grid config {dict(grid)}: expected keys xbound, ybound, zbound, dbound ({e})") from None
+
     @property
     def nx(self) -> int:
         return _cells("xbound", self.xbound)
