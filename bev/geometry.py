@@ -32,7 +32,7 @@ CAMERA_NAMES: tuple[str, ...] = (
 )
 
 
-def _cells(name: str, bound: Sequence[float]) -> int:
+def _cells(name: str, bound: Sequence[float], whole: bool = True) -> int:
     if len(bound) != 3:
         raise ValueError(f"{name} must be [lo, hi, step], got {list(bound)}")
     lo, hi, step = (float(b) for b in bound)
@@ -41,6 +41,8 @@ def _cells(name: str, bound: Sequence[float]) -> int:
     if not hi > lo:
         raise ValueError(f"{name} needs hi > lo, got lo={lo}, hi={hi}")
     n = (hi - lo) / step
+    if not whole:  # depth bins follow arange(lo, hi, step), as in LSS
+        return int(math.ceil(n - 1e-6))
     if abs(n - round(n)) > 1e-6:
         raise ValueError(f"{name}: (hi - lo) / step = {n} is not a whole number of cells")
     return int(round(n))
@@ -58,7 +60,7 @@ class Grid:
     def __post_init__(self) -> None:
         for name in ("xbound", "ybound", "zbound", "dbound"):
             bound = tuple(float(b) for b in getattr(self, name))
-            _cells(name, bound)
+            _cells(name, bound, whole=name != "dbound")
             object.__setattr__(self, name, bound)
 
     @classmethod
@@ -87,7 +89,7 @@ class Grid:
 
     @property
     def depth_bins(self) -> int:
-        return _cells("dbound", self.dbound)
+        return _cells("dbound", self.dbound, whole=False)
 
     @property
     def bev_shape(self) -> tuple[int, int]:
