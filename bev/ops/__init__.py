@@ -1,0 +1,146 @@
+"""Voxel pooling, the "splat" of Lift-Splat: sum point features into a BEV voxel grid.
+
+Public API (grid conventions in bev.geometry: voxel grids are (Z, X, Y), coords (z, x, y)):
+
+  voxel_sum(feats, coords, grid_shape, *, backend="auto") -> (B, C, Z, X, Y)
+      feats (N, C) float, coords (N, 4) int (batch, z, x, y), grid_shape (B, Z, X, Y).
+  bev_pool(depth, feats, coords, grid_shape, *, plan=None, backend="auto") -> (B, C, Z, X, Y)
+      fused lift + splat: depth (B, Nc, D, H, W), feats (B, Nc, H, W, C),
+      coords (B, Nc, D, H, W, 3) int (z, x, y); equals
+      voxel_sum(depth[..., None] * feats[:, :, None]) without materialising that product.
+  bev_pool_plan(coords, grid_shape) -> PoolPlan   the sort for fixed geometry, reusable:
+      bev_pool(depth, feats, plan=plan).
+
+Points with any coordinate outside the grid are ignored and get zero gradient. Integer
+coordinates are not differentiable. Backends: "torch" (pure-PyTorch QuickCumsum-style
+reference), "native" (C++ CPU / CUDA kernels, deterministic, no atomics, fp32 accumulation
+for fp16/bf16), "auto" (native where built for the tensor's device, else the reference
+with one warning).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import _native, _reference
+from ._plan import (
+    PoolPlan,
+    check_backend,
+    check_float_tensor,
+    check_grid_shape,
+    check_int_tensor,
+    check_same_device,
+    flat_keys,
+    make_plan,
+)
+
+__all__ = ["voxel_sum", "bev_pool", "bev_pool_plan", "PoolPlan", "native_available"]
+
+_fallback_warned: set[str] = set()
+
+
+def native_available(device: torch.device | str | None = None) -> bool:
+    """Whether the native kernels are built and loaded for `device` ("cpu", "cuda", or any)."""
+    return _native.available(device)
+
+
+def _use_native(backend: str, device: torch.device) -> bool:
+    check_backend(backend)
+    if backend == "torch":
+        return False
+    if _native.available(device):
+        return True
+    reason = _native.unavailable_reason(device)
+    if backend == "native":
+        raise RuntimeError(f"backend='native' requested but {reason}")
+    if device.type not in _fallback_warned:
+        _fallback_warned.add(device.type)
+        warnings.warn(
+            f"bev.ops: {reason}; using the pure-torch reference instead (slower, more memory). "
+            "This warning is shown once.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return False
+
+
+def voxel_sum(feats: torch.Tensor, coords: torch.Tensor, grid_shape, *, backend: str = "auto") -> torch.Tensor:
+    """Sum rows of feats (N, C) into the voxels coords (N, 4) = (batch, z, x, y) -> (B, C, Z, X, Y)."""
+    check_float_tensor("feats", feats, 2, "(N, C)")
+    check_int_tensor("coords", coords, 2, "(N, 4) with columns (batch, z, x, y)", 4)
+    if coords.shape[0] != feats.shape[0]:
+        raise ValueError(f"coords has {coords.shape[0]} rows but feats has {feats.shape[0]}; they must match")
+    check_same_device(feats=feats, coords=coords)
+    grid_shape = check_grid_shape(grid_shape)
+    native = _use_native(backend, feats.device)
+    keys = flat_keys(coords[:, 0], coords[:, 1:], grid_shape)
+    plan = make_plan(keys, grid_shape, (feats.shape[0],), native and keys.device.type == "cpu")
+    feats = feats.contiguous()
+    if native:
+        return torch.ops.bev.voxel_sum(feats, plan.keys, plan.order, plan.offsets, list(grid_shape))
+    return _reference.voxel_sum(feats, plan)
+
+
+def _check_frustum_coords(coords, grid_shape) -> tuple[int, int, int, int]:
+    check_int_tensor("coords", coords, 6, "(B, Nc, D, H, W, 3) with (z, x, y) last", 3)
+    grid_shape = check_grid_shape(grid_shape)
+    if coords.shape[0] != grid_shape[0]:
+        raise ValueError(f"coords has batch size {coords.shape[0]} but grid_shape has B={grid_shape[0]}")
+    return grid_shape
+
+
+def bev_pool_plan(coords: torch.Tensor, grid_shape, *, backend: str = "auto") -> PoolPlan:
+    """Sort the frustum points coords (B, Nc, D, H, W, 3) into the grid once, for reuse with bev_pool."""
+    grid_shape = _check_frustum_coords(coords, grid_shape)
+    native = _use_native(backend, coords.device)
+    B = coords.shape[0]
+    batch = torch.arange(B, device=coords.device).view(B, 1, 1, 1, 1)
+    keys = flat_keys(batch, coords, grid_shape)
+    return make_plan(keys, grid_shape, tuple(coords.shape[:5]), native and keys.device.type == "cpu")
+
+
+def bev_pool(
+    depth: torch.Tensor,
+    feats: torch.Tensor,
+    coords: torch.Tensor | None = None,
+    grid_shape=None,
+    *,
+    plan: PoolPlan | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Fused lift + splat: sum depth (B, Nc, D, H, W) x feats (B, Nc, H, W, C) into (B, C, Z, X, Y)."""
+    check_float_tensor("depth", depth, 5, "(B, Nc, D, H, W)")
+    check_float_tensor("feats", feats, 5, "(B, Nc, H, W, C)")
+    if depth.dtype != feats.dtype:
+        raise TypeError(f"depth and feats must have the same dtype, got depth {depth.dtype} and feats {feats.dtype}")
+    B, Nc, D, H, W = depth.shape
+    if tuple(feats.shape[:4]) != (B, Nc, H, W):
+        raise ValueError(
+            f"feats must have shape (B, Nc, H, W, C) = ({B}, {Nc}, {H}, {W}, C) to match depth {tuple(depth.shape)}, "
+            f"got {tuple(feats.shape)}"
+        )
+    check_same_device(depth=depth, feats=feats)
+    native = _use_native(backend, depth.device)
+    if plan is None:
+        if coords is None or grid_shape is None:
+            raise ValueError("bev_pool needs coords and grid_shape, or a plan from bev_pool_plan")
+        grid_shape = _check_frustum_coords(coords, grid_shape)
+        if tuple(coords.shape[:5]) != tuple(depth.shape):
+            raise ValueError(
+                f"coords must have shape (B, Nc, D, H, W, 3) = {tuple(depth.shape) + (3,)} to match depth, got {tuple(coords.shape)}"
+            )
+        check_same_device(depth=depth, coords=coords)
+        plan = bev_pool_plan(coords, grid_shape, backend="native" if native else "torch")
+    else:
+        if not isinstance(plan, PoolPlan):
+            raise TypeError(f"plan must be a PoolPlan from bev_pool_plan, got {type(plan).__name__}")
+        if coords is not None or grid_shape is not None:
+            raise ValueError("pass either plan or (coords, grid_shape) to bev_pool, not both")
+        if tuple(plan.points_shape) != tuple(depth.shape):
+            raise ValueError(f"plan was built for points of shape {tuple(plan.points_shape)} but depth has shape {tuple(depth.shape)}")
+        check_same_device(depth=depth, plan=plan.keys)
+    depth, feats = depth.contiguous(), feats.contiguous()
+    if native:
+        return torch.ops.bev.bev_pool(depth, feats, plan.keys, plan.order, plan.offsets, list(plan.grid_shape))
+    return _reference.bev_pool(depth, feats, plan)

@@ -1,0 +1,91 @@
+"""Loads the native extension `bev.ops._C` and registers autograd and fake (meta) kernels for
+its operators. The schemas and the CPU/CUDA kernels are registered in C++
+(csrc/pool.cpp, csrc/pool_cuda.cu); a missing or broken build only disables this backend.
+
+Operators (namespace `bev`):
+  sort_keys(keys, num_voxels) -> (order, offsets)                 stable counting sort (CPU)
+  voxel_sum(feats, keys, order, offsets, grid_shape) -> out        out (B, C, Z, X, Y)
+  voxel_sum_backward(grad_out, keys) -> grad_feats
+  bev_pool(depth, feats, keys, order, offsets, grid_shape) -> out
+  bev_pool_backward(grad_out, depth, feats, keys) -> (grad_depth, grad_feats)
+"""
+from __future__ import annotations
+
+import torch
+
+LOAD_ERROR: str | None = None
+CUDA_BUILT = False
+try:
+    from . import _C  # noqa: F401  (registers the operators)
+
+    CUDA_BUILT = bool(_C.cuda_built())
+except Exception as e:  # ImportError, OSError (undefined symbol, ABI mismatch), ...
+    _C = None
+    LOAD_ERROR = f"{type(e).__name__}: {e}"
+
+
+def available(device: torch.device | str | None = None) -> bool:
+    """Whether native kernels exist for `device` (any device if None)."""
+    if _C is None:
+        return False
+    if device is None:
+        return True
+    kind = torch.device(device).type
+    return kind == "cpu" or (kind == "cuda" and CUDA_BUILT)
+
+
+def unavailable_reason(device: torch.device | str) -> str:
+    if _C is None:
+        return f"the native extension bev.ops._C did not load ({LOAD_ERROR}); rebuild with `pip install --no-build-isolation -e .`"
+    return f"the native extension was built without kernels for {torch.device(device).type} devices"
+
+
+def _register() -> None:
+
+    @torch.library.register_fake("bev::sort_keys")
+    def _sort_keys_fake(keys, num_voxels):
+        return torch.empty_like(keys), keys.new_empty(num_voxels + 1)
+
+    @torch.library.register_fake("bev::voxel_sum")
+    def _voxel_sum_fake(feats, keys, order, offsets, grid_shape):
+        B, Z, X, Y = grid_shape
+        return feats.new_empty(B, feats.shape[1], Z, X, Y)
+
+    @torch.library.register_fake("bev::voxel_sum_backward")
+    def _voxel_sum_backward_fake(grad_out, keys):
+        return grad_out.new_empty(keys.shape[0], grad_out.shape[1])
+
+    @torch.library.register_fake("bev::bev_pool")
+    def _bev_pool_fake(depth, feats, keys, order, offsets, grid_shape):
+        B, Z, X, Y = grid_shape
+        return feats.new_empty(B, feats.shape[-1], Z, X, Y)
+
+    @torch.library.register_fake("bev::bev_pool_backward")
+    def _bev_pool_backward_fake(grad_out, depth, feats, keys):
+        return torch.empty_like(depth), torch.empty_like(feats)
+
+    def _voxel_sum_setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+
+    def _voxel_sum_grad(ctx, grad_out):
+        (keys,) = ctx.saved_tensors
+        return torch.ops.bev.voxel_sum_backward(grad_out, keys), None, None, None, None
+
+    def _bev_pool_setup(ctx, inputs, output):
+        depth, feats, keys = inputs[:3]
+        ctx.save_for_backward(depth, feats, keys)
+
+    def _bev_pool_grad(ctx, grad_out):
+        depth, feats, keys = ctx.saved_tensors
+        grad_depth, grad_feats = torch.ops.bev.bev_pool_backward(grad_out, depth, feats, keys)
+        return grad_depth, grad_feats, None, None, None, None
+    torch.library.register_autograd("bev::voxel_sum", _voxel_sum_grad, setup_context=_voxel_sum_setup)
+    torch.library.register_autograd("bev::bev_pool", _bev_pool_grad, setup_context=_bev_pool_setup)
+
+
+if _C is not None:
+    try:
+        _register()
+    except Exception as e:  # a stale build without some operator: fall back, never crash import
+        _C, CUDA_BUILT = None, False
+        LOAD_ERROR = f"{type(e).__name__} while registering bev operators: {e}"
