@@ -1,0 +1,112 @@
+"""LightningDataModule over NuScenesBEVDataset (train / val; test = the val split)."""
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import lightning as L
+from torch.utils.data import DataLoader
+
+from bev.data.nuscenes import NuScenesBEVDataset, normalize_categories
+from bev.geometry import Grid
+
+
+def _tuple(v: Any) -> tuple:
+    # Hydra hands lists/ListConfig; the dataset wants plain tuples of numbers.
+    return tuple(v)
+
+
+class NuScenesDataModule(L.LightningDataModule):
+    """nuScenes (or synthetic nuScenes-format) BEV data for Lift-Splat training.
+
+    Training uses `augment` (LSS random resize/crop/flip/rotate, random ncams subset); val and
+    test (the val split) always use the deterministic validation transform and all cameras.
+    persistent_workers only applies when num_workers > 0.
+    """
+
+    def __init__(
+        self,
+        dataroot: str | os.PathLike,
+        version: str = "v1.0-mini",
+        train_split: str = "mini_train",
+        val_split: str = "mini_val",
+        grid: Grid | dict | None = None,
+        final_dim: Sequence[int] = (128, 352),
+        augment: bool = True,
+        resize_lim: Sequence[float] = (0.193, 0.225),
+        bot_pct_lim: Sequence[float] = (0.0, 0.22),
+        rot_lim: Sequence[float] = (-5.4, 5.4),
+        rand_flip: bool = True,
+        ncams: int = 6,
+        categories: Any = ("vehicle.",),
+        batch_size: int = 4,
+        num_workers: int = 2,
+        pin_memory: bool = False,
+        persistent_workers: bool = True,
+        cache_dir: str | os.PathLike | None = None,
+    ) -> None:
+        super().__init__()
+        self.dataroot = str(dataroot)
+        self.version = version
+        self.train_split, self.val_split = train_split, val_split
+        self.grid = Grid.from_any(grid)
+        self.groups = normalize_categories(categories)
+        self.common = dict(
+            grid=self.grid,
+            final_dim=_tuple(final_dim),
+            resize_lim=None if resize_lim is None else _tuple(resize_lim),
+            bot_pct_lim=_tuple(bot_pct_lim),
+            rot_lim=_tuple(rot_lim),
+            rand_flip=bool(rand_flip),
+            ncams=int(ncams),
+            categories=self.groups,
+            cache_dir=cache_dir,
+        )
+        self.augment = bool(augment)
+        self.batch_size = int(batch_size)
+        self.num_workers = int(num_workers)
+        self.pin_memory = bool(pin_memory)
+        self.persistent_workers = bool(persistent_workers) and self.num_workers > 0
+        self.train_set: NuScenesBEVDataset | None = None
+        self.val_set: NuScenesBEVDataset | None = None
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.groups)
+
+    def _dataset(self, split: str, augment: bool) -> NuScenesBEVDataset:
+        return NuScenesBEVDataset(self.dataroot, version=self.version, split=split, augment=augment, **self.common)
+
+    def prepare_data(self) -> None:
+        # Build (and cache) the split indexes once, in the main process, before workers start.
+        self._dataset(self.train_split, False)
+        self._dataset(self.val_split, False)
+
+    def setup(self, stage: str | None = None) -> None:
+        if stage in (None, "fit") and self.train_set is None:
+            self.train_set = self._dataset(self.train_split, self.augment)
+        if stage in (None, "fit", "validate", "test", "predict") and self.val_set is None:
+            self.val_set = self._dataset(self.val_split, False)
+
+    def _loader(self, ds: NuScenesBEVDataset, shuffle: bool) -> DataLoader:
+        return DataLoader(
+            ds,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.persistent_workers,
+            drop_last=shuffle and len(ds) >= self.batch_size,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup("fit")
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        self.setup("validate")
+        return self._loader(self.val_set, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        self.setup("test")
+        return self._loader(self.val_set, shuffle=False)

@@ -1,0 +1,389 @@
+"""nuScenes reader: multi-camera images + BEV targets for Lift-Splat training.
+
+The devkit is used once per split to build a compact index (image paths, camera->ego
+calibrations, ego poses, target boxes already in the ego frame). The index is cached under
+<dataroot>/.bev_cache (or cache_dir), keyed by version, split, categories and the table
+files' sizes/mtimes, so DataLoader workers never touch the devkit tables; with a valid cache
+the devkit is not even constructed.
+
+Ego frame = the ego pose of the sample's LIDAR_TOP sample_data (as in lift-splat-shoot).
+Each camera image is taken at its own timestamp and ego pose, so camera->ego composes
+camera -> ego(at camera time) -> global -> ego(at LIDAR_TOP time); lift-splat-shoot drops
+the middle hop and is off by the ego motion between the two timestamps (up to ~0.5 m).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from bev.data.rasterize import box_footprints, rasterize_boxes
+from bev.data.transforms import normalize_image, sample_augmentation, warp_image
+from bev.geometry import CAMERA_NAMES, Grid, quaternion_to_matrix
+
+TABLES = (
+    "attribute", "calibrated_sensor", "category", "ego_pose", "instance", "log", "map",
+    "sample", "sample_annotation", "sample_data", "scene", "sensor", "visibility",
+)
+INDEX_FORMAT = 1
+
+_HOWTO = (
+    "Expected layout: DATAROOT/<version>/*.json (the 13 tables) and DATAROOT/samples/CAM_*/*.jpg. "
+    "Download nuScenes (v1.0-mini is 4 GB) from https://www.nuscenes.org/download and unpack it "
+    "into DATAROOT, or write a synthetic nuScenes-format set with `bev-make-synthetic --out DIR`."
+)
+
+# Scenes per split; NuScenes' own list (imported lazily: it is cheap, but keeps import fast).
+def _split_scenes() -> dict[str, list[str]]:
+    from nuscenes.utils.splits import create_splits_scenes
+
+    return create_splits_scenes(verbose=False)
+
+
+def normalize_categories(categories: Any) -> tuple[tuple[str, ...], ...]:
+    """Category config -> one tuple of name prefixes per output class.
+
+    "vehicle." or ["vehicle."] or ["vehicle.car", "vehicle.truck"] -> one class (bev (1, X, Y));
+    [["vehicle."], ["human.pedestrian."]] -> K classes (bev (K, X, Y), channel k = group k).
+    """
+    if isinstance(categories, str):
+        return ((categories,),)
+    items = list(categories)
+    if not items:
+        raise ValueError("categories is empty: give prefixes such as ['vehicle.']")
+    if all(isinstance(c, str) for c in items):
+        return (tuple(items),)
+    if any(isinstance(c, str) for c in items):
+        raise ValueError(f"categories mixes prefixes and groups: {items}; use a list of prefixes or a list of lists")
+    groups = tuple(tuple(str(p) for p in g) for g in items)
+    if any(not g for g in groups):
+        raise ValueError(f"categories has an empty group: {items}")
+    return groups
+
+
+def _label(name: str, groups: tuple[tuple[str, ...], ...]) -> int:
+    for k, prefixes in enumerate(groups):
+        if any(name.startswith(p) for p in prefixes):
+            return k
+    return -1
+
+
+def check_dataroot(dataroot: str | os.PathLike, version: str) -> Path:
+    """Validate the layout; return the table folder. Raises FileNotFoundError with a fix."""
+    root = Path(dataroot).expanduser()
+    if not root.is_dir():
+        raise FileNotFoundError(f"nuScenes dataroot {str(root)!r} does not exist. {_HOWTO}")
+    table_root = root / version
+    if not table_root.is_dir():
+        found = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("v1.0"))
+        raise FileNotFoundError(
+            f"nuScenes version folder {str(table_root)!r} does not exist (versions found in {str(root)!r}: "
+            f"{found or 'none'}). {_HOWTO}"
+        )
+    missing = [t for t in TABLES if not (table_root / f"{t}.json").is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"nuScenes table(s) missing in {str(table_root)!r}: {', '.join(m + '.json' for m in missing)}. "
+            f"The download may be incomplete. {_HOWTO}"
+        )
+    return table_root
+
+
+def _table_signature(table_root: Path) -> dict[str, list[int]]:
+    sig = {}
+    for p in sorted(table_root.glob("*.json")):
+        st = p.stat()
+        sig[p.name] = [st.st_size, st.st_mtime_ns]
+    return sig
+
+
+def _pose(rec: dict) -> tuple[np.ndarray, np.ndarray]:
+    return quaternion_to_matrix(rec["rotation"]), np.asarray(rec["translation"], dtype=np.float64)
+
+
+def build_index(dataroot: str | os.PathLike, version: str, split: str, groups, verbose: bool = True) -> dict:
+    """Walk the devkit tables once and return the flat index of one split (see module doc)."""
+    from nuscenes.nuscenes import NuScenes  # the heavy import only where it is needed
+    from tqdm import tqdm
+
+    root = Path(dataroot)
+    scenes_of_split = set(_split_scenes()[split])
+    nusc = NuScenes(version=version, dataroot=str(root), verbose=False)
+    scenes = [s for s in nusc.scene if s["name"] in scenes_of_split]
+    vis_level = {}
+    for i, v in enumerate(sorted(nusc.visibility, key=lambda r: r["token"])):
+        vis_level[v["token"]] = int(v["token"]) if str(v["token"]).isdigit() else i + 1
+
+    tokens, scene_names, timestamps, paths, hws = [], [], [], [], []
+    intr, rots, trans, ego_R, ego_t = [], [], [], [], []
+    box_off = [0]
+    centers, sizes, brots, labels, vis, cats, insts = [], [], [], [], [], [], []
+    n_samples = sum(s["nbr_samples"] for s in scenes)
+    bar = tqdm(total=n_samples, desc=f"indexing {version}/{split}", unit="sample", disable=not verbose)
+    for scene in sorted(scenes, key=lambda s: s["name"]):
+        token = scene["first_sample_token"]
+        while token:
+            sample = nusc.get("sample", token)
+            if "LIDAR_TOP" not in sample["data"]:
+                raise ValueError(f"sample {token} of {scene['name']} has no LIDAR_TOP sample_data (defines the ego frame)")
+            lidar = nusc.get("sample_data", sample["data"]["LIDAR_TOP"])
+            Re, te = _pose(nusc.get("ego_pose", lidar["ego_pose_token"]))
+            for cam in CAMERA_NAMES:
+                if cam not in sample["data"]:
+                    raise ValueError(f"sample {token} of {scene['name']} has no {cam} image")
+                sd = nusc.get("sample_data", sample["data"][cam])
+                Rc, tc = _pose(nusc.get("calibrated_sensor", sd["calibrated_sensor_token"]))
+                Rce, tce = _pose(nusc.get("ego_pose", sd["ego_pose_token"]))
+                # camera -> ego(camera time) -> global -> ego(LIDAR_TOP time)
+                rots.append(Re.T @ Rce @ Rc)
+                trans.append(Re.T @ (Rce @ tc + tce - te))
+                intr.append(np.asarray(nusc.get("calibrated_sensor", sd["calibrated_sensor_token"])["camera_intrinsic"]))
+                paths.append(sd["filename"])
+                hws.append((sd["height"], sd["width"]))
+            for ann_token in sample["anns"]:
+                ann = nusc.get("sample_annotation", ann_token)
+                k = _label(ann["category_name"], groups)
+                if k < 0:
+                    continue
+                Rb, tb = _pose(ann)
+                centers.append(Re.T @ (tb - te))
+                brots.append(Re.T @ Rb)
+                sizes.append(ann["size"])
+                labels.append(k)
+                vis.append(vis_level.get(ann["visibility_token"], 0))
+                cats.append(ann["category_name"])
+                insts.append(ann["instance_token"])
+            box_off.append(len(labels))
+            tokens.append(token)
+            scene_names.append(scene["name"])
+            timestamps.append(sample["timestamp"])
+            ego_R.append(Re)
+            ego_t.append(te)
+            token = sample["next"]
+            bar.update(1)
+    bar.close()
+    n = len(tokens)
+    f32 = np.float32
+    centers_a = np.asarray(centers, dtype=np.float64).reshape(-1, 3)
+    sizes_a = np.asarray(sizes, dtype=np.float64).reshape(-1, 3)
+    brots_a = np.asarray(brots, dtype=np.float64).reshape(-1, 3, 3)
+    return {
+        "sample_token": np.asarray(tokens, dtype=str),
+        "scene": np.asarray(scene_names, dtype=str),
+        "timestamp": np.asarray(timestamps, dtype=np.int64),
+        "image_path": np.asarray(paths, dtype=str).reshape(n, len(CAMERA_NAMES)),
+        "image_hw": np.asarray(hws, dtype=np.int64).reshape(n, len(CAMERA_NAMES), 2),
+        "intrinsics": np.asarray(intr, dtype=f32).reshape(n, len(CAMERA_NAMES), 3, 3),
+        "rots": np.asarray(rots, dtype=f32).reshape(n, len(CAMERA_NAMES), 3, 3),
+        "trans": np.asarray(trans, dtype=f32).reshape(n, len(CAMERA_NAMES), 3),
+        "ego_rotation": np.asarray(ego_R, dtype=np.float64).reshape(n, 3, 3),
+        "ego_translation": np.asarray(ego_t, dtype=np.float64).reshape(n, 3),
+        "box_offsets": np.asarray(box_off, dtype=np.int64),
+        "box_center": centers_a,
+        "box_size": sizes_a,  # nuScenes (w, l, h)
+        "box_rotation": brots_a,  # box -> ego
+        "box_footprint": box_footprints(centers_a, sizes_a, brots_a),
+        "box_label": np.asarray(labels, dtype=np.int64),
+        "box_visibility": np.asarray(vis, dtype=np.uint8),
+        "box_category": np.asarray(cats, dtype=str),
+        "box_instance": np.asarray(insts, dtype=str),
+    }
+
+
+def _atomic_pickle(obj: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_index(
+    dataroot: str | os.PathLike,
+    version: str,
+    split: str,
+    categories: Any = ("vehicle.",),
+    cache_dir: str | os.PathLike | None = None,
+    verbose: bool = True,
+) -> dict:
+    """The split index: from the cache when its key matches, else built from the devkit and cached."""
+    table_root = check_dataroot(dataroot, version)
+    splits = _split_scenes()
+    if split not in splits:
+        raise ValueError(f"unknown nuScenes split {split!r}; choose one of {sorted(splits)} (mini_* for v1.0-mini)")
+    groups = normalize_categories(categories)
+    key = {
+        "format": INDEX_FORMAT,
+        "version": version,
+        "split": split,
+        "categories": [list(g) for g in groups],
+        "tables": _table_signature(table_root),
+    }
+    cat_hash = hashlib.sha1(json.dumps(key["categories"]).encode()).hexdigest()[:10]
+    cache_root = Path(cache_dir).expanduser() if cache_dir is not None else Path(dataroot) / ".bev_cache"
+    cache_file = cache_root / f"{version}__{split}__{cat_hash}.pkl"
+    if cache_file.is_file():
+        try:
+            with open(cache_file, "rb") as f:
+                cached = pickle.load(f)
+            if cached.get("key") == key:
+                return cached["index"]
+        except Exception as e:  # a corrupt cache is rebuilt, never fatal
+            warnings.warn(f"ignoring unreadable index cache {cache_file}: {e}")
+    index = build_index(dataroot, version, split, groups, verbose=verbose)
+    if len(index["sample_token"]) == 0:
+        raise ValueError(
+            f"split {split!r} is empty in {str(table_root)!r}: none of its {len(splits[split])} scenes "
+            f"(e.g. {splits[split][:3]}) are in this {version} release. Use mini_train/mini_val with v1.0-mini "
+            f"and train/val with v1.0-trainval. {_HOWTO}"
+        )
+    missing = [p for p in index["image_path"].ravel() if not (Path(dataroot) / p).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{len(missing)} camera image(s) of split {split!r} are missing, e.g. {str(Path(dataroot) / missing[0])!r}. "
+            f"{_HOWTO}"
+        )
+    try:
+        _atomic_pickle({"key": key, "index": index}, cache_file)
+    except OSError as e:  # read-only dataset mounts still work, just without a cache
+        warnings.warn(f"could not write the index cache {cache_file} ({e}); pass cache_dir=<writable dir>")
+    return index
+
+
+_LSS_VAL_RESIZE = 0.22  # the validation scale the LSS resize_lim (0.193, 0.225) was chosen around
+
+
+def _resize_lim(resize_lim, final_dim, augment: bool, raw_hw=(900, 1600)) -> tuple[float, float]:
+    """resize_lim as floats; None scales the LSS range to final_dim (it is absolute, tuned for 128x352)."""
+    val = max(final_dim[0] / raw_hw[0], final_dim[1] / raw_hw[1])
+    if resize_lim is None:
+        return (0.193 * val / _LSS_VAL_RESIZE, 0.225 * val / _LSS_VAL_RESIZE)
+    lim = (float(resize_lim[0]), float(resize_lim[1]))
+    if augment and not 0.8 * lim[0] <= val <= 1.25 * lim[1]:
+        warnings.warn(
+            f"resize_lim {lim} is far from the validation scale {val:.4f} of final_dim {tuple(final_dim)}: "
+            f"training crops would show a different field of view than validation. Scale resize_lim with "
+            f"final_dim, or pass resize_lim=None to scale the LSS range automatically."
+        )
+    return lim
+
+
+class NuScenesBEVDataset(Dataset):
+    """Six surround-camera images + BEV targets of the key-frame samples of one split.
+
+    ds[i] is a dict:
+      images (Ncam, 3, H, W) float32, ImageNet-normalised; intrinsics (Ncam, 3, 3);
+      rots (Ncam, 3, 3), trans (Ncam, 3) camera->ego; post_rots (Ncam, 3, 3), post_trans
+      (Ncam, 3) the image augmentation (bev.geometry convention); cam_ids (Ncam,) int64 indices
+      into CAMERA_NAMES; bev (K, X, Y) float32 {0, 1} (K = 1 for a list of prefixes, K groups
+      for a list of lists); visibility (X, Y) uint8, highest nuScenes visibility level (1-4)
+      of the target boxes covering a cell, 0 where none; sample_token str.
+    A cell is filled when its centre lies in a box footprint (bev.data.rasterize).
+    With augment=False images get the deterministic LSS resize + crop and all 6 cameras;
+    with augment=True and ncams < 6 a random subset of ncams cameras (kept in camera order).
+    resize_lim is absolute (LSS: (0.193, 0.225) around the 0.22 of 128x352 from 1600x900);
+    None scales that range to final_dim.
+    """
+
+    def __init__(
+        self,
+        dataroot: str | os.PathLike,
+        version: str = "v1.0-mini",
+        split: str = "mini_train",
+        grid: Grid | dict | None = None,
+        final_dim: Sequence[int] = (128, 352),
+        augment: bool = False,
+        resize_lim: Sequence[float] = (0.193, 0.225),
+        bot_pct_lim: Sequence[float] = (0.0, 0.22),
+        rot_lim: Sequence[float] = (-5.4, 5.4),
+        rand_flip: bool = True,
+        ncams: int = 6,
+        categories: Any = ("vehicle.",),
+        cache_dir: str | os.PathLike | None = None,
+        verbose: bool = True,
+    ) -> None:
+        self.dataroot = str(Path(dataroot).expanduser())
+        self.version, self.split = version, split
+        self.grid = Grid.from_any(grid)
+        self.final_dim = (int(final_dim[0]), int(final_dim[1]))
+        self.augment = bool(augment)
+        self.resize_lim = _resize_lim(resize_lim, self.final_dim, self.augment)
+        self.bot_pct_lim = tuple(float(v) for v in bot_pct_lim)
+        self.rot_lim = tuple(float(v) for v in rot_lim)
+        self.rand_flip = bool(rand_flip)
+        if not 1 <= int(ncams) <= len(CAMERA_NAMES):
+            raise ValueError(f"ncams must be in 1..{len(CAMERA_NAMES)}, got {ncams}")
+        self.ncams = int(ncams)
+        self.groups = normalize_categories(categories)
+        self.index = load_index(self.dataroot, version, split, self.groups, cache_dir, verbose=verbose)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.groups)
+
+    def __len__(self) -> int:
+        return len(self.index["sample_token"])
+
+    def choose_cams(self) -> np.ndarray:
+        n = len(CAMERA_NAMES)
+        if self.augment and self.ncams < n:
+            return np.sort(torch.randperm(n)[: self.ncams].numpy())
+        return np.arange(n)
+
+    def boxes(self, i: int) -> dict[str, np.ndarray]:
+        """Target boxes of sample i in the ego frame (centre, size wlh, rotation, footprint, label, ...)."""
+        a, b = self.index["box_offsets"][i], self.index["box_offsets"][i + 1]
+        return {k[4:]: self.index[k][a:b] for k in self.index if k.startswith("box_") and k != "box_offsets"}
+
+    def load_image(self, i: int, cam: int, train: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        path = os.path.join(self.dataroot, self.index["image_path"][i, cam])
+        try:
+            img = Image.open(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"camera image {path!r} is missing (listed in {self.version} sample_data). {_HOWTO}") from None
+        aug = sample_augmentation(
+            (img.size[1], img.size[0]), self.final_dim, train, self.resize_lim, self.bot_pct_lim, self.rot_lim, self.rand_flip
+        )
+        post_rot, post_tran = aug.post_rot_tran()
+        return normalize_image(warp_image(img, aug)), post_rot, post_tran
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample index {i} out of range for {len(self)} samples")
+        i = i % len(self)
+        cams = self.choose_cams()
+        imgs, post_rots, post_trans = [], [], []
+        for c in cams:
+            img, pr, pt = self.load_image(i, int(c), self.augment)
+            imgs.append(img)
+            post_rots.append(pr)
+            post_trans.append(pt)
+        box = self.boxes(i)
+        bev, vis = rasterize_boxes(box["footprint"], box["label"], box["visibility"], self.grid, self.num_classes)
+        return {
+            "images": torch.stack(imgs),
+            "intrinsics": torch.from_numpy(self.index["intrinsics"][i, cams]),
+            "rots": torch.from_numpy(self.index["rots"][i, cams]),
+            "trans": torch.from_numpy(self.index["trans"][i, cams]),
+            "post_rots": torch.stack(post_rots),
+            "post_trans": torch.stack(post_trans),
+            "cam_ids": torch.from_numpy(cams.astype(np.int64)),
+            "bev": torch.from_numpy(bev),
+            "visibility": torch.from_numpy(vis),
+            "sample_token": str(self.index["sample_token"][i]),
+        }
