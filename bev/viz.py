@@ -1,0 +1,168 @@
+"""Pictures of samples and predictions: the 6 cameras (2x3, camera order) and BEV panels.
+
+BEV panels are drawn with x forward = up and y left = left, the ego at the centre (white
+triangle pointing forward), axes in ego metres. Arrays stay [x_index, y_index] everywhere
+else; only `bev_to_display` reorients them for the screen.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Polygon
+
+from bev.data.transforms import denormalize_image
+from bev.geometry import CAMERA_NAMES, Grid
+
+# Error-map colours: true positive, false positive, false negative (background stays black).
+TP_COLOR, FP_COLOR, FN_COLOR = (0, 200, 0), (230, 40, 40), (40, 110, 255)
+
+
+def _np(x: Any) -> np.ndarray:
+    return x.detach().cpu().float().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float32)
+
+
+def bev_to_display(bev: np.ndarray) -> np.ndarray:
+    """[x_index, y_index, ...] -> screen rows/cols: row 0 = largest x (front), col 0 = largest y (left)."""
+    return np.asarray(bev)[::-1, ::-1]
+
+
+def camera_grid(images: Any, cam_ids: Any = None) -> np.ndarray:
+    """(Ncam, 3, H, W) normalised images -> (2H, 3W, 3) uint8, slots in CAMERA_NAMES order.
+
+    cam_ids gives each image's index in CAMERA_NAMES (default 0..Ncam-1); missing cameras are black.
+    """
+    images = images if isinstance(images, torch.Tensor) else torch.as_tensor(np.asarray(images))
+    n, _, H, W = images.shape
+    ids = list(range(n)) if cam_ids is None else [int(c) for c in _np(cam_ids).reshape(-1)]
+    out = np.zeros((2 * H, 3 * W, 3), dtype=np.uint8)
+    for img, c in zip(images, ids):
+        r, col = divmod(c, 3)
+        out[r * H : (r + 1) * H, col * W : (col + 1) * W] = denormalize_image(img)
+    return out
+
+
+def error_map(prob: np.ndarray, target: np.ndarray, threshold: float = 0.5) -> np.ndarray:
+    """(X, Y) probability + {0,1} target -> (X, Y, 3) uint8: TP green, FP red, FN blue."""
+    pred = np.asarray(prob) >= threshold
+    tgt = np.asarray(target) > 0.5
+    out = np.zeros(pred.shape + (3,), dtype=np.uint8)
+    out[pred & tgt] = TP_COLOR
+    out[pred & ~tgt] = FP_COLOR
+    out[~pred & tgt] = FN_COLOR
+    return out
+
+
+def _unbatch(sample: Mapping[str, Any]) -> tuple[dict, bool]:
+    batched = sample["images"].dim() == 5 if isinstance(sample["images"], torch.Tensor) else np.ndim(sample["images"]) == 5
+    if not batched:
+        return dict(sample), False
+    out = {}
+    for k, v in sample.items():
+        out[k] = v[0] if isinstance(v, (torch.Tensor, np.ndarray, list, tuple)) else v
+    return out, True
+
+
+def _pred_map(pred: Any) -> np.ndarray:
+    """Prediction -> (X, Y) probabilities (class 0). Accepts (X, Y), (C, X, Y) or (B, C, X, Y);
+    values outside [0, 1] are taken as logits and passed through a sigmoid."""
+    p = _np(pred)
+    while p.ndim > 2:
+        p = p[0]
+    if p.size and (p.min() < 0 or p.max() > 1):
+        p = 1.0 / (1.0 + np.exp(-p))
+    return p
+
+
+def _draw_bev(ax, img: np.ndarray, grid: Grid, title: str, **kw):
+    (xlo, xhi, _), (ylo, yhi, _) = grid.xbound, grid.ybound
+    im = ax.imshow(bev_to_display(img), extent=(yhi, ylo, xlo, xhi), interpolation="nearest", **kw)
+    s = 0.02 * (xhi - xlo)
+    ax.add_patch(Polygon([(0, 1.5 * s), (s, -s), (-s, -s)], closed=True, facecolor="white", edgecolor="black", lw=0.8))
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("y (m, left <)", fontsize=7)
+    ax.set_ylabel("x (m, forward ^)", fontsize=7)
+    ax.tick_params(labelsize=6)
+    return im
+
+
+def _grid_for(shape: tuple[int, int], grid: Grid | None) -> Grid:
+    if grid is not None and grid.bev_shape == tuple(shape):
+        return grid
+    g = Grid()
+    if g.bev_shape == tuple(shape):
+        return g
+    # Unknown bounds: show cell units centred on the ego.
+    return Grid(xbound=(-shape[0] / 2, shape[0] / 2, 1.0), ybound=(-shape[1] / 2, shape[1] / 2, 1.0))
+
+
+def render_figure(sample: Mapping[str, Any], pred: Any = None, grid: Grid | None = None, title: str | None = None) -> Figure:
+    """A matplotlib Figure: 6 cameras on top; BEV target (+ prediction and TP/FP/FN map) below."""
+    s, _ = _unbatch(sample)
+    cams = camera_grid(s["images"], s.get("cam_ids"))
+    target = _np(s["bev"])
+    target = target.max(axis=0) if target.ndim == 3 else target
+    g = _grid_for(target.shape, grid)
+    npanels = 1 if pred is None else 3
+    fig = Figure(figsize=(12, 4.2 + 3.2), dpi=100)
+    FigureCanvasAgg(fig)
+    gs = fig.add_gridspec(2, 3, height_ratios=[cams.shape[0] / cams.shape[1] * 3, 1.0])
+    ax = fig.add_subplot(gs[0, :])
+    ax.imshow(cams)
+    H, W = cams.shape[0] // 2, cams.shape[1] // 3
+    for c, name in enumerate(CAMERA_NAMES):
+        r, col = divmod(c, 3)
+        ax.text(col * W + 4, r * H + 4, name, color="white", fontsize=7, va="top",
+                bbox=dict(facecolor="black", alpha=0.5, pad=1, lw=0))
+    ax.set_axis_off()
+    ax.set_title(title or f"sample {s.get('sample_token', '')}", fontsize=9)
+    _draw_bev(fig.add_subplot(gs[1, 0]), target, g, "BEV target", cmap="gray", vmin=0, vmax=1)
+    if npanels == 3:
+        prob = _pred_map(pred)
+        if prob.shape != target.shape:
+            raise ValueError(f"prediction shape {prob.shape} does not match the BEV target {target.shape}")
+        im = _draw_bev(fig.add_subplot(gs[1, 1]), prob, g, "prediction P(vehicle)", cmap="viridis", vmin=0, vmax=1)
+        fig.colorbar(im, ax=fig.axes[-1], fraction=0.046, pad=0.02).ax.tick_params(labelsize=6)
+        tp = int(((prob >= 0.5) & (target > 0.5)).sum())
+        fp = int(((prob >= 0.5) & (target <= 0.5)).sum())
+        fn = int(((prob < 0.5) & (target > 0.5)).sum())
+        iou = tp / max(tp + fp + fn, 1)
+        _draw_bev(fig.add_subplot(gs[1, 2]), error_map(prob, target), g,
+                  f"@0.5 TP green, FP red, FN blue (IoU {iou:.3f})")
+    fig.tight_layout()
+    return fig
+
+
+def render_sample(sample: Mapping[str, Any], pred: Any = None, grid: Grid | None = None, title: str | None = None) -> np.ndarray:
+    """The figure of `render_figure` as an (H, W, 3) uint8 array (for image loggers)."""
+    fig = render_figure(sample, pred, grid, title)
+    fig.canvas.draw()
+    return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
+
+
+def save_sample_png(path: str | os.PathLike, batch_or_sample: Mapping[str, Any], pred: Any = None,
+                    grid: Grid | None = None, title: str | None = None) -> str:
+    """Write ONE PNG: 6 cameras + BEV target (+ prediction vs target when pred is given).
+
+    A batch (images (B, Ncam, 3, H, W)) shows its first sample. pred: (1, X, Y) probability (or
+    logits, or with a batch dim). Written atomically (temp file + os.replace). Returns the path.
+    """
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fig = render_figure(batch_or_sample, pred, grid, title)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp_", suffix=".png")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
