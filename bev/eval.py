@@ -1,0 +1,153 @@
+"""`bev-eval ckpt_path=PATH [data=... | data.dataroot=...]`: evaluate a checkpoint on the val split.
+
+Rebuilds the model, grid and data settings from the config bev-train stored in the checkpoint,
+runs the deterministic validation transform (no augmentation, the fixed LSS crop), prints the
+IoU table (overall, visibility-filtered, distance bands), and writes <run>/metrics.json and
+PNGs of a few samples.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from bev.train import CONFIG_DIR, report_errors
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A .ckpt file as is; a run or checkpoints directory -> its best checkpoint by val/iou."""
+    from bev.lit import CheckpointError, read_checkpoint
+
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        return path
+    ckdir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    last = ckdir / "last.ckpt"
+    if last.is_file():
+        for key, state in read_checkpoint(last).get("callbacks", {}).items():
+            best = state.get("best_model_path") if key.startswith("ModelCheckpoint") else None
+            if best and (ckdir / Path(best).name).is_file():  # by name: the run dir may have moved
+                return ckdir / Path(best).name
+    epochs = sorted(ckdir.glob("epoch_*.ckpt"))
+    if len(epochs) == 1:
+        return epochs[0]
+    if last.is_file():
+        return last
+    raise CheckpointError(f"no checkpoint found in {str(path)!r} (expected checkpoints/epoch_NNN.ckpt or last.ckpt).")
+
+
+def logged_val_iou(ckpt: dict) -> float | None:
+    """The val/iou the training run logged for the epoch this checkpoint was saved at."""
+    for key, state in ckpt.get("callbacks", {}).items():
+        if key.startswith("ModelCheckpoint") and "val/iou" in key and state.get("current_score") is not None:
+            return float(state["current_score"])
+    return None
+
+
+def build_data_config(cfg: DictConfig, run_cfg: DictConfig) -> DictConfig:
+    """The checkpoint's data settings, overridden by non-null keys of cfg.data; eval never augments."""
+    given = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=False).items() if v is not None}
+    base = cfg.data if "_target_" in given else OmegaConf.merge(run_cfg.data, given)
+    data = OmegaConf.merge(base, {"grid": run_cfg.grid, "final_dim": run_cfg.data.final_dim, "augment": False})
+    return data
+
+
+def evaluate(cfg: DictConfig) -> dict[str, Any]:
+    import lightning as L
+    import torch
+    from hydra.utils import instantiate
+
+    from bev.lit import CheckpointError, check_compatible, read_checkpoint
+    from bev.metrics import format_table
+
+    ckpt_path = resolve_checkpoint(cfg.ckpt_path)
+    ckpt = read_checkpoint(ckpt_path)
+    if ckpt.get("bev_config") is None and cfg.get("model") is None:
+        raise CheckpointError(f"{str(ckpt_path)!r} carries no bev-train config; pass model=... and data=... matching how it was trained.")
+    run_cfg = OmegaConf.create(ckpt.get("bev_config") or {"grid": cfg.grid, "data": cfg.data, "model": cfg.model, "trainer": {}})
+    with open_dict(cfg):
+        cfg.grid = run_cfg.grid
+    data_cfg = build_data_config(cfg, run_cfg)
+    model_cfg = cfg.model if cfg.get("model") is not None else run_cfg.model
+    model_cfg = OmegaConf.merge(model_cfg, {"net": {"grid": run_cfg.grid, "image_size": run_cfg.data.final_dim}})
+    # The checkpoint holds the weights: do not download or read the pretrained backbone again.
+    model_cfg.net.camera.weights = None
+    model_cfg.net.camera.weights_path = None
+
+    datamodule = instantiate(data_cfg)
+    model = instantiate(model_cfg)
+    check_compatible(model, ckpt, ckpt_path, OmegaConf.to_container(model_cfg, resolve=True))
+    model.load_state_dict(ckpt["state_dict"])
+
+    precision = cfg.get("precision") or OmegaConf.select(run_cfg, "trainer.precision", default="32-true")
+    trainer = L.Trainer(accelerator=cfg.accelerator, devices=1, precision=precision, logger=False,
+                        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+    trainer.test(model, datamodule=datamodule, verbose=False)
+    metrics = {k.removeprefix("test/"): float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
+
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    logged = logged_val_iou(ckpt)
+    record = {
+        "checkpoint": str(ckpt_path),
+        "epoch": ckpt.get("epoch"),
+        "global_step": ckpt.get("global_step"),
+        "data": {k: OmegaConf.select(data_cfg, k) for k in ("dataroot", "version", "val_split", "final_dim")},
+        "grid": OmegaConf.to_container(run_cfg.grid),
+        "threshold": float(model_cfg.get("threshold", 0.5)),
+        "visibility_filter": "iou_vis*: cells of vehicles with nuScenes visibility level 1 (0-40%) ignored",
+        "distance_bands_m": "cell-centre distance from the ego origin: [0,20), [20,35), [35,50)",
+        "metrics": metrics,
+        "logged_val_iou": logged,
+    }
+    (out / "metrics.json").write_text(json.dumps(record, indent=2))
+    pngs = save_pngs(model, datamodule, out, int(cfg.num_pngs))
+
+    print(f"Checkpoint {ckpt_path} (epoch {ckpt.get('epoch')}, step {ckpt.get('global_step')}) on "
+          f"{data_cfg.dataroot} {data_cfg.version}/{data_cfg.val_split}, threshold {record['threshold']}:")
+    print(format_table(metrics))
+    if logged is not None:
+        print(f"val/iou logged by the run for this checkpoint: {logged:.4f} (this evaluation: {metrics['iou']:.4f})")
+    print(f"Metrics: {out / 'metrics.json'}  Pictures: {len(pngs)} PNGs in {out}")
+    return record
+
+
+def save_pngs(model, datamodule, out: Path, n: int) -> list[Path]:
+    """Cameras + prediction vs target for the first n validation samples."""
+    import torch
+
+    from bev.viz import save_sample_png
+
+    if n <= 0:
+        return []
+    model.eval()
+    device = model.device
+    paths: list[Path] = []
+    with torch.no_grad():
+        for batch in datamodule.test_dataloader():
+            pred = model({k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}).float().sigmoid().cpu()
+            for i in range(pred.shape[0]):
+                if len(paths) >= n:
+                    return paths
+                sample = {k: v[i : i + 1] if torch.is_tensor(v) or isinstance(v, list) else v for k, v in batch.items()}
+                path = out / f"sample_{len(paths):03d}.png"
+                save_sample_png(path, sample, pred=pred[i : i + 1])
+                paths.append(path)
+    return paths
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="eval")
+@report_errors("bev-eval")
+def _hydra_main(cfg: DictConfig) -> None:
+    evaluate(cfg)
+
+
+def main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

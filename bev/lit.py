@@ -1,0 +1,167 @@
+"""LightningModule: Lift-Splat-Shoot trained with BCE-with-logits on the BEV vehicle mask."""
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bev.geometry import Grid
+from bev.metrics import BevIoU
+
+CAMERA_KEYS = ("images", "intrinsics", "rots", "trans", "post_rots", "post_trans")
+
+
+class BEVLitModule(L.LightningModule):
+    """Wraps a BEV network with loss, optimiser, schedule and split-level IoU metrics.
+
+    optimizer/scheduler are partials (Hydra `_partial_: true`). A scheduler whose signature
+    takes `total_steps` (OneCycleLR) or `T_max` (CosineAnnealingLR) gets the trainer's
+    estimated number of optimiser steps when the config leaves it out.
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        scheduler_interval: str = "step",
+        pos_weight: float = 2.13,
+        threshold: float = 0.5,
+        compile: bool = False,
+    ):
+        super().__init__()
+        self.net = net
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+        self.scheduler_interval = scheduler_interval
+        self.compile = compile
+        self.register_buffer("pos_weight", torch.tensor([float(pos_weight)]), persistent=False)
+        grid = getattr(net, "grid", None) or Grid()
+        self.val_iou = BevIoU(grid, threshold)
+        self.test_iou = BevIoU(grid, threshold)
+        # Best val/iou so far; a buffer so it survives resume from a checkpoint.
+        self.register_buffer("val_iou_best", torch.tensor(0.0))
+        # The resolved run config (set by bev.train); stored in checkpoints so bev-eval can rebuild the model.
+        self.run_config: dict | None = None
+
+    def setup(self, stage: str) -> None:
+        if self.compile and stage == "fit":
+            self.net.compile()  # in place: state_dict keys stay those of the plain model
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.net(*(batch[k] for k in CAMERA_KEYS))
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.binary_cross_entropy_with_logits(logits.float(), target.float(), pos_weight=self.pos_weight)
+
+    def training_step(self, batch: dict, batch_idx: int) -> dict:
+        logits = self(batch)
+        loss = self.loss(logits, batch["bev"])
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=logits.shape[0])
+        return {"loss": loss, "logits": logits.detach()}
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        logits = self(batch)
+        self.log("val/loss", self.loss(logits, batch["bev"]), on_epoch=True, sync_dist=True, batch_size=logits.shape[0])
+        self.val_iou.update(logits, batch["bev"], batch.get("visibility"))
+
+    def on_validation_epoch_end(self) -> None:
+        results = self.val_iou.compute()
+        self.val_iou.reset()
+        if not self.trainer.sanity_checking:
+            self.val_iou_best.fill_(max(float(self.val_iou_best), results["iou"]))
+        self.log_dict({f"val/{k}": v for k, v in results.items()}, prog_bar=False)
+        self.log("val/iou", results["iou"], prog_bar=True)
+        self.log("val/iou_best", float(self.val_iou_best), prog_bar=True)
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        logits = self(batch)
+        self.log("test/loss", self.loss(logits, batch["bev"]), on_epoch=True, sync_dist=True, batch_size=logits.shape[0])
+        self.test_iou.update(logits, batch["bev"], batch.get("visibility"))
+
+    def on_test_epoch_end(self) -> None:
+        results = self.test_iou.compute()
+        self.test_iou.reset()
+        self.log_dict({f"test/{k}": v for k, v in results.items()})
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory(params=[p for p in self.parameters() if p.requires_grad])
+        if self.scheduler_factory is None:
+            return optimizer
+        kwargs = {}
+        params = inspect.signature(getattr(self.scheduler_factory, "func", self.scheduler_factory)).parameters
+        given = getattr(self.scheduler_factory, "keywords", {})
+        steps = int(self.trainer.estimated_stepping_batches)
+        if self.scheduler_interval == "epoch":
+            steps = int(self.trainer.max_epochs or 1)
+        for name in ("total_steps", "T_max"):
+            if name in params and given.get(name) is None:
+                kwargs[name] = steps
+        scheduler = self.scheduler_factory(optimizer=optimizer, **kwargs)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler_interval}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if self.run_config is not None:
+            checkpoint["bev_config"] = self.run_config
+
+
+# ----------------------------------------------------------------------------- checkpoints
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, unreadable, or does not fit the model being built."""
+
+
+def read_checkpoint(path: str | Path) -> dict:
+    """Load a Lightning checkpoint on the CPU, with one clear error for a missing or corrupt file."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist.")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a file.")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is corrupt or not a PyTorch checkpoint ({type(e).__name__}: {first}). "
+            "If a run was killed while saving, use last.ckpt or an epoch_NNN.ckpt of the same run."
+        ) from None
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise CheckpointError(f"{str(path)!r} is not a Lightning checkpoint (no 'state_dict' entry).")
+    return ckpt
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out = {}
+        for k, v in d.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def check_compatible(module: nn.Module, ckpt: dict, path: str | Path, model_config: dict | None = None) -> None:
+    """Raise CheckpointError naming the differences when ckpt's weights do not fit `module`."""
+    own, theirs = module.state_dict(), ckpt["state_dict"]
+    missing = [k for k in own if k not in theirs]
+    unexpected = [k for k in theirs if k not in own]
+    shapes = [k for k in own if k in theirs and tuple(own[k].shape) != tuple(theirs[k].shape)]
+    if not (missing or unexpected or shapes):
+        return
+    example = (shapes or missing or unexpected)[0]
+    detail = f"{len(missing)} missing, {len(unexpected)} unexpected and {len(shapes)} differently shaped tensors (e.g. {example!r})"
+    saved = (ckpt.get("bev_config") or {}).get("model")
+    diffs = ""
+    if saved is not None and model_config is not None:
+        a, b = _flat(saved), _flat(model_config)
+        keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        if keys:
+            diffs = " Differing model settings (checkpoint -> now): " + "; ".join(f"model.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys[:6]) + "."
+    raise CheckpointError(
+        f"checkpoint {str(path)!r} was trained with a different model config: {detail}.{diffs} "
+        "Use the experiment and model overrides the run was trained with."
+    )

@@ -1,0 +1,44 @@
+"""BEV encoder: the LSS ResNet-18 trunk (conv1, layer1-3) with two up-sampling steps back to full size."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bev.models.camera import Up, resnet_stage
+
+
+class BevEncoder(nn.Module):
+    """(B, Cin, X, Y) -> (B, num_classes, X, Y).
+
+    With widths (64, 128, 256) and blocks 2 this is LSS's BevEncode (ResNet-18 conv1 + layer1-3);
+    narrower widths give the cheap CPU variant with the same shape.
+    """
+
+    def __init__(self, in_channels: int, num_classes: int = 1, widths: tuple[int, int, int] = (64, 128, 256), blocks: int = 2):
+        super().__init__()
+        if len(widths) != 3:
+            raise ValueError(f"BEV encoder needs 3 widths, got {list(widths)}")
+        w0, w1, w2 = widths
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, w0, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(w0), nn.ReLU(inplace=True))
+        self.layer1 = resnet_stage(w0, w0, blocks, 1)
+        self.layer2 = resnet_stage(w0, w1, blocks, 2)
+        self.layer3 = resnet_stage(w1, w2, blocks, 2)
+        self.up1 = Up(w2 + w0, w2)
+        self.up2 = nn.Sequential(
+            nn.Conv2d(w2, w1, 3, padding=1, bias=False),
+            nn.BatchNorm2d(w1),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(w1, num_classes, 1),
+        )
+        # Zero-init the last BN of each residual block (torchvision's zero_init_residual), as LSS does.
+        for m in self.modules():
+            if hasattr(m, "bn2") and isinstance(m.bn2, nn.BatchNorm2d):
+                nn.init.zeros_(m.bn2.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size = x.shape[-2:]
+        x1 = self.layer1(self.stem(x))
+        x = self.up1(self.layer3(self.layer2(x1)), x1)
+        x = F.interpolate(x, size=size, mode="bilinear", align_corners=True)
+        return self.up2(x)

@@ -1,0 +1,151 @@
+"""Camera encoder: image trunk -> stride-16 features -> D depth logits + C context channels.
+
+As in Lift-Splat-Shoot, the stride-32 features are upsampled and fused with the stride-16 ones
+before a 1x1 head, so every stride-16 cell sees a wide receptive field.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+from torchvision.models.resnet import BasicBlock
+
+BACKBONES = ("efficientnet_b0", "resnet18", "resnet50", "small")
+
+
+class BackboneWeightsError(RuntimeError):
+    """Pretrained weights were asked for but cannot be loaded (offline, bad file, wrong backbone)."""
+
+
+class Up(nn.Module):
+    """Upsample `x` to the size of `skip`, concatenate, two 3x3 conv-BN-ReLU (the LSS `Up`)."""
+
+    def __init__(self, in_channels: int, out_channels: int):
+        super().__init__()
+        self.conv = nn.Sequential(
+            nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(out_channels),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(out_channels),
+            nn.ReLU(inplace=True),
+        )
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        x = F.interpolate(x, size=skip.shape[-2:], mode="bilinear", align_corners=True)
+        return self.conv(torch.cat([skip, x], dim=1))
+
+
+def resnet_stage(in_channels: int, out_channels: int, blocks: int, stride: int) -> nn.Sequential:
+    """A torchvision-style ResNet stage of BasicBlocks with any width (the first block may stride)."""
+    down = None
+    if stride != 1 or in_channels != out_channels:
+        down = nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False), nn.BatchNorm2d(out_channels))
+    layers = [BasicBlock(in_channels, out_channels, stride=stride, downsample=down)]
+    layers += [BasicBlock(out_channels, out_channels) for _ in range(blocks - 1)]
+    return nn.Sequential(*layers)
+
+
+class SmallTrunk(nn.Module):
+    """A narrow ResNet-like trunk for CPU runs: five stride-2 stages of `widths` channels."""
+
+    def __init__(self, widths: tuple[int, ...] = (16, 32, 48, 64, 96), blocks: int = 1):
+        super().__init__()
+        if len(widths) != 5:
+            raise ValueError(f"small backbone needs 5 widths (strides 2..32), got {list(widths)}")
+        w = list(widths)
+        self.stem = nn.Sequential(nn.Conv2d(3, w[0], 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(w[0]), nn.ReLU(inplace=True))
+        self.to16 = nn.Sequential(*[resnet_stage(w[i], w[i + 1], blocks, 2) for i in range(3)])
+        self.to32 = resnet_stage(w[3], w[4], blocks, 2)
+        self.channels = (w[3], w[4])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s16 = self.to16(self.stem(x))
+        return s16, self.to32(s16)
+
+
+class TorchvisionTrunk(nn.Module):
+    """EfficientNet-B0 / ResNet trunk from torchvision, cut at strides 16 and 32."""
+
+    def __init__(self, name: str, weights: str | None = None, weights_path: str | None = None):
+        super().__init__()
+        net = _load_torchvision(name, weights, weights_path)
+        if name == "efficientnet_b0":
+            # features[5] ends stride 16 (112 ch), features[7] ends stride 32 (320 ch); [8] is the 1280-ch head.
+            self.to16, self.to32 = net.features[:6], net.features[6:8]
+            self.channels = (112, 320)
+        else:
+            self.to16 = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool, net.layer1, net.layer2, net.layer3)
+            self.to32 = net.layer4
+            expansion = 4 if name == "resnet50" else 1
+            self.channels = (256 * expansion, 512 * expansion)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s16 = self.to16(x)
+        return s16, self.to32(s16)
+
+
+def _load_torchvision(name: str, weights: str | None, weights_path: str | None) -> nn.Module:
+    builder = getattr(torchvision.models, name)
+    net = builder(weights=None)
+    if weights_path:
+        path = Path(weights_path).expanduser()
+        if not path.is_file():
+            raise BackboneWeightsError(f"weights_path {str(path)!r} does not exist.")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = state.get("state_dict", state)
+            net.load_state_dict(state)
+        except Exception as e:  # any unreadable or mismatched file gets the same clear message
+            raise BackboneWeightsError(
+                f"could not load {name} weights from {str(path)!r} ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
+                f"Expected a torchvision {name} state_dict."
+            ) from None
+    elif weights:
+        if str(weights).lower() != "imagenet":
+            raise BackboneWeightsError(f"weights must be 'imagenet' or null, got {weights!r}")
+        try:
+            net = builder(weights="DEFAULT")
+        except Exception as e:  # URLError, SSL, HTTP errors: all mean "could not download"
+            raise BackboneWeightsError(
+                f"could not get ImageNet weights for {name} ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}). "
+                f"Without internet set model.net.camera.weights=null (random init) or "
+                f"model.net.camera.weights_path=/path/to/{name}.pth (a torchvision state_dict)."
+            ) from None
+    return net
+
+
+class CameraEncoder(nn.Module):
+    """Images (M, 3, H, W) -> (M, D + C, H/16, W/16): D depth logits then C context channels."""
+
+    def __init__(
+        self,
+        depth_bins: int,
+        context_channels: int,
+        backbone: str = "efficientnet_b0",
+        weights: str | None = None,
+        weights_path: str | None = None,
+        widths: tuple[int, ...] = (16, 32, 48, 64, 96),
+        blocks: int = 1,
+        mid_channels: int = 512,
+    ):
+        super().__init__()
+        if backbone not in BACKBONES:
+            raise ValueError(f"unknown backbone {backbone!r}; choose one of {', '.join(BACKBONES)}")
+        if backbone == "small":
+            if weights or weights_path:
+                raise BackboneWeightsError("the 'small' backbone has no pretrained weights; set weights=null")
+            self.trunk = SmallTrunk(tuple(widths), blocks)
+        else:
+            self.trunk = TorchvisionTrunk(backbone, weights, weights_path)
+        c16, c32 = self.trunk.channels
+        self.fuse = Up(c16 + c32, mid_channels)
+        self.head = nn.Conv2d(mid_channels, depth_bins + context_channels, 1)
+        self.depth_bins = depth_bins
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        s16, s32 = self.trunk(images)
+        return self.head(self.fuse(s32, s16))

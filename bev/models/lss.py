@@ -1,0 +1,84 @@
+"""Lift-Splat-Shoot: lift image features into a depth-weighted frustum, splat them into the BEV grid
+with bev.ops, and decode the BEV map. Geometry conventions come from bev.geometry only."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from bev.geometry import Grid, frustum_to_ego, make_frustum, voxel_coords
+from bev.models.bev_encoder import BevEncoder
+from bev.models.camera import CameraEncoder
+
+SPLATS = ("bev_pool", "voxel_sum")
+
+
+class LiftSplatShoot(nn.Module):
+    """Six cameras -> (B, num_classes, X, Y) BEV logits.
+
+    splat="bev_pool" uses the fused depth x feature op (the (B, N, D, H, W, C) frustum tensor is
+    never built); splat="voxel_sum" materialises it and sums points per voxel (the LSS way, kept
+    for comparison and as a cross-check).
+    """
+
+    def __init__(
+        self,
+        grid: Grid | Mapping[str, Any] | None,
+        image_size: tuple[int, int] = (128, 352),
+        downsample: int = 16,
+        context_channels: int = 64,
+        num_classes: int = 1,
+        camera: Mapping[str, Any] | None = None,
+        bev: Mapping[str, Any] | None = None,
+        splat: str = "bev_pool",
+        pool_backend: str = "auto",
+    ):
+        super().__init__()
+        if splat not in SPLATS:
+            raise ValueError(f"unknown splat {splat!r}; choose one of {', '.join(SPLATS)}")
+        if downsample != 16:
+            raise ValueError(f"the camera encoder gives stride-16 features; downsample must be 16, got {downsample}")
+        self.grid = Grid.from_any(grid)
+        self.image_size = tuple(int(s) for s in image_size)
+        self.context_channels = context_channels
+        self.splat_mode = splat
+        self.pool_backend = pool_backend
+        D = self.grid.depth_bins
+        self.camera_encoder = CameraEncoder(D, context_channels, **dict(camera or {}))
+        self.bev_encoder = BevEncoder(context_channels * self.grid.nz, num_classes, **dict(bev or {}))
+        self.register_buffer("frustum", make_frustum(self.image_size, downsample, self.grid), persistent=False)
+
+    def voxel_coords(self, intrinsics, rots, trans, post_rots, post_trans) -> torch.Tensor:
+        """(B, N, D, fH, fW, 3) int64 (z, x, y) voxel of every frustum point; out-of-grid points lie outside."""
+        # Geometry in fp32 even under autocast: a half-precision solve would move points across cells.
+        with torch.no_grad(), torch.autocast(self.frustum.device.type, enabled=False):
+            args = [t.float() for t in (intrinsics, rots, trans, post_rots, post_trans)]
+            return voxel_coords(frustum_to_ego(self.frustum, *args), self.grid)
+
+    def splat(self, depth: torch.Tensor, feats: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
+        """depth (B, N, D, H, W), feats (B, N, H, W, C), coords (B, N, D, H, W, 3) -> (B, C * Z, X, Y)."""
+        from bev import ops  # imported here so building a model never depends on the native build
+
+        B = depth.shape[0]
+        grid_shape = (B, *self.grid.voxel_shape)
+        if self.splat_mode == "bev_pool":
+            out = ops.bev_pool(depth, feats, coords, grid_shape, backend=self.pool_backend)
+        else:
+            C = feats.shape[-1]
+            points = (depth.unsqueeze(-1) * feats.unsqueeze(2)).reshape(-1, C)
+            batch = torch.arange(B, device=coords.device).view(B, 1, 1, 1, 1, 1).expand(*coords.shape[:-1], 1)
+            out = ops.voxel_sum(points, torch.cat([batch, coords], dim=-1).reshape(-1, 4), grid_shape, backend=self.pool_backend)
+        return out.flatten(1, 2)  # (B, C, Z, X, Y) -> (B, C*Z, X, Y): height slices become channels
+
+    def forward(self, images, intrinsics, rots, trans, post_rots, post_trans) -> torch.Tensor:
+        B, N, _, H, W = images.shape
+        if (H, W) != self.image_size:
+            raise ValueError(f"images are {H}x{W} but the model was built for {self.image_size[0]}x{self.image_size[1]}")
+        x = self.camera_encoder(images.flatten(0, 1))
+        D, C = self.grid.depth_bins, self.context_channels
+        fH, fW = x.shape[-2:]
+        depth = x[:, :D].softmax(dim=1).view(B, N, D, fH, fW)
+        feats = x[:, D:].view(B, N, C, fH, fW).permute(0, 1, 3, 4, 2)
+        coords = self.voxel_coords(intrinsics, rots, trans, post_rots, post_trans)
+        return self.bev_encoder(self.splat(depth, feats, coords))
