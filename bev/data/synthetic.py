@@ -1,0 +1,382 @@
+"""Synthetic dataset in the exact nuScenes v1.0-mini format (the embedded default).
+
+`make_synthetic(out, scenes, samples_per_scene, seed)` / `bev-make-synthetic --out DIR` write
+
+    DIR/v1.0-mini/{attribute,calibrated_sensor,category,ego_pose,instance,log,map,sample,
+                   sample_annotation,sample_data,scene,sensor,visibility}.json
+    DIR/samples/CAM_*/<logfile>__<CAM>__<timestamp>.jpg      1600x900 renders (bev.data.render)
+    DIR/samples/LIDAR_TOP/<logfile>__LIDAR_TOP__<timestamp>.pcd.bin
+    DIR/maps/<token>.png                                       drivable-area mask, 0.1 m/pixel
+
+which the unmodified devkit loads with `NuScenes("v1.0-mini", dataroot=DIR)`. Key frames
+only (2 Hz); every sensor of a sample shares the sample's timestamp and ego pose, so the
+ego frame of the LIDAR_TOP sample_data is exactly the frame the cameras were rendered in.
+
+Scene names (so `create_splits_scenes()["mini_train"/"mini_val"]` work unchanged): the
+first n - k scenes take the mini_train names in order, the last k = max(1, round(n / 5))
+the mini_val names (n >= 2); n = 10 is exactly the real mini split, n = 2 gives
+scene-0061 (train) + scene-0103 (val), n = 1 only scene-0061. More than 10 scenes is an
+error: v1.0-mini has 10 scene names, so ask for more samples per scene instead.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import multiprocessing as mp
+import shutil
+import sys
+import time
+from datetime import datetime, timezone
+from functools import lru_cache
+from pathlib import Path
+
+import cv2
+import numpy as np
+from tqdm import tqdm
+
+from bev.data import render
+from bev.data.render import ANNOTATION_RANGE, IMAGE_H, IMAGE_W, SAMPLE_DT, build_world, load_rig, visibility_level
+from bev.geometry import CAMERA_NAMES, quaternion_to_matrix, yaw_to_quaternion
+
+VERSION = "v1.0-mini"
+DEFAULT_SCENES = 10
+DEFAULT_SAMPLES = 24
+JPEG_QUALITY = 90
+TABLES = ("attribute", "calibrated_sensor", "category", "ego_pose", "instance", "log", "map", "sample",
+          "sample_annotation", "sample_data", "scene", "sensor", "visibility")
+
+# Real nuScenes v1.0 tokens and names (facts of the public schema).
+VISIBILITY = [
+    {"description": "visibility of whole object is between 0 and 40%", "token": "1", "level": "v0-40"},
+    {"description": "visibility of whole object is between 40 and 60%", "token": "2", "level": "v40-60"},
+    {"description": "visibility of whole object is between 60 and 80%", "token": "3", "level": "v60-80"},
+    {"description": "visibility of whole object is between 80 and 100%", "token": "4", "level": "v80-100"},
+]
+ATTRIBUTES = {
+    "vehicle.moving": ("cb5118da1ab342aa947717dc53544259", "Vehicle is moving."),
+    "vehicle.stopped": ("c3246a1e22a14fcb878aa61e69ae3329", "Vehicle, with a driver/rider in/on it, is currently stationary but has an intent to move."),
+    "vehicle.parked": ("58aa28b1c2a54dc88e169808c07331e3", "Vehicle is stationary (usually for longer duration) with no immediate intent to move."),
+    "cycle.with_rider": ("a14936d865eb4216b396adae8cb3939c", "There is someone riding the bicycle or motorcycle."),
+    "cycle.without_rider": ("5a655f9751944309a277276b8f473452", "There is NO rider on the bicycle or motorcycle."),
+    "pedestrian.sitting_lying_down": ("03aa62109bf043afafdea7d875dd4f43", "The human is sitting or lying down."),
+    "pedestrian.standing": ("4d8821270b4a47e3a8a300cbec48188e", "The human is standing."),
+    "pedestrian.moving": ("ab83627ff28b465b85c427162dec722f", "The human is moving."),
+}
+CATEGORIES = {
+    "human.pedestrian.adult": "1fa93b757fc74fb197cdd60001ad8abf",
+    "human.pedestrian.child": "b1c6de4c57f14a5383d9f963fbdcb5cb",
+    "human.pedestrian.wheelchair": "b2d7c6c701254928a9e4d6aac9446d79",
+    "human.pedestrian.stroller": "6a5888777ca14867a8aee3fe539b56c4",
+    "human.pedestrian.personal_mobility": "403fede16c88426885dd73366f16c34a",
+    "human.pedestrian.police_officer": "bb867e2064014279863c71a29b1eb381",
+    "human.pedestrian.construction_worker": "909f1237d34a49d6bdd27c2fe4581d79",
+    "animal": "63a94dfa99bb47529567cd90d3b58384",
+    "vehicle.car": "fd69059b62a3469fbaef25340c0eab7f",
+    "vehicle.motorcycle": "dfd26f200ade4d24b540184e16050022",
+    "vehicle.bicycle": "fc95c87b806f48f8a1faea2dcc2222a4",
+    "vehicle.bus.bendy": "003edbfb9ca849ee8a7496e9af3025d4",
+    "vehicle.bus.rigid": "fedb11688db84088883945752e480c2c",
+    "vehicle.truck": "6021b5187b924d64be64a702e5570edf",
+    "vehicle.construction": "5b3cd6f2bca64b83aa3d0008df87d0e4",
+    "vehicle.emergency.ambulance": "732cce86872640628788ff1bb81006d4",
+    "vehicle.emergency.police": "7b2ff083a64e4d53809ae5d9be563504",
+    "vehicle.trailer": "90d0f6f8e7c749149b1b6c3a029841a8",
+    "movable_object.barrier": "653f7efbb9514ce7b81d44070d6208c1",
+    "movable_object.trafficcone": "85abebdccd4d46c7be428af5a6173947",
+    "movable_object.pushable_pullable": "d772e4bae20f493f98e15a76518b31d7",
+    "movable_object.debris": "063c5e7f638343d3a7230bc3641caf97",
+    "static_object.bicycle_rack": "0a30519ee16a4619b4f4acfe2d78fb55",
+}
+# Location of each mini scene in the real dataset.
+LOCATIONS = {
+    "scene-0061": "singapore-onenorth", "scene-0103": "boston-seaport", "scene-0553": "boston-seaport",
+    "scene-0655": "boston-seaport", "scene-0757": "boston-seaport", "scene-0796": "singapore-queenstown",
+    "scene-0916": "singapore-queenstown", "scene-1077": "singapore-hollandvillage",
+    "scene-1094": "singapore-hollandvillage", "scene-1100": "singapore-hollandvillage",
+}
+# LIDAR_TOP mount: the real position (m) and a -90 degree yaw (lidar x points to the ego's right).
+LIDAR_TRANSLATION = [0.943713, 0.0, 1.84023]
+LIDAR_ROTATION = yaw_to_quaternion(-math.pi / 2)
+MAP_SIZE_M = 500.0  # each location's map covers [0, 500] m x [0, 500] m at 0.1 m / pixel
+MAP_RES = 0.1
+
+
+def scene_names(n: int) -> list[str]:
+    """Names of n synthetic scenes (see the module docstring for the rule)."""
+    from nuscenes.utils.splits import mini_train, mini_val
+
+    if n < 1 or n > len(mini_train) + len(mini_val):
+        raise ValueError(f"scenes must be in 1..{len(mini_train) + len(mini_val)} (the v1.0-mini scene names), got {n}; "
+                         "for more data raise samples_per_scene")
+    k = 0 if n == 1 else max(1, int(n / 5 + 0.5))
+    return list(mini_train[: n - k]) + list(mini_val[:k])
+
+
+def _token(seed: int, *key) -> str:
+    """A deterministic 32-hex-digit token, nuScenes style."""
+    return hashlib.md5("/".join(map(str, ("bev-synthetic", seed) + key)).encode()).hexdigest()
+
+
+def _log_info(name: str, index: int) -> tuple[str, str, int]:
+    """(logfile, date_captured, start timestamp in microseconds) of a scene's log."""
+    boston = LOCATIONS[name].startswith("boston")
+    vehicle, tz = ("n008", "-0400") if boston else ("n015", "+0800")
+    start = datetime(2018, 7, 18 + index % 10, 9 + index % 8, 7 + 3 * index, 57, tzinfo=timezone.utc)
+    logfile = f"{vehicle}-{start:%Y-%m-%d-%H-%M-%S}{tz}"
+    return logfile, f"{start:%Y-%m-%d}", int(start.timestamp() * 1e6) + 449377
+
+
+# ----------------------------------------------------------------------------- rendering worker
+
+@lru_cache(maxsize=16)
+def _world(seed: int, scene: int, samples: int) -> render.World:
+    return build_world(seed, scene, samples)
+
+
+def _worker_init() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # one process per core; torch threads would only contend
+
+
+def lidar_points(world: render.World, t: float, annotated: list[int], counts: dict, rng: np.random.Generator):
+    """A small LIDAR_TOP cloud (N, 5: x, y, z, intensity, ring) in the lidar frame, and points per object.
+
+    Ground rings plus, for each annotated object, points inside its box in proportion to its
+    visible pixels, so num_lidar_pts is the true count of points in the box.
+    """
+    ego_t, ego_yaw = world.ego_pose(t)
+    c, s = math.cos(ego_yaw), math.sin(ego_yaw)
+    R_ge = np.array([[c, -s, 0], [s, c, 0], [0, 0, 1.0]])  # ego -> global
+    rings = np.arange(32)
+    r = 3.0 * 1.09 ** rings  # 3 m .. ~45 m
+    az = np.linspace(-math.pi, math.pi, 64, endpoint=False)
+    pts = [np.stack([np.outer(r, np.cos(az)).ravel(), np.outer(r, np.sin(az)).ravel(), np.zeros(r.size * az.size),
+                     np.full(r.size * az.size, 10.0), np.repeat(rings, az.size).astype(np.float64)], -1)]
+    per_obj = {}
+    for i in annotated:
+        obj = world.objects[i]
+        n = int(min(200, counts.get(i, (0, 0))[0] // 25))
+        per_obj[i] = n
+        if n == 0:
+            continue
+        centre, yaw = world.object_global(obj, t)
+        w, l, h = obj.size
+        local = rng.uniform(-0.45, 0.45, (n, 3)) * np.array([l, w, h])  # strictly inside the box
+        cy, sy = math.cos(yaw), math.sin(yaw)
+        R = np.array([[cy, -sy, 0], [sy, cy, 0], [0, 0, 1.0]])
+        ego = (local @ R.T + centre - ego_t) @ R_ge
+        pts.append(np.concatenate([ego, np.full((n, 1), 60.0), rng.integers(0, 32, (n, 1))], 1))
+    cloud = np.concatenate(pts)
+    R_l = quaternion_to_matrix(LIDAR_ROTATION)
+    cloud[:, :3] = (cloud[:, :3] - np.array(LIDAR_TRANSLATION)) @ R_l  # ego -> lidar: R^T (p - t)
+    return cloud.astype(np.float32), per_obj
+
+
+def _render_task(task):
+    """Render and write one sample's files; return per-object visibility and lidar counts."""
+    out, seed, scene, sample, samples, cam_files, lidar_file, annotated = task
+    world = _world(seed, scene, samples)
+    t = sample * SAMPLE_DT
+    images, counts = render.render_sample(world, t)
+    for name in CAMERA_NAMES:
+        img = (images[name][0] * 255.0 + 0.5).clip(0, 255).astype(np.uint8)
+        big = cv2.resize(img, (IMAGE_W, IMAGE_H), interpolation=cv2.INTER_LINEAR)
+        ok, buf = cv2.imencode(".jpg", big[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, JPEG_QUALITY])
+        if not ok:
+            raise RuntimeError(f"JPEG encoding failed for {cam_files[name]}")
+        (out / cam_files[name]).write_bytes(buf.tobytes())
+    rng = np.random.default_rng([seed, scene, sample, 7])
+    cloud, per_obj = lidar_points(world, t, annotated, counts, rng)
+    (out / lidar_file).write_bytes(cloud.tobytes())
+    vis = {i: visibility_level(*counts.get(i, (0, 0))) for i in annotated}
+    return scene, sample, vis, per_obj
+
+
+# ----------------------------------------------------------------------------- tables
+
+def _annotated(world: render.World, t: float) -> list[int]:
+    """Objects annotated at time t: every non-scenery object whose centre is within ANNOTATION_RANGE (xy)."""
+    s_e, l_e, _ = world.ego_road(t)
+    return [i for i, o in enumerate(world.objects)
+            if o.category and math.hypot(o.s_at(t) - s_e, o.l - l_e) <= ANNOTATION_RANGE]
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} exists and is not a directory")
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"--out {out} exists and is not empty; choose a new directory or pass "
+                                  "overwrite=True (--overwrite) to replace the dataset in it")
+        for sub in (VERSION, "samples", "sweeps", "maps"):  # only what this writer creates
+            if (out / sub).is_dir():
+                shutil.rmtree(out / sub)
+
+
+def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = DEFAULT_SAMPLES, seed: int = 0,
+                   overwrite: bool = False, workers: int = 2, progress: bool = True) -> Path:
+    """Write the synthetic nuScenes-format dataset to `out` and return its path (the dataroot)."""
+    for name, v in (("scenes", scenes), ("samples_per_scene", samples_per_scene), ("seed", seed), ("workers", workers)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{name} must be an integer, got {v!r}")
+    if samples_per_scene < 1:
+        raise ValueError(f"samples_per_scene must be >= 1, got {samples_per_scene}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    names = scene_names(int(scenes))
+    out = Path(out)
+    _check_out(out, overwrite)
+    rig = load_rig()
+    T = {name: [] for name in TABLES}
+
+    T["visibility"] = [dict(v) for v in VISIBILITY]
+    T["attribute"] = [{"token": tok, "name": n, "description": d} for n, (tok, d) in ATTRIBUTES.items()]
+    T["category"] = [{"token": tok, "name": n, "description": f"nuScenes category {n}."} for n, tok in CATEGORIES.items()]
+    channels = list(CAMERA_NAMES) + ["LIDAR_TOP"]
+    sensor_tok = {ch: _token(seed, "sensor", ch) for ch in channels}
+    T["sensor"] = [{"token": sensor_tok[ch], "channel": ch, "modality": "lidar" if ch == "LIDAR_TOP" else "camera"}
+                   for ch in channels]
+    for ch in channels:
+        (out / "samples" / ch).mkdir(parents=True, exist_ok=True)
+
+    tasks, meta = [], {}
+    for si, name in enumerate(names):
+        world = _world(seed, si, samples_per_scene)
+        logfile, date, t0 = _log_info(name, si)
+        log_tok, scene_tok = _token(seed, "log", si), _token(seed, "scene", si)
+        T["log"].append({"token": log_tok, "logfile": logfile, "vehicle": logfile[:4], "date_captured": date,
+                         "location": LOCATIONS[name]})
+        cs_tok = {ch: _token(seed, "calibrated_sensor", si, ch) for ch in channels}
+        for ch in CAMERA_NAMES:
+            cal = rig["cameras"][ch]
+            T["calibrated_sensor"].append({"token": cs_tok[ch], "sensor_token": sensor_tok[ch],
+                                           "translation": cal["translation"], "rotation": cal["rotation"],
+                                           "camera_intrinsic": cal["camera_intrinsic"]})
+        T["calibrated_sensor"].append({"token": cs_tok["LIDAR_TOP"], "sensor_token": sensor_tok["LIDAR_TOP"],
+                                       "translation": LIDAR_TRANSLATION, "rotation": LIDAR_ROTATION,
+                                       "camera_intrinsic": []})
+        sample_toks = [_token(seed, "sample", si, k) for k in range(samples_per_scene)]
+        T["scene"].append({"token": scene_tok, "log_token": log_tok, "nbr_samples": samples_per_scene,
+                           "first_sample_token": sample_toks[0], "last_sample_token": sample_toks[-1],
+                           "name": name, "description": "Synthetic: straight urban road, traffic, parked vehicles, pedestrians."})
+        for k, tok in enumerate(sample_toks):
+            ts = t0 + int(round(k * SAMPLE_DT * 1e6))
+            T["sample"].append({"token": tok, "timestamp": ts, "prev": sample_toks[k - 1] if k else "",
+                                "next": sample_toks[k + 1] if k + 1 < samples_per_scene else "", "scene_token": scene_tok})
+            ego_t, ego_yaw = world.ego_pose(k * SAMPLE_DT)
+            files = {}
+            for ch in channels:
+                # As in nuScenes, an ego_pose shares its token with its sample_data.
+                sd_tok = _token(seed, "sample_data", si, k, ch)
+                ext = "pcd.bin" if ch == "LIDAR_TOP" else "jpg"
+                files[ch] = f"samples/{ch}/{logfile}__{ch}__{ts}.{ext}"
+                T["ego_pose"].append({"token": sd_tok, "timestamp": ts, "rotation": yaw_to_quaternion(ego_yaw),
+                                      "translation": ego_t.tolist()})
+                cam = ch != "LIDAR_TOP"
+                T["sample_data"].append({
+                    "token": sd_tok, "sample_token": tok, "ego_pose_token": sd_tok, "calibrated_sensor_token": cs_tok[ch],
+                    "timestamp": ts, "fileformat": "jpg" if cam else "pcd", "is_key_frame": True,
+                    "height": IMAGE_H if cam else 0, "width": IMAGE_W if cam else 0, "filename": files[ch],
+                    "prev": _token(seed, "sample_data", si, k - 1, ch) if k else "",
+                    "next": _token(seed, "sample_data", si, k + 1, ch) if k + 1 < samples_per_scene else ""})
+            annotated = _annotated(world, k * SAMPLE_DT)
+            meta[si, k] = (tok, annotated)
+            tasks.append((out, seed, si, k, samples_per_scene, {c: files[c] for c in CAMERA_NAMES},
+                          files["LIDAR_TOP"], annotated))
+
+    results = {}
+    bar = tqdm(total=len(tasks), desc="bev-make-synthetic", unit="sample", disable=not progress)
+    if workers > 1 and len(tasks) > 1:
+        with mp.get_context("fork").Pool(min(workers, len(tasks)), initializer=_worker_init) as pool:
+            for r in pool.imap_unordered(_render_task, tasks):
+                results[r[0], r[1]] = r[2:]
+                bar.update()
+    else:
+        for task in tasks:
+            r = _render_task(task)
+            results[r[0], r[1]] = r[2:]
+            bar.update()
+    bar.close()
+
+    # Annotations and instances, linked through the scene in sample order.
+    for si, name in enumerate(names):
+        world = _world(seed, si, samples_per_scene)
+        tracks: dict[int, list[dict]] = {}
+        for k in range(samples_per_scene):
+            sample_tok, annotated = meta[si, k]
+            vis, lidar = results[si, k]
+            for i in annotated:
+                obj = world.objects[i]
+                centre, yaw = world.object_global(obj, k * SAMPLE_DT)
+                rec = {"token": _token(seed, "sample_annotation", si, k, i), "sample_token": sample_tok,
+                       "instance_token": _token(seed, "instance", si, i), "visibility_token": vis[i],
+                       "attribute_tokens": [ATTRIBUTES[obj.attribute][0]] if obj.attribute else [],
+                       "translation": centre.tolist(), "size": list(obj.size), "rotation": yaw_to_quaternion(yaw),
+                       "prev": "", "next": "", "num_lidar_pts": lidar[i], "num_radar_pts": 0}
+                tracks.setdefault(i, []).append(rec)
+        for i in sorted(tracks):
+            recs = tracks[i]
+            for a, b in zip(recs, recs[1:]):
+                a["next"], b["prev"] = b["token"], a["token"]
+            T["instance"].append({"token": recs[0]["instance_token"],
+                                  "category_token": CATEGORIES[world.objects[i].category],
+                                  "nbr_annotations": len(recs), "first_annotation_token": recs[0]["token"],
+                                  "last_annotation_token": recs[-1]["token"]})
+        T["sample_annotation"].extend(sorted((r for recs in tracks.values() for r in recs), key=lambda r: r["token"]))
+
+    _write_maps(out, T, names, samples_per_scene, seed)
+    (out / VERSION).mkdir(parents=True, exist_ok=True)
+    for name in TABLES:
+        with open(out / VERSION / f"{name}.json", "w") as f:
+            json.dump(T[name], f, indent=0)
+    return out
+
+
+def _write_maps(out: Path, T: dict, names: list[str], samples: int, seed: int) -> None:
+    """One drivable-area PNG per location (0.1 m/pixel, global frame), listing that location's logs."""
+    (out / "maps").mkdir(parents=True, exist_ok=True)
+    n = int(MAP_SIZE_M / MAP_RES)
+    by_loc: dict[str, list[int]] = {}
+    for si, name in enumerate(names):
+        by_loc.setdefault(LOCATIONS[name], []).append(si)
+    for loc in sorted(by_loc):
+        mask = np.zeros((n, n), np.uint8)
+        for si in by_loc[loc]:
+            world = _world(seed, si, samples)
+            end = world.ego_s0 + world.ego_speed * (samples - 1) * SAMPLE_DT
+            corners = world.road_to_global([-200.0, end + 200, end + 200, -200.0],
+                                           [-render.CURB, -render.CURB, render.CURB, render.CURB])
+            # Map pixel (col, row) = (x / res, height - y / res), as nuscenes.utils.map_mask expects.
+            px = np.stack([corners[:, 0] / MAP_RES, n - corners[:, 1] / MAP_RES], -1)
+            cv2.fillPoly(mask, [np.round(px).astype(np.int32)], 255)
+        tok = _token(seed, "map", loc)
+        cv2.imwrite(str(out / "maps" / f"{tok}.png"), mask, [cv2.IMWRITE_PNG_COMPRESSION, 1])
+        T["map"].append({"category": "semantic_prior", "token": tok, "filename": f"maps/{tok}.png",
+                         "log_tokens": [T["log"][si]["token"] for si in by_loc[loc]]})
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bev-make-synthetic", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="dataroot to create (load it with NuScenes('v1.0-mini', dataroot=OUT))")
+    p.add_argument("--scenes", type=int, default=DEFAULT_SCENES, help="1..10 (default %(default)s = the mini split)")
+    p.add_argument("--samples-per-scene", type=int, default=DEFAULT_SAMPLES, help="key frames per scene, 2 Hz (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=2, help="render processes (default %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
+    args = p.parse_args(argv)
+    start = time.time()
+    try:
+        out = make_synthetic(args.out, args.scenes, args.samples_per_scene, args.seed, overwrite=args.overwrite,
+                             workers=args.workers)
+    except (ValueError, TypeError, FileExistsError) as e:
+        p.error(str(e))
+    print(f"wrote {args.scenes} scenes x {args.samples_per_scene} samples to {out} in {time.time() - start:.1f} s",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
