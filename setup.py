@@ -17,6 +17,7 @@ if os.environ.get("BEV_NO_EXTENSION") != "1":
 
     here = os.path.dirname(os.path.abspath(__file__))
     cpp = sorted(glob.glob(os.path.join("bev", "ops", "csrc", "*.cpp")))
+    headers = sorted(glob.glob(os.path.join("bev", "ops", "csrc", "*.h")))
     cu = sorted(glob.glob(os.path.join("bev", "ops", "csrc", "*.cu")))
     with_cuda = (
         bool(cu)
@@ -24,18 +25,20 @@ if os.environ.get("BEV_NO_EXTENSION") != "1":
         and torch.version.cuda is not None
         and (cpp_extension.CUDA_HOME is not None or shutil.which("nvcc") is not None)
     )
-    cxx = ["-O3", "-std=c++17", "-fopenmp"]
+    # No -std flag: each torch version adds the standard its headers need (C++17 or C++20).
+    cxx = ["-O3", "-fopenmp"]
     if with_cuda:
         ext = cpp_extension.CUDAExtension(
             "bev.ops._C",
             cpp + cu,
             define_macros=[("BEV_WITH_CUDA", None)],
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]},
+            depends=headers,
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-lineinfo"]},
             extra_link_args=["-fopenmp"],
         )
     elif cpp:
         ext = cpp_extension.CppExtension(
-            "bev.ops._C", cpp, extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"]
+            "bev.ops._C", cpp, depends=headers, extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"]
         )
     else:
         ext = None

@@ -78,7 +78,7 @@ def voxel_sum(feats: torch.Tensor, coords: torch.Tensor, grid_shape, *, backend:
     plan = make_plan(keys, grid_shape, (feats.shape[0],), native and keys.device.type == "cpu")
     feats = feats.contiguous()
     if native:
-        return torch.ops.bev.voxel_sum(feats, plan.keys, plan.order, plan.offsets, list(grid_shape))
+        return torch.ops.bev.voxel_sum(feats, plan.order, plan.offsets, list(grid_shape))
     return _reference.voxel_sum(feats, plan)
 
 

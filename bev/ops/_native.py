@@ -4,8 +4,8 @@ its operators. The schemas and the CPU/CUDA kernels are registered in C++
 
 Operators (namespace `bev`):
   sort_keys(keys, num_voxels) -> (order, offsets)                 stable counting sort (CPU)
-  voxel_sum(feats, keys, order, offsets, grid_shape) -> out        out (B, C, Z, X, Y)
-  voxel_sum_backward(grad_out, keys) -> grad_feats
+  voxel_sum(feats, order, offsets, grid_shape) -> out              out (B, C, Z, X, Y)
+  voxel_sum_backward(grad_out, order, offsets) -> grad_feats
   bev_pool(depth, feats, keys, order, offsets, grid_shape) -> out
   bev_pool_backward(grad_out, depth, feats, keys) -> (grad_depth, grad_feats)
 """
@@ -41,19 +41,18 @@ def unavailable_reason(device: torch.device | str) -> str:
 
 
 def _register() -> None:
-
     @torch.library.register_fake("bev::sort_keys")
     def _sort_keys_fake(keys, num_voxels):
         return torch.empty_like(keys), keys.new_empty(num_voxels + 1)
 
     @torch.library.register_fake("bev::voxel_sum")
-    def _voxel_sum_fake(feats, keys, order, offsets, grid_shape):
+    def _voxel_sum_fake(feats, order, offsets, grid_shape):
         B, Z, X, Y = grid_shape
         return feats.new_empty(B, feats.shape[1], Z, X, Y)
 
     @torch.library.register_fake("bev::voxel_sum_backward")
-    def _voxel_sum_backward_fake(grad_out, keys):
-        return grad_out.new_empty(keys.shape[0], grad_out.shape[1])
+    def _voxel_sum_backward_fake(grad_out, order, offsets):
+        return grad_out.new_empty(order.shape[0], grad_out.shape[1])
 
     @torch.library.register_fake("bev::bev_pool")
     def _bev_pool_fake(depth, feats, keys, order, offsets, grid_shape):
@@ -65,11 +64,11 @@ def _register() -> None:
         return torch.empty_like(depth), torch.empty_like(feats)
 
     def _voxel_sum_setup(ctx, inputs, output):
-        ctx.save_for_backward(inputs[1])
+        ctx.save_for_backward(inputs[1], inputs[2])
 
     def _voxel_sum_grad(ctx, grad_out):
-        (keys,) = ctx.saved_tensors
-        return torch.ops.bev.voxel_sum_backward(grad_out, keys), None, None, None, None
+        order, offsets = ctx.saved_tensors
+        return torch.ops.bev.voxel_sum_backward(grad_out, order, offsets), None, None, None
 
     def _bev_pool_setup(ctx, inputs, output):
         depth, feats, keys = inputs[:3]
@@ -79,6 +78,7 @@ def _register() -> None:
         depth, feats, keys = ctx.saved_tensors
         grad_depth, grad_feats = torch.ops.bev.bev_pool_backward(grad_out, depth, feats, keys)
         return grad_depth, grad_feats, None, None, None, None
+
     torch.library.register_autograd("bev::voxel_sum", _voxel_sum_grad, setup_context=_voxel_sum_setup)
     torch.library.register_autograd("bev::bev_pool", _bev_pool_grad, setup_context=_bev_pool_setup)
 

@@ -1,0 +1,276 @@
+// Operator schemas and CPU kernels of the bev voxel-pooling ops (CUDA kernels: pool_cuda.cu).
+//
+// Every kernel walks the plan (see bev/ops/_plan.py): voxel v sums the points
+// order[offsets[v]:offsets[v+1]] in that fixed order, so results are bitwise reproducible
+// without atomics, and each output element is written exactly once. Half types accumulate
+// in float (at::opmath_type). Indices are int64 throughout; plan entries are bounds-checked
+// so a malformed plan can never make a kernel read or write out of bounds.
+#include <torch/extension.h>
+
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "common.h"
+
+namespace bev {
+namespace {
+
+constexpr int64_t kTile = 16;  // consecutive voxels per work item: output rows are written 16 wide
+constexpr int kLanes = 8;      // fixed-order partial sums for dot products (vectorisable, deterministic)
+
+// A voxel's run [begin, end) in `order`, clamped to [0, N].
+inline void run_bounds(const int64_t* offsets, int64_t v, int64_t N, int64_t& begin, int64_t& end) {
+  begin = std::min(std::max(offsets[v], int64_t(0)), N);
+  end = std::min(std::max(offsets[v + 1], begin), N);
+}
+
+// ------------------------------------------------------------------------------------------
+// sort_keys: stable counting sort of flat voxel keys in [0, V] (V = sentinel for ignored points)
+// ------------------------------------------------------------------------------------------
+std::tuple<at::Tensor, at::Tensor> sort_keys_cpu(const at::Tensor& keys_in, int64_t num_voxels) {
+  TORCH_CHECK(keys_in.scalar_type() == at::kLong && keys_in.dim() == 1, "keys must be a 1-D int64 tensor");
+  TORCH_CHECK(num_voxels >= 0, "num_voxels must be non-negative");
+  auto keys = keys_in.contiguous();
+  const int64_t N = keys.numel();
+  auto order = at::empty({N}, keys.options());
+  auto offsets = at::zeros({num_voxels + 1}, keys.options());
+  const int64_t* k = keys.data_ptr<int64_t>();
+  int64_t* off = offsets.data_ptr<int64_t>();
+  int64_t* ord = order.data_ptr<int64_t>();
+  // Keys outside [0, V) count as ignored (bucket V).
+  auto bucket = [&](int64_t i) { return (k[i] >= 0 && k[i] < num_voxels) ? k[i] : num_voxels; };
+  std::vector<int64_t> next(num_voxels + 2, 0);  // next[b + 1] counts bucket b, then becomes its cursor
+  for (int64_t i = 0; i < N; ++i) ++next[bucket(i) + 1];
+  for (int64_t b = 0; b <= num_voxels; ++b) next[b + 1] += next[b];
+  std::copy(next.begin(), next.begin() + num_voxels + 1, off);
+  for (int64_t i = 0; i < N; ++i) ord[next[bucket(i)]++] = i;  // ascending i: stable
+  return {order, offsets};
+}
+
+// ------------------------------------------------------------------------------------------
+// forward: one work item = kTile consecutive voxels of one sample x all channels
+// ------------------------------------------------------------------------------------------
+template <typename scalar_t, bool kFused>
+void pool_forward_cpu(const scalar_t* feats, const scalar_t* depth, const int64_t* order, const int64_t* offsets,
+                      scalar_t* out, const GridDims g, int64_t N, int64_t C, int64_t D, int64_t HW) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t S = g.per_batch();
+  const int64_t tiles_per_batch = (S + kTile - 1) / kTile;
+  at::parallel_for(0, g.B * tiles_per_batch, 16, [&](int64_t tile_begin, int64_t tile_end) {
+    std::vector<acc_t> acc(kTile * C);
+    for (int64_t t = tile_begin; t < tile_end; ++t) {
+      const int64_t b = t / tiles_per_batch;
+      const int64_t s0 = (t % tiles_per_batch) * kTile;
+      const int64_t width = std::min(kTile, S - s0);
+      const int64_t v0 = b * S + s0;
+      std::fill(acc.begin(), acc.begin() + width * C, acc_t(0));
+      for (int64_t j = 0; j < width; ++j) {
+        int64_t begin, end;
+        run_bounds(offsets, v0 + j, N, begin, end);
+        acc_t* __restrict__ a = acc.data() + j * C;
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t p = order[i];
+          if (p < 0 || p >= N) continue;
+          if constexpr (kFused) {
+            const acc_t w = static_cast<acc_t>(depth[p]);
+            const scalar_t* __restrict__ row = feats + ((p / (D * HW)) * HW + p % HW) * C;
+            for (int64_t c = 0; c < C; ++c) a[c] += w * static_cast<acc_t>(row[c]);
+          } else {
+            const scalar_t* __restrict__ row = feats + p * C;
+            for (int64_t c = 0; c < C; ++c) a[c] += static_cast<acc_t>(row[c]);
+          }
+        }
+      }
+      // out is (B, C, S): write the tile channel by channel, `width` contiguous values each.
+      for (int64_t c = 0; c < C; ++c) {
+        scalar_t* dst = out + (b * C + c) * S + s0;
+        for (int64_t j = 0; j < width; ++j) dst[j] = static_cast<scalar_t>(acc[j * C + c]);
+      }
+    }
+  });
+}
+
+at::Tensor voxel_sum_cpu(const at::Tensor& feats_in, const at::Tensor& order, const at::Tensor& offsets,
+                         at::IntArrayRef grid_shape) {
+  check_float(feats_in, "feats");
+  TORCH_CHECK(feats_in.dim() == 2, "feats must be (N, C), got ", feats_in.sizes());
+  const GridDims g = check_grid(grid_shape);
+  auto feats = feats_in.contiguous();
+  const int64_t N = feats.size(0), C = feats.size(1);
+  check_index(order, "order", N, feats);
+  check_index(offsets, "offsets", g.voxels() + 1, feats);
+  auto out = at::empty({g.B, C, g.Z, g.X, g.Y}, feats.options());
+  auto ord = order.contiguous(), off = offsets.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, feats.scalar_type(), "voxel_sum_cpu", [&] {
+    pool_forward_cpu<scalar_t, false>(feats.data_ptr<scalar_t>(), nullptr, ord.data_ptr<int64_t>(),
+                                      off.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), g, N, C, 1, 1);
+  });
+  return out;
+}
+
+at::Tensor bev_pool_cpu(const at::Tensor& depth_in, const at::Tensor& feats_in, const at::Tensor& keys,
+                        const at::Tensor& order, const at::Tensor& offsets, at::IntArrayRef grid_shape) {
+  const FrustumDims f = check_frustum(depth_in, feats_in);
+  const GridDims g = check_grid(grid_shape);
+  auto depth = depth_in.contiguous(), feats = feats_in.contiguous();
+  const int64_t N = f.points();
+  check_index(keys, "keys", N, feats);
+  check_index(order, "order", N, feats);
+  check_index(offsets, "offsets", g.voxels() + 1, feats);
+  auto out = at::empty({g.B, f.C, g.Z, g.X, g.Y}, feats.options());
+  auto ord = order.contiguous(), off = offsets.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, feats.scalar_type(), "bev_pool_cpu", [&] {
+    pool_forward_cpu<scalar_t, true>(feats.data_ptr<scalar_t>(), depth.data_ptr<scalar_t>(), ord.data_ptr<int64_t>(),
+                                     off.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), g, N, f.C, f.D, f.HW);
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------
+// voxel_sum backward: the gather grad_feats[p] = grad_out[voxel(p)], walked voxel tile by voxel
+// tile so grad_out (B, C, S) is read in 16-wide rows and empty tiles cost nothing.
+// ------------------------------------------------------------------------------------------
+template <typename scalar_t>
+void voxel_sum_backward_cpu_kernel(const scalar_t* grad, const int64_t* order, const int64_t* offsets,
+                                   scalar_t* grad_feats, const GridDims g, int64_t N, int64_t C) {
+  const int64_t S = g.per_batch();
+  const int64_t tiles_per_batch = (S + kTile - 1) / kTile;
+  at::parallel_for(0, g.B * tiles_per_batch, 16, [&](int64_t tile_begin, int64_t tile_end) {
+    std::vector<scalar_t> tile(kTile * C);
+    for (int64_t t = tile_begin; t < tile_end; ++t) {
+      const int64_t b = t / tiles_per_batch;
+      const int64_t s0 = (t % tiles_per_batch) * kTile;
+      const int64_t width = std::min(kTile, S - s0);
+      const int64_t v0 = b * S + s0;
+      if (offsets[v0] == offsets[v0 + width]) continue;  // no points in this tile
+      for (int64_t c = 0; c < C; ++c) {
+        const scalar_t* src = grad + (b * C + c) * S + s0;
+        for (int64_t j = 0; j < width; ++j) tile[j * C + c] = src[j];
+      }
+      for (int64_t j = 0; j < width; ++j) {
+        int64_t begin, end;
+        run_bounds(offsets, v0 + j, N, begin, end);
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t p = order[i];
+          if (p < 0 || p >= N) continue;
+          std::copy(tile.data() + j * C, tile.data() + (j + 1) * C, grad_feats + p * C);
+        }
+      }
+    }
+  });
+}
+
+at::Tensor voxel_sum_backward_cpu(const at::Tensor& grad_in, const at::Tensor& order, const at::Tensor& offsets) {
+  check_float(grad_in, "grad_out");
+  TORCH_CHECK(grad_in.dim() == 5, "grad_out must be (B, C, Z, X, Y), got ", grad_in.sizes());
+  const GridDims g{grad_in.size(0), grad_in.size(2), grad_in.size(3), grad_in.size(4)};
+  const int64_t N = order.numel(), C = grad_in.size(1);
+  check_index(order, "order", N, grad_in);
+  check_index(offsets, "offsets", g.voxels() + 1, grad_in);
+  auto grad = grad_in.contiguous();
+  auto ord = order.contiguous(), off = offsets.contiguous();
+  // Ignored points are exactly those not in any voxel's run; zero-filling everything is
+  // simpler than tracking them and costs one pass over grad_feats.
+  auto grad_feats = at::zeros({N, C}, grad.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "voxel_sum_backward_cpu", [&] {
+    voxel_sum_backward_cpu_kernel<scalar_t>(grad.data_ptr<scalar_t>(), ord.data_ptr<int64_t>(),
+                                            off.data_ptr<int64_t>(), grad_feats.data_ptr<scalar_t>(), g, N, C);
+  });
+  return grad_feats;
+}
+
+// ------------------------------------------------------------------------------------------
+// bev_pool backward, one work item per feature pixel f, which owns exactly its D points:
+//   grad_depth[p] = <G[key(p)], feats[f]>,  grad_feats[f] = sum_d depth[p_d] * G[key(p_d)]
+// with G = grad_out as (V, C) rows. No point or pixel is written by two work items.
+// ------------------------------------------------------------------------------------------
+template <typename scalar_t>
+void bev_pool_backward_cpu_kernel(const scalar_t* G, const scalar_t* depth, const scalar_t* feats,
+                                  const int64_t* keys, scalar_t* grad_depth, scalar_t* grad_feats,
+                                  const FrustumDims f, int64_t V) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t C = f.C;
+  at::parallel_for(0, f.pixels(), 64, [&](int64_t pix_begin, int64_t pix_end) {
+    std::vector<acc_t> acc(C);
+    for (int64_t pix = pix_begin; pix < pix_end; ++pix) {
+      const int64_t bn = pix / f.HW, hw = pix % f.HW;
+      const scalar_t* __restrict__ frow = feats + pix * C;
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      for (int64_t d = 0; d < f.D; ++d) {
+        const int64_t p = (bn * f.D + d) * f.HW + hw;
+        const int64_t k = keys[p];
+        if (k < 0 || k >= V) {
+          grad_depth[p] = scalar_t(0);
+          continue;
+        }
+        const scalar_t* __restrict__ grow = G + k * C;
+        acc_t lanes[kLanes] = {};
+        int64_t c = 0;
+        for (; c + kLanes <= C; c += kLanes)
+          for (int l = 0; l < kLanes; ++l) lanes[l] += static_cast<acc_t>(grow[c + l]) * static_cast<acc_t>(frow[c + l]);
+        for (int l = 0; c < C; ++c, ++l) lanes[l] += static_cast<acc_t>(grow[c]) * static_cast<acc_t>(frow[c]);
+        acc_t dot = 0;
+        for (int l = 0; l < kLanes; ++l) dot += lanes[l];
+        grad_depth[p] = static_cast<scalar_t>(dot);
+        const acc_t w = static_cast<acc_t>(depth[p]);
+        acc_t* __restrict__ a = acc.data();
+        for (c = 0; c < C; ++c) a[c] += w * static_cast<acc_t>(grow[c]);
+      }
+      for (int64_t c = 0; c < C; ++c) grad_feats[pix * C + c] = static_cast<scalar_t>(acc[c]);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cpu(const at::Tensor& grad_in, const at::Tensor& depth_in,
+                                                         const at::Tensor& feats_in, const at::Tensor& keys) {
+  const FrustumDims f = check_frustum(depth_in, feats_in);
+  TORCH_CHECK(grad_in.dim() == 5 && grad_in.size(1) == f.C, "grad_out must be (B, C, Z, X, Y) with C=", f.C,
+              ", got ", grad_in.sizes());
+  TORCH_CHECK(grad_in.scalar_type() == feats_in.scalar_type(), "grad_out must have the dtype of feats");
+  check_index(keys, "keys", f.points(), feats_in);
+  const int64_t V = grad_in.size(0) * grad_in.size(2) * grad_in.size(3) * grad_in.size(4);
+  // Voxel-major rows so each point reads its voxel's gradient contiguously.
+  auto G = grad_in.permute({0, 2, 3, 4, 1}).contiguous();
+  auto depth = depth_in.contiguous(), feats = feats_in.contiguous(), k = keys.contiguous();
+  auto grad_depth = at::empty_like(depth), grad_feats = at::empty_like(feats);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, feats.scalar_type(), "bev_pool_backward_cpu", [&] {
+    bev_pool_backward_cpu_kernel<scalar_t>(G.data_ptr<scalar_t>(), depth.data_ptr<scalar_t>(),
+                                           feats.data_ptr<scalar_t>(), k.data_ptr<int64_t>(),
+                                           grad_depth.data_ptr<scalar_t>(), grad_feats.data_ptr<scalar_t>(), f, V);
+  });
+  return {grad_depth, grad_feats};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(bev, m) {
+  m.def("sort_keys(Tensor keys, int num_voxels) -> (Tensor order, Tensor offsets)");
+  m.def("voxel_sum(Tensor feats, Tensor order, Tensor offsets, int[] grid_shape) -> Tensor");
+  m.def("voxel_sum_backward(Tensor grad_out, Tensor order, Tensor offsets) -> Tensor");
+  m.def("bev_pool(Tensor depth, Tensor feats, Tensor keys, Tensor order, Tensor offsets, int[] grid_shape) -> Tensor");
+  m.def("bev_pool_backward(Tensor grad_out, Tensor depth, Tensor feats, Tensor keys) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(bev, CPU, m) {
+  m.impl("sort_keys", &sort_keys_cpu);
+  m.impl("voxel_sum", &voxel_sum_cpu);
+  m.impl("voxel_sum_backward", &voxel_sum_backward_cpu);
+  m.impl("bev_pool", &bev_pool_cpu);
+  m.impl("bev_pool_backward", &bev_pool_backward_cpu);
+}
+
+}  // namespace bev
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.doc() = "Native kernels of bev.ops (operators are registered under torch.ops.bev)";
+  module.def("cuda_built", [] {
+#ifdef BEV_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+  });
+}
