@@ -17,14 +17,13 @@ class QuickCumsum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, feats, keys, order, offsets):
-        sorted_feats = feats.index_select(0, order)
+        # Row 0 is zero so that prefix[i] is the sum of the first i sorted rows.
+        sorted_feats = feats.new_empty(feats.shape[0] + 1, feats.shape[1])
+        sorted_feats[0] = 0
+        torch.index_select(feats, 0, order, out=sorted_feats[1:])
         prefix = torch.cumsum(sorted_feats, 0, dtype=torch.float64)
-
-        def prefix_before(idx):  # sum of the first idx sorted rows (0 for idx == 0)
-            rows = prefix.index_select(0, (idx - 1).clamp_min(0))
-            return torch.where((idx > 0).unsqueeze(1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
-
-        sums = (prefix_before(offsets[1:]) - prefix_before(offsets[:-1])).to(feats.dtype)
+        del sorted_feats
+        sums = (prefix.index_select(0, offsets[1:]) - prefix.index_select(0, offsets[:-1])).to(feats.dtype)
         counts = offsets[1:] - offsets[:-1]
         ctx.save_for_backward(keys)
         ctx.mark_non_differentiable(counts)
@@ -42,7 +41,7 @@ def voxel_sums_to_grid(sums: torch.Tensor, grid_shape) -> torch.Tensor:
     """(V, C) voxel-major sums -> contiguous (B, C, Z, X, Y)."""
     B, Z, X, Y = grid_shape
     C = sums.shape[1]
-    return sums.reshape(B, Z * X * Y, C).transpose(1, 2).reshape(B, C, Z, X, Y)
+    return sums.reshape(B, Z * X * Y, C).transpose(1, 2).contiguous().view(B, C, Z, X, Y)
 
 
 def voxel_sum(feats: torch.Tensor, plan: PoolPlan) -> torch.Tensor:
