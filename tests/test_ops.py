@@ -275,3 +275,319 @@ def test_flat_keys_do_not_overflow_int32():
     keys = flat_keys(torch.tensor([1, 0, 1]), coords, grid)
     expected_last = ((1 * 3 + 2) * 70_000 + 69_999) * 40_000 + 39_999
     assert keys.tolist() == [expected_last, 0, 2 * 3 * 70_000 * 40_000]
+
+
+# ---------------------------------------------------------------------------------------------
+# gradcheck, opcheck, torch.compile
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", backends_for("cpu"))
+def test_gradcheck_float64(backend):
+    gen = torch.Generator().manual_seed(6)
+    grid = (2, 2, 3, 3)
+    coords = random_coords(40, grid, gen)
+    feats = torch.randn(40, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda f: ops.voxel_sum(f, coords, grid, backend=backend), (feats,))
+    depth, feats, coords = random_frustum(2, 2, 3, 2, 2, 3, grid, torch.float64, gen)
+    depth.requires_grad_(), feats.requires_grad_()
+    assert torch.autograd.gradcheck(lambda d, f: ops.bev_pool(d, f, coords, grid, backend=backend), (depth, feats))
+
+
+def _opcheck_inputs(device="cpu", dtype=torch.float32):
+    gen = torch.Generator().manual_seed(7)
+    grid = [2, 2, 3, 4]
+    depth, feats, coords = random_frustum(2, 2, 3, 2, 3, 5, grid, dtype, gen, device=device)
+    plan = ops.bev_pool_plan(coords, grid, backend="native")
+    points = torch.randn(plan.keys.numel(), 5, generator=gen).to(device=device, dtype=dtype)
+    grad_out = torch.randn(2, 5, 2, 3, 4, generator=gen).to(device=device, dtype=dtype)
+    return {
+        "sort_keys": (plan.keys, 2 * 2 * 3 * 4),
+        "voxel_sum": (points.requires_grad_(), plan.order, plan.offsets, grid),
+        "voxel_sum_backward": (grad_out, plan.order, plan.offsets),
+        "bev_pool": (depth.requires_grad_(), feats.requires_grad_(), plan.keys, plan.order, plan.offsets, grid),
+        "bev_pool_backward": (grad_out, depth.detach(), feats.detach(), plan.keys),
+    }
+
+
+@requires_native
+@pytest.mark.parametrize("op_name", ["sort_keys", "voxel_sum", "voxel_sum_backward", "bev_pool", "bev_pool_backward"])
+def test_opcheck(op_name):
+    args = _opcheck_inputs()[op_name]
+    torch.library.opcheck(getattr(torch.ops.bev, op_name).default, args)
+
+
+class SplatModule(torch.nn.Module):
+    """What the model does: softmax depth, fused lift-splat, a conv on the BEV grid."""
+
+    def __init__(self, grid_shape, channels):
+        super().__init__()
+        self.grid_shape = grid_shape
+        self.conv = torch.nn.Conv2d(channels * grid_shape[1], 2, 1)
+
+    def forward(self, depth_logits, feats, coords):
+        bev = ops.bev_pool(depth_logits.softmax(dim=2), feats, coords, self.grid_shape)
+        B, C, Z, X, Y = bev.shape
+        return self.conv(bev.reshape(B, C * Z, X, Y))
+
+
+@requires_native
+def test_module_runs_under_torch_compile_fullgraph():
+    torch._dynamo.reset()
+    grid = (2, 1, 4, 4)
+    depth, feats, coords = random_frustum(2, 2, 3, 2, 3, 4, grid, generator=torch.Generator().manual_seed(8))
+    model = SplatModule(grid, 4)
+    compiled = torch.compile(model, fullgraph=True, backend="inductor")
+    inputs = [depth.clone().requires_grad_(), feats.clone().requires_grad_()]
+    out = compiled(*inputs, coords)
+    out.square().sum().backward()
+    eager_inputs = [depth.clone().requires_grad_(), feats.clone().requires_grad_()]
+    expected = model(*eager_inputs, coords)
+    expected.square().sum().backward()
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(inputs, eager_inputs):
+        torch.testing.assert_close(got.grad, want.grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# property tests
+# ---------------------------------------------------------------------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def voxel_problems(draw):
+    grid = tuple(draw(st.integers(1, 4)) for _ in range(4))
+    n = draw(st.integers(0, 60))
+    c = draw(st.integers(1, 9))
+    margin = draw(st.integers(0, 2))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    coords = random_coords(n, grid, gen, margin=margin)
+    feats = torch.randn(n, c, generator=gen, dtype=torch.float64)
+    return feats, coords, grid
+
+
+@settings(max_examples=40, deadline=None)
+@given(problem=voxel_problems(), backend=st.sampled_from(["torch", "native"] if ops.native_available("cpu") else ["torch"]))
+def test_property_voxel_sum(problem, backend):
+    feats, coords, grid = problem
+    feats.requires_grad_()
+    out = ops.voxel_sum(feats, coords, grid, backend=backend)
+    torch.testing.assert_close(out, index_add_voxel_sum(feats.detach(), coords, grid))
+    # Conservation: the grid total is the total of the points that are inside.
+    inside = ((coords >= 0) & (coords < torch.tensor(grid))).all(1)
+    torch.testing.assert_close(out.sum(dim=(0, 2, 3, 4)), feats.detach()[inside].sum(0))
+    out.sum().backward()
+    assert torch.equal(feats.grad, inside[:, None].double().expand_as(feats))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.tuples(*[st.integers(1, 3)] * 5),
+    channels=st.integers(1, 6),
+    grid=st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3)),
+    seed=st.integers(0, 2**31 - 1),
+    backend=st.sampled_from(["torch", "native"] if ops.native_available("cpu") else ["torch"]),
+)
+def test_property_bev_pool_plan_and_values(shape, channels, grid, seed, backend):
+    B, Nc, D, H, W = shape
+    grid = (B, *grid)
+    depth, feats, coords = random_frustum(B, Nc, D, H, W, channels, grid, torch.float64,
+                                          torch.Generator().manual_seed(seed))
+    plan = ops.bev_pool_plan(coords, grid, backend=backend)
+    # The plan is a stable sort of the keys with consistent run offsets.
+    N, V = depth.numel(), B * grid[1] * grid[2] * grid[3]
+    assert torch.equal(plan.order.sort().values, torch.arange(N))
+    sorted_keys = plan.keys[plan.order]
+    assert bool((sorted_keys[1:] >= sorted_keys[:-1]).all())
+    same = sorted_keys[1:] == sorted_keys[:-1]
+    assert bool((plan.order[1:][same] > plan.order[:-1][same]).all())  # stable
+    assert torch.equal(plan.offsets, torch.searchsorted(sorted_keys, torch.arange(V + 1)))
+    out = ops.bev_pool(depth, feats, plan=plan, backend=backend)
+    torch.testing.assert_close(out, index_add_bev_pool(depth, feats, coords, grid))
+
+
+# ---------------------------------------------------------------------------------------------
+# determinism
+# ---------------------------------------------------------------------------------------------
+@requires_native
+def test_native_is_bitwise_deterministic_across_runs_and_thread_counts():
+    gen = torch.Generator().manual_seed(9)
+    grid = (2, 1, 8, 8)
+    # Many collisions: 2*3*20*6*8 points into 128 voxels.
+    depth, feats, coords = random_frustum(2, 3, 20, 6, 8, 33, grid, torch.float32, gen, margin=0)
+    grad_out = torch.randn(2, 33, 1, 8, 8, generator=gen)
+
+    def run():
+        d, f = depth.clone().requires_grad_(), feats.clone().requires_grad_()
+        out = ops.bev_pool(d, f, coords, grid, backend="native")
+        out.backward(grad_out)
+        points = (d.detach().unsqueeze(-1) * f.detach().unsqueeze(2)).reshape(-1, 33).requires_grad_()
+        batch = torch.arange(2).view(2, 1, 1, 1, 1, 1).expand(2, 3, 20, 6, 8, 1)
+        vs = ops.voxel_sum(points, torch.cat([batch, coords], -1).reshape(-1, 4), grid, backend="native")
+        vs.backward(grad_out)
+        return out, d.grad, f.grad, vs, points.grad
+
+    threads = torch.get_num_threads()
+    try:
+        first = run()
+        torch.set_num_threads(1)
+        single = run()
+    finally:
+        torch.set_num_threads(threads)
+    again = run()
+    for a, b, c in zip(first, single, again):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+# ---------------------------------------------------------------------------------------------
+# bad inputs, fallback, robustness
+# ---------------------------------------------------------------------------------------------
+def _good_voxel_args():
+    return torch.randn(5, 3), torch.zeros(5, 4, dtype=torch.long), (1, 1, 2, 2)
+
+
+def _good_frustum_args():
+    depth, feats, coords = random_frustum(2, 1, 3, 2, 2, 4, (2, 1, 2, 2), generator=torch.Generator().manual_seed(0))
+    return depth, feats, coords, (2, 1, 2, 2)
+
+
+BAD_VOXEL_INPUTS = [
+    # (description, kwargs override, exception, message fragment)
+    ("feats not a tensor", dict(feats=[[1.0]]), TypeError, "feats"),
+    ("integer feats", dict(feats=torch.ones(5, 3, dtype=torch.long)), TypeError, "feats"),
+    ("feats rank 3", dict(feats=torch.randn(5, 3, 1)), ValueError, "feats"),
+    ("float coords", dict(coords=torch.zeros(5, 4)), TypeError, "coords"),
+    ("bool coords", dict(coords=torch.zeros(5, 4, dtype=torch.bool)), TypeError, "coords"),
+    ("coords with 3 columns", dict(coords=torch.zeros(5, 3, dtype=torch.long)), ValueError, "coords"),
+    ("coords rank 1", dict(coords=torch.zeros(4, dtype=torch.long)), ValueError, "coords"),
+    ("row count mismatch", dict(coords=torch.zeros(6, 4, dtype=torch.long)), ValueError, "coords"),
+    ("grid_shape 3 entries", dict(grid_shape=(1, 2, 2)), ValueError, "grid_shape"),
+    ("grid_shape zero size", dict(grid_shape=(1, 0, 2, 2)), ValueError, "grid_shape"),
+    ("grid_shape negative", dict(grid_shape=(1, 1, -2, 2)), ValueError, "grid_shape"),
+    ("grid_shape float", dict(grid_shape=(1, 1, 2.0, 2)), TypeError, "grid_shape"),
+    ("grid_shape not a sequence", dict(grid_shape=4), TypeError, "grid_shape"),
+    ("unknown backend", dict(backend="cuda"), ValueError, "backend"),
+    ("meta device coords", dict(coords=torch.zeros(5, 4, dtype=torch.long, device="meta")), ValueError, "device"),
+]
+
+
+@pytest.mark.parametrize("desc,override,exc,fragment", BAD_VOXEL_INPUTS, ids=[c[0] for c in BAD_VOXEL_INPUTS])
+def test_voxel_sum_rejects_bad_inputs(desc, override, exc, fragment):
+    feats, coords, grid = _good_voxel_args()
+    kwargs = dict(feats=feats, coords=coords, grid_shape=grid, backend="auto")
+    kwargs.update(override)
+    with pytest.raises(exc, match=fragment):
+        ops.voxel_sum(kwargs.pop("feats"), kwargs.pop("coords"), kwargs.pop("grid_shape"), **kwargs)
+
+
+def _bad_frustum_cases():
+    depth, feats, coords, grid = _good_frustum_args()
+    return [
+        ("depth rank 4", dict(depth=depth[0]), ValueError, "depth"),
+        ("feats rank 4", dict(feats=feats[0]), ValueError, "feats"),
+        ("feats batch mismatch", dict(feats=feats[:1]), ValueError, "feats"),
+        ("feats spatial mismatch", dict(feats=feats[:, :, :1]), ValueError, "feats"),
+        ("dtype mismatch", dict(feats=feats.double()), TypeError, "dtype"),
+        ("integer depth", dict(depth=depth.long()), TypeError, "depth"),
+        ("float coords", dict(coords=coords.float()), TypeError, "coords"),
+        ("coords shape mismatch", dict(coords=coords[:, :, :2]), ValueError, "coords"),
+        ("coords missing last dim", dict(coords=coords[..., 0]), ValueError, "coords"),
+        ("grid batch mismatch", dict(grid_shape=(3, 1, 2, 2)), ValueError, "grid_shape"),
+        ("grid_shape zero size", dict(grid_shape=(2, 1, 0, 2)), ValueError, "grid_shape"),
+        ("no coords and no plan", dict(coords=None), ValueError, "plan"),
+        ("plan and coords", dict(plan=ops.bev_pool_plan(coords, grid)), ValueError, "plan"),
+        ("plan wrong type", dict(coords=None, grid_shape=None, plan=(1, 2)), TypeError, "plan"),
+        ("plan for other shape", dict(coords=None, grid_shape=None,
+                                      plan=ops.bev_pool_plan(coords[:, :, :2], grid)), ValueError, "plan"),
+        ("meta device feats", dict(feats=feats.to("meta")), ValueError, "device"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_frustum_cases())), ids=[c[0] for c in _bad_frustum_cases()])
+def test_bev_pool_rejects_bad_inputs(case):
+    desc, override, exc, fragment = _bad_frustum_cases()[case]
+    depth, feats, coords, grid = _good_frustum_args()
+    kwargs = dict(depth=depth, feats=feats, coords=coords, grid_shape=grid)
+    kwargs.update(override)
+    with pytest.raises(exc, match=fragment):
+        ops.bev_pool(**kwargs)
+
+
+def test_bev_pool_plan_rejects_bad_inputs():
+    _, _, coords, grid = _good_frustum_args()
+    with pytest.raises(TypeError, match="coords"):
+        ops.bev_pool_plan(coords.float(), grid)
+    with pytest.raises(ValueError, match="grid_shape"):
+        ops.bev_pool_plan(coords, (1, 1, 2, 2))
+    with pytest.raises(ValueError, match="backend"):
+        ops.bev_pool_plan(coords, grid, backend="fast")
+
+
+@requires_native
+def test_native_kernels_survive_a_malformed_plan():
+    # Garbage plan entries must never read or write out of bounds (the output values are meaningless).
+    feats = torch.randn(6, 3)
+    order = torch.tensor([5, -3, 2**40, 0, 7, 1])
+    offsets = torch.tensor([4, -2, 2**41, 3, 6])  # 4 voxels
+    out = torch.ops.bev.voxel_sum(feats, order, offsets, [1, 1, 2, 2])
+    grad = torch.ops.bev.voxel_sum_backward(torch.randn(1, 3, 1, 2, 2), order, offsets)
+    assert out.shape == (1, 3, 1, 2, 2) and grad.shape == (6, 3)
+    depth, fr, _, _ = _good_frustum_args()
+    keys = torch.randint(-(2**40), 2**40, (depth.numel(),))
+    order = torch.randint(-100, 100, (depth.numel(),))
+    offsets = torch.randint(-100, 100, (2 * 4 + 1,))
+    out = torch.ops.bev.bev_pool(depth, fr, keys, order, offsets, [2, 1, 2, 2])
+    grads = torch.ops.bev.bev_pool_backward(torch.randn_like(out), depth, fr, keys)
+    assert out.isfinite().all() and all(g.isfinite().all() for g in grads)
+
+
+def test_auto_uses_native_when_built(monkeypatch):
+    if not ops.native_available("cpu"):
+        pytest.skip("native CPU kernels not built")
+
+    def reference_called(*args, **kwargs):
+        raise AssertionError("auto used the reference although native kernels are built")
+
+    monkeypatch.setattr(ops._reference, "voxel_sum", reference_called)
+    monkeypatch.setattr(ops._reference, "bev_pool", reference_called)
+    feats, coords, grid = _good_voxel_args()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = ops.voxel_sum(feats, coords, grid)
+        ops.bev_pool(*_good_frustum_args())
+    assert torch.equal(out, ops.voxel_sum(feats, coords, grid, backend="native"))
+
+
+def test_auto_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setattr(_native, "available", lambda device=None: False)
+    monkeypatch.setattr(ops, "_fallback_warned", set())
+    feats, coords, grid = _good_voxel_args()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = ops.voxel_sum(feats, coords, grid)
+        ops.voxel_sum(feats, coords, grid)
+        ops.bev_pool(*_good_frustum_args())
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "reference" in messages[0]
+    torch.testing.assert_close(first, ops.voxel_sum(feats, coords, grid, backend="torch"))
+    with pytest.raises(RuntimeError, match="native"):
+        ops.voxel_sum(feats, coords, grid, backend="native")
+
+
+def test_import_survives_a_missing_extension():
+    # A broken/missing bev.ops._C must degrade to the reference, never crash `import bev.ops`.
+    code = (
+        "import sys, warnings; sys.modules['bev.ops._C'] = None\n"
+        "import torch, bev.ops as ops\n"
+        "assert not ops.native_available()\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    out = ops.voxel_sum(torch.ones(3, 2), torch.zeros(3, 4, dtype=torch.long), (1, 1, 1, 1))\n"
+        "assert out.flatten().tolist() == [3.0, 3.0], out\n"
+        "assert len(w) == 1 and 'did not load' in str(w[0].message), [str(x.message) for x in w]\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONWARNINGS": "default"})
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
