@@ -1,16 +1,26 @@
 """nuScenes data for Lift-Splat: reader, transforms, BEV rasterisation, LightningDataModule.
 
-make_synthetic (the synthetic nuScenes-format writer in bev.data.synthetic) is imported
-lazily so `import bev.data` stays cheap and works without it.
+Names are imported lazily, so `import bev.data` is cheap (no lightning import for a DataLoader
+worker or the gallery) and make_synthetic (bev.data.synthetic) is only loaded when used.
 """
-from bev.data.datamodule import NuScenesDataModule
-from bev.data.nuscenes import NuScenesBEVDataset
+from __future__ import annotations
 
-__all__ = ["NuScenesBEVDataset", "NuScenesDataModule", "make_synthetic"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "NuScenesBEVDataset": "bev.data.nuscenes",
+    "NuScenesDataModule": "bev.data.datamodule",
+    "make_synthetic": "bev.data.synthetic",
+}
+__all__ = list(_EXPORTS)
 
 
-def make_synthetic(*args, **kwargs):
-    """Write a synthetic nuScenes-format dataset; see bev.data.synthetic.make_synthetic."""
-    from bev.data.synthetic import make_synthetic as _make_synthetic
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'bev.data' has no attribute {name!r}")
 
-    return _make_synthetic(*args, **kwargs)
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)
