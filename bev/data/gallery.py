@@ -15,10 +15,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", default="mini_val")
     p.add_argument("--index", type=int, default=0, help="sample index within the split")
     p.add_argument("--augment", action="store_true", help="show a training augmentation instead of the val crop")
+    p.add_argument("--cache-dir", default=None, help="index cache folder (default DATAROOT/.bev_cache)")
     p.add_argument("--out", default=None, help="PNG path (default gallery_<split>_<index>.png)")
     a = p.parse_args(argv)
     try:
-        ds = NuScenesBEVDataset(a.dataroot, version=a.version, split=a.split, augment=a.augment)
+        ds = NuScenesBEVDataset(a.dataroot, version=a.version, split=a.split, augment=a.augment, cache_dir=a.cache_dir)
         if not -len(ds) <= a.index < len(ds):
             raise IndexError(f"--index {a.index} out of range: split {a.split!r} has {len(ds)} samples")
         sample = ds[a.index]

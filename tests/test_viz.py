@@ -1,0 +1,80 @@
+"""Pictures: BEV orientation, camera grid order, error map, atomic PNG writing, bev-gallery."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from bev.data.gallery import main as gallery_main
+from bev.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from bev.geometry import Grid
+from bev.viz import FN_COLOR, FP_COLOR, TP_COLOR, bev_to_display, camera_grid, error_map, render_sample, save_sample_png
+
+
+def _sample(X=200, Y=200, ncam=6, H=32, W=88):
+    images = torch.zeros(ncam, 3, H, W)
+    for c in range(ncam):  # camera c is a flat grey of level 40 * (c + 1)
+        images[c] = ((40 * (c + 1) / 255.0) - torch.tensor(IMAGENET_MEAN).view(3, 1, 1)) / torch.tensor(IMAGENET_STD).view(3, 1, 1)
+    bev = torch.zeros(1, X, Y)
+    bev[0, 150:160, 120:130] = 1  # x > 0 (front), y > 0 (left)
+    return {"images": images, "bev": bev, "visibility": torch.zeros(X, Y, dtype=torch.uint8), "sample_token": "tok"}
+
+
+def test_bev_display_orientation():
+    grid = Grid()
+    bev = np.zeros(grid.bev_shape)
+    (i, j), = grid.xy_to_index(np.array([[30.0, 20.0]]))  # 30 m ahead, 20 m to the left
+    bev[i, j] = 1
+    r, c = np.argwhere(bev_to_display(bev))[0]
+    assert r < 100 and c < 100  # ahead = up, left = left: the top-left quadrant
+    (i, j), = grid.xy_to_index(np.array([[-30.0, -20.0]]))
+    bev[:] = 0
+    bev[i, j] = 1
+    r, c = np.argwhere(bev_to_display(bev))[0]
+    assert r >= 100 and c >= 100
+
+
+def test_camera_grid_order_and_missing_cameras():
+    s = _sample()
+    g = camera_grid(s["images"])
+    assert g.shape == (64, 264, 3) and g.dtype == np.uint8
+    levels = [int(g[r * 32 + 5, c * 88 + 5, 0]) for r in range(2) for c in range(3)]
+    assert levels == [40, 80, 120, 160, 200, 240]
+    g = camera_grid(s["images"][:2], cam_ids=torch.tensor([1, 5]))
+    assert int(g[5, 88 + 5, 0]) == 40 and int(g[32 + 5, 176 + 5, 0]) == 80 and g[5, 5].sum() == 0
+
+
+def test_error_map_colours():
+    prob = np.array([[0.9, 0.9], [0.1, 0.1]])
+    tgt = np.array([[1.0, 0.0], [1.0, 0.0]])
+    m = error_map(prob, tgt)
+    assert tuple(m[0, 0]) == TP_COLOR and tuple(m[0, 1]) == FP_COLOR and tuple(m[1, 0]) == FN_COLOR
+    assert tuple(m[1, 1]) == (0, 0, 0)
+
+
+def test_save_sample_png_with_and_without_prediction(tmp_path):
+    s = _sample()
+    p1 = save_sample_png(tmp_path / "a" / "sample.png", s)
+    batch = {k: (v[None] if isinstance(v, torch.Tensor) else [v]) for k, v in s.items()}
+    pred = s["bev"][None] * 0.8 + 0.1  # (B, 1, X, Y) probabilities
+    p2 = save_sample_png(tmp_path / "pred.png", batch, pred=pred[0])
+    for p in (p1, p2):
+        with Image.open(p) as im:
+            assert im.format == "PNG" and im.size[0] > 600
+    assert sorted(x.name for x in tmp_path.rglob("*") if x.is_file()) == ["pred.png", "sample.png"]  # no temp files left
+    # The prediction figure has more content (two extra panels) than the target-only one.
+    a = render_sample(s)
+    b = render_sample(s, pred=pred)
+    assert a.shape == b.shape and (a != b).mean() > 0.05
+    with pytest.raises(ValueError, match="does not match"):
+        render_sample(s, pred=torch.zeros(1, 10, 10))
+
+
+def test_gallery_cli(synthetic_root, tmp_path, capsys):
+    out = tmp_path / "g.png"
+    assert gallery_main(["--dataroot", str(synthetic_root), "--split", "mini_val", "--index", "1", "--out", str(out),
+                         "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert out.is_file() and capsys.readouterr().out.strip() == str(out)
+    assert gallery_main(["--dataroot", str(tmp_path / "missing"), "--out", str(out)]) == 2
+    assert "nuscenes.org/download" in capsys.readouterr().err
