@@ -1,19 +1,351 @@
-"""The synthetic nuScenes-format dataset: devkit compatibility, links, splits, geometry, errors."""
+"""The synthetic nuScenes-format dataset: devkit compatibility, links, splits, geometry, visibility, errors."""
 from __future__ import annotations
 
 import json
+import math
+from collections import defaultdict
+from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
-from bev.data.synthetic import TABLES, VERSION
+from bev.data import render
+from bev.data.synthetic import TABLES, VERSION, make_synthetic, scene_names
+from bev.geometry import CAMERA_NAMES, ego_to_image, quaternion_to_matrix
+
+SEED, SCENES, SAMPLES = 0, 2, 3  # what the synthetic_root fixture writes
 
 
-def test_devkit_loads_all_tables(synthetic_root):
+@pytest.fixture(scope="module")
+def nusc(synthetic_root):
     from nuscenes.nuscenes import NuScenes
 
-    nusc = NuScenes(version=VERSION, dataroot=str(synthetic_root), verbose=False)
+    return NuScenes(version=VERSION, dataroot=str(synthetic_root), verbose=False)
+
+
+def _ego_from_global(nusc, sample):
+    """(R, t) of the LIDAR_TOP ego pose: p_ego = R^T (p_global - t)."""
+    pose = nusc.get("ego_pose", nusc.get("sample_data", sample["data"]["LIDAR_TOP"])["ego_pose_token"])
+    return quaternion_to_matrix(pose["rotation"]), np.array(pose["translation"])
+
+
+def _box_corners(ann) -> np.ndarray:
+    """(8, 3) global corners of a sample_annotation box (size = w, l, h; x along l)."""
+    w, l, h = ann["size"]
+    signs = np.array([[x, y, z] for x in (-1, 1) for y in (-1, 1) for z in (-1, 1)], dtype=np.float64)
+    return np.array(ann["translation"]) + (signs * [l / 2, w / 2, h / 2]) @ quaternion_to_matrix(ann["rotation"]).T
+
+
+def _project(cam: render.Camera, pts_ego: np.ndarray):
+    """Render-resolution (u, v) and depth through bev.geometry.ego_to_image with the rig calibration."""
+    d = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
+    uv, depth = ego_to_image(d(pts_ego), d(cam.intrinsic), d(cam.rotation), d(cam.translation),
+                             cam.post_rot.double(), cam.post_tran.double())
+    return uv.numpy(), depth.numpy()
+
+
+def _world_index(nusc):
+    """scene name -> (scene index, world, [sample tokens]) rebuilt with the generator."""
+    names = scene_names(SCENES)
+    out = {}
+    for scene in nusc.scene:
+        si = names.index(scene["name"])
+        toks, tok = [], scene["first_sample_token"]
+        while tok:
+            toks.append(tok)
+            tok = nusc.get("sample", tok)["next"]
+        out[scene["name"]] = (si, render.build_world(SEED, si, SAMPLES), toks)
+    return out
+
+
+# ----------------------------------------------------------------------------- format and links
+
+def test_devkit_loads_all_tables(nusc, synthetic_root):
     for name in TABLES:
         on_disk = json.loads((synthetic_root / VERSION / f"{name}.json").read_text())
         assert len(getattr(nusc, name)) == len(on_disk) > 0, name
-    assert len(nusc.scene) == 2 and len(nusc.sample) == 6
-    assert len(nusc.sample_data) == 6 * 7
+    assert len(nusc.scene) == SCENES and len(nusc.sample) == SCENES * SAMPLES
+    assert len(nusc.sample_data) == len(nusc.ego_pose) == SCENES * SAMPLES * 7
+    assert {v["token"]: v["level"] for v in nusc.visibility} == {"1": "v0-40", "2": "v40-60", "3": "v60-80", "4": "v80-100"}
+    assert {c["name"] for c in nusc.category} >= {"vehicle.car", "vehicle.truck", "vehicle.bus.rigid", "vehicle.trailer",
+                                                  "vehicle.motorcycle", "human.pedestrian.adult",
+                                                  "movable_object.barrier", "movable_object.trafficcone"}
+    cats = {a["category_name"] for a in nusc.sample_annotation}
+    assert any(c.startswith("vehicle.") for c in cats) and any(not c.startswith("vehicle.") for c in cats)
+
+
+def test_files_exist_and_images_are_full_size(nusc, synthetic_root):
+    from PIL import Image
+
+    for sd in nusc.sample_data:
+        path = synthetic_root / sd["filename"]
+        assert path.is_file(), path
+        if sd["sensor_modality"] == "camera":
+            assert sd["fileformat"] == "jpg" and sd["filename"].startswith(f"samples/{sd['channel']}/")
+            with Image.open(path) as im:
+                assert im.size == (sd["width"], sd["height"]) == (1600, 900)
+    for m in nusc.map:
+        assert (synthetic_root / m["filename"]).is_file() and m["filename"].startswith("maps/")
+        assert m["mask"].mask().max() == 255  # the devkit reads the PNG and finds drivable area
+
+
+def test_tokens_link(nusc):
+    for scene in nusc.scene:
+        chain, tok, prev = [], scene["first_sample_token"], ""
+        while tok:
+            s = nusc.get("sample", tok)
+            assert s["prev"] == prev and s["scene_token"] == scene["token"]
+            assert set(s["data"]) == set(CAMERA_NAMES) | {"LIDAR_TOP"}
+            chain.append(tok)
+            prev, tok = tok, s["next"]
+        assert chain[-1] == scene["last_sample_token"] and len(chain) == scene["nbr_samples"] == SAMPLES
+        times = [nusc.get("sample", t)["timestamp"] for t in chain]
+        assert all(b - a == 500_000 for a, b in zip(times, times[1:]))
+        nusc.get("log", scene["log_token"])
+    for sd in nusc.sample_data:
+        assert sd["is_key_frame"] and sd["timestamp"] == nusc.get("sample", sd["sample_token"])["timestamp"]
+        nusc.get("ego_pose", sd["ego_pose_token"])
+        for key in ("prev", "next"):
+            if sd[key]:
+                other = nusc.get("sample_data", sd[key])
+                assert other["channel"] == sd["channel"]
+                assert nusc.get("sample", sd["sample_token"])[key] == other["sample_token"]
+    for inst in nusc.instance:
+        chain, tok = [], inst["first_annotation_token"]
+        while tok:
+            ann = nusc.get("sample_annotation", tok)
+            assert ann["instance_token"] == inst["token"]
+            chain.append(ann)
+            tok = ann["next"]
+        assert chain[-1]["token"] == inst["last_annotation_token"] and len(chain) == inst["nbr_annotations"]
+        times = [nusc.get("sample", a["sample_token"])["timestamp"] for a in chain]
+        assert times == sorted(set(times))
+    assert sum(i["nbr_annotations"] for i in nusc.instance) == len(nusc.sample_annotation)
+    attrs = {a["token"] for a in nusc.attribute}
+    assert all(set(a["attribute_tokens"]) <= attrs for a in nusc.sample_annotation)
+    # Moving vehicles move between key frames; parked ones do not.
+    moving = nusc.getind("attribute", "cb5118da1ab342aa947717dc53544259")
+    for a in nusc.sample_annotation:
+        if a["next"] and nusc.attribute[moving]["token"] in a["attribute_tokens"]:
+            assert np.linalg.norm(np.subtract(nusc.get("sample_annotation", a["next"])["translation"], a["translation"])) > 0.5
+
+
+def test_lidar_points_match_num_lidar_pts(nusc, synthetic_root):
+    from nuscenes.utils.data_classes import LidarPointCloud
+    from nuscenes.utils.geometry_utils import points_in_box
+
+    sample = nusc.sample[1]
+    sd = nusc.get("sample_data", sample["data"]["LIDAR_TOP"])
+    pc = LidarPointCloud.from_file(str(synthetic_root / sd["filename"]))
+    # lidar -> ego -> global
+    cs = nusc.get("calibrated_sensor", sd["calibrated_sensor_token"])
+    pose = nusc.get("ego_pose", sd["ego_pose_token"])
+    pts = quaternion_to_matrix(cs["rotation"]) @ pc.points[:3] + np.array(cs["translation"])[:, None]
+    pts = quaternion_to_matrix(pose["rotation"]) @ pts + np.array(pose["translation"])[:, None]
+    assert np.abs(pts[2]).min() < 1e-3  # ground returns lie on z = 0
+    with_pts = 0
+    for tok in sample["anns"]:
+        ann = nusc.get("sample_annotation", tok)
+        assert points_in_box(nusc.get_box(tok), pts).sum() == ann["num_lidar_pts"]
+        with_pts += ann["num_lidar_pts"] > 0
+    assert with_pts > 0
+
+
+# ----------------------------------------------------------------------------- splits and names
+
+def test_mini_splits_have_the_expected_scenes(nusc):
+    from nuscenes.utils.splits import create_splits_scenes
+
+    splits = create_splits_scenes()
+    names = {s["name"] for s in nusc.scene}
+    assert names & set(splits["mini_train"]) == {"scene-0061"}
+    assert names & set(splits["mini_val"]) == {"scene-0103"}
+
+
+def test_scene_name_rule():
+    from nuscenes.utils.splits import create_splits_scenes
+
+    splits = create_splits_scenes()
+    assert scene_names(1) == ["scene-0061"]
+    for n in range(2, 11):
+        names = scene_names(n)
+        assert len(set(names)) == n
+        train, val = set(names) & set(splits["mini_train"]), set(names) & set(splits["mini_val"])
+        assert train and val and len(train) + len(val) == n, n
+    assert set(scene_names(10)) == set(splits["mini_train"]) | set(splits["mini_val"])
+
+
+# ----------------------------------------------------------------------------- geometry and visibility
+
+def test_object_centres_lie_inside_their_rendered_shapes():
+    # Why: the projection tests below rely on an annotation's centre being on the object's surface path.
+    for seed in range(3):
+        world = render.build_world(seed, 0, 4)
+        for obj in world.objects:
+            if obj.category:
+                assert any(np.all(np.abs(c) < h) for c, h, *_ in obj.parts), obj.category
+
+
+def _object_of(world, t):
+    """Annotation translation -> generator object index (annotations store the object centre)."""
+    by_centre = {tuple(np.round(world.object_global(o, t)[0], 6)): i for i, o in enumerate(world.objects)}
+    return lambda ann: by_centre[tuple(np.round(ann["translation"], 6))]
+
+
+def test_projected_boxes_land_on_their_rendered_pixels(nusc):
+    checked_centres = visible_centres = own_centres = checked_boxes = 0
+    for name, (si, world, tokens) in _world_index(nusc).items():
+        for k, tok in enumerate(tokens):
+            sample = nusc.get("sample", tok)
+            R, t = _ego_from_global(nusc, sample)
+            anns = [nusc.get("sample_annotation", a) for a in sample["anns"]]
+            index = _object_of(world, k * render.SAMPLE_DT)
+            for cam_name in CAMERA_NAMES:
+                cam = render.make_camera(cam_name)
+                r = render.render_camera(world, k * render.SAMPLE_DT, cam)
+                H, W = cam.shape
+                for ann in anns:
+                    i = index(ann)
+                    centre = (np.array(ann["translation"]) - t) @ R  # global -> LIDAR_TOP ego frame
+                    (u, v), d = (x[0] for x in _project(cam, centre[None]))
+                    row, col = int(round(v)), int(round(u))
+                    if d > 1.0 and 0 <= row < H and 0 <= col < W:
+                        checked_centres += 1
+                        visible_centres += ann["visibility_token"] == "4"
+                        # The centre pixel shows this very object, or something nearer that hides it.
+                        if r.ids[row, col] == i + 1:
+                            own_centres += ann["visibility_token"] == "4"
+                        else:
+                            assert r.depth[row, col] < d, (name, cam_name, ann["category_name"])
+                    uv, dc = _project(cam, (_box_corners(ann) - t) @ R)
+                    rows, cols = np.nonzero(r.ids == i + 1)
+                    if dc.min() > render.NEAR and rows.size:
+                        # Every rendered pixel of the object lies within its projected 3D box.
+                        checked_boxes += 1
+                        assert cols.min() >= uv[:, 0].min() - 1 and cols.max() <= uv[:, 0].max() + 1
+                        assert rows.min() >= uv[:, 1].min() - 1 and rows.max() <= uv[:, 1].max() + 1
+    assert checked_centres > 50 and checked_boxes > 50
+    # Mostly visible objects (visibility "4") show their own centre pixel almost always.
+    assert visible_centres > 20 and own_centres > 0.8 * visible_centres
+
+
+def test_visibility_matches_the_id_buffers(nusc):
+    levels = defaultdict(int)
+    for name, (si, world, tokens) in _world_index(nusc).items():
+        for k, tok in enumerate(tokens):
+            t = k * render.SAMPLE_DT
+            renders, counts = render.render_sample(world, t)
+            index = _object_of(world, t)
+            for a in nusc.get("sample", tok)["anns"]:
+                ann = nusc.get("sample_annotation", a)
+                i = index(ann)
+                visible = sum(int((r.ids == i + 1).sum()) for r in renders.values())
+                unoccluded = sum(r.coverage.get(i, 0) for r in renders.values())
+                assert counts.get(i, (0, 0)) == (visible, unoccluded)
+                frac = visible / unoccluded if unoccluded else 0.0
+                expected = "1" if frac < 0.4 else "2" if frac < 0.6 else "3" if frac < 0.8 else "4"
+                assert ann["visibility_token"] == expected, (ann["category_name"], visible, unoccluded)
+                levels[expected] += 1
+    assert levels["4"] > 0 and levels["1"] > 0  # both unoccluded and hidden objects occur
+
+
+def test_coverage_is_the_object_rendered_alone():
+    world = render.build_world(SEED, 0, 2)
+    objects = render.visible_objects(world, 0.0, render.RENDER_RANGE)
+    full = render.render_camera(world, 0.0, "CAM_FRONT", objects)
+    occluded = [i for i, n in full.coverage.items() if (full.ids == i + 1).sum() < n]
+    assert occluded, "expected some occlusion in front of the ego"
+    for i in occluded[:5]:
+        alone = render.render_camera(world, 0.0, "CAM_FRONT", [i])
+        assert (alone.ids == i + 1).sum() == full.coverage[i] == alone.coverage[i]
+
+
+def test_enough_vehicles_near_the_ego(nusc):
+    counts = []
+    for sample in nusc.sample:
+        R, t = _ego_from_global(nusc, sample)
+        n = 0
+        for a in sample["anns"]:
+            ann = nusc.get("sample_annotation", a)
+            xy = ((np.array(ann["translation"]) - t) @ R)[:2]
+            n += ann["category_name"].startswith("vehicle.") and np.abs(xy).max() < 50
+        counts.append(n)
+    assert 10 <= np.mean(counts) <= 60, counts
+
+
+def test_image_shows_vehicles_in_colour(nusc, synthetic_root):
+    """Vehicle pixels are saturated paint or dark glass/tyres, the road is grey: learnable contrast."""
+    from PIL import Image
+
+    (si, world, tokens) = _world_index(nusc)["scene-0061"]
+    r = render.render_camera(world, 0.0, "CAM_FRONT")
+    img = np.asarray(Image.open(synthetic_root / nusc.get("sample_data", nusc.get("sample", tokens[0])["data"]["CAM_FRONT"])["filename"]))
+    small = img[::2, ::2].astype(np.float64) / 255.0  # render resolution, close enough for statistics
+    sat = small.max(-1) - small.min(-1)
+    vehicle = np.isin(r.ids - 1, [i for i, o in enumerate(world.objects) if o.category.startswith("vehicle.")])
+    road = (r.ids == 0) & np.isfinite(r.depth) & (np.arange(r.ids.shape[0])[:, None] > r.ids.shape[0] * 0.7)
+    assert vehicle.sum() > 1000 and road.sum() > 1000
+    assert sat[road].mean() < 0.08
+    assert sat[vehicle].mean() > sat[road].mean() + 0.1
+
+
+# ----------------------------------------------------------------------------- determinism and errors
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_deterministic_per_seed(tmp_path):
+    a = _tree(make_synthetic(tmp_path / "a", scenes=1, samples_per_scene=2, seed=3, progress=False, workers=2))
+    b = _tree(make_synthetic(tmp_path / "b", scenes=1, samples_per_scene=2, seed=3, progress=False, workers=1))
+    assert a.keys() == b.keys() and all(a[k] == b[k] for k in a)
+    c = _tree(make_synthetic(tmp_path / "c", scenes=1, samples_per_scene=2, seed=4, progress=False, workers=1))
+    assert c[f"{VERSION}/sample_annotation.json"] != a[f"{VERSION}/sample_annotation.json"]
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"scenes": 0}, ValueError, "scenes must be in 1..10"),
+    ({"scenes": 11}, ValueError, "samples_per_scene"),
+    ({"samples_per_scene": 0}, ValueError, "samples_per_scene must be >= 1"),
+    ({"scenes": 1.5}, TypeError, "scenes must be an integer"),
+    ({"workers": 0}, ValueError, "workers must be >= 1"),
+])
+def test_bad_arguments(tmp_path, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        make_synthetic(tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()  # nothing written on a bad call
+
+
+def test_existing_dataset_needs_overwrite(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("user file")
+    with pytest.raises(FileExistsError, match="not empty.*overwrite"):
+        make_synthetic(out, scenes=1, samples_per_scene=1, progress=False)
+    make_synthetic(out, scenes=1, samples_per_scene=1, progress=False, overwrite=True)
+    (out / "samples" / "CAM_FRONT" / "stale.jpg").write_bytes(b"old")
+    make_synthetic(out, scenes=1, samples_per_scene=1, progress=False, overwrite=True)
+    assert not (out / "samples" / "CAM_FRONT" / "stale.jpg").exists()  # the old dataset was replaced
+    assert (out / "keep.txt").read_text() == "user file"  # other files are left alone
+
+
+def test_cli(tmp_path, capsys):
+    from bev.data.synthetic import main
+
+    out = tmp_path / "cli"
+    assert main(["--out", str(out), "--scenes", "2", "--samples-per-scene", "1", "--seed", "1"]) == 0
+    assert len(json.loads((out / VERSION / "scene.json").read_text())) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(out), "--scenes", "1", "--samples-per-scene", "1"])
+    assert e.value.code == 2 and "not empty" in capsys.readouterr().err
+
+
+def test_bundled_rig_is_the_real_rig():
+    rig = render.load_rig()
+    assert rig["image_size"] == {"width": 1600, "height": 900}
+    assert list(rig["camera_order"]) == list(CAMERA_NAMES)
+    front = rig["cameras"]["CAM_FRONT"]
+    assert front["camera_intrinsic"][0][0] == pytest.approx(1266.417203046554)
+    # CAM_FRONT looks along ego +x: the camera z axis in the ego frame.
+    assert quaternion_to_matrix(front["rotation"])[:, 2] @ [1, 0, 0] > 0.99

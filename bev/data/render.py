@@ -17,6 +17,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import NamedTuple
 from importlib import resources
 
 import numpy as np
@@ -110,7 +111,7 @@ class World:
 # (w, l, h) means and spreads, metres, close to the nuScenes class statistics.
 SIZES = {
     "vehicle.car": ((1.95, 4.6, 1.7), (0.1, 0.35, 0.15)),
-    "vehicle.truck": ((2.5, 7.5, 3.0), (0.15, 1.5, 0.4)),
+    "vehicle.truck": ((2.5, 7.5, 3.0), (0.15, 1.0, 0.4)),  # l >= 5.5: the centre stays inside the cargo box
     "vehicle.bus.rigid": ((2.9, 11.5, 3.5), (0.1, 0.8, 0.2)),
     "vehicle.trailer": ((2.6, 11.0, 3.6), (0.1, 1.2, 0.3)),
     "vehicle.motorcycle": ((0.8, 2.1, 1.5), (0.08, 0.15, 0.1)),
@@ -334,6 +335,20 @@ class Camera:
             self._sky = _sky_colour(self.rays[..., 2] / np.linalg.norm(self.rays, axis=-1) * 3.0)
         return self._sky
 
+    @property
+    def ground(self):
+        """Where rays meet the ground z = 0: depth (H, W) (inf above the horizon), mask, ego x, y, haze."""
+        if not hasattr(self, "_ground"):
+            C, dz = self.translation.astype(np.float32), self.rays[..., 2]
+            with np.errstate(divide="ignore"):
+                t = np.where(dz < -1e-6, -C[2] / dz, np.inf).astype(np.float32)
+            m = np.isfinite(t)
+            gx = C[0] + t[m] * self.rays[..., 0][m]
+            gy = C[1] + t[m] * self.rays[..., 1][m]
+            haze = np.clip((t[m] - 60.0) / 250.0, 0, 0.7)[:, None]
+            self._ground = (t, m, gx, gy, haze)
+        return self._ground
+
     def project(self, pts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Ego points (..., 3) -> render-resolution (u, v) and camera depth (bev.geometry.ego_to_image)."""
         t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
@@ -483,14 +498,21 @@ def visible_objects(world: World, t: float, radius: float) -> list[int]:
     return out
 
 
-def render_camera(world: World, t: float, camera: str | Camera, objects: list[int] | None = None,
-                  scale: int = RENDER_SCALE, parts: list | None = None) -> tuple[np.ndarray, np.ndarray, dict[int, int]]:
-    """Ray-cast one camera of the ego at time t.
+class CameraRender(NamedTuple):
+    """One rendered camera, all at the render resolution (1600/scale x 900/scale)."""
 
-    Returns the image (H, W, 3) float32 RGB in [0, 1], the instance-id buffer (H, W) int32
-    (object index + 1 for annotated categories, 0 for ground, sky and buildings) at the render
-    resolution (1600/scale x 900/scale; map full-resolution pixels with Camera.post_rot /
-    post_tran), and {object index: pixels it would cover with nothing in front of it}.
+    image: np.ndarray  # (H, W, 3) float32 RGB in [0, 1]
+    ids: np.ndarray  # (H, W) int32: object index + 1 for annotated objects, 0 for ground, sky, buildings
+    depth: np.ndarray  # (H, W) float32 camera depth of the visible surface (inf for sky)
+    coverage: dict  # {object index: pixels it would cover with nothing in front of it}
+
+
+def render_camera(world: World, t: float, camera: str | Camera, objects: list[int] | None = None,
+                  scale: int = RENDER_SCALE, parts: list | None = None) -> CameraRender:
+    """Ray-cast one camera of the ego at time t (ego frame = the ego pose at t).
+
+    Full-resolution pixel coordinates map to the render resolution with the camera's
+    post_rot / post_tran (bev.data.render.downscale), e.g. through bev.geometry.ego_to_image.
     `objects` defaults to everything within RENDER_RANGE; `parts` (from render_sample) skips
     recomputing the ego-frame boxes per camera.
     """
@@ -501,23 +523,14 @@ def render_camera(world: World, t: float, camera: str | Camera, objects: list[in
     H, W = cam.shape
     C = cam.translation.astype(np.float32)
 
-    # Ground plane z = 0 and sky.
-    dz = rays[..., 2]
-    with np.errstate(divide="ignore"):
-        t_ground = np.where(dz < -1e-6, -C[2] / dz, np.inf).astype(np.float32)
-    ground = np.isfinite(t_ground)
-    gx = C[0] + t_ground[ground] * rays[..., 0][ground]
-    gy = C[1] + t_ground[ground] * rays[..., 1][ground]
-    # ego -> road coordinates
+    # Ground plane z = 0 (fixed per camera) textured in road coordinates, sky above.
+    t_ground, ground, gx, gy, haze = cam.ground
     s_e, l_e, yaw_e = world.ego_road(t)
     cy, sy = math.cos(yaw_e), math.sin(yaw_e)
-    s = s_e + cy * gx - sy * gy
+    s = s_e + cy * gx - sy * gy  # ego -> road coordinates
     l = l_e + sy * gx + cy * gy
-    img = np.empty((H, W, 3), np.float32)
-    img[:] = cam.sky
-    gcol = _ground_colour(s, l)
-    haze = np.clip((t_ground[ground] - 60.0) / 250.0, 0, 0.7)[:, None]
-    img[ground] = gcol * (1 - haze) + np.array([0.72, 0.78, 0.85], np.float32) * haze
+    img = cam.sky.copy()
+    img[ground] = _ground_colour(s, l) * (1 - haze) + np.array([0.72, 0.78, 0.85], np.float32) * haze
     zbuf = t_ground.copy()
     ids = np.zeros((H, W), np.int32)
 
@@ -570,7 +583,7 @@ def render_camera(world: World, t: float, camera: str | Camera, objects: list[in
         img[r0:r1, c0:c1][front] = cols[face]
         ids[r0:r1, c0:c1][front] = i + 1 if world.objects[i].category else 0
     coverage = {i: int(np.count_nonzero(m)) for i, m in own.items()}
-    return img, ids, coverage
+    return CameraRender(img, ids, zbuf, coverage)
 
 
 def visibility_level(visible: int, unoccluded: int) -> str:
@@ -580,15 +593,15 @@ def visibility_level(visible: int, unoccluded: int) -> str:
 
 
 def render_sample(world: World, t: float, scale: int = RENDER_SCALE):
-    """All six cameras: ({camera: (image, ids)}, {object index: (visible px, unoccluded px)})."""
+    """All six cameras: ({camera: CameraRender}, {object index: (visible px, unoccluded px) summed over cameras})."""
     objects = visible_objects(world, t, RENDER_RANGE)
     parts = _object_parts_ego(world, t, objects)
     out, counts = {}, {}
     for name in CAMERA_NAMES:
-        img, ids, cov = render_camera(world, t, name, objects, scale, parts)
-        out[name] = (img, ids)
-        vis = np.bincount(ids.ravel(), minlength=len(world.objects) + 1)
-        for i, n in cov.items():
+        r = render_camera(world, t, name, objects, scale, parts)
+        out[name] = r
+        vis = np.bincount(r.ids.ravel(), minlength=len(world.objects) + 1)
+        for i, n in r.coverage.items():
             v, u = counts.get(i, (0, 0))
             counts[i] = (v + int(vis[i + 1]), u + n)
     return out, counts

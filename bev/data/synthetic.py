@@ -144,8 +144,9 @@ def _worker_init() -> None:
 def lidar_points(world: render.World, t: float, annotated: list[int], counts: dict, rng: np.random.Generator):
     """A small LIDAR_TOP cloud (N, 5: x, y, z, intensity, ring) in the lidar frame, and points per object.
 
-    Ground rings plus, for each annotated object, points inside its box in proportion to its
-    visible pixels, so num_lidar_pts is the true count of points in the box.
+    Ground rings (minus the ground under objects) plus, for each annotated object, points
+    inside its box in proportion to its visible pixels; num_lidar_pts is then the true count
+    of cloud points in each box.
     """
     ego_t, ego_yaw = world.ego_pose(t)
     c, s = math.cos(ego_yaw), math.sin(ego_yaw)
@@ -153,23 +154,25 @@ def lidar_points(world: render.World, t: float, annotated: list[int], counts: di
     rings = np.arange(32)
     r = 3.0 * 1.09 ** rings  # 3 m .. ~45 m
     az = np.linspace(-math.pi, math.pi, 64, endpoint=False)
-    pts = [np.stack([np.outer(r, np.cos(az)).ravel(), np.outer(r, np.sin(az)).ravel(), np.zeros(r.size * az.size),
-                     np.full(r.size * az.size, 10.0), np.repeat(rings, az.size).astype(np.float64)], -1)]
-    per_obj = {}
+    ground = np.stack([np.outer(r, np.cos(az)).ravel(), np.outer(r, np.sin(az)).ravel(), np.zeros(r.size * az.size),
+                       np.full(r.size * az.size, 10.0), np.repeat(rings, az.size).astype(np.float64)], -1)
+    boxes, pts = [], []
     for i in annotated:
         obj = world.objects[i]
-        n = int(min(200, counts.get(i, (0, 0))[0] // 25))
-        per_obj[i] = n
-        if n == 0:
-            continue
         centre, yaw = world.object_global(obj, t)
-        w, l, h = obj.size
-        local = rng.uniform(-0.45, 0.45, (n, 3)) * np.array([l, w, h])  # strictly inside the box
-        cy, sy = math.cos(yaw), math.sin(yaw)
-        R = np.array([[cy, -sy, 0], [sy, cy, 0], [0, 0, 1.0]])
-        ego = (local @ R.T + centre - ego_t) @ R_ge
-        pts.append(np.concatenate([ego, np.full((n, 1), 60.0), rng.integers(0, 32, (n, 1))], 1))
-    cloud = np.concatenate(pts)
+        a = yaw - ego_yaw
+        R = np.array([[math.cos(a), -math.sin(a), 0], [math.sin(a), math.cos(a), 0], [0, 0, 1.0]])  # object -> ego
+        c_ego = R_ge.T @ (centre - ego_t)
+        half = np.array([obj.size[1], obj.size[0], obj.size[2]]) / 2
+        boxes.append((i, R, c_ego, half))
+        n = int(min(200, counts.get(i, (0, 0))[0] // 25))
+        local = rng.uniform(-0.9, 0.9, (n, 3)) * half  # strictly inside the box
+        pts.append(np.concatenate([local @ R.T + c_ego, np.full((n, 1), 60.0), rng.integers(0, 32, (n, 1))], 1))
+    inside = lambda p, R, c, h, margin: np.all(np.abs((p[:, :3] - c) @ R) <= h + margin, axis=1)  # noqa: E731
+    for _, R, c, h in boxes:  # the lidar does not see the ground under an object
+        ground = ground[~inside(ground, R, c, h, 0.05)]
+    cloud = np.concatenate([ground] + pts)
+    per_obj = {i: int(inside(cloud, R, c, h, 0.0).sum()) for i, R, c, h in boxes}
     R_l = quaternion_to_matrix(LIDAR_ROTATION)
     cloud[:, :3] = (cloud[:, :3] - np.array(LIDAR_TRANSLATION)) @ R_l  # ego -> lidar: R^T (p - t)
     return cloud.astype(np.float32), per_obj
@@ -182,7 +185,7 @@ def _render_task(task):
     t = sample * SAMPLE_DT
     images, counts = render.render_sample(world, t)
     for name in CAMERA_NAMES:
-        img = (images[name][0] * 255.0 + 0.5).clip(0, 255).astype(np.uint8)
+        img = (images[name].image * 255.0 + 0.5).clip(0, 255).astype(np.uint8)
         big = cv2.resize(img, (IMAGE_W, IMAGE_H), interpolation=cv2.INTER_LINEAR)
         ok, buf = cv2.imencode(".jpg", big[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, JPEG_QUALITY])
         if not ok:
