@@ -28,7 +28,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from bev.data.rasterize import box_footprints, rasterize_boxes
-from bev.data.transforms import normalize_image, sample_augmentation, warp_image
+from bev.data.transforms import normalize_array, sample_augmentation, warp_image
 from bev.geometry import CAMERA_NAMES, Grid, quaternion_to_matrix
 
 TABLES = (
@@ -300,6 +300,8 @@ class NuScenesBEVDataset(Dataset):
     None scales that range to final_dim.
     """
 
+    use_draft = True  # decode JPEGs at 1/2, 1/4, 1/8 DCT scale when the output allows (exact geometry)
+
     def __init__(
         self,
         dataroot: str | os.PathLike,
@@ -350,7 +352,7 @@ class NuScenesBEVDataset(Dataset):
         a, b = self.index["box_offsets"][i], self.index["box_offsets"][i + 1]
         return {k[4:]: self.index[k][a:b] for k in self.index if k.startswith("box_") and k != "box_offsets"}
 
-    def load_image(self, i: int, cam: int, train: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def load_image(self, i: int, cam: int, train: bool) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
         path = os.path.join(self.dataroot, self.index["image_path"][i, cam])
         try:
             img = Image.open(path)
@@ -360,7 +362,7 @@ class NuScenesBEVDataset(Dataset):
             (img.size[1], img.size[0]), self.final_dim, train, self.resize_lim, self.bot_pct_lim, self.rot_lim, self.rand_flip
         )
         post_rot, post_tran = aug.post_rot_tran()
-        return normalize_image(warp_image(img, aug)), post_rot, post_tran
+        return normalize_array(warp_image(img, aug, self.use_draft)), post_rot, post_tran
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         if not -len(self) <= i < len(self):
@@ -376,7 +378,7 @@ class NuScenesBEVDataset(Dataset):
         box = self.boxes(i)
         bev, vis = rasterize_boxes(box["footprint"], box["label"], box["visibility"], self.grid, self.num_classes)
         return {
-            "images": torch.stack(imgs),
+            "images": torch.from_numpy(np.stack(imgs)),
             "intrinsics": torch.from_numpy(self.index["intrinsics"][i, cams]),
             "rots": torch.from_numpy(self.index["rots"][i, cams]),
             "trans": torch.from_numpy(self.index["trans"][i, cams]),

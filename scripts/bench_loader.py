@@ -1,0 +1,125 @@
+#!/usr/bin/env python
+"""Loader benchmark: samples/s of NuScenesBEVDataset through a DataLoader for 0, 2, 4 workers.
+
+    .venv/bin/python scripts/bench_loader.py [--dataroot DIR] [--split mini_train]
+
+Without --dataroot it writes a small synthetic nuScenes-format set to a temp folder. Each run
+times `--batches` batches after one warm-up batch (worker start-up is reported separately),
+with the training augmentation (6 full-HD JPEGs per sample). It also times single-process
+decoding with and without JPEG draft (DCT-scaled) decoding. Writes JSON to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from bev.data import NuScenesBEVDataset
+
+
+def time_loader(ds, workers: int, batch_size: int, batches: int) -> dict:
+    dl = DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, drop_last=False,
+                    persistent_workers=workers > 0)
+    t0 = time.perf_counter()
+    it = iter(dl)
+    n = 0
+    first = None
+    while n < batches + 1:
+        try:
+            batch = next(it)
+        except StopIteration:  # small split: start another epoch (persistent workers stay up)
+            it = iter(dl)
+            continue
+        if first is None:
+            first = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            samples = 0
+        else:
+            samples += batch["images"].shape[0]
+        n += 1
+    dt = time.perf_counter() - t1
+    del it, dl
+    return {"workers": workers, "samples": samples, "seconds": round(dt, 3), "samples_per_s": round(samples / dt, 2),
+            "first_batch_s": round(first, 3)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dataroot", default=None, help="nuScenes-format root (default: write a synthetic one)")
+    p.add_argument("--version", default="v1.0-mini")
+    p.add_argument("--split", default="mini_train")
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 2, 4])
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--batches", type=int, default=10, help="timed batches per setting")
+    p.add_argument("--final-dim", type=int, nargs=2, default=[128, 352])
+    p.add_argument("--out", default="benchmarks/results/bench_loader_cpu.json")
+    a = p.parse_args(argv)
+
+    tmp = None
+    dataroot = a.dataroot
+    if dataroot is None:
+        from bev.data import make_synthetic
+
+        tmp = tempfile.TemporaryDirectory(prefix="bench_loader_")
+        t = time.perf_counter()
+        dataroot = str(make_synthetic(Path(tmp.name) / "nuscenes", scenes=2, samples_per_scene=8, seed=0, progress=False))
+        print(f"synthetic dataset (2 scenes x 8 samples) written in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    cache = tempfile.TemporaryDirectory(prefix="bench_cache_")
+    t = time.perf_counter()
+    ds = NuScenesBEVDataset(dataroot, version=a.version, split=a.split, final_dim=a.final_dim, augment=True,
+                            resize_lim=None, cache_dir=cache.name)
+    index_s = time.perf_counter() - t
+    t = time.perf_counter()
+    NuScenesBEVDataset(dataroot, version=a.version, split=a.split, cache_dir=cache.name, verbose=False)
+    cached_s = time.perf_counter() - t
+
+    torch.manual_seed(0)
+    decode = {}
+    for draft in (True, False):
+        ds.use_draft = draft
+        ds[0]
+        t = time.perf_counter()
+        n = min(len(ds), 8)
+        for i in range(n):
+            ds[i]
+        decode["draft" if draft else "full_decode"] = round(n / (time.perf_counter() - t), 2)
+    ds.use_draft = True
+
+    results = []
+    for w in a.workers:
+        r = time_loader(ds, w, a.batch_size, a.batches)
+        print(f"workers={w}: {r['samples_per_s']:.2f} samples/s (first batch {r['first_batch_s']:.2f}s)", file=sys.stderr)
+        results.append(r)
+
+    report = {
+        "benchmark": "bev.data.NuScenesBEVDataset via torch DataLoader, training augmentation",
+        "dataset": "synthetic (bev.data.make_synthetic)" if tmp else dataroot,
+        "version": a.version, "split": a.split, "samples_in_split": len(ds), "batch_size": a.batch_size,
+        "final_dim": list(a.final_dim), "cameras": 6, "raw_image": "1600x900 JPEG",
+        "index_build_s": round(index_s, 3), "index_from_cache_s": round(cached_s, 3),
+        "single_process_samples_per_s": decode,
+        "loader": results,
+        "host": {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                 "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+                 "python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine()},
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp_out = out.with_suffix(".json.tmp")
+    tmp_out.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp_out, out)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
