@@ -41,8 +41,9 @@ CURB = 9.5
 SIDEWALK_END = 14.0
 BUILDING_START = 17.0
 
-# Part kinds: how a part's faces are coloured.
-SOLID, CABIN, DARK = 0, 1, 2
+# Part kinds: how a part's faces are coloured. CABIN: side windows framed by painted pillars
+# and a painted roof; WINDOWS: a band of bus windows with mullions.
+SOLID, CABIN, DARK, WINDOWS = 0, 1, 2, 3
 
 
 @lru_cache(maxsize=1)
@@ -152,7 +153,7 @@ def _parts(category: str, size, rng: np.random.Generator) -> list:
     z0 = -h / 2  # ground level in the object frame
     if category == "vehicle.car":
         paint = _vehicle_colour(rng)
-        body_h = 0.55 * h
+        body_h = 0.58 * h
         return [
             _box(0, 0, z0 + 0.2, 0.92 * w, 0.8 * l, 0.4, TYRE, DARK),
             _box(0, 0, z0 + 0.3 + (body_h - 0.3) / 2, w, l, body_h - 0.3, paint),
@@ -172,7 +173,7 @@ def _parts(category: str, size, rng: np.random.Generator) -> list:
         return [
             _box(0, 0, z0 + 0.25, 0.9 * w, 0.85 * l, 0.5, TYRE, DARK),
             _box(0, 0, z0 + 0.4 + 0.25 * (h - 0.4), w, l, 0.5 * (h - 0.4), paint),
-            _box(0, 0, z0 + 0.4 + 0.65 * (h - 0.4), 0.98 * w, 0.98 * l, 0.3 * (h - 0.4), paint, CABIN),
+            _box(0, 0, z0 + 0.4 + 0.65 * (h - 0.4), 0.98 * w, 0.98 * l, 0.3 * (h - 0.4), paint, WINDOWS),
             _box(0, 0, z0 + 0.4 + 0.9 * (h - 0.4), w, l, 0.2 * (h - 0.4), paint),
         ]
     if category == "vehicle.trailer":
@@ -246,13 +247,13 @@ def build_world(seed: int, scene: int, samples: int) -> World:
             o.s0 = s + half
             if not (lane_l == ego_l and abs(o.s0) < half + 7.0):  # keep clear of the ego
                 objects.append(o)
-            s += o.size[1] + rng.uniform(3.0, 16.0)
+            s += o.size[1] + rng.uniform(8.0, 30.0)
 
     # Parked vehicles in the parking lanes; cones and barriers in some gaps.
     for side in (-1, 1):
         s = -reach + rng.uniform(0, 5)
         while s < ego_end + reach:
-            if rng.random() < 0.78:
+            if rng.random() < 0.45:
                 cat = _choice(rng, PARKED_MIX)
                 yaw = (0.0 if side < 0 else math.pi) + rng.normal(0, 0.04)
                 attr = "cycle.without_rider" if cat == "vehicle.motorcycle" else "vehicle.parked"
@@ -262,7 +263,7 @@ def build_world(seed: int, scene: int, samples: int) -> World:
                     o.parts = _parts(cat, o.size, rng)
                 o.s0 = s + o.size[1] / 2
                 objects.append(o)
-                s += o.size[1] + rng.uniform(0.8, 5.0)
+                s += o.size[1] + rng.uniform(1.5, 8.0)
             else:
                 gap = rng.uniform(4.0, 10.0)
                 kind = rng.random()
@@ -400,7 +401,7 @@ def _ground_colour(s: np.ndarray, l: np.ndarray) -> np.ndarray:
     al = np.abs(l)
     noise = _hash(np.floor(s * 2), np.floor(l * 2)).astype(np.float32)
     col = np.empty(s.shape + (3,), np.float32)
-    asphalt = 0.3 + 0.04 * noise
+    asphalt = 0.3 + 0.025 * noise
     col[...] = asphalt[..., None]
     park = (al > PARKING_EDGE) & (al <= CURB)
     col[park] = (asphalt[park] + 0.03)[:, None]
@@ -445,13 +446,11 @@ def _object_parts_ego(world: World, t: float, obj_indices) -> tuple[list, np.nda
             # Face order: -x, +x, -y, +y, -z, +z (axis * 2 + positive side).
             normals = np.concatenate([-R.T, R.T], axis=0)[[0, 3, 1, 4, 2, 5]]
             shade = 0.45 + 0.55 * np.clip(normals @ sun_ego, 0, None)
-            cols = np.tile(np.asarray(rgb, np.float64), (6, 1))
-            if kind == CABIN:  # glass all round, painted roof
-                cols[:4] = GLASS
-            cols = cols * shade[:, None]
-            if kind == CABIN:
-                cols[:4] += 0.12 * np.clip(normals[:4] @ sun_ego, 0, None)[:, None]  # a glint on the glass
-            parts.append((i, R, c_ego + R @ pc, half, cols.astype(np.float32)))
+            # Rows 0-5: paint per face; rows 6-11: glass per face (used by CABIN / WINDOWS parts).
+            cols = np.concatenate([np.tile(np.asarray(rgb, np.float64), (6, 1)), np.tile(GLASS, (6, 1))])
+            cols = cols * np.tile(shade, 2)[:, None]
+            cols[6:] += 0.12 * np.clip(normals @ sun_ego, 0, None)[:, None]  # a glint on the glass
+            parts.append((i, R, c_ego + R @ pc, half, cols.astype(np.float32), kind))
     return parts
 
 
@@ -460,7 +459,7 @@ def _part_rects(cam: Camera, parts: list) -> np.ndarray:
     if not parts:
         return np.zeros((0, 4), np.int64)
     signs = np.array([[x, y, z] for x in (-1, 1) for y in (-1, 1) for z in (-1, 1)], np.float64)
-    corners = np.stack([c + (signs * h) @ R.T for _, R, c, h, _ in parts])  # (P, 8, 3)
+    corners = np.stack([c + (signs * h) @ R.T for _, R, c, h, *_ in parts])  # (P, 8, 3)
     # Camera depth is affine along an edge, so edges crossing the near plane are cut there.
     edges = np.array([(a, b) for a in range(8) for b in range(a + 1, 8) if np.sum(signs[a] != signs[b]) == 1])
     depth = (corners - cam.translation) @ cam.rotation[:, 2]
@@ -484,6 +483,18 @@ def _part_rects(cam: Camera, parts: list) -> np.ndarray:
     rects[:, 2:4] = np.clip(rects[:, 2:4], 0, W)
     rects[~valid.any(1)] = 0  # entirely behind the camera
     return rects
+
+
+def _glass(face: np.ndarray, p: list, half: np.ndarray, kind: int) -> np.ndarray:
+    """Which hit points (part frame) on the side faces are window glass rather than paint."""
+    side = face < 4
+    along = np.where(face < 2, p[1], p[0])  # horizontal coordinate on the hit face
+    half_along = np.where(face < 2, half[1], half[0])
+    z_ok = np.abs(p[2]) < half[2] - 0.06
+    if kind == CABIN:
+        return side & z_ok & (np.abs(along) < half_along - 0.14)
+    mullion = (along % 1.6) < 0.16
+    return side & z_ok & ~mullion & (np.abs(along) < half_along - 0.25)
 
 
 def visible_objects(world: World, t: float, radius: float) -> list[int]:
@@ -546,7 +557,7 @@ def render_camera(world: World, t: float, camera: str | Camera, objects: list[in
             b[:] = [min(b[0], r0), max(b[1], r1), min(b[2], c0), max(b[3], c1)]
     own = {i: np.zeros((b[1] - b[0], b[3] - b[2]), bool) for i, b in boxes.items()}
     rx, ry, rz = cam.planes
-    for (i, R, c, half, cols), (r0, r1, c0, c1) in zip(parts, rects):
+    for (i, R, c, half, cols, kind), (r0, r1, c0, c1) in zip(parts, rects):
         if r1 <= r0 or c1 <= c0:
             continue
         # Slab test in the part frame, one axis at a time on 2-D planes (fast in numpy).
@@ -579,6 +590,8 @@ def render_camera(world: World, t: float, camera: str | Camera, objects: list[in
         for k in range(3):
             on = lo_axes[k][front] == tn
             face[on] = 2 * k + (d_axes[k][front][on] < 0)
+        if kind in (CABIN, WINDOWS):
+            face = face + 6 * _glass(face, [o[k] + tn * d_axes[k][front] for k in range(3)], half, kind)
         zbuf[r0:r1, c0:c1][front] = tn
         img[r0:r1, c0:c1][front] = cols[face]
         ids[r0:r1, c0:c1][front] = i + 1 if world.objects[i].category else 0

@@ -219,9 +219,8 @@ def _check_out(out: Path, overwrite: bool) -> None:
                 shutil.rmtree(out / sub)
 
 
-def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = DEFAULT_SAMPLES, seed: int = 0,
-                   overwrite: bool = False, workers: int = 2, progress: bool = True) -> Path:
-    """Write the synthetic nuScenes-format dataset to `out` and return its path (the dataroot)."""
+def _validate(scenes, samples_per_scene, seed, workers) -> list[str]:
+    """Check the arguments (clear errors, nothing written); return the scene names."""
     for name, v in (("scenes", scenes), ("samples_per_scene", samples_per_scene), ("seed", seed), ("workers", workers)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
             raise TypeError(f"{name} must be an integer, got {v!r}")
@@ -229,7 +228,18 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
         raise ValueError(f"samples_per_scene must be >= 1, got {samples_per_scene}")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    names = scene_names(int(scenes))
+    return scene_names(int(scenes))
+
+
+def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = DEFAULT_SAMPLES, seed: int = 0,
+                   overwrite: bool = False, workers: int = 2, progress: bool = True) -> Path:
+    """Write the synthetic nuScenes-format dataset to `out` and return its path (the dataroot).
+
+    `out` must not exist or be empty unless overwrite=True, which replaces only what this
+    writer creates there (v1.0-mini/, samples/, sweeps/, maps/). `workers` render processes
+    share the samples; the result is identical for any number of workers.
+    """
+    names = _validate(scenes, samples_per_scene, seed, workers)
     out = Path(out)
     _check_out(out, overwrite)
     rig = load_rig()
@@ -291,6 +301,8 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
                           files["LIDAR_TOP"], annotated))
 
     results = {}
+    for ch in CAMERA_NAMES:  # per-camera rays, computed once and inherited by forked workers
+        render.make_camera(ch)
     bar = tqdm(total=len(tasks), desc="bev-make-synthetic", unit="sample", disable=not progress)
     if workers > 1 and len(tasks) > 1:
         with mp.get_context("fork").Pool(min(workers, len(tasks)), initializer=_worker_init) as pool:
@@ -371,11 +383,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
     args = p.parse_args(argv)
     start = time.time()
-    try:
-        out = make_synthetic(args.out, args.scenes, args.samples_per_scene, args.seed, overwrite=args.overwrite,
-                             workers=args.workers)
+    try:  # usage errors only: a failure while writing keeps its traceback
+        _validate(args.scenes, args.samples_per_scene, args.seed, args.workers)
+        _check_out(Path(args.out), args.overwrite)
     except (ValueError, TypeError, FileExistsError) as e:
         p.error(str(e))
+    out = make_synthetic(args.out, args.scenes, args.samples_per_scene, args.seed, overwrite=args.overwrite,
+                         workers=args.workers)
     print(f"wrote {args.scenes} scenes x {args.samples_per_scene} samples to {out} in {time.time() - start:.1f} s",
           file=sys.stderr)
     return 0
