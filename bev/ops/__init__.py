@@ -75,7 +75,7 @@ def voxel_sum(feats: torch.Tensor, coords: torch.Tensor, grid_shape, *, backend:
     grid_shape = check_grid_shape(grid_shape)
     native = _use_native(backend, feats.device)
     keys = flat_keys(coords[:, 0], coords[:, 1:], grid_shape)
-    plan = make_plan(keys, grid_shape, (feats.shape[0],), native and keys.device.type == "cpu")
+    plan = make_plan(keys, grid_shape, (feats.shape[0],), native)
     feats = feats.contiguous()
     if native:
         return torch.ops.bev.voxel_sum(feats, plan.order, plan.offsets, list(grid_shape))
@@ -97,7 +97,7 @@ def bev_pool_plan(coords: torch.Tensor, grid_shape, *, backend: str = "auto") ->
     B = coords.shape[0]
     batch = torch.arange(B, device=coords.device).view(B, 1, 1, 1, 1)
     keys = flat_keys(batch, coords, grid_shape)
-    return make_plan(keys, grid_shape, tuple(coords.shape[:5]), native and keys.device.type == "cpu")
+    return make_plan(keys, grid_shape, tuple(coords.shape[:5]), native)
 
 
 def bev_pool(
