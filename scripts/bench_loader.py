@@ -26,7 +26,7 @@ from bev.data import NuScenesBEVDataset
 
 
 def time_loader(ds, workers: int, batch_size: int, batches: int) -> dict:
-    dl = DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, drop_last=False,
+    dl = DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, drop_last=len(ds) >= batch_size,
                     persistent_workers=workers > 0)
     t0 = time.perf_counter()
     it = iter(dl)

@@ -240,6 +240,9 @@ def test_cache_is_reused_without_the_devkit_and_rebuilt_when_stale(tiny_copy, mo
     monkeypatch.setattr(devkit, "NuScenes", boom)
     second = _ds(tiny_copy, split="mini_train")
     assert torch.equal(second[1]["bev"], first[1]["bev"]) and second[1]["sample_token"] == first[1]["sample_token"]
+    # DataLoader workers read only the index (they would inherit the failing devkit here).
+    batches = list(torch.utils.data.DataLoader(second, batch_size=1, num_workers=2))
+    assert [b["sample_token"][0] for b in batches] == ["s0-0", "s0-1"]
 
     # Touching a table (new mtime) makes the cache stale: rebuilt from the devkit.
     monkeypatch.setattr(devkit, "NuScenes", counting)
@@ -404,3 +407,17 @@ def test_synthetic_bev_matches_devkit_boxes(synthetic_root, nusc_syn, tmp_path):
         # Exact up to cells whose centre is within float rounding of a footprint edge.
         assert (got != expected).sum() <= 2, (got != expected).sum()
         assert expected.sum() > 0
+
+
+def test_bench_loader_script(synthetic_root, tmp_path):
+    import json
+    import runpy
+
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "bench_loader.py"))
+    out = tmp_path / "bench.json"
+    assert bench["main"](["--dataroot", str(synthetic_root), "--workers", "0", "2", "--batches", "2",
+                          "--batch-size", "2", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [x["workers"] for x in r["loader"]] == [0, 2]
+    assert all(x["samples"] == 4 and x["samples_per_s"] > 0 for x in r["loader"])
+    assert r["samples_in_split"] == 3 and not (synthetic_root / ".bev_cache").exists()
