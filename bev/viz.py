@@ -107,6 +107,11 @@ def render_figure(sample: Mapping[str, Any], pred: Any = None, grid: Grid | None
     cams = camera_grid(s["images"], s.get("cam_ids"))
     target = _np(s["bev"])
     target = target.max(axis=0) if target.ndim == 3 else target
+    if grid is None and s.get("bev_bounds") is not None:
+        b = s["bev_bounds"]
+        b = b.detach().cpu().double().numpy() if isinstance(b, torch.Tensor) else np.asarray(b, dtype=np.float64)
+        xb, yb = (tuple(float(v) for v in row) for row in b.reshape(2, 3))
+        grid = Grid(xbound=xb, ybound=yb)
     g = _grid_for(target.shape, grid)
     npanels = 1 if pred is None else 3
     fig = Figure(figsize=(12, 4.2 + 3.2), dpi=100)

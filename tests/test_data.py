@@ -61,11 +61,12 @@ def test_shapes_and_dtypes(tiny_root, augment):
     assert shapes == {
         "images": (6, 3, 128, 352), "intrinsics": (6, 3, 3), "rots": (6, 3, 3), "trans": (6, 3),
         "post_rots": (6, 3, 3), "post_trans": (6, 3), "cam_ids": (6,), "bev": (1, 200, 200),
-        "visibility": (200, 200),
+        "visibility": (200, 200), "bev_bounds": (2, 3),
     }
     for k in ("images", "intrinsics", "rots", "trans", "post_rots", "post_trans", "bev"):
         assert s[k].dtype == torch.float32, k
     assert s["visibility"].dtype == torch.uint8 and s["cam_ids"].tolist() == list(range(6))
+    assert s["bev_bounds"].tolist() == [[-50.0, 50.0, 0.5], [-50.0, 50.0, 0.5]]
     assert isinstance(s["sample_token"], str) and s["sample_token"] == "s0-0"
     # ImageNet normalisation: de-normalised values lie in [0, 1]
     rgb = s["images"] * torch.tensor(IMAGENET_STD).view(3, 1, 1) + torch.tensor(IMAGENET_MEAN).view(3, 1, 1)

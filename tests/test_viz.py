@@ -9,7 +9,9 @@ from PIL import Image
 from bev.data.gallery import main as gallery_main
 from bev.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from bev.geometry import Grid
-from bev.viz import FN_COLOR, FP_COLOR, TP_COLOR, bev_to_display, camera_grid, error_map, render_sample, save_sample_png
+from bev.viz import (
+    FN_COLOR, FP_COLOR, TP_COLOR, bev_to_display, camera_grid, error_map, render_figure, render_sample, save_sample_png,
+)
 
 
 def _sample(X=200, Y=200, ncam=6, H=32, W=88):
@@ -78,3 +80,11 @@ def test_gallery_cli(synthetic_root, tmp_path, capsys):
     assert out.is_file() and capsys.readouterr().out.strip() == str(out)
     assert gallery_main(["--dataroot", str(tmp_path / "missing"), "--out", str(out)]) == 2
     assert "nuscenes.org/download" in capsys.readouterr().err
+
+
+def test_bev_axes_follow_the_sample_grid():
+    s = _sample(X=400, Y=200)  # x [-10, 30, 0.1], y [-10, 10, 0.1]: not the default grid
+    s["bev_bounds"] = torch.tensor([[-10.0, 30.0, 0.1], [-10.0, 10.0, 0.1]], dtype=torch.float64)
+    ax = render_figure(s).axes[1]
+    assert ax.get_ylim() == pytest.approx((-10.0, 30.0))  # x forward, up
+    assert ax.get_xlim() == pytest.approx((10.0, -10.0))  # y left, to the left

@@ -292,7 +292,8 @@ class NuScenesBEVDataset(Dataset):
       (Ncam, 3) the image augmentation (bev.geometry convention); cam_ids (Ncam,) int64 indices
       into CAMERA_NAMES; bev (K, X, Y) float32 {0, 1} (K = 1 for a list of prefixes, K groups
       for a list of lists); visibility (X, Y) uint8, highest nuScenes visibility level (1-4)
-      of the target boxes covering a cell, 0 where none; sample_token str.
+      of the target boxes covering a cell, 0 where none; bev_bounds (2, 3) float64 the grid's
+      x and y [lo, hi, step]; sample_token str.
     A cell is filled when its centre lies in a box footprint (bev.data.rasterize).
     With augment=False images get the deterministic LSS resize + crop and all 6 cameras;
     with augment=True and ncams < 6 a random subset of ncams cameras (kept in camera order).
@@ -333,6 +334,8 @@ class NuScenesBEVDataset(Dataset):
         self.ncams = int(ncams)
         self.groups = normalize_categories(categories)
         self.index = load_index(self.dataroot, version, split, self.groups, cache_dir, verbose=verbose)
+        # [[xlo, xhi, xstep], [ylo, yhi, ystep]] with every sample, so pictures need no grid plumbing.
+        self._bounds = torch.tensor([self.grid.xbound, self.grid.ybound], dtype=torch.float64)
 
     @property
     def num_classes(self) -> int:
@@ -387,5 +390,6 @@ class NuScenesBEVDataset(Dataset):
             "cam_ids": torch.from_numpy(cams.astype(np.int64)),
             "bev": torch.from_numpy(bev),
             "visibility": torch.from_numpy(vis),
+            "bev_bounds": self._bounds,
             "sample_token": str(self.index["sample_token"][i]),
         }
