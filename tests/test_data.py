@@ -307,6 +307,14 @@ def test_image_removed_after_the_cache_was_built(tiny_copy):
         ds[0]
 
 
+def test_corrupt_image_names_the_file(tiny_copy):
+    ds = _ds(tiny_copy, split="mini_train")
+    bad = tiny_copy / "samples" / "CAM_FRONT" / "s0-0__CAM_FRONT.jpg"
+    bad.write_bytes(bad.read_bytes()[:200])
+    with pytest.raises(OSError, match="s0-0__CAM_FRONT.jpg"):
+        ds[0]
+
+
 def test_unknown_split(tiny_root):
     with pytest.raises(ValueError, match="unknown nuScenes split 'minitrain'.*mini_train"):
         _ds(tiny_root, split="minitrain")

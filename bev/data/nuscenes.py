@@ -82,7 +82,8 @@ def check_dataroot(dataroot: str | os.PathLike, version: str) -> Path:
     """Validate the layout; return the table folder. Raises FileNotFoundError with a fix."""
     root = Path(dataroot).expanduser()
     if not root.is_dir():
-        raise FileNotFoundError(f"nuScenes dataroot {str(root)!r} does not exist. {_HOWTO}")
+        what = "is a file, not a folder" if root.exists() else "does not exist"
+        raise FileNotFoundError(f"nuScenes dataroot {str(root)!r} {what}. {_HOWTO}")
     table_root = root / version
     if not table_root.is_dir():
         found = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("v1.0"))
@@ -358,14 +359,18 @@ class NuScenesBEVDataset(Dataset):
     def load_image(self, i: int, cam: int, train: bool) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
         path = os.path.join(self.dataroot, self.index["image_path"][i, cam])
         try:
-            img = Image.open(path)
+            with Image.open(path) as img:
+                aug = sample_augmentation(
+                    (img.size[1], img.size[0]), self.final_dim, train, self.resize_lim, self.bot_pct_lim, self.rot_lim,
+                    self.rand_flip,
+                )
+                out = normalize_array(warp_image(img, aug, self.use_draft))
         except FileNotFoundError:
             raise FileNotFoundError(f"camera image {path!r} is missing (listed in {self.version} sample_data). {_HOWTO}") from None
-        aug = sample_augmentation(
-            (img.size[1], img.size[0]), self.final_dim, train, self.resize_lim, self.bot_pct_lim, self.rot_lim, self.rand_flip
-        )
+        except OSError as e:  # truncated / corrupt JPEG: name the file
+            raise OSError(f"cannot decode camera image {path!r} ({e}); re-download or regenerate it") from e
         post_rot, post_tran = aug.post_rot_tran()
-        return normalize_array(warp_image(img, aug, self.use_draft)), post_rot, post_tran
+        return out, post_rot, post_tran
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         if not -len(self) <= i < len(self):
