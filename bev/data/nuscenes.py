@@ -43,8 +43,8 @@ _HOWTO = (
     "into DATAROOT, or write a synthetic nuScenes-format set with `bev-make-synthetic --out DIR`."
 )
 
-# Scenes per split; NuScenes' own list (imported lazily: it is cheap, but keeps import fast).
 def _split_scenes() -> dict[str, list[str]]:
+    """Scene names per split: the devkit's own lists (mini_train, mini_val, train, val, test, ...)."""
     from nuscenes.utils.splits import create_splits_scenes
 
     return create_splits_scenes(verbose=False)
@@ -119,7 +119,7 @@ def build_index(dataroot: str | os.PathLike, version: str, split: str, groups, v
 
     root = Path(dataroot)
     scenes_of_split = set(_split_scenes()[split])
-    nusc = NuScenes(version=version, dataroot=str(root), verbose=False)
+    nusc = NuScenes(version=version, dataroot=str(root), verbose=verbose)  # prints its table loading (slow for trainval)
     scenes = [s for s in nusc.scene if s["name"] in scenes_of_split]
     vis_level = {}
     for i, v in enumerate(sorted(nusc.visibility, key=lambda r: r["token"])):
@@ -143,12 +143,13 @@ def build_index(dataroot: str | os.PathLike, version: str, split: str, groups, v
                 if cam not in sample["data"]:
                     raise ValueError(f"sample {token} of {scene['name']} has no {cam} image")
                 sd = nusc.get("sample_data", sample["data"][cam])
-                Rc, tc = _pose(nusc.get("calibrated_sensor", sd["calibrated_sensor_token"]))
+                calib = nusc.get("calibrated_sensor", sd["calibrated_sensor_token"])
+                Rc, tc = _pose(calib)
                 Rce, tce = _pose(nusc.get("ego_pose", sd["ego_pose_token"]))
                 # camera -> ego(camera time) -> global -> ego(LIDAR_TOP time)
                 rots.append(Re.T @ Rce @ Rc)
                 trans.append(Re.T @ (Rce @ tc + tce - te))
-                intr.append(np.asarray(nusc.get("calibrated_sensor", sd["calibrated_sensor_token"])["camera_intrinsic"]))
+                intr.append(np.asarray(calib["camera_intrinsic"]))
                 paths.append(sd["filename"])
                 hws.append((sd["height"], sd["width"]))
             for ann_token in sample["anns"]:
