@@ -422,6 +422,25 @@ def _ground_colour(s: np.ndarray, l: np.ndarray) -> np.ndarray:
     return col
 
 
+# The road texture repeats every TEX_PERIOD metres along s (a multiple of the 9 m dash and
+# 1.5 m tile periods), so it is tabulated once at TEX_RES and looked up per pixel.
+TEX_PERIOD, TEX_RES, TEX_HALF_WIDTH = 36.0, 0.05, 40.0
+
+
+@lru_cache(maxsize=1)
+def _ground_texture() -> np.ndarray:
+    s = (np.arange(int(TEX_PERIOD / TEX_RES)) + 0.5) * TEX_RES
+    l = (np.arange(int(2 * TEX_HALF_WIDTH / TEX_RES)) + 0.5) * TEX_RES - TEX_HALF_WIDTH
+    return _ground_colour(*np.meshgrid(s, l, indexing="ij"))
+
+
+def _ground_lookup(s: np.ndarray, l: np.ndarray) -> np.ndarray:
+    tex = _ground_texture()
+    rows = ((s % TEX_PERIOD) * (1 / TEX_RES)).astype(np.int64) % tex.shape[0]
+    cols = np.clip(((l + TEX_HALF_WIDTH) * (1 / TEX_RES)).astype(np.int64), 0, tex.shape[1] - 1)
+    return tex[rows, cols]
+
+
 def _sky_colour(elev: np.ndarray) -> np.ndarray:
     e = np.clip(elev, 0, 1)[..., None]
     return (np.array([0.78, 0.85, 0.92], np.float32) * (1 - e) + np.array([0.35, 0.55, 0.85], np.float32) * e)
@@ -541,7 +560,7 @@ def render_camera(world: World, t: float, camera: str | Camera, objects: list[in
     s = s_e + cy * gx - sy * gy  # ego -> road coordinates
     l = l_e + sy * gx + cy * gy
     img = cam.sky.copy()
-    img[ground] = _ground_colour(s, l) * (1 - haze) + np.array([0.72, 0.78, 0.85], np.float32) * haze
+    img[ground] = _ground_lookup(s, l) * (1 - haze) + np.array([0.72, 0.78, 0.85], np.float32) * haze
     zbuf = t_ground.copy()
     ids = np.zeros((H, W), np.int32)
 
