@@ -101,7 +101,11 @@ def test_random_camera_subset_only_in_training(tiny_root):
 
 def test_splits_have_expected_scenes(tiny_root):
     assert set(_ds(tiny_root, split="mini_train").index["scene"]) == {"scene-0061"}
-    assert set(_ds(tiny_root, split="mini_val").index["scene"]) == {"scene-0103"}
+    val = _ds(tiny_root, split="mini_val")
+    assert set(val.index["scene"]) == {"scene-0103"}
+    box = val.boxes(0)  # target boxes only (no pedestrian), with their devkit names
+    assert sorted(box["category"].tolist()) == ["vehicle.bus.rigid", "vehicle.car", "vehicle.truck"]
+    assert all(t.startswith("inst1-") for t in box["instance"]) and box["footprint"].shape == (3, 4, 2)
 
 
 def _cells_in_box(grid: Grid, centre, wlh, R) -> np.ndarray:
@@ -196,8 +200,7 @@ def _check_projection(ds, nusc, i, aug_tol_px=0.05):
             u, v = uv[0].tolist()
             if 2 <= u < W - 3 and 2 <= v < H - 3 and 2 <= uv_raw[0] < 1597 and 2 <= uv_raw[1] < 897:
                 if raw is None:
-                    path = os.path.join(ds.dataroot, ds.index["image_path"][i, c])
-                    raw = np.asarray(Image.open(path).convert("RGB"))
+                    raw = np.asarray(Image.open(ds.image_path(i, c)).convert("RGB"))
                 diffs.append(np.abs(_bilinear(img[n], u, v) - _bilinear(raw, *uv_raw)).mean())
                 checked += 1
     return diffs, checked
