@@ -90,6 +90,21 @@ def test_files_exist_and_images_are_full_size(nusc, synthetic_root):
         assert m["mask"].mask().max() == 255  # the devkit reads the PNG and finds drivable area
 
 
+def test_ego_and_vehicles_drive_on_the_map(nusc):
+    for sample in nusc.sample:
+        scene = nusc.get("scene", sample["scene_token"])
+        log = nusc.get("log", scene["log_token"])
+        mask = nusc.get("map", log["map_token"])["mask"]
+        ego = nusc.get("ego_pose", nusc.get("sample_data", sample["data"]["LIDAR_TOP"])["ego_pose_token"])
+        assert mask.is_on_mask(ego["translation"][0], ego["translation"][1]).all()
+        anns = [nusc.get("sample_annotation", a) for a in sample["anns"]]
+        xy = np.array([a["translation"][:2] for a in anns if a["category_name"].startswith("vehicle.")])
+        inside = (xy > 0).all(1) & (xy < 500).all(1)  # the map covers [0, 500] m
+        assert mask.is_on_mask(xy[inside, 0], xy[inside, 1]).all()
+        people = np.array([a["translation"][:2] for a in anns if a["category_name"].startswith("human.")])
+        assert not mask.is_on_mask(people[:, 0], people[:, 1]).any()  # pedestrians stay on the sidewalks
+
+
 def test_tokens_link(nusc):
     for scene in nusc.scene:
         chain, tok, prev = [], scene["first_sample_token"], ""
@@ -349,3 +364,18 @@ def test_bundled_rig_is_the_real_rig():
     assert front["camera_intrinsic"][0][0] == pytest.approx(1266.417203046554)
     # CAM_FRONT looks along ego +x: the camera z axis in the ego frame.
     assert quaternion_to_matrix(front["rotation"])[:, 2] @ [1, 0, 0] > 0.99
+
+
+@pytest.mark.slow
+def test_default_dataset_is_the_mini_split(tmp_path):
+    from nuscenes.nuscenes import NuScenes
+    from nuscenes.utils.splits import create_splits_scenes
+
+    from bev.data.synthetic import DEFAULT_SAMPLES
+
+    root = make_synthetic(tmp_path / "default", progress=False)
+    nusc = NuScenes(version=VERSION, dataroot=str(root), verbose=False)
+    splits = create_splits_scenes()
+    names = sorted(s["name"] for s in nusc.scene)
+    assert names == sorted(splits["mini_train"] + splits["mini_val"])
+    assert len(nusc.sample) == 10 * DEFAULT_SAMPLES >= 200
