@@ -75,8 +75,8 @@ class BEVLitModule(L.LightningModule):
         self.val_iou.reset()
         if not self.trainer.sanity_checking:
             self.val_iou_best.fill_(max(float(self.val_iou_best), results["iou"]))
-        self.log_dict({f"val/{k}": v for k, v in results.items()}, prog_bar=False)
-        self.log("val/iou", results["iou"], prog_bar=True)
+        self.log("val/iou", results.pop("iou"), prog_bar=True)
+        self.log_dict({f"val/{k}": v for k, v in results.items()})
         self.log("val/iou_best", float(self.val_iou_best), prog_bar=True)
 
     def test_step(self, batch: dict, batch_idx: int) -> None:

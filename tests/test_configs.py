@@ -1,0 +1,93 @@
+"""Every config composes; every experiment instantiates its model and datamodule (no training)."""
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import OmegaConf, open_dict
+
+from bev.geometry import Grid
+from bev.train import CONFIG_DIR
+
+EXPERIMENTS = sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml"))
+TRAINERS = sorted(p.stem for p in (Path(CONFIG_DIR) / "trainer").glob("*.yaml"))
+DEBUGS = sorted(p.stem for p in (Path(CONFIG_DIR) / "debug").glob("*.yaml"))
+SEARCHES = ["lr_grid"]  # optuna needs the hydra-optuna-sweeper plugin
+
+
+def compose_train(tmp_path, overrides=(), keep_hydra=False):
+    with initialize_config_dir(CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig().set_config(cfg)  # resolves ${hydra:runtime.output_dir} as in a real run
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path)
+        if not keep_hydra:  # the task sees no hydra node, as in a real run
+            del cfg.hydra
+    return cfg
+
+
+def test_expected_experiments_exist():
+    assert {"synthetic_cpu", "lss_nuscenes_mini", "lss_nuscenes_trainval"} <= set(EXPERIMENTS)
+    assert {"cpu", "gpu", "ddp"} <= set(TRAINERS)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_experiment_composes_and_instantiates(experiment, tmp_path):
+    # Pretrained weights off: no download here; the weights code path has its own tests.
+    cfg = compose_train(tmp_path, [f"experiment={experiment}", "model.net.camera.weights=null"])
+    OmegaConf.resolve(cfg)
+    # One grid for data and model, and the model's input size is the data's crop.
+    assert cfg.data.grid == cfg.grid == cfg.model.net.grid
+    assert list(cfg.model.net.image_size) == list(cfg.data.final_dim)
+    dm = instantiate(cfg.data)
+    model = instantiate(cfg.model)
+    assert dm.grid == Grid.from_any(cfg.grid) == model.net.grid
+    assert model.net.frustum.shape[:3] == (Grid.from_any(cfg.grid).depth_bins, *(d // 16 for d in cfg.data.final_dim))
+    assert cfg.trainer.gradient_clip_val == 5.0
+    for cb in cfg.callbacks.values():
+        instantiate(cb)
+
+
+def test_lss_paper_settings():
+    with initialize_config_dir(CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=lss_nuscenes_trainval"])
+    g = Grid.from_any(cfg.grid)
+    assert g.bev_shape == (200, 200) and g.depth_bins == 41
+    assert list(cfg.data.final_dim) == [128, 352] and cfg.data.batch_size == 4
+    assert cfg.model.optimizer.lr == 1e-3 and cfg.model.optimizer.weight_decay == 1e-7
+    assert cfg.model.pos_weight == 2.13
+    assert cfg.model.net.camera.backbone == "efficientnet_b0"
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_trainer_configs_compose(trainer, tmp_path):
+    cfg = compose_train(tmp_path, [f"trainer={trainer}"])
+    assert cfg.trainer._target_ == "lightning.pytorch.Trainer"
+    if cfg.trainer.accelerator == "cpu":
+        instantiate(cfg.trainer, logger=False, enable_checkpointing=False)
+
+
+@pytest.mark.parametrize("debug", DEBUGS)
+def test_debug_configs_compose(debug, tmp_path):
+    cfg = compose_train(tmp_path, ["experiment=synthetic_cpu", f"debug={debug}"])
+    assert cfg.trainer.max_epochs >= 1
+
+
+@pytest.mark.parametrize("search", SEARCHES)
+def test_hparams_search_configs_compose(search, tmp_path):
+    cfg = compose_train(tmp_path, ["experiment=synthetic_cpu", f"hparams_search={search}"], keep_hydra=True)
+    assert cfg.hydra.sweeper.params
+
+
+def test_eval_config_composes():
+    with initialize_config_dir(CONFIG_DIR, version_base="1.3"):
+        cfg = compose("eval", overrides=["ckpt_path=x.ckpt", "data.dataroot=/d"])
+    assert cfg.data.dataroot == "/d" and cfg.data.batch_size is None
+
+
+def test_slurm_launcher_config_is_optional():
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="optional extra: pip install -e '.[cluster]'")
+    with initialize_config_dir(CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=["hydra/launcher=slurm"], return_hydra_config=True)
+    assert "submitit" in cfg.hydra.launcher._target_

@@ -1,0 +1,139 @@
+"""Model: shapes, splat variants agree, gradients, pretrained-weight errors, torch.compile."""
+import math
+import urllib.error
+
+import pytest
+import torch
+
+from bev.geometry import Grid
+from bev.models import BackboneWeightsError, BevEncoder, CameraEncoder, LiftSplatShoot
+
+GRID = Grid(xbound=(-24, 24, 2.0), ybound=(-24, 24, 2.0), zbound=(-10, 10, 20), dbound=(4, 44, 8.0))
+SIZE = (32, 96)
+TINY = dict(
+    context_channels=8,
+    camera=dict(backbone="small", widths=(8, 8, 16, 16, 16), mid_channels=16),
+    bev=dict(widths=(8, 16, 16), blocks=1),
+)
+
+
+def rig(B: int, N: int = 6, size=SIZE):
+    """Six cameras at 1.5 m looking outwards every 60 degrees (camera: x right, y down, z forward)."""
+    H, W = size
+    K = torch.tensor([[W / 2, 0, W / 2], [0, W / 2, H / 2], [0, 0, 1.0]])
+    rots = []
+    for i in range(N):
+        yaw = 2 * math.pi * i / N
+        fwd = torch.tensor([math.cos(yaw), math.sin(yaw), 0.0])
+        right = torch.tensor([math.sin(yaw), -math.cos(yaw), 0.0])
+        rots.append(torch.stack([right, torch.tensor([0, 0, -1.0]), fwd], dim=1))
+    return dict(
+        intrinsics=K.expand(B, N, 3, 3).clone(),
+        rots=torch.stack(rots).expand(B, N, 3, 3).clone(),
+        trans=torch.tensor([0, 0, 1.5]).expand(B, N, 3).clone(),
+        post_rots=torch.eye(3).expand(B, N, 3, 3).clone(),
+        post_trans=torch.zeros(B, N, 3),
+    )
+
+
+def model_inputs(B=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cams = rig(B)
+    return (torch.randn(B, 6, 3, *SIZE, generator=g), cams["intrinsics"], cams["rots"], cams["trans"],
+            cams["post_rots"], cams["post_trans"])
+
+
+def test_output_shape_and_gradients_reach_both_encoders():
+    torch.manual_seed(0)
+    net = LiftSplatShoot(GRID, SIZE, **TINY)
+    out = net(*model_inputs())
+    assert out.shape == (2, 1, *GRID.bev_shape)
+    out.square().mean().backward()
+    for part in (net.camera_encoder, net.bev_encoder):
+        grads = [p.grad for p in part.parameters() if p.grad is not None]
+        assert grads and any(g.abs().sum() > 0 for g in grads)
+
+
+def test_bev_pool_and_voxel_sum_splats_agree():
+    torch.manual_seed(0)
+    a = LiftSplatShoot(GRID, SIZE, splat="bev_pool", pool_backend="torch", **TINY).eval()
+    b = LiftSplatShoot(GRID, SIZE, splat="voxel_sum", pool_backend="torch", **TINY).eval()
+    b.load_state_dict(a.state_dict())
+    x = model_inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(a(*x), b(*x), rtol=1e-4, atol=1e-4)
+
+
+def test_camera_features_land_in_front_of_the_camera():
+    """Feeding one camera's frustum only, the splat must fill cells on that camera's side."""
+    net = LiftSplatShoot(GRID, SIZE, **TINY)
+    cams = rig(1)
+    coords = net.voxel_coords(cams["intrinsics"], cams["rots"], cams["trans"], cams["post_rots"], cams["post_trans"])
+    front = coords[0, 0]  # camera 0 looks along +x
+    inside = (front >= 0).all(-1) & (front[..., 1] < GRID.nx) & (front[..., 2] < GRID.ny)
+    xs = front[..., 1][inside].float() * GRID.xbound[2] + GRID.xbound[0]
+    assert inside.any() and (xs > 0).all()
+
+
+@pytest.mark.parametrize("backbone", ["resnet18", "efficientnet_b0"])
+def test_torchvision_trunks_give_stride16_depth_and_context(backbone):
+    enc = CameraEncoder(depth_bins=5, context_channels=7, backbone=backbone, mid_channels=16)
+    out = enc(torch.randn(1, 3, 64, 96))
+    assert out.shape == (1, 12, 4, 6)
+
+
+def test_bev_encoder_keeps_odd_grid_sizes():
+    enc = BevEncoder(4, 2, widths=(8, 8, 8), blocks=1)
+    assert enc(torch.randn(1, 4, 25, 31)).shape == (1, 2, 25, 31)
+
+
+def test_imagenet_weights_offline_give_a_clear_message(monkeypatch):
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", offline)
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: "/nonexistent-cache")
+    with pytest.raises(BackboneWeightsError, match=r"weights=null.*weights_path"):
+        CameraEncoder(4, 4, backbone="resnet18", weights="imagenet")
+
+
+def test_local_weights_path_is_loaded_and_bad_files_are_reported(tmp_path):
+    import torchvision
+
+    ref = torchvision.models.resnet18()
+    path = tmp_path / "r18.pth"
+    torch.save(ref.state_dict(), path)
+    enc = CameraEncoder(4, 4, backbone="resnet18", weights_path=str(path))
+    torch.testing.assert_close(enc.trunk.to16[0].weight, ref.conv1.weight)
+    torch.save({"foo": torch.zeros(1)}, tmp_path / "bad.pth")
+    with pytest.raises(BackboneWeightsError, match="could not load resnet18 weights"):
+        CameraEncoder(4, 4, backbone="resnet18", weights_path=str(tmp_path / "bad.pth"))
+    with pytest.raises(BackboneWeightsError, match="does not exist"):
+        CameraEncoder(4, 4, backbone="resnet18", weights_path=str(tmp_path / "missing.pth"))
+
+
+def test_bad_model_options_are_rejected():
+    with pytest.raises(ValueError, match="unknown backbone"):
+        CameraEncoder(4, 4, backbone="vgg")
+    with pytest.raises(ValueError, match="unknown splat"):
+        LiftSplatShoot(GRID, SIZE, splat="scatter", **TINY)
+    net = LiftSplatShoot(GRID, SIZE, **TINY)
+    with pytest.raises(ValueError, match="built for 32x96"):
+        x = list(model_inputs())
+        x[0] = torch.randn(2, 6, 3, 48, 96)
+        net(*x)
+
+
+@pytest.mark.slow  # Dynamo tracing alone takes ~1 min on 2 shared cores
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_runs_a_training_step(backend):
+    torch.manual_seed(0)
+    net = LiftSplatShoot(GRID, SIZE, **TINY)
+    ref = LiftSplatShoot(GRID, SIZE, **TINY)
+    ref.load_state_dict(net.state_dict())
+    compiled = torch.compile(net, backend=backend)
+    x = model_inputs()
+    out = compiled(*x)
+    out.mean().backward()
+    torch.testing.assert_close(out, ref(*x), rtol=1e-3, atol=1e-3)
+    assert all(p.grad is not None for p in net.camera_encoder.parameters())
