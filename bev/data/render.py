@@ -330,6 +330,14 @@ class Camera:
         return self._planes
 
     @property
+    def inv_planes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """1 / ray components (inf where a component is 0)."""
+        if not hasattr(self, "_inv_planes"):
+            with np.errstate(divide="ignore"):
+                self._inv_planes = tuple(np.float32(1.0) / p for p in self.planes)
+        return self._inv_planes
+
+    @property
     def sky(self) -> np.ndarray:
         """(H, W, 3) sky colour by ray elevation (the background before ground and objects)."""
         if not hasattr(self, "_sky"):
@@ -584,10 +592,18 @@ def render_camera(world: World, t: float, camera: str | Camera, objects: list[in
         px, py, pz = rx[r0:r1, c0:c1], ry[r0:r1, c0:c1], rz[r0:r1, c0:c1]
         tnear = tfar = None
         d_axes, lo_axes = [], []
+        upright = R[2, 2] == 1.0 and R[2, 0] == R[2, 1] == 0.0  # objects only yaw: the part z axis is the ego z axis
         for k in range(3):
-            d = px * np.float32(R[0, k]) + py * np.float32(R[1, k]) + pz * np.float32(R[2, k])
-            with np.errstate(divide="ignore", invalid="ignore"):
-                inv = np.float32(1.0) / d
+            if upright and k == 2:
+                d, inv = pz, cam.inv_planes[2][r0:r1, c0:c1]
+            else:
+                if upright:
+                    d = px * np.float32(R[0, k]) + py * np.float32(R[1, k])
+                else:
+                    d = px * np.float32(R[0, k]) + py * np.float32(R[1, k]) + pz * np.float32(R[2, k])
+                with np.errstate(divide="ignore"):
+                    inv = np.float32(1.0) / d
+            with np.errstate(invalid="ignore"):
                 t1 = (np.float32(-half[k] - o[k])) * inv
                 t2 = (np.float32(half[k] - o[k])) * inv
             lo, hi = np.fmin(t1, t2), np.fmax(t1, t2)

@@ -168,11 +168,18 @@ def lidar_points(world: render.World, t: float, annotated: list[int], counts: di
         n = int(min(200, counts.get(i, (0, 0))[0] // 25))
         local = rng.uniform(-0.9, 0.9, (n, 3)) * half  # strictly inside the box
         pts.append(np.concatenate([local @ R.T + c_ego, np.full((n, 1), 60.0), rng.integers(0, 32, (n, 1))], 1))
-    inside = lambda p, R, c, h, margin: np.all(np.abs((p[:, :3] - c) @ R) <= h + margin, axis=1)  # noqa: E731
-    for _, R, c, h in boxes:  # the lidar does not see the ground under an object
-        ground = ground[~inside(ground, R, c, h, 0.05)]
     cloud = np.concatenate([ground] + pts)
-    per_obj = {i: int(inside(cloud, R, c, h, 0.0).sum()) for i, R, c, h in boxes}
+    if boxes:
+        # Points in each box, all boxes at once: (B, N, 3) offsets in the box frames.
+        Rs = np.stack([b[1] for b in boxes])
+        local = (cloud[None, :, :3] - np.stack([b[2] for b in boxes])[:, None]) @ Rs  # rows: R^T (p - c)
+        halves = np.stack([b[3] for b in boxes])[:, None]
+        under = np.all(np.abs(local) <= halves + 0.05, axis=2).any(0)  # the lidar cannot see the ground under an object
+        keep = ~under | (np.arange(len(cloud)) >= len(ground))
+        cloud, local = cloud[keep], local[:, keep]
+        per_obj = dict(zip([b[0] for b in boxes], np.all(np.abs(local) <= halves, axis=2).sum(1).tolist()))
+    else:
+        per_obj = {}
     R_l = quaternion_to_matrix(LIDAR_ROTATION)
     cloud[:, :3] = (cloud[:, :3] - np.array(LIDAR_TRANSLATION)) @ R_l  # ego -> lidar: R^T (p - t)
     return cloud.astype(np.float32), per_obj
