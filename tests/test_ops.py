@@ -267,6 +267,8 @@ def test_native_and_torch_plans_are_identical():
     reference = ops.bev_pool_plan(coords, grid, backend="torch")
     for name in ("keys", "order", "offsets"):
         assert torch.equal(getattr(native, name), getattr(reference, name)), name
+    flat = random_coords(500, grid, gen, margin=3).int()
+    assert torch.equal(torch.ops.bev.voxel_keys(flat, list(grid), True), flat_keys(flat[:, 0], flat[:, 1:], grid))
 
 
 def test_flat_keys_do_not_overflow_int32():
@@ -300,6 +302,7 @@ def _opcheck_inputs(device="cpu", dtype=torch.float32):
     points = torch.randn(plan.keys.numel(), 5, generator=gen).to(device=device, dtype=dtype)
     grad_out = torch.randn(2, 5, 2, 3, 4, generator=gen).to(device=device, dtype=dtype)
     return {
+        "voxel_keys": (coords, grid, False),
         "sort_keys": (plan.keys, 2 * 2 * 3 * 4),
         "voxel_sum": (points.requires_grad_(), plan.order, plan.offsets, grid),
         "voxel_sum_backward": (grad_out, plan.order, plan.offsets),
@@ -309,7 +312,7 @@ def _opcheck_inputs(device="cpu", dtype=torch.float32):
 
 
 @requires_native
-@pytest.mark.parametrize("op_name", ["sort_keys", "voxel_sum", "voxel_sum_backward", "bev_pool", "bev_pool_backward"])
+@pytest.mark.parametrize("op_name", ["voxel_keys", "sort_keys", "voxel_sum", "voxel_sum_backward", "bev_pool", "bev_pool_backward"])
 def test_opcheck(op_name):
     args = _opcheck_inputs()[op_name]
     torch.library.opcheck(getattr(torch.ops.bev, op_name).default, args)

@@ -65,6 +65,16 @@ def _use_native(backend: str, device: torch.device) -> bool:
     return False
 
 
+def _keys(coords: torch.Tensor, grid_shape, batch_column: bool, native: bool) -> torch.Tensor:
+    """Flat voxel key per point (sentinel B*Z*X*Y outside the grid); one native pass on the CPU."""
+    if native and coords.device.type == "cpu":
+        return torch.ops.bev.voxel_keys(coords, list(grid_shape), batch_column)
+    if batch_column:
+        return flat_keys(coords[:, 0], coords[:, 1:], grid_shape)
+    B = coords.shape[0]
+    return flat_keys(torch.arange(B, device=coords.device).view(B, 1, 1, 1, 1), coords, grid_shape)
+
+
 def voxel_sum(feats: torch.Tensor, coords: torch.Tensor, grid_shape, *, backend: str = "auto") -> torch.Tensor:
     """Sum rows of feats (N, C) into the voxels coords (N, 4) = (batch, z, x, y) -> (B, C, Z, X, Y)."""
     check_float_tensor("feats", feats, 2, "(N, C)")
@@ -74,7 +84,7 @@ def voxel_sum(feats: torch.Tensor, coords: torch.Tensor, grid_shape, *, backend:
     check_same_device(feats=feats, coords=coords)
     grid_shape = check_grid_shape(grid_shape)
     native = _use_native(backend, feats.device)
-    keys = flat_keys(coords[:, 0], coords[:, 1:], grid_shape)
+    keys = _keys(coords, grid_shape, batch_column=True, native=native)
     plan = make_plan(keys, grid_shape, (feats.shape[0],), native)
     feats = feats.contiguous()
     if native:
@@ -94,9 +104,7 @@ def bev_pool_plan(coords: torch.Tensor, grid_shape, *, backend: str = "auto") ->
     """Sort the frustum points coords (B, Nc, D, H, W, 3) into the grid once, for reuse with bev_pool."""
     grid_shape = _check_frustum_coords(coords, grid_shape)
     native = _use_native(backend, coords.device)
-    B = coords.shape[0]
-    batch = torch.arange(B, device=coords.device).view(B, 1, 1, 1, 1)
-    keys = flat_keys(batch, coords, grid_shape)
+    keys = _keys(coords, grid_shape, batch_column=False, native=native)
     return make_plan(keys, grid_shape, tuple(coords.shape[:5]), native)
 
 

@@ -3,7 +3,9 @@ its operators. The schemas and the CPU/CUDA kernels are registered in C++
 (csrc/pool.cpp, csrc/pool_cuda.cu); a missing or broken build only disables this backend.
 
 Operators (namespace `bev`):
-  sort_keys(keys, num_voxels) -> (order, offsets)                 stable counting sort (CPU)
+  voxel_keys(coords, grid_shape, batch_column) -> keys             flat voxel keys (CPU only)
+  sort_keys(keys, num_voxels) -> (order, offsets)                 stable sort: counting (CPU),
+                                                                  device radix sort (CUDA)
   voxel_sum(feats, order, offsets, grid_shape) -> out              out (B, C, Z, X, Y)
   voxel_sum_backward(grad_out, order, offsets) -> grad_feats
   bev_pool(depth, feats, keys, order, offsets, grid_shape) -> out
@@ -41,6 +43,11 @@ def unavailable_reason(device: torch.device | str) -> str:
 
 
 def _register() -> None:
+    @torch.library.register_fake("bev::voxel_keys")
+    def _voxel_keys_fake(coords, grid_shape, batch_column):
+        n = coords.shape[0] if batch_column else coords.numel() // 3
+        return coords.new_empty(n, dtype=torch.long)
+
     @torch.library.register_fake("bev::sort_keys")
     def _sort_keys_fake(keys, num_voxels):
         return torch.empty_like(keys), keys.new_empty(num_voxels + 1)

@@ -21,10 +21,53 @@ namespace {
 constexpr int64_t kTile = 16;  // consecutive voxels per work item: output rows are written 16 wide
 constexpr int kLanes = 8;      // fixed-order partial sums for dot products (vectorisable, deterministic)
 
+// Rows are visited in voxel order, i.e. scattered over memory: prefetch a few points ahead so
+// the loads overlap instead of stalling one cache miss at a time.
+constexpr int64_t kPrefetchDistance = 8;
+
+template <int kWrite, typename T>
+inline void prefetch_row(const T* row, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t offset = 0; offset < count * int64_t(sizeof(T)); offset += 64) __builtin_prefetch(bytes + offset, kWrite, 1);
+}
+
 // A voxel's run [begin, end) in `order`, clamped to [0, N].
 inline void run_bounds(const int64_t* offsets, int64_t v, int64_t N, int64_t& begin, int64_t& end) {
   begin = std::min(std::max(offsets[v], int64_t(0)), N);
   end = std::min(std::max(offsets[v + 1], begin), N);
+}
+
+// ------------------------------------------------------------------------------------------
+// voxel_keys: flat voxel index per point in one pass (the torch path needs ~15 elementwise ops).
+// coords (N, 4) rows (batch, z, x, y) if batch_column, else (B, ..., 3) rows (z, x, y) whose
+// batch is the leading index. Points with any coordinate outside the grid get the sentinel V.
+// ------------------------------------------------------------------------------------------
+at::Tensor voxel_keys_cpu(const at::Tensor& coords_in, at::IntArrayRef grid_shape, bool batch_column) {
+  const GridDims g = check_grid(grid_shape);
+  TORCH_CHECK(!at::isFloatingType(coords_in.scalar_type()) && coords_in.scalar_type() != at::kBool,
+              "coords must be an integer tensor, got ", coords_in.scalar_type());
+  const int64_t width = batch_column ? 4 : 3;
+  TORCH_CHECK(coords_in.dim() >= 2 && coords_in.size(-1) == width, "coords must have ", width,
+              " coordinates per point, got ", coords_in.sizes());
+  TORCH_CHECK(batch_column ? coords_in.dim() == 2 : coords_in.size(0) == g.B,
+              "coords must be (N, 4), or (B, ..., 3) with B=grid_shape[0]; got ", coords_in.sizes());
+  auto coords = coords_in.to(at::kLong).contiguous();
+  const int64_t N = coords.numel() / width;
+  const int64_t per_batch = batch_column ? 1 : N / g.B;
+  auto keys = at::empty({N}, coords.options());
+  const int64_t* c = coords.data_ptr<int64_t>();
+  int64_t* k = keys.data_ptr<int64_t>();
+  const int64_t V = g.voxels();
+  at::parallel_for(0, N, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t* row = c + i * width;
+      const int64_t b = batch_column ? row[0] : i / per_batch;
+      const int64_t z = row[width - 3], x = row[width - 2], y = row[width - 1];
+      const bool inside = b >= 0 && b < g.B && z >= 0 && z < g.Z && x >= 0 && x < g.X && y >= 0 && y < g.Y;
+      k[i] = inside ? ((b * g.Z + z) * g.X + x) * g.Y + y : V;
+    }
+  });
+  return keys;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -36,16 +79,19 @@ std::tuple<at::Tensor, at::Tensor> sort_keys_cpu(const at::Tensor& keys_in, int6
   auto keys = keys_in.contiguous();
   const int64_t N = keys.numel();
   auto order = at::empty({N}, keys.options());
-  auto offsets = at::zeros({num_voxels + 1}, keys.options());
+  auto offsets = at::empty({num_voxels + 1}, keys.options());
   const int64_t* k = keys.data_ptr<int64_t>();
   int64_t* off = offsets.data_ptr<int64_t>();
   int64_t* ord = order.data_ptr<int64_t>();
   // Keys outside [0, V) count as ignored (bucket V).
   auto bucket = [&](int64_t i) { return (k[i] >= 0 && k[i] < num_voxels) ? k[i] : num_voxels; };
-  std::vector<int64_t> next(num_voxels + 2, 0);  // next[b + 1] counts bucket b, then becomes its cursor
+  // next[b + 1] counts bucket b, then next[b] becomes its write cursor. A tensor rather than a
+  // std::vector so that memory profilers see it.
+  auto cursor = at::zeros({num_voxels + 2}, keys.options());
+  int64_t* next = cursor.data_ptr<int64_t>();
   for (int64_t i = 0; i < N; ++i) ++next[bucket(i) + 1];
   for (int64_t b = 0; b <= num_voxels; ++b) next[b + 1] += next[b];
-  std::copy(next.begin(), next.begin() + num_voxels + 1, off);
+  std::copy(next, next + num_voxels + 1, off);
   for (int64_t i = 0; i < N; ++i) ord[next[bucket(i)]++] = i;  // ascending i: stable
   return {order, offsets};
 }
@@ -72,6 +118,13 @@ void pool_forward_cpu(const scalar_t* feats, const scalar_t* depth, const int64_
         run_bounds(offsets, v0 + j, N, begin, end);
         acc_t* __restrict__ a = acc.data() + j * C;
         for (int64_t i = begin; i < end; ++i) {
+          if (i + kPrefetchDistance < N) {
+            const int64_t q = order[i + kPrefetchDistance];
+            if (q >= 0 && q < N) {
+              if constexpr (kFused) __builtin_prefetch(depth + q, 0, 1);
+              else prefetch_row<0>(feats + q * C, C);
+            }
+          }
           const int64_t p = order[i];
           if (p < 0 || p >= N) continue;
           if constexpr (kFused) {
@@ -154,6 +207,10 @@ void voxel_sum_backward_cpu_kernel(const scalar_t* grad, const int64_t* order, c
         int64_t begin, end;
         run_bounds(offsets, v0 + j, N, begin, end);
         for (int64_t i = begin; i < end; ++i) {
+          if (i + kPrefetchDistance < N) {
+            const int64_t q = order[i + kPrefetchDistance];
+            if (q >= 0 && q < N) prefetch_row<1>(grad_feats + q * C, C);
+          }
           const int64_t p = order[i];
           if (p < 0 || p >= N) continue;
           std::copy(tile.data() + j * C, tile.data() + (j + 1) * C, grad_feats + p * C);
@@ -172,12 +229,25 @@ at::Tensor voxel_sum_backward_cpu(const at::Tensor& grad_in, const at::Tensor& o
   check_index(offsets, "offsets", g.voxels() + 1, grad_in);
   auto grad = grad_in.contiguous();
   auto ord = order.contiguous(), off = offsets.contiguous();
-  // Ignored points are exactly those not in any voxel's run; zero-filling everything is
-  // simpler than tracking them and costs one pass over grad_feats.
-  auto grad_feats = at::zeros({N, C}, grad.options());
+  // Every point in a voxel's run is written by the kernel; the rest (ignored points) are zeroed
+  // here. If a malformed plan leaves rows unreached we fall back to a zero-filled tensor.
+  const int64_t V = g.voxels();
+  const int64_t* off_ptr = off.data_ptr<int64_t>();
+  const int64_t valid = std::min(std::max(off_ptr[V], int64_t(0)), N);
+  bool plan_is_sane = off_ptr[0] == 0;
+  for (int64_t v = 0; v < V && plan_is_sane; ++v) plan_is_sane = off_ptr[v] <= off_ptr[v + 1];
+  auto grad_feats = plan_is_sane ? at::empty({N, C}, grad.options()) : at::zeros({N, C}, grad.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "voxel_sum_backward_cpu", [&] {
     voxel_sum_backward_cpu_kernel<scalar_t>(grad.data_ptr<scalar_t>(), ord.data_ptr<int64_t>(),
                                             off.data_ptr<int64_t>(), grad_feats.data_ptr<scalar_t>(), g, N, C);
+    if (plan_is_sane) {
+      const int64_t* ord_ptr = ord.data_ptr<int64_t>();
+      scalar_t* dst = grad_feats.data_ptr<scalar_t>();
+      for (int64_t i = valid; i < N; ++i) {
+        const int64_t p = ord_ptr[i];
+        if (p >= 0 && p < N) std::fill(dst + p * C, dst + (p + 1) * C, scalar_t(0));
+      }
+    }
   });
   return grad_feats;
 }
@@ -247,6 +317,7 @@ std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cpu(const at::Tensor& grad_
 }  // namespace
 
 TORCH_LIBRARY(bev, m) {
+  m.def("voxel_keys(Tensor coords, int[] grid_shape, bool batch_column) -> Tensor");
   m.def("sort_keys(Tensor keys, int num_voxels) -> (Tensor order, Tensor offsets)");
   m.def("voxel_sum(Tensor feats, Tensor order, Tensor offsets, int[] grid_shape) -> Tensor");
   m.def("voxel_sum_backward(Tensor grad_out, Tensor order, Tensor offsets) -> Tensor");
@@ -255,6 +326,7 @@ TORCH_LIBRARY(bev, m) {
 }
 
 TORCH_LIBRARY_IMPL(bev, CPU, m) {
+  m.impl("voxel_keys", &voxel_keys_cpu);
   m.impl("sort_keys", &sort_keys_cpu);
   m.impl("voxel_sum", &voxel_sum_cpu);
   m.impl("voxel_sum_backward", &voxel_sum_backward_cpu);

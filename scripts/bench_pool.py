@@ -1,0 +1,461 @@
+#!/usr/bin/env python
+"""Benchmark the voxel-pooling ("splat") implementations of bev.ops on real-rig geometry.
+
+Frustum coordinates come from the real nuScenes rig (bev/data/nuscenes_rig.json): each
+camera's frustum is unprojected with bev.geometry and floor-binned into the grid, so the
+collision pattern (many points per occupied cell, a few percent outside) is the real one.
+
+Methods (all produce the same (B, C, Z, X, Y) grid; timings include building the plan from
+the coordinates, as in training where the geometry changes every sample, unless noted):
+  reference voxel_sum      pure-torch QuickCumsum-style op on the materialised product
+  index_add_               index_add_ into the flat grid (autograd backward: index_select)
+  native voxel_sum         our kernels on the materialised product
+  materialise+native vs    depth x feats product, then native voxel_sum (the unfused path)
+  native bev_pool          fused lift+splat, the product is never built
+  native bev_pool (plan)   fused, with a precomputed plan (fixed calibration)
+  bevfusion-style (GPU)    one thread per (interval, channel) over the sorted product, as in
+                           BEVFusion's bev_pool (our own re-implementation, for comparison)
+
+Peak memory is the peak of bytes allocated by torch during the call above what existed
+before it (inputs excluded; outputs, intermediates, saved tensors and gradients included).
+CPU: replayed from the allocation/free events of torch.profiler(profile_memory=True).
+GPU: torch.cuda.max_memory_allocated after reset_peak_memory_stats.
+
+Usage: python scripts/bench_pool.py [--sizes lss bevdet] [--repeats N] [--device cpu|cuda]
+Writes benchmarks/results/bench_pool_<device>.json and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Same allocator set-up as the CPU training entry (bev/train.py): keep freed blocks mapped so
+# every call does not page-fault its buffers back in. BEV_MALLOC_TUNING=0 measures without it.
+MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 34), "MALLOC_TOP_PAD_": str(1 << 28)}
+if (sys.platform.startswith("linux") and os.environ.get("BEV_MALLOC_TUNING", "1") != "0"
+        and not all(k in os.environ for k in MALLOC_ENV)):
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], {**MALLOC_ENV, **os.environ})
+
+# The benchmark machines are shared: spinning OpenMP workers that wait for a descheduled
+# sibling turn every small parallel op into a time slice. Passive waiting keeps the numbers
+# meaningful for every method alike (recorded in the JSON); must be set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import bev.ops as ops  # noqa: E402
+from bev.geometry import Grid, frustum_to_ego, make_frustum, quaternion_to_matrix, voxel_coords
+
+REPO = Path(__file__).resolve().parents[1]
+RIG_PATHS = [REPO / "bev" / "data" / "nuscenes_rig.json", Path("/work/shared/data/nuscenes_rig.json")]
+
+# Sizes from the issue: LSS (paper config) and BEVDet/BEVFusion.
+SIZES = {
+    "lss": dict(
+        batch=4, image=(128, 352), downsample=16, channels=64,
+        grid=Grid(xbound=(-50, 50, 0.5), ybound=(-50, 50, 0.5), zbound=(-10, 10, 20), dbound=(4, 45, 1)),
+        # LSS val augmentation: resize 0.22 (1600x900 -> 352x198), crop the top 48 rows... as post_rot/post_tran
+        resize=0.22, crop_top=48,
+    ),
+    "bevdet": dict(
+        batch=1, image=(256, 704), downsample=8, channels=80,
+        grid=Grid(xbound=(-51.2, 51.2, 0.4), ybound=(-51.2, 51.2, 0.4), zbound=(-10, 10, 20), dbound=(1, 60, 0.5)),
+        # BEVDet test augmentation: resize 0.44 (1600x900 -> 704x396), crop 140 rows off the top
+        resize=0.44, crop_top=140,
+    ),
+}
+
+
+def load_rig() -> dict:
+    for path in RIG_PATHS:
+        if path.exists():
+            return json.loads(path.read_text())
+    raise FileNotFoundError(f"nuScenes rig not found in {[str(p) for p in RIG_PATHS]}")
+
+
+def real_rig_coords(size: dict, device) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+    """(B, 6, D, fH, fW, 3) int64 voxel coords of the real rig's frustum points, and grid_shape."""
+    rig = load_rig()
+    grid: Grid = size["grid"]
+    cams = [rig["cameras"][name] for name in rig["camera_order"]]
+    intrinsics = torch.tensor([c["camera_intrinsic"] for c in cams], dtype=torch.float64)
+    rots = torch.tensor(np.stack([quaternion_to_matrix(c["rotation"]) for c in cams]), dtype=torch.float64)
+    trans = torch.tensor([c["translation"] for c in cams], dtype=torch.float64)
+    post_rot = torch.diag(torch.tensor([size["resize"], size["resize"], 1.0], dtype=torch.float64))
+    post_tran = torch.tensor([0.0, -float(size["crop_top"]), 0.0], dtype=torch.float64)
+    B, N = size["batch"], len(cams)
+    frustum = make_frustum(size["image"], size["downsample"], grid).double()
+    points = frustum_to_ego(
+        frustum, intrinsics.expand(B, N, 3, 3), rots.expand(B, N, 3, 3), trans.expand(B, N, 3),
+        post_rot.expand(B, N, 3, 3), post_tran.expand(B, N, 3),
+    )
+    coords = voxel_coords(points, grid)
+    return coords.to(device), (B, *grid.voxel_shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# methods: each is fn(depth, feats, coords, grid, state) -> output grid; `state` holds inputs
+# prepared outside the timed region (materialised product, precomputed plan)
+# ---------------------------------------------------------------------------------------------
+def materialise(depth, feats):
+    return (depth.unsqueeze(-1) * feats.unsqueeze(2)).reshape(-1, feats.shape[-1])
+
+
+def flat_coords(coords):
+    B = coords.shape[0]
+    batch = torch.arange(B, device=coords.device).view(B, 1, 1, 1, 1, 1).expand(*coords.shape[:5], 1)
+    return torch.cat([batch, coords], -1).reshape(-1, 4)
+
+
+def index_add_pool(points, coords4, grid):
+    B, Z, X, Y = grid
+    upper = torch.tensor([B, Z, X, Y], device=coords4.device)
+    inside = ((coords4 >= 0) & (coords4 < upper)).all(1)
+    b, z, x, y = coords4.unbind(1)
+    flat = torch.where(inside, ((b * Z + z) * X + x) * Y + y, B * Z * X * Y)
+    out = points.new_zeros(B * Z * X * Y + 1, points.shape[1])  # last row collects ignored points
+    out = out.index_add(0, flat, points)
+    return out[:-1].view(B, Z * X * Y, -1).transpose(1, 2).reshape(B, -1, Z, X, Y)
+
+
+METHODS = {
+    "reference voxel_sum": dict(leaf="points", fn=lambda s: ops.voxel_sum(s["points"], s["coords4"], s["grid"], backend="torch")),
+    "index_add_": dict(leaf="points", fn=lambda s: index_add_pool(s["points"], s["coords4"], s["grid"])),
+    "native voxel_sum": dict(leaf="points", fn=lambda s: ops.voxel_sum(s["points"], s["coords4"], s["grid"], backend="native")),
+    "materialise+reference": dict(leaf="frustum", fn=lambda s: ops.voxel_sum(materialise(s["depth"], s["feats"]), s["coords4"], s["grid"], backend="torch")),
+    "materialise+native vs": dict(leaf="frustum", fn=lambda s: ops.voxel_sum(materialise(s["depth"], s["feats"]), s["coords4"], s["grid"], backend="native")),
+    "native bev_pool": dict(leaf="frustum", fn=lambda s: ops.bev_pool(s["depth"], s["feats"], s["coords"], s["grid"], backend="native")),
+    "native bev_pool (plan)": dict(leaf="frustum", fn=lambda s: ops.bev_pool(s["depth"], s["feats"], plan=s["plan"], backend="native")),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# BEVFusion-style baseline kernel (GPU only): one thread per (interval, channel) over the
+# product sorted by voxel; written here from the published description, for comparison.
+# ---------------------------------------------------------------------------------------------
+BASELINE_CUDA = r"""
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+
+__global__ void interval_channel_kernel(const float* __restrict__ sorted_points, const int* __restrict__ starts,
+                                        const int* __restrict__ lengths, const int* __restrict__ voxel_of_interval,
+                                        float* __restrict__ out, int intervals, int C, int S) {
+  int idx = blockIdx.x * blockDim.x + threadIdx.x;  // int32 indexing, as in the original
+  int interval = idx / C, c = idx % C;
+  if (interval >= intervals) return;
+  float acc = 0.f;
+  const float* row = sorted_points + starts[interval] * C + c;
+  for (int i = 0; i < lengths[interval]; ++i) acc += row[i * C];
+  int v = voxel_of_interval[interval];
+  int b = v / S, s = v % S;
+  out[(b * C + c) * S + s] = acc;
+}
+
+torch::Tensor interval_pool(torch::Tensor sorted_points, torch::Tensor starts, torch::Tensor lengths,
+                            torch::Tensor voxel_of_interval, int64_t B, int64_t S) {
+  const int C = sorted_points.size(1), intervals = starts.size(0);
+  auto out = torch::zeros({B, C, S}, sorted_points.options());
+  const int threads = 256, blocks = (intervals * C + threads - 1) / threads;
+  interval_channel_kernel<<<blocks, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      sorted_points.data_ptr<float>(), starts.data_ptr<int>(), lengths.data_ptr<int>(),
+      voxel_of_interval.data_ptr<int>(), out.data_ptr<float>(), intervals, C, S);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+"""
+
+
+def load_baseline():
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline(
+        name="bev_bench_interval_baseline", cpp_sources="torch::Tensor interval_pool(torch::Tensor sorted_points, "
+        "torch::Tensor starts, torch::Tensor lengths, torch::Tensor voxel_of_interval, int64_t B, int64_t S);",
+        cuda_sources=BASELINE_CUDA, functions=["interval_pool"], verbose=False,
+    )
+
+
+def add_baseline_methods(state, baseline):
+    """Intervals (non-empty voxels) from the plan: computed once, outside the timed region."""
+    plan = state["plan"]
+    counts = plan.offsets[1:] - plan.offsets[:-1]
+    occupied = torch.nonzero(counts).squeeze(1)
+    state["intervals"] = (
+        plan.offsets[:-1][occupied].int().contiguous(), counts[occupied].int().contiguous(), occupied.int().contiguous()
+    )
+    B, Z, X, Y = state["grid"]
+    S = Z * X * Y
+
+    def bevfusion_style(s):
+        points = materialise(s["depth"], s["feats"]).index_select(0, s["plan"].order)
+        out = baseline.interval_pool(points.contiguous(), *s["intervals"], B, S)
+        return out.view(B, -1, Z, X, Y)
+
+    def bevfusion_kernel_only(s):
+        return baseline.interval_pool(s["sorted_points"], *s["intervals"], B, S).view(B, -1, Z, X, Y)
+
+    return {
+        "bevfusion-style (plan)": dict(leaf="frustum", fn=bevfusion_style, forward_only=True),
+        "bevfusion kernel only": dict(leaf="frustum", fn=bevfusion_kernel_only, forward_only=True),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# measurement
+# ---------------------------------------------------------------------------------------------
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_state(depth, feats, coords, grid, leaf):
+    state = dict(coords=coords, grid=grid, coords4=flat_coords(coords))
+    if leaf == "points":
+        state["points"] = materialise(depth, feats).detach().requires_grad_()
+    else:
+        state["depth"] = depth.detach().requires_grad_()
+        state["feats"] = feats.detach().requires_grad_()
+    return state
+
+
+def run_once(method, state, grad_out, backward):
+    out = method["fn"](state)
+    if backward:
+        out.backward(grad_out)
+    return out
+
+
+def clear_grads(state):
+    for key in ("points", "depth", "feats"):
+        if key in state:
+            state[key].grad = None
+
+
+def time_it(method, state, grad_out, backward, repeats, device):
+    times = []
+    for i in range(repeats + 1):  # first run is warm-up
+        clear_grads(state)
+        sync(device)
+        t0 = time.perf_counter()
+        out = run_once(method, state, grad_out, backward)
+        sync(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+        del out
+    return statistics.median(times)
+
+
+def peak_memory(method, state, grad_out, backward, device):
+    clear_grads(state)
+    if device.type == "cuda":
+        sync(device)
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = run_once(method, state, grad_out, backward)
+        sync(device)
+        peak = torch.cuda.max_memory_allocated() - base
+        del out
+        clear_grads(state)
+        return peak
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = run_once(method, state, grad_out, backward)
+        del out
+        clear_grads(state)
+    # Raw allocation (+bytes) / free (-bytes) records, in time order.
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    current = peak = 0
+    for _, delta in events:
+        current += delta
+        peak = max(peak, current)
+    return peak
+
+
+def product_bytes(depth, feats):
+    return depth.numel() * feats.shape[-1] * feats.element_size()
+
+
+def fused_forward_bytes(depth, feats, grid):
+    """Unique bytes a fused forward must move: depth, feats, plan (order + offsets), output."""
+    B, Z, X, Y = grid
+    V = B * Z * X * Y
+    return (depth.numel() * depth.element_size() + feats.numel() * feats.element_size()
+            + depth.numel() * 8 + (V + 1) * 8 + V * feats.shape[-1] * feats.element_size())
+
+
+def copy_bandwidth(device):
+    """Achievable device memory bandwidth, from a 1 GiB clone (read + write)."""
+    x = torch.empty(2**28, dtype=torch.float32, device=device)
+    times = []
+    for _ in range(6):
+        sync(device)
+        t0 = time.perf_counter()
+        y = x.clone()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        del y
+    return 2 * x.numel() * 4 / statistics.median(times[1:])
+
+
+def bench_size(name, size, device, repeats, methods, baseline):
+    coords, grid = real_rig_coords(size, device)
+    B, Nc, D, fH, fW, _ = coords.shape
+    C = size["channels"]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    depth = torch.randn(B, Nc, D, fH, fW, generator=gen).softmax(2).to(device)
+    feats = torch.randn(B, Nc, fH, fW, C, generator=gen).to(device)
+    grad_out = torch.randn(B, C, *grid[1:], generator=gen).to(device)
+    inside = ((coords >= 0) & (coords < torch.tensor(grid[1:], device=device))).all(-1)
+    plan = ops.bev_pool_plan(coords, grid, backend="native")
+    occupied = int(((plan.offsets[1:] - plan.offsets[:-1]) > 0).sum())
+    info = dict(
+        points=int(depth.numel()), channels=C, grid_shape=list(grid), inside_fraction=float(inside.float().mean()),
+        occupied_voxels=occupied, points_per_occupied_voxel=float(inside.sum()) / max(occupied, 1),
+        product_mb=product_bytes(depth, feats) / 2**20,
+    )
+    all_methods = dict(methods)
+    if baseline is not None:
+        all_methods.update(add_baseline_methods(dict(plan=plan, grid=grid), baseline))
+    rows = []
+    reference_out = None
+    for label, method in all_methods.items():
+        state = make_state(depth, feats, coords, grid, method["leaf"])
+        state["plan"] = plan
+        if "bevfusion" in label:
+            add_baseline_methods(state, baseline)
+            state["sorted_points"] = materialise(depth, feats).index_select(0, plan.order).contiguous()
+        with torch.no_grad():
+            out = method["fn"](state)
+        if reference_out is None:
+            reference_out = out.double()
+        max_err = float((out.double() - reference_out).abs().max())
+        del out
+        row = dict(method=label, max_abs_diff_vs_first=max_err)
+        row["forward_ms"] = 1e3 * time_it(method, state, grad_out, False, repeats, device)
+        row["forward_peak_mb"] = peak_memory(method, state, grad_out, False, device) / 2**20
+        if not method.get("forward_only"):
+            row["fwd_bwd_ms"] = 1e3 * time_it(method, state, grad_out, True, repeats, device)
+            row["fwd_bwd_peak_mb"] = peak_memory(method, state, grad_out, True, device) / 2**20
+        if device.type == "cuda" and label.startswith("native bev_pool"):
+            row["forward_gb_per_s"] = fused_forward_bytes(depth, feats, grid) / (row["forward_ms"] / 1e3) / 1e9
+        rows.append(row)
+        print(f"  {name:7s} {label:24s} fwd {row['forward_ms']:9.2f} ms  fwd+bwd "
+              f"{row.get('fwd_bwd_ms', float('nan')):9.2f} ms  peak fwd+bwd {row.get('fwd_bwd_peak_mb', float('nan')):8.1f} MB",
+              flush=True)
+        del state
+    info["fused_forward_bytes"] = fused_forward_bytes(depth, feats, grid)
+    return dict(size=name, **info, rows=rows)
+
+
+def targets(results, device):
+    """The issue's targets, evaluated on this run's numbers (reported, never asserted)."""
+    by = {r["size"]: {row["method"]: row for row in r["rows"]} for r in results}
+    checks = []
+    if "lss" in by and device.type == "cpu":
+        m = by["lss"]
+        ref, iadd = m["reference voxel_sum"]["fwd_bwd_ms"], m["index_add_"]["fwd_bwd_ms"]
+        nvs = m["native voxel_sum"]["fwd_bwd_ms"]
+        checks.append(dict(target="LSS: native voxel_sum fwd+bwd >= 10x faster than reference", ratio=ref / nvs, met=ref / nvs >= 10))
+        checks.append(dict(target="LSS: native voxel_sum fwd+bwd >= 2x faster than index_add_", ratio=iadd / nvs, met=iadd / nvs >= 2))
+        unfused, fused = m["materialise+native vs"]["fwd_bwd_ms"], m["native bev_pool"]["fwd_bwd_ms"]
+        checks.append(dict(target="LSS: fused bev_pool fwd+bwd faster than materialise + native voxel_sum", ratio=unfused / fused, met=fused < unfused))
+    if "bevdet" in by:
+        m = by["bevdet"]
+        unfused, fused = m["materialise+native vs"]["fwd_bwd_peak_mb"], m["native bev_pool"]["fwd_bwd_peak_mb"]
+        checks.append(dict(target="BEVDet: fused bev_pool fwd+bwd peak memory >= 5x below materialise + voxel_sum", ratio=unfused / fused, met=unfused / fused >= 5))
+        if device.type == "cuda":
+            info = next(r for r in results if r["size"] == "bevdet")
+            bound_ms = info["fused_forward_bytes"] / info["copy_bandwidth_gb_per_s"] / 1e6
+            fused_ms = m["native bev_pool (plan)"]["forward_ms"]
+            checks.append(dict(target="GPU BEVDet: fused bev_pool forward within 2x of the bandwidth bound", ratio=fused_ms / bound_ms, met=fused_ms <= 2 * bound_ms))
+            if "bevfusion-style (plan)" in m:
+                base = m["bevfusion-style (plan)"]["forward_ms"]
+                checks.append(dict(target="GPU BEVDet: fused bev_pool forward faster than bevfusion-style", ratio=base / fused_ms, met=fused_ms < base))
+    return checks
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (median)")
+    parser.add_argument("--skip", nargs="*", default=[], help="method labels to skip")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    repeats = args.repeats or (20 if device.type == "cuda" else 5)
+    if not ops.native_available(device):
+        sys.exit(f"native kernels are not available for {device}: build the extension first")
+    methods = {k: v for k, v in METHODS.items() if k not in args.skip}
+    baseline = load_baseline() if device.type == "cuda" else None
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = platform.processor() or platform.machine()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    device_name = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+    print(f"bench_pool on {device_name} ({device}), torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"median of {repeats}", flush=True)
+    load_at_start = os.getloadavg()
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
+    results = []
+    for name in args.sizes:
+        result = bench_size(name, SIZES[name], device, repeats, methods, baseline)
+        if bandwidth:
+            result["copy_bandwidth_gb_per_s"] = bandwidth / 1e9
+        results.append(result)
+    checks = targets(results, device)
+    report = dict(
+        device=str(device), device_name=device_name, torch=torch.__version__, threads=torch.get_num_threads(),
+        cpu_count=os.cpu_count(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+        malloc_env={k: os.environ.get(k) for k in MALLOC_ENV},
+        load_average_at_start=load_at_start, load_average_at_end=os.getloadavg(), repeats=repeats, statistic="median", python=platform.python_version(),
+        memory_method=("torch.cuda.max_memory_allocated above the pre-call allocation" if device.type == "cuda" else
+                       "peak of torch allocations during the call, replayed from torch.profiler(profile_memory=True) "
+                       "events (inputs excluded)"),
+        date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), results=results, targets=checks,
+    )
+    print_table(results, checks)
+    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"bench_pool_{device.type}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+def print_table(results, checks):
+    header = f"| size | method | fwd ms | fwd+bwd ms | fwd peak MB | fwd+bwd peak MB | GB/s |"
+    print("\n" + header + "\n|---|---|---:|---:|---:|---:|---:|")
+    fmt = lambda v, spec: format(v, spec) if v is not None else "-"
+    for r in results:
+        for row in r["rows"]:
+            print(f"| {r['size']} | {row['method']} | {fmt(row['forward_ms'], '.2f')} | {fmt(row.get('fwd_bwd_ms'), '.2f')} | "
+                  f"{fmt(row['forward_peak_mb'], '.1f')} | {fmt(row.get('fwd_bwd_peak_mb'), '.1f')} | "
+                  f"{fmt(row.get('forward_gb_per_s'), '.0f')} |")
+    for r in results:
+        print(f"{r['size']}: {r['points']} points, {r['inside_fraction']:.1%} inside, {r['occupied_voxels']} occupied voxels, "
+              f"{r['points_per_occupied_voxel']:.1f} points per occupied voxel, product {r['product_mb']:.0f} MB")
+    for c in checks:
+        print(f"[{'MET' if c['met'] else 'MISSED'}] {c['target']}: {c['ratio']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
