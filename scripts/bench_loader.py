@@ -91,8 +91,12 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--batches", type=int, default=10, help="timed batches per setting")
     p.add_argument("--final-dim", type=int, nargs=2, default=[128, 352])
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch intra-op threads of the main process (collate runs there with 0 workers)")
     p.add_argument("--out", default="benchmarks/results/bench_loader_cpu.json")
     a = p.parse_args(argv)
+    if a.torch_threads:
+        torch.set_num_threads(a.torch_threads)
 
     tmp = None
     dataroot = a.dataroot
@@ -141,6 +145,7 @@ def main(argv=None) -> int:
         "single_process_samples_per_s": decode,
         "photo_like_jpeg_decode_plus_augment_ms_per_image": photo,
         "loader": results,
+        "main_torch_threads": torch.get_num_threads(),
         "host": {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                  "load_average_1m_at_end": round(os.getloadavg()[0], 2),
                  "python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine()},
