@@ -235,7 +235,7 @@ def test_cache_is_reused_without_the_devkit_and_rebuilt_when_stale(tiny_copy, mo
     monkeypatch.setattr(devkit, "NuScenes", counting)
     first = _ds(tiny_copy, split="mini_train")
     assert len(calls) == 1
-    cache_files = list((tiny_copy / ".bev_cache").glob("*.pkl"))  # the default cache location
+    cache_files = list((tiny_copy / ".bev_cache").glob("*.npz"))  # the default cache location
     assert len(cache_files) == 1
 
     def boom(*a, **k):
@@ -259,14 +259,14 @@ def test_cache_is_reused_without_the_devkit_and_rebuilt_when_stale(tiny_copy, mo
     assert len(calls) == 2
     # Other categories are another cache entry, not a clash.
     _ds(tiny_copy, split="mini_train", categories=["human."])
-    assert len(calls) == 3 and len(list((tiny_copy / ".bev_cache").glob("*.pkl"))) == 2
+    assert len(calls) == 3 and len(list((tiny_copy / ".bev_cache").glob("*.npz"))) == 2
 
 
 def test_cache_dir_and_corrupt_cache(tiny_copy, tmp_path):
     cache = tmp_path / "cache"
     _ds(tiny_copy, cache, split="mini_val")
-    (f,) = cache.glob("*.pkl")
-    f.write_bytes(b"not a pickle")
+    (f,) = cache.glob("*.npz")
+    f.write_bytes(b"not an npz file")
     with pytest.warns(UserWarning, match="unreadable index cache"):
         ds = _ds(tiny_copy, cache, split="mini_val")
     assert len(ds) == 2 and not (tiny_copy / ".bev_cache").exists()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import tempfile
 import warnings
 from pathlib import Path
@@ -35,7 +34,7 @@ TABLES = (
     "attribute", "calibrated_sensor", "category", "ego_pose", "instance", "log", "map",
     "sample", "sample_annotation", "sample_data", "scene", "sensor", "visibility",
 )
-INDEX_FORMAT = 2
+INDEX_FORMAT = 3
 
 _HOWTO = (
     "Expected layout: DATAROOT/<version>/*.json (the 13 tables) and DATAROOT/samples/CAM_*/*.jpg. "
@@ -206,17 +205,27 @@ def build_index(dataroot: str | os.PathLike, version: str, split: str, groups, v
     }
 
 
-def _atomic_pickle(obj: Any, path: Path) -> None:
+def _save_npz(index: dict, key: dict, path: Path) -> None:
+    """Write the index atomically as .npz (no pickle: a cache file found in a downloaded dataroot
+    must not be able to run code when loaded)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
+            np.savez(f, __key__=np.asarray(json.dumps(key, sort_keys=True)), **index)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _load_npz(path: Path, key: dict) -> dict | None:
+    """The cached index, or None when its key differs (stale)."""
+    with np.load(path, allow_pickle=False) as z:
+        if str(z["__key__"]) != json.dumps(key, sort_keys=True):
+            return None
+        return {k: z[k] for k in z.files if k != "__key__"}
 
 
 def load_index(
@@ -242,13 +251,12 @@ def load_index(
     }
     cat_hash = hashlib.sha1(json.dumps(key["categories"]).encode()).hexdigest()[:10]
     cache_root = Path(cache_dir).expanduser() if cache_dir is not None else Path(dataroot) / ".bev_cache"
-    cache_file = cache_root / f"{version}__{split}__{cat_hash}.pkl"
+    cache_file = cache_root / f"{version}__{split}__{cat_hash}.npz"
     if cache_file.is_file():
         try:
-            with open(cache_file, "rb") as f:
-                cached = pickle.load(f)
-            if cached.get("key") == key:
-                return cached["index"]
+            cached = _load_npz(cache_file, key)
+            if cached is not None:
+                return cached
         except Exception as e:  # a corrupt cache is rebuilt, never fatal
             warnings.warn(f"ignoring unreadable index cache {cache_file}: {e}")
     index = build_index(dataroot, version, split, groups, verbose=verbose)
@@ -265,7 +273,7 @@ def load_index(
             f"{_HOWTO}"
         )
     try:
-        _atomic_pickle({"key": key, "index": index}, cache_file)
+        _save_npz(index, key, cache_file)
     except OSError as e:  # read-only dataset mounts still work, just without a cache
         warnings.warn(f"could not write the index cache {cache_file} ({e}); pass cache_dir=<writable dir>")
     return index
