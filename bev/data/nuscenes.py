@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -118,7 +119,10 @@ def build_index(dataroot: str | os.PathLike, version: str, split: str, groups, v
 
     root = Path(dataroot)
     scenes_of_split = set(_split_scenes()[split])
-    nusc = NuScenes(version=version, dataroot=str(root), verbose=verbose)  # prints its table loading (slow for trainval)
+    if verbose:  # stderr: stdout belongs to the caller (bev-gallery prints the PNG path there)
+        print(f"loading nuScenes {version} tables from {root} to index split {split!r} (once, then cached)",
+              file=sys.stderr, flush=True)
+    nusc = NuScenes(version=version, dataroot=str(root), verbose=False)
     scenes = [s for s in nusc.scene if s["name"] in scenes_of_split]
     vis_level = {}
     for i, v in enumerate(sorted(nusc.visibility, key=lambda r: r["token"])):
