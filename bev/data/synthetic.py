@@ -105,8 +105,9 @@ MAP_RES = 0.1
 
 def scene_names(n: int) -> list[str]:
     """Names of n synthetic scenes (see the module docstring for the rule)."""
-    from nuscenes.utils.splits import mini_train, mini_val
-
+    # The mini split as bundled with the rig (importing the devkit costs seconds; a test
+    # checks these lists against nuscenes.utils.splits).
+    mini_train, mini_val = load_rig()["mini_splits"]["mini_train"], load_rig()["mini_splits"]["mini_val"]
     if n < 1 or n > len(mini_train) + len(mini_val):
         raise ValueError(f"scenes must be in 1..{len(mini_train) + len(mini_val)} (the v1.0-mini scene names), got {n}; "
                          "for more data raise samples_per_scene")
@@ -307,16 +308,28 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
             tasks.append((out, seed, si, k, samples_per_scene, {c: files[c] for c in CAMERA_NAMES},
                           files["LIDAR_TOP"], annotated))
 
+    (out / "maps").mkdir(parents=True, exist_ok=True)
+    map_tasks = []
+    for loc, scenes_here in _map_groups(names).items():
+        tok = _token(seed, "map", loc)
+        T["map"].append({"category": "semantic_prior", "token": tok, "filename": f"maps/{tok}.png",
+                         "log_tokens": [T["log"][si]["token"] for si in scenes_here]})
+        map_tasks.append((out / "maps" / f"{tok}.png", seed, scenes_here, samples_per_scene))
+
     results = {}
     for ch in CAMERA_NAMES:  # per-camera rays, computed once and inherited by forked workers
         render.make_camera(ch)
     bar = tqdm(total=len(tasks), desc="bev-make-synthetic", unit="sample", disable=not progress)
     if workers > 1 and len(tasks) > 1:
         with mp.get_context("fork").Pool(min(workers, len(tasks)), initializer=_worker_init) as pool:
+            maps = pool.map_async(_map_task, map_tasks)  # big PNGs, encoded alongside the renders
             for r in pool.imap_unordered(_render_task, tasks):
                 results[r[0], r[1]] = r[2:]
                 bar.update()
+            maps.get()
     else:
+        for task in map_tasks:
+            _map_task(task)
         for task in tasks:
             r = _render_task(task)
             results[r[0], r[1]] = r[2:]
@@ -349,7 +362,6 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
                                   "last_annotation_token": recs[-1]["token"]})
         T["sample_annotation"].extend(sorted((r for recs in tracks.values() for r in recs), key=lambda r: r["token"]))
 
-    _write_maps(out, T, names, samples_per_scene, seed)
     (out / VERSION).mkdir(parents=True, exist_ok=True)
     for name in TABLES:
         with open(out / VERSION / f"{name}.json", "w") as f:
@@ -357,27 +369,29 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
     return out
 
 
-def _write_maps(out: Path, T: dict, names: list[str], samples: int, seed: int) -> None:
-    """One drivable-area PNG per location (0.1 m/pixel, global frame), listing that location's logs."""
-    (out / "maps").mkdir(parents=True, exist_ok=True)
-    n = int(MAP_SIZE_M / MAP_RES)
+def _map_groups(names: list[str]) -> dict[str, list[int]]:
+    """Location -> indices of its scenes (one map per location, as in nuScenes)."""
     by_loc: dict[str, list[int]] = {}
     for si, name in enumerate(names):
         by_loc.setdefault(LOCATIONS[name], []).append(si)
-    for loc in sorted(by_loc):
-        mask = np.zeros((n, n), np.uint8)
-        for si in by_loc[loc]:
-            world = _world(seed, si, samples)
-            end = world.ego_s0 + world.ego_speed * (samples - 1) * SAMPLE_DT
-            corners = world.road_to_global([-200.0, end + 200, end + 200, -200.0],
-                                           [-render.CURB, -render.CURB, render.CURB, render.CURB])
-            # Map pixel (col, row) = (x / res, height - y / res), as nuscenes.utils.map_mask expects.
-            px = np.stack([corners[:, 0] / MAP_RES, n - corners[:, 1] / MAP_RES], -1)
-            cv2.fillPoly(mask, [np.round(px).astype(np.int32)], 255)
-        tok = _token(seed, "map", loc)
-        cv2.imwrite(str(out / "maps" / f"{tok}.png"), mask, [cv2.IMWRITE_PNG_COMPRESSION, 1])
-        T["map"].append({"category": "semantic_prior", "token": tok, "filename": f"maps/{tok}.png",
-                         "log_tokens": [T["log"][si]["token"] for si in by_loc[loc]]})
+    return dict(sorted(by_loc.items()))
+
+
+def _map_task(task) -> None:
+    """Write one location's drivable-area PNG (0.1 m/pixel, global frame): the roads of its scenes."""
+    path, seed, scenes, samples = task
+    n = int(MAP_SIZE_M / MAP_RES)
+    mask = np.zeros((n, n), np.uint8)
+    for si in scenes:
+        world = _world(seed, si, samples)
+        end = world.ego_s0 + world.ego_speed * (samples - 1) * SAMPLE_DT
+        corners = world.road_to_global([-200.0, end + 200, end + 200, -200.0],
+                                       [-render.CURB, -render.CURB, render.CURB, render.CURB])
+        # Map pixel (col, row) = (x / res, height - y / res), as nuscenes.utils.map_mask expects.
+        px = np.stack([corners[:, 0] / MAP_RES, n - corners[:, 1] / MAP_RES], -1)
+        cv2.fillPoly(mask, [np.round(px).astype(np.int32)], 255)
+    if not cv2.imwrite(str(path), mask, [cv2.IMWRITE_PNG_COMPRESSION, 1]):
+        raise RuntimeError(f"could not write map {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
