@@ -208,38 +208,51 @@ def _object_of(world, t):
     return lambda ann: by_centre[tuple(np.round(ann["translation"], 6))]
 
 
+def _id_bboxes(ids: np.ndarray, n: int) -> np.ndarray:
+    """(n + 1, 4) [row_min, row_max, col_min, col_max] of every id's pixels (min > max when absent)."""
+    rows, cols = np.nonzero(ids)
+    k = ids[rows, cols]
+    out = np.tile(np.array([np.inf, -np.inf, np.inf, -np.inf]), (n + 1, 1))
+    np.minimum.at(out[:, 0], k, rows), np.maximum.at(out[:, 1], k, rows)
+    np.minimum.at(out[:, 2], k, cols), np.maximum.at(out[:, 3], k, cols)
+    return out
+
+
 def test_projected_boxes_land_on_their_rendered_pixels(nusc):
     checked_centres = visible_centres = own_centres = checked_boxes = 0
     for name, (si, world, tokens) in _world_index(nusc).items():
         for k, tok in enumerate(tokens):
             sample = nusc.get("sample", tok)
-            R, t = _ego_from_global(nusc, sample)
+            R, t = _ego_from_global(nusc, sample)  # global -> LIDAR_TOP ego frame
             anns = [nusc.get("sample_annotation", a) for a in sample["anns"]]
             index = _object_of(world, k * render.SAMPLE_DT)
+            obj = np.array([index(a) for a in anns])
+            centres = (np.array([a["translation"] for a in anns]) - t) @ R
+            corners = (np.concatenate([_box_corners(a) for a in anns]) - t) @ R
             for cam_name in CAMERA_NAMES:
                 cam = render.make_camera(cam_name)
                 r = render.render_camera(world, k * render.SAMPLE_DT, cam)
                 H, W = cam.shape
-                for ann in anns:
-                    i = index(ann)
-                    centre = (np.array(ann["translation"]) - t) @ R  # global -> LIDAR_TOP ego frame
-                    (u, v), d = (x[0] for x in _project(cam, centre[None]))
-                    row, col = int(round(v)), int(round(u))
-                    if d > 1.0 and 0 <= row < H and 0 <= col < W:
-                        checked_centres += 1
-                        visible_centres += ann["visibility_token"] == "4"
-                        # The centre pixel shows this very object, or something nearer that hides it.
-                        if r.ids[row, col] == i + 1:
-                            own_centres += ann["visibility_token"] == "4"
-                        else:
-                            assert r.depth[row, col] < d, (name, cam_name, ann["category_name"])
-                    uv, dc = _project(cam, (_box_corners(ann) - t) @ R)
-                    rows, cols = np.nonzero(r.ids == i + 1)
-                    if dc.min() > render.NEAR and rows.size:
-                        # Every rendered pixel of the object lies within its projected 3D box.
-                        checked_boxes += 1
-                        assert cols.min() >= uv[:, 0].min() - 1 and cols.max() <= uv[:, 0].max() + 1
-                        assert rows.min() >= uv[:, 1].min() - 1 and rows.max() <= uv[:, 1].max() + 1
+                uv, d = _project(cam, centres)
+                row, col = np.round(uv[:, 1]).astype(int), np.round(uv[:, 0]).astype(int)
+                seen = (d > 1.0) & (row >= 0) & (row < H) & (col >= 0) & (col < W)
+                at = r.ids[row[seen], col[seen]]
+                # The centre pixel shows this very object, or something nearer that hides it.
+                mine = at == obj[seen] + 1
+                assert (r.depth[row[seen], col[seen]][~mine] < d[seen][~mine]).all(), (name, cam_name)
+                vis4 = np.array([a["visibility_token"] == "4" for a in anns])[seen]
+                checked_centres += seen.sum()
+                visible_centres += vis4.sum()
+                own_centres += (mine & vis4).sum()
+                # Every rendered pixel of an object lies within its projected 3D box.
+                uvc, dc = _project(cam, corners)
+                uvc, dc = uvc.reshape(-1, 8, 2), dc.reshape(-1, 8)
+                bb = _id_bboxes(r.ids, len(world.objects))[obj + 1]
+                check = (dc.min(1) > render.NEAR) & (bb[:, 0] <= bb[:, 1])
+                checked_boxes += check.sum()
+                lo, hi = uvc.min(1)[check] - 1, uvc.max(1)[check] + 1
+                assert (bb[check, 2] >= lo[:, 0]).all() and (bb[check, 3] <= hi[:, 0]).all(), (name, cam_name)
+                assert (bb[check, 0] >= lo[:, 1]).all() and (bb[check, 1] <= hi[:, 1]).all(), (name, cam_name)
     assert checked_centres > 50 and checked_boxes > 50
     # Mostly visible objects (visibility "4") show their own centre pixel almost always.
     assert visible_centres > 20 and own_centres > 0.8 * visible_centres
