@@ -31,7 +31,7 @@ IMAGE_W, IMAGE_H = 1600, 900
 RENDER_SCALE = 2
 NEAR = 0.1  # metres, camera near plane for clipping projected bounding rectangles
 ANNOTATION_RANGE = 60.0  # objects within this ego distance (xy) are annotated
-RENDER_RANGE = 110.0  # objects farther than this are not drawn at all
+RENDER_RANGE = 90.0  # objects farther than this are not drawn at all (they would be a few pixels)
 SAMPLE_DT = 0.5  # key frames at 2 Hz, as in nuScenes
 
 # Road cross-section, lateral offset l (metres, + = left of the road direction +s).
