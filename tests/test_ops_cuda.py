@@ -15,6 +15,7 @@ from test_ops import (
     VOXEL_CASES,
     SplatModule,
     _opcheck_inputs,
+    fresh_compile_caches,
     assert_matches,
     backends_for,
     index_add_bev_pool,
@@ -113,8 +114,9 @@ def test_opcheck(op_name):
 
 
 @requires_native_cuda
-def test_module_runs_under_torch_compile_fullgraph():
+def test_module_runs_under_torch_compile_fullgraph(monkeypatch):
     torch._dynamo.reset()
+    fresh_compile_caches(monkeypatch)
     grid = (2, 1, 8, 8)
     depth, feats, coords = random_frustum(2, 3, 5, 4, 6, 16, grid, device=DEVICE)
     model = SplatModule(grid, 16).to(DEVICE)
@@ -176,14 +178,23 @@ def test_no_host_device_sync_in_the_hot_path():
 def test_runs_on_the_current_stream():
     depth, feats, coords, grid = _lss_like_problem()
     expected = ops.bev_pool(depth, feats, coords, grid)
+    grad_out = torch.randn_like(expected)
+    depth.requires_grad_()
+    ops.bev_pool(depth, feats, coords, grid).backward(grad_out)
+    expected_grad = depth.grad
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        # Slow the side stream down so a kernel launched on the default stream would race.
-        torch.cuda._sleep(10_000_000)
-        out = ops.bev_pool(depth, feats, coords, grid)
+        # The inputs only become valid on the side stream after a long sleep: a kernel launched
+        # on any other stream would read them too early.
+        torch.cuda._sleep(50_000_000)
+        late_depth = (depth.detach() * 1).requires_grad_()
+        late_feats = feats * 1
+        out = ops.bev_pool(late_depth, late_feats, coords, grid)
+        out.backward(grad_out)
     torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(out, expected)
+    assert torch.equal(late_depth.grad, expected_grad)
 
 
 @requires_native_cuda

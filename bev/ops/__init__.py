@@ -16,6 +16,14 @@ coordinates are not differentiable. Backends: "torch" (pure-PyTorch QuickCumsum-
 reference), "native" (C++ CPU / CUDA kernels, deterministic, no atomics, fp32 accumulation
 for fp16/bf16), "auto" (native where built for the tensor's device, else the reference
 with one warning).
+
+How it works (see _plan.py): every call turns coordinates into a plan: flat voxel keys, the
+points stably sorted by key, and per-voxel run offsets, all with sizes known from the input
+shapes, so the GPU path never waits on the host. Each voxel then sums its own run in a fixed
+order: bitwise-reproducible results without atomics. The backward passes are gathers
+(voxel_sum) and, for bev_pool, per-feature-pixel loops over the pixel's own D points, again
+without atomics. Half types accumulate in float32; all indices are int64. For fixed
+calibration build the plan once with bev_pool_plan and pass plan=.
 """
 from __future__ import annotations
 
@@ -88,7 +96,7 @@ def voxel_sum(feats: torch.Tensor, coords: torch.Tensor, grid_shape, *, backend:
     plan = make_plan(keys, grid_shape, (feats.shape[0],), native)
     feats = feats.contiguous()
     if native:
-        return torch.ops.bev.voxel_sum(feats, plan.order, plan.offsets, list(grid_shape))
+        return torch.ops.bev.voxel_sum(feats, plan.keys, plan.order, plan.offsets, list(grid_shape))
     return _reference.voxel_sum(feats, plan)
 
 

@@ -6,10 +6,10 @@ Operators (namespace `bev`):
   voxel_keys(coords, grid_shape, batch_column) -> keys             flat voxel keys (CPU only)
   sort_keys(keys, num_voxels) -> (order, offsets)                 stable sort: counting (CPU),
                                                                   device radix sort (CUDA)
-  voxel_sum(feats, order, offsets, grid_shape) -> out              out (B, C, Z, X, Y)
-  voxel_sum_backward(grad_out, order, offsets) -> grad_feats
+  voxel_sum(feats, keys, order, offsets, grid_shape) -> out        out (B, C, Z, X, Y)
+  voxel_sum_backward(grad_out, keys, offsets) -> grad_feats
   bev_pool(depth, feats, keys, order, offsets, grid_shape) -> out
-  bev_pool_backward(grad_out, depth, feats, keys) -> (grad_depth, grad_feats)
+  bev_pool_backward(grad_out, depth, feats, keys, offsets) -> (grad_depth, grad_feats)
 """
 from __future__ import annotations
 
@@ -53,13 +53,13 @@ def _register() -> None:
         return torch.empty_like(keys), keys.new_empty(num_voxels + 1)
 
     @torch.library.register_fake("bev::voxel_sum")
-    def _voxel_sum_fake(feats, order, offsets, grid_shape):
+    def _voxel_sum_fake(feats, keys, order, offsets, grid_shape):
         B, Z, X, Y = grid_shape
         return feats.new_empty(B, feats.shape[1], Z, X, Y)
 
     @torch.library.register_fake("bev::voxel_sum_backward")
-    def _voxel_sum_backward_fake(grad_out, order, offsets):
-        return grad_out.new_empty(order.shape[0], grad_out.shape[1])
+    def _voxel_sum_backward_fake(grad_out, keys, offsets):
+        return grad_out.new_empty(keys.shape[0], grad_out.shape[1])
 
     @torch.library.register_fake("bev::bev_pool")
     def _bev_pool_fake(depth, feats, keys, order, offsets, grid_shape):
@@ -67,23 +67,23 @@ def _register() -> None:
         return feats.new_empty(B, feats.shape[-1], Z, X, Y)
 
     @torch.library.register_fake("bev::bev_pool_backward")
-    def _bev_pool_backward_fake(grad_out, depth, feats, keys):
+    def _bev_pool_backward_fake(grad_out, depth, feats, keys, offsets):
         return torch.empty_like(depth), torch.empty_like(feats)
 
     def _voxel_sum_setup(ctx, inputs, output):
-        ctx.save_for_backward(inputs[1], inputs[2])
+        ctx.save_for_backward(inputs[1], inputs[3])
 
     def _voxel_sum_grad(ctx, grad_out):
-        order, offsets = ctx.saved_tensors
-        return torch.ops.bev.voxel_sum_backward(grad_out, order, offsets), None, None, None
+        keys, offsets = ctx.saved_tensors
+        return torch.ops.bev.voxel_sum_backward(grad_out, keys, offsets), None, None, None, None
 
     def _bev_pool_setup(ctx, inputs, output):
-        depth, feats, keys = inputs[:3]
-        ctx.save_for_backward(depth, feats, keys)
+        depth, feats, keys, _, offsets = inputs[:5]
+        ctx.save_for_backward(depth, feats, keys, offsets)
 
     def _bev_pool_grad(ctx, grad_out):
-        depth, feats, keys = ctx.saved_tensors
-        grad_depth, grad_feats = torch.ops.bev.bev_pool_backward(grad_out, depth, feats, keys)
+        depth, feats, keys, offsets = ctx.saved_tensors
+        grad_depth, grad_feats = torch.ops.bev.bev_pool_backward(grad_out, depth, feats, keys, offsets)
         return grad_depth, grad_feats, None, None, None, None
 
     torch.library.register_autograd("bev::voxel_sum", _voxel_sum_grad, setup_context=_voxel_sum_setup)

@@ -146,13 +146,14 @@ void pool_forward_cpu(const scalar_t* feats, const scalar_t* depth, const int64_
   });
 }
 
-at::Tensor voxel_sum_cpu(const at::Tensor& feats_in, const at::Tensor& order, const at::Tensor& offsets,
-                         at::IntArrayRef grid_shape) {
+at::Tensor voxel_sum_cpu(const at::Tensor& feats_in, const at::Tensor& keys, const at::Tensor& order,
+                         const at::Tensor& offsets, at::IntArrayRef grid_shape) {
   check_float(feats_in, "feats");
   TORCH_CHECK(feats_in.dim() == 2, "feats must be (N, C), got ", feats_in.sizes());
   const GridDims g = check_grid(grid_shape);
   auto feats = feats_in.contiguous();
   const int64_t N = feats.size(0), C = feats.size(1);
+  check_index(keys, "keys", N, feats);
   check_index(order, "order", N, feats);
   check_index(offsets, "offsets", g.voxels() + 1, feats);
   auto out = at::empty({g.B, C, g.Z, g.X, g.Y}, feats.options());
@@ -183,71 +184,64 @@ at::Tensor bev_pool_cpu(const at::Tensor& depth_in, const at::Tensor& feats_in, 
 }
 
 // ------------------------------------------------------------------------------------------
-// voxel_sum backward: the gather grad_feats[p] = grad_out[voxel(p)], walked voxel tile by voxel
-// tile so grad_out (B, C, S) is read in 16-wide rows and empty tiles cost nothing.
+// voxel_sum backward: the gather grad_feats[p] = grad_out[key(p)] (zero for ignored points).
+// grad_out (B, C, S) is first transposed to voxel-major rows, tile by tile and only for tiles
+// that hold points (no valid key points anywhere else); then points are visited in their own
+// order, so the large (N, C) result is written sequentially and only the small (V, C) table
+// is read at random.
 // ------------------------------------------------------------------------------------------
 template <typename scalar_t>
-void voxel_sum_backward_cpu_kernel(const scalar_t* grad, const int64_t* order, const int64_t* offsets,
-                                   scalar_t* grad_feats, const GridDims g, int64_t N, int64_t C) {
+void voxel_major_rows(const scalar_t* grad, const int64_t* offsets, scalar_t* rows, const GridDims g, int64_t C) {
   const int64_t S = g.per_batch();
   const int64_t tiles_per_batch = (S + kTile - 1) / kTile;
   at::parallel_for(0, g.B * tiles_per_batch, 16, [&](int64_t tile_begin, int64_t tile_end) {
-    std::vector<scalar_t> tile(kTile * C);
     for (int64_t t = tile_begin; t < tile_end; ++t) {
       const int64_t b = t / tiles_per_batch;
       const int64_t s0 = (t % tiles_per_batch) * kTile;
       const int64_t width = std::min(kTile, S - s0);
       const int64_t v0 = b * S + s0;
       if (offsets[v0] == offsets[v0 + width]) continue;  // no points in this tile
+      scalar_t* dst = rows + v0 * C;
       for (int64_t c = 0; c < C; ++c) {
         const scalar_t* src = grad + (b * C + c) * S + s0;
-        for (int64_t j = 0; j < width; ++j) tile[j * C + c] = src[j];
-      }
-      for (int64_t j = 0; j < width; ++j) {
-        int64_t begin, end;
-        run_bounds(offsets, v0 + j, N, begin, end);
-        for (int64_t i = begin; i < end; ++i) {
-          if (i + kPrefetchDistance < N) {
-            const int64_t q = order[i + kPrefetchDistance];
-            if (q >= 0 && q < N) prefetch_row<1>(grad_feats + q * C, C);
-          }
-          const int64_t p = order[i];
-          if (p < 0 || p >= N) continue;
-          std::copy(tile.data() + j * C, tile.data() + (j + 1) * C, grad_feats + p * C);
-        }
+        for (int64_t j = 0; j < width; ++j) dst[j * C + c] = src[j];
       }
     }
   });
 }
 
-at::Tensor voxel_sum_backward_cpu(const at::Tensor& grad_in, const at::Tensor& order, const at::Tensor& offsets) {
+template <typename scalar_t>
+void gather_rows(const scalar_t* rows, const int64_t* keys, scalar_t* grad_feats, int64_t N, int64_t C, int64_t V) {
+  at::parallel_for(0, N, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      if (p + kPrefetchDistance < end) {
+        const int64_t q = keys[p + kPrefetchDistance];
+        if (q >= 0 && q < V) prefetch_row<0>(rows + q * C, C);
+      }
+      const int64_t k = keys[p];
+      scalar_t* dst = grad_feats + p * C;
+      if (k >= 0 && k < V) std::copy(rows + k * C, rows + (k + 1) * C, dst);
+      else std::fill(dst, dst + C, scalar_t(0));
+    }
+  });
+}
+
+at::Tensor voxel_sum_backward_cpu(const at::Tensor& grad_in, const at::Tensor& keys, const at::Tensor& offsets) {
   check_float(grad_in, "grad_out");
   TORCH_CHECK(grad_in.dim() == 5, "grad_out must be (B, C, Z, X, Y), got ", grad_in.sizes());
   const GridDims g{grad_in.size(0), grad_in.size(2), grad_in.size(3), grad_in.size(4)};
-  const int64_t N = order.numel(), C = grad_in.size(1);
-  check_index(order, "order", N, grad_in);
-  check_index(offsets, "offsets", g.voxels() + 1, grad_in);
+  const int64_t N = keys.numel(), C = grad_in.size(1), V = g.voxels();
+  check_index(keys, "keys", N, grad_in);
+  check_index(offsets, "offsets", V + 1, grad_in);
   auto grad = grad_in.contiguous();
-  auto ord = order.contiguous(), off = offsets.contiguous();
-  // Every point in a voxel's run is written by the kernel; the rest (ignored points) are zeroed
-  // here. If a malformed plan leaves rows unreached we fall back to a zero-filled tensor.
-  const int64_t V = g.voxels();
-  const int64_t* off_ptr = off.data_ptr<int64_t>();
-  const int64_t valid = std::min(std::max(off_ptr[V], int64_t(0)), N);
-  bool plan_is_sane = off_ptr[0] == 0;
-  for (int64_t v = 0; v < V && plan_is_sane; ++v) plan_is_sane = off_ptr[v] <= off_ptr[v + 1];
-  auto grad_feats = plan_is_sane ? at::empty({N, C}, grad.options()) : at::zeros({N, C}, grad.options());
+  auto k = keys.contiguous(), off = offsets.contiguous();
+  // Rows of voxels without points are never read when keys and offsets come from one plan;
+  // a malformed plan reads unspecified (but in-bounds) values.
+  auto rows = at::empty({V, C}, grad.options());
+  auto grad_feats = at::empty({N, C}, grad.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "voxel_sum_backward_cpu", [&] {
-    voxel_sum_backward_cpu_kernel<scalar_t>(grad.data_ptr<scalar_t>(), ord.data_ptr<int64_t>(),
-                                            off.data_ptr<int64_t>(), grad_feats.data_ptr<scalar_t>(), g, N, C);
-    if (plan_is_sane) {
-      const int64_t* ord_ptr = ord.data_ptr<int64_t>();
-      scalar_t* dst = grad_feats.data_ptr<scalar_t>();
-      for (int64_t i = valid; i < N; ++i) {
-        const int64_t p = ord_ptr[i];
-        if (p >= 0 && p < N) std::fill(dst + p * C, dst + (p + 1) * C, scalar_t(0));
-      }
-    }
+    voxel_major_rows<scalar_t>(grad.data_ptr<scalar_t>(), off.data_ptr<int64_t>(), rows.data_ptr<scalar_t>(), g, C);
+    gather_rows<scalar_t>(rows.data_ptr<scalar_t>(), k.data_ptr<int64_t>(), grad_feats.data_ptr<scalar_t>(), N, C, V);
   });
   return grad_feats;
 }
@@ -295,18 +289,24 @@ void bev_pool_backward_cpu_kernel(const scalar_t* G, const scalar_t* depth, cons
 }
 
 std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cpu(const at::Tensor& grad_in, const at::Tensor& depth_in,
-                                                         const at::Tensor& feats_in, const at::Tensor& keys) {
+                                                         const at::Tensor& feats_in, const at::Tensor& keys,
+                                                         const at::Tensor& offsets) {
   const FrustumDims f = check_frustum(depth_in, feats_in);
   TORCH_CHECK(grad_in.dim() == 5 && grad_in.size(1) == f.C, "grad_out must be (B, C, Z, X, Y) with C=", f.C,
               ", got ", grad_in.sizes());
   TORCH_CHECK(grad_in.scalar_type() == feats_in.scalar_type(), "grad_out must have the dtype of feats");
   check_index(keys, "keys", f.points(), feats_in);
-  const int64_t V = grad_in.size(0) * grad_in.size(2) * grad_in.size(3) * grad_in.size(4);
-  // Voxel-major rows so each point reads its voxel's gradient contiguously.
-  auto G = grad_in.permute({0, 2, 3, 4, 1}).contiguous();
+  const GridDims g{grad_in.size(0), grad_in.size(2), grad_in.size(3), grad_in.size(4)};
+  const int64_t V = g.voxels();
+  check_index(offsets, "offsets", V + 1, feats_in);
+  auto grad = grad_in.contiguous(), off = offsets.contiguous();
+  // Voxel-major rows so each point reads its voxel's gradient contiguously (only voxels with
+  // points are filled; see voxel_sum_backward_cpu).
+  auto G = at::empty({V, f.C}, grad.options());
   auto depth = depth_in.contiguous(), feats = feats_in.contiguous(), k = keys.contiguous();
   auto grad_depth = at::empty_like(depth), grad_feats = at::empty_like(feats);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, feats.scalar_type(), "bev_pool_backward_cpu", [&] {
+    voxel_major_rows<scalar_t>(grad.data_ptr<scalar_t>(), off.data_ptr<int64_t>(), G.data_ptr<scalar_t>(), g, f.C);
     bev_pool_backward_cpu_kernel<scalar_t>(G.data_ptr<scalar_t>(), depth.data_ptr<scalar_t>(),
                                            feats.data_ptr<scalar_t>(), k.data_ptr<int64_t>(),
                                            grad_depth.data_ptr<scalar_t>(), grad_feats.data_ptr<scalar_t>(), f, V);
@@ -319,10 +319,10 @@ std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cpu(const at::Tensor& grad_
 TORCH_LIBRARY(bev, m) {
   m.def("voxel_keys(Tensor coords, int[] grid_shape, bool batch_column) -> Tensor");
   m.def("sort_keys(Tensor keys, int num_voxels) -> (Tensor order, Tensor offsets)");
-  m.def("voxel_sum(Tensor feats, Tensor order, Tensor offsets, int[] grid_shape) -> Tensor");
-  m.def("voxel_sum_backward(Tensor grad_out, Tensor order, Tensor offsets) -> Tensor");
+  m.def("voxel_sum(Tensor feats, Tensor keys, Tensor order, Tensor offsets, int[] grid_shape) -> Tensor");
+  m.def("voxel_sum_backward(Tensor grad_out, Tensor keys, Tensor offsets) -> Tensor");
   m.def("bev_pool(Tensor depth, Tensor feats, Tensor keys, Tensor order, Tensor offsets, int[] grid_shape) -> Tensor");
-  m.def("bev_pool_backward(Tensor grad_out, Tensor depth, Tensor feats, Tensor keys) -> (Tensor, Tensor)");
+  m.def("bev_pool_backward(Tensor grad_out, Tensor depth, Tensor feats, Tensor keys, Tensor offsets) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(bev, CPU, m) {

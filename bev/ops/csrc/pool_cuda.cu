@@ -69,35 +69,16 @@ __global__ void pool_forward_kernel(const scalar_t* __restrict__ feats, const sc
   }
 }
 
-// voxel_sum backward: the gather grad_feats[p] = grad_out[voxel(p)], tile by tile so that
-// grad_out is read in coalesced 32-voxel rows; tiles without points exit at once.
+// voxel_sum backward: the gather grad_feats[p] = G[key(p)] (zero for ignored points) from
+// voxel-major rows G; block = 8 points x 32 channel lanes, coalesced reads and writes.
 template <typename scalar_t>
-__global__ void voxel_sum_backward_kernel(const scalar_t* __restrict__ grad, const int64_t* __restrict__ order,
-                                          const int64_t* __restrict__ offsets, scalar_t* __restrict__ grad_feats,
-                                          int64_t S, int64_t tiles_per_batch, int64_t N, int64_t C) {
-  __shared__ scalar_t tile[kTileVoxels][kTileChannels + 1];
-  const int64_t b = blockIdx.x / tiles_per_batch;
-  const int64_t s0 = (blockIdx.x % tiles_per_batch) * kTileVoxels;
-  const int64_t width = min(int64_t(kTileVoxels), S - s0);
-  const int64_t v0 = b * S + s0;
-  if (offsets[v0] == offsets[v0 + width]) return;  // uniform across the block
-  const int64_t c0 = int64_t(blockIdx.y) * kTileChannels;
-  const int lane = threadIdx.x;
-  for (int k = threadIdx.y; k < kTileChannels; k += kRowsPerPass) {
-    if (c0 + k < C && lane < width) tile[lane][k] = grad[(b * C + c0 + k) * S + s0 + lane];
-  }
-  __syncthreads();
-  const int64_t c = c0 + lane;
-  if (c >= C) return;
-  for (int j = threadIdx.y; j < width; j += kRowsPerPass) {
-    int64_t begin, end;
-    run_bounds(offsets, v0 + j, N, begin, end);
-    const scalar_t g = tile[j][lane];
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t p = order[i];
-      if (p >= 0 && p < N) grad_feats[p * C + c] = g;
-    }
-  }
+__global__ void gather_rows_kernel(const scalar_t* __restrict__ G, const int64_t* __restrict__ keys,
+                                   scalar_t* __restrict__ grad_feats, int64_t N, int64_t C, int64_t V) {
+  const int64_t p = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (p >= N) return;
+  const int64_t k = keys[p];
+  const bool inside = k >= 0 && k < V;
+  for (int64_t c = threadIdx.x; c < C; c += 32) grad_feats[p * C + c] = inside ? G[k * C + c] : scalar_t(0);
 }
 
 template <typename T>
@@ -160,14 +141,15 @@ std::tuple<at::Tensor, at::Tensor> sort_keys_cuda(const at::Tensor& keys, int64_
   return {order, offsets};
 }
 
-at::Tensor voxel_sum_cuda(const at::Tensor& feats_in, const at::Tensor& order, const at::Tensor& offsets,
-                          at::IntArrayRef grid_shape) {
+at::Tensor voxel_sum_cuda(const at::Tensor& feats_in, const at::Tensor& keys, const at::Tensor& order,
+                          const at::Tensor& offsets, at::IntArrayRef grid_shape) {
   check_float(feats_in, "feats");
   TORCH_CHECK(feats_in.dim() == 2, "feats must be (N, C), got ", feats_in.sizes());
   const GridDims g = check_grid(grid_shape);
   const c10::cuda::CUDAGuard guard(feats_in.device());
   auto feats = feats_in.contiguous();
   const int64_t N = feats.size(0), C = feats.size(1);
+  check_index(keys, "keys", N, feats);
   check_index(order, "order", N, feats);
   check_index(offsets, "offsets", g.voxels() + 1, feats);
   auto out = at::empty({g.B, C, g.Z, g.X, g.Y}, feats.options());
@@ -212,34 +194,35 @@ at::Tensor bev_pool_cuda(const at::Tensor& depth_in, const at::Tensor& feats_in,
   return out;
 }
 
-at::Tensor voxel_sum_backward_cuda(const at::Tensor& grad_in, const at::Tensor& order, const at::Tensor& offsets) {
+at::Tensor voxel_sum_backward_cuda(const at::Tensor& grad_in, const at::Tensor& keys, const at::Tensor& offsets) {
   check_float(grad_in, "grad_out");
   TORCH_CHECK(grad_in.dim() == 5, "grad_out must be (B, C, Z, X, Y), got ", grad_in.sizes());
   const GridDims g{grad_in.size(0), grad_in.size(2), grad_in.size(3), grad_in.size(4)};
   const c10::cuda::CUDAGuard guard(grad_in.device());
-  const int64_t N = order.numel(), C = grad_in.size(1);
-  check_index(order, "order", N, grad_in);
-  check_index(offsets, "offsets", g.voxels() + 1, grad_in);
-  auto grad = grad_in.contiguous();
-  auto ord = order.contiguous(), off = offsets.contiguous();
-  // Ignored points keep zero; every other row is written exactly once by its voxel's tile.
-  auto grad_feats = at::zeros({N, C}, grad.options());
-  if (grad_feats.numel() == 0 || grad.numel() == 0) return grad_feats;
-  int64_t tiles_per_batch;
-  const dim3 blocks = tile_grid(g, C, tiles_per_batch);
-  const dim3 threads(kTileChannels, kRowsPerPass);
+  const int64_t N = keys.numel(), C = grad_in.size(1), V = g.voxels();
+  check_index(keys, "keys", N, grad_in);
+  check_index(offsets, "offsets", V + 1, grad_in);
+  // Voxel-major rows (one dense transpose on the current stream), then a coalesced gather.
+  auto G = grad_in.permute({0, 2, 3, 4, 1}).contiguous();
+  auto k = keys.contiguous();
+  auto grad_feats = at::empty({N, C}, grad_in.options());
+  if (grad_feats.numel() == 0) return grad_feats;
+  constexpr int kPointsPerBlock = 8;
+  const int64_t blocks = (N + kPointsPerBlock - 1) / kPointsPerBlock;
+  TORCH_CHECK(blocks < (int64_t(1) << 31), "too many points for one launch: ", N);
+  const dim3 threads(32, kPointsPerBlock);
   auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "voxel_sum_backward_cuda", [&] {
-    voxel_sum_backward_kernel<scalar_t><<<blocks, threads, 0, stream>>>(
-        grad.data_ptr<scalar_t>(), ord.data_ptr<int64_t>(), off.data_ptr<int64_t>(),
-        grad_feats.data_ptr<scalar_t>(), g.per_batch(), tiles_per_batch, N, C);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, G.scalar_type(), "voxel_sum_backward_cuda", [&] {
+    gather_rows_kernel<scalar_t><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+        G.data_ptr<scalar_t>(), k.data_ptr<int64_t>(), grad_feats.data_ptr<scalar_t>(), N, C, V);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return grad_feats;
 }
 
 std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cuda(const at::Tensor& grad_in, const at::Tensor& depth_in,
-                                                          const at::Tensor& feats_in, const at::Tensor& keys) {
+                                                          const at::Tensor& feats_in, const at::Tensor& keys,
+                                                          const at::Tensor& offsets) {
   const FrustumDims f = check_frustum(depth_in, feats_in);
   TORCH_CHECK(grad_in.dim() == 5 && grad_in.size(1) == f.C, "grad_out must be (B, C, Z, X, Y) with C=", f.C,
               ", got ", grad_in.sizes());
@@ -247,6 +230,7 @@ std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cuda(const at::Tensor& grad
   check_index(keys, "keys", f.points(), feats_in);
   const c10::cuda::CUDAGuard guard(feats_in.device());
   const int64_t V = grad_in.size(0) * grad_in.size(2) * grad_in.size(3) * grad_in.size(4);
+  check_index(offsets, "offsets", V + 1, feats_in);
   // Voxel-major rows: each point reads its voxel's gradient as one coalesced row.
   auto G = grad_in.permute({0, 2, 3, 4, 1}).contiguous();
   auto depth = depth_in.contiguous(), feats = feats_in.contiguous(), k = keys.contiguous();
