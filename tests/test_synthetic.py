@@ -218,6 +218,29 @@ def _id_bboxes(ids: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
+def test_vehicles_never_intersect_other_objects():
+    from shapely.geometry import Polygon
+
+    for seed in range(3):
+        world = render.build_world(seed, 0, 20)
+        for t in (0.0, 4.5, 9.5):
+            ego_xy, ego_yaw = world.ego_pose(t)
+            boxes = [(o.category, world.object_global(o, t), o.size) for o in world.objects
+                     if o.category and not o.category.startswith("human.")]
+            boxes.append(("ego", (ego_xy, ego_yaw), (1.9, 4.6, 1.7)))
+
+            def footprint(c, yaw, w, l):
+                R = np.array([[math.cos(yaw), -math.sin(yaw)], [math.sin(yaw), math.cos(yaw)]])
+                return Polygon(np.array([[l, w], [l, -w], [-l, -w], [-l, w]]) / 2 @ R.T + c[:2])
+
+            polys = [(cat, footprint(c, yaw, w, l)) for cat, (c, yaw), (w, l, _) in boxes]
+            for a in range(len(polys)):
+                for b in range(a + 1, len(polys)):
+                    (ca, pa), (cb, pb) = polys[a], polys[b]
+                    if "vehicle." in ca + cb or "ego" in (ca, cb):
+                        assert pa.intersection(pb).area < 1e-6, (seed, t, ca, cb)
+
+
 def test_projected_boxes_land_on_their_rendered_pixels(nusc):
     checked_centres = visible_centres = own_centres = checked_boxes = 0
     for name, (si, world, tokens) in _world_index(nusc).items():

@@ -241,7 +241,7 @@ def build_world(seed: int, scene: int, samples: int) -> World:
         s = -reach + min(0.0, rel) + rng.uniform(0, 8)
         while s < reach + max(0.0, rel):
             cat = _choice(rng, MOVING_MIX)
-            o = _object(cat, 0.0, lane_l + rng.uniform(-0.25, 0.25), v, 0.0 if v > 0 else math.pi, rng,
+            o = _object(cat, 0.0, lane_l + rng.uniform(-0.15, 0.15), v, 0.0 if v > 0 else math.pi, rng,
                         "cycle.with_rider" if cat == "vehicle.motorcycle" else "vehicle.moving")
             half = o.size[1] / 2
             o.s0 = s + half
@@ -257,7 +257,8 @@ def build_world(seed: int, scene: int, samples: int) -> World:
                 cat = _choice(rng, PARKED_MIX)
                 yaw = (0.0 if side < 0 else math.pi) + rng.normal(0, 0.04)
                 attr = "cycle.without_rider" if cat == "vehicle.motorcycle" else "vehicle.parked"
-                o = _object(cat, 0.0, side * (PARKING_EDGE + 1.25) + rng.uniform(-0.2, 0.2), 0.0, yaw, rng, attr)
+                # Centred 1.4 m into the parking lane: the widest trailer stays clear of the outer lane.
+                o = _object(cat, 0.0, side * (PARKING_EDGE + 1.4) + rng.uniform(-0.1, 0.1), 0.0, yaw, rng, attr)
                 if cat == "vehicle.motorcycle":  # parked without rider
                     o.size = (o.size[0], o.size[1], 1.15)
                     o.parts = _parts(cat, o.size, rng)
@@ -265,15 +266,16 @@ def build_world(seed: int, scene: int, samples: int) -> World:
                 objects.append(o)
                 s += o.size[1] + rng.uniform(1.5, 8.0)
             else:
+                # An empty stretch, sometimes with cones or barriers that fit inside it.
                 gap = rng.uniform(4.0, 10.0)
                 kind = rng.random()
                 if kind < 0.4:  # a few traffic cones
-                    for k in range(rng.integers(2, 5)):
+                    for k in range(min(rng.integers(2, 5), int((gap - 1.0) / 1.5))):
                         objects.append(_object("movable_object.trafficcone", s + 1 + 1.5 * k,
                                                side * (PARKING_EDGE + rng.uniform(0.5, 2.0)), 0.0, 0.0, rng, ""))
                 elif kind < 0.7:  # a row of barriers along the curb
-                    for k in range(rng.integers(2, 4)):
-                        objects.append(_object("movable_object.barrier", s + 1.3 + 2.4 * k,
+                    for k in range(min(rng.integers(2, 4), int((gap - 0.2) / 2.9))):  # barriers are <= 2.8 m long
+                        objects.append(_object("movable_object.barrier", s + 1.65 + 2.9 * k,
                                                side * (CURB - 0.6), 0.0, 0.0, rng, ""))
                 s += gap
     # Pedestrians on the sidewalks, walking along the road or standing.
