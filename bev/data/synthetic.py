@@ -327,7 +327,9 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
         render.make_camera(ch)
     bar = tqdm(total=len(tasks), desc="bev-make-synthetic", unit="sample", disable=not progress)
     if workers > 1 and len(tasks) > 1:
-        with mp.get_context("fork").Pool(min(workers, len(tasks)), initializer=_worker_init) as pool:
+        # fork shares the built worlds and camera rays; spawn where fork does not exist.
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        with ctx.Pool(min(workers, len(tasks)), initializer=_worker_init) as pool:
             maps = pool.map_async(_map_task, map_tasks)  # big PNGs, encoded alongside the renders
             for r in pool.imap_unordered(_render_task, tasks):
                 results[r[0], r[1]] = r[2:]
