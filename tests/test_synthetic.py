@@ -348,7 +348,9 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 
 def test_deterministic_per_seed(tmp_path):
-    a = _tree(make_synthetic(tmp_path / "a", scenes=1, samples_per_scene=2, seed=3, progress=False, workers=2))
+    # numpy integers are accepted like ints (e.g. from a config or a sweep)
+    a = _tree(make_synthetic(tmp_path / "a", scenes=np.int64(1), samples_per_scene=np.int64(2), seed=np.int64(3),
+                             progress=False, workers=2))
     b = _tree(make_synthetic(tmp_path / "b", scenes=1, samples_per_scene=2, seed=3, progress=False, workers=1))
     assert a.keys() == b.keys() and all(a[k] == b[k] for k in a)
     c = _tree(make_synthetic(tmp_path / "c", scenes=1, samples_per_scene=2, seed=4, progress=False, workers=1))

@@ -254,6 +254,7 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
     share the samples; the result is identical for any number of workers.
     """
     names = _validate(scenes, samples_per_scene, seed, workers)
+    samples_per_scene, seed, workers = int(samples_per_scene), int(seed), int(workers)  # numpy ints -> JSON-safe
     out = Path(out)
     _check_out(out, overwrite)
     rig = load_rig()
