@@ -147,8 +147,20 @@ GLASS = (0.12, 0.15, 0.2)
 TYRE = (0.06, 0.06, 0.07)
 
 
+SHADOW = (0.07, 0.07, 0.08)
+
+
 def _parts(category: str, size, rng: np.random.Generator) -> list:
     """Boxes of an object in its own frame (origin at the box centre, z up)."""
+    parts = _shape(category, size, rng)
+    if category.startswith("vehicle.") and category != "vehicle.motorcycle":
+        # Contact shadow: a dark 2 cm slab filling the footprint under the body overhang.
+        w, l, h = size
+        parts.insert(0, _box(0, 0, -h / 2 + 0.01, w, l, 0.02, SHADOW, DARK))
+    return parts
+
+
+def _shape(category: str, size, rng: np.random.Generator) -> list:
     w, l, h = size
     z0 = -h / 2  # ground level in the object frame
     if category == "vehicle.car":
