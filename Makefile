@@ -31,9 +31,10 @@ build: venv
 
 train: venv
 	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA)
-	$(VENV)/bin/bev-train experiment=synthetic_cpu data.dataroot=$(DATA) hydra.run.dir=$(RUN)
-	$(VENV)/bin/bev-eval ckpt_path=$(RUN)/checkpoints/last.ckpt data.dataroot=$(DATA) hydra.run.dir=$(RUN)/eval
-	@echo "Checkpoints: $(RUN)/checkpoints  Metrics: $(RUN)/eval/metrics.json  Pictures: $(RUN)/eval/*.png"
+	$(VENV)/bin/bev-train experiment=synthetic_cpu data.dataroot=$(DATA) hydra.run.dir=$(RUN) trainer.enable_progress_bar=false
+	$(VENV)/bin/bev-eval ckpt_path=$(RUN)/checkpoints data.dataroot=$(DATA) hydra.run.dir=$(RUN)/eval
+	$(PY) scripts/plot_learning_curve.py $(RUN) --out $(RUN)/learning_curve.png
+	@echo "Checkpoints: $(RUN)/checkpoints (best by val/iou + last.ckpt)  Metrics: $(RUN)/eval/metrics.json  Pictures: $(RUN)/eval/sample_*.png, $(RUN)/pngs/, $(RUN)/learning_curve.png"
 
 test: venv
 	$(PY) -m pytest -q -m "not slow"

@@ -55,7 +55,9 @@ class BevPngLogger(L.Callback):
     @rank_zero_only
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if self.every_n_steps <= 0 or step % self.every_n_steps or not isinstance(outputs, dict) or "logits" not in outputs:
+        if self.every_n_steps <= 0 or (step % self.every_n_steps and step != 1):  # the first step, then every N
+            return
+        if not isinstance(outputs, dict) or "logits" not in outputs:
             return
         from bev.viz import save_sample_png
 
@@ -63,6 +65,34 @@ class BevPngLogger(L.Callback):
         pred = outputs["logits"].float().sigmoid().cpu()
         sample = {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in batch.items()}
         save_sample_png(self.dirpath / f"step_{step:07d}.png", sample, pred=pred)
+
+
+class EpochSummary(L.Callback):
+    """One line per validation: epoch, step, train/loss, val/iou, best, elapsed (for logs without a progress bar)."""
+
+    def __init__(self) -> None:
+        self.start = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import time
+
+        self.start = time.time()
+
+    @rank_zero_only
+    def on_validation_end(self, trainer, pl_module) -> None:
+        import time
+
+        if trainer.sanity_checking or self.start is None:
+            return
+        m = trainer.callback_metrics
+
+        def fmt(key: str) -> str:
+            return f"{float(m[key]):.4f}" if key in m else "-"
+
+        elapsed = time.time() - self.start
+        print(f"epoch {trainer.current_epoch:3d} step {trainer.global_step:6d}  train/loss {fmt('train/loss_epoch')}  "
+              f"val/loss {fmt('val/loss')}  val/iou {fmt('val/iou')}  val/iou_best {fmt('val/iou_best')}  "
+              f"{elapsed / 60:5.1f} min ({elapsed / max(trainer.global_step, 1):.2f} s/step)", flush=True)
 
 
 # ----------------------------------------------------------------------------- sweep summary

@@ -95,7 +95,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "checkpoint": str(ckpt_path),
         "epoch": ckpt.get("epoch"),
         "global_step": ckpt.get("global_step"),
-        "data": {k: OmegaConf.select(data_cfg, k) for k in ("dataroot", "version", "val_split", "final_dim")},
+        "data": OmegaConf.to_container(OmegaConf.masked_copy(data_cfg, ["dataroot", "version", "val_split", "final_dim"]), resolve=True),
         "grid": OmegaConf.to_container(run_cfg.grid),
         "threshold": float(model_cfg.get("threshold", 0.5)),
         "visibility_filter": "iou_vis*: cells of vehicles with nuScenes visibility level 1 (0-40%) ignored",

@@ -53,6 +53,22 @@ class BEVLitModule(L.LightningModule):
         if self.compile and stage == "fit":
             self.net.compile()  # in place: state_dict keys stay those of the plain model
 
+    def on_train_start(self) -> None:
+        # Resuming with more epochs than the run started with: stretch a fixed-length schedule
+        # restored from the checkpoint instead of failing (OneCycleLR) or restarting (cosine) past its end.
+        steps = int(self.trainer.estimated_stepping_batches)
+        for config in self.trainer.lr_scheduler_configs:
+            sched = config.scheduler
+            if config.interval != "step":
+                continue
+            if isinstance(sched, torch.optim.lr_scheduler.OneCycleLR) and sched.total_steps < steps:
+                scale = steps / sched.total_steps
+                for phase in getattr(sched, "_schedule_phases", []):  # phase ends were fixed at construction
+                    phase["end_step"] = (phase["end_step"] + 1) * scale - 1
+                sched.total_steps = steps
+            elif isinstance(sched, torch.optim.lr_scheduler.CosineAnnealingLR) and sched.T_max < steps:
+                sched.T_max = steps
+
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.net(*(batch[k] for k in CAMERA_KEYS))
 

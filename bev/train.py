@@ -53,6 +53,8 @@ def _one_line(e: BaseException) -> str:
     cause = e.__cause__ or e.__context__
     if type(e).__name__ == "InstantiationException" and cause is not None:
         return f"{msg.splitlines()[0] if msg else ''} {_one_line(cause)}".strip()
+    if "Traceback (most recent call last)" in msg:  # errors re-raised from worker processes
+        msg = msg.strip().splitlines()[-1]
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 

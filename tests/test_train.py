@@ -1,0 +1,172 @@
+"""End to end through the real entry points (hydra.main), on the tiny synthetic fixture:
+fast_dev_run, train -> eval agreement, resume, sweep summary, DDP on CPU, bad-input messages."""
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bev import eval as bev_eval
+from bev import train as bev_train
+
+# A tiny model on a coarse grid: seconds per run on 2 CPU cores.
+TINY = [
+    "experiment=synthetic_cpu",
+    "grid.xbound=[-24,24,2.0]",
+    "grid.ybound=[-24,24,2.0]",
+    "grid.dbound=[4,44,8.0]",
+    "data.final_dim=[32,96]",
+    "data.batch_size=2",
+    "data.num_workers=0",
+    "model.net.context_channels=8",
+    "model.net.camera.widths=[8,8,16,16,16]",
+    "model.net.camera.mid_channels=16",
+    "model.net.bev.widths=[8,16,16]",
+    "trainer.max_epochs=1",
+    "trainer.enable_progress_bar=false",
+    "trainer.log_every_n_steps=1",
+]
+
+
+def run_cli(main, args, monkeypatch) -> int:
+    """Run a hydra.main entry point in-process with `args` as its command line; returns the exit status."""
+    monkeypatch.setattr(sys, "argv", ["bev", *map(str, args)])
+    try:
+        main()
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
+
+
+def train_cli(args, monkeypatch):
+    return run_cli(bev_train._hydra_main, args, monkeypatch)
+
+
+def eval_cli(args, monkeypatch):
+    return run_cli(bev_eval._hydra_main, args, monkeypatch)
+
+
+def read_csv_metric(run: Path, key: str) -> list[float]:
+    (f,) = run.glob("csv/version_*/metrics.csv")
+    return [float(r[key]) for r in csv.DictReader(open(f)) if r.get(key)]
+
+
+@pytest.fixture(scope="module")
+def trained_run(synthetic_root, tmp_path_factory):
+    """One tiny training run (1 epoch) shared by the tests below."""
+    run = tmp_path_factory.mktemp("run")
+    mp = pytest.MonkeyPatch()
+    try:
+        assert train_cli([*TINY, "callbacks.bev_png.every_n_steps=1", f"data.dataroot={synthetic_root}", f"hydra.run.dir={run}"], mp) == 0
+    finally:
+        mp.undo()
+    return run
+
+
+def test_fast_dev_run(synthetic_root, tmp_path, monkeypatch):
+    assert train_cli([*TINY, "debug=fdr", f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"], monkeypatch) == 0
+    rec = json.loads((tmp_path / "metrics.json").read_text())
+    assert rec["status"] == "ok" and rec["global_step"] == 1
+    assert torch.isfinite(torch.tensor(rec["metrics"]["train/loss_step"]))
+
+
+def test_run_writes_checkpoints_logs_and_pictures(trained_run):
+    ck = trained_run / "checkpoints"
+    assert (ck / "last.ckpt").is_file() and (ck / "epoch_000.ckpt").is_file()
+    assert not list(ck.glob("*.tmp"))  # atomic writes leave no temporaries behind
+    ckpt = torch.load(ck / "last.ckpt", weights_only=True)
+    assert ckpt["bev_config"]["grid"]["xbound"] == [-24.0, 24.0, 2.0]
+    assert list(trained_run.glob("pngs/step_*.png"))
+    assert read_csv_metric(trained_run, "val/iou") and read_csv_metric(trained_run, "train/loss_step")
+    rec = json.loads((trained_run / "metrics.json").read_text())
+    assert {"val/iou", "val/iou_best", "val/iou_vis", "val/iou_0_20m"} <= set(rec["metrics"])
+
+
+def test_eval_reproduces_the_logged_validation(trained_run, synthetic_root, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "eval"
+    assert eval_cli([f"ckpt_path={trained_run}", f"data.dataroot={synthetic_root}", f"hydra.run.dir={out}"], monkeypatch) == 0
+    rec = json.loads((out / "metrics.json").read_text())
+    run = json.loads((trained_run / "metrics.json").read_text())["metrics"]
+    assert rec["checkpoint"].endswith("epoch_000.ckpt")  # a run directory resolves to its best checkpoint
+    assert abs(rec["metrics"]["iou"] - run["val/iou"]) <= 0.005
+    assert abs(rec["metrics"]["iou"] - rec["logged_val_iou"]) <= 0.005
+    # The loss is continuous, so it also catches a different crop or model that happens to give the same IoU.
+    assert rec["metrics"]["loss"] == pytest.approx(run["val/loss"], rel=1e-4, abs=1e-5)
+    assert len(list(out.glob("sample_*.png"))) == 3  # the fixture's val split has 3 samples
+    printed = capsys.readouterr().out
+    assert "overall" in printed and "35-50m" in printed and "IoU (vis>1)" in printed
+
+
+def test_resume_from_last_continues_the_step_count(trained_run, synthetic_root, tmp_path, monkeypatch):
+    first = json.loads((trained_run / "metrics.json").read_text())["global_step"]
+    args = [*TINY, "trainer.max_epochs=2", f"ckpt_path={trained_run}/checkpoints/last.ckpt",
+            f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
+    assert train_cli(args, monkeypatch) == 0
+    rec = json.loads((tmp_path / "metrics.json").read_text())
+    assert first > 0 and rec["global_step"] == 2 * first and rec["epochs"] == 2
+
+
+def test_sweep_writes_a_sorted_summary(synthetic_root, tmp_path, monkeypatch):
+    args = ["-m", *TINY, "model.optimizer.lr=1e-3,3e-3", "callbacks.bev_png.every_n_steps=0",
+            f"data.dataroot={synthetic_root}", f"hydra.sweep.dir={tmp_path}"]
+    assert train_cli(args, monkeypatch) == 0
+    rows = list(csv.DictReader(open(tmp_path / "summary.csv")))
+    assert len(rows) == 2 and {float(r["overrides"].split("lr=")[1].split()[0]) for r in rows} == {1e-3, 3e-3}
+    ious = [float(r["val/iou_best"]) for r in rows]
+    assert ious == sorted(ious, reverse=True)
+    assert "| run |" in (tmp_path / "summary.md").read_text()
+
+
+def test_ddp_on_two_cpu_processes(synthetic_root, tmp_path):
+    args = [*TINY, "trainer=ddp_cpu", "trainer.max_epochs=2", "callbacks.bev_png.every_n_steps=0",
+            f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
+    env = {**os.environ, "BEV_MALLOC_TUNING": "0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "bev.train", *args], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = json.loads((tmp_path / "metrics.json").read_text())
+    # 3 train samples, 2 processes, batch 2: one step per epoch on each process.
+    assert rec["global_step"] == 2 and rec["status"] == "ok"
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+
+
+# ----------------------------------------------------------------------------- bad input
+def assert_one_paragraph(err: str, *needles: str):
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) <= 8, err
+    for n in needles:
+        assert n in err, err
+
+
+def test_unknown_config_option(tmp_path, monkeypatch, capsys):
+    assert train_cli(["experiment=synthetic_cpu", "trainer.max_epoch=3", f"hydra.run.dir={tmp_path}"], monkeypatch) == 1
+    assert_one_paragraph(capsys.readouterr().err, "trainer.max_epoch")
+
+
+def test_dataroot_without_data(tmp_path, monkeypatch, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert train_cli([*TINY, f"data.dataroot={empty}", f"hydra.run.dir={tmp_path / 'run'}"], monkeypatch) == 1
+    assert_one_paragraph(capsys.readouterr().err, "bev-train: error:", str(empty))
+
+
+def test_missing_checkpoint(tmp_path, monkeypatch, capsys):
+    assert eval_cli([f"ckpt_path={tmp_path}/nope.ckpt", f"hydra.run.dir={tmp_path}"], monkeypatch) == 1
+    assert_one_paragraph(capsys.readouterr().err, "bev-eval: error:", "does not exist")
+
+
+def test_corrupt_checkpoint(trained_run, tmp_path, monkeypatch, capsys):
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes((trained_run / "checkpoints" / "last.ckpt").read_bytes()[:5000])  # a truncated write
+    assert eval_cli([f"ckpt_path={bad}", f"hydra.run.dir={tmp_path}"], monkeypatch) == 1
+    assert_one_paragraph(capsys.readouterr().err, "corrupt")
+
+
+def test_checkpoint_from_an_incompatible_model(trained_run, synthetic_root, tmp_path, monkeypatch, capsys):
+    args = [*TINY, "model.net.bev.widths=[8,16,32]", f"ckpt_path={trained_run}/checkpoints/last.ckpt",
+            f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
+    assert train_cli(args, monkeypatch) == 1
+    assert_one_paragraph(capsys.readouterr().err, "different model config", "model.net.bev.widths")
