@@ -502,7 +502,6 @@ def _bad_frustum_cases():
         ("feats rank 4", dict(feats=feats[0]), ValueError, "feats"),
         ("feats batch mismatch", dict(feats=feats[:1]), ValueError, "feats"),
         ("feats spatial mismatch", dict(feats=feats[:, :, :1]), ValueError, "feats"),
-        ("dtype mismatch", dict(feats=feats.double()), TypeError, "dtype"),
         ("integer depth", dict(depth=depth.long()), TypeError, "depth"),
         ("float coords", dict(coords=coords.float()), TypeError, "coords"),
         ("coords shape mismatch", dict(coords=coords[:, :, :2]), ValueError, "coords"),
@@ -526,6 +525,15 @@ def test_bev_pool_rejects_bad_inputs(case):
     kwargs.update(override)
     with pytest.raises(exc, match=fragment):
         ops.bev_pool(**kwargs)
+
+
+@pytest.mark.parametrize("backend", backends_for("cpu"))
+def test_bev_pool_promotes_mixed_dtypes(backend):
+    depth, feats, coords, grid = _good_frustum_args()
+    out = ops.bev_pool(depth, feats.to(torch.bfloat16), coords, grid, backend=backend)
+    assert out.dtype == torch.float32
+    expected = index_add_bev_pool(depth, feats.to(torch.bfloat16).float(), coords, grid)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_bev_pool_plan_rejects_bad_inputs():

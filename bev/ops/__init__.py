@@ -129,7 +129,9 @@ def bev_pool(
     check_float_tensor("depth", depth, 5, "(B, Nc, D, H, W)")
     check_float_tensor("feats", feats, 5, "(B, Nc, H, W, C)")
     if depth.dtype != feats.dtype:
-        raise TypeError(f"depth and feats must have the same dtype, got depth {depth.dtype} and feats {feats.dtype}")
+        # Same promotion as depth[..., None] * feats (e.g. fp32 softmax depth with bf16 features under autocast).
+        dtype = torch.promote_types(depth.dtype, feats.dtype)
+        depth, feats = depth.to(dtype), feats.to(dtype)
     B, Nc, D, H, W = depth.shape
     if tuple(feats.shape[:4]) != (B, Nc, H, W):
         raise ValueError(
