@@ -90,7 +90,7 @@ class EpochSummary(L.Callback):
             return f"{float(m[key]):.4f}" if key in m else "-"
 
         elapsed = time.time() - self.start
-        print(f"epoch {trainer.current_epoch:3d} step {trainer.global_step:6d}  train/loss {fmt('train/loss_epoch')}  "
+        print(f"epoch {trainer.current_epoch:3d} step {trainer.global_step:6d}  train/loss {fmt('train/loss_step')}  "
               f"val/loss {fmt('val/loss')}  val/iou {fmt('val/iou')}  val/iou_best {fmt('val/iou_best')}  "
               f"{elapsed / 60:5.1f} min ({elapsed / max(trainer.global_step, 1):.2f} s/step)", flush=True)
 

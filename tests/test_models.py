@@ -137,3 +137,19 @@ def test_torch_compile_runs_a_training_step(backend):
     out.mean().backward()
     torch.testing.assert_close(out, ref(*x), rtol=1e-3, atol=1e-3)
     assert all(p.grad is not None for p in net.camera_encoder.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixed_precision_forward_backward(dtype):
+    """Autocast (what 16-mixed / bf16-mixed use): geometry stays fp32, the splat accumulates in fp32."""
+    torch.manual_seed(0)
+    net = LiftSplatShoot(GRID, SIZE, **TINY).eval()  # eval: BN uses running stats, so fp32 and mixed compare
+    x = model_inputs()
+    with torch.no_grad():
+        ref = net(*x)
+    with torch.autocast("cpu", dtype=dtype):
+        out = net(*x)
+    out.float().square().mean().backward()
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float(), ref, rtol=0.1, atol=0.1)
+    assert all(torch.isfinite(p.grad).all() for p in net.parameters() if p.grad is not None)

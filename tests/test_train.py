@@ -67,8 +67,10 @@ def trained_run(synthetic_root, tmp_path_factory):
     return run
 
 
-def test_fast_dev_run(synthetic_root, tmp_path, monkeypatch):
-    assert train_cli([*TINY, "debug=fdr", f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"], monkeypatch) == 0
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])  # 16-mixed is GPU-only (bf16 on CPU)
+def test_fast_dev_run(precision, synthetic_root, tmp_path, monkeypatch):
+    args = [*TINY, "debug=fdr", f"trainer.precision={precision}", f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
+    assert train_cli(args, monkeypatch) == 0
     rec = json.loads((tmp_path / "metrics.json").read_text())
     assert rec["status"] == "ok" and rec["global_step"] == 1
     assert torch.isfinite(torch.tensor(rec["metrics"]["train/loss_step"]))
