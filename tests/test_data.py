@@ -493,11 +493,11 @@ def test_synthetic_boxes_land_on_their_rendered_pixels(synthetic_root, synthetic
                 uv, d = ego_to_image(torch.tensor(centre, dtype=torch.float32)[None], s["intrinsics"][n], s["rots"][n],
                                      s["trans"][n], s["post_rots"][n], s["post_trans"][n])
                 u, v = uv[0].tolist()
-                if not (0 <= u < Wf - 12 and 0 <= v < Hf):
+                if not (0 <= u < Wf - 40 and 0 <= v < Hf):
                     continue
                 want = r.image[row, col] * 255
                 agree.append(np.abs(imgs[n, int(v), int(u)] - want).mean() < 12)
-                agree_shifted.append(np.abs(imgs[n, int(v), int(u) + 12] - want).mean() < 12)
+                agree_shifted.append(np.abs(imgs[n, int(v), int(u) + 40] - want).mean() < 12)
     assert len(agree) >= 10, len(agree)
     assert np.mean(agree) >= 0.95, np.mean(agree)
-    assert np.mean(agree_shifted) < np.mean(agree) - 0.2  # 12 px off is visibly worse: the check can fail
+    assert np.mean(agree_shifted) < np.mean(agree) - 0.2  # 40 px off (about 180 raw pixels) is visibly worse: the check can fail
