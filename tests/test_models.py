@@ -91,8 +91,9 @@ def test_imagenet_weights_offline_give_a_clear_message(monkeypatch):
     def offline(*args, **kwargs):
         raise urllib.error.URLError("no network")
 
-    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", offline)
-    monkeypatch.setattr(torch.hub, "get_dir", lambda: "/nonexistent-cache")
+    import torchvision.models._api as tv_api
+
+    monkeypatch.setattr(tv_api, "load_state_dict_from_url", offline)  # the name torchvision's weights call
     with pytest.raises(BackboneWeightsError, match=r"weights=null.*weights_path"):
         CameraEncoder(4, 4, backbone="resnet18", weights="imagenet")
 
