@@ -179,6 +179,52 @@ def test_half_inputs_accumulate_in_fp32(backend, dtype):
     assert out.sum().item() == 2 * n
 
 
+# Outputs and gradients of 8 MB or more take the kernels' streaming-store paths; grids whose
+# channel runs are not whole cache lines (X*Y odd) mix streamed and plain rows.
+LARGE_CASES = {
+    # name: (N, C, grid_shape, dtype)
+    "aligned-fp32": (40_000, 64, (2, 1, 128, 128), torch.float32),
+    "unaligned-fp32": (40_000, 64, (2, 1, 127, 131), torch.float32),
+    "fp64-odd-channels": (20_000, 33, (1, 2, 120, 136), torch.float64),
+    "bf16": (80_000, 64, (4, 1, 128, 128), torch.bfloat16),
+}
+
+
+@requires_native
+@pytest.mark.parametrize("case", LARGE_CASES, ids=str)
+def test_native_voxel_sum_large_outputs(case):
+    N, C, grid, dtype = LARGE_CASES[case]
+    gen = torch.Generator().manual_seed(N + C)
+    coords = random_coords(N, grid, gen)
+    coords[: N // 4, 2] = coords[: N // 4, 2] % 7  # a dense band: many points per voxel
+    feats = torch.randn(N, C, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    out = ops.voxel_sum(feats, coords, grid, backend="native")
+    assert_matches(out, index_add_voxel_sum(feats.detach(), coords, grid), dtype)
+    grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)
+    out.backward(grad_out)
+    expected = feats.detach().to(torch.float64).requires_grad_()
+    index_add_voxel_sum(expected, coords, grid).backward(grad_out.to(torch.float64))
+    assert torch.equal(feats.grad.to(torch.float64), expected.grad)
+
+
+@requires_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_native_bev_pool_large_outputs(dtype):
+    B, Nc, D, H, W, C = 2, 2, 12, 8, 22, 64
+    grid = (B, 1, 128, 128)
+    depth, feats, coords = random_frustum(B, Nc, D, H, W, C, grid, dtype, torch.Generator().manual_seed(5))
+    depth.requires_grad_(), feats.requires_grad_()
+    out = ops.bev_pool(depth, feats, coords, grid, backend="native")
+    assert_matches(out, index_add_bev_pool(depth.detach(), feats.detach(), coords, grid), dtype)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64).to(dtype)
+    out.backward(grad_out)
+    d64 = depth.detach().double().requires_grad_()
+    f64 = feats.detach().double().requires_grad_()
+    index_add_bev_pool(d64, f64, coords, grid).backward(grad_out.double())
+    assert_matches(depth.grad, d64.grad, dtype)
+    assert_matches(feats.grad, f64.grad, dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # bev_pool: the fused op equals voxel_sum of the materialised product
 # ---------------------------------------------------------------------------------------------

@@ -5,20 +5,32 @@
 // without atomics, and each output element is written exactly once. Half types accumulate
 // in float (at::opmath_type). Indices are int64 throughout; plan entries are bounds-checked
 // so a malformed plan can never make a kernel read or write out of bounds.
+//
+// Memory traffic is what these kernels cost on a CPU: outputs are written as whole cache
+// lines (streamed past the cache when large), grad_out (B, C, S) is transposed in cache, only
+// for voxels that hold points, and no (V, C) copy of it is made where a gather suffices.
 #include <torch/extension.h>
 
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <vector>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "common.h"
 
 namespace bev {
 namespace {
 
-constexpr int64_t kTile = 16;  // consecutive voxels per work item: output rows are written 16 wide
+constexpr int64_t kTile = 32;       // consecutive voxels per work item: output rows are written kTile wide
+constexpr int64_t kGatherTile = 256; // voxels per backward work item: C runs of 1 KB are read per tile
+constexpr int64_t kTileGrain = 8;   // tiles per parallel chunk (at least)
 constexpr int kLanes = 8;      // fixed-order partial sums for dot products (vectorisable, deterministic)
 
 // Rows are visited in voxel order, i.e. scattered over memory: prefetch a few points ahead so
@@ -29,6 +41,54 @@ template <int kWrite, typename T>
 inline void prefetch_row(const T* row, int64_t count) {
   const char* bytes = reinterpret_cast<const char*>(row);
   for (int64_t offset = 0; offset < count * int64_t(sizeof(T)); offset += 64) __builtin_prefetch(bytes + offset, kWrite, 1);
+}
+
+// Outputs much larger than the last-level cache are written with non-temporal (streaming)
+// stores: a plain store first reads the line it writes into the cache (a second memory
+// transfer per line), and the kernels write each line of these outputs exactly once.
+constexpr int64_t kStreamBytes = int64_t(8) << 20;
+constexpr int64_t kLine = 64;
+
+inline bool streams_whole_lines(const void* dst, int64_t bytes) {
+  return reinterpret_cast<uintptr_t>(dst) % kLine == 0 && bytes % kLine == 0;
+}
+
+// dst[0:bytes] = src[0:bytes], streamed if `stream` and dst spans whole cache lines (a partial
+// streamed line would cost a read-modify-write in memory).
+inline void write_bytes(void* dst, const void* src, int64_t bytes, bool stream) {
+#if defined(__SSE2__)
+  if (stream && streams_whole_lines(dst, bytes)) {
+    char* d = static_cast<char*>(dst);
+    const char* s = static_cast<const char*>(src);
+    for (int64_t i = 0; i < bytes; i += 16)
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+    return;
+  }
+#endif
+  (void)stream;
+  std::memcpy(dst, src, bytes);
+}
+
+inline void zero_bytes(void* dst, int64_t bytes, bool stream) {
+#if defined(__SSE2__)
+  if (stream && streams_whole_lines(dst, bytes)) {
+    char* d = static_cast<char*>(dst);
+    const __m128i zero = _mm_setzero_si128();
+    for (int64_t i = 0; i < bytes; i += 16) _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), zero);
+    return;
+  }
+#endif
+  (void)stream;
+  std::memset(dst, 0, bytes);  // all-zero bytes are +0.0 in every floating type
+}
+
+// Streaming stores are weakly ordered: each worker fences before its part counts as done.
+inline void end_streaming(bool stream) {
+#if defined(__SSE2__)
+  if (stream) _mm_sfence();
+#else
+  (void)stream;
+#endif
 }
 
 // A voxel's run [begin, end) in `order`, clamped to [0, N].
@@ -97,7 +157,11 @@ std::tuple<at::Tensor, at::Tensor> sort_keys_cpu(const at::Tensor& keys_in, int6
 }
 
 // ------------------------------------------------------------------------------------------
-// forward: one work item = kTile consecutive voxels of one sample x all channels
+// forward: one work item = kTile consecutive voxels of one sample x all channels. Each voxel
+// sums its run into a voxel-major row of `acc` (contiguous, vectorisable adds); the tile is
+// then transposed in cache into channel-major rows and written to out (B, C, S) as C
+// contiguous runs of kTile values, streamed when out is large. Tiles without points write
+// zeros straight away.
 // ------------------------------------------------------------------------------------------
 template <typename scalar_t, bool kFused>
 void pool_forward_cpu(const scalar_t* feats, const scalar_t* depth, const int64_t* order, const int64_t* offsets,
@@ -105,18 +169,25 @@ void pool_forward_cpu(const scalar_t* feats, const scalar_t* depth, const int64_
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t S = g.per_batch();
   const int64_t tiles_per_batch = (S + kTile - 1) / kTile;
-  at::parallel_for(0, g.B * tiles_per_batch, 16, [&](int64_t tile_begin, int64_t tile_end) {
-    std::vector<acc_t> acc(kTile * C);
+  const bool stream = g.voxels() * C * int64_t(sizeof(scalar_t)) >= kStreamBytes;
+  at::parallel_for(0, g.B * tiles_per_batch, kTileGrain, [&](int64_t tile_begin, int64_t tile_end) {
+    std::vector<acc_t> acc(C);
+    std::vector<scalar_t> staged(C * kTile);  // the tile's output, channel-major
     for (int64_t t = tile_begin; t < tile_end; ++t) {
       const int64_t b = t / tiles_per_batch;
       const int64_t s0 = (t % tiles_per_batch) * kTile;
       const int64_t width = std::min(kTile, S - s0);
       const int64_t v0 = b * S + s0;
-      std::fill(acc.begin(), acc.begin() + width * C, acc_t(0));
+      const int64_t row_bytes = width * int64_t(sizeof(scalar_t));
+      bool any = false;
       for (int64_t j = 0; j < width; ++j) {
         int64_t begin, end;
         run_bounds(offsets, v0 + j, N, begin, end);
-        acc_t* __restrict__ a = acc.data() + j * C;
+        if (begin == end) continue;
+        if (!any) std::fill(staged.begin(), staged.end(), scalar_t(0));
+        any = true;
+        acc_t* __restrict__ a = acc.data();
+        std::fill(a, a + C, acc_t(0));
         for (int64_t i = begin; i < end; ++i) {
           if (i + kPrefetchDistance < N) {
             const int64_t q = order[i + kPrefetchDistance];
@@ -136,13 +207,18 @@ void pool_forward_cpu(const scalar_t* feats, const scalar_t* depth, const int64_
             for (int64_t c = 0; c < C; ++c) a[c] += static_cast<acc_t>(row[c]);
           }
         }
+        // Transpose in cache: only occupied voxels (a minority on real rigs) need it.
+        scalar_t* __restrict__ col = staged.data() + j;
+        for (int64_t c = 0; c < C; ++c) col[c * kTile] = static_cast<scalar_t>(a[c]);
       }
-      // out is (B, C, S): write the tile channel by channel, `width` contiguous values each.
-      for (int64_t c = 0; c < C; ++c) {
-        scalar_t* dst = out + (b * C + c) * S + s0;
-        for (int64_t j = 0; j < width; ++j) dst[j] = static_cast<scalar_t>(acc[j * C + c]);
+      scalar_t* dst = out + b * C * S + s0;
+      if (any) {
+        for (int64_t c = 0; c < C; ++c) write_bytes(dst + c * S, staged.data() + c * kTile, row_bytes, stream);
+      } else {
+        for (int64_t c = 0; c < C; ++c) zero_bytes(dst + c * S, row_bytes, stream);
       }
     }
+    end_streaming(stream);
   });
 }
 
@@ -184,45 +260,68 @@ at::Tensor bev_pool_cpu(const at::Tensor& depth_in, const at::Tensor& feats_in, 
 }
 
 // ------------------------------------------------------------------------------------------
-// voxel_sum backward: the gather grad_feats[p] = grad_out[key(p)] (zero for ignored points).
-// grad_out (B, C, S) is first transposed to voxel-major rows, tile by tile and only for tiles
-// that hold points (no valid key points anywhere else); then points are visited in their own
-// order, so the large (N, C) result is written sequentially and only the small (V, C) table
-// is read at random.
+// for_each_occupied_row: the backward passes need grad_out (B, C, S) as voxel-major rows, but
+// only for voxels that hold points (a minority on real rigs). A work item takes kGatherTile
+// consecutive voxels of one sample; while it visits them, the C channel runs of the next tile
+// are prefetched (C short streams are too many for the hardware prefetcher), so gathering an
+// occupied voxel's C values (a transpose in cache) reads from cache. fn(v, row, stream)
+// receives the voxel and its gathered row; `stream` says whether fn should stream its writes
+// (each worker fences them before it finishes).
 // ------------------------------------------------------------------------------------------
-template <typename scalar_t>
-void voxel_major_rows(const scalar_t* grad, const int64_t* offsets, scalar_t* rows, const GridDims g, int64_t C) {
+template <typename scalar_t, typename Fn>
+void for_each_occupied_row(const scalar_t* grad, const int64_t* offsets, const GridDims g, int64_t C, bool stream,
+                           const Fn& fn) {
   const int64_t S = g.per_batch();
-  const int64_t tiles_per_batch = (S + kTile - 1) / kTile;
-  at::parallel_for(0, g.B * tiles_per_batch, 16, [&](int64_t tile_begin, int64_t tile_end) {
+  const int64_t tiles_per_batch = (S + kGatherTile - 1) / kGatherTile;
+  auto tile_origin = [&](int64_t t, int64_t& s0, int64_t& width) -> const scalar_t* {
+    const int64_t b = t / tiles_per_batch;
+    s0 = (t % tiles_per_batch) * kGatherTile;
+    width = std::min(kGatherTile, S - s0);
+    return grad + b * C * S + s0;
+  };
+  at::parallel_for(0, g.B * tiles_per_batch, 1, [&](int64_t tile_begin, int64_t tile_end) {
+    std::vector<scalar_t> row(C);
     for (int64_t t = tile_begin; t < tile_end; ++t) {
-      const int64_t b = t / tiles_per_batch;
-      const int64_t s0 = (t % tiles_per_batch) * kTile;
-      const int64_t width = std::min(kTile, S - s0);
-      const int64_t v0 = b * S + s0;
+      int64_t s0, width;
+      const scalar_t* src = tile_origin(t, s0, width);
+      const int64_t v0 = (t / tiles_per_batch) * S + s0;
       if (offsets[v0] == offsets[v0 + width]) continue;  // no points in this tile
-      scalar_t* dst = rows + v0 * C;
-      for (int64_t c = 0; c < C; ++c) {
-        const scalar_t* src = grad + (b * C + c) * S + s0;
-        for (int64_t j = 0; j < width; ++j) dst[j * C + c] = src[j];
+      if (t + 1 < tile_end) {
+        int64_t ns0, nwidth;
+        const scalar_t* next = tile_origin(t + 1, ns0, nwidth);
+        for (int64_t c = 0; c < C; ++c) prefetch_row<0>(next + c * S, nwidth);
+      }
+      for (int64_t j = 0; j < width; ++j) {
+        if (offsets[v0 + j] == offsets[v0 + j + 1]) continue;
+        scalar_t* __restrict__ r = row.data();
+        for (int64_t c = 0; c < C; ++c) r[c] = src[c * S + j];
+        fn(v0 + j, static_cast<const scalar_t*>(r), stream);
       }
     }
+    end_streaming(stream);
   });
 }
 
+// ------------------------------------------------------------------------------------------
+// voxel_sum backward: the gather grad_feats[p] = grad_out[key(p)] (zero for ignored points),
+// as a tiled transpose-gather. The points of each voxel are listed by a counting sort of the
+// keys (O(N + V); derived from keys alone, so every point gets exactly its own voxel's
+// gradient whatever `offsets` holds). Each occupied voxel's gathered row is written to its
+// points' rows of grad_feats (streamed when grad_feats is large): no (V, C) copy of grad_out,
+// every row of grad_feats is written exactly once, and no two work items share a point.
+// ------------------------------------------------------------------------------------------
 template <typename scalar_t>
-void gather_rows(const scalar_t* rows, const int64_t* keys, scalar_t* grad_feats, int64_t N, int64_t C, int64_t V) {
-  at::parallel_for(0, N, 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      if (p + kPrefetchDistance < end) {
-        const int64_t q = keys[p + kPrefetchDistance];
-        if (q >= 0 && q < V) prefetch_row<0>(rows + q * C, C);
-      }
-      const int64_t k = keys[p];
-      scalar_t* dst = grad_feats + p * C;
-      if (k >= 0 && k < V) std::copy(rows + k * C, rows + (k + 1) * C, dst);
-      else std::fill(dst, dst + C, scalar_t(0));
-    }
+void transpose_gather(const scalar_t* grad, const int64_t* order, const int64_t* offsets, scalar_t* grad_feats,
+                      const GridDims g, int64_t N, int64_t C) {
+  const int64_t row_bytes = C * int64_t(sizeof(scalar_t));
+  const bool stream = N * row_bytes >= kStreamBytes;
+  for_each_occupied_row(grad, offsets, g, C, stream, [&](int64_t v, const scalar_t* row, bool stream_rows) {
+    for (int64_t i = offsets[v]; i < offsets[v + 1]; ++i) write_bytes(grad_feats + order[i] * C, row, row_bytes, stream_rows);
+  });
+  // Ignored points (keys outside [0, V)) sort to the end: zero gradient.
+  at::parallel_for(offsets[g.voxels()], N, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) zero_bytes(grad_feats + order[i] * C, row_bytes, stream);
+    end_streaming(stream);
   });
 }
 
@@ -232,16 +331,15 @@ at::Tensor voxel_sum_backward_cpu(const at::Tensor& grad_in, const at::Tensor& k
   const GridDims g{grad_in.size(0), grad_in.size(2), grad_in.size(3), grad_in.size(4)};
   const int64_t N = keys.numel(), C = grad_in.size(1), V = g.voxels();
   check_index(keys, "keys", N, grad_in);
-  check_index(offsets, "offsets", V + 1, grad_in);
+  check_index(offsets, "offsets", V + 1, grad_in);  // shape-checked only: the lists are rebuilt from keys
   auto grad = grad_in.contiguous();
-  auto k = keys.contiguous(), off = offsets.contiguous();
-  // Rows of voxels without points are never read when keys and offsets come from one plan;
-  // a malformed plan reads unspecified (but in-bounds) values.
-  auto rows = at::empty({V, C}, grad.options());
   auto grad_feats = at::empty({N, C}, grad.options());
+  if (N == 0 || C == 0) return grad_feats;
+  at::Tensor order, point_offsets;
+  std::tie(order, point_offsets) = sort_keys_cpu(keys, V);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "voxel_sum_backward_cpu", [&] {
-    voxel_major_rows<scalar_t>(grad.data_ptr<scalar_t>(), off.data_ptr<int64_t>(), rows.data_ptr<scalar_t>(), g, C);
-    gather_rows<scalar_t>(rows.data_ptr<scalar_t>(), k.data_ptr<int64_t>(), grad_feats.data_ptr<scalar_t>(), N, C, V);
+    transpose_gather<scalar_t>(grad.data_ptr<scalar_t>(), order.data_ptr<int64_t>(), point_offsets.data_ptr<int64_t>(),
+                               grad_feats.data_ptr<scalar_t>(), g, N, C);
   });
   return grad_feats;
 }
@@ -300,13 +398,16 @@ std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cpu(const at::Tensor& grad_
   const int64_t V = g.voxels();
   check_index(offsets, "offsets", V + 1, feats_in);
   auto grad = grad_in.contiguous(), off = offsets.contiguous();
-  // Voxel-major rows so each point reads its voxel's gradient contiguously (only voxels with
-  // points are filled; see voxel_sum_backward_cpu).
+  // Voxel-major rows so each point reads its voxel's gradient contiguously (only rows of voxels
+  // with points are filled, see for_each_occupied_row; no other row is read with a valid plan).
   auto G = at::empty({V, f.C}, grad.options());
   auto depth = depth_in.contiguous(), feats = feats_in.contiguous(), k = keys.contiguous();
   auto grad_depth = at::empty_like(depth), grad_feats = at::empty_like(feats);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, feats.scalar_type(), "bev_pool_backward_cpu", [&] {
-    voxel_major_rows<scalar_t>(grad.data_ptr<scalar_t>(), off.data_ptr<int64_t>(), G.data_ptr<scalar_t>(), g, f.C);
+    scalar_t* rows = G.data_ptr<scalar_t>();
+    const int64_t C = f.C;
+    for_each_occupied_row(grad.data_ptr<scalar_t>(), off.data_ptr<int64_t>(), g, C, false,
+                          [&](int64_t v, const scalar_t* row, bool) { std::copy(row, row + C, rows + v * C); });
     bev_pool_backward_cpu_kernel<scalar_t>(G.data_ptr<scalar_t>(), depth.data_ptr<scalar_t>(),
                                            feats.data_ptr<scalar_t>(), k.data_ptr<int64_t>(),
                                            grad_depth.data_ptr<scalar_t>(), grad_feats.data_ptr<scalar_t>(), f, V);
