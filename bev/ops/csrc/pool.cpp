@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -30,7 +31,10 @@ namespace {
 
 constexpr int64_t kTile = 32;       // consecutive voxels per work item: output rows are written kTile wide
 constexpr int64_t kGatherTile = 256; // voxels per backward work item: C runs of 1 KB are read per tile
-constexpr int64_t kTileGrain = 8;   // tiles per parallel chunk (at least)
+constexpr int64_t kTileChunk = 32;        // forward tiles per chunk of work (see parallel_chunks)
+constexpr int64_t kGatherTileChunk = 4;   // backward tiles per chunk of work
+constexpr int64_t kPointChunk = 4096;     // voxel_sum backward points per chunk of work
+constexpr int64_t kPixelChunk = 256;      // bev_pool backward feature pixels per chunk of work
 constexpr int kLanes = 8;      // fixed-order partial sums for dot products (vectorisable, deterministic)
 
 // Rows are visited in voxel order, i.e. scattered over memory: prefetch a few points ahead so
@@ -89,6 +93,23 @@ inline void end_streaming(bool stream) {
 #else
   (void)stream;
 #endif
+}
+
+// at::parallel_for gives each thread one fixed share of the range: on a shared machine a
+// thread that is descheduled then holds up the whole op. Here threads take chunks of `chunk`
+// items from a shared counter until none are left. Which thread computes a chunk never
+// changes what is computed (every item is independent), so results stay bitwise reproducible.
+template <typename F>
+void parallel_chunks(int64_t begin, int64_t end, int64_t chunk, const F& f) {
+  if (end <= begin) return;
+  const int64_t chunks = (end - begin + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), chunks);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t k = next.fetch_add(1, std::memory_order_relaxed); k < chunks;
+         k = next.fetch_add(1, std::memory_order_relaxed))
+      f(begin + k * chunk, std::min(end, begin + (k + 1) * chunk));
+  });
 }
 
 // A voxel's run [begin, end) in `order`, clamped to [0, N].
@@ -170,7 +191,7 @@ void pool_forward_cpu(const scalar_t* feats, const scalar_t* depth, const int64_
   const int64_t S = g.per_batch();
   const int64_t tiles_per_batch = (S + kTile - 1) / kTile;
   const bool stream = g.voxels() * C * int64_t(sizeof(scalar_t)) >= kStreamBytes;
-  at::parallel_for(0, g.B * tiles_per_batch, kTileGrain, [&](int64_t tile_begin, int64_t tile_end) {
+  parallel_chunks(0, g.B * tiles_per_batch, kTileChunk, [&](int64_t tile_begin, int64_t tile_end) {
     std::vector<acc_t> acc(C);
     std::vector<scalar_t> staged(C * kTile);  // the tile's output, channel-major
     for (int64_t t = tile_begin; t < tile_end; ++t) {
@@ -260,17 +281,27 @@ at::Tensor bev_pool_cpu(const at::Tensor& depth_in, const at::Tensor& feats_in, 
 }
 
 // ------------------------------------------------------------------------------------------
-// for_each_occupied_row: the backward passes need grad_out (B, C, S) as voxel-major rows, but
-// only for voxels that hold points (a minority on real rigs). A work item takes kGatherTile
-// consecutive voxels of one sample; while it visits them, the C channel runs of the next tile
-// are prefetched (C short streams are too many for the hardware prefetcher), so gathering an
-// occupied voxel's C values (a transpose in cache) reads from cache. fn(v, row, stream)
-// receives the voxel and its gathered row; `stream` says whether fn should stream its writes
-// (each worker fences them before it finishes).
+// Occupied-voxel rows of grad_out for the backward passes. Both need grad_out (B, C, S) as one
+// contiguous row per voxel, but only for voxels that hold points (a minority on real rigs):
+//  - occupied_ranks numbers those voxels in voxel order: rank (V+1), voxel v is occupied iff
+//    rank[v+1] > rank[v], and its row is rank[v] (O(V), from the plan's offsets);
+//  - compact_rows gathers their rows into an (R, C) table, small enough to stay in cache. A
+//    work item takes kGatherTile consecutive voxels of one sample; while it gathers them (a
+//    transpose in cache), the C channel runs of the next tile are prefetched (C short streams
+//    are too many for the hardware prefetcher).
+// A key whose voxel is not occupied (only in a malformed plan) reads as a zero gradient.
 // ------------------------------------------------------------------------------------------
-template <typename scalar_t, typename Fn>
-void for_each_occupied_row(const scalar_t* grad, const int64_t* offsets, const GridDims g, int64_t C, bool stream,
-                           const Fn& fn) {
+at::Tensor occupied_ranks(const at::Tensor& offsets, int64_t V) {
+  auto rank = at::empty({V + 1}, offsets.options());
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  int64_t* r = rank.data_ptr<int64_t>();
+  r[0] = 0;
+  for (int64_t v = 0; v < V; ++v) r[v + 1] = r[v] + (off[v + 1] != off[v] ? 1 : 0);
+  return rank;
+}
+
+template <typename scalar_t>
+void compact_rows(const scalar_t* grad, const int64_t* rank, scalar_t* table, const GridDims g, int64_t C) {
   const int64_t S = g.per_batch();
   const int64_t tiles_per_batch = (S + kGatherTile - 1) / kGatherTile;
   auto tile_origin = [&](int64_t t, int64_t& s0, int64_t& width) -> const scalar_t* {
@@ -279,48 +310,52 @@ void for_each_occupied_row(const scalar_t* grad, const int64_t* offsets, const G
     width = std::min(kGatherTile, S - s0);
     return grad + b * C * S + s0;
   };
-  at::parallel_for(0, g.B * tiles_per_batch, 1, [&](int64_t tile_begin, int64_t tile_end) {
-    std::vector<scalar_t> row(C);
+  parallel_chunks(0, g.B * tiles_per_batch, kGatherTileChunk, [&](int64_t tile_begin, int64_t tile_end) {
     for (int64_t t = tile_begin; t < tile_end; ++t) {
       int64_t s0, width;
       const scalar_t* src = tile_origin(t, s0, width);
       const int64_t v0 = (t / tiles_per_batch) * S + s0;
-      if (offsets[v0] == offsets[v0 + width]) continue;  // no points in this tile
+      if (rank[v0] == rank[v0 + width]) continue;  // no points in this tile
       if (t + 1 < tile_end) {
         int64_t ns0, nwidth;
         const scalar_t* next = tile_origin(t + 1, ns0, nwidth);
         for (int64_t c = 0; c < C; ++c) prefetch_row<0>(next + c * S, nwidth);
       }
       for (int64_t j = 0; j < width; ++j) {
-        if (offsets[v0 + j] == offsets[v0 + j + 1]) continue;
-        scalar_t* __restrict__ r = row.data();
-        for (int64_t c = 0; c < C; ++c) r[c] = src[c * S + j];
-        fn(v0 + j, static_cast<const scalar_t*>(r), stream);
+        if (rank[v0 + j] == rank[v0 + j + 1]) continue;
+        scalar_t* __restrict__ row = table + rank[v0 + j] * C;
+        for (int64_t c = 0; c < C; ++c) row[c] = src[c * S + j];
       }
     }
-    end_streaming(stream);
   });
 }
 
+// The table row of key k, or -1 for an ignored point.
+inline int64_t table_row(const int64_t* rank, int64_t k, int64_t V) {
+  return (k >= 0 && k < V && rank[k + 1] > rank[k]) ? rank[k] : -1;
+}
+
 // ------------------------------------------------------------------------------------------
-// voxel_sum backward: the gather grad_feats[p] = grad_out[key(p)] (zero for ignored points),
-// as a tiled transpose-gather. The points of each voxel are listed by a counting sort of the
-// keys (O(N + V); derived from keys alone, so every point gets exactly its own voxel's
-// gradient whatever `offsets` holds). Each occupied voxel's gathered row is written to its
-// points' rows of grad_feats (streamed when grad_feats is large): no (V, C) copy of grad_out,
-// every row of grad_feats is written exactly once, and no two work items share a point.
+// voxel_sum backward: the gather grad_feats[p] = grad_out[key(p)] (zero for ignored points).
+// grad_out's occupied rows are compacted into a cache-sized table (no (V, C) copy), then
+// points are visited in their own order: every row of grad_feats is written exactly once, in
+// sequence (streamed when large), and only the small table is read at random.
 // ------------------------------------------------------------------------------------------
 template <typename scalar_t>
-void transpose_gather(const scalar_t* grad, const int64_t* order, const int64_t* offsets, scalar_t* grad_feats,
-                      const GridDims g, int64_t N, int64_t C) {
+void gather_rows(const scalar_t* table, const int64_t* rank, const int64_t* keys, scalar_t* grad_feats, int64_t N,
+                 int64_t C, int64_t V) {
   const int64_t row_bytes = C * int64_t(sizeof(scalar_t));
   const bool stream = N * row_bytes >= kStreamBytes;
-  for_each_occupied_row(grad, offsets, g, C, stream, [&](int64_t v, const scalar_t* row, bool stream_rows) {
-    for (int64_t i = offsets[v]; i < offsets[v + 1]; ++i) write_bytes(grad_feats + order[i] * C, row, row_bytes, stream_rows);
-  });
-  // Ignored points (keys outside [0, V)) sort to the end: zero gradient.
-  at::parallel_for(offsets[g.voxels()], N, 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) zero_bytes(grad_feats + order[i] * C, row_bytes, stream);
+  parallel_chunks(0, N, kPointChunk, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      if (p + kPrefetchDistance < end) {
+        const int64_t q = table_row(rank, keys[p + kPrefetchDistance], V);
+        if (q >= 0) prefetch_row<0>(table + q * C, C);
+      }
+      const int64_t r = table_row(rank, keys[p], V);
+      if (r >= 0) write_bytes(grad_feats + p * C, table + r * C, row_bytes, stream);
+      else zero_bytes(grad_feats + p * C, row_bytes, stream);
+    }
     end_streaming(stream);
   });
 }
@@ -331,15 +366,17 @@ at::Tensor voxel_sum_backward_cpu(const at::Tensor& grad_in, const at::Tensor& k
   const GridDims g{grad_in.size(0), grad_in.size(2), grad_in.size(3), grad_in.size(4)};
   const int64_t N = keys.numel(), C = grad_in.size(1), V = g.voxels();
   check_index(keys, "keys", N, grad_in);
-  check_index(offsets, "offsets", V + 1, grad_in);  // shape-checked only: the lists are rebuilt from keys
+  check_index(offsets, "offsets", V + 1, grad_in);
   auto grad = grad_in.contiguous();
+  auto k = keys.contiguous();
   auto grad_feats = at::empty({N, C}, grad.options());
   if (N == 0 || C == 0) return grad_feats;
-  at::Tensor order, point_offsets;
-  std::tie(order, point_offsets) = sort_keys_cpu(keys, V);
+  auto rank = occupied_ranks(offsets.contiguous(), V);
+  const int64_t* r = rank.data_ptr<int64_t>();
+  auto table = at::empty({r[V], C}, grad.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "voxel_sum_backward_cpu", [&] {
-    transpose_gather<scalar_t>(grad.data_ptr<scalar_t>(), order.data_ptr<int64_t>(), point_offsets.data_ptr<int64_t>(),
-                               grad_feats.data_ptr<scalar_t>(), g, N, C);
+    compact_rows<scalar_t>(grad.data_ptr<scalar_t>(), r, table.data_ptr<scalar_t>(), g, C);
+    gather_rows<scalar_t>(table.data_ptr<scalar_t>(), r, k.data_ptr<int64_t>(), grad_feats.data_ptr<scalar_t>(), N, C, V);
   });
   return grad_feats;
 }
@@ -347,15 +384,16 @@ at::Tensor voxel_sum_backward_cpu(const at::Tensor& grad_in, const at::Tensor& k
 // ------------------------------------------------------------------------------------------
 // bev_pool backward, one work item per feature pixel f, which owns exactly its D points:
 //   grad_depth[p] = <G[key(p)], feats[f]>,  grad_feats[f] = sum_d depth[p_d] * G[key(p_d)]
-// with G = grad_out as (V, C) rows. No point or pixel is written by two work items.
+// with G = grad_out's occupied rows (compact_rows). No point or pixel is written by two work
+// items.
 // ------------------------------------------------------------------------------------------
 template <typename scalar_t>
-void bev_pool_backward_cpu_kernel(const scalar_t* G, const scalar_t* depth, const scalar_t* feats,
+void bev_pool_backward_cpu_kernel(const scalar_t* G, const int64_t* rank, const scalar_t* depth, const scalar_t* feats,
                                   const int64_t* keys, scalar_t* grad_depth, scalar_t* grad_feats,
                                   const FrustumDims f, int64_t V) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t C = f.C;
-  at::parallel_for(0, f.pixels(), 64, [&](int64_t pix_begin, int64_t pix_end) {
+  parallel_chunks(0, f.pixels(), kPixelChunk, [&](int64_t pix_begin, int64_t pix_end) {
     std::vector<acc_t> acc(C);
     for (int64_t pix = pix_begin; pix < pix_end; ++pix) {
       const int64_t bn = pix / f.HW, hw = pix % f.HW;
@@ -363,12 +401,12 @@ void bev_pool_backward_cpu_kernel(const scalar_t* G, const scalar_t* depth, cons
       std::fill(acc.begin(), acc.end(), acc_t(0));
       for (int64_t d = 0; d < f.D; ++d) {
         const int64_t p = (bn * f.D + d) * f.HW + hw;
-        const int64_t k = keys[p];
-        if (k < 0 || k >= V) {
+        const int64_t r = table_row(rank, keys[p], V);
+        if (r < 0) {
           grad_depth[p] = scalar_t(0);
           continue;
         }
-        const scalar_t* __restrict__ grow = G + k * C;
+        const scalar_t* __restrict__ grow = G + r * C;
         acc_t lanes[kLanes] = {};
         int64_t c = 0;
         for (; c + kLanes <= C; c += kLanes)
@@ -398,17 +436,14 @@ std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cpu(const at::Tensor& grad_
   const int64_t V = g.voxels();
   check_index(offsets, "offsets", V + 1, feats_in);
   auto grad = grad_in.contiguous(), off = offsets.contiguous();
-  // Voxel-major rows so each point reads its voxel's gradient contiguously (only rows of voxels
-  // with points are filled, see for_each_occupied_row; no other row is read with a valid plan).
-  auto G = at::empty({V, f.C}, grad.options());
+  auto rank = occupied_ranks(off, V);
+  const int64_t* r = rank.data_ptr<int64_t>();
+  auto G = at::empty({r[V], f.C}, grad.options());
   auto depth = depth_in.contiguous(), feats = feats_in.contiguous(), k = keys.contiguous();
   auto grad_depth = at::empty_like(depth), grad_feats = at::empty_like(feats);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, feats.scalar_type(), "bev_pool_backward_cpu", [&] {
-    scalar_t* rows = G.data_ptr<scalar_t>();
-    const int64_t C = f.C;
-    for_each_occupied_row(grad.data_ptr<scalar_t>(), off.data_ptr<int64_t>(), g, C, false,
-                          [&](int64_t v, const scalar_t* row, bool) { std::copy(row, row + C, rows + v * C); });
-    bev_pool_backward_cpu_kernel<scalar_t>(G.data_ptr<scalar_t>(), depth.data_ptr<scalar_t>(),
+    compact_rows<scalar_t>(grad.data_ptr<scalar_t>(), r, G.data_ptr<scalar_t>(), g, f.C);
+    bev_pool_backward_cpu_kernel<scalar_t>(G.data_ptr<scalar_t>(), r, depth.data_ptr<scalar_t>(),
                                            feats.data_ptr<scalar_t>(), k.data_ptr<int64_t>(),
                                            grad_depth.data_ptr<scalar_t>(), grad_feats.data_ptr<scalar_t>(), f, V);
   });
