@@ -40,6 +40,7 @@ constexpr int kLanes = 8;      // fixed-order partial sums for dot products (vec
 // Rows are visited in voxel order, i.e. scattered over memory: prefetch a few points ahead so
 // the loads overlap instead of stalling one cache miss at a time.
 constexpr int64_t kPrefetchDistance = 8;
+constexpr int64_t kRowPrefetch = 4;  // bev_pool backward: depth bins ahead
 
 template <int kWrite, typename T>
 inline void prefetch_row(const T* row, int64_t count) {
@@ -401,6 +402,10 @@ void bev_pool_backward_cpu_kernel(const scalar_t* G, const int64_t* rank, const 
       std::fill(acc.begin(), acc.end(), acc_t(0));
       for (int64_t d = 0; d < f.D; ++d) {
         const int64_t p = (bn * f.D + d) * f.HW + hw;
+        if (d + kRowPrefetch < f.D) {
+          const int64_t q = table_row(rank, keys[p + kRowPrefetch * f.HW], V);
+          if (q >= 0) prefetch_row<0>(G + q * C, C);
+        }
         const int64_t r = table_row(rank, keys[p], V);
         if (r < 0) {
           grad_depth[p] = scalar_t(0);
