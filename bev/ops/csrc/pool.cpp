@@ -39,7 +39,7 @@ constexpr int kLanes = 8;      // fixed-order partial sums for dot products (vec
 
 // Rows are visited in voxel order, i.e. scattered over memory: prefetch a few points ahead so
 // the loads overlap instead of stalling one cache miss at a time.
-constexpr int64_t kPrefetchDistance = 8;
+constexpr int64_t kPrefetchDistance = 16;
 constexpr int64_t kRowPrefetch = 4;  // bev_pool backward: depth bins ahead
 
 template <int kWrite, typename T>
