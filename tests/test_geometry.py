@@ -1,12 +1,11 @@
-import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from pyquaternion import Quaternion
 
+from bev.data.render import load_rig
 from bev.geometry import (
     CAMERA_NAMES,
     Grid,
@@ -16,19 +15,6 @@ from bev.geometry import (
     quaternion_to_matrix,
     voxel_coords,
 )
-
-RIG_PATHS = [
-    Path(__file__).resolve().parents[1] / "bev" / "data" / "nuscenes_rig.json",
-    Path(__file__).resolve().parents[2] / "shared" / "data" / "nuscenes_rig.json",
-]
-
-
-def load_rig():
-    for p in RIG_PATHS:
-        if p.exists():
-            return json.loads(p.read_text())
-    pytest.skip("nuScenes rig JSON not found")
-
 
 def rig_tensors():
     rig = load_rig()
