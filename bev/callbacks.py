@@ -5,7 +5,6 @@ import csv
 import json
 import logging
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -15,13 +14,15 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 
+from bev.utils.io import atomic_open
+
 log = logging.getLogger(__name__)
 
 RUN_METRICS_FILE = "metrics.json"  # written by bev.train in every run directory
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """torch.save to a temporary file in the target directory, fsync, then os.replace.
+    """torch.save through bev.utils.io.atomic_open (same-directory temp file, fsync, os.replace).
 
     Lightning's own save goes through an fsspec transaction whose temporary file lives in the
     system temp dir; when that is another filesystem the final move is a copy, so a crash can
@@ -31,18 +32,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("AtomicCheckpointIO takes no storage_options")
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_open(path, "wb") as f:
+            torch.save(checkpoint, f)
 
 
 class BevPngLogger(L.Callback):

@@ -14,37 +14,9 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from bev.train import CONFIG_DIR, report_errors
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A .ckpt file as is; a run or checkpoints directory -> its best checkpoint by val/iou."""
-    from bev.lit import CheckpointError, read_checkpoint
-
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        return path
-    ckdir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    last = ckdir / "last.ckpt"
-    if last.is_file():
-        for key, state in read_checkpoint(last).get("callbacks", {}).items():
-            best = state.get("best_model_path") if key.startswith("ModelCheckpoint") else None
-            if best and (ckdir / Path(best).name).is_file():  # by name: the run dir may have moved
-                return ckdir / Path(best).name
-    epochs = sorted(ckdir.glob("epoch_*.ckpt"))
-    if len(epochs) == 1:
-        return epochs[0]
-    if last.is_file():
-        return last
-    raise CheckpointError(f"no checkpoint found in {str(path)!r} (expected checkpoints/epoch_NNN.ckpt or last.ckpt).")
-
-
-def logged_val_iou(ckpt: dict) -> float | None:
-    """The val/iou the training run logged for the epoch this checkpoint was saved at."""
-    for key, state in ckpt.get("callbacks", {}).items():
-        if key.startswith("ModelCheckpoint") and "val/iou" in key and state.get("current_score") is not None:
-            return float(state["current_score"])
-    return None
+from bev.utils.config import CONFIG_DIR
+from bev.utils.errors import report_errors
+from bev.utils.io import atomic_write
 
 
 def build_data_config(cfg: DictConfig, run_cfg: DictConfig) -> DictConfig:
@@ -57,10 +29,9 @@ def build_data_config(cfg: DictConfig, run_cfg: DictConfig) -> DictConfig:
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     import lightning as L
-    import torch
     from hydra.utils import instantiate
 
-    from bev.lit import CheckpointError, check_compatible, read_checkpoint
+    from bev.utils.checkpoint import CheckpointError, check_compatible, logged_val_iou, read_checkpoint, resolve_checkpoint
     from bev.metrics import format_table
 
     ckpt_path = resolve_checkpoint(cfg.ckpt_path)
@@ -103,7 +74,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "metrics": metrics,
         "logged_val_iou": logged,
     }
-    (out / "metrics.json").write_text(json.dumps(record, indent=2))
+    atomic_write(out / "metrics.json", json.dumps(record, indent=2))
     pngs = save_pngs(model, datamodule, out, int(cfg.num_pngs))
 
     print(f"Checkpoint {ckpt_path} (epoch {ckpt.get('epoch')}, step {ckpt.get('global_step')}) on "

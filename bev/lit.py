@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 from typing import Any, Callable
 
 import lightning as L
@@ -124,60 +123,3 @@ class BEVLitModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.run_config is not None:
             checkpoint["bev_config"] = self.run_config
-
-
-# ----------------------------------------------------------------------------- checkpoints
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, unreadable, or does not fit the model being built."""
-
-
-def read_checkpoint(path: str | Path) -> dict:
-    """Load a Lightning checkpoint on the CPU, with one clear error for a missing or corrupt file."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist.")
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r} is not a file.")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} is corrupt or not a PyTorch checkpoint ({type(e).__name__}: {first}). "
-            "If a run was killed while saving, use last.ckpt or an epoch_NNN.ckpt of the same run."
-        ) from None
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        raise CheckpointError(f"{str(path)!r} is not a Lightning checkpoint (no 'state_dict' entry).")
-    return ckpt
-
-
-def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out = {}
-        for k, v in d.items():
-            out.update(_flat(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: d}
-
-
-def check_compatible(module: nn.Module, ckpt: dict, path: str | Path, model_config: dict | None = None) -> None:
-    """Raise CheckpointError naming the differences when ckpt's weights do not fit `module`."""
-    own, theirs = module.state_dict(), ckpt["state_dict"]
-    missing = [k for k in own if k not in theirs]
-    unexpected = [k for k in theirs if k not in own]
-    shapes = [k for k in own if k in theirs and tuple(own[k].shape) != tuple(theirs[k].shape)]
-    if not (missing or unexpected or shapes):
-        return
-    example = (shapes or missing or unexpected)[0]
-    detail = f"{len(missing)} missing, {len(unexpected)} unexpected and {len(shapes)} differently shaped tensors (e.g. {example!r})"
-    saved = (ckpt.get("bev_config") or {}).get("model")
-    diffs = ""
-    if saved is not None and model_config is not None:
-        a, b = _flat(saved), _flat(model_config)
-        keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-        if keys:
-            diffs = " Differing model settings (checkpoint -> now): " + "; ".join(f"model.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys[:6]) + "."
-    raise CheckpointError(
-        f"checkpoint {str(path)!r} was trained with a different model config: {detail}.{diffs} "
-        "Use the experiment and model overrides the run was trained with."
-    )

@@ -7,7 +7,6 @@ else; only `bev_to_display` reorients them for the screen.
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any, Mapping
 
 import numpy as np
@@ -18,6 +17,7 @@ from matplotlib.patches import Polygon
 
 from bev.data.transforms import denormalize_image
 from bev.geometry import CAMERA_NAMES, Grid
+from bev.utils.io import atomic_open
 
 # Error-map colours: true positive, false positive, false negative (background stays black).
 TP_COLOR, FP_COLOR, FN_COLOR = (0, 200, 0), (230, 40, 40), (40, 110, 255)
@@ -157,17 +157,8 @@ def save_sample_png(path: str | os.PathLike, batch_or_sample: Mapping[str, Any],
     A batch (images (B, Ncam, 3, H, W)) shows its first sample. pred: (1, X, Y) probability (or
     logits, or with a batch dim). Written atomically (temp file + os.replace). Returns the path.
     """
-    path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
     fig = render_figure(batch_or_sample, pred, grid, title)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp_", suffix=".png")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png")
+    path = os.fspath(path)
     return path

@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from bev.data import NuScenesBEVDataset
+from bev.utils.io import atomic_write
 
 
 def time_loader(ds, workers: int, batch_size: int, batches: int) -> dict:
@@ -152,10 +153,7 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = out.with_suffix(".json.tmp")
-    tmp_out.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp_out, out)
+    atomic_write(out, json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     return 0
 

@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
@@ -30,6 +29,7 @@ from torch.utils.data import Dataset
 from bev.data.rasterize import box_footprints, rasterize_boxes
 from bev.data.transforms import normalize_array, sample_augmentation, warp_image
 from bev.geometry import CAMERA_NAMES, Grid, quaternion_to_matrix
+from bev.utils.io import atomic_open
 
 TABLES = (
     "attribute", "calibrated_sensor", "category", "ego_pose", "instance", "log", "map",
@@ -212,16 +212,8 @@ def build_index(dataroot: str | os.PathLike, version: str, split: str, groups, v
 def _save_npz(index: dict, key: dict, path: Path) -> None:
     """Write the index atomically as .npz (no pickle: a cache file found in a downloaded dataroot
     must not be able to run code when loaded)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, __key__=np.asarray(json.dumps(key, sort_keys=True)), **index)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_open(path, "wb") as f:
+        np.savez(f, __key__=np.asarray(json.dumps(key, sort_keys=True)), **index)
 
 
 def _load_npz(path: Path, key: dict) -> dict | None:

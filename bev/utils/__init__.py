@@ -1,0 +1,10 @@
+"""Helpers shared by the entry points (lightning-hydra-template's utils home).
+
+  io          atomic_open / atomic_write (the one atomic-write helper), write_run_metrics
+  errors      report_errors: one clear line on stderr, the traceback in <run>/error.txt
+  config      CONFIG_DIR, instantiate_list, Hydra run-mode queries
+  checkpoint  read_checkpoint, check_compatible, resolve_checkpoint (clear CheckpointErrors)
+  malloc      allocator tuning for CPU training
+
+Each module imports only what it needs, so `import bev.utils.io` stays cheap in workers.
+"""

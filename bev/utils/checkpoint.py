@@ -1,0 +1,92 @@
+"""Reading checkpoints this project wrote, with one clear error for every way that can fail."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, unreadable, or does not fit the model being built."""
+
+
+def read_checkpoint(path: str | Path) -> dict:
+    """Load a Lightning checkpoint on the CPU, with one clear error for a missing or corrupt file."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist.")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a file.")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is corrupt or not a PyTorch checkpoint ({type(e).__name__}: {first}). "
+            "If a run was killed while saving, use last.ckpt or an epoch_NNN.ckpt of the same run."
+        ) from None
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise CheckpointError(f"{str(path)!r} is not a Lightning checkpoint (no 'state_dict' entry).")
+    return ckpt
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out = {}
+        for k, v in d.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def check_compatible(module: nn.Module, ckpt: dict, path: str | Path, model_config: dict | None = None) -> None:
+    """Raise CheckpointError naming the differences when ckpt's weights do not fit `module`."""
+    own, theirs = module.state_dict(), ckpt["state_dict"]
+    missing = [k for k in own if k not in theirs]
+    unexpected = [k for k in theirs if k not in own]
+    shapes = [k for k in own if k in theirs and tuple(own[k].shape) != tuple(theirs[k].shape)]
+    if not (missing or unexpected or shapes):
+        return
+    example = (shapes or missing or unexpected)[0]
+    detail = f"{len(missing)} missing, {len(unexpected)} unexpected and {len(shapes)} differently shaped tensors (e.g. {example!r})"
+    saved = (ckpt.get("bev_config") or {}).get("model")
+    diffs = ""
+    if saved is not None and model_config is not None:
+        a, b = _flat(saved), _flat(model_config)
+        keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        if keys:
+            diffs = " Differing model settings (checkpoint -> now): " + "; ".join(f"model.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys[:6]) + "."
+    raise CheckpointError(
+        f"checkpoint {str(path)!r} was trained with a different model config: {detail}.{diffs} "
+        "Use the experiment and model overrides the run was trained with."
+    )
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A .ckpt file as is; a run or checkpoints directory -> its best checkpoint by val/iou."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        return path
+    ckdir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    last = ckdir / "last.ckpt"
+    if last.is_file():
+        for key, state in read_checkpoint(last).get("callbacks", {}).items():
+            best = state.get("best_model_path") if key.startswith("ModelCheckpoint") else None
+            if best and (ckdir / Path(best).name).is_file():  # by name: the run dir may have moved
+                return ckdir / Path(best).name
+    epochs = sorted(ckdir.glob("epoch_*.ckpt"))
+    if len(epochs) == 1:
+        return epochs[0]
+    if last.is_file():
+        return last
+    raise CheckpointError(f"no checkpoint found in {str(path)!r} (expected checkpoints/epoch_NNN.ckpt or last.ckpt).")
+
+
+def logged_val_iou(ckpt: dict) -> float | None:
+    """The val/iou the training run logged for the epoch this checkpoint was saved at."""
+    for key, state in ckpt.get("callbacks", {}).items():
+        if key.startswith("ModelCheckpoint") and "val/iou" in key and state.get("current_score") is not None:
+            return float(state["current_score"])
+    return None
