@@ -53,7 +53,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import bev.ops as ops  # noqa: E402
-from bev.data.render import load_rig  # noqa: E402
+from bev.data.rig import load_rig  # noqa: E402
 from bev.geometry import Grid, frustum_to_ego, make_frustum, quaternion_to_matrix, voxel_coords
 
 REPO = Path(__file__).resolve().parents[1]

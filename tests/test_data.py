@@ -1,7 +1,7 @@
 """The nuScenes reader (NuScenesBEVDataset), its index cache, bad input and the DataModule.
 
 Two datasets: a tiny hand-made one (tests/tiny_nuscenes.py: boxes at known ego positions,
-smooth textures) and the synthetic_root fixture (bev.data.synthetic, rendered scenes).
+smooth textures) and the synthetic_root fixture (bev.synthetic, rendered scenes).
 Geometry is checked against the devkit's own projection path (NuScenes.get_sample_data and
 pyquaternion), which shares no code with the reader's index.
 """
@@ -440,17 +440,17 @@ def test_bench_loader_script(synthetic_root, tmp_path):
 def synthetic_renders(synthetic_root, nusc_syn):
     """The generator's own renders (image + instance ids) of the mini_val samples of synthetic_root,
     with the vehicle annotations as (object index, ego centre, visibility). Seed/size as in conftest."""
-    from bev.data import render
-    from bev.data.synthetic import scene_names
+    from bev.synthetic import raycast, world as world_model
+    from bev.synthetic.writer import scene_names
     from bev.geometry import quaternion_to_matrix
 
     names = scene_names(2)
     (scene,) = [s for s in nusc_syn.scene if s["name"] == "scene-0103"]
-    world = render.build_world(0, names.index(scene["name"]), 3)
+    world = world_model.build_world(0, names.index(scene["name"]), 3)
     out, tok, k = [], scene["first_sample_token"], 0
     while tok:
         sample = nusc_syn.get("sample", tok)
-        t = k * render.SAMPLE_DT
+        t = k * world_model.SAMPLE_DT
         pose = nusc_syn.get("ego_pose", nusc_syn.get("sample_data", sample["data"]["LIDAR_TOP"])["ego_pose_token"])
         R, tr = quaternion_to_matrix(pose["rotation"]), np.array(pose["translation"])
         by_centre = {tuple(np.round(world.object_global(o, t)[0], 6)): i for i, o in enumerate(world.objects)}
@@ -459,7 +459,7 @@ def synthetic_renders(synthetic_root, nusc_syn):
             ann = nusc_syn.get("sample_annotation", a)
             if ann["category_name"].startswith("vehicle."):
                 anns.append((by_centre[tuple(np.round(ann["translation"], 6))], (np.array(ann["translation"]) - tr) @ R))
-        cams = {name: (render.make_camera(name), render.render_camera(world, t, name)) for name in CAMERA_NAMES}
+        cams = {name: (raycast.make_camera(name), raycast.render_camera(world, t, name)) for name in CAMERA_NAMES}
         out.append((tok, anns, cams))
         tok, k = sample["next"], k + 1
     return out

@@ -5,7 +5,7 @@ import pytest
 import torch
 from pyquaternion import Quaternion
 
-from bev.data.render import load_rig
+from bev.data.rig import load_rig
 from bev.geometry import (
     CAMERA_NAMES,
     Grid,

@@ -1,4 +1,4 @@
-"""A tiny hand-made nuScenes-format dataset for reader tests (independent of bev.data.synthetic).
+"""A tiny hand-made nuScenes-format dataset for reader tests (independent of bev.synthetic).
 
 Two scenes (scene-0061 from mini_train, scene-0103 from mini_val), `samples` key frames each,
 all 13 tables, smooth-textured 1600x900 JPEGs, a 6-camera rig from yaw angles, an ego pose
