@@ -23,7 +23,12 @@ endif
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py $(wildcard bev/ops/csrc/*)
+# Files under a folder matching patterns, recursively: the extension's sources live in
+# csrc/ (schemas), csrc/cpu/ and csrc/cuda/ (kernels).
+rwildcard = $(foreach d,$(wildcard $(1:=/*)),$(call rwildcard,$d,$2) $(filter $(subst *,%,$2),$d))
+CSRC := $(call rwildcard,bev/ops/csrc,*.cpp *.cu *.h *.cuh)
+
+$(STAMP): pyproject.toml setup.py $(CSRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip "setuptools>=64" wheel ninja
 	$(PY) -m pip install -q $(TORCH_PINS)
