@@ -108,7 +108,7 @@ def test_gradcheck_float64(backend):
 
 
 @requires_native_cuda
-@pytest.mark.parametrize("op_name", ["sort_keys", "voxel_sum", "voxel_sum_backward", "bev_pool", "bev_pool_backward"])
+@pytest.mark.parametrize("op_name", ["_sort_keys", "voxel_sum", "_voxel_sum_backward", "bev_pool", "_bev_pool_backward"])
 def test_opcheck(op_name):
     torch.library.opcheck(getattr(torch.ops.bev, op_name).default, _opcheck_inputs(DEVICE)[op_name])
 
