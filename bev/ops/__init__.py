@@ -32,16 +32,8 @@ import warnings
 import torch
 
 from . import _native, _reference
-from ._plan import (
-    PoolPlan,
-    check_backend,
-    check_float_tensor,
-    check_grid_shape,
-    check_int_tensor,
-    check_same_device,
-    flat_keys,
-    make_plan,
-)
+from ._checks import check_backend, check_float_tensor, check_grid_shape, check_int_tensor, check_same_device
+from ._plan import PoolPlan, flat_keys, make_plan
 
 __all__ = ["voxel_sum", "bev_pool", "bev_pool_plan", "PoolPlan", "native_available"]
 
@@ -76,7 +68,7 @@ def _use_native(backend: str, device: torch.device) -> bool:
 def _keys(coords: torch.Tensor, grid_shape, batch_column: bool, native: bool) -> torch.Tensor:
     """Flat voxel key per point (sentinel B*Z*X*Y outside the grid); one native pass on the CPU."""
     if native and coords.device.type == "cpu":
-        return torch.ops.bev.voxel_keys(coords, list(grid_shape), batch_column)
+        return torch.ops.bev._voxel_keys(coords, list(grid_shape), batch_column)
     if batch_column:
         return flat_keys(coords[:, 0], coords[:, 1:], grid_shape)
     B = coords.shape[0]
