@@ -89,7 +89,7 @@ def backends_for(device: str) -> list:
     native_mark = pytest.mark.skipif(
         not ops.native_available(device), reason=f"native kernels not built for {device}"
     )
-    return ["torch", pytest.param("native", marks=native_mark)]
+    return ["torch", "quickcumsum", pytest.param("native", marks=native_mark)]
 
 
 requires_native = pytest.mark.skipif(not ops.native_available("cpu"), reason="native CPU kernels not built")
@@ -247,7 +247,7 @@ def test_bev_pool_matches_index_add(backend, dtype, case):
     depth.requires_grad_(), feats.requires_grad_()
     out = ops.bev_pool(depth, feats, coords, grid, backend=backend)
     assert out.shape == (B, C, *grid[1:]) and out.is_contiguous()
-    loose = backend == "torch"  # the reference rounds each depth x feature product to dtype
+    loose = backend != "native"  # the references round each depth x feature product to dtype
     assert_matches(out, index_add_bev_pool(depth.detach(), feats.detach(), coords, grid), dtype, loose)
 
     grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)
@@ -310,9 +310,15 @@ def test_native_and_torch_plans_are_identical():
     grid = (2, 2, 5, 5)
     _, _, coords = random_frustum(2, 3, 6, 4, 4, 1, grid, generator=gen, margin=2)
     native = ops.bev_pool_plan(coords, grid, backend="native")
-    reference = ops.bev_pool_plan(coords, grid, backend="torch")
-    for name in ("keys", "order", "offsets"):
-        assert torch.equal(getattr(native, name), getattr(reference, name)), name
+    for backend in ("torch", "quickcumsum"):
+        reference = ops.bev_pool_plan(coords, grid, backend=backend)
+        for name in ("keys", "order"):
+            assert torch.equal(getattr(native, name), getattr(reference, name)), (backend, name)
+    assert torch.equal(native.offsets, ops.bev_pool_plan(coords, grid, backend="quickcumsum").offsets)
+    # The torch plan's sparse runs are the non-empty runs of the dense offsets.
+    sparse = ops.bev_pool_plan(coords, grid, backend="torch")
+    counts = native.offsets[1:] - native.offsets[:-1]
+    assert torch.equal(sparse.voxels, counts.nonzero().squeeze(1)) and torch.equal(sparse.counts, counts[counts > 0])
     flat = random_coords(500, grid, gen, margin=3).int()
     assert torch.equal(torch.ops.bev.voxel_keys(flat, list(grid), True), flat_keys(flat[:, 0], flat[:, 1:], grid))
 
@@ -427,8 +433,11 @@ def voxel_problems(draw):
     return feats, coords, grid
 
 
+BACKENDS = ["torch", "quickcumsum", "native"] if ops.native_available("cpu") else ["torch", "quickcumsum"]
+
+
 @settings(max_examples=40, deadline=None)
-@given(problem=voxel_problems(), backend=st.sampled_from(["torch", "native"] if ops.native_available("cpu") else ["torch"]))
+@given(problem=voxel_problems(), backend=st.sampled_from(BACKENDS))
 def test_property_voxel_sum(problem, backend):
     feats, coords, grid = problem
     feats.requires_grad_()
@@ -447,7 +456,7 @@ def test_property_voxel_sum(problem, backend):
     channels=st.integers(1, 6),
     grid=st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3)),
     seed=st.integers(0, 2**31 - 1),
-    backend=st.sampled_from(["torch", "native"] if ops.native_available("cpu") else ["torch"]),
+    backend=st.sampled_from(BACKENDS),
 )
 def test_property_bev_pool_plan_and_values(shape, channels, grid, seed, backend):
     B, Nc, D, H, W = shape
@@ -455,16 +464,23 @@ def test_property_bev_pool_plan_and_values(shape, channels, grid, seed, backend)
     depth, feats, coords = random_frustum(B, Nc, D, H, W, channels, grid, torch.float64,
                                           torch.Generator().manual_seed(seed))
     plan = ops.bev_pool_plan(coords, grid, backend=backend)
-    # The plan is a stable sort of the keys with consistent run offsets.
+    # The plan is a stable sort of the keys with consistent runs.
     N, V = depth.numel(), B * grid[1] * grid[2] * grid[3]
     assert torch.equal(plan.order.sort().values, torch.arange(N))
     sorted_keys = plan.keys[plan.order]
     assert bool((sorted_keys[1:] >= sorted_keys[:-1]).all())
     same = sorted_keys[1:] == sorted_keys[:-1]
     assert bool((plan.order[1:][same] > plan.order[:-1][same]).all())  # stable
-    assert torch.equal(plan.offsets, torch.searchsorted(sorted_keys, torch.arange(V + 1)))
-    out = ops.bev_pool(depth, feats, plan=plan, backend=backend)
-    torch.testing.assert_close(out, index_add_bev_pool(depth, feats, coords, grid))
+    if plan.offsets is not None:
+        assert torch.equal(plan.offsets, torch.searchsorted(sorted_keys, torch.arange(V + 1)))
+    else:
+        valid = sorted_keys[sorted_keys < V]
+        assert torch.equal(plan.voxels.repeat_interleave(plan.counts), valid) and bool((plan.counts > 0).all())
+    expected = index_add_bev_pool(depth, feats, coords, grid)
+    torch.testing.assert_close(ops.bev_pool(depth, feats, plan=plan, backend=backend), expected)
+    # A plan built for one backend serves every other.
+    for other in BACKENDS:
+        torch.testing.assert_close(ops.bev_pool(depth, feats, plan=plan, backend=other), expected)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,22 +1,32 @@
 """Input validation and the sort plan shared by every backend.
 
-A plan turns integer voxel coordinates into three int64 tensors:
+A plan turns integer voxel coordinates into int64 tensors:
   keys    (N,)   flat voxel index of each point, ((b*Z + z)*X + x)*Y + y, or the sentinel
                  V = B*Z*X*Y for points outside the grid (they sort to the end and are ignored)
   order   (N,)   point indices stably sorted by key
-  offsets (V+1,) voxel v owns points order[offsets[v]:offsets[v+1]]; offsets[V] = #valid points
-Every tensor has a size known from the input shapes alone, so building a plan never needs a
-host-device sync, and the kernels can sum each voxel's run in a fixed order (deterministic,
-no atomics).
+and the runs of points per voxel, in one of two forms:
+  offsets (V+1,) dense: voxel v owns points order[offsets[v]:offsets[v+1]]; offsets[V] = #valid
+                 points. Sizes known from the input shapes alone, so building it never needs a
+                 host-device sync (native kernels, "quickcumsum"); 8 bytes per voxel.
+  voxels, counts (R,) sparse: the R occupied voxels in key order and how many points each owns,
+                 so the i-th occupied voxel owns the next counts[i] entries of order ("torch"
+                 reference). Memory scales with the points, not the grid; R is data-dependent
+                 (one host sync on the GPU).
+Either way each voxel sums its own run in a fixed order: deterministic, no atomics.
 """
 from __future__ import annotations
 
+import functools
 import numbers
+import os
 from typing import NamedTuple, Sequence
 
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+BACKENDS = ("auto", "torch", "quickcumsum", "native")
+# Flat keys, the sentinel V and the offsets' V+1 entries are int64: keep B*Z*X*Y well inside.
+MAX_VOXELS = 2**62
 
 
 class PoolPlan(NamedTuple):
@@ -24,9 +34,11 @@ class PoolPlan(NamedTuple):
 
     keys: torch.Tensor
     order: torch.Tensor
-    offsets: torch.Tensor
+    offsets: torch.Tensor | None  # dense runs (V+1,), or None in a sparse plan
     grid_shape: tuple[int, int, int, int]
     points_shape: tuple[int, ...]  # (N,) for voxel_sum, (B, Nc, D, H, W) for bev_pool
+    voxels: torch.Tensor | None = None  # sparse runs (R,), or None in a dense plan
+    counts: torch.Tensor | None = None
 
     @property
     def num_voxels(self) -> int:
@@ -38,7 +50,9 @@ class PoolPlan(NamedTuple):
         return self.keys.device
 
     def to(self, device) -> "PoolPlan":
-        return self._replace(keys=self.keys.to(device), order=self.order.to(device), offsets=self.offsets.to(device))
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return self._replace(keys=move(self.keys), order=move(self.order), offsets=move(self.offsets),
+                             voxels=move(self.voxels), counts=move(self.counts))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,7 +72,21 @@ def check_grid_shape(grid_shape) -> tuple[int, int, int, int]:
         if size <= 0:
             raise ValueError(f"grid_shape sizes must be positive, got {name}={size} in grid_shape={tuple(grid_shape)}")
         out.append(size)
+        voxels = _product(out)
+        if isinstance(voxels, int) and voxels > MAX_VOXELS:
+            raise ValueError(
+                f"grid_shape={tuple(grid_shape)} is too large: {name}={size} takes the voxel count "
+                f"{'*'.join('BZXY'[:len(out)])} to {voxels}, over the limit of 2**62 (flat voxel keys are int64); "
+                "use a coarser grid"
+            )
     return tuple(out)  # type: ignore[return-value]
+
+
+def _product(sizes) -> int:
+    total = 1
+    for s in sizes:
+        total = total * s
+    return total
 
 
 def check_float_tensor(name: str, t, ndim: int, layout: str) -> None:
@@ -87,9 +115,42 @@ def check_same_device(**tensors: torch.Tensor) -> None:
 
 
 def check_backend(backend) -> str:
-    if backend not in ("auto", "torch", "native"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'native', got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(repr(b) for b in BACKENDS)}, got {backend!r}")
     return backend
+
+
+@functools.lru_cache(maxsize=None)
+def memory_limit(device: torch.device) -> int | None:
+    """Bytes a device can ever hold: RAM + swap on the CPU (Linux), total memory on a GPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return sum(int(info[k].split()[0]) * 1024 for k in ("MemTotal", "SwapTotal"))
+    except (OSError, KeyError, ValueError):
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+
+
+def check_memory(grid_shape, bytes_per_voxel: int, what: str, device: torch.device) -> None:
+    """One clear error, before anything is allocated, for a grid the device can never hold."""
+    voxels = _product(grid_shape)
+    if not isinstance(voxels, int) or not isinstance(bytes_per_voxel, int):
+        return  # symbolic shapes (torch.compile tracing): nothing is allocated here
+    needed = voxels * bytes_per_voxel
+    limit = memory_limit(device)
+    if limit is not None and needed > limit:
+        raise MemoryError(
+            f"bev.ops: grid_shape={tuple(grid_shape)} ({voxels:,} voxels) needs at least {needed / 1e9:,.1f} GB "
+            f"for {what}, more than the {limit / 1e9:,.1f} GB this {device.type} device can hold; "
+            "use a coarser or smaller grid, fewer channels or a smaller batch"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,7 +168,7 @@ def flat_keys(batch: torch.Tensor, zxy: torch.Tensor, grid_shape: tuple[int, int
 
 
 def sort_keys(keys: torch.Tensor, num_voxels: int, use_native: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order, offsets) for flat keys in [0, num_voxels]."""
+    """(order, dense offsets) for flat keys in [0, num_voxels]."""
     if use_native:
         return torch.ops.bev.sort_keys(keys, num_voxels)
     order = torch.argsort(keys, stable=True)
@@ -116,7 +177,40 @@ def sort_keys(keys: torch.Tensor, num_voxels: int, use_native: bool) -> tuple[to
     return order, offsets
 
 
-def make_plan(keys, grid_shape, points_shape, use_native: bool) -> PoolPlan:
-    B, Z, X, Y = grid_shape
-    order, offsets = sort_keys(keys, B * Z * X * Y, use_native)
-    return PoolPlan(keys, order, offsets, tuple(grid_shape), tuple(points_shape))
+def sparse_runs(keys: torch.Tensor, order: torch.Tensor, num_voxels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(voxels, counts) of the occupied voxels, from keys sorted by order (the sentinel run dropped)."""
+    voxels, counts = torch.unique_consecutive(keys.index_select(0, order), return_counts=True)
+    inside = voxels < num_voxels
+    return voxels[inside], counts[inside]
+
+
+# Plan bytes per voxel, for check_memory: dense offsets (V+1) plus, on the CPU, the counting
+# sort's cursors (V+2) or, in the torch sort, searchsorted's boundaries (V+1). Sparse: none.
+DENSE_PLAN_BYTES = 16
+
+
+def make_plan(keys, grid_shape, points_shape, use_native: bool, dense: bool) -> PoolPlan:
+    """A dense plan (native kernels, quickcumsum) or a sparse one (the torch reference)."""
+    V = _product(grid_shape)
+    if dense:
+        check_memory(grid_shape, DENSE_PLAN_BYTES, "the dense plan (run offsets per voxel)", keys.device)
+        order, offsets = sort_keys(keys, V, use_native)
+        return PoolPlan(keys, order, offsets, tuple(grid_shape), tuple(points_shape))
+    order = torch.argsort(keys, stable=True)
+    voxels, counts = sparse_runs(keys, order, V)
+    return PoolPlan(keys, order, None, tuple(grid_shape), tuple(points_shape), voxels, counts)
+
+
+def as_dense(plan: PoolPlan, use_native: bool) -> PoolPlan:
+    """The plan with dense offsets (a sparse plan passed to a dense backend)."""
+    if plan.offsets is not None:
+        return plan
+    check_memory(plan.grid_shape, DENSE_PLAN_BYTES, "the dense plan (run offsets per voxel)", plan.device)
+    return plan._replace(offsets=sort_keys(plan.keys, plan.num_voxels, use_native)[1])
+
+
+def as_sparse(plan: PoolPlan) -> PoolPlan:
+    """The plan with sparse runs (a dense plan passed to the torch reference)."""
+    if plan.voxels is not None:
+        return plan
+    return plan._replace(**dict(zip(("voxels", "counts"), sparse_runs(plan.keys, plan.order, plan.num_voxels))))
