@@ -45,7 +45,11 @@ def frustum_to_points(depth, feats, coords):
 
 
 def index_add_bev_pool(depth, feats, coords, grid_shape) -> torch.Tensor:
-    points, flat_coords = frustum_to_points(depth.to(torch.float64), feats.to(torch.float64), coords)
+    # Points outside the grid are ignored: no value, and a zero gradient even where the other
+    # factor is inf or NaN (where() selects in its backward, never multiplies).
+    inside = ((coords.long() >= 0) & (coords.long() < torch.tensor(grid_shape[1:], device=coords.device))).all(-1)
+    depth = torch.where(inside, depth.to(torch.float64), 0)
+    points, flat_coords = frustum_to_points(depth, feats.to(torch.float64), coords)
     return index_add_voxel_sum(points, flat_coords, grid_shape)
 
 

@@ -108,14 +108,19 @@ def quickcumsum_voxel_sum(feats: torch.Tensor, plan: PoolPlan) -> torch.Tensor:
     return voxel_sums_to_grid(QuickCumsum.apply(feats, plan.keys, plan.order, plan.offsets), plan.grid_shape)
 
 
-def materialise(depth: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
-    """The (N, C) frustum features depth x feats that bev_pool sums; autograd handles the product."""
+def materialise(depth: torch.Tensor, feats: torch.Tensor, plan: PoolPlan) -> torch.Tensor:
+    """The (N, C) frustum features depth x feats that bev_pool sums; autograd handles the product.
+
+    Ignored points get depth 0 first (torch.where: its backward selects, never multiplies), so
+    their gradients are exactly zero even where the other factor is inf or NaN.
+    """
+    depth = torch.where(plan.keys.view(depth.shape) < plan.num_voxels, depth, 0)
     return (depth.unsqueeze(-1) * feats.unsqueeze(2)).reshape(-1, feats.shape[-1])
 
 
 def bev_pool(depth: torch.Tensor, feats: torch.Tensor, plan: PoolPlan) -> torch.Tensor:
-    return voxel_sum(materialise(depth, feats), plan)
+    return voxel_sum(materialise(depth, feats, plan), plan)
 
 
 def quickcumsum_bev_pool(depth: torch.Tensor, feats: torch.Tensor, plan: PoolPlan) -> torch.Tensor:
-    return quickcumsum_voxel_sum(materialise(depth, feats), plan)
+    return quickcumsum_voxel_sum(materialise(depth, feats, plan), plan)
