@@ -1,16 +1,18 @@
 """One clear line for a failed command; the full traceback goes to <run>/error.txt."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 from omegaconf import DictConfig
 
 from bev.utils.config import is_multirun, output_dir, task_overrides
-from bev.utils.io import atomic_write, write_run_metrics
+from bev.utils.io import atomic_write, disk_full_error, write_run_metrics
 
 
 def one_line(e: BaseException) -> str:
@@ -23,6 +25,17 @@ def one_line(e: BaseException) -> str:
     if "Traceback (most recent call last)" in msg:  # errors re-raised from worker processes
         msg = msg.strip().splitlines()[-1]
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+
+
+def _save_traceback(out: Path | None) -> str:
+    """Write the current traceback to <out>/error.txt; returns where it went, for the message."""
+    if out is None:
+        return ""
+    try:
+        atomic_write(out / "error.txt", traceback.format_exc())
+    except OSError as w:  # e.g. the disk that just filled up
+        return f" (the traceback could not be saved to {out / 'error.txt'}: {w.strerror or w}; HYDRA_FULL_ERROR=1 prints it)"
+    return f" (traceback in {out / 'error.txt'})"
 
 
 def report_errors(prog: str) -> Callable:
@@ -42,15 +55,15 @@ def report_errors(prog: str) -> Callable:
             except Exception as e:
                 if os.environ.get("HYDRA_FULL_ERROR") == "1":
                     raise
-                where = ""
                 out = output_dir(cfg)
-                if out is not None:
-                    atomic_write(out / "error.txt", traceback.format_exc())
-                    where = f" (traceback in {out / 'error.txt'})"
-                print(f"{prog}: error: {one_line(e)}{where}", file=sys.stderr, flush=True)
+                # A full disk met by any writer (a logger, metrics.json) gets the free space and the fix too.
+                msg = one_line(disk_full_error(getattr(e, "filename", None) or out or ".", e) or e)
+                where = _save_traceback(out)
+                print(f"{prog}: error: {msg}{where}", file=sys.stderr, flush=True)
                 if is_multirun():
                     if out is not None:
-                        write_run_metrics(out, {"status": f"failed: {one_line(e)[:300]}", "metrics": {}, "overrides": task_overrides()})
+                        with contextlib.suppress(OSError):  # the disk may be full: the message above is what counts
+                            write_run_metrics(out, {"status": f"failed: {msg[:300]}", "metrics": {}, "overrides": task_overrides()})
                     return float("nan")
                 sys.exit(1)
 
