@@ -12,7 +12,7 @@ import torch
 
 from bev.callbacks import AtomicCheckpointIO
 from bev.utils import io as bev_io
-from test_train import TINY, assert_one_paragraph, train_cli
+from test_train import TINY, assert_one_paragraph, eval_cli, train_cli
 
 _Usage = namedtuple("_Usage", "total used free")
 UNEXPECTED_POS = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
@@ -87,3 +87,39 @@ def test_error_report_survives_a_full_disk(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(errors, "atomic_write", no_space)
     assert train_cli(["experiment=synthetic_cpu", f"data.dataroot={tmp_path}/none", f"hydra.run.dir={tmp_path}"], monkeypatch) == 1
     assert_one_paragraph(capsys.readouterr().err, "bev-train: error:", f"{tmp_path}/none", "error.txt")
+
+
+# ----------------------------------------------------------------------------- unwritable run directory
+@pytest.mark.parametrize("cli", [train_cli, eval_cli])
+def test_unwritable_run_dir(cli, tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "file.txt"  # a directory cannot be made under a regular file, even by root
+    blocker.write_text("not a directory")
+    run = blocker / "run"
+    args = ["experiment=synthetic_cpu"] if cli is train_cli else [f"ckpt_path={tmp_path}/x.ckpt"]
+    assert cli([*args, f"hydra.run.dir={run}"], monkeypatch) == 1
+    assert_one_paragraph(capsys.readouterr().err, "error:", str(run), "hydra.run.dir=")
+
+
+def test_read_only_run_dir(tmp_path, monkeypatch, capsys):
+    """An existing directory that refuses new files (a read-only mount; root ignores chmod, so patched)."""
+    import tempfile
+
+    real = tempfile.TemporaryFile
+    run = tmp_path / "ro"
+    run.mkdir()
+
+    def refuse(*args, dir=None, **kwargs):
+        if dir is not None and str(dir) == str(run):
+            raise OSError(errno.EROFS, "Read-only file system", str(dir))
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
+    assert train_cli(["experiment=synthetic_cpu", f"hydra.run.dir={run}"], monkeypatch) == 1
+    assert_one_paragraph(capsys.readouterr().err, "bev-train: error:", str(run), "Read-only", "hydra.run.dir=")
+
+
+def test_unwritable_sweep_dir(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("")
+    assert train_cli(["-m", "experiment=synthetic_cpu", "seed=1,2", f"hydra.sweep.dir={blocker}/sweep"], monkeypatch) == 1
+    assert_one_paragraph(capsys.readouterr().err, str(blocker / "sweep"), "hydra.sweep.dir=")

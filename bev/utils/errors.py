@@ -5,10 +5,12 @@ import contextlib
 import functools
 import os
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig
 
 from bev.utils.config import is_multirun, output_dir, task_overrides
@@ -70,3 +72,36 @@ def report_errors(prog: str) -> Callable:
         return run
 
     return wrap
+
+
+def unwritable_dir(path: str | os.PathLike) -> str | None:
+    """Why files cannot be created in directory `path` (made if missing), or None when they can."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror or e}"
+    return None
+
+
+class RunDirCheck(HydraCallback):
+    """Hydra callback: check that the run (sweep) directory is writable before Hydra sets up its log file
+    there, which would otherwise fail with a raw "Unable to configure handler 'file'" traceback."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config, "hydra.sweep.dir")
+
+    @staticmethod
+    def _check(config: DictConfig, key: str) -> None:
+        from omegaconf import OmegaConf
+
+        path = OmegaConf.select(config, key)
+        why = unwritable_dir(path) if path else None
+        if why:
+            what = "sweep" if "sweep" in key else "run"
+            print(f"bev-{config.task_name}: error: cannot write the {what} directory {path} ({why}). "
+                  f"Pass {key}=<a writable directory>.", file=sys.stderr, flush=True)
+            sys.exit(1)
