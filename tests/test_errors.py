@@ -5,14 +5,17 @@ chmod cannot make a directory unwritable)."""
 from __future__ import annotations
 
 import errno
+import shutil
 from collections import namedtuple
 
 import pytest
 import torch
 
 from bev.callbacks import AtomicCheckpointIO
+from bev.data.nuscenes import load_index
 from bev.utils import io as bev_io
 from test_train import TINY, assert_one_paragraph, eval_cli, train_cli
+from tiny_nuscenes import write_tiny
 
 _Usage = namedtuple("_Usage", "total used free")
 UNEXPECTED_POS = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
@@ -123,3 +126,28 @@ def test_unwritable_sweep_dir(tmp_path, monkeypatch, capsys):
     blocker.write_text("")
     assert train_cli(["-m", "experiment=synthetic_cpu", "seed=1,2", f"hydra.sweep.dir={blocker}/sweep"], monkeypatch) == 1
     assert_one_paragraph(capsys.readouterr().err, str(blocker / "sweep"), "hydra.sweep.dir=")
+
+
+# ----------------------------------------------------------------------------- damaged tables
+@pytest.fixture()
+def tiny(tmp_path):
+    return write_tiny(tmp_path / "nuscenes", samples=1)
+
+
+def test_truncated_table_is_named(tiny, tmp_path):
+    table = tiny / "v1.0-mini" / "sample_data.json"
+    text = table.read_text()
+    table.write_text(text[: len(text) // 2])  # an interrupted download
+    with pytest.raises(ValueError) as e:
+        load_index(tiny, "v1.0-mini", "mini_train", cache_dir=tmp_path / "cache", verbose=False)
+    msg = str(e.value)
+    assert str(table) in msg and "re-download" in msg, msg
+    assert "line" in msg  # where in the file it broke
+
+
+def test_read_only_index_cache_is_only_a_warning(tiny, tmp_path):
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("")
+    with pytest.warns(UserWarning, match="cache_dir"):
+        index = load_index(tiny, "v1.0-mini", "mini_train", cache_dir=blocker / "cache", verbose=False)
+    assert len(index["sample_token"]) == 1
