@@ -172,3 +172,13 @@ def test_checkpoint_from_an_incompatible_model(trained_run, synthetic_root, tmp_
             f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
     assert train_cli(args, monkeypatch) == 1
     assert_one_paragraph(capsys.readouterr().err, "different model config", "model.net.bev.widths")
+
+
+def test_eval_model_override_applies_to_the_checkpoint_config(trained_run, synthetic_root, tmp_path, monkeypatch, capsys):
+    base = [f"ckpt_path={trained_run}", f"data.dataroot={synthetic_root}", "num_pngs=0"]
+    # A setting that does not change the weights is applied on top of the checkpoint's model config...
+    assert eval_cli([*base, "+model.threshold=0.3", f"hydra.run.dir={tmp_path / 'a'}"], monkeypatch) == 0
+    assert json.loads((tmp_path / "a" / "metrics.json").read_text())["threshold"] == 0.3
+    # ...one that does is refused, naming the key.
+    assert eval_cli([*base, "+model.net.context_channels=16", f"hydra.run.dir={tmp_path / 'b'}"], monkeypatch) == 1
+    assert_one_paragraph(capsys.readouterr().err, "bev-eval: error:", "model.net.context_channels: 8 -> 16")
