@@ -42,7 +42,10 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     with open_dict(cfg):
         cfg.grid = run_cfg.grid
     data_cfg = build_data_config(cfg, run_cfg)
-    model_cfg = cfg.model if cfg.get("model") is not None else run_cfg.model
+    # model=<group> replaces the checkpoint's model config; +model.<key>=... overrides are applied on top of it
+    # (check_compatible names any that no longer fit the weights).
+    given = cfg.get("model")
+    model_cfg = given if given is not None and "_target_" in given else OmegaConf.merge(run_cfg.model, given or {})
     model_cfg = OmegaConf.merge(model_cfg, {"net": {"grid": run_cfg.grid, "image_size": run_cfg.data.final_dim}})
     # The checkpoint holds the weights: do not download or read the pretrained backbone again.
     model_cfg.net.camera.weights = None

@@ -100,6 +100,22 @@ def check_dataroot(dataroot: str | os.PathLike, version: str) -> Path:
     return table_root
 
 
+def _damaged_table(table_root: Path) -> ValueError | None:
+    """A clear error naming the first table that is not valid JSON (read again, on this failure path only)."""
+    for t in TABLES:
+        path = table_root / f"{t}.json"
+        try:
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+        except ValueError as e:
+            return ValueError(
+                f"nuScenes table {str(path)!r} is damaged ({type(e).__name__}: {e}); the download or unpacking was "
+                "probably cut short: re-download it from https://www.nuscenes.org/download (or regenerate a synthetic "
+                "set with `bev-make-synthetic --out DIR`)."
+            )
+    return None
+
+
 def _table_signature(table_root: Path) -> dict[str, list[int]]:
     sig = {}
     for p in sorted(table_root.glob("*.json")):
@@ -122,7 +138,10 @@ def build_index(dataroot: str | os.PathLike, version: str, split: str, groups, v
     if verbose:  # stderr: stdout belongs to the caller (bev-gallery prints the PNG path there)
         print(f"loading nuScenes {version} tables from {root} to index split {split!r} (once, then cached)",
               file=sys.stderr, flush=True)
-    nusc = NuScenes(version=version, dataroot=str(root), verbose=False)
+    try:
+        nusc = NuScenes(version=version, dataroot=str(root), verbose=False)
+    except ValueError as e:  # JSONDecodeError / UnicodeDecodeError: the devkit's message names no file
+        raise _damaged_table(root / version) or e from e
     scenes = [s for s in nusc.scene if s["name"] in scenes_of_split]
     vis_level = {}
     for i, v in enumerate(sorted(nusc.visibility, key=lambda r: r["token"])):
