@@ -242,3 +242,54 @@ def select_samples(data_cfg: DictConfig, split: str | None = None, scene: str | 
         known[s] = sorted(set(names.tolist()))
     listed = "; ".join(f"{s}: {', '.join(v)}" for s, v in known.items())
     raise ValueError(f"unknown scene {scene!r}. Scenes found ({listed}); pass scene=<one of them> or split=<the split that has it>.")
+
+
+# ------------------------------------------------------------------------------------------ export
+EXPORT_FORMATS = ("onnx", "torch_export")
+
+
+def export_onnx(net: nn.Module, example: tuple[torch.Tensor, ...], path: str | Path, opset: int = 18) -> Path:
+    """ONNX model of `net` (camera inputs -> "logits"), batch size dynamic, written atomically.
+
+    The splat goes through LiftSplatShoot.exportable() (ScatterND with reduction "add"), and the
+    geometry only uses elementwise ops, so ONNX Runtime runs it on any execution provider.
+    Uses torch.onnx.export's dynamo path (needs the onnx and onnxscript packages: pip install bev[export]).
+    """
+    from bev.utils.io import atomic_open
+
+    if opset < 17:
+        raise ValueError(f"opset must be >= 17, got {opset}")
+    if example[0].shape[0] == 1:  # torch.export specialises size-1 dims: trace with 2 to keep the batch dynamic
+        example = tuple(torch.cat([t, t]) for t in example)
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    with torch.no_grad(), net.exportable():
+        program = torch.onnx.export(net.eval(), example, dynamo=True, opset_version=int(opset), verbose=False,
+                                    input_names=list(CAMERA_INPUTS), output_names=["logits"],
+                                    dynamic_shapes=tuple({0: batch} for _ in example))
+    with atomic_open(path, "wb") as f:  # bytes, not onnx.save_model: that reads f.name, an fd number here
+        f.write(program.model_proto.SerializeToString())
+    return Path(path)
+
+
+def run_onnx(path: str | Path, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Logits of an exported ONNX model under ONNX Runtime on the CPU."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return torch.from_numpy(session.run(["logits"], {k: t.numpy() for k, t in zip(CAMERA_INPUTS, inputs)})[0])
+
+
+def export_program(net: nn.Module, example: tuple[torch.Tensor, ...], path: str | Path):
+    """torch.export ExportedProgram of `net` saved as .pt2 (atomically); returns the program.
+
+    Shapes are those of `example` (bev.ops takes the grid shape as plain ints, so the batch size
+    is fixed). The voxel pooling stays one torch.ops.bev.bev_pool node when the native build is
+    loaded; `import bev.ops` registers it before torch.export.load in another process.
+    """
+    from bev.utils.io import atomic_open
+
+    with torch.no_grad():
+        program = torch.export.export(net.eval(), example)
+    with atomic_open(path, "wb") as f:
+        torch.export.save(program, f)
+    return program
