@@ -1,6 +1,7 @@
 """`bev-eval ckpt_path=PATH [data=... | data.dataroot=...]`: evaluate a checkpoint on the val split.
 
-Rebuilds the model, grid and data settings from the config bev-train stored in the checkpoint,
+Rebuilds the model, grid and data settings from the config bev-train stored in the checkpoint
+(bev.inference.load_checkpoint, the loader bev-predict and bev-export use too),
 runs the deterministic validation transform (no augmentation, the fixed LSS crop), prints the
 IoU table (overall, visibility-filtered, distance bands), and writes <run>/metrics.json and
 PNGs of a few samples.
@@ -19,42 +20,20 @@ from bev.utils.errors import report_errors
 from bev.utils.io import atomic_write
 
 
-def build_data_config(cfg: DictConfig, run_cfg: DictConfig) -> DictConfig:
-    """The checkpoint's data settings, overridden by non-null keys of cfg.data; eval never augments."""
-    given = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=False).items() if v is not None}
-    base = cfg.data if "_target_" in given else OmegaConf.merge(run_cfg.data, given)
-    data = OmegaConf.merge(base, {"grid": run_cfg.grid, "final_dim": run_cfg.data.final_dim, "augment": False})
-    return data
-
-
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     import lightning as L
     from hydra.utils import instantiate
 
-    from bev.utils.checkpoint import CheckpointError, check_compatible, logged_val_iou, read_checkpoint, resolve_checkpoint
+    from bev.inference import build_data_config, load_checkpoint
+    from bev.utils.checkpoint import logged_val_iou
     from bev.metrics import format_table
 
-    ckpt_path = resolve_checkpoint(cfg.ckpt_path)
-    ckpt = read_checkpoint(ckpt_path)
-    if ckpt.get("bev_config") is None and cfg.get("model") is None:
-        raise CheckpointError(f"{str(ckpt_path)!r} carries no bev-train config; pass model=... and data=... matching how it was trained.")
-    run_cfg = OmegaConf.create(ckpt.get("bev_config") or {"grid": cfg.grid, "data": cfg.data, "model": cfg.model, "trainer": {}})
+    loaded = load_checkpoint(cfg.ckpt_path, cfg.get("model"), cfg.grid, cfg.data)
+    model, run_cfg, model_cfg, ckpt, ckpt_path = loaded
     with open_dict(cfg):
         cfg.grid = run_cfg.grid
-    data_cfg = build_data_config(cfg, run_cfg)
-    # model=<group> replaces the checkpoint's model config; +model.<key>=... overrides are applied on top of it
-    # (check_compatible names any that no longer fit the weights).
-    given = cfg.get("model")
-    model_cfg = given if given is not None and "_target_" in given else OmegaConf.merge(run_cfg.model, given or {})
-    model_cfg = OmegaConf.merge(model_cfg, {"net": {"grid": run_cfg.grid, "image_size": run_cfg.data.final_dim}})
-    # The checkpoint holds the weights: do not download or read the pretrained backbone again.
-    model_cfg.net.camera.weights = None
-    model_cfg.net.camera.weights_path = None
-
+    data_cfg = build_data_config(cfg.data, run_cfg)
     datamodule = instantiate(data_cfg)
-    model = instantiate(model_cfg)
-    check_compatible(model, ckpt, ckpt_path, OmegaConf.to_container(model_cfg, resolve=True))
-    model.load_state_dict(ckpt["state_dict"])
 
     precision = cfg.get("precision") or OmegaConf.select(run_cfg, "trainer.precision", default="32-true")
     trainer = L.Trainer(accelerator=cfg.accelerator, devices=1, precision=precision, logger=False,

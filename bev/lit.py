@@ -47,6 +47,18 @@ class BEVLitModule(L.LightningModule):
         self.register_buffer("val_iou_best", torch.tensor(0.0))
         # The resolved run config (set by bev.train); stored in checkpoints so bev-eval can rebuild the model.
         self.run_config: dict | None = None
+        # Names of the K output channels (set by bev.inference.load_model from the run config).
+        self.class_names: list[str] | None = None
+
+    @property
+    def grid(self) -> Grid:
+        """The BEV grid of the output cells (bev.geometry conventions)."""
+        return self.net.grid
+
+    @property
+    def image_size(self) -> tuple[int, int]:
+        """(H, W) the network takes (after the data transform's resize + crop)."""
+        return tuple(self.net.image_size)
 
     def setup(self, stage: str) -> None:
         if self.compile and stage == "fit":
@@ -98,6 +110,10 @@ class BEVLitModule(L.LightningModule):
         logits = self(batch)
         self.log("test/loss", self.loss(logits, batch["bev"]), on_epoch=True, sync_dist=True, batch_size=logits.shape[0])
         self.test_iou.update(logits, batch["bev"], batch.get("visibility"))
+
+    def predict_step(self, batch: dict, batch_idx: int = 0, dataloader_idx: int = 0) -> torch.Tensor:
+        """Per-class probabilities (B, K, X, Y) float32 (the sigmoid of the logits)."""
+        return self(batch).float().sigmoid()
 
     def on_test_epoch_end(self) -> None:
         results = self.test_iou.compute()

@@ -1,4 +1,5 @@
-"""Pictures of samples and predictions: the 6 cameras (2x3, camera order) and BEV panels.
+"""Pictures of samples and predictions: the cameras (nuScenes: 2x3 in camera order; any rig of
+1-12 cameras: camera_layout) and BEV panels.
 
 BEV panels are drawn with x forward = up and y left = left, the ego at the centre (white
 triangle pointing forward), axes in ego metres. Arrays stay [x_index, y_index] everywhere
@@ -32,17 +33,30 @@ def bev_to_display(bev: np.ndarray) -> np.ndarray:
     return np.asarray(bev)[::-1, ::-1]
 
 
-def camera_grid(images: Any, cam_ids: Any = None) -> np.ndarray:
-    """(Ncam, 3, H, W) normalised images -> (2H, 3W, 3) uint8, slots in CAMERA_NAMES order.
+def camera_layout(n: int) -> tuple[int, int]:
+    """(rows, cols) of the camera picture for n camera slots: 3 per row up to 9 (nuScenes: 2x3), then 4."""
+    cols = min(n, 3) if n <= 9 else 4
+    return -(-n // cols), cols
 
-    cam_ids gives each image's index in CAMERA_NAMES (default 0..Ncam-1); missing cameras are black.
+
+def camera_slots(n: int, cam_ids: Any = None) -> list[int]:
+    """Slot of each of n images: cam_ids (indices into the rig's camera list) or 0..n-1."""
+    return list(range(n)) if cam_ids is None else [int(c) for c in _np(cam_ids).reshape(-1)]
+
+
+def camera_grid(images: Any, cam_ids: Any = None) -> np.ndarray:
+    """(Ncam, 3, H, W) normalised images -> (rows*H, cols*W, 3) uint8, one slot per camera of the rig.
+
+    cam_ids gives each image's index in the rig's camera list (nuScenes: CAMERA_NAMES; default
+    0..Ncam-1); the rig has max(cam_ids) + 1 slots, laid out by camera_layout; missing cameras are black.
     """
     images = images if isinstance(images, torch.Tensor) else torch.as_tensor(np.asarray(images))
     n, _, H, W = images.shape
-    ids = list(range(n)) if cam_ids is None else [int(c) for c in _np(cam_ids).reshape(-1)]
-    out = np.zeros((2 * H, 3 * W, 3), dtype=np.uint8)
+    ids = camera_slots(n, cam_ids)
+    rows, cols = camera_layout(max(ids) + 1)
+    out = np.zeros((rows * H, cols * W, 3), dtype=np.uint8)
     for img, c in zip(images, ids):
-        r, col = divmod(c, 3)
+        r, col = divmod(c, cols)
         out[r * H : (r + 1) * H, col * W : (col + 1) * W] = denormalize_image(img)
     return out
 
@@ -102,7 +116,7 @@ def _grid_for(shape: tuple[int, int], grid: Grid | None) -> Grid:
 
 
 def render_figure(sample: Mapping[str, Any], pred: Any = None, grid: Grid | None = None, title: str | None = None) -> Figure:
-    """A matplotlib Figure: 6 cameras on top; BEV target (+ prediction and TP/FP/FN map) below."""
+    """A matplotlib Figure: the cameras on top; BEV target (+ prediction and TP/FP/FN map) below."""
     s, _ = _unbatch(sample)
     cams = camera_grid(s["images"], s.get("cam_ids"))
     target = _np(s["bev"])
@@ -119,9 +133,12 @@ def render_figure(sample: Mapping[str, Any], pred: Any = None, grid: Grid | None
     gs = fig.add_gridspec(2, 3, height_ratios=[cams.shape[0] / cams.shape[1] * 3, 1.0])
     ax = fig.add_subplot(gs[0, :])
     ax.imshow(cams)
-    H, W = cams.shape[0] // 2, cams.shape[1] // 3
-    for c, name in enumerate(CAMERA_NAMES):
-        r, col = divmod(c, 3)
+    H, W = s["images"].shape[-2:]
+    ids = camera_slots(s["images"].shape[0], s.get("cam_ids"))
+    cols = camera_layout(max(ids) + 1)[1]
+    for c in range(max(ids) + 1):  # cam_ids follow CAMERA_NAMES (nuScenes); a rig without them is numbered
+        name = CAMERA_NAMES[c] if s.get("cam_ids") is not None and c < len(CAMERA_NAMES) else f"camera {c}"
+        r, col = divmod(c, cols)
         ax.text(col * W + 4, r * H + 4, name, color="white", fontsize=7, va="top",
                 bbox=dict(facecolor="black", alpha=0.5, pad=1, lw=0))
     ax.set_axis_off()
@@ -152,7 +169,7 @@ def render_sample(sample: Mapping[str, Any], pred: Any = None, grid: Grid | None
 
 def save_sample_png(path: str | os.PathLike, batch_or_sample: Mapping[str, Any], pred: Any = None,
                     grid: Grid | None = None, title: str | None = None) -> str:
-    """Write ONE PNG: 6 cameras + BEV target (+ prediction vs target when pred is given).
+    """Write ONE PNG: the cameras + BEV target (+ prediction vs target when pred is given).
 
     A batch (images (B, Ncam, 3, H, W)) shows its first sample. pred: (1, X, Y) probability (or
     logits, or with a batch dim). Written atomically (temp file + os.replace). Returns the path.
