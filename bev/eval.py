@@ -34,6 +34,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     from bev.utils.checkpoint import CheckpointError, check_compatible, logged_val_iou, read_checkpoint, resolve_checkpoint
     from bev.metrics import format_table
 
+    if OmegaConf.is_missing(cfg, "ckpt_path"):
+        raise ValueError("no checkpoint given: bev-eval ckpt_path=<a .ckpt file, or a run directory for its best checkpoint>")
     ckpt_path = resolve_checkpoint(cfg.ckpt_path)
     ckpt = read_checkpoint(ckpt_path)
     if ckpt.get("bev_config") is None and cfg.get("model") is None:
