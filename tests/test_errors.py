@@ -151,3 +151,10 @@ def test_read_only_index_cache_is_only_a_warning(tiny, tmp_path):
     with pytest.warns(UserWarning, match="cache_dir"):
         index = load_index(tiny, "v1.0-mini", "mini_train", cache_dir=blocker / "cache", verbose=False)
     assert len(index["sample_token"]) == 1
+
+
+def test_eval_without_a_checkpoint(tmp_path, monkeypatch, capsys):
+    assert eval_cli([f"hydra.run.dir={tmp_path}"], monkeypatch) == 1
+    err = capsys.readouterr().err
+    assert_one_paragraph(err, "bev-eval: error:", "ckpt_path=")
+    assert len(err.strip().splitlines()) == 1 and "full_key" not in err  # OmegaConf's detail lines stay in error.txt

@@ -26,6 +26,10 @@ def one_line(e: BaseException) -> str:
         return f"{msg.splitlines()[0] if msg else ''} {one_line(cause)}".strip()
     if "Traceback (most recent call last)" in msg:  # errors re-raised from worker processes
         msg = msg.strip().splitlines()[-1]
+    # OmegaConf appends "full_key: ... / object_type=..." lines: keep the first line and the key.
+    if type(e).__module__.startswith("omegaconf") and msg:
+        first, key = msg.splitlines()[0], getattr(e, "full_key", None)
+        msg = f"{first} (config key {key})" if key and key not in first else first
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
