@@ -139,6 +139,7 @@ def test_multiclass_categories(tiny_root, tmp_path):
     ds = _ds(tiny_root, tmp_path, split="mini_train", categories=[["vehicle.car"], ["human.pedestrian."]])
     s = ds[0]
     assert s["bev"].shape == (2, 200, 200) and ds.num_classes == 2
+    assert ds.class_names == ("vehicle_car", "human_pedestrian")
     for k, b in [(0, 0), (1, 2)]:
         assert np.array_equal(s["bev"][k].numpy() > 0, _cells_in_box(ds.grid, *ego_box(b)[1:]))
     with pytest.raises(ValueError, match="mixes"):
@@ -360,6 +361,18 @@ def test_datamodule_from_hydra_config(tiny_root, tmp_path):
     assert next(iter(dm.test_dataloader()))["sample_token"] == val["sample_token"]
     dm0 = NuScenesDataModule(tiny_root, num_workers=0, persistent_workers=True, cache_dir=tmp_path)
     assert dm0.persistent_workers is False and dm0.val_dataloader().num_workers == 0
+    assert dm.class_names == ("vehicle",) and dm.num_classes == 1
+
+
+def test_datamodule_with_map_layers(tiny_root, tmp_path):
+    dm = NuScenesDataModule(tiny_root, categories=[["vehicle."], ["human."]], map_layers="bevfusion", raster="lss",
+                            num_workers=0, batch_size=2, cache_dir=tmp_path)
+    assert dm.class_names == ("vehicle", "human", "drivable_area", "ped_crossing", "walkway", "stop_line",
+                              "carpark_area", "divider")
+    assert dm.num_object_classes == 2 and dm.num_classes == 8
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["bev"].shape == (2, 8, 200, 200)
+    assert (batch["bev"].sum((2, 3)) > 0).all()  # scene-0061 is at the intersection: every channel has cells
 
 
 # ---------------------------------------------------------------- the synthetic dataset
