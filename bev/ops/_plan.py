@@ -35,6 +35,11 @@ class PoolPlan(NamedTuple):
     counts: torch.Tensor | None = None
 
     @property
+    def num_voxels(self) -> int:
+        B, Z, X, Y = self.grid_shape
+        return B * Z * X * Y
+
+    @property
     def device(self) -> torch.device:
         return self.keys.device
 
