@@ -43,9 +43,11 @@ import numpy as np
 from tqdm import tqdm
 
 from bev.data.rig import IMAGE_H, IMAGE_W, MINI_LOCATIONS, load_rig, mini_splits
-from bev.synthetic import raycast, world as world_model
+from bev.synthetic import raycast
+from bev.synthetic.mapjson import map_expansion
 from bev.synthetic.raycast import visibility_level
-from bev.synthetic.world import ANNOTATION_RANGE, SAMPLE_DT, World, build_world
+from bev.synthetic.roads import fill, road_map
+from bev.synthetic.world import SAMPLE_DT, World, annotated_objects, build_world
 from bev.geometry import CAMERA_NAMES, quaternion_to_matrix, yaw_to_quaternion
 
 VERSION = "v1.0-mini"
@@ -100,8 +102,7 @@ CATEGORIES = {
 # LIDAR_TOP mount: the real position (m) and a -90 degree yaw (lidar x points to the ego's right).
 LIDAR_TRANSLATION = [0.943713, 0.0, 1.84023]
 LIDAR_ROTATION = yaw_to_quaternion(-math.pi / 2)
-MAP_SIZE_M = 500.0  # each location's map covers [0, 500] m x [0, 500] m at 0.1 m / pixel
-MAP_RES = 0.1
+MAP_RES = 0.1  # metres per pixel of the maps/<token>.png drivable-area masks (as in nuScenes)
 
 
 def scene_names(n: int) -> list[str]:
@@ -132,8 +133,8 @@ def _log_info(name: str, index: int) -> tuple[str, str, int]:
 # ----------------------------------------------------------------------------- rendering worker
 
 @lru_cache(maxsize=16)
-def _world(seed: int, scene: int, samples: int) -> World:
-    return build_world(seed, scene, samples)
+def _world(seed: int, scene: int, samples: int, location: str) -> World:
+    return build_world(seed, scene, samples, location)
 
 
 def _worker_init() -> None:
@@ -188,8 +189,8 @@ def lidar_points(world: World, t: float, annotated: list[int], counts: dict, rng
 
 def _render_task(task):
     """Render and write one sample's files; return per-object visibility and lidar counts."""
-    out, seed, scene, sample, samples, cam_files, lidar_file, annotated = task
-    world = _world(seed, scene, samples)
+    out, seed, scene, sample, samples, location, cam_files, lidar_file, annotated = task
+    world = _world(seed, scene, samples, location)
     t = sample * SAMPLE_DT
     images, counts = raycast.render_sample(world, t)
     for name in CAMERA_NAMES:
@@ -207,13 +208,6 @@ def _render_task(task):
 
 
 # ----------------------------------------------------------------------------- tables
-
-def _annotated(world: World, t: float) -> list[int]:
-    """Objects annotated at time t: every non-scenery object whose centre is within ANNOTATION_RANGE (xy)."""
-    s_e, l_e, _ = world.ego_road(t)
-    return [i for i, o in enumerate(world.objects)
-            if o.category and math.hypot(o.s_at(t) - s_e, o.l - l_e) <= ANNOTATION_RANGE]
-
 
 def _check_out(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
@@ -266,7 +260,7 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
 
     tasks, meta = [], {}
     for si, name in enumerate(names):
-        world = _world(seed, si, samples_per_scene)
+        world = _world(seed, si, samples_per_scene, MINI_LOCATIONS[name])
         logfile, date, t0 = _log_info(name, si)
         log_tok, scene_tok = _token(seed, "log", si), _token(seed, "scene", si)
         T["log"].append({"token": log_tok, "logfile": logfile, "vehicle": logfile[:4], "date_captured": date,
@@ -283,7 +277,7 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
         sample_toks = [_token(seed, "sample", si, k) for k in range(samples_per_scene)]
         T["scene"].append({"token": scene_tok, "log_token": log_tok, "nbr_samples": samples_per_scene,
                            "first_sample_token": sample_toks[0], "last_sample_token": sample_toks[-1],
-                           "name": name, "description": "Synthetic: straight urban road, traffic, parked vehicles, pedestrians."})
+                           "name": name, "description": "Synthetic: drive through a road network with junctions, traffic, parked cars, pedestrians."})
         for k, tok in enumerate(sample_toks):
             ts = t0 + int(round(k * SAMPLE_DT * 1e6))
             T["sample"].append({"token": tok, "timestamp": ts, "prev": sample_toks[k - 1] if k else "",
@@ -304,18 +298,19 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
                     "height": IMAGE_H if cam else 0, "width": IMAGE_W if cam else 0, "filename": files[ch],
                     "prev": _token(seed, "sample_data", si, k - 1, ch) if k else "",
                     "next": _token(seed, "sample_data", si, k + 1, ch) if k + 1 < samples_per_scene else ""})
-            annotated = _annotated(world, k * SAMPLE_DT)
+            annotated = annotated_objects(world, k * SAMPLE_DT)
             meta[si, k] = (tok, annotated)
-            tasks.append((out, seed, si, k, samples_per_scene, {c: files[c] for c in CAMERA_NAMES},
+            tasks.append((out, seed, si, k, samples_per_scene, MINI_LOCATIONS[name], {c: files[c] for c in CAMERA_NAMES},
                           files["LIDAR_TOP"], annotated))
 
-    (out / "maps").mkdir(parents=True, exist_ok=True)
+    (out / "maps" / "expansion").mkdir(parents=True, exist_ok=True)
     map_tasks = []
     for loc, scenes_here in _map_groups(names).items():
         tok = _token(seed, "map", loc)
         T["map"].append({"category": "semantic_prior", "token": tok, "filename": f"maps/{tok}.png",
                          "log_tokens": [T["log"][si]["token"] for si in scenes_here]})
-        map_tasks.append((out / "maps" / f"{tok}.png", seed, scenes_here, samples_per_scene))
+        map_tasks.append((out / "maps" / f"{tok}.png", seed, loc))
+        (out / "maps" / "expansion" / f"{loc}.json").write_text(json.dumps(map_expansion(road_map(seed, loc), seed)))
 
     results = {}
     for ch in CAMERA_NAMES:  # per-camera rays, computed once and inherited by forked workers
@@ -326,7 +321,8 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         with ctx.Pool(min(workers, len(tasks)), initializer=_worker_init) as pool:
             maps = pool.map_async(_map_task, map_tasks)  # big PNGs, encoded alongside the renders
-            for r in pool.imap_unordered(_render_task, tasks):
+            # Runs of consecutive frames per task: a worker reuses the world and ground tiles it built.
+            for r in pool.imap_unordered(_render_task, tasks, chunksize=max(1, samples_per_scene // 4)):
                 results[r[0], r[1]] = r[2:]
                 bar.update()
             maps.get()
@@ -341,7 +337,7 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
 
     # Annotations and instances, linked through the scene in sample order.
     for si, name in enumerate(names):
-        world = _world(seed, si, samples_per_scene)
+        world = _world(seed, si, samples_per_scene, MINI_LOCATIONS[name])
         tracks: dict[int, list[dict]] = {}
         for k in range(samples_per_scene):
             sample_tok, annotated = meta[si, k]
@@ -381,18 +377,13 @@ def _map_groups(names: list[str]) -> dict[str, list[int]]:
 
 
 def _map_task(task) -> None:
-    """Write one location's drivable-area PNG (0.1 m/pixel, global frame): the roads of its scenes."""
-    path, seed, scenes, samples = task
-    n = int(MAP_SIZE_M / MAP_RES)
-    mask = np.zeros((n, n), np.uint8)
-    for si in scenes:
-        world = _world(seed, si, samples)
-        end = world.ego_s0 + world.ego_speed * (samples - 1) * SAMPLE_DT
-        corners = world.road_to_global([-200.0, end + 200, end + 200, -200.0],
-                                       [-world_model.CURB, -world_model.CURB, world_model.CURB, world_model.CURB])
-        # Map pixel (col, row) = (x / res, height - y / res), as nuscenes.utils.map_mask expects.
-        px = np.stack([corners[:, 0] / MAP_RES, n - corners[:, 1] / MAP_RES], -1)
-        cv2.fillPoly(mask, [np.round(px).astype(np.int32)], 255)
+    """Write one location's drivable-area PNG (MAP_RES m/pixel over the map canvas, global frame)."""
+    path, seed, location = task
+    road = road_map(seed, location)
+    w, h = (int(math.ceil(c / MAP_RES)) for c in road.canvas)
+    # Map pixel (col, row) = (x / res, height - y / res), as nuscenes.utils.map_mask expects.
+    mask = fill(np.zeros((h, w), np.uint8), road.layers["drivable_area"][0]["geom"],
+                lambda xy: np.stack([xy[:, 0] / MAP_RES, h - xy[:, 1] / MAP_RES], -1), 255)
     if not cv2.imwrite(str(path), mask, [cv2.IMWRITE_PNG_COMPRESSION, 1]):
         raise RuntimeError(f"could not write map {path}")
 
