@@ -459,7 +459,7 @@ def synthetic_renders(synthetic_root, nusc_syn):
 
     names = scene_names(2)
     (scene,) = [s for s in nusc_syn.scene if s["name"] == "scene-0103"]
-    world = world_model.build_world(0, names.index(scene["name"]), 3)
+    world = world_model.build_world(0, names.index(scene["name"]), 3, nusc_syn.get("log", scene["log_token"])["location"])
     out, tok, k = [], scene["first_sample_token"], 0
     while tok:
         sample = nusc_syn.get("sample", tok)

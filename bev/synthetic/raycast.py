@@ -16,12 +16,13 @@ from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
+import shapely
 import torch
 
 from bev.data.rig import IMAGE_H, IMAGE_W, load_rig
 from bev.geometry import CAMERA_NAMES, ego_to_image, frustum_to_ego, quaternion_to_matrix
-from bev.synthetic.world import (CABIN, CURB, GLASS, PARKING_EDGE, RENDER_RANGE, SIDEWALK_END, WINDOWS, LANE_W,
-                                 World, visible_objects)
+from bev.synthetic.roads import fill, road_map, stroke
+from bev.synthetic.world import CABIN, GLASS, RENDER_RANGE, WINDOWS, World, visible_objects
 
 # Cameras are ray-cast at 1/RENDER_SCALE of 1600x900 and upscaled bilinearly: the model
 # sees 352x128 crops, and full-resolution casting would cost 4x the time for no gain.
@@ -128,49 +129,85 @@ def _hash(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x - np.floor(x)
 
 
-def _ground_colour(s: np.ndarray, l: np.ndarray) -> np.ndarray:
-    """Road surface colour at road coordinates (s, l): asphalt, lane markings, curbs, sidewalks, grass."""
-    al = np.abs(l)
-    noise = _hash(np.floor(s * 2), np.floor(l * 2)).astype(np.float32)
-    col = np.empty(s.shape + (3,), np.float32)
-    asphalt = 0.3 + 0.025 * noise
-    col[...] = asphalt[..., None]
-    park = (al > PARKING_EDGE) & (al <= CURB)
-    col[park] = (asphalt[park] + 0.03)[:, None]
-    curb = (al > CURB) & (al <= CURB + 0.25)
-    col[curb] = 0.75
-    walk = (al > CURB + 0.25) & (al <= SIDEWALK_END)
-    seam = (np.abs(((s + 0.75) % 1.5) - 0.75) < 0.03) & walk
-    col[walk] = (0.58 + 0.05 * noise[walk])[:, None]
-    col[seam] = 0.45
-    grass = al > SIDEWALK_END
-    col[grass] = np.stack([0.22 + 0.06 * noise[grass], 0.38 + 0.06 * noise[grass], 0.16 + 0.03 * noise[grass]], -1)
-    # Markings: double yellow centre line, dashed white lane lines, solid white edge lines.
-    yellow = np.abs(al - 0.15) < 0.07
-    col[yellow] = (0.85, 0.7, 0.15)
-    dashed = (np.abs(al - LANE_W) < 0.08) & ((s % 9.0) < 3.0)
-    edge = np.abs(al - PARKING_EDGE) < 0.08
-    col[dashed | edge] = 0.9
-    return col
+# The ground is the location's map, rasterised once per process into TILE x TILE texel tiles
+# (TEX_RES metres per texel) as they come into view; ground beyond TEX_RANGE is plain grass.
+TEX_RES, TILE, TEX_RANGE = 0.1, 512, 110.0
+# Ground classes in painting order (later ones paint over earlier ones): colour and noise amplitude.
+GROUND = {"grass": ((0.25, 0.41, 0.175), (0.06, 0.06, 0.03)), "walkway": ((0.6, 0.58, 0.55), (0.06,) * 3),
+          "asphalt": ((0.3, 0.3, 0.3), (0.05,) * 3), "carpark": ((0.4, 0.38, 0.42), (0.04,) * 3),
+          "kerb": ((0.78, 0.78, 0.76), (0.0,) * 3), "white": ((0.9, 0.9, 0.9), (0.0,) * 3),
+          "yellow": ((0.85, 0.7, 0.15), (0.0,) * 3)}
+_CLASS = {name: i for i, name in enumerate(GROUND)}
+_PALETTE = np.array([c for c, _ in GROUND.values()], np.float32)
+_NOISE = np.array([a for _, a in GROUND.values()], np.float32)
 
 
-# The road texture repeats every TEX_PERIOD metres along s (a multiple of the 9 m dash and
-# 1.5 m tile periods), so it is tabulated once at TEX_RES and looked up per pixel.
-TEX_PERIOD, TEX_RES, TEX_HALF_WIDTH = 36.0, 0.05, 40.0
+@lru_cache(maxsize=160)
+def _tile(seed: int, location: str, tx: int, ty: int) -> np.ndarray:
+    """(TILE, TILE, 3) uint8 ground colours of tile (tx, ty); texel [r, c] has its centre at
+    x = (tx * TILE + c + 0.5) * TEX_RES, y = (ty * TILE + r + 0.5) * TEX_RES."""
+    road = road_map(seed, location)
+    x0, y0, size = tx * TILE * TEX_RES, ty * TILE * TEX_RES, TILE * TEX_RES
+    label = np.zeros((TILE, TILE), np.uint8)
+
+    def to_px(xy):
+        return (xy - (x0, y0)) / TEX_RES - 0.5
+
+    def clip(geoms):
+        g = shapely.clip_by_rect(np.asarray(geoms, dtype=object), x0 - 1, y0 - 1, x0 + size + 1, y0 + size + 1)
+        return g[~shapely.is_empty(g)]
+
+    def area(geoms, name):
+        for g in clip(geoms):
+            fill(label, g, to_px, _CLASS[name])
+
+    def lines(geoms, width, name):
+        for g in clip(geoms):
+            stroke(label, g, to_px, round(width / TEX_RES), _CLASS[name])
+
+    L, P = road.layers, road.paint
+    area([r["geom"] for r in L["walkway"]], "walkway")
+    area([r["geom"] for r in L["drivable_area"]], "asphalt")
+    area([r["geom"] for r in L["carpark_area"]], "carpark")
+    lines([P["kerb"]], 0.3, "kerb")
+    lines(P["bays"], 0.12, "white")
+    lines([g for g in P["white"] if g.geom_type == "LineString"] + P["dashes"], 0.15, "white")
+    area([g for g in P["white"] if g.geom_type != "LineString"] + P["zebra"], "white")
+    lines(P["yellow"], 0.1, "yellow")
+    # Surface noise in 0.5 m cells (5 x 5 texels), a hash of the global cell index so tiles join seamlessly.
+    cells = int(0.5 / TEX_RES)
+    n = TILE // cells + 1
+    cx, cy = tx * TILE // cells + np.arange(n), ty * TILE // cells + np.arange(n)
+    noise = np.repeat(np.repeat(_hash(cx[None, :].astype(np.float64), cy[:, None].astype(np.float64)), cells, 0), cells, 1)
+    noise = noise[:TILE, :TILE].astype(np.float32) - 0.5
+    img = _PALETTE[label] + _NOISE[label] * noise[..., None]
+    return (img * 255.0 + 0.5).clip(0, 255).astype(np.uint8)
 
 
-@lru_cache(maxsize=1)
-def _ground_texture() -> np.ndarray:
-    s = (np.arange(int(TEX_PERIOD / TEX_RES)) + 0.5) * TEX_RES
-    l = (np.arange(int(2 * TEX_HALF_WIDTH / TEX_RES)) + 0.5) * TEX_RES - TEX_HALF_WIDTH
-    return _ground_colour(*np.meshgrid(s, l, indexing="ij"))
+@lru_cache(maxsize=2)
+def _mosaic(seed: int, location: str, t0x: int, t0y: int, n: int) -> np.ndarray:
+    """n x n tiles from (t0x, t0y) as one (n * TILE, n * TILE, 3) array (shared by the six cameras of a frame)."""
+    out = np.empty((n * TILE, n * TILE, 3), np.uint8)
+    for j in range(n):
+        for i in range(n):
+            out[j * TILE:(j + 1) * TILE, i * TILE:(i + 1) * TILE] = _tile(seed, location, t0x + i, t0y + j)
+    return out
 
 
-def _ground_lookup(s: np.ndarray, l: np.ndarray) -> np.ndarray:
-    tex = _ground_texture()
-    rows = ((s % TEX_PERIOD) * (1 / TEX_RES)).astype(np.int64) % tex.shape[0]
-    cols = np.clip(((l + TEX_HALF_WIDTH) * (1 / TEX_RES)).astype(np.int64), 0, tex.shape[1] - 1)
-    return tex[rows, cols]
+def ground_colour(seed: int, location: str, x: np.ndarray, y: np.ndarray, centre) -> np.ndarray:
+    """(N, 3) float32 ground colours at global points (x, y): the map texture, plain grass beyond
+    TEX_RANGE of `centre` (x, y)."""
+    out = np.empty(x.shape + (3,), np.float32)
+    out[...] = _PALETTE[_CLASS["grass"]]
+    tile_m = TILE * TEX_RES
+    t0x, t0y = int(math.floor((centre[0] - TEX_RANGE) / tile_m)), int(math.floor((centre[1] - TEX_RANGE) / tile_m))
+    n = int(math.floor((centre[0] + TEX_RANGE) / tile_m)) - t0x + 1
+    n = max(n, int(math.floor((centre[1] + TEX_RANGE) / tile_m)) - t0y + 1)
+    col = np.floor(x * (1 / TEX_RES)).astype(np.int64) - t0x * TILE
+    row = np.floor(y * (1 / TEX_RES)).astype(np.int64) - t0y * TILE
+    m = (col >= 0) & (row >= 0) & (col < n * TILE) & (row < n * TILE)
+    out[m] = _mosaic(seed, location, t0x, t0y, n)[row[m], col[m]] * np.float32(1 / 255)
+    return out
 
 
 def _sky_colour(elev: np.ndarray) -> np.ndarray:
@@ -183,9 +220,7 @@ def _object_parts_ego(world: World, t: float, obj_indices) -> tuple[list, np.nda
     ego_t, ego_yaw = world.ego_pose(t)
     c, s = math.cos(ego_yaw), math.sin(ego_yaw)
     R_eg = np.array([[c, s, 0], [-s, c, 0], [0, 0, 1.0]])  # global -> ego rotation
-    rel = world.heading - ego_yaw  # road frame -> ego rotation angle
-    cr, sr = math.cos(rel), math.sin(rel)
-    sun_ego = np.array([cr * world.sun[0] - sr * world.sun[1], sr * world.sun[0] + cr * world.sun[1], world.sun[2]])
+    sun_ego = R_eg @ world.sun
     parts = []
     for i in obj_indices:
         obj = world.objects[i]
@@ -275,12 +310,12 @@ def render_camera(world: World, t: float, camera: str | Camera, objects: list[in
 
     # Ground plane z = 0 (fixed per camera) textured in road coordinates, sky above.
     t_ground, ground, gx, gy, haze = cam.ground
-    s_e, l_e, yaw_e = world.ego_road(t)
-    cy, sy = math.cos(yaw_e), math.sin(yaw_e)
-    s = s_e + cy * gx - sy * gy  # ego -> road coordinates
-    l = l_e + sy * gx + cy * gy
+    ego_t, ego_yaw = world.ego_pose(t)
+    cy, sy = math.cos(ego_yaw), math.sin(ego_yaw)
+    x = ego_t[0] + cy * gx - sy * gy  # ego -> global (map) coordinates
+    y = ego_t[1] + sy * gx + cy * gy
     img = cam.sky.copy()
-    img[ground] = _ground_lookup(s, l) * (1 - haze) + np.array([0.72, 0.78, 0.85], np.float32) * haze
+    img[ground] = ground_colour(world.seed, world.location, x, y, ego_t) * (1 - haze) + np.array([0.72, 0.78, 0.85], np.float32) * haze
     zbuf = t_ground.copy()
     ids = np.zeros((H, W), np.int32)
 
