@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 
-from bev.utils.io import atomic_open
+from bev.utils.io import atomic_open, explain_disk_full
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +27,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     Lightning's own save goes through an fsspec transaction whose temporary file lives in the
     system temp dir; when that is another filesystem the final move is a copy, so a crash can
     leave a truncated checkpoint. A same-directory rename is atomic on POSIX filesystems.
+    A full disk ends in one clear DiskFullError, not torch's "unexpected pos".
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("AtomicCheckpointIO takes no storage_options")
-        with atomic_open(path, "wb") as f:
+        # A full disk gives one DiskFullError naming the path and the free space. Inside atomic_open it is
+        # judged while the partial file still takes its space; outside, for the flush, fsync and rename.
+        with explain_disk_full(path), atomic_open(path, "wb") as f, explain_disk_full(path):
             torch.save(checkpoint, f)
 
 

@@ -28,6 +28,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     from bev.utils.checkpoint import logged_val_iou
     from bev.metrics import format_table
 
+    if OmegaConf.is_missing(cfg, "ckpt_path"):
+        raise ValueError("no checkpoint given: bev-eval ckpt_path=<a .ckpt file, or a run directory for its best checkpoint>")
     loaded = load_checkpoint(cfg.ckpt_path, cfg.get("model"), cfg.grid, cfg.data)
     model, run_cfg, model_cfg, ckpt, ckpt_path = loaded
     with open_dict(cfg):

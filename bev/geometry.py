@@ -32,15 +32,28 @@ CAMERA_NAMES: tuple[str, ...] = (
 )
 
 
+# Limits on grid sizes: past them a config typo (a step in mm instead of m) would ask for tensors of
+# many GiB, and flat int32 voxel indices (2**31 - 1) would overflow.
+MAX_CELLS_PER_AXIS = 2**16
+MAX_VOXELS = 2**31 - 1
+
+
 def _cells(name: str, bound: Sequence[float], whole: bool = True) -> int:
     if len(bound) != 3:
         raise ValueError(f"{name} must be [lo, hi, step], got {list(bound)}")
     lo, hi, step = (float(b) for b in bound)
+    if not all(math.isfinite(b) for b in (lo, hi, step)):
+        raise ValueError(f"{name} must be finite numbers [lo, hi, step], got {[lo, hi, step]}")
     if not step > 0:
         raise ValueError(f"{name} step must be > 0, got {step}")
     if not hi > lo:
         raise ValueError(f"{name} needs hi > lo, got lo={lo}, hi={hi}")
     n = (hi - lo) / step
+    if n > MAX_CELLS_PER_AXIS + 1e-6:
+        raise ValueError(
+            f"{name} {[lo, hi, step]} gives {math.ceil(n - 1e-6)} cells, over the limit of {MAX_CELLS_PER_AXIS} "
+            f"cells per axis: use a larger step or a smaller range (steps are in metres)"
+        )
     if not whole:  # depth bins follow arange(lo, hi, step), as in LSS
         return int(math.ceil(n - 1e-6))
     if abs(n - round(n)) > 1e-6:
@@ -62,6 +75,11 @@ class Grid:
             bound = tuple(float(b) for b in getattr(self, name))
             _cells(name, bound, whole=name != "dbound")
             object.__setattr__(self, name, bound)
+        if self.nx * self.ny * self.nz > MAX_VOXELS:
+            raise ValueError(
+                f"the grid has {self.nz} x {self.nx} x {self.ny} = {self.nx * self.ny * self.nz} voxels, over the "
+                f"limit of {MAX_VOXELS}: use larger steps in xbound/ybound/zbound"
+            )
 
     @classmethod
     def from_any(cls, grid: "Grid | dict | None") -> "Grid":

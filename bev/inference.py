@@ -74,7 +74,10 @@ def load_checkpoint(ckpt_path: str | Path, model_config: DictConfig | None = Non
     if saved is None and (model_config is None or grid is None or data is None):
         raise CheckpointError(f"{str(path)!r} carries no bev-train config; pass model=..., data=... and grid=... matching how it was trained.")
     run_cfg = OmegaConf.create(saved or {"grid": grid, "data": data, "model": model_config, "trainer": {}})
-    model_cfg = model_config if model_config is not None else run_cfg.model
+    # model=<group> replaces the checkpoint's model config; +model.<key>=... overrides are applied on top of it
+    # (check_compatible names any that no longer fit the weights).
+    given = model_config
+    model_cfg = given if given is not None and "_target_" in given else OmegaConf.merge(run_cfg.model, given or {})
     model_cfg = OmegaConf.merge(model_cfg, {"net": {"grid": run_cfg.grid, "image_size": run_cfg.data.final_dim}})
     # The checkpoint holds the weights: do not download or read the pretrained backbone again.
     model_cfg.net.camera.weights = None

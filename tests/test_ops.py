@@ -45,7 +45,11 @@ def frustum_to_points(depth, feats, coords):
 
 
 def index_add_bev_pool(depth, feats, coords, grid_shape) -> torch.Tensor:
-    points, flat_coords = frustum_to_points(depth.to(torch.float64), feats.to(torch.float64), coords)
+    # Points outside the grid are ignored: no value, and a zero gradient even where the other
+    # factor is inf or NaN (where() selects in its backward, never multiplies).
+    inside = ((coords.long() >= 0) & (coords.long() < torch.tensor(grid_shape[1:], device=coords.device))).all(-1)
+    depth = torch.where(inside, depth.to(torch.float64), 0)
+    points, flat_coords = frustum_to_points(depth, feats.to(torch.float64), coords)
     return index_add_voxel_sum(points, flat_coords, grid_shape)
 
 
@@ -89,7 +93,7 @@ def backends_for(device: str) -> list:
     native_mark = pytest.mark.skipif(
         not ops.native_available(device), reason=f"native kernels not built for {device}"
     )
-    return ["torch", pytest.param("native", marks=native_mark)]
+    return ["torch", "quickcumsum", pytest.param("native", marks=native_mark)]
 
 
 requires_native = pytest.mark.skipif(not ops.native_available("cpu"), reason="native CPU kernels not built")
@@ -247,7 +251,7 @@ def test_bev_pool_matches_index_add(backend, dtype, case):
     depth.requires_grad_(), feats.requires_grad_()
     out = ops.bev_pool(depth, feats, coords, grid, backend=backend)
     assert out.shape == (B, C, *grid[1:]) and out.is_contiguous()
-    loose = backend == "torch"  # the reference rounds each depth x feature product to dtype
+    loose = backend != "native"  # the references round each depth x feature product to dtype
     assert_matches(out, index_add_bev_pool(depth.detach(), feats.detach(), coords, grid), dtype, loose)
 
     grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)
@@ -310,11 +314,17 @@ def test_native_and_torch_plans_are_identical():
     grid = (2, 2, 5, 5)
     _, _, coords = random_frustum(2, 3, 6, 4, 4, 1, grid, generator=gen, margin=2)
     native = ops.bev_pool_plan(coords, grid, backend="native")
-    reference = ops.bev_pool_plan(coords, grid, backend="torch")
-    for name in ("keys", "order", "offsets"):
-        assert torch.equal(getattr(native, name), getattr(reference, name)), name
+    for backend in ("torch", "quickcumsum"):
+        reference = ops.bev_pool_plan(coords, grid, backend=backend)
+        for name in ("keys", "order"):
+            assert torch.equal(getattr(native, name), getattr(reference, name)), (backend, name)
+    assert torch.equal(native.offsets, ops.bev_pool_plan(coords, grid, backend="quickcumsum").offsets)
+    # The torch plan's sparse runs are the non-empty runs of the dense offsets.
+    sparse = ops.bev_pool_plan(coords, grid, backend="torch")
+    counts = native.offsets[1:] - native.offsets[:-1]
+    assert torch.equal(sparse.voxels, counts.nonzero().squeeze(1)) and torch.equal(sparse.counts, counts[counts > 0])
     flat = random_coords(500, grid, gen, margin=3).int()
-    assert torch.equal(torch.ops.bev.voxel_keys(flat, list(grid), True), flat_keys(flat[:, 0], flat[:, 1:], grid))
+    assert torch.equal(torch.ops.bev._voxel_keys(flat, list(grid), True), flat_keys(flat[:, 0], flat[:, 1:], grid))
 
 
 def test_flat_keys_do_not_overflow_int32():
@@ -348,17 +358,17 @@ def _opcheck_inputs(device="cpu", dtype=torch.float32):
     points = torch.randn(plan.keys.numel(), 5, generator=gen).to(device=device, dtype=dtype)
     grad_out = torch.randn(2, 5, 2, 3, 4, generator=gen).to(device=device, dtype=dtype)
     return {
-        "voxel_keys": (coords, grid, False),
-        "sort_keys": (plan.keys, 2 * 2 * 3 * 4),
+        "_voxel_keys": (coords, grid, False),
+        "_sort_keys": (plan.keys, 2 * 2 * 3 * 4),
         "voxel_sum": (points.requires_grad_(), plan.keys, plan.order, plan.offsets, grid),
-        "voxel_sum_backward": (grad_out, plan.keys, plan.offsets),
+        "_voxel_sum_backward": (grad_out, plan.keys, plan.offsets),
         "bev_pool": (depth.requires_grad_(), feats.requires_grad_(), plan.keys, plan.order, plan.offsets, grid),
-        "bev_pool_backward": (grad_out, depth.detach(), feats.detach(), plan.keys, plan.offsets),
+        "_bev_pool_backward": (grad_out, depth.detach(), feats.detach(), plan.keys, plan.offsets),
     }
 
 
 @requires_native
-@pytest.mark.parametrize("op_name", ["voxel_keys", "sort_keys", "voxel_sum", "voxel_sum_backward", "bev_pool", "bev_pool_backward"])
+@pytest.mark.parametrize("op_name", ["_voxel_keys", "_sort_keys", "voxel_sum", "_voxel_sum_backward", "bev_pool", "_bev_pool_backward"])
 def test_opcheck(op_name):
     args = _opcheck_inputs()[op_name]
     torch.library.opcheck(getattr(torch.ops.bev, op_name).default, args)
@@ -427,8 +437,11 @@ def voxel_problems(draw):
     return feats, coords, grid
 
 
+BACKENDS = ["torch", "quickcumsum", "native"] if ops.native_available("cpu") else ["torch", "quickcumsum"]
+
+
 @settings(max_examples=40, deadline=None)
-@given(problem=voxel_problems(), backend=st.sampled_from(["torch", "native"] if ops.native_available("cpu") else ["torch"]))
+@given(problem=voxel_problems(), backend=st.sampled_from(BACKENDS))
 def test_property_voxel_sum(problem, backend):
     feats, coords, grid = problem
     feats.requires_grad_()
@@ -447,7 +460,7 @@ def test_property_voxel_sum(problem, backend):
     channels=st.integers(1, 6),
     grid=st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3)),
     seed=st.integers(0, 2**31 - 1),
-    backend=st.sampled_from(["torch", "native"] if ops.native_available("cpu") else ["torch"]),
+    backend=st.sampled_from(BACKENDS),
 )
 def test_property_bev_pool_plan_and_values(shape, channels, grid, seed, backend):
     B, Nc, D, H, W = shape
@@ -455,16 +468,23 @@ def test_property_bev_pool_plan_and_values(shape, channels, grid, seed, backend)
     depth, feats, coords = random_frustum(B, Nc, D, H, W, channels, grid, torch.float64,
                                           torch.Generator().manual_seed(seed))
     plan = ops.bev_pool_plan(coords, grid, backend=backend)
-    # The plan is a stable sort of the keys with consistent run offsets.
+    # The plan is a stable sort of the keys with consistent runs.
     N, V = depth.numel(), B * grid[1] * grid[2] * grid[3]
     assert torch.equal(plan.order.sort().values, torch.arange(N))
     sorted_keys = plan.keys[plan.order]
     assert bool((sorted_keys[1:] >= sorted_keys[:-1]).all())
     same = sorted_keys[1:] == sorted_keys[:-1]
     assert bool((plan.order[1:][same] > plan.order[:-1][same]).all())  # stable
-    assert torch.equal(plan.offsets, torch.searchsorted(sorted_keys, torch.arange(V + 1)))
-    out = ops.bev_pool(depth, feats, plan=plan, backend=backend)
-    torch.testing.assert_close(out, index_add_bev_pool(depth, feats, coords, grid))
+    if plan.offsets is not None:
+        assert torch.equal(plan.offsets, torch.searchsorted(sorted_keys, torch.arange(V + 1)))
+    else:
+        valid = sorted_keys[sorted_keys < V]
+        assert torch.equal(plan.voxels.repeat_interleave(plan.counts), valid) and bool((plan.counts > 0).all())
+    expected = index_add_bev_pool(depth, feats, coords, grid)
+    torch.testing.assert_close(ops.bev_pool(depth, feats, plan=plan, backend=backend), expected)
+    # A plan built for one backend serves every other.
+    for other in BACKENDS:
+        torch.testing.assert_close(ops.bev_pool(depth, feats, plan=plan, backend=other), expected)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -600,14 +620,14 @@ def test_native_kernels_survive_a_malformed_plan():
     order = torch.tensor([5, -3, 2**40, 0, 7, 1])
     offsets = torch.tensor([4, -2, 2**41, 3, 6])  # 4 voxels
     out = torch.ops.bev.voxel_sum(feats, keys, order, offsets, [1, 1, 2, 2])
-    grad = torch.ops.bev.voxel_sum_backward(torch.randn(1, 3, 1, 2, 2), keys, offsets)
+    grad = torch.ops.bev._voxel_sum_backward(torch.randn(1, 3, 1, 2, 2), keys, offsets)
     assert out.shape == (1, 3, 1, 2, 2) and grad.shape == (6, 3)
     depth, fr, _, _ = _good_frustum_args()
     keys = torch.randint(-(2**40), 2**40, (depth.numel(),))
     order = torch.randint(-100, 100, (depth.numel(),))
     offsets = torch.randint(-100, 100, (2 * 4 + 1,))
     out = torch.ops.bev.bev_pool(depth, fr, keys, order, offsets, [2, 1, 2, 2])
-    grads = torch.ops.bev.bev_pool_backward(torch.randn_like(out), depth, fr, keys, offsets)
+    grads = torch.ops.bev._bev_pool_backward(torch.randn_like(out), depth, fr, keys, offsets)
     assert out.shape == (2, 4, 1, 2, 2) and grads[0].shape == depth.shape and grads[1].shape == fr.shape
 
 

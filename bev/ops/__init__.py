@@ -12,15 +12,23 @@ Public API (grid conventions in bev.geometry: voxel grids are (Z, X, Y), coords 
       bev_pool(depth, feats, plan=plan).
 
 Points with any coordinate outside the grid are ignored and get zero gradient. Integer
-coordinates are not differentiable. Backends: "torch" (pure-PyTorch QuickCumsum-style
-reference), "native" (C++ CPU / CUDA kernels, deterministic, no atomics, fp32 accumulation
-for fp16/bf16), "auto" (native where built for the tensor's device, else the reference
-with one warning).
+coordinates are not differentiable. Backends (all deterministic, no atomics, fp32
+accumulation for fp16/bf16):
+  "native"       C++ CPU / CUDA kernels.
+  "torch"        pure-PyTorch reference: each occupied voxel sums its own sorted run
+                 (segment_reduce); memory scales with the points; one host sync on the GPU.
+  "quickcumsum"  the lift-splat-shoot prefix-sum trick, for comparison only: one inf/NaN point
+                 makes every later voxel non-finite, and small voxels lose precision after
+                 large ones, even in float64 (see _reference.py).
+  "auto"         native where built for the tensor's device, else "torch" with one warning.
+A grid the device can never hold (output plus plan above its RAM + swap or GPU memory) is
+refused with one clear MemoryError before anything is allocated.
 
 How it works (see _plan.py): every call turns coordinates into a plan: flat voxel keys, the
-points stably sorted by key, and per-voxel run offsets, all with sizes known from the input
-shapes, so the GPU path never waits on the host. Each voxel then sums its own run in a fixed
-order: bitwise-reproducible results without atomics. The backward passes are gathers
+points stably sorted by key, and the runs of points per voxel: dense per-voxel offsets for the
+native kernels (sizes known from the input shapes, so the GPU path never waits on the host),
+or the occupied voxels only for the torch reference. Each voxel then sums its own run in a
+fixed order: bitwise-reproducible results without atomics. The backward passes are gathers
 (voxel_sum) and, for bev_pool, per-feature-pixel loops over the pixel's own D points, again
 without atomics. Half types accumulate in float32; all indices are int64. For fixed
 calibration build the plan once with bev_pool_plan and pass plan=.
@@ -32,16 +40,15 @@ import warnings
 import torch
 
 from . import _native, _reference
-from ._plan import (
-    PoolPlan,
+from ._checks import (
     check_backend,
     check_float_tensor,
     check_grid_shape,
     check_int_tensor,
+    check_memory,
     check_same_device,
-    flat_keys,
-    make_plan,
 )
+from ._plan import DENSE_PLAN_BYTES, PoolPlan, as_dense, as_sparse, flat_keys, make_plan
 
 __all__ = ["voxel_sum", "bev_pool", "bev_pool_plan", "PoolPlan", "native_available"]
 
@@ -55,7 +62,7 @@ def native_available(device: torch.device | str | None = None) -> bool:
 
 def _use_native(backend: str, device: torch.device) -> bool:
     check_backend(backend)
-    if backend == "torch":
+    if backend in ("torch", "quickcumsum"):
         return False
     if _native.available(device):
         return True
@@ -76,7 +83,7 @@ def _use_native(backend: str, device: torch.device) -> bool:
 def _keys(coords: torch.Tensor, grid_shape, batch_column: bool, native: bool) -> torch.Tensor:
     """Flat voxel key per point (sentinel B*Z*X*Y outside the grid); one native pass on the CPU."""
     if native and coords.device.type == "cpu":
-        return torch.ops.bev.voxel_keys(coords, list(grid_shape), batch_column)
+        return torch.ops.bev._voxel_keys(coords, list(grid_shape), batch_column)
     if batch_column:
         return flat_keys(coords[:, 0], coords[:, 1:], grid_shape)
     B = coords.shape[0]
@@ -92,12 +99,27 @@ def voxel_sum(feats: torch.Tensor, coords: torch.Tensor, grid_shape, *, backend:
     check_same_device(feats=feats, coords=coords)
     grid_shape = check_grid_shape(grid_shape)
     native = _use_native(backend, feats.device)
+    _check_output_memory(grid_shape, feats, backend, native)
     keys = _keys(coords, grid_shape, batch_column=True, native=native)
-    plan = make_plan(keys, grid_shape, (feats.shape[0],), native)
+    plan = make_plan(keys, grid_shape, (feats.shape[0],), native, dense=_dense(backend, native))
     feats = feats.contiguous()
     if native:
         return torch.ops.bev.voxel_sum(feats, plan.keys, plan.order, plan.offsets, list(grid_shape))
+    if backend == "quickcumsum":
+        return _reference.quickcumsum_voxel_sum(feats, plan)
     return _reference.voxel_sum(feats, plan)
+
+
+def _dense(backend: str, native: bool) -> bool:
+    """Whether the backend needs a dense plan (per-voxel offsets) or a sparse one (occupied voxels)."""
+    return native or backend == "quickcumsum"
+
+
+def _check_output_memory(grid_shape, feats: torch.Tensor, backend: str, native: bool) -> None:
+    """The output (B, C, Z, X, Y), plus the dense plan and quickcumsum's (V, C) sums where built."""
+    out_bytes = feats.shape[-1] * feats.element_size()
+    per_voxel = out_bytes * (2 if backend == "quickcumsum" else 1) + (DENSE_PLAN_BYTES if _dense(backend, native) else 0)
+    check_memory(grid_shape, per_voxel, "the output (B, C, Z, X, Y) and the plan", feats.device)
 
 
 def _check_frustum_coords(coords, grid_shape) -> tuple[int, int, int, int]:
@@ -113,7 +135,7 @@ def bev_pool_plan(coords: torch.Tensor, grid_shape, *, backend: str = "auto") ->
     grid_shape = _check_frustum_coords(coords, grid_shape)
     native = _use_native(backend, coords.device)
     keys = _keys(coords, grid_shape, batch_column=False, native=native)
-    return make_plan(keys, grid_shape, tuple(coords.shape[:5]), native)
+    return make_plan(keys, grid_shape, tuple(coords.shape[:5]), native, dense=_dense(backend, native))
 
 
 def bev_pool(
@@ -149,7 +171,8 @@ def bev_pool(
                 f"coords must have shape (B, Nc, D, H, W, 3) = {tuple(depth.shape) + (3,)} to match depth, got {tuple(coords.shape)}"
             )
         check_same_device(depth=depth, coords=coords)
-        plan = bev_pool_plan(coords, grid_shape, backend="native" if native else "torch")
+        _check_output_memory(grid_shape, feats, backend, native)
+        plan = bev_pool_plan(coords, grid_shape, backend="native" if native else backend)
     else:
         if not isinstance(plan, PoolPlan):
             raise TypeError(f"plan must be a PoolPlan from bev_pool_plan, got {type(plan).__name__}")
@@ -158,7 +181,12 @@ def bev_pool(
         if tuple(plan.points_shape) != tuple(depth.shape):
             raise ValueError(f"plan was built for points of shape {tuple(plan.points_shape)} but depth has shape {tuple(depth.shape)}")
         check_same_device(depth=depth, plan=plan.keys)
+        _check_output_memory(plan.grid_shape, feats, backend, native)
+        # A plan built for another backend gets the form of runs this one needs.
+        plan = as_dense(plan, native) if _dense(backend, native) else as_sparse(plan)
     depth, feats = depth.contiguous(), feats.contiguous()
     if native:
         return torch.ops.bev.bev_pool(depth, feats, plan.keys, plan.order, plan.offsets, list(plan.grid_shape))
+    if backend == "quickcumsum":
+        return _reference.quickcumsum_bev_pool(depth, feats, plan)
     return _reference.bev_pool(depth, feats, plan)

@@ -1,9 +1,23 @@
-"""Pure-PyTorch reference in the QuickCumsum style (lift-splat-shoot): sort, prefix sum,
-difference at run boundaries; the backward is a hand-written gather.
+"""Pure-PyTorch backends: the "torch" reference and, for comparison, LSS's "quickcumsum".
 
-Unlike QuickCumsum the prefix sum runs in float64, so a long run of large partial sums does
-not eat the precision of small voxels, and the run boundaries come from the plan's fixed-size
-offsets, so there is no data-dependent shape (no host sync on the GPU).
+"torch" (SegmentSum): sort the points by voxel, then sum each occupied voxel's own run with
+torch.segment_reduce, sequentially in point order, and write the sums at the occupied voxels
+only. Nothing is differenced, so a non-finite value stays in its voxel and float64 results are
+exact to rounding (the same sums, in the same order, as index_add_ in point order). The plan
+is sparse: memory scales with the points, not the grid. segment_reduce has no atomics on the
+CPU or the GPU (one sequential loop per segment and channel), so results are deterministic
+everywhere; on the GPU the number of occupied voxels is data-dependent, which costs one host
+sync when the plan is built. fp16/bf16 accumulate in float32.
+
+"quickcumsum" (QuickCumsum, the trick of lift-splat-shoot): one prefix sum over all sorted
+points, differenced at run boundaries. Kept to compare against; it has two failure modes:
+  - one inf/NaN point makes every voxel after it in key order non-finite (inf - inf = NaN);
+  - a voxel's sum is the difference of two large prefix sums, so small voxels that follow large
+    ones lose their precision even in float64 (voxels [1e17] and [1.0] give [1e17, 0.0]).
+Its prefix sum runs in float64 (the original uses the input dtype) and its run boundaries come
+from the dense plan (no data-dependent shape, no host sync; 8 bytes per voxel).
+
+Both backward passes are hand-written gathers: grad_feats[p] = grad_out[voxel of p].
 """
 from __future__ import annotations
 
@@ -12,8 +26,50 @@ import torch
 from ._plan import PoolPlan
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def gather_voxel_grads(grad_out: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """(B, C, Z, X, Y) gradient -> (N, C) rows at each point's voxel, zero for ignored points.
+
+    Reads grad_out through a strided view: an expanded (stride-0) gradient, as out.sum().backward()
+    gives, is never materialised.
+    """
+    B, C = grad_out.shape[:2]
+    S = grad_out[0, 0].numel()
+    V = B * S
+    inside = keys < V
+    k = torch.where(inside, keys, 0)
+    rows = grad_out.reshape(B, C, S).transpose(1, 2)[k // S, k % S]
+    return rows.masked_fill_(~inside.unsqueeze(1), 0)
+
+
+class SegmentSum(torch.autograd.Function):
+    """(N, C) point features + sparse plan -> (B, C, Z, X, Y) voxel sums."""
+
+    @staticmethod
+    def forward(ctx, feats, keys, order, voxels, counts, grid_shape):
+        B, Z, X, Y = grid_shape
+        S, C = Z * X * Y, feats.shape[1]
+        # The ignored points (sentinel key, sorted last) form one more segment, summed and dropped:
+        # their count is a tensor, so no host sync is needed to leave them out.
+        lengths = torch.cat([counts, (keys.numel() - counts.sum()).reshape(1)])
+        rows = feats.index_select(0, order).to(accumulation_dtype(feats.dtype))
+        sums = torch.segment_reduce(rows, "sum", lengths=lengths, axis=0)[:-1]
+        out = feats.new_zeros(B, C, S)
+        out.transpose(1, 2)[voxels // S, voxels % S] = sums.to(feats.dtype)
+        ctx.save_for_backward(keys)
+        return out.view(B, C, Z, X, Y)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (keys,) = ctx.saved_tensors
+        return gather_voxel_grads(grad_out, keys), None, None, None, None, None
+
+
 class QuickCumsum(torch.autograd.Function):
-    """(N, C) point features + plan -> ((V, C) voxel sums, (V,) points per voxel)."""
+    """(N, C) point features + dense plan -> (V, C) voxel sums, by differencing a prefix sum."""
 
     @staticmethod
     def forward(ctx, feats, keys, order, offsets):
@@ -24,13 +80,11 @@ class QuickCumsum(torch.autograd.Function):
         prefix = torch.cumsum(sorted_feats, 0, dtype=torch.float64)
         del sorted_feats
         sums = (prefix.index_select(0, offsets[1:]) - prefix.index_select(0, offsets[:-1])).to(feats.dtype)
-        counts = offsets[1:] - offsets[:-1]
         ctx.save_for_backward(keys)
-        ctx.mark_non_differentiable(counts)
-        return sums, counts
+        return sums
 
     @staticmethod
-    def backward(ctx, grad_sums, grad_counts):
+    def backward(ctx, grad_sums):
         (keys,) = ctx.saved_tensors
         # Each point receives its voxel's gradient; the sentinel key selects an appended zero row.
         padded = torch.cat([grad_sums, grad_sums.new_zeros(1, grad_sums.shape[1])])
@@ -45,12 +99,28 @@ def voxel_sums_to_grid(sums: torch.Tensor, grid_shape) -> torch.Tensor:
 
 
 def voxel_sum(feats: torch.Tensor, plan: PoolPlan) -> torch.Tensor:
-    sums, _ = QuickCumsum.apply(feats, plan.keys, plan.order, plan.offsets)
-    return voxel_sums_to_grid(sums, plan.grid_shape)
+    """The "torch" backend (plan with sparse runs)."""
+    return SegmentSum.apply(feats, plan.keys, plan.order, plan.voxels, plan.counts, plan.grid_shape)
+
+
+def quickcumsum_voxel_sum(feats: torch.Tensor, plan: PoolPlan) -> torch.Tensor:
+    """The "quickcumsum" backend (plan with dense offsets)."""
+    return voxel_sums_to_grid(QuickCumsum.apply(feats, plan.keys, plan.order, plan.offsets), plan.grid_shape)
+
+
+def materialise(depth: torch.Tensor, feats: torch.Tensor, plan: PoolPlan) -> torch.Tensor:
+    """The (N, C) frustum features depth x feats that bev_pool sums; autograd handles the product.
+
+    Ignored points get depth 0 first (torch.where: its backward selects, never multiplies), so
+    their gradients are exactly zero even where the other factor is inf or NaN.
+    """
+    depth = torch.where(plan.keys.view(depth.shape) < plan.num_voxels, depth, 0)
+    return (depth.unsqueeze(-1) * feats.unsqueeze(2)).reshape(-1, feats.shape[-1])
 
 
 def bev_pool(depth: torch.Tensor, feats: torch.Tensor, plan: PoolPlan) -> torch.Tensor:
-    # The reference materialises the (B, Nc, D, H, W, C) frustum features; autograd handles
-    # the product, QuickCumsum the pooling.
-    frustum = depth.unsqueeze(-1) * feats.unsqueeze(2)
-    return voxel_sum(frustum.reshape(-1, feats.shape[-1]), plan)
+    return voxel_sum(materialise(depth, feats, plan), plan)
+
+
+def quickcumsum_bev_pool(depth: torch.Tensor, feats: torch.Tensor, plan: PoolPlan) -> torch.Tensor:
+    return quickcumsum_voxel_sum(materialise(depth, feats, plan), plan)

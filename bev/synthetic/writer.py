@@ -4,7 +4,7 @@
 
     DIR/v1.0-mini/{attribute,calibrated_sensor,category,ego_pose,instance,log,map,sample,
                    sample_annotation,sample_data,scene,sensor,visibility}.json
-    DIR/samples/CAM_*/<logfile>__<CAM>__<timestamp>.jpg      1600x900 renders (bev.data.render)
+    DIR/samples/CAM_*/<logfile>__<CAM>__<timestamp>.jpg      1600x900 renders (bev.synthetic.raycast)
     DIR/samples/LIDAR_TOP/<logfile>__LIDAR_TOP__<timestamp>.pcd.bin
     DIR/maps/<token>.png                                       drivable-area mask, 0.1 m/pixel
 
@@ -12,7 +12,7 @@ which the unmodified devkit loads with `NuScenes("v1.0-mini", dataroot=DIR)`. Ke
 only (2 Hz); every sensor of a sample shares the sample's timestamp and ego pose, so the
 ego frame of the LIDAR_TOP sample_data is exactly the frame the cameras were rendered in.
 
-Images are ray-cast at 800x450 (bev.data.render.RENDER_SCALE = 2) and upscaled bilinearly to
+Images are ray-cast at 800x450 (bev.synthetic.raycast.RENDER_SCALE = 2) and upscaled bilinearly to
 1600x900 JPEGs; visibility tokens come from the render-resolution instance-id buffers
 (visible pixels of an object over the pixels it covers with nothing in front, summed over the
 six cameras). Objects within 60 m of the ego are annotated. The default, 10 scenes x 24 key
@@ -42,8 +42,10 @@ import cv2
 import numpy as np
 from tqdm import tqdm
 
-from bev.data import render
-from bev.data.render import ANNOTATION_RANGE, IMAGE_H, IMAGE_W, SAMPLE_DT, build_world, load_rig, visibility_level
+from bev.data.rig import IMAGE_H, IMAGE_W, MINI_LOCATIONS, load_rig, mini_splits
+from bev.synthetic import raycast, world as world_model
+from bev.synthetic.raycast import visibility_level
+from bev.synthetic.world import ANNOTATION_RANGE, SAMPLE_DT, World, build_world
 from bev.geometry import CAMERA_NAMES, quaternion_to_matrix, yaw_to_quaternion
 
 VERSION = "v1.0-mini"
@@ -95,13 +97,6 @@ CATEGORIES = {
     "movable_object.debris": "063c5e7f638343d3a7230bc3641caf97",
     "static_object.bicycle_rack": "0a30519ee16a4619b4f4acfe2d78fb55",
 }
-# Location of each mini scene in the real dataset.
-LOCATIONS = {
-    "scene-0061": "singapore-onenorth", "scene-0103": "boston-seaport", "scene-0553": "boston-seaport",
-    "scene-0655": "boston-seaport", "scene-0757": "boston-seaport", "scene-0796": "singapore-queenstown",
-    "scene-0916": "singapore-queenstown", "scene-1077": "singapore-hollandvillage",
-    "scene-1094": "singapore-hollandvillage", "scene-1100": "singapore-hollandvillage",
-}
 # LIDAR_TOP mount: the real position (m) and a -90 degree yaw (lidar x points to the ego's right).
 LIDAR_TRANSLATION = [0.943713, 0.0, 1.84023]
 LIDAR_ROTATION = yaw_to_quaternion(-math.pi / 2)
@@ -111,9 +106,8 @@ MAP_RES = 0.1
 
 def scene_names(n: int) -> list[str]:
     """Names of n synthetic scenes (see the module docstring for the rule)."""
-    # The mini split as bundled with the rig (importing the devkit costs seconds; a test
-    # checks these lists against nuscenes.utils.splits).
-    mini_train, mini_val = load_rig()["mini_splits"]["mini_train"], load_rig()["mini_splits"]["mini_val"]
+    splits = mini_splits()
+    mini_train, mini_val = splits["mini_train"], splits["mini_val"]
     if n < 1 or n > len(mini_train) + len(mini_val):
         raise ValueError(f"scenes must be in 1..{len(mini_train) + len(mini_val)} (the v1.0-mini scene names), got {n}; "
                          "for more data raise samples_per_scene")
@@ -128,7 +122,7 @@ def _token(seed: int, *key) -> str:
 
 def _log_info(name: str, index: int) -> tuple[str, str, int]:
     """(logfile, date_captured, start timestamp in microseconds) of a scene's log."""
-    boston = LOCATIONS[name].startswith("boston")
+    boston = MINI_LOCATIONS[name].startswith("boston")
     vehicle, tz = ("n008", "-0400") if boston else ("n015", "+0800")
     start = datetime(2018, 7, 18 + index % 10, 9 + index % 8, 7 + 3 * index, 57, tzinfo=timezone.utc)
     logfile = f"{vehicle}-{start:%Y-%m-%d-%H-%M-%S}{tz}"
@@ -138,7 +132,7 @@ def _log_info(name: str, index: int) -> tuple[str, str, int]:
 # ----------------------------------------------------------------------------- rendering worker
 
 @lru_cache(maxsize=16)
-def _world(seed: int, scene: int, samples: int) -> render.World:
+def _world(seed: int, scene: int, samples: int) -> World:
     return build_world(seed, scene, samples)
 
 
@@ -148,7 +142,7 @@ def _worker_init() -> None:
     torch.set_num_threads(1)  # one process per core; torch threads would only contend
 
 
-def lidar_points(world: render.World, t: float, annotated: list[int], counts: dict, rng: np.random.Generator):
+def lidar_points(world: World, t: float, annotated: list[int], counts: dict, rng: np.random.Generator):
     """A small LIDAR_TOP cloud (N, 5: x, y, z, intensity, ring) in the lidar frame, and points per object.
 
     Ground rings (minus the ground under objects) plus, for each annotated object, points
@@ -197,7 +191,7 @@ def _render_task(task):
     out, seed, scene, sample, samples, cam_files, lidar_file, annotated = task
     world = _world(seed, scene, samples)
     t = sample * SAMPLE_DT
-    images, counts = render.render_sample(world, t)
+    images, counts = raycast.render_sample(world, t)
     for name in CAMERA_NAMES:
         img = (images[name].image * 255.0 + 0.5).clip(0, 255).astype(np.uint8)
         big = cv2.resize(img, (IMAGE_W, IMAGE_H), interpolation=cv2.INTER_LINEAR)
@@ -214,7 +208,7 @@ def _render_task(task):
 
 # ----------------------------------------------------------------------------- tables
 
-def _annotated(world: render.World, t: float) -> list[int]:
+def _annotated(world: World, t: float) -> list[int]:
     """Objects annotated at time t: every non-scenery object whose centre is within ANNOTATION_RANGE (xy)."""
     s_e, l_e, _ = world.ego_road(t)
     return [i for i, o in enumerate(world.objects)
@@ -276,7 +270,7 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
         logfile, date, t0 = _log_info(name, si)
         log_tok, scene_tok = _token(seed, "log", si), _token(seed, "scene", si)
         T["log"].append({"token": log_tok, "logfile": logfile, "vehicle": logfile[:4], "date_captured": date,
-                         "location": LOCATIONS[name]})
+                         "location": MINI_LOCATIONS[name]})
         cs_tok = {ch: _token(seed, "calibrated_sensor", si, ch) for ch in channels}
         for ch in CAMERA_NAMES:
             cal = rig["cameras"][ch]
@@ -325,7 +319,7 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
 
     results = {}
     for ch in CAMERA_NAMES:  # per-camera rays, computed once and inherited by forked workers
-        render.make_camera(ch)
+        raycast.make_camera(ch)
     bar = tqdm(total=len(tasks), desc="bev-make-synthetic", unit="sample", disable=not progress)
     if workers > 1 and len(tasks) > 1:
         # fork shares the built worlds and camera rays; spawn where fork does not exist.
@@ -382,7 +376,7 @@ def _map_groups(names: list[str]) -> dict[str, list[int]]:
     """Location -> indices of its scenes (one map per location, as in nuScenes)."""
     by_loc: dict[str, list[int]] = {}
     for si, name in enumerate(names):
-        by_loc.setdefault(LOCATIONS[name], []).append(si)
+        by_loc.setdefault(MINI_LOCATIONS[name], []).append(si)
     return dict(sorted(by_loc.items()))
 
 
@@ -395,7 +389,7 @@ def _map_task(task) -> None:
         world = _world(seed, si, samples)
         end = world.ego_s0 + world.ego_speed * (samples - 1) * SAMPLE_DT
         corners = world.road_to_global([-200.0, end + 200, end + 200, -200.0],
-                                       [-render.CURB, -render.CURB, render.CURB, render.CURB])
+                                       [-world_model.CURB, -world_model.CURB, world_model.CURB, world_model.CURB])
         # Map pixel (col, row) = (x / res, height - y / res), as nuscenes.utils.map_mask expects.
         px = np.stack([corners[:, 0] / MAP_RES, n - corners[:, 1] / MAP_RES], -1)
         cv2.fillPoly(mask, [np.round(px).astype(np.int32)], 255)
