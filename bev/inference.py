@@ -41,18 +41,16 @@ class Loaded(NamedTuple):
 
 
 def class_names(run_config: Mapping | DictConfig, num_classes: int | None = None) -> list[str]:
-    """Names of the output channels: one per data.categories group ("vehicle" for ["vehicle."]).
+    """Names of the output channels: data.categories groups, then data.map_layers (bev.data.nuscenes.class_names).
 
-    Channels beyond the category groups (e.g. map layers) take the names in data.map_layers when
-    the config has them, else class_K.
+    A network with more outputs than the config names (a hand-made config) numbers the rest class_K.
     """
-    from bev.data.nuscenes import normalize_categories
+    from bev.data.nuscenes import class_names as data_class_names
 
     cfg = run_config if isinstance(run_config, DictConfig) else OmegaConf.create(dict(run_config))
-    groups = normalize_categories(OmegaConf.select(cfg, "data.categories", default=None) or ["vehicle."])
-    names = ["+".join(p.rstrip(".") for p in g) for g in groups]
-    names += [str(n) for n in (OmegaConf.select(cfg, "data.map_layers", default=None) or [])]
-    k = int(num_classes if num_classes is not None else OmegaConf.select(cfg, "model.net.num_classes", default=len(names)))
+    categories = OmegaConf.select(cfg, "data.categories", default=None) or ["vehicle."]
+    names = list(data_class_names(categories, OmegaConf.select(cfg, "data.map_layers", default=None)))
+    k = len(names) if num_classes is None else int(num_classes)
     return names[:k] + [f"class_{i}" for i in range(len(names), k)]
 
 
