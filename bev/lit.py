@@ -15,6 +15,37 @@ from bev.metrics import BevIoU
 CAMERA_KEYS = ("images", "intrinsics", "rots", "trans", "post_rots", "post_trans")
 
 
+def schedule_length(sched: Any) -> int | None:
+    """The number of steps a fixed-length LR schedule (OneCycleLR, CosineAnnealingLR) runs for, else None."""
+    if isinstance(sched, torch.optim.lr_scheduler.OneCycleLR):
+        return int(sched.total_steps)
+    if isinstance(sched, torch.optim.lr_scheduler.CosineAnnealingLR):
+        return int(sched.T_max)
+    return None
+
+
+def rescale_schedule(sched: Any, total_steps: int, pivot: int) -> bool:
+    """Stretch or compress a fixed-length LR schedule to end at `total_steps`; False if it is not one.
+
+    OneCycleLR: its phase ends (fixed at construction) move linearly about step `pivot`, so the
+    schedule from `pivot` on is the old one resampled to the new length (pivot=-1 rescales the
+    whole schedule; the current step as pivot leaves the steps already taken alone).
+    CosineAnnealingLR: its recursive form continues from the current LR to eta_min at T_max.
+    """
+    if isinstance(sched, torch.optim.lr_scheduler.OneCycleLR):
+        if total_steps - 1 <= pivot:
+            raise ValueError(f"cannot end a schedule at step {total_steps} from step {pivot}: it needs at least one more step")
+        scale = (total_steps - 1 - pivot) / (sched.total_steps - 1 - pivot)
+        for phase in sched._schedule_phases:
+            phase["end_step"] = pivot + (phase["end_step"] - pivot) * scale
+        sched.total_steps = int(total_steps)
+        return True
+    if isinstance(sched, torch.optim.lr_scheduler.CosineAnnealingLR):
+        sched.T_max = int(total_steps)
+        return True
+    return False
+
+
 class BEVLitModule(L.LightningModule):
     """Wraps a BEV network with loss, optimiser, schedule and split-level IoU metrics.
 
@@ -69,16 +100,9 @@ class BEVLitModule(L.LightningModule):
         # restored from the checkpoint instead of failing (OneCycleLR) or restarting (cosine) past its end.
         steps = int(self.trainer.estimated_stepping_batches)
         for config in self.trainer.lr_scheduler_configs:
-            sched = config.scheduler
-            if config.interval != "step":
-                continue
-            if isinstance(sched, torch.optim.lr_scheduler.OneCycleLR) and sched.total_steps < steps:
-                scale = steps / sched.total_steps
-                for phase in getattr(sched, "_schedule_phases", []):  # phase ends were fixed at construction
-                    phase["end_step"] = (phase["end_step"] + 1) * scale - 1
-                sched.total_steps = steps
-            elif isinstance(sched, torch.optim.lr_scheduler.CosineAnnealingLR) and sched.T_max < steps:
-                sched.T_max = steps
+            length = schedule_length(config.scheduler)
+            if config.interval == "step" and length is not None and length < steps:
+                rescale_schedule(config.scheduler, steps, pivot=-1)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.net(*(batch[k] for k in CAMERA_KEYS))
