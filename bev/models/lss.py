@@ -42,6 +42,7 @@ class LiftSplatShoot(nn.Module):
         self.grid = Grid.from_any(grid)
         self.image_size = tuple(int(s) for s in image_size)
         self.context_channels = context_channels
+        self.num_classes = int(num_classes)
         self.splat_mode = splat
         self.pool_backend = pool_backend
         D = self.grid.depth_bins
