@@ -59,7 +59,8 @@ class BevPngLogger(L.Callback):
         self.dirpath.mkdir(parents=True, exist_ok=True)
         pred = outputs["logits"].float().sigmoid().cpu()
         sample = {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in batch.items()}
-        save_sample_png(self.dirpath / f"step_{step:07d}.png", sample, pred=pred)
+        save_sample_png(self.dirpath / f"step_{step:07d}.png", sample, pred=pred,
+                        class_names=getattr(pl_module, "class_names", None))
 
 
 class EpochSummary(L.Callback):

@@ -55,6 +55,10 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "threshold": float(model_cfg.get("threshold", 0.5)),
         "visibility_filter": "iou_vis*: cells of vehicles with nuScenes visibility level 1 (0-40%) ignored",
         "distance_bands_m": "cell-centre distance from the ego origin: [0,20), [20,35), [35,50)",
+        "object_classes": list(model.object_classes),
+        "map_classes": list(model.map_classes),
+        "map_protocol": "BEVFusion: IoU of p >= t over the split for t in 0.35..0.65 step 0.05; iou_<class> at the "
+                        "best t (thr_<class>); miou_map their mean",
         "metrics": metrics,
         "logged_val_iou": logged,
     }
@@ -63,7 +67,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
     print(f"Checkpoint {ckpt_path} (epoch {ckpt.get('epoch')}, step {ckpt.get('global_step')}) on "
           f"{data_cfg.dataroot} {data_cfg.version}/{data_cfg.val_split}, threshold {record['threshold']}:")
-    print(format_table(metrics))
+    print(format_table(metrics, model.object_classes, model.map_classes))
     if logged is not None:
         print(f"val/iou logged by the run for this checkpoint: {logged:.4f} (this evaluation: {metrics['iou']:.4f})")
     print(f"Metrics: {out / 'metrics.json'}  Pictures: {len(pngs)} PNGs in {out}")
@@ -89,7 +93,7 @@ def save_pngs(model, datamodule, out: Path, n: int) -> list[Path]:
                     return paths
                 sample = {k: v[i : i + 1] if torch.is_tensor(v) or isinstance(v, list) else v for k, v in batch.items()}
                 path = out / f"sample_{len(paths):03d}.png"
-                save_sample_png(path, sample, pred=pred[i : i + 1])
+                save_sample_png(path, sample, pred=pred[i : i + 1], class_names=model.class_names)
                 paths.append(path)
     return paths
 

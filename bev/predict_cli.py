@@ -7,7 +7,6 @@ Python API function (bev.inference.predict).
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import hydra
@@ -65,7 +64,8 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
                                                   scene=scene, timestamp=int(times[k]), bev_bounds=batch["bev_bounds"][i].numpy()))}
             if cfg.png or cfg.gif:
                 sample = {key: v[i : i + 1] for key, v in batch.items() if torch.is_tensor(v) or isinstance(v, list)}
-                img = render_sample(sample, pred=probs[i : i + 1], title=f"{scene} #{nth - 1}  {token}")
+                img = render_sample(sample, pred=probs[i : i + 1], title=f"{scene} #{nth - 1}  {token}",
+                                    class_names=model.class_names)
                 if cfg.png:
                     with atomic_open(stem.with_suffix(".png"), "wb") as f:
                         Image.fromarray(img).save(f, format="PNG")

@@ -185,3 +185,57 @@ def test_bad_map_file_names_the_file(tmp_path):
     (root / "maps" / "expansion" / f"{LOCATION}.json").write_text('{"version": "1.3"}')
     with pytest.raises(ValueError, match=f"{LOCATION}.json.*devkit"):
         NuScenesBEVDataset(root, split="mini_train", map_layers="lss", cache_dir=tmp_path / "c", verbose=False)
+
+
+def test_train_and_eval_with_map_layers(tiny_root, tmp_path, monkeypatch, capsys):
+    """bev-train (1 epoch, focal loss, per-class pos_weight) then bev-eval on the tiny map fixture."""
+    import json
+
+    from test_train import TINY, eval_cli, read_csv_metric, train_cli
+
+    run = tmp_path / "run"
+    args = [*TINY, f"data.dataroot={tiny_root}", "data.map_layers=bevfusion", "data.raster=lss",
+            f"data.cache_dir={tmp_path / 'cache'}", "model.loss=focal", "model.pos_weight={vehicle:2.13,divider:3.0}",
+            "callbacks.bev_png.every_n_steps=1", f"hydra.run.dir={run}"]
+    assert train_cli(args, monkeypatch) == 0
+    names = ["vehicle", "drivable_area", "ped_crossing", "walkway", "stop_line", "carpark_area", "divider"]
+    assert read_csv_metric(run, "val/iou") and read_csv_metric(run, "val/miou_map")
+    assert all(read_csv_metric(run, f"val/iou_{n}") is not None for n in names)
+    assert list(run.glob("bev_png/*.png")) or list(run.rglob("step_*.png"))
+    out = tmp_path / "eval"
+    assert eval_cli([f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={out}", "num_pngs=1"], monkeypatch) == 0
+    printed = capsys.readouterr().out
+    assert all(n in printed for n in names) and "mIoU" in printed
+    rec = json.loads((out / "metrics.json").read_text())
+    assert rec["map_classes"] == names[1:] and "iou_divider@0.35" in rec["metrics"] and "miou_map" in rec["metrics"]
+    assert rec["metrics"]["iou"] == rec["metrics"]["iou_vehicle"]
+
+
+def test_bad_loss_and_pos_weight_are_clear_errors():
+    import torch.nn as nn
+
+    from bev.lit import BEVLitModule
+
+    net = nn.Conv2d(1, 3, 1)
+    net.num_classes = 3
+    kw = dict(net=net, optimizer=None, object_classes=["vehicle"], map_classes=["drivable_area", "divider"])
+    m = BEVLitModule(**kw, pos_weight={"vehicle": 2.0})
+    assert m.pos_weight.flatten().tolist() == [2.0, 1.0, 1.0]
+    assert BEVLitModule(**kw, pos_weight=[1, 2, 3]).pos_weight.flatten().tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="unknown class.*'road'.*vehicle"):
+        BEVLitModule(**kw, pos_weight={"road": 2.0})
+    with pytest.raises(ValueError, match="2 values for 3 classes"):
+        BEVLitModule(**kw, pos_weight=[1, 2])
+    with pytest.raises(ValueError, match="unknown model.loss 'dice'"):
+        BEVLitModule(**kw, loss="dice")
+    with pytest.raises(ValueError, match="num_classes=3 but"):
+        BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], map_classes=["divider"])
+    # Focal loss: gamma 0 is BCE; confident right answers cost less than with BCE.
+    import torch
+    import torch.nn.functional as F
+
+    logits, target = torch.randn(2, 3, 4, 4), (torch.rand(2, 3, 4, 4) > 0.5).float()
+    f0 = BEVLitModule(**kw, pos_weight=1.0, loss="focal", focal_gamma=0.0).loss(logits, target)
+    torch.testing.assert_close(f0, F.binary_cross_entropy_with_logits(logits, target))
+    f2 = BEVLitModule(**kw, pos_weight=1.0, loss="focal").loss(logits, target)
+    assert f2 < f0

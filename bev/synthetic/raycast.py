@@ -304,7 +304,6 @@ def render_camera(world: World, t: float, camera: str | Camera, objects: list[in
     cam = make_camera(camera, scale) if isinstance(camera, str) else camera
     if objects is None:
         objects = visible_objects(world, t, RENDER_RANGE)
-    rays = cam.rays
     H, W = cam.shape
     C = cam.translation.astype(np.float32)
 

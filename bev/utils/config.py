@@ -58,8 +58,9 @@ def register_resolvers() -> None:
 
     resolvers = {
         "bev.num_classes": lambda cats, layers=None: len(_class_names(cats, layers)),
-        "bev.object_classes": lambda cats: _class_names(cats),
-        "bev.map_classes": _map_classes,
+        # ListConfig, not list: OmegaConf.resolve can only put a container in place of an interpolation.
+        "bev.object_classes": lambda cats: OmegaConf.create(_class_names(cats)),
+        "bev.map_classes": lambda layers=None: OmegaConf.create(_map_classes(layers)),
     }
     for name, fn in resolvers.items():
         if not OmegaConf.has_resolver(name):
