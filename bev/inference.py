@@ -40,20 +40,6 @@ class Loaded(NamedTuple):
     path: Path  # the checkpoint file (a run directory resolves to its best checkpoint)
 
 
-def class_names(run_config: Mapping | DictConfig, num_classes: int | None = None) -> list[str]:
-    """Names of the output channels: data.categories groups, then data.map_layers (bev.data.nuscenes.class_names).
-
-    A network with more outputs than the config names (a hand-made config) numbers the rest class_K.
-    """
-    from bev.data.nuscenes import class_names as data_class_names
-
-    cfg = run_config if isinstance(run_config, DictConfig) else OmegaConf.create(dict(run_config))
-    categories = OmegaConf.select(cfg, "data.categories", default=None) or ["vehicle."]
-    names = list(data_class_names(categories, OmegaConf.select(cfg, "data.map_layers", default=None)))
-    k = len(names) if num_classes is None else int(num_classes)
-    return names[:k] + [f"class_{i}" for i in range(len(names), k)]
-
-
 def load_checkpoint(ckpt_path: str | Path, model_config: DictConfig | None = None, grid: Any = None,
                     data: DictConfig | None = None) -> Loaded:
     """Rebuild the model a checkpoint was trained as, from the config bev-train stored in it.
@@ -84,7 +70,6 @@ def load_checkpoint(ckpt_path: str | Path, model_config: DictConfig | None = Non
     check_compatible(model, ckpt, path, OmegaConf.to_container(model_cfg, resolve=True))
     model.load_state_dict(ckpt["state_dict"])
     model.run_config = OmegaConf.to_container(run_cfg, resolve=True)
-    model.class_names = class_names(run_cfg, getattr(model.net, "num_classes", None))
     return Loaded(model.eval(), run_cfg, model_cfg, ckpt, path)
 
 

@@ -130,8 +130,6 @@ class BEVLitModule(L.LightningModule):
         self.register_buffer("val_iou_best", torch.tensor(0.0))
         # The resolved run config (set by bev.train); stored in checkpoints so bev-eval can rebuild the model.
         self.run_config: dict | None = None
-        # Names of the K output channels (set by bev.inference.load_model from the run config).
-        self.class_names: list[str] | None = None
 
     @property
     def grid(self) -> Grid:

@@ -47,7 +47,7 @@ def test_import_bev_is_cheap():
 def test_load_model_round_trip(tiny_run, synthetic_root):
     ckpt_path = tiny_run / "checkpoints" / "last.ckpt"
     model = bev.load_model(ckpt_path)
-    assert not model.training and model.class_names == ["vehicle"]
+    assert not model.training and list(model.class_names) == ["vehicle"]
     assert model.grid.bev_shape == (24, 24) and model.image_size == (32, 96)
     batch = val_batch(synthetic_root, model)
     probs = bev.predict(model, batch)
@@ -70,7 +70,7 @@ def test_load_model_round_trip(tiny_run, synthetic_root):
     one = {k: v[1] for k, v in batch.items() if torch.is_tensor(v)}
     torch.testing.assert_close(bev.predict(model.net, one), probs[1:2], rtol=0, atol=1e-6)
     # A run directory resolves to its best checkpoint.
-    assert bev.load_model(tiny_run).class_names == ["vehicle"]
+    assert list(bev.load_model(tiny_run).class_names) == ["vehicle"]
 
 
 def test_predict_step_matches_predict(tiny_run, synthetic_root):
