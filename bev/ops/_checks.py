@@ -96,9 +96,11 @@ def memory_limit(device: torch.device) -> int | None:
 
 def check_memory(grid_shape, bytes_per_voxel: int, what: str, device: torch.device) -> None:
     """One clear error, before anything is allocated, for a grid the device can never hold."""
+    if torch.compiler.is_compiling():
+        return  # tracing allocates nothing, and Dynamo cannot trace reading /proc/meminfo
     voxels = _product(grid_shape)
     if not isinstance(voxels, int) or not isinstance(bytes_per_voxel, int):
-        return  # symbolic shapes (torch.compile tracing): nothing is allocated here
+        return  # symbolic shapes: nothing is allocated here
     needed = voxels * bytes_per_voxel
     limit = memory_limit(device)
     if limit is not None and needed > limit:
