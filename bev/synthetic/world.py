@@ -370,7 +370,7 @@ def build_world(seed: int, scene: int, samples: int, location: str) -> World:
                     cat = _choice(rng, MOVING_MIX)
                     o = _object(cat, rng, "cycle.with_rider" if cat == "vehicle.motorcycle" else "vehicle.moving")
                     sc = s + o.size[1] / 2
-                    s += o.size[1] + rng.uniform(8.0, 30.0)
+                    s += o.size[1] + rng.uniform(6.0, 22.0)
                     if sc >= lane.length or np.min(np.linalg.norm(lane.at(sc)[0] - ego_xy, axis=1)) > RENDER_RANGE + 11.0 * duration + 10.0:
                         continue
                     o.path, o.speed = road.route(rng, i, dirn, k, sc, v * duration + 5.0), v

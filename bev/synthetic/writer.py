@@ -7,16 +7,19 @@
     DIR/samples/CAM_*/<logfile>__<CAM>__<timestamp>.jpg      1600x900 renders (bev.synthetic.raycast)
     DIR/samples/LIDAR_TOP/<logfile>__LIDAR_TOP__<timestamp>.pcd.bin
     DIR/maps/<token>.png                                       drivable-area mask, 0.1 m/pixel
+    DIR/maps/expansion/<location>.json                         HD map, map expansion v1.3 (bev.synthetic.mapjson)
+    DIR/.bev_synthetic_manifest.json                           what this writer wrote (all --overwrite deletes)
 
-which the unmodified devkit loads with `NuScenes("v1.0-mini", dataroot=DIR)`. Key frames
+which the unmodified devkit loads with `NuScenes("v1.0-mini", dataroot=DIR)` and
+`NuScenesMap(DIR, log["location"])`. Each scene drives through the road network of its real
+mini scene's location (bev.synthetic.roads); scenes at one location share its map. Key frames
 only (2 Hz); every sensor of a sample shares the sample's timestamp and ego pose, so the
 ego frame of the LIDAR_TOP sample_data is exactly the frame the cameras were rendered in.
 
 Images are ray-cast at 800x450 (bev.synthetic.raycast.RENDER_SCALE = 2) and upscaled bilinearly to
 1600x900 JPEGs; visibility tokens come from the render-resolution instance-id buffers
 (visible pixels of an object over the pixels it covers with nothing in front, summed over the
-six cameras). Objects within 60 m of the ego are annotated. The default, 10 scenes x 24 key
-frames, costs about 80 CPU-seconds: roughly 45 s on 2 idle cores with 2 render workers.
+six cameras). Objects within 60 m of the ego are annotated.
 
 Scene names (so `create_splits_scenes()["mini_train"/"mini_val"]` work unchanged): the
 first n - k scenes take the mini_train names in order, the last k = max(1, floor(n / 5 + 0.5))
