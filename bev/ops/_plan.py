@@ -141,8 +141,8 @@ def memory_limit(device: torch.device) -> int | None:
 def check_memory(grid_shape, bytes_per_voxel: int, what: str, device: torch.device) -> None:
     """One clear error, before anything is allocated, for a grid the device can never hold."""
     voxels = _product(grid_shape)
-    if not isinstance(voxels, int) or not isinstance(bytes_per_voxel, int):
-        return  # symbolic shapes (torch.compile tracing): nothing is allocated here
+    if torch.compiler.is_compiling() or not isinstance(voxels, int) or not isinstance(bytes_per_voxel, int):
+        return  # tracing (torch.compile): checked when run eagerly, nothing is allocated here
     needed = voxels * bytes_per_voxel
     limit = memory_limit(device)
     if limit is not None and needed > limit:
@@ -184,8 +184,8 @@ def sparse_runs(keys: torch.Tensor, order: torch.Tensor, num_voxels: int) -> tup
     return voxels[inside], counts[inside]
 
 
-# Plan bytes per voxel, for check_memory: dense offsets (V+1) plus, on the CPU, the counting
-# sort's cursors (V+2) or, in the torch sort, searchsorted's boundaries (V+1). Sparse: none.
+# Plan bytes per voxel at most, for check_memory: dense offsets (V+1), plus searchsorted's
+# boundaries (V+1) in the torch sort (the native CPU sort needs only the offsets). Sparse: none.
 DENSE_PLAN_BYTES = 16
 
 
