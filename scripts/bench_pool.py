@@ -7,7 +7,8 @@ collision pattern (many points per occupied cell, a few percent outside) is the 
 
 Methods (all produce the same (B, C, Z, X, Y) grid; timings include building the plan from
 the coordinates, as in training where the geometry changes every sample, unless noted):
-  reference voxel_sum      pure-torch QuickCumsum-style op on the materialised product
+  reference voxel_sum      the pure-torch reference (backend="torch": per-voxel segment sums)
+  quickcumsum voxel_sum    LSS's prefix-sum trick (backend="quickcumsum", float64 prefix)
   index_add_               index_add_ into the flat grid (autograd backward: index_select)
   native voxel_sum         our kernels on the materialised product
   materialise+native vs    depth x feats product, then native voxel_sum (the unfused path)
@@ -21,8 +22,18 @@ before it (inputs excluded; outputs, intermediates, saved tensors and gradients 
 CPU: replayed from the allocation/free events of torch.profiler(profile_memory=True).
 GPU: torch.cuda.max_memory_allocated after reset_peak_memory_stats.
 
-Usage: python scripts/bench_pool.py [--sizes lss bevdet] [--repeats N] [--device cpu|cuda]
-Writes benchmarks/results/bench_pool_<device>.json and prints a table.
+User level (--section user, LSS size): each method called as a training step calls it: fresh
+input tensors every call, the plan built in the call, out.sum().backward() (an expanded,
+stride-0 gradient); methods alternate within each round; medians of wall and CPU time.
+
+The process keeps freed memory mapped (bev.utils.malloc.tune_malloc_in_process, as the CPU
+training entry does); BEV_MALLOC_TUNING=0 measures glibc's defaults (stored separately under
+user_level.malloc_default).
+
+Usage: python scripts/bench_pool.py [--section all|methods|user] [--sizes lss bevdet] [--repeats N]
+                                    [--rounds N] [--threads N] [--device cpu|cuda]
+Writes benchmarks/results/bench_pool_<device>.json (a single section updates its part) and
+prints tables.
 """
 from __future__ import annotations
 
