@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from bev.utils.config import CONFIG_DIR, instantiate_list, task_overrides
 from bev.utils.errors import report_errors
 from bev.utils.io import write_run_metrics
-from bev.utils.malloc import tune_malloc
+from bev.utils.malloc import tune_malloc_in_process
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -91,7 +91,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
-    tune_malloc("bev.train")
+    tune_malloc_in_process()  # CPU steps: keep freed activations mapped (see bev.utils.malloc)
     _hydra_main()
 
 

@@ -7,7 +7,8 @@ collision pattern (many points per occupied cell, a few percent outside) is the 
 
 Methods (all produce the same (B, C, Z, X, Y) grid; timings include building the plan from
 the coordinates, as in training where the geometry changes every sample, unless noted):
-  reference voxel_sum      pure-torch QuickCumsum-style op on the materialised product
+  reference voxel_sum      the pure-torch reference (backend="torch": per-voxel segment sums)
+  quickcumsum voxel_sum    LSS's prefix-sum trick (backend="quickcumsum", float64 prefix)
   index_add_               index_add_ into the flat grid (autograd backward: index_select)
   native voxel_sum         our kernels on the materialised product
   materialise+native vs    depth x feats product, then native voxel_sum (the unfused path)
@@ -24,9 +25,19 @@ GPU: torch.cuda.max_memory_allocated after reset_peak_memory_stats.
 GPU: achieved forward bandwidth of the fused op (unique bytes moved / time) vs the device's
 measured copy bandwidth and its theoretical peak (memory clock x bus width), per dtype.
 
-Usage: python scripts/bench_pool.py [--sizes lss bevdet] [--repeats N] [--device cpu|cuda]
+User level (--section user, LSS size): each method called as a training step calls it: fresh
+input tensors every call, the plan built in the call, out.sum().backward() (an expanded,
+stride-0 gradient); methods alternate within each round; medians of wall and CPU time.
+
+The process keeps freed memory mapped (bev.utils.malloc.tune_malloc_in_process, as the CPU
+training entry does); BEV_MALLOC_TUNING=0 measures glibc's defaults (stored separately under
+user_level.malloc_default).
+
+Usage: python scripts/bench_pool.py [--section all|methods|user] [--sizes lss bevdet] [--repeats N]
+                                    [--rounds N] [--threads N] [--device cpu|cuda]
                                     [--dtypes float32 float16 bfloat16]
-Writes benchmarks/results/bench_pool_<device>.json and prints a table.
+Writes benchmarks/results/bench_pool_<device>.json (a single section updates its part) and
+prints tables.
 """
 from __future__ import annotations
 
@@ -39,14 +50,6 @@ import sys
 import time
 from pathlib import Path
 
-# Same allocator set-up as the CPU training entry (bev/train.py): keep freed blocks mapped so
-# every call does not page-fault its buffers back in. BEV_MALLOC_TUNING=0 measures without it.
-MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 34), "MALLOC_TOP_PAD_": str(1 << 28)}
-if (sys.platform.startswith("linux") and os.environ.get("BEV_MALLOC_TUNING", "1") != "0"
-        and not all(k in os.environ for k in MALLOC_ENV)):
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], {**MALLOC_ENV, **os.environ})
-
 # The benchmark machines are shared: spinning OpenMP workers that wait for a descheduled
 # sibling turn every small parallel op into a time slice. Passive waiting keeps the numbers
 # meaningful for every method alike (recorded in the JSON); must be set before torch loads.
@@ -55,10 +58,13 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 import bev.ops as ops  # noqa: E402
 from bev.data.rig import load_rig  # noqa: E402
-from bev.geometry import Grid, frustum_to_ego, make_frustum, quaternion_to_matrix, voxel_coords
+from bev.geometry import Grid, frustum_to_ego, make_frustum, quaternion_to_matrix, voxel_coords  # noqa: E402
+from bev.utils.io import atomic_write  # noqa: E402
+from bev.utils.malloc import MALLOC_ENV, tune_malloc_in_process  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -126,6 +132,7 @@ def index_add_pool(points, coords4, grid):
 
 METHODS = {
     "reference voxel_sum": dict(leaf="points", fn=lambda s: ops.voxel_sum(s["points"], s["coords4"], s["grid"], backend="torch")),
+    "quickcumsum voxel_sum": dict(leaf="points", fn=lambda s: ops.voxel_sum(s["points"], s["coords4"], s["grid"], backend="quickcumsum")),
     "index_add_": dict(leaf="points", fn=lambda s: index_add_pool(s["points"], s["coords4"], s["grid"])),
     "native voxel_sum": dict(leaf="points", fn=lambda s: ops.voxel_sum(s["points"], s["coords4"], s["grid"], backend="native")),
     "materialise+reference": dict(leaf="frustum", fn=lambda s: ops.voxel_sum(materialise(s["depth"], s["feats"]), s["coords4"], s["grid"], backend="torch")),
@@ -368,6 +375,84 @@ def bench_size(name, size, device, repeats, methods, baseline, dtype=torch.float
     return dict(size=name, dtype=str(dtype).replace("torch.", ""), **info, rows=rows)
 
 
+# ---------------------------------------------------------------------------------------------
+# user level: each call as a training step makes it. Fresh input tensors every call (made
+# outside the timed region: a previous layer allocates them), the plan built inside the call,
+# and out.sum().backward(), whose gradient is expanded (stride 0). Methods alternate within
+# each round (order reversed every other round) so load changes hit them alike.
+# ---------------------------------------------------------------------------------------------
+USER_METHODS = {
+    "native voxel_sum": METHODS["native voxel_sum"],
+    "native bev_pool": METHODS["native bev_pool"],
+    "torch voxel_sum": METHODS["reference voxel_sum"],
+    "quickcumsum voxel_sum": METHODS["quickcumsum voxel_sum"],
+    "index_add_": METHODS["index_add_"],
+}
+
+
+def fresh_state(base, leaf):
+    """New input tensors for one call, as a training step gets them."""
+    state = dict(grid=base["grid"], coords=base["coords"].clone(), coords4=base["coords4"].clone())
+    names = ("points",) if leaf == "points" else ("depth", "feats")
+    state.update({name: base[name].clone().requires_grad_() for name in names})
+    return state
+
+
+def user_level(name, size, device, rounds, skip=()):
+    coords, grid = real_rig_coords(size, device)
+    B, Nc, D, fH, fW, _ = coords.shape
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    depth = torch.randn(B, Nc, D, fH, fW, generator=gen).softmax(2).to(device)
+    feats = torch.randn(B, Nc, fH, fW, size["channels"], generator=gen).to(device)
+    base = dict(grid=grid, coords=coords, coords4=flat_coords(coords), depth=depth, feats=feats,
+                points=materialise(depth, feats))
+    methods = {k: v for k, v in USER_METHODS.items() if k not in skip}
+    times = {label: [] for label in methods}
+    cpu_times = {label: [] for label in methods}
+    labels = list(methods)
+    for r in tqdm(range(rounds + 1), desc=f"user level {name}", leave=False):  # round 0 warms up
+        for label in labels if r % 2 else labels[::-1]:
+            state = fresh_state(base, methods[label]["leaf"])
+            sync(device)
+            t0, c0 = time.perf_counter(), time.process_time()
+            out = methods[label]["fn"](state)
+            out.sum().backward()
+            sync(device)
+            if r:
+                times[label].append(time.perf_counter() - t0)
+                cpu_times[label].append(time.process_time() - c0)
+            del out, state
+    # CPU time (all threads of the process) is less sensitive than wall time to other jobs
+    # taking the cores of a shared machine; both are medians over the same calls.
+    rows = [dict(method=label, fwd_bwd_ms=1e3 * statistics.median(t), fwd_bwd_ms_min=1e3 * min(t),
+                 fwd_bwd_cpu_ms=1e3 * statistics.median(cpu_times[label]), runs=len(t))
+            for label, t in times.items()]
+    for row in rows:
+        print(f"  {name:7s} user level {row['method']:24s} fwd+bwd {row['fwd_bwd_ms']:8.2f} ms (min {row['fwd_bwd_ms_min']:.2f})",
+              flush=True)
+    return dict(size=name, rows=rows)
+
+
+def user_level_ratios(result, key="fwd_bwd_ms"):
+    """How many times faster native voxel_sum / bev_pool are than each other method (medians)."""
+    by = {row["method"]: row[key] for row in result["rows"]}
+    return {f"{other} / {mine}": by[other] / by[mine]
+            for mine in ("native voxel_sum", "native bev_pool") if mine in by
+            for other in ("quickcumsum voxel_sum", "torch voxel_sum", "index_add_") if other in by}
+
+
+def user_level_targets(user, device):
+    checks = []
+    ratios = user.get("lss", {}).get("ratios", {})
+    if device.type == "cpu" and ratios:
+        for other, goal in (("quickcumsum voxel_sum", 10), ("index_add_", 3)):
+            key = f"{other} / native voxel_sum"
+            if key in ratios:
+                checks.append(dict(target=f"LSS user level: native voxel_sum fwd+bwd >= {goal}x faster than {other}",
+                                   ratio=ratios[key], met=ratios[key] >= goal))
+    return checks
+
+
 def targets(results, device):
     """The issue's targets, evaluated on this run's numbers (reported, never asserted)."""
     try:
@@ -384,9 +469,9 @@ def _targets(results, device):
     checks = []
     if "lss" in by and device.type == "cpu":
         m = by["lss"]
-        ref, iadd = m["reference voxel_sum"]["fwd_bwd_ms"], m["index_add_"]["fwd_bwd_ms"]
+        ref, iadd = m["quickcumsum voxel_sum"]["fwd_bwd_ms"], m["index_add_"]["fwd_bwd_ms"]
         nvs = m["native voxel_sum"]["fwd_bwd_ms"]
-        checks.append(dict(target="LSS: native voxel_sum fwd+bwd >= 10x faster than reference", ratio=ref / nvs, met=ref / nvs >= 10))
+        checks.append(dict(target="LSS: native voxel_sum fwd+bwd >= 10x faster than the QuickCumsum reference", ratio=ref / nvs, met=ref / nvs >= 10))
         checks.append(dict(target="LSS: native voxel_sum fwd+bwd >= 2x faster than index_add_", ratio=iadd / nvs, met=iadd / nvs >= 2))
         unfused, fused = m["materialise+native vs"]["fwd_bwd_ms"], m["native bev_pool"]["fwd_bwd_ms"]
         checks.append(dict(target="LSS: fused bev_pool fwd+bwd faster than materialise + native voxel_sum", ratio=unfused / fused, met=fused < unfused))
@@ -409,67 +494,114 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--section", choices=["all", "methods", "user"], default="all",
+                        help="methods: each method's forward / fwd+bwd time and peak memory; user: the user-level "
+                             "fwd+bwd (LSS size only). A single section updates just its part of the JSON")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (median)")
+    parser.add_argument("--rounds", type=int, default=15, help="user level: alternating rounds (median)")
     parser.add_argument("--skip", nargs="*", default=[], help="method labels to skip")
+    parser.add_argument("--dtypes", nargs="+", default=None, choices=list(DTYPES),
+                        help="input dtypes (default: float32 on the CPU; float32, float16, bfloat16 on a GPU)")
     parser.add_argument("--dtypes", nargs="+", default=None, choices=list(DTYPES),
                         help="input dtypes (default: float32 on the CPU; float32, float16, bfloat16 on a GPU)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    # As the CPU training entry does; BEV_MALLOC_TUNING=0 measures glibc's defaults.
+    malloc_tuning = tune_malloc_in_process()
+    malloc_mode = "malloc_tuned" if malloc_tuning or all(k in os.environ for k in MALLOC_ENV) else "malloc_default"
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     repeats = args.repeats or (20 if device.type == "cuda" else 5)
     if not ops.native_available(device):
         sys.exit(f"native kernels are not available for {device}: build the extension first")
-    methods = {k: v for k, v in METHODS.items() if k not in args.skip}
-    baseline = load_baseline() if device.type == "cuda" else None
-    if device.type == "cuda":
-        device_name = torch.cuda.get_device_name(device)
-    else:
-        device_name = platform.processor() or platform.machine()
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    device_name = line.split(":", 1)[1].strip()
-                    break
-        except OSError:
-            pass
+    baseline = load_baseline() if device.type == "cuda" and args.section != "user" else None
+    device_name = describe_device(device)
     print(f"bench_pool on {device_name} ({device}), torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"median of {repeats}", flush=True)
-    load_at_start = os.getloadavg()
-    bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
-    peak = peak_bandwidth(device) if device.type == "cuda" else None
-    dtypes = args.dtypes or (list(DTYPES) if device.type == "cuda" else ["float32"])
-    results = []
-    for dtype in dtypes:
-        for name in args.sizes:
-            print(f"{name} {dtype}", flush=True)
-            result = bench_size(name, SIZES[name], device, repeats, methods, baseline, DTYPES[dtype])
-            if bandwidth:
-                result["copy_bandwidth_gb_per_s"] = bandwidth / 1e9
-                result["peak_bandwidth_gb_per_s"] = peak / 1e9 if peak else None
-                for row in result["rows"]:
-                    if "forward_gb_per_s" in row:
-                        row["forward_fraction_of_copy"] = row["forward_gb_per_s"] / result["copy_bandwidth_gb_per_s"]
-                        row["forward_fraction_of_peak"] = row["forward_gb_per_s"] * 1e9 / peak if peak else None
-            results.append(result)
-    checks = targets(results, device)
-    report = dict(
-        device=str(device), device_name=device_name, torch=torch.__version__, threads=torch.get_num_threads(),
-        cpu_count=os.cpu_count(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
-        malloc_env={k: os.environ.get(k) for k in MALLOC_ENV},
-        load_average_at_start=load_at_start, load_average_at_end=os.getloadavg(), repeats=repeats, statistic="median of repeats (min also recorded; a shared CPU machine adds other jobs load)", python=platform.python_version(),
-        memory_method=("torch.cuda.max_memory_allocated above the pre-call allocation" if device.type == "cuda" else
-                       "peak of torch allocations during the call, replayed from torch.profiler(profile_memory=True) "
-                       "events (inputs excluded)"),
-        date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), results=results, targets=checks,
-    )
-    print_table(results, checks)
+          f"{malloc_mode}, median of {repeats} (user level: {args.rounds} rounds)", flush=True)
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"bench_pool_{device.type}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    report = json.loads(out.read_text()) if args.section != "all" and out.exists() else {}
+    report.update(
+        device=str(device), device_name=device_name, torch=torch.__version__, threads=torch.get_num_threads(),
+        cpu_count=os.cpu_count(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), python=platform.python_version(),
+    )
+    results, checks = report.get("results", []), report.get("targets", [])
+    if args.section in ("all", "methods"):
+        load_at_start = os.getloadavg()
+        methods = {k: v for k, v in METHODS.items() if k not in args.skip}
+        bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
+        peak = peak_bandwidth(device) if device.type == "cuda" else None
+        dtypes = args.dtypes or (list(DTYPES) if device.type == "cuda" else ["float32"])
+        results = []
+        for dtype in dtypes:
+            for name in args.sizes:
+                print(f"{name} {dtype}", flush=True)
+                result = bench_size(name, SIZES[name], device, repeats, methods, baseline, DTYPES[dtype])
+                if bandwidth:
+                    result["copy_bandwidth_gb_per_s"] = bandwidth / 1e9
+                    result["peak_bandwidth_gb_per_s"] = peak / 1e9 if peak else None
+                    for row in result["rows"]:
+                        if "forward_gb_per_s" in row:
+                            row["forward_fraction_of_copy"] = row["forward_gb_per_s"] / result["copy_bandwidth_gb_per_s"]
+                            row["forward_fraction_of_peak"] = row["forward_gb_per_s"] * 1e9 / peak if peak else None
+                results.append(result)
+        checks = targets(results, device)
+        report.update(
+            malloc={k: os.environ.get(k, str(malloc_tuning.get(k))) for k in MALLOC_ENV}, malloc_mode=malloc_mode,
+            load_average_at_start=load_at_start, load_average_at_end=os.getloadavg(), repeats=repeats,
+            statistic="median of repeats (min also recorded; a shared CPU machine adds other jobs load)",
+            memory_method=("torch.cuda.max_memory_allocated above the pre-call allocation" if device.type == "cuda" else
+                           "peak of torch allocations during the call, replayed from torch.profiler(profile_memory=True) "
+                           "events (inputs excluded)"),
+            date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), results=results, targets=checks,
+        )
+        report.pop("malloc_env", None)  # older key, now "malloc"
+        print_table(results, checks)
+    if args.section in ("all", "user"):
+        load_at_start = os.getloadavg()
+        user = report.setdefault("user_level", {}).setdefault(malloc_mode, {})
+        user.update(
+            how="fresh inputs each call (made outside the timed region), plan built in the call, out.sum().backward(); "
+                "methods alternate within each round; median of the rounds after one warm-up round",
+            rounds=args.rounds, malloc={k: os.environ.get(k, str(malloc_tuning.get(k))) for k in MALLOC_ENV},
+            date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        )
+        result = user_level("lss", SIZES["lss"], device, args.rounds, args.skip)
+        result["ratios"] = user_level_ratios(result)
+        result["cpu_time_ratios"] = user_level_ratios(result, "fwd_bwd_cpu_ms")
+        user.update(lss=result, load_average_at_start=load_at_start, load_average_at_end=os.getloadavg())
+        user["targets"] = user_level_targets(user, device)
+        print_user_table(report["user_level"])
+    atomic_write(out, json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
+
+
+def describe_device(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def print_user_table(user_level):
+    for mode, user in user_level.items():
+        if "lss" not in user:
+            continue
+        load = user.get("load_average_at_start", [float("nan")])[0]
+        print(f"\nLSS user level, {mode} (load average {load:.1f} at start, median of {user['rounds']} rounds)")
+        print("| method | fwd+bwd ms | min ms | CPU ms |\n|---|---:|---:|---:|")
+        for row in user["lss"]["rows"]:
+            print(f"| {row['method']} | {row['fwd_bwd_ms']:.2f} | {row['fwd_bwd_ms_min']:.2f} | {row['fwd_bwd_cpu_ms']:.2f} |")
+        for key, ratio in user["lss"]["ratios"].items():
+            print(f"  {key}: {ratio:.2f}x wall, {user['lss']['cpu_time_ratios'][key]:.2f}x CPU time")
+        for c in user.get("targets", []):
+            print(f"[{'MET' if c['met'] else 'MISSED'}] {c['target']}: {c['ratio']:.2f}x")
 
 
 def print_table(results, checks):

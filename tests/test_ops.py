@@ -327,6 +327,30 @@ def test_native_and_torch_plans_are_identical():
     assert torch.equal(torch.ops.bev._voxel_keys(flat, list(grid), True), flat_keys(flat[:, 0], flat[:, 1:], grid))
 
 
+@requires_native
+def test_native_backward_reads_strided_gradients_without_copying_them():
+    # out.sum().backward() passes an expanded (stride-0) gradient; the kernels read it through
+    # its strides. Every layout must give what its contiguous copy gives.
+    gen = torch.Generator().manual_seed(11)
+    grid = (2, 2, 5, 6)
+    depth, feats, coords = random_frustum(2, 3, 4, 3, 2, 7, grid, torch.float64, gen)
+    plan = ops.bev_pool_plan(coords, grid, backend="native")
+    B, Z, X, Y = grid
+    layouts = {
+        "scalar expanded": torch.tensor(0.5, dtype=torch.float64).expand(B, 7, Z, X, Y),
+        "channels expanded": torch.randn(B, 1, Z, X, Y, generator=gen, dtype=torch.float64).expand(B, 7, Z, X, Y),
+        "spatial transposed": torch.randn(B, 7, Z, Y, X, generator=gen, dtype=torch.float64).transpose(3, 4),
+        "channels last": torch.randn(B, Z, X, Y, 7, generator=gen, dtype=torch.float64).permute(0, 4, 1, 2, 3),
+    }
+    for name, grad in layouts.items():
+        dense = grad.contiguous()
+        assert torch.equal(torch.ops.bev.voxel_sum_backward(grad, plan.keys, plan.offsets),
+                           torch.ops.bev.voxel_sum_backward(dense, plan.keys, plan.offsets)), name
+        got = torch.ops.bev.bev_pool_backward(grad, depth, feats, plan.keys, plan.offsets)
+        want = torch.ops.bev.bev_pool_backward(dense, depth, feats, plan.keys, plan.offsets)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), name
+
+
 def test_flat_keys_do_not_overflow_int32():
     grid = (2, 3, 70_000, 40_000)  # 1.7e10 voxels
     coords = torch.tensor([[2, 69_999, 39_999], [0, 0, 0], [3, 0, 0]])

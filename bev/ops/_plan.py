@@ -77,8 +77,8 @@ def sparse_runs(keys: torch.Tensor, order: torch.Tensor, num_voxels: int) -> tup
     return voxels[inside], counts[inside]
 
 
-# Plan bytes per voxel, for check_memory: dense offsets (V+1) plus, on the CPU, the counting
-# sort's cursors (V+2) or, in the torch sort, searchsorted's boundaries (V+1). Sparse: none.
+# Plan bytes per voxel at most, for check_memory: dense offsets (V+1), plus searchsorted's
+# boundaries (V+1) in the torch sort (the native CPU sort needs only the offsets). Sparse: none.
 DENSE_PLAN_BYTES = 16
 
 

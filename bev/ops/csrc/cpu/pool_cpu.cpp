@@ -165,16 +165,22 @@ std::tuple<at::Tensor, at::Tensor> sort_keys_cpu(const at::Tensor& keys_in, int6
   const int64_t* k = keys.data_ptr<int64_t>();
   int64_t* off = offsets.data_ptr<int64_t>();
   int64_t* ord = order.data_ptr<int64_t>();
-  // Keys outside [0, V) count as ignored (bucket V).
+  // Keys outside [0, V) count as ignored (bucket V). offsets doubles as the write cursors (no
+  // second per-voxel array: the plan's memory is 8 bytes per voxel): off[b + 1] counts bucket
+  // b, the prefix sum makes off[b] its start, the scatter advances off[b] to the start of
+  // b + 1, and a shift by one restores the starts. Ignored points take their own cursor.
   auto bucket = [&](int64_t i) { return (k[i] >= 0 && k[i] < num_voxels) ? k[i] : num_voxels; };
-  // next[b + 1] counts bucket b, then next[b] becomes its write cursor. A tensor rather than a
-  // std::vector so that memory profilers see it.
-  auto cursor = at::zeros({num_voxels + 2}, keys.options());
-  int64_t* next = cursor.data_ptr<int64_t>();
-  for (int64_t i = 0; i < N; ++i) ++next[bucket(i) + 1];
-  for (int64_t b = 0; b <= num_voxels; ++b) next[b + 1] += next[b];
-  std::copy(next, next + num_voxels + 1, off);
-  for (int64_t i = 0; i < N; ++i) ord[next[bucket(i)]++] = i;  // ascending i: stable
+  std::fill(off, off + num_voxels + 1, int64_t(0));
+  for (int64_t i = 0; i < N; ++i)
+    if (bucket(i) < num_voxels) ++off[bucket(i) + 1];
+  for (int64_t b = 0; b < num_voxels; ++b) off[b + 1] += off[b];
+  int64_t ignored = off[num_voxels];
+  for (int64_t i = 0; i < N; ++i) {  // ascending i: stable
+    const int64_t b = bucket(i);
+    ord[b < num_voxels ? off[b]++ : ignored++] = i;
+  }
+  for (int64_t b = num_voxels - 1; b > 0; --b) off[b] = off[b - 1];
+  if (num_voxels > 0) off[0] = 0;
   return {order, offsets};
 }
 
@@ -290,6 +296,9 @@ at::Tensor bev_pool_cpu(const at::Tensor& depth_in, const at::Tensor& feats_in, 
 //    work item takes kGatherTile consecutive voxels of one sample; while it gathers them (a
 //    transpose in cache), the C channel runs of the next tile are prefetched (C short streams
 //    are too many for the hardware prefetcher).
+// grad_out is read through its strides as (B, C, S) (GradView): the expanded, stride-0
+// gradient of out.sum().backward() is never materialised (that copy alone wrote a tensor the
+// size of the output).
 // A key whose voxel is not occupied (only in a malformed plan) reads as a zero gradient.
 // ------------------------------------------------------------------------------------------
 at::Tensor occupied_ranks(const at::Tensor& offsets, int64_t V) {
@@ -301,15 +310,29 @@ at::Tensor occupied_ranks(const at::Tensor& offsets, int64_t V) {
   return rank;
 }
 
+// grad_out (B, C, Z, X, Y) as (B, C, S) with one stride per dim: a view (no copy) whenever
+// the spatial dims flatten, as they do for contiguous and for expanded gradients.
+struct GradView {
+  at::Tensor t;
+  int64_t sb, sc, ss;
+};
+
+inline GradView grad_view(const at::Tensor& grad, const GridDims g) {
+  auto t = grad.reshape({g.B, grad.size(1), g.per_batch()});
+  return {t, t.stride(0), t.stride(1), t.stride(2)};
+}
+
 template <typename scalar_t>
-void compact_rows(const scalar_t* grad, const int64_t* rank, scalar_t* table, const GridDims g, int64_t C) {
+void compact_rows(const GradView& gv, const int64_t* rank, scalar_t* table, const GridDims g, int64_t C) {
+  const scalar_t* grad = gv.t.data_ptr<scalar_t>();
+  const int64_t sc = gv.sc, ss = gv.ss;
   const int64_t S = g.per_batch();
   const int64_t tiles_per_batch = (S + kGatherTile - 1) / kGatherTile;
   auto tile_origin = [&](int64_t t, int64_t& s0, int64_t& width) -> const scalar_t* {
     const int64_t b = t / tiles_per_batch;
     s0 = (t % tiles_per_batch) * kGatherTile;
     width = std::min(kGatherTile, S - s0);
-    return grad + b * C * S + s0;
+    return grad + b * gv.sb + s0 * ss;
   };
   parallel_chunks(0, g.B * tiles_per_batch, kGatherTileChunk, [&](int64_t tile_begin, int64_t tile_end) {
     for (int64_t t = tile_begin; t < tile_end; ++t) {
@@ -317,15 +340,16 @@ void compact_rows(const scalar_t* grad, const int64_t* rank, scalar_t* table, co
       const scalar_t* src = tile_origin(t, s0, width);
       const int64_t v0 = (t / tiles_per_batch) * S + s0;
       if (rank[v0] == rank[v0 + width]) continue;  // no points in this tile
-      if (t + 1 < tile_end) {
+      if (t + 1 < tile_end && ss == 1) {
         int64_t ns0, nwidth;
         const scalar_t* next = tile_origin(t + 1, ns0, nwidth);
-        for (int64_t c = 0; c < C; ++c) prefetch_row<0>(next + c * S, nwidth);
+        for (int64_t c = 0; c < C; ++c) prefetch_row<0>(next + c * sc, nwidth);
       }
       for (int64_t j = 0; j < width; ++j) {
         if (rank[v0 + j] == rank[v0 + j + 1]) continue;
         scalar_t* __restrict__ row = table + rank[v0 + j] * C;
-        for (int64_t c = 0; c < C; ++c) row[c] = src[c * S + j];
+        const scalar_t* col = src + j * ss;
+        for (int64_t c = 0; c < C; ++c) row[c] = col[c * sc];
       }
     }
   });
@@ -368,15 +392,15 @@ at::Tensor voxel_sum_backward_cpu(const at::Tensor& grad_in, const at::Tensor& k
   const int64_t N = keys.numel(), C = grad_in.size(1), V = g.voxels();
   check_index(keys, "keys", N, grad_in);
   check_index(offsets, "offsets", V + 1, grad_in);
-  auto grad = grad_in.contiguous();
   auto k = keys.contiguous();
-  auto grad_feats = at::empty({N, C}, grad.options());
+  auto grad_feats = at::empty({N, C}, grad_in.options());
   if (N == 0 || C == 0) return grad_feats;
+  const GradView grad = grad_view(grad_in, g);
   auto rank = occupied_ranks(offsets.contiguous(), V);
   const int64_t* r = rank.data_ptr<int64_t>();
-  auto table = at::empty({r[V], C}, grad.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "voxel_sum_backward_cpu", [&] {
-    compact_rows<scalar_t>(grad.data_ptr<scalar_t>(), r, table.data_ptr<scalar_t>(), g, C);
+  auto table = at::empty({r[V], C}, grad_in.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_in.scalar_type(), "voxel_sum_backward_cpu", [&] {
+    compact_rows<scalar_t>(grad, r, table.data_ptr<scalar_t>(), g, C);
     gather_rows<scalar_t>(table.data_ptr<scalar_t>(), r, k.data_ptr<int64_t>(), grad_feats.data_ptr<scalar_t>(), N, C, V);
   });
   return grad_feats;
@@ -440,14 +464,15 @@ std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cpu(const at::Tensor& grad_
   const GridDims g{grad_in.size(0), grad_in.size(2), grad_in.size(3), grad_in.size(4)};
   const int64_t V = g.voxels();
   check_index(offsets, "offsets", V + 1, feats_in);
-  auto grad = grad_in.contiguous(), off = offsets.contiguous();
+  const GradView grad = grad_view(grad_in, g);
+  auto off = offsets.contiguous();
   auto rank = occupied_ranks(off, V);
   const int64_t* r = rank.data_ptr<int64_t>();
-  auto G = at::empty({r[V], f.C}, grad.options());
+  auto G = at::empty({r[V], f.C}, grad_in.options());
   auto depth = depth_in.contiguous(), feats = feats_in.contiguous(), k = keys.contiguous();
   auto grad_depth = at::empty_like(depth), grad_feats = at::empty_like(feats);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, feats.scalar_type(), "bev_pool_backward_cpu", [&] {
-    compact_rows<scalar_t>(grad.data_ptr<scalar_t>(), r, G.data_ptr<scalar_t>(), g, f.C);
+    compact_rows<scalar_t>(grad, r, G.data_ptr<scalar_t>(), g, f.C);
     bev_pool_backward_cpu_kernel<scalar_t>(G.data_ptr<scalar_t>(), r, depth.data_ptr<scalar_t>(),
                                            feats.data_ptr<scalar_t>(), k.data_ptr<int64_t>(),
                                            grad_depth.data_ptr<scalar_t>(), grad_feats.data_ptr<scalar_t>(), f, V);
