@@ -152,15 +152,15 @@ def format_table(results: dict[str, float], object_classes: Sequence[str] = ("ve
     """One row per class. Object classes: IoU at the threshold, with the visibility filter, and per
     distance band. Map classes: IoU at the best threshold (BEVFusion) and that threshold; then the mean."""
     bands = [r for r in REGIONS if r != "all"]
-    head = f"{'class':<16}{'IoU':>8}{'IoU vis>1':>11}" + "".join(f"{b.replace('_', '-'):>10}" for b in bands) + f"{'best thr':>10}"
+    head = f"{'class':<16}{'IoU':>8}{'IoU (vis>1)':>13}" + "".join(f"{b.replace('_', '-'):>10}" for b in bands) + f"{'best thr':>10}"
     lines = [head]
     fmt = lambda v: f"{v:.4f}" if isinstance(v, float) and not math.isnan(v) else ("nan" if isinstance(v, float) else "-")  # noqa: E731
     for name in object_classes:
         pre = f"iou_{name}" if f"iou_{name}" in results else "iou"
         row = [results.get(pre, math.nan), results.get(pre + "_vis", math.nan)] + [results.get(f"{pre}_{b}", math.nan) for b in bands]
-        lines.append(f"{name:<16}{fmt(row[0]):>8}{fmt(row[1]):>11}" + "".join(f"{fmt(v):>10}" for v in row[2:]) + f"{'-':>10}")
+        lines.append(f"{name:<16}{fmt(row[0]):>8}{fmt(row[1]):>13}" + "".join(f"{fmt(v):>10}" for v in row[2:]) + f"{'-':>10}")
     for name in map_classes:
-        lines.append(f"{name:<16}{fmt(results.get(f'iou_{name}', math.nan)):>8}{'-':>11}" + "".join(f"{'-':>10}" for _ in bands)
+        lines.append(f"{name:<16}{fmt(results.get(f'iou_{name}', math.nan)):>8}{'-':>13}" + "".join(f"{'-':>10}" for _ in bands)
                      + f"{fmt(results.get(f'thr_{name}', math.nan))[:4]:>10}")
     if map_classes:
         lines.append(f"{'map mean (mIoU)':<16}{fmt(results.get('miou_map', math.nan)):>8}")

@@ -502,8 +502,6 @@ def main(argv=None):
     parser.add_argument("--skip", nargs="*", default=[], help="method labels to skip")
     parser.add_argument("--dtypes", nargs="+", default=None, choices=list(DTYPES),
                         help="input dtypes (default: float32 on the CPU; float32, float16, bfloat16 on a GPU)")
-    parser.add_argument("--dtypes", nargs="+", default=None, choices=list(DTYPES),
-                        help="input dtypes (default: float32 on the CPU; float32, float16, bfloat16 on a GPU)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

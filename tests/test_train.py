@@ -101,7 +101,7 @@ def test_eval_reproduces_the_logged_validation(trained_run, synthetic_root, tmp_
     assert rec["metrics"]["loss"] == pytest.approx(run["val/loss"], rel=1e-4, abs=1e-5)
     assert len(list(out.glob("sample_*.png"))) == 3  # the fixture's val split has 3 samples
     printed = capsys.readouterr().out
-    assert "overall" in printed and "35-50m" in printed and "IoU (vis>1)" in printed
+    assert "vehicle" in printed and "35-50m" in printed and "IoU (vis>1)" in printed  # one row per class
 
 
 def test_resume_from_last_continues_the_step_count(trained_run, synthetic_root, tmp_path, monkeypatch):

@@ -180,13 +180,14 @@ def rasterize_map(geom: dict[str, np.ndarray], location: str, rotation: np.ndarr
     ring_off, shape_rings, xy = geom["map_ring_offsets"], geom["map_shape_rings"], geom["map_xy"]
     thickness = max(1, int(round(LINE_WIDTH_M / min(xs, ys))))
     scratch = np.zeros((grid.ny, grid.nx), dtype=np.uint8)
-    patch = (*(corners.mean(0) @ np.array([[c, s], [-s, c]]) + t), yhi - ylo, xhi - xlo, np.degrees(yaw))
+    patch = None  # the devkit's patch polygons, built on the first line that crosses the border
     for k in np.flatnonzero(near):
         is_line = bool(geom["map_shape_line"][k])
         rings = [(xy[ring_off[r] : ring_off[r + 1]] - t) @ to_cells - origin for r in range(shape_rings[k], shape_rings[k + 1])]
         layer = out[geom["map_shape_class"][k]]
         inside = all(r.min() >= 0 and r[:, 0].max() <= grid.nx and r[:, 1].max() <= grid.ny for r in rings)
         if is_line and not inside:
+            patch = patch or _devkit_patch(corners.mean(0) @ np.array([[c, s], [-s, c]]) + t, yhi - ylo, xhi - xlo, np.degrees(yaw))
             parts = _devkit_clip_line(xy[ring_off[shape_rings[k]] : ring_off[shape_rings[k] + 1]], patch, grid)
         else:
             parts = [rings] if inside else _clip(rings, is_line, grid.nx, grid.ny)
@@ -206,20 +207,29 @@ def rasterize_map(geom: dict[str, np.ndarray], location: str, rotation: np.ndarr
     return out.transpose(0, 2, 1).copy()
 
 
+def _devkit_patch(centre, ph: float, pw: float, angle: float) -> tuple:
+    """The devkit's rotated global patch and its local box (get_patch_coord), for _devkit_clip_line."""
+    from shapely import affinity
+    from shapely.geometry import box
+
+    cx, cy = float(centre[0]), float(centre[1])
+    rotated = affinity.rotate(box(cx - pw / 2, cy - ph / 2, cx + pw / 2, cy + ph / 2), angle, origin=(cx, cy), use_radians=False)
+    return cx, cy, ph, pw, angle, rotated, box(-pw / 2, -ph / 2, pw / 2, ph / 2)
+
+
 def _devkit_clip_line(line: np.ndarray, patch: tuple, grid: Grid) -> list[list[np.ndarray]]:
     """A global polyline crossing the patch border, clipped and moved to cell coordinates by the
     devkit's own sequence of shapely operations: its border vertex comes out a hair above or below
     the border by float noise, which decides the truncated cell, so only the same steps give the same cells."""
     from shapely import affinity
-    from shapely.geometry import LineString, box
+    from shapely.geometry import LineString
 
-    cx, cy, ph, pw, angle = patch
-    g = LineString(line).intersection(affinity.rotate(box(cx - pw / 2, cy - ph / 2, cx + pw / 2, cy + ph / 2), angle,
-                                                      origin=(cx, cy), use_radians=False))
+    cx, cy, ph, pw, angle, rotated, local = patch
+    g = LineString(line).intersection(rotated)
     if g.is_empty:
         return []
     g = affinity.affine_transform(affinity.rotate(g, -angle, origin=(cx, cy), use_radians=False), [1, 0, 0, 1, -cx, -cy])
-    g = g.intersection(box(-pw / 2, -ph / 2, pw / 2, ph / 2))
+    g = g.intersection(local)
     g = affinity.scale(affinity.affine_transform(g, [1, 0, 0, 1, pw / 2, ph / 2]), xfact=grid.nx / pw, yfact=grid.ny / ph,
                        origin=(0, 0))
     return [[np.asarray(p.coords)] for p in getattr(g, "geoms", [g]) if p.geom_type == "LineString" and not p.is_empty]
