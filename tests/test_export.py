@@ -4,7 +4,7 @@ import torch
 
 import bev
 from bev import export as bev_export
-from test_inference import tiny_run, val_batch  # noqa: F401  (module-scoped fixture: one 2-step run)
+from test_inference import CLASSES, tiny_run, val_batch  # noqa: F401  (module-scoped fixture: one 2-step run)
 from test_train import assert_one_paragraph, run_cli
 
 
@@ -38,7 +38,7 @@ def test_onnx_runtime_matches_pytorch(tiny_run, synthetic_root, tmp_path, monkey
     from bev.inference import CAMERA_INPUTS
 
     got = session.run(["logits"], {k: batch[k].numpy() for k in CAMERA_INPUTS})[0]
-    assert got.shape == tuple(expected.shape) == (3, 1, 24, 24)
+    assert got.shape == tuple(expected.shape) == (3, len(CLASSES), 24, 24)
     assert float((torch.from_numpy(got) - expected).abs().max()) <= 1e-3
     assert expected.std() > 0  # a constant output would hide a broken splat
 

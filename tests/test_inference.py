@@ -10,7 +10,11 @@ from PIL import Image
 
 import bev
 from bev import predict_cli
+from bev.data.nuscenes import class_names
 from test_train import TINY, assert_one_paragraph, run_cli, train_cli
+
+# The embedded default (experiment=synthetic_cpu) predicts vehicles and BEVFusion's six map classes.
+CLASSES = list(class_names(["vehicle."], "bevfusion"))
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +51,11 @@ def test_import_bev_is_cheap():
 def test_load_model_round_trip(tiny_run, synthetic_root):
     ckpt_path = tiny_run / "checkpoints" / "last.ckpt"
     model = bev.load_model(ckpt_path)
-    assert not model.training and list(model.class_names) == ["vehicle"]
+    assert not model.training and list(model.class_names) == CLASSES
     assert model.grid.bev_shape == (24, 24) and model.image_size == (32, 96)
     batch = val_batch(synthetic_root, model)
     probs = bev.predict(model, batch)
-    assert probs.shape == (2, 1, 24, 24) and probs.dtype == torch.float32
+    assert probs.shape == (2, len(CLASSES), 24, 24) and probs.dtype == torch.float32
 
     # Independently: the same weights put into a freshly built network give the same logits.
     from hydra.utils import instantiate
@@ -70,7 +74,7 @@ def test_load_model_round_trip(tiny_run, synthetic_root):
     one = {k: v[1] for k, v in batch.items() if torch.is_tensor(v)}
     torch.testing.assert_close(bev.predict(model.net, one), probs[1:2], rtol=0, atol=1e-6)
     # A run directory resolves to its best checkpoint.
-    assert list(bev.load_model(tiny_run).class_names) == ["vehicle"]
+    assert list(bev.load_model(tiny_run).class_names) == CLASSES
 
 
 def test_predict_step_matches_predict(tiny_run, synthetic_root):
@@ -95,13 +99,13 @@ def test_bev_predict_writes_npz_png_and_a_gif_per_scene(tiny_run, synthetic_root
     args = [f"ckpt_path={tiny_run}", f"data.dataroot={synthetic_root}", f"out={out}", f"hydra.run.dir={tmp_path / 'run'}"]
     assert predict_cli_run(args, monkeypatch) == 0
     rec = json.loads((out / "predictions.json").read_text())
-    assert rec["split"] == "mini_val" and rec["class_names"] == ["vehicle"]
+    assert rec["split"] == "mini_val" and rec["class_names"] == CLASSES
     assert [s["scene"] for s in rec["samples"]] == ["scene-0103"] * 3
     times = [s["timestamp"] for s in rec["samples"]]
     assert times == sorted(times)
     for s in rec["samples"]:
         z = np.load(s["npz"])
-        assert z["vehicle"].dtype == np.uint8 and z["vehicle"].shape == (24, 24)
+        assert all(z[c].dtype == np.uint8 and z[c].shape == (24, 24) for c in CLASSES)
         assert str(z["_sample_token"]) == s["sample_token"]
         assert Image.open(s["png"]).format == "PNG"
     # The stored probabilities are the model's, quantised to 1/255.
@@ -110,8 +114,9 @@ def test_bev_predict_writes_npz_png_and_a_gif_per_scene(tiny_run, synthetic_root
 
     ds = NuScenesBEVDataset(synthetic_root, split="mini_val", grid=model.run_config["grid"], final_dim=(32, 96), verbose=False)
     first = torch.utils.data.default_collate([ds[i] for i in range(len(ds)) if ds.index["sample_token"][i] == rec["samples"][0]["sample_token"]])
-    expect = bev.predict(model, first)[0, 0].numpy()
-    got = np.load(rec["samples"][0]["npz"])["vehicle"] / 255.0
+    expect = bev.predict(model, first)[0].numpy()
+    z = np.load(rec["samples"][0]["npz"])
+    got = np.stack([z[c] for c in CLASSES]) / 255.0
     assert np.abs(got - expect).max() <= 0.5 / 255 + 1e-6
     gif = Image.open(out / "scene-0103.gif")
     assert gif.format == "GIF" and gif.n_frames == 3
