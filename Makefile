@@ -19,11 +19,16 @@ BUILD_ENV = CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST="$(TORCH_CUDA_ARCH_LIST)
 	CPATH="$$($(PY) -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cu13", "include"))' 2>/dev/null):$$CPATH"
 endif
 
-.PHONY: venv build train test test-all bench clean
+.PHONY: venv build train test test-all bench gpu-check clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py $(wildcard bev/ops/csrc/*)
+# Files under a folder matching patterns, recursively: the extension's sources live in
+# csrc/ (schemas), csrc/cpu/ and csrc/cuda/ (kernels).
+rwildcard = $(foreach d,$(wildcard $(1:=/*)),$(call rwildcard,$d,$2) $(filter $(subst *,%,$2),$d))
+CSRC := $(call rwildcard,bev/ops/csrc,*.cpp *.cu *.h *.cuh)
+
+$(STAMP): pyproject.toml setup.py $(CSRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip "setuptools>=64" wheel ninja
 	$(PY) -m pip install -q $(TORCH_PINS)
@@ -49,6 +54,11 @@ test-all: venv
 
 bench: venv
 	$(PY) scripts/bench_pool.py
+
+# On a GPU machine: build for the device, CUDA + emulated tests, GPU benchmark, a short GPU
+# training run; writes benchmarks/results/gpu_<device>.json (see scripts/gpu_check.sh).
+gpu-check:
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf build *.egg-info bev/ops/_C*.so

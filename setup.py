@@ -16,9 +16,14 @@ if os.environ.get("BEV_NO_EXTENSION") != "1":
     from torch.utils import cpp_extension
 
     here = os.path.dirname(os.path.abspath(__file__))
-    cpp = sorted(glob.glob(os.path.join("bev", "ops", "csrc", "*.cpp")))
-    headers = sorted(glob.glob(os.path.join("bev", "ops", "csrc", "*.h")))
-    cu = sorted(glob.glob(os.path.join("bev", "ops", "csrc", "*.cu")))
+    csrc = os.path.join("bev", "ops", "csrc")  # schemas in ops.cpp, kernels per device in cpu/ and cuda/
+
+    def sources(pattern):
+        return sorted(glob.glob(os.path.join(csrc, "**", pattern), recursive=True))
+
+    cpp, cu = sources("*.cpp"), sources("*.cu")
+    headers = sources("*.h") + sources("*.cuh")
+    include_dirs = [os.path.join(here, csrc)]
     with_cuda = (
         bool(cu)
         and os.environ.get("BEV_FORCE_CPU") != "1"
@@ -33,12 +38,13 @@ if os.environ.get("BEV_NO_EXTENSION") != "1":
             cpp + cu,
             define_macros=[("BEV_WITH_CUDA", None)],
             depends=headers,
+            include_dirs=include_dirs,
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-lineinfo"]},
             extra_link_args=["-fopenmp"],
         )
     elif cpp:
         ext = cpp_extension.CppExtension(
-            "bev.ops._C", cpp, depends=headers, extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"]
+            "bev.ops._C", cpp, depends=headers, include_dirs=include_dirs, extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"]
         )
     else:
         ext = None

@@ -1,4 +1,4 @@
-"""Training callbacks and plugins: atomic checkpoint writes, BEV PNG snapshots, sweep summaries."""
+"""Training callbacks and plugins: atomic checkpoint writes, BEV PNG snapshots, a time budget, sweep summaries."""
 from __future__ import annotations
 
 import csv
@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 
-from bev.utils.io import atomic_open
+from bev.utils.io import atomic_open, explain_disk_full
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +27,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     Lightning's own save goes through an fsspec transaction whose temporary file lives in the
     system temp dir; when that is another filesystem the final move is a copy, so a crash can
     leave a truncated checkpoint. A same-directory rename is atomic on POSIX filesystems.
+    A full disk ends in one clear DiskFullError, not torch's "unexpected pos".
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("AtomicCheckpointIO takes no storage_options")
-        with atomic_open(path, "wb") as f:
+        # A full disk gives one DiskFullError naming the path and the free space. Inside atomic_open it is
+        # judged while the partial file still takes its space; outside, for the flush, fsync and rename.
+        with explain_disk_full(path), atomic_open(path, "wb") as f, explain_disk_full(path):
             torch.save(checkpoint, f)
 
 
@@ -56,7 +59,8 @@ class BevPngLogger(L.Callback):
         self.dirpath.mkdir(parents=True, exist_ok=True)
         pred = outputs["logits"].float().sigmoid().cpu()
         sample = {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in batch.items()}
-        save_sample_png(self.dirpath / f"step_{step:07d}.png", sample, pred=pred)
+        save_sample_png(self.dirpath / f"step_{step:07d}.png", sample, pred=pred,
+                        class_names=getattr(pl_module, "class_names", None))
 
 
 class EpochSummary(L.Callback):
@@ -90,6 +94,180 @@ class EpochSummary(L.Callback):
         print(f"epoch {trainer.current_epoch:3d} step {trainer.global_step:6d}  train/loss {train_loss}  "
               f"val/loss {fmt('val/loss')}  val/iou {fmt('val/iou')}  val/iou_best {fmt('val/iou_best')}  "
               f"{elapsed / 60:5.1f} min ({elapsed / max(trainer.global_step, 1):.2f} s/step incl. validation)", flush=True)
+
+
+def parse_duration(value: Any, name: str = "time_budget") -> float | None:
+    """Seconds from "HH:MM:SS" / "DD:HH:MM:SS" / "MM:SS" or a number of seconds; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        try:
+            parts = [float(p) for p in str(value).strip().split(":")]
+            if not 1 <= len(parts) <= 4:
+                raise ValueError
+            seconds = sum(p * m for p, m in zip(reversed(parts), (1, 60, 3600, 86400)))
+        except ValueError:
+            raise ValueError(f"{name} must be a duration like \"00:16:00\" (HH:MM:SS), \"DD:HH:MM:SS\" or seconds, got {value!r}") from None
+    if seconds <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return seconds
+
+
+class TimeBudget(L.Callback):
+    """Fit training into a wall-clock budget by shortening it, with the LR schedule completing.
+
+    After `measure_steps` steps (the first `skip_steps` of a session are not counted: workers
+    start, kernels warm up) it projects the planned run from the measured seconds per step and
+    per validation. If that overruns the budget (less `margin`), it lowers the step limit to
+    what fits and compresses the rest of a fixed-length LR schedule (bev.lit.rescale_schedule)
+    to end there; at the new limit it stops with a final validation and checkpoint. The
+    projection is redone after every validation (with the measured validation time; the limit
+    moves when the projection does by more than 1%, never past the plan). When the budget does
+    not bind, nothing in the run changes, so it stays bitwise reproducible. The time used, the
+    plan and the decision are saved in checkpoints: a resumed run spends what is left.
+    As a last resort (the machine slowed down a lot) training stops when the budget is spent.
+    """
+
+    def __init__(self, budget: Any = None, measure_steps: int = 40, skip_steps: int = 5, margin: float = 0.03,
+                 val_cost_guess: float = 0.5):
+        self.budget = parse_duration(budget)
+        self.measure_steps, self.skip_steps = int(measure_steps), int(skip_steps)
+        self.margin = float(margin)
+        self.val_cost_guess = float(val_cost_guess)  # one validation batch / one training step, until measured
+        self.clock = time.monotonic  # replaced by a fake clock in tests
+        self.elapsed_before = 0.0  # training seconds of earlier sessions (resume)
+        self.planned_steps: int | None = None  # the run as configured
+        self.limit: int | None = None  # the shortened step limit, once the budget binds
+        self.stopped_on_budget = False
+        self.s_per_step: float | None = None
+        self.s_per_val: float | None = None
+        self.message = ""
+
+    # ------------------------------------------------------------------ state across resumes
+    def state_dict(self) -> dict[str, Any]:
+        return {"elapsed": self.elapsed(), "planned_steps": self.planned_steps, "limit": self.limit,
+                "stopped_on_budget": self.stopped_on_budget, "message": self.message}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.elapsed_before = float(state.get("elapsed", 0.0))
+        self.planned_steps, self.limit = state.get("planned_steps"), state.get("limit")
+        self.stopped_on_budget = bool(state.get("stopped_on_budget", False))
+        self.message = state.get("message", "")
+
+    def elapsed(self) -> float:
+        start = getattr(self, "_start", None)
+        return self.elapsed_before + (self.clock() - start if start is not None else 0.0)
+
+    def summary(self) -> dict[str, Any] | None:
+        """The record bev.train writes to metrics.json (None without a budget)."""
+        if self.budget is None:
+            return None
+        return {"budget_s": self.budget, "used_s": round(self.elapsed(), 1), "planned_steps": self.planned_steps,
+                "step_limit": self.limit, "shortened": self.limit is not None and self.limit < (self.planned_steps or 0), "stopped_on_budget": self.stopped_on_budget,
+                "s_per_step": self.s_per_step and round(self.s_per_step, 4), "s_per_validation": self.s_per_val and round(self.s_per_val, 2),
+                "message": self.message}
+
+    # ------------------------------------------------------------------ hooks
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.budget is None:
+            return
+        self._start = self.clock()
+        self._session_step0 = trainer.global_step
+        self._mark = None  # (time, validation seconds so far, step) once skip_steps are done
+        self._val_s, self._val_n, self._val_start = 0.0, 0, None
+        if self.limit is not None:  # resumed after the budget bound: keep the shortened run (runs before bev.lit's stretch)
+            trainer.fit_loop.epoch_loop.max_steps = self.limit
+            trainer.fit_loop.min_epochs = 0
+        else:
+            self.planned_steps = int(trainer.estimated_stepping_batches)
+        if self.elapsed() >= self.budget:
+            self._stop(trainer, f"time budget {_fmt(self.budget)} already spent ({_fmt(self.elapsed())} in earlier sessions)")
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if self.budget is not None and not trainer.sanity_checking and getattr(self, "_start", None) is not None:
+            self._val_start = self.clock()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self.budget is None or trainer.sanity_checking or getattr(self, "_val_start", None) is None:
+            return
+        self._val_s += self.clock() - self._val_start
+        self._val_n += 1
+        self._val_start = None
+        if self._mark is not None and not trainer.should_stop:
+            self._plan(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.budget is None or getattr(self, "_start", None) is None:
+            return
+        done = trainer.global_step - self._session_step0
+        if self._mark is None and done >= self.skip_steps:
+            self._mark = (self.clock(), self._val_s, trainer.global_step)
+        elif self._mark is not None and trainer.global_step - self._mark[2] == self.measure_steps:
+            self._plan(trainer)
+        if self.limit is not None and trainer.global_step >= self.limit:
+            trainer.should_stop = True  # stop here with a validation + checkpoint (max_steps alone skips them)
+        elif trainer.strategy.reduce_boolean_decision(self.elapsed() >= self.budget, all=False):
+            self._stop(trainer, f"time budget {_fmt(self.budget)} spent at step {trainer.global_step} of "
+                                f"{self.limit or self.planned_steps}: stopped before the LR schedule finished")
+
+    # ------------------------------------------------------------------ planning
+    def _measure(self, trainer) -> None:
+        t0, val0, step0 = self._mark
+        steps = max(trainer.global_step - step0, 1)
+        self.s_per_step = max((self.clock() - t0) - (self._val_s - val0), 1e-6) / steps
+        if self._val_n:
+            self.s_per_val = self._val_s / self._val_n
+        else:  # not measured yet: a guess from the validation batch count, corrected after the first one
+            n_val = sum(trainer.num_val_batches) if isinstance(trainer.num_val_batches, list) else trainer.num_val_batches
+            self.s_per_val = float(n_val) * self.s_per_step * self.val_cost_guess
+
+    def _steps_between_validations(self, trainer) -> float:
+        batches = trainer.num_training_batches
+        every = trainer.val_check_batch if trainer.val_check_batch and trainer.val_check_batch < batches else batches * (trainer.check_val_every_n_epoch or 1)
+        return max(float(every) / trainer.accumulate_grad_batches, 1.0)
+
+    def _plan(self, trainer) -> None:
+        """Set the step limit to what fits in the budget (never above the plan) when it moves by > 1%."""
+        self._measure(trainer)
+        step = trainer.global_step
+        current = self.limit or self.planned_steps
+        left = self.budget * (1 - self.margin) - self.elapsed()
+        per_step = self.s_per_step + self.s_per_val / self._steps_between_validations(trainer)
+        # + the last validation; at least 2 more steps: the next step's LR is already set (scheduler.last_epoch == step)
+        fits = min(step + max(int((left - self.s_per_val) / per_step), 2), self.planned_steps)
+        fits = trainer.strategy.broadcast(fits, src=0)  # every process must stop at the same step
+        if self.limit is None and fits >= current or abs(fits - current) <= max(1, 0.01 * self.planned_steps):
+            return
+        from bev.lit import rescale_schedule
+
+        compressed = [rescale_schedule(c.scheduler, fits, pivot=c.scheduler.last_epoch)
+                      for c in trainer.lr_scheduler_configs if c.interval == "step"]
+        self.limit = fits
+        trainer.fit_loop.epoch_loop.max_steps = fits
+        trainer.fit_loop.min_epochs = 0  # so stopping inside the first epoch still validates and checkpoints
+        sched = ("the LR schedule was compressed to fit" if compressed and all(compressed) else
+                 "the LR schedule is not a fixed-length one (OneCycleLR, CosineAnnealingLR) and was left as is" if compressed else
+                 "no per-step LR schedule")
+        self.message = (f"time budget {_fmt(self.budget)}: measured {self.s_per_step:.2f} s/step and {self.s_per_val:.0f} s per "
+                        f"validation, training {fits} of {self.planned_steps} planned steps ({100 * fits / self.planned_steps:.0f}%); {sched}")
+        _announce(trainer, self.message)
+
+    def _stop(self, trainer, message: str) -> None:
+        trainer.should_stop = True
+        self.stopped_on_budget = True
+        self.message = message
+        _announce(trainer, message)
+
+
+def _fmt(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
+def _announce(trainer, message: str) -> None:
+    if trainer.is_global_zero:
+        log.warning(message)  # Hydra shows it on the console and keeps it in <run>/train.log
 
 
 # ----------------------------------------------------------------------------- sweep summary

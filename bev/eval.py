@@ -1,6 +1,7 @@
 """`bev-eval ckpt_path=PATH [data=... | data.dataroot=...]`: evaluate a checkpoint on the val split.
 
-Rebuilds the model, grid and data settings from the config bev-train stored in the checkpoint,
+Rebuilds the model, grid and data settings from the config bev-train stored in the checkpoint
+(bev.inference.load_checkpoint, the loader bev-predict and bev-export use too),
 runs the deterministic validation transform (no augmentation, the fixed LSS crop), prints the
 IoU table (overall, visibility-filtered, distance bands), and writes <run>/metrics.json and
 PNGs of a few samples.
@@ -19,39 +20,22 @@ from bev.utils.errors import report_errors
 from bev.utils.io import atomic_write
 
 
-def build_data_config(cfg: DictConfig, run_cfg: DictConfig) -> DictConfig:
-    """The checkpoint's data settings, overridden by non-null keys of cfg.data; eval never augments."""
-    given = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=False).items() if v is not None}
-    base = cfg.data if "_target_" in given else OmegaConf.merge(run_cfg.data, given)
-    data = OmegaConf.merge(base, {"grid": run_cfg.grid, "final_dim": run_cfg.data.final_dim, "augment": False})
-    return data
-
-
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     import lightning as L
     from hydra.utils import instantiate
 
-    from bev.utils.checkpoint import CheckpointError, check_compatible, logged_val_iou, read_checkpoint, resolve_checkpoint
+    from bev.inference import build_data_config, load_checkpoint
+    from bev.utils.checkpoint import logged_val_iou
     from bev.metrics import format_table
 
-    ckpt_path = resolve_checkpoint(cfg.ckpt_path)
-    ckpt = read_checkpoint(ckpt_path)
-    if ckpt.get("bev_config") is None and cfg.get("model") is None:
-        raise CheckpointError(f"{str(ckpt_path)!r} carries no bev-train config; pass model=... and data=... matching how it was trained.")
-    run_cfg = OmegaConf.create(ckpt.get("bev_config") or {"grid": cfg.grid, "data": cfg.data, "model": cfg.model, "trainer": {}})
+    if OmegaConf.is_missing(cfg, "ckpt_path"):
+        raise ValueError("no checkpoint given: bev-eval ckpt_path=<a .ckpt file, or a run directory for its best checkpoint>")
+    loaded = load_checkpoint(cfg.ckpt_path, cfg.get("model"), cfg.grid, cfg.data)
+    model, run_cfg, model_cfg, ckpt, ckpt_path = loaded
     with open_dict(cfg):
         cfg.grid = run_cfg.grid
-    data_cfg = build_data_config(cfg, run_cfg)
-    model_cfg = cfg.model if cfg.get("model") is not None else run_cfg.model
-    model_cfg = OmegaConf.merge(model_cfg, {"net": {"grid": run_cfg.grid, "image_size": run_cfg.data.final_dim}})
-    # The checkpoint holds the weights: do not download or read the pretrained backbone again.
-    model_cfg.net.camera.weights = None
-    model_cfg.net.camera.weights_path = None
-
+    data_cfg = build_data_config(cfg.data, run_cfg)
     datamodule = instantiate(data_cfg)
-    model = instantiate(model_cfg)
-    check_compatible(model, ckpt, ckpt_path, OmegaConf.to_container(model_cfg, resolve=True))
-    model.load_state_dict(ckpt["state_dict"])
 
     precision = cfg.get("precision") or OmegaConf.select(run_cfg, "trainer.precision", default="32-true")
     trainer = L.Trainer(accelerator=cfg.accelerator, devices=1, precision=precision, logger=False,
@@ -71,6 +55,10 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "threshold": float(model_cfg.get("threshold", 0.5)),
         "visibility_filter": "iou_vis*: cells of vehicles with nuScenes visibility level 1 (0-40%) ignored",
         "distance_bands_m": "cell-centre distance from the ego origin: [0,20), [20,35), [35,50)",
+        "object_classes": list(model.object_classes),
+        "map_classes": list(model.map_classes),
+        "map_protocol": "BEVFusion: IoU of p >= t over the split for t in 0.35..0.65 step 0.05; iou_<class> at the "
+                        "best t (thr_<class>); miou_map their mean",
         "metrics": metrics,
         "logged_val_iou": logged,
     }
@@ -79,7 +67,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
     print(f"Checkpoint {ckpt_path} (epoch {ckpt.get('epoch')}, step {ckpt.get('global_step')}) on "
           f"{data_cfg.dataroot} {data_cfg.version}/{data_cfg.val_split}, threshold {record['threshold']}:")
-    print(format_table(metrics))
+    print(format_table(metrics, model.object_classes, model.map_classes))
     if logged is not None:
         print(f"val/iou logged by the run for this checkpoint: {logged:.4f} (this evaluation: {metrics['iou']:.4f})")
     print(f"Metrics: {out / 'metrics.json'}  Pictures: {len(pngs)} PNGs in {out}")
@@ -105,7 +93,7 @@ def save_pngs(model, datamodule, out: Path, n: int) -> list[Path]:
                     return paths
                 sample = {k: v[i : i + 1] if torch.is_tensor(v) or isinstance(v, list) else v for k, v in batch.items()}
                 path = out / f"sample_{len(paths):03d}.png"
-                save_sample_png(path, sample, pred=pred[i : i + 1])
+                save_sample_png(path, sample, pred=pred[i : i + 1], class_names=model.class_names)
                 paths.append(path)
     return paths
 

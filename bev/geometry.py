@@ -32,15 +32,28 @@ CAMERA_NAMES: tuple[str, ...] = (
 )
 
 
+# Limits on grid sizes: past them a config typo (a step in mm instead of m) would ask for tensors of
+# many GiB, and flat int32 voxel indices (2**31 - 1) would overflow.
+MAX_CELLS_PER_AXIS = 2**16
+MAX_VOXELS = 2**31 - 1
+
+
 def _cells(name: str, bound: Sequence[float], whole: bool = True) -> int:
     if len(bound) != 3:
         raise ValueError(f"{name} must be [lo, hi, step], got {list(bound)}")
     lo, hi, step = (float(b) for b in bound)
+    if not all(math.isfinite(b) for b in (lo, hi, step)):
+        raise ValueError(f"{name} must be finite numbers [lo, hi, step], got {[lo, hi, step]}")
     if not step > 0:
         raise ValueError(f"{name} step must be > 0, got {step}")
     if not hi > lo:
         raise ValueError(f"{name} needs hi > lo, got lo={lo}, hi={hi}")
     n = (hi - lo) / step
+    if n > MAX_CELLS_PER_AXIS + 1e-6:
+        raise ValueError(
+            f"{name} {[lo, hi, step]} gives {math.ceil(n - 1e-6)} cells, over the limit of {MAX_CELLS_PER_AXIS} "
+            f"cells per axis: use a larger step or a smaller range (steps are in metres)"
+        )
     if not whole:  # depth bins follow arange(lo, hi, step), as in LSS
         return int(math.ceil(n - 1e-6))
     if abs(n - round(n)) > 1e-6:
@@ -62,6 +75,11 @@ class Grid:
             bound = tuple(float(b) for b in getattr(self, name))
             _cells(name, bound, whole=name != "dbound")
             object.__setattr__(self, name, bound)
+        if self.nx * self.ny * self.nz > MAX_VOXELS:
+            raise ValueError(
+                f"the grid has {self.nz} x {self.nx} x {self.ny} = {self.nx * self.ny * self.nz} voxels, over the "
+                f"limit of {MAX_VOXELS}: use larger steps in xbound/ybound/zbound"
+            )
 
     @classmethod
     def from_any(cls, grid: "Grid | dict | None") -> "Grid":
@@ -155,6 +173,24 @@ def make_frustum(image_size: tuple[int, int], downsample: int, grid: Grid) -> to
     return torch.stack([u, v, d], dim=-1)
 
 
+def inverse_3x3(m: torch.Tensor) -> torch.Tensor:
+    """Inverse of (..., 3, 3) matrices in closed form (adjugate / determinant).
+
+    Elementwise ops only, so the geometry exports to ONNX (which has no matrix inverse) and runs
+    the same in eager, torch.export and ONNX Runtime.
+    """
+    a, b, c = m[..., 0, 0], m[..., 0, 1], m[..., 0, 2]
+    d, e, f = m[..., 1, 0], m[..., 1, 1], m[..., 1, 2]
+    g, h, i = m[..., 2, 0], m[..., 2, 1], m[..., 2, 2]
+    cof = torch.stack([
+        e * i - f * h, c * h - b * i, b * f - c * e,
+        f * g - d * i, a * i - c * g, c * d - a * f,
+        d * h - e * g, b * g - a * h, a * e - b * d,
+    ], dim=-1).reshape(*m.shape)
+    det = a * cof[..., 0, 0] + b * cof[..., 1, 0] + c * cof[..., 2, 0]
+    return cof / det[..., None, None]
+
+
 def frustum_to_ego(
     frustum: torch.Tensor,
     intrinsics: torch.Tensor,
@@ -167,9 +203,9 @@ def frustum_to_ego(
     B, N = trans.shape[:2]
     # Undo the image augmentation, then unproject (u, v, d) -> camera -> ego.
     pts = frustum.view(1, 1, *frustum.shape) - post_trans.view(B, N, 1, 1, 1, 3)
-    pts = torch.linalg.solve(post_rots, pts.reshape(B, N, -1, 3).transpose(-1, -2))  # (B, N, 3, P)
+    pts = inverse_3x3(post_rots) @ pts.reshape(B, N, -1, 3).transpose(-1, -2)  # (B, N, 3, P)
     pts = torch.cat([pts[:, :, :2] * pts[:, :, 2:3], pts[:, :, 2:3]], dim=2)
-    cam_to_ego = rots @ torch.linalg.inv(intrinsics)
+    cam_to_ego = rots @ inverse_3x3(intrinsics)
     pts = cam_to_ego @ pts + trans.unsqueeze(-1)
     return pts.transpose(-1, -2).reshape(B, N, *frustum.shape[:3], 3)
 

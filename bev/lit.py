@@ -1,8 +1,9 @@
-"""LightningModule: Lift-Splat-Shoot trained with BCE-with-logits on the BEV vehicle mask."""
+"""LightningModule: Lift-Splat-Shoot trained with BCE-with-logits (or sigmoid focal loss) on the BEV
+target channels: object classes (vehicle, ...) then HD-map classes (drivable_area, ...)."""
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import lightning as L
 import torch
@@ -10,9 +11,72 @@ import torch.nn.functional as F
 from torch import nn
 
 from bev.geometry import Grid
-from bev.metrics import BevIoU
+from bev.metrics import BevIoU, MapIoU
 
 CAMERA_KEYS = ("images", "intrinsics", "rots", "trans", "post_rots", "post_trans")
+LOSSES = ("bce", "focal")
+
+
+def _class_names(net: nn.Module, object_classes, map_classes) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(object, map) channel names; checkpoints from before map classes name their one channel "vehicle"."""
+    map_classes = tuple(str(c) for c in (map_classes or ()))
+    head = getattr(net, "num_classes", None)
+    if object_classes is None:
+        n = (head or 1) - len(map_classes)
+        object_classes = ("vehicle",) if n == 1 else tuple(f"class{k}" for k in range(n))
+    object_classes = tuple(str(c) for c in object_classes)
+    if not object_classes:
+        raise ValueError("model.object_classes is empty: the first channels must be object classes (data.categories)")
+    if head is not None and head != len(object_classes) + len(map_classes):
+        raise ValueError(f"net.num_classes={head} but object_classes {list(object_classes)} + map_classes "
+                         f"{list(map_classes)} name {len(object_classes) + len(map_classes)} channels")
+    return object_classes, map_classes
+
+
+def _pos_weight(spec, names: tuple[str, ...]) -> torch.Tensor:
+    """pos_weight config -> (K,) tensor: a number for all, a list per channel, or {class: weight} (others 1.0)."""
+    if isinstance(spec, Mapping):
+        unknown = [k for k in spec if k not in names]
+        if unknown:
+            raise ValueError(f"pos_weight names unknown class(es) {unknown}; classes: {list(names)}")
+        return torch.tensor([float(spec.get(n, 1.0)) for n in names])
+    if isinstance(spec, (int, float)):
+        return torch.full((len(names),), float(spec))
+    values = [float(v) for v in spec]
+    if len(values) != len(names):
+        raise ValueError(f"pos_weight has {len(values)} values for {len(names)} classes {list(names)}")
+    return torch.tensor(values)
+
+
+def schedule_length(sched: Any) -> int | None:
+    """The number of steps a fixed-length LR schedule (OneCycleLR, CosineAnnealingLR) runs for, else None."""
+    if isinstance(sched, torch.optim.lr_scheduler.OneCycleLR):
+        return int(sched.total_steps)
+    if isinstance(sched, torch.optim.lr_scheduler.CosineAnnealingLR):
+        return int(sched.T_max)
+    return None
+
+
+def rescale_schedule(sched: Any, total_steps: int, pivot: int) -> bool:
+    """Stretch or compress a fixed-length LR schedule to end at `total_steps`; False if it is not one.
+
+    OneCycleLR: its phase ends (fixed at construction) move linearly about step `pivot`, so the
+    schedule from `pivot` on is the old one resampled to the new length (pivot=-1 rescales the
+    whole schedule; the current step as pivot leaves the steps already taken alone).
+    CosineAnnealingLR: its recursive form continues from the current LR to eta_min at T_max.
+    """
+    if isinstance(sched, torch.optim.lr_scheduler.OneCycleLR):
+        if total_steps - 1 <= pivot:
+            raise ValueError(f"cannot end a schedule at step {total_steps} from step {pivot}: it needs at least one more step")
+        scale = (total_steps - 1 - pivot) / (sched.total_steps - 1 - pivot)
+        for phase in sched._schedule_phases:
+            phase["end_step"] = pivot + (phase["end_step"] - pivot) * scale
+        sched.total_steps = int(total_steps)
+        return True
+    if isinstance(sched, torch.optim.lr_scheduler.CosineAnnealingLR):
+        sched.T_max = int(total_steps)
+        return True
+    return False
 
 
 class BEVLitModule(L.LightningModule):
@@ -21,6 +85,14 @@ class BEVLitModule(L.LightningModule):
     optimizer/scheduler are partials (Hydra `_partial_: true`). A scheduler whose signature
     takes `total_steps` (OneCycleLR) or `T_max` (CosineAnnealingLR) gets the trainer's
     estimated number of optimiser steps when the config leaves it out.
+
+    object_classes / map_classes name the output channels (in that order); configs fill them from
+    data.categories / data.map_layers through the bev.* resolvers, so the head always matches the
+    data. Object classes get the LSS IoU (threshold, visibility filter, distance bands), map classes
+    BEVFusion's best-threshold IoU. val/iou stays the first object class's IoU (checkpoint monitor).
+    pos_weight: a number for every channel, a list (one per channel) or a {class name: weight}
+    mapping (unlisted classes 1.0). loss: "bce" (BCE with logits) or "focal" (sigmoid focal loss,
+    focal_gamma; as BEVFusion's map head; pos_weight multiplies the positive term).
     """
 
     def __init__(
@@ -29,9 +101,13 @@ class BEVLitModule(L.LightningModule):
         optimizer: Callable[..., torch.optim.Optimizer],
         scheduler: Callable[..., Any] | None = None,
         scheduler_interval: str = "step",
-        pos_weight: float = 2.13,
+        pos_weight: float | Sequence[float] | Mapping[str, float] = 2.13,
         threshold: float = 0.5,
         compile: bool = False,
+        object_classes: Sequence[str] | None = None,
+        map_classes: Sequence[str] = (),
+        loss: str = "bce",
+        focal_gamma: float = 2.0,
     ):
         super().__init__()
         self.net = net
@@ -39,16 +115,39 @@ class BEVLitModule(L.LightningModule):
         self.scheduler_factory = scheduler
         self.scheduler_interval = scheduler_interval
         self.compile = compile
-        self.register_buffer("pos_weight", torch.tensor([float(pos_weight)]), persistent=False)
+        self.object_classes, self.map_classes = _class_names(net, object_classes, map_classes)
+        self.class_names = self.object_classes + self.map_classes
+        if loss not in LOSSES:
+            raise ValueError(f"unknown model.loss {loss!r}; choose one of {', '.join(LOSSES)}")
+        self.loss_name, self.focal_gamma = loss, float(focal_gamma)
+        self.register_buffer("pos_weight", _pos_weight(pos_weight, self.class_names).view(-1, 1, 1), persistent=False)
         grid = getattr(net, "grid", None) or Grid()
-        self.val_iou = BevIoU(grid, threshold)
-        self.test_iou = BevIoU(grid, threshold)
+        self.val_iou = BevIoU(grid, threshold, self.object_classes)
+        self.test_iou = BevIoU(grid, threshold, self.object_classes)
+        self.val_map_iou = MapIoU(self.map_classes)
+        self.test_map_iou = MapIoU(self.map_classes)
         # Best val/iou so far; a buffer so it survives resume from a checkpoint.
         self.register_buffer("val_iou_best", torch.tensor(0.0))
         # The resolved run config (set by bev.train); stored in checkpoints so bev-eval can rebuild the model.
         self.run_config: dict | None = None
 
+    @property
+    def grid(self) -> Grid:
+        """The BEV grid of the output cells (bev.geometry conventions)."""
+        return self.net.grid
+
+    @property
+    def image_size(self) -> tuple[int, int]:
+        """(H, W) the network takes (after the data transform's resize + crop)."""
+        return tuple(self.net.image_size)
+
     def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        names = tuple(getattr(dm, "class_names", None) or ())
+        if names and names != self.class_names:
+            raise ValueError(f"the data's target channels {list(names)} differ from the model's {list(self.class_names)}: "
+                             f"model.object_classes/map_classes and net.num_classes must follow data.categories and "
+                             f"data.map_layers (the configs interpolate them with ${{bev.object_classes:...}} etc.)")
         if self.compile and stage == "fit":
             self.net.compile()  # in place: state_dict keys stay those of the plain model
 
@@ -57,22 +156,37 @@ class BEVLitModule(L.LightningModule):
         # restored from the checkpoint instead of failing (OneCycleLR) or restarting (cosine) past its end.
         steps = int(self.trainer.estimated_stepping_batches)
         for config in self.trainer.lr_scheduler_configs:
-            sched = config.scheduler
-            if config.interval != "step":
-                continue
-            if isinstance(sched, torch.optim.lr_scheduler.OneCycleLR) and sched.total_steps < steps:
-                scale = steps / sched.total_steps
-                for phase in getattr(sched, "_schedule_phases", []):  # phase ends were fixed at construction
-                    phase["end_step"] = (phase["end_step"] + 1) * scale - 1
-                sched.total_steps = steps
-            elif isinstance(sched, torch.optim.lr_scheduler.CosineAnnealingLR) and sched.T_max < steps:
-                sched.T_max = steps
+            length = schedule_length(config.scheduler)
+            if config.interval == "step" and length is not None and length < steps:
+                rescale_schedule(config.scheduler, steps, pivot=-1)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.net(*(batch[k] for k in CAMERA_KEYS))
 
     def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.binary_cross_entropy_with_logits(logits.float(), target.float(), pos_weight=self.pos_weight)
+        logits, target = logits.float(), target.float()
+        if self.loss_name == "bce":
+            return F.binary_cross_entropy_with_logits(logits, target, pos_weight=self.pos_weight)
+        # Sigmoid focal loss (Lin et al.): BCE scaled by (1 - p_t)^gamma, mean over every cell.
+        ce = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+        p = logits.sigmoid()
+        p_t = p * target + (1 - p) * (1 - target)
+        weight = 1 + (self.pos_weight - 1) * target
+        return (weight * ce * (1 - p_t) ** self.focal_gamma).mean()
+
+    def _update_metrics(self, iou: BevIoU, map_iou: MapIoU, logits: torch.Tensor, batch: dict) -> None:
+        k = len(self.object_classes)
+        iou.update(logits[:, :k], batch["bev"][:, :k], batch.get("visibility"))
+        if self.map_classes:
+            map_iou.update(logits[:, k:], batch["bev"][:, k:])
+
+    def _compute_metrics(self, iou: BevIoU, map_iou: MapIoU) -> dict[str, float]:
+        results = iou.compute()
+        iou.reset()
+        if self.map_classes:
+            results.update(map_iou.compute())
+            map_iou.reset()
+        return results
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
         logits = self(batch)
@@ -83,11 +197,12 @@ class BEVLitModule(L.LightningModule):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         logits = self(batch)
         self.log("val/loss", self.loss(logits, batch["bev"]), on_epoch=True, sync_dist=True, batch_size=logits.shape[0])
-        self.val_iou.update(logits, batch["bev"], batch.get("visibility"))
+        self._update_metrics(self.val_iou, self.val_map_iou, logits, batch)
 
     def on_validation_epoch_end(self) -> None:
-        results = self.val_iou.compute()
-        self.val_iou.reset()
+        results = self._compute_metrics(self.val_iou, self.val_map_iou)
+        # Per-threshold map IoUs go to test (bev-eval's metrics.json) only, to keep the training log readable.
+        results = {k: v for k, v in results.items() if "@" not in k}
         if not self.trainer.sanity_checking:
             self.val_iou_best.fill_(max(float(self.val_iou_best), results["iou"]))
         self.log("val/iou", results.pop("iou"), prog_bar=True)
@@ -97,11 +212,14 @@ class BEVLitModule(L.LightningModule):
     def test_step(self, batch: dict, batch_idx: int) -> None:
         logits = self(batch)
         self.log("test/loss", self.loss(logits, batch["bev"]), on_epoch=True, sync_dist=True, batch_size=logits.shape[0])
-        self.test_iou.update(logits, batch["bev"], batch.get("visibility"))
+        self._update_metrics(self.test_iou, self.test_map_iou, logits, batch)
+
+    def predict_step(self, batch: dict, batch_idx: int = 0, dataloader_idx: int = 0) -> torch.Tensor:
+        """Per-class probabilities (B, K, X, Y) float32 (the sigmoid of the logits)."""
+        return self(batch).float().sigmoid()
 
     def on_test_epoch_end(self) -> None:
-        results = self.test_iou.compute()
-        self.test_iou.reset()
+        results = self._compute_metrics(self.test_iou, self.test_map_iou)
         self.log_dict({f"test/{k}": v for k, v in results.items()})
 
     def configure_optimizers(self):

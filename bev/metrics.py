@@ -9,11 +9,18 @@ the sigmoid), not a mean of per-sample IoUs. Two variants are always computed:
 
 and each is also split by distance band: the Euclidean distance of the cell centre
 (Grid.cell_centers) from the ego origin in [0, 20), [20, 35), [35, 50) metres. Cells beyond
-50 m (the grid corners) count in the overall IoU only.
+50 m (the grid corners) count in the overall IoU only. Every object class is counted on its own
+(BevIoU keys iou_<class>...; the unsuffixed iou* keys are the first class's, e.g. vehicle).
+
+Map classes follow BEVFusion's protocol (MapIoU): TP/FP/FN of probability >= t accumulated over
+the whole split at each t in MAP_THRESHOLDS (0.35..0.65 step 0.05); a class's IoU is its best
+threshold's; miou_map is the mean over map classes (classes with neither targets nor
+predictions, NaN, are left out of the mean).
 """
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 from torchmetrics import Metric
@@ -24,6 +31,7 @@ BANDS: tuple[tuple[float, float], ...] = ((0.0, 20.0), (20.0, 35.0), (35.0, 50.0
 REGIONS: tuple[str, ...] = ("all",) + tuple(f"{int(lo)}_{int(hi)}m" for lo, hi in BANDS)
 FILTERS: tuple[str, ...] = ("all", "vis")
 IGNORED_VISIBILITY = 1
+MAP_THRESHOLDS: tuple[float, ...] = (0.35, 0.40, 0.45, 0.50, 0.55, 0.60, 0.65)
 
 
 def band_masks(grid: Grid) -> torch.Tensor:
@@ -40,54 +48,120 @@ def iou(tp: float, fp: float, fn: float) -> float:
     return float(tp / union) if union > 0 else math.nan
 
 
-class BevIoU(Metric):
-    """Accumulates TP/FP/FN per (filter, region); sums across processes under DDP (torchmetrics).
+def _key(prefix: str, fname: str, rname: str) -> str:
+    return prefix + ("" if fname == "all" else "_vis") + ("" if rname == "all" else f"_{rname}")
 
-    update(logits (B, 1 or X.., X, Y), target (B, 1, X, Y) in {0, 1}, visibility (B, X, Y) or None).
-    compute() -> {"iou": ..., "iou_vis": ..., "iou_0_20m": ..., "iou_vis_0_20m": ..., ...}.
+
+class BevIoU(Metric):
+    """Accumulates TP/FP/FN per (class, filter, region); sums across processes under DDP (torchmetrics).
+
+    update(logits (B, K, X, Y), target (B, K, X, Y) in {0, 1}, visibility (B, X, Y) or None); the
+    visibility filter applies to every class. compute() -> {"iou_<class>", "iou_<class>_vis",
+    "iou_<class>_0_20m", "iou_<class>_vis_0_20m", ...} for every class, and the same keys without
+    the class ("iou", "iou_vis", ...) for the first class.
     """
 
     full_state_update = False
 
-    def __init__(self, grid: Grid, threshold: float = 0.5):
+    def __init__(self, grid: Grid, threshold: float = 0.5, class_names: Sequence[str] = ("vehicle",)):
         super().__init__()
         self.threshold = float(threshold)
+        self.class_names = tuple(class_names)
         self.register_buffer("masks", band_masks(Grid.from_any(grid)), persistent=False)
-        # counts[f, r] = (tp, fp, fn), int64 so a trainval split cannot overflow or lose precision.
-        self.add_state("counts", default=torch.zeros(len(FILTERS), len(REGIONS), 3, dtype=torch.int64), dist_reduce_fx="sum")
+        # counts[k, f, r] = (tp, fp, fn), int64 so a trainval split cannot overflow or lose precision.
+        self.add_state("counts", default=torch.zeros(len(self.class_names), len(FILTERS), len(REGIONS), 3, dtype=torch.int64),
+                       dist_reduce_fx="sum")
 
     def update(self, logits: torch.Tensor, target: torch.Tensor, visibility: torch.Tensor | None = None) -> None:
-        pred = (logits.detach().float().sigmoid() > self.threshold).flatten(0, -3)  # (B*K, X, Y)
-        tgt = (target > 0.5).flatten(0, -3)
-        if pred.shape != tgt.shape or pred.shape[-2:] != self.masks.shape[-2:]:
-            raise ValueError(f"prediction {tuple(pred.shape)} and target {tuple(tgt.shape)} must both be (..., {tuple(self.masks.shape[-2:])})")
-        keep = torch.ones_like(tgt)
+        K, XY = len(self.class_names), tuple(self.masks.shape[-2:])
+        if logits.dim() != 4 or logits.shape != target.shape or logits.shape[1] != K or tuple(logits.shape[-2:]) != XY:
+            raise ValueError(f"prediction {tuple(logits.shape)} and target {tuple(target.shape)} must both be (B, {K}, *{XY}) "
+                             f"for classes {list(self.class_names)}")
+        pred = logits.detach().float().sigmoid() > self.threshold  # (B, K, X, Y)
+        tgt = target > 0.5
+        keep = torch.ones_like(tgt[:, :1])
         if visibility is not None:
-            keep = (visibility != IGNORED_VISIBILITY).reshape(-1, *tgt.shape[-2:])
-            keep = keep.repeat_interleave(tgt.shape[0] // keep.shape[0], dim=0)  # same filter for every class
-        masks = self.masks.to(pred.device)
+            keep = (visibility != IGNORED_VISIBILITY).reshape(-1, 1, *XY)
+        masks = self.masks.to(pred.device).to(torch.int64)  # (R, X, Y)
         for f, use in enumerate((torch.ones_like(keep), keep)):
-            tp = (pred & tgt & use).sum(0)
-            fp = (pred & ~tgt & use).sum(0)
-            fn = (~pred & tgt & use).sum(0)
-            per_cell = torch.stack([tp, fp, fn])  # (3, X, Y)
-            self.counts[f] += (per_cell.unsqueeze(1) * masks.unsqueeze(0)).sum((-1, -2)).T.to(self.counts.dtype)
+            per_cell = torch.stack([pred & tgt & use, pred & ~tgt & use, ~pred & tgt & use], dim=2).sum(0)  # (K, 3, X, Y)
+            # (K, 3, 1, X, Y) * (R, X, Y) summed over cells -> (K, 3, R); no integer matmul (none on CUDA)
+            counts = (per_cell.to(torch.int64).unsqueeze(2) * masks).sum((-1, -2))
+            self.counts[:, f] += counts.transpose(1, 2)
 
     def compute(self) -> dict[str, float]:
         out = {}
-        for f, fname in enumerate(FILTERS):
-            for r, rname in enumerate(REGIONS):
-                key = "iou" + ("" if fname == "all" else "_vis") + ("" if rname == "all" else f"_{rname}")
-                out[key] = iou(*(int(c) for c in self.counts[f, r]))
+        for k, name in enumerate(self.class_names):
+            for f, fname in enumerate(FILTERS):
+                for r, rname in enumerate(REGIONS):
+                    value = iou(*(int(c) for c in self.counts[k, f, r]))
+                    out[_key(f"iou_{name}", fname, rname)] = value
+                    if k == 0:
+                        out[_key("iou", fname, rname)] = value
         return out
 
 
-def format_table(results: dict[str, float]) -> str:
-    """A plain-text table: rows overall + distance bands, columns without/with the visibility filter."""
-    lines = [f"{'region':<12}{'IoU':>10}{'IoU (vis>1)':>14}"]
-    for rname in REGIONS:
-        suffix = "" if rname == "all" else f"_{rname}"
-        label = "overall" if rname == "all" else rname.replace("_", "-")
-        a, v = results.get("iou" + suffix, math.nan), results.get("iou_vis" + suffix, math.nan)
-        lines.append(f"{label:<12}{a:>10.4f}{v:>14.4f}")
+class MapIoU(Metric):
+    """BEVFusion's map IoU: TP/FP/FN per (class, threshold) over the split; best threshold per class.
+
+    update(logits (B, C, X, Y), target (B, C, X, Y) in {0, 1}). compute() -> {"iou_<class>": best IoU,
+    "thr_<class>": its threshold, "iou_<class>@0.35": ..., "miou_map": mean of the best IoUs}.
+    """
+
+    full_state_update = False
+
+    def __init__(self, class_names: Sequence[str], thresholds: Sequence[float] = MAP_THRESHOLDS):
+        super().__init__()
+        self.class_names = tuple(class_names)
+        self.threshold_values = tuple(round(float(t), 4) for t in thresholds)
+        self.register_buffer("thresholds", torch.tensor(self.threshold_values), persistent=False)
+        self.add_state("counts", default=torch.zeros(len(self.class_names), len(self.thresholds), 3, dtype=torch.int64),
+                       dist_reduce_fx="sum")
+
+    def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
+        C = len(self.class_names)
+        if logits.dim() != 4 or logits.shape != target.shape or logits.shape[1] != C:
+            raise ValueError(f"map prediction {tuple(logits.shape)} and target {tuple(target.shape)} must both be "
+                             f"(B, {C}, X, Y) for map classes {list(self.class_names)}")
+        prob = logits.detach().float().sigmoid().transpose(0, 1).reshape(C, -1)  # (C, N)
+        tgt = (target > 0.5).transpose(0, 1).reshape(C, -1)
+        for i, t in enumerate(self.thresholds.to(prob.device)):
+            pred = prob >= t
+            self.counts[:, i, 0] += (pred & tgt).sum(1)
+            self.counts[:, i, 1] += (pred & ~tgt).sum(1)
+            self.counts[:, i, 2] += (~pred & tgt).sum(1)
+
+    def compute(self) -> dict[str, float]:
+        out, best = {}, []
+        for k, name in enumerate(self.class_names):
+            ious = [iou(*(int(c) for c in self.counts[k, i])) for i in range(len(self.thresholds))]
+            for t, v in zip(self.threshold_values, ious):
+                out[f"iou_{name}@{t:.2f}"] = v
+            valid = [i for i, v in enumerate(ious) if not math.isnan(v)]
+            i = max(valid, key=lambda j: ious[j]) if valid else 0
+            out[f"iou_{name}"] = ious[i]
+            out[f"thr_{name}"] = self.threshold_values[i] if valid else math.nan
+            best.append(ious[i])
+        finite = [b for b in best if not math.isnan(b)]
+        out["miou_map"] = sum(finite) / len(finite) if finite else math.nan
+        return out
+
+
+def format_table(results: dict[str, float], object_classes: Sequence[str] = ("vehicle",),
+                 map_classes: Sequence[str] = ()) -> str:
+    """One row per class. Object classes: IoU at the threshold, with the visibility filter, and per
+    distance band. Map classes: IoU at the best threshold (BEVFusion) and that threshold; then the mean."""
+    bands = [r for r in REGIONS if r != "all"]
+    head = f"{'class':<16}{'IoU':>8}{'IoU vis>1':>11}" + "".join(f"{b.replace('_', '-'):>10}" for b in bands) + f"{'best thr':>10}"
+    lines = [head]
+    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) and not math.isnan(v) else ("nan" if isinstance(v, float) else "-")  # noqa: E731
+    for name in object_classes:
+        pre = f"iou_{name}" if f"iou_{name}" in results else "iou"
+        row = [results.get(pre, math.nan), results.get(pre + "_vis", math.nan)] + [results.get(f"{pre}_{b}", math.nan) for b in bands]
+        lines.append(f"{name:<16}{fmt(row[0]):>8}{fmt(row[1]):>11}" + "".join(f"{fmt(v):>10}" for v in row[2:]) + f"{'-':>10}")
+    for name in map_classes:
+        lines.append(f"{name:<16}{fmt(results.get(f'iou_{name}', math.nan)):>8}{'-':>11}" + "".join(f"{'-':>10}" for _ in bands)
+                     + f"{fmt(results.get(f'thr_{name}', math.nan))[:4]:>10}")
+    if map_classes:
+        lines.append(f"{'map mean (mIoU)':<16}{fmt(results.get('miou_map', math.nan)):>8}")
     return "\n".join(lines)

@@ -24,15 +24,22 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     import lightning as L
     import torch
     from hydra.utils import instantiate
+    from lightning.pytorch.utilities import rank_zero_only
 
-    from bev.callbacks import AtomicCheckpointIO
+    from bev.callbacks import AtomicCheckpointIO, TimeBudget
     from bev.utils.checkpoint import check_compatible, read_checkpoint
+    from bev.utils.precision import resolve_precision
 
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     if cfg.get("float32_matmul_precision"):
         torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
     out = Path(cfg.paths.output_dir)
+    if str(cfg.trainer.get("precision")) == "auto":  # resolved before the config is stored in checkpoints
+        precision, reason = resolve_precision("auto", cfg.trainer.get("accelerator", "auto"))
+        cfg.trainer.precision = precision
+        if rank_zero_only.rank == 0:
+            print(f"precision: {precision} ({reason})", flush=True)
 
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
@@ -54,6 +61,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     metrics["val/iou_best"] = float(model.val_iou_best)
+    budget = next((c.summary() for c in trainer.callbacks if isinstance(c, TimeBudget)), None)
     best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
     if trainer.is_global_zero:
         write_run_metrics(out, {
@@ -63,10 +71,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             "global_step": trainer.global_step,
             "epochs": trainer.current_epoch,
             "fit_wall_s": round(wall, 1),
+            "precision": str(cfg.trainer.get("precision")),
+            **({"time_budget": budget} if budget else {}),
             "overrides": task_overrides(),
         })
         print(f"Training done in {wall / 60:.1f} min, {trainer.global_step} steps: val/iou_best={metrics['val/iou_best']:.4f}. "
               f"Best checkpoint: {best or '(none)'}; run dir: {out}")
+        if budget and budget["message"]:
+            print(budget["message"])
     return metrics
 
 

@@ -1,8 +1,13 @@
-"""Pictures of samples and predictions: the 6 cameras (2x3, camera order) and BEV panels.
+"""Pictures of samples and predictions: the cameras (nuScenes: 2x3 in camera order; any rig of
+1-12 cameras: camera_layout) and BEV panels.
 
 BEV panels are drawn with x forward = up and y left = left, the ego at the centre (white
 triangle pointing forward), axes in ego metres. Arrays stay [x_index, y_index] everywhere
 else; only `bev_to_display` reorients them for the screen.
+
+With class_names (object classes then map classes, as the dataset's/model's), map layers are
+drawn in colour under the objects (a fixed colour per map class, MAP_COLORS, with a legend);
+a prediction is drawn the same way, each layer blended by its probability.
 """
 from __future__ import annotations
 
@@ -21,6 +26,15 @@ from bev.utils.io import atomic_open
 
 # Error-map colours: true positive, false positive, false negative (background stays black).
 TP_COLOR, FP_COLOR, FN_COLOR = (0, 200, 0), (230, 40, 40), (40, 110, 255)
+# Layer colours, drawn in this order (later on top); objects go over every map layer.
+MAP_COLORS: dict[str, tuple[int, int, int]] = {
+    "drivable_area": (95, 95, 110), "road_segment": (80, 80, 100), "road_block": (70, 90, 100),
+    "lane": (110, 100, 130), "carpark_area": (150, 120, 60), "walkway": (60, 140, 90),
+    "ped_crossing": (200, 200, 200), "stop_line": (230, 50, 50), "divider": (250, 210, 40),
+    "road_divider": (250, 210, 40), "lane_divider": (240, 240, 120),
+}
+OBJECT_COLORS = ((60, 160, 255), (255, 120, 200), (255, 150, 40), (160, 255, 160))
+BACKGROUND = (20, 20, 24)
 
 
 def _np(x: Any) -> np.ndarray:
@@ -32,17 +46,30 @@ def bev_to_display(bev: np.ndarray) -> np.ndarray:
     return np.asarray(bev)[::-1, ::-1]
 
 
-def camera_grid(images: Any, cam_ids: Any = None) -> np.ndarray:
-    """(Ncam, 3, H, W) normalised images -> (2H, 3W, 3) uint8, slots in CAMERA_NAMES order.
+def camera_layout(n: int) -> tuple[int, int]:
+    """(rows, cols) of the camera picture for n camera slots: 3 per row up to 9 (nuScenes: 2x3), then 4."""
+    cols = min(n, 3) if n <= 9 else 4
+    return -(-n // cols), cols
 
-    cam_ids gives each image's index in CAMERA_NAMES (default 0..Ncam-1); missing cameras are black.
+
+def camera_slots(n: int, cam_ids: Any = None) -> list[int]:
+    """Slot of each of n images: cam_ids (indices into the rig's camera list) or 0..n-1."""
+    return list(range(n)) if cam_ids is None else [int(c) for c in _np(cam_ids).reshape(-1)]
+
+
+def camera_grid(images: Any, cam_ids: Any = None) -> np.ndarray:
+    """(Ncam, 3, H, W) normalised images -> (rows*H, cols*W, 3) uint8, one slot per camera of the rig.
+
+    cam_ids gives each image's index in the rig's camera list (nuScenes: CAMERA_NAMES; default
+    0..Ncam-1); the rig has max(cam_ids) + 1 slots, laid out by camera_layout; missing cameras are black.
     """
     images = images if isinstance(images, torch.Tensor) else torch.as_tensor(np.asarray(images))
     n, _, H, W = images.shape
-    ids = list(range(n)) if cam_ids is None else [int(c) for c in _np(cam_ids).reshape(-1)]
-    out = np.zeros((2 * H, 3 * W, 3), dtype=np.uint8)
+    ids = camera_slots(n, cam_ids)
+    rows, cols = camera_layout(max(ids) + 1)
+    out = np.zeros((rows * H, cols * W, 3), dtype=np.uint8)
     for img, c in zip(images, ids):
-        r, col = divmod(c, 3)
+        r, col = divmod(c, cols)
         out[r * H : (r + 1) * H, col * W : (col + 1) * W] = denormalize_image(img)
     return out
 
@@ -56,6 +83,31 @@ def error_map(prob: np.ndarray, target: np.ndarray, threshold: float = 0.5) -> n
     out[pred & ~tgt] = FP_COLOR
     out[~pred & tgt] = FN_COLOR
     return out
+
+
+def layer_colors(class_names) -> list[tuple[str, tuple[int, int, int]]]:
+    """(name, RGB) per channel: map classes by MAP_COLORS, object classes by OBJECT_COLORS in turn."""
+    out, k = [], 0
+    for name in class_names:
+        if name in MAP_COLORS:
+            out.append((name, MAP_COLORS[name]))
+        else:
+            out.append((name, OBJECT_COLORS[k % len(OBJECT_COLORS)]))
+            k += 1
+    return out
+
+
+def compose_layers(channels: np.ndarray, class_names) -> np.ndarray:
+    """(K, X, Y) values in [0, 1] -> (X, Y, 3) uint8: map layers in MAP_COLORS order, objects on top,
+    each blended over what is below by its value (a target's 0/1, a prediction's probability)."""
+    colors = layer_colors(class_names)
+    order = sorted(range(len(colors)), key=lambda k: list(MAP_COLORS).index(colors[k][0]) if colors[k][0] in MAP_COLORS else len(MAP_COLORS) + k)
+    img = np.empty(channels.shape[1:] + (3,), dtype=np.float32)
+    img[:] = BACKGROUND
+    for k in order:
+        a = np.clip(channels[k], 0, 1)[..., None]
+        img = img * (1 - a) + np.asarray(colors[k][1], dtype=np.float32) * a
+    return img.round().astype(np.uint8)
 
 
 def _unbatch(sample: Mapping[str, Any]) -> tuple[dict, bool]:
@@ -73,6 +125,16 @@ def _pred_map(pred: Any) -> np.ndarray:
     values outside [0, 1] are taken as logits and passed through a sigmoid."""
     p = _np(pred)
     while p.ndim > 2:
+        p = p[0]
+    if p.size and (p.min() < 0 or p.max() > 1):
+        p = 1.0 / (1.0 + np.exp(-p))
+    return p
+
+
+def _pred_channels(pred: Any) -> np.ndarray:
+    """Prediction (C, X, Y) or (1, C, X, Y) -> (C, X, Y) probabilities (logits pass through a sigmoid)."""
+    p = _np(pred)
+    while p.ndim > 3:
         p = p[0]
     if p.size and (p.min() < 0 or p.max() > 1):
         p = 1.0 / (1.0 + np.exp(-p))
@@ -101,12 +163,20 @@ def _grid_for(shape: tuple[int, int], grid: Grid | None) -> Grid:
     return Grid(xbound=(-shape[0] / 2, shape[0] / 2, 1.0), ybound=(-shape[1] / 2, shape[1] / 2, 1.0))
 
 
-def render_figure(sample: Mapping[str, Any], pred: Any = None, grid: Grid | None = None, title: str | None = None) -> Figure:
-    """A matplotlib Figure: 6 cameras on top; BEV target (+ prediction and TP/FP/FN map) below."""
+def render_figure(sample: Mapping[str, Any], pred: Any = None, grid: Grid | None = None, title: str | None = None,
+                  class_names=None) -> Figure:
+    """A matplotlib Figure: the cameras on top; BEV target (+ prediction and TP/FP/FN map) below.
+
+    class_names (one per bev channel) turns on the coloured layer view; the TP/FP/FN map is always
+    the first channel's (the first object class)."""
     s, _ = _unbatch(sample)
     cams = camera_grid(s["images"], s.get("cam_ids"))
-    target = _np(s["bev"])
-    target = target.max(axis=0) if target.ndim == 3 else target
+    channels = _np(s["bev"])
+    channels = channels[None] if channels.ndim == 2 else channels
+    if class_names is not None and len(class_names) != channels.shape[0]:
+        raise ValueError(f"{len(class_names)} class names {list(class_names)} for a target of {channels.shape[0]} channels")
+    layered = class_names is not None and len(class_names) > 1  # one class: the grey/viridis view
+    target = channels[0] if layered else channels.max(axis=0)
     if grid is None and s.get("bev_bounds") is not None:
         b = s["bev_bounds"]
         b = b.detach().cpu().double().numpy() if isinstance(b, torch.Tensor) else np.asarray(b, dtype=np.float64)
@@ -119,45 +189,65 @@ def render_figure(sample: Mapping[str, Any], pred: Any = None, grid: Grid | None
     gs = fig.add_gridspec(2, 3, height_ratios=[cams.shape[0] / cams.shape[1] * 3, 1.0])
     ax = fig.add_subplot(gs[0, :])
     ax.imshow(cams)
-    H, W = cams.shape[0] // 2, cams.shape[1] // 3
-    for c, name in enumerate(CAMERA_NAMES):
-        r, col = divmod(c, 3)
+    H, W = s["images"].shape[-2:]
+    ids = camera_slots(s["images"].shape[0], s.get("cam_ids"))
+    cols = camera_layout(max(ids) + 1)[1]
+    for c in range(max(ids) + 1):  # cam_ids follow CAMERA_NAMES (nuScenes); a rig without them is numbered
+        name = CAMERA_NAMES[c] if s.get("cam_ids") is not None and c < len(CAMERA_NAMES) else f"camera {c}"
+        r, col = divmod(c, cols)
         ax.text(col * W + 4, r * H + 4, name, color="white", fontsize=7, va="top",
                 bbox=dict(facecolor="black", alpha=0.5, pad=1, lw=0))
     ax.set_axis_off()
     ax.set_title(title or f"sample {s.get('sample_token', '')}", fontsize=9)
-    _draw_bev(fig.add_subplot(gs[1, 0]), target, g, "BEV target", cmap="gray", vmin=0, vmax=1)
+    if layered:
+        _draw_bev(fig.add_subplot(gs[1, 0]), compose_layers(channels, class_names), g, "BEV target")
+    else:
+        _draw_bev(fig.add_subplot(gs[1, 0]), target, g, "BEV target", cmap="gray", vmin=0, vmax=1)
     if npanels == 3:
         prob = _pred_map(pred)
         if prob.shape != target.shape:
             raise ValueError(f"prediction shape {prob.shape} does not match the BEV target {target.shape}")
-        im = _draw_bev(fig.add_subplot(gs[1, 1]), prob, g, "prediction P(vehicle)", cmap="viridis", vmin=0, vmax=1)
-        fig.colorbar(im, ax=fig.axes[-1], fraction=0.046, pad=0.02).ax.tick_params(labelsize=6)
+        if layered:
+            probs = _pred_channels(pred)
+            if probs.shape != channels.shape:
+                raise ValueError(f"prediction shape {probs.shape} does not match the BEV target {channels.shape}")
+            _draw_bev(fig.add_subplot(gs[1, 1]), compose_layers(probs, class_names), g, "prediction (blended by probability)")
+        else:
+            im = _draw_bev(fig.add_subplot(gs[1, 1]), prob, g, "prediction P(vehicle)", cmap="viridis", vmin=0, vmax=1)
+            fig.colorbar(im, ax=fig.axes[-1], fraction=0.046, pad=0.02).ax.tick_params(labelsize=6)
         tp = int(((prob >= 0.5) & (target > 0.5)).sum())
         fp = int(((prob >= 0.5) & (target <= 0.5)).sum())
         fn = int(((prob < 0.5) & (target > 0.5)).sum())
         iou = tp / max(tp + fp + fn, 1)
+        name = class_names[0] if layered else "vehicle"
         _draw_bev(fig.add_subplot(gs[1, 2]), error_map(prob, target), g,
-                  f"@0.5 TP green, FP red, FN blue (IoU {iou:.3f})")
+                  f"{name} @0.5 TP green, FP red, FN blue (IoU {iou:.3f})")
     fig.tight_layout()
+    if layered:
+        from matplotlib.patches import Patch
+
+        handles = [Patch(facecolor=np.asarray(c) / 255, edgecolor="black", lw=0.5, label=n) for n, c in layer_colors(class_names)]
+        fig.subplots_adjust(bottom=0.1)
+        fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 8), fontsize=7, frameon=False)
     return fig
 
 
-def render_sample(sample: Mapping[str, Any], pred: Any = None, grid: Grid | None = None, title: str | None = None) -> np.ndarray:
+def render_sample(sample: Mapping[str, Any], pred: Any = None, grid: Grid | None = None, title: str | None = None,
+                  class_names=None) -> np.ndarray:
     """The figure of `render_figure` as an (H, W, 3) uint8 array (for image loggers)."""
-    fig = render_figure(sample, pred, grid, title)
+    fig = render_figure(sample, pred, grid, title, class_names)
     fig.canvas.draw()
     return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
 
 
 def save_sample_png(path: str | os.PathLike, batch_or_sample: Mapping[str, Any], pred: Any = None,
-                    grid: Grid | None = None, title: str | None = None) -> str:
-    """Write ONE PNG: 6 cameras + BEV target (+ prediction vs target when pred is given).
+                    grid: Grid | None = None, title: str | None = None, class_names=None) -> str:
+    """Write ONE PNG: the cameras + BEV target (+ prediction vs target when pred is given).
 
     A batch (images (B, Ncam, 3, H, W)) shows its first sample. pred: (1, X, Y) probability (or
     logits, or with a batch dim). Written atomically (temp file + os.replace). Returns the path.
     """
-    fig = render_figure(batch_or_sample, pred, grid, title)
+    fig = render_figure(batch_or_sample, pred, grid, title, class_names)
     with atomic_open(path, "wb") as f:
         fig.savefig(f, format="png")
     path = os.fspath(path)

@@ -22,6 +22,9 @@ before it (inputs excluded; outputs, intermediates, saved tensors and gradients 
 CPU: replayed from the allocation/free events of torch.profiler(profile_memory=True).
 GPU: torch.cuda.max_memory_allocated after reset_peak_memory_stats.
 
+GPU: achieved forward bandwidth of the fused op (unique bytes moved / time) vs the device's
+measured copy bandwidth and its theoretical peak (memory clock x bus width), per dtype.
+
 User level (--section user, LSS size): each method called as a training step calls it: fresh
 input tensors every call, the plan built in the call, out.sum().backward() (an expanded,
 stride-0 gradient); methods alternate within each round; medians of wall and CPU time.
@@ -32,6 +35,7 @@ user_level.malloc_default).
 
 Usage: python scripts/bench_pool.py [--section all|methods|user] [--sizes lss bevdet] [--repeats N]
                                     [--rounds N] [--threads N] [--device cpu|cuda]
+                                    [--dtypes float32 float16 bfloat16]
 Writes benchmarks/results/bench_pool_<device>.json (a single section updates its part) and
 prints tables.
 """
@@ -57,7 +61,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import bev.ops as ops  # noqa: E402
-from bev.data.render import load_rig  # noqa: E402
+from bev.data.rig import load_rig  # noqa: E402
 from bev.geometry import Grid, frustum_to_ego, make_frustum, quaternion_to_matrix, voxel_coords  # noqa: E402
 from bev.utils.io import atomic_write  # noqa: E402
 from bev.utils.malloc import MALLOC_ENV, tune_malloc_in_process  # noqa: E402
@@ -308,14 +312,25 @@ def copy_bandwidth(device):
     return 2 * x.numel() * 4 / statistics.median(times[1:])
 
 
-def bench_size(name, size, device, repeats, methods, baseline):
+def peak_bandwidth(device):
+    """The device's theoretical memory bandwidth (bytes/s) from its memory clock and bus width
+    (double data rate), or None where torch does not report them."""
+    props = torch.cuda.get_device_properties(device)
+    clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    return 2 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else None
+
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def bench_size(name, size, device, repeats, methods, baseline, dtype=torch.float32):
     coords, grid = real_rig_coords(size, device)
     B, Nc, D, fH, fW, _ = coords.shape
     C = size["channels"]
     gen = torch.Generator(device="cpu").manual_seed(0)
-    depth = torch.randn(B, Nc, D, fH, fW, generator=gen).softmax(2).to(device)
-    feats = torch.randn(B, Nc, fH, fW, C, generator=gen).to(device)
-    grad_out = torch.randn(B, C, *grid[1:], generator=gen).to(device)
+    depth = torch.randn(B, Nc, D, fH, fW, generator=gen).softmax(2).to(device, dtype)
+    feats = torch.randn(B, Nc, fH, fW, C, generator=gen).to(device, dtype)
+    grad_out = torch.randn(B, C, *grid[1:], generator=gen).to(device, dtype)
     inside = ((coords >= 0) & (coords < torch.tensor(grid[1:], device=device))).all(-1)
     plan = ops.bev_pool_plan(coords, grid, backend="native")
     occupied = int(((plan.offsets[1:] - plan.offsets[:-1]) > 0).sum())
@@ -325,7 +340,7 @@ def bench_size(name, size, device, repeats, methods, baseline):
         product_mb=product_bytes(depth, feats) / 2**20,
     )
     all_methods = dict(methods)
-    if baseline is not None:
+    if baseline is not None and dtype == torch.float32:  # the baseline kernel is fp32-only, as the original
         all_methods.update(add_baseline_methods(dict(plan=plan, grid=grid), baseline))
     rows = []
     reference_out = None
@@ -357,7 +372,7 @@ def bench_size(name, size, device, repeats, methods, baseline):
               flush=True)
         del state
     info["fused_forward_bytes"] = fused_forward_bytes(depth, feats, grid)
-    return dict(size=name, **info, rows=rows)
+    return dict(size=name, dtype=str(dtype).replace("torch.", ""), **info, rows=rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,6 +463,8 @@ def targets(results, device):
 
 
 def _targets(results, device):
+    # Targets are stated for fp32 (the other dtypes are reported alongside).
+    results = [r for r in results if r.get("dtype", "float32") == "float32"]
     by = {r["size"]: {row["method"]: row for row in r["rows"]} for r in results}
     checks = []
     if "lss" in by and device.type == "cpu":
@@ -483,6 +500,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (median)")
     parser.add_argument("--rounds", type=int, default=15, help="user level: alternating rounds (median)")
     parser.add_argument("--skip", nargs="*", default=[], help="method labels to skip")
+    parser.add_argument("--dtypes", nargs="+", default=None, choices=list(DTYPES),
+                        help="input dtypes (default: float32 on the CPU; float32, float16, bfloat16 on a GPU)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -510,12 +529,21 @@ def main(argv=None):
         load_at_start = os.getloadavg()
         methods = {k: v for k, v in METHODS.items() if k not in args.skip}
         bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
+        peak = peak_bandwidth(device) if device.type == "cuda" else None
+        dtypes = args.dtypes or (list(DTYPES) if device.type == "cuda" else ["float32"])
         results = []
-        for name in args.sizes:
-            result = bench_size(name, SIZES[name], device, repeats, methods, baseline)
-            if bandwidth:
-                result["copy_bandwidth_gb_per_s"] = bandwidth / 1e9
-            results.append(result)
+        for dtype in dtypes:
+            for name in args.sizes:
+                print(f"{name} {dtype}", flush=True)
+                result = bench_size(name, SIZES[name], device, repeats, methods, baseline, DTYPES[dtype])
+                if bandwidth:
+                    result["copy_bandwidth_gb_per_s"] = bandwidth / 1e9
+                    result["peak_bandwidth_gb_per_s"] = peak / 1e9 if peak else None
+                    for row in result["rows"]:
+                        if "forward_gb_per_s" in row:
+                            row["forward_fraction_of_copy"] = row["forward_gb_per_s"] / result["copy_bandwidth_gb_per_s"]
+                            row["forward_fraction_of_peak"] = row["forward_gb_per_s"] * 1e9 / peak if peak else None
+                results.append(result)
         checks = targets(results, device)
         report.update(
             malloc={k: os.environ.get(k, str(malloc_tuning.get(k))) for k in MALLOC_ENV}, malloc_mode=malloc_mode,
@@ -575,14 +603,20 @@ def print_user_table(user_level):
 
 
 def print_table(results, checks):
-    header = f"| size | method | fwd ms | fwd+bwd ms | fwd peak MB | fwd+bwd peak MB | GB/s |"
-    print("\n" + header + "\n|---|---|---:|---:|---:|---:|---:|")
+    header = f"| size | dtype | method | fwd ms | fwd+bwd ms | fwd peak MB | fwd+bwd peak MB | GB/s | % of peak |"
+    print("\n" + header + "\n|---|---|---|---:|---:|---:|---:|---:|---:|")
     fmt = lambda v, spec: format(v, spec) if v is not None else "-"
     for r in results:
         for row in r["rows"]:
-            print(f"| {r['size']} | {row['method']} | {fmt(row['forward_ms'], '.2f')} | {fmt(row.get('fwd_bwd_ms'), '.2f')} | "
-                  f"{fmt(row['forward_peak_mb'], '.1f')} | {fmt(row.get('fwd_bwd_peak_mb'), '.1f')} | "
-                  f"{fmt(row.get('forward_gb_per_s'), '.0f')} |")
+            peak = row.get("forward_fraction_of_peak")
+            print(f"| {r['size']} | {r.get('dtype', 'float32')} | {row['method']} | {fmt(row['forward_ms'], '.2f')} | "
+                  f"{fmt(row.get('fwd_bwd_ms'), '.2f')} | {fmt(row['forward_peak_mb'], '.1f')} | "
+                  f"{fmt(row.get('fwd_bwd_peak_mb'), '.1f')} | {fmt(row.get('forward_gb_per_s'), '.0f')} | "
+                  f"{fmt(100 * peak if peak else None, '.0f')} |")
+    for r in results:
+        if r.get("copy_bandwidth_gb_per_s"):
+            print(f"{r['size']} {r['dtype']}: device copy bandwidth {r['copy_bandwidth_gb_per_s']:.0f} GB/s, "
+                  f"theoretical peak {fmt(r.get('peak_bandwidth_gb_per_s'), '.0f')} GB/s")
     for r in results:
         print(f"{r['size']}: {r['points']} points, {r['inside_fraction']:.1%} inside, {r['occupied_voxels']} occupied voxels, "
               f"{r['points_per_occupied_voxel']:.1f} points per occupied voxel, product {r['product_mb']:.0f} MB")

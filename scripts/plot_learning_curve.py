@@ -1,9 +1,10 @@
 """Plot val/iou and train/loss against the optimiser step from a run's CSV log.
 
     python scripts/plot_learning_curve.py outputs/synthetic_cpu --out benchmarks/results/synthetic_cpu_learning_curve.png
+
+All csv/version_* logs of the run are merged in numeric order, one value per step (bev.utils.metrics_log).
 """
 import argparse
-import csv
 from pathlib import Path
 
 import matplotlib
@@ -11,15 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-
-def read_series(metrics_csv: Path, key: str) -> tuple[list[int], list[float]]:
-    steps, values = [], []
-    with open(metrics_csv) as fh:
-        for row in csv.DictReader(fh):
-            if row.get(key) not in (None, ""):
-                steps.append(int(row["step"]))
-                values.append(float(row[key]))
-    return steps, values
+from bev.utils.metrics_log import read_metrics_log  # noqa: E402
 
 
 def main() -> None:
@@ -28,21 +21,25 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--title", default=None)
     args = p.parse_args()
-    found = sorted(args.run_dir.glob("csv/version_*/metrics.csv"))
-    if not found:
-        raise SystemExit(f"no csv/version_*/metrics.csv under {args.run_dir}")
-    metrics_csv = found[-1]
+    try:
+        log = read_metrics_log(args.run_dir)
+    except FileNotFoundError as e:
+        raise SystemExit(f"plot_learning_curve: error: {e}") from None
+
+    def read_series(key: str) -> tuple[list[int], list[float]]:
+        return log.get(key, ([], []))
+
     fig, ax_loss = plt.subplots(figsize=(8, 4.5), dpi=120)
-    s, v = read_series(metrics_csv, "train/loss_step")
+    s, v = read_series("train/loss_step")
     ax_loss.plot(s, v, color="tab:gray", alpha=0.5, lw=0.8, label="train/loss (step)")
-    s, v = read_series(metrics_csv, "train/loss_epoch")
+    s, v = read_series("train/loss_epoch")
     ax_loss.plot(s, v, color="black", lw=1.5, label="train/loss (epoch mean)")
     ax_loss.set_xlabel("optimiser step")
     ax_loss.set_ylabel("BCE loss")
     ax_iou = ax_loss.twinx()
-    s, v = read_series(metrics_csv, "val/iou")
+    s, v = read_series("val/iou")
     ax_iou.plot(s, v, "o-", color="tab:blue", label="val/iou")
-    s2, v2 = read_series(metrics_csv, "val/iou_vis")
+    s2, v2 = read_series("val/iou_vis")
     if v2:
         ax_iou.plot(s2, v2, "s--", color="tab:green", ms=3, label="val/iou_vis")
     ax_iou.set_ylabel("IoU")

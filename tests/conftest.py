@@ -13,7 +13,7 @@ def synthetic_root(tmp_path_factory) -> Path:
     2 scenes x 3 key frames, seed 0: scene-0061 (mini_train) and scene-0103 (mini_val).
     Load it with NuScenes("v1.0-mini", dataroot=synthetic_root). Treat it as read-only.
     """
-    from bev.data.synthetic import make_synthetic
+    from bev.synthetic.writer import make_synthetic
 
     return make_synthetic(tmp_path_factory.mktemp("synthetic") / "nuscenes", scenes=2, samples_per_scene=3, seed=0,
                           progress=False)

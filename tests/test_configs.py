@@ -9,6 +9,7 @@ from omegaconf import OmegaConf, open_dict
 
 from bev.geometry import Grid
 from bev.train import CONFIG_DIR
+from bev.utils.precision import resolve_precision
 
 EXPERIMENTS = sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml"))
 TRAINERS = sorted(p.stem for p in (Path(CONFIG_DIR) / "trainer").glob("*.yaml"))
@@ -65,7 +66,8 @@ def test_trainer_configs_compose(trainer, tmp_path):
     cfg = compose_train(tmp_path, [f"trainer={trainer}"])
     assert cfg.trainer._target_ == "lightning.pytorch.Trainer"
     if cfg.trainer.accelerator == "cpu":
-        instantiate(cfg.trainer, logger=False, enable_checkpointing=False)
+        precision = resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator)[0]  # "auto", as bev.train does
+        instantiate(cfg.trainer, precision=precision, logger=False, enable_checkpointing=False)
 
 
 @pytest.mark.parametrize("debug", DEBUGS)

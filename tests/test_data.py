@@ -1,7 +1,7 @@
 """The nuScenes reader (NuScenesBEVDataset), its index cache, bad input and the DataModule.
 
 Two datasets: a tiny hand-made one (tests/tiny_nuscenes.py: boxes at known ego positions,
-smooth textures) and the synthetic_root fixture (bev.data.synthetic, rendered scenes).
+smooth textures) and the synthetic_root fixture (bev.synthetic, rendered scenes).
 Geometry is checked against the devkit's own projection path (NuScenes.get_sample_data and
 pyquaternion), which shares no code with the reader's index.
 """
@@ -139,6 +139,7 @@ def test_multiclass_categories(tiny_root, tmp_path):
     ds = _ds(tiny_root, tmp_path, split="mini_train", categories=[["vehicle.car"], ["human.pedestrian."]])
     s = ds[0]
     assert s["bev"].shape == (2, 200, 200) and ds.num_classes == 2
+    assert ds.class_names == ("vehicle_car", "human_pedestrian")
     for k, b in [(0, 0), (1, 2)]:
         assert np.array_equal(s["bev"][k].numpy() > 0, _cells_in_box(ds.grid, *ego_box(b)[1:]))
     with pytest.raises(ValueError, match="mixes"):
@@ -360,6 +361,18 @@ def test_datamodule_from_hydra_config(tiny_root, tmp_path):
     assert next(iter(dm.test_dataloader()))["sample_token"] == val["sample_token"]
     dm0 = NuScenesDataModule(tiny_root, num_workers=0, persistent_workers=True, cache_dir=tmp_path)
     assert dm0.persistent_workers is False and dm0.val_dataloader().num_workers == 0
+    assert dm.class_names == ("vehicle",) and dm.num_classes == 1
+
+
+def test_datamodule_with_map_layers(tiny_root, tmp_path):
+    dm = NuScenesDataModule(tiny_root, categories=[["vehicle."], ["human."]], map_layers="bevfusion", raster="lss",
+                            num_workers=0, batch_size=2, cache_dir=tmp_path)
+    assert dm.class_names == ("vehicle", "human", "drivable_area", "ped_crossing", "walkway", "stop_line",
+                              "carpark_area", "divider")
+    assert dm.num_object_classes == 2 and dm.num_classes == 8
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["bev"].shape == (2, 8, 200, 200)
+    assert (batch["bev"].sum((2, 3)) > 0).all()  # scene-0061 is at the intersection: every channel has cells
 
 
 # ---------------------------------------------------------------- the synthetic dataset
@@ -440,17 +453,17 @@ def test_bench_loader_script(synthetic_root, tmp_path):
 def synthetic_renders(synthetic_root, nusc_syn):
     """The generator's own renders (image + instance ids) of the mini_val samples of synthetic_root,
     with the vehicle annotations as (object index, ego centre, visibility). Seed/size as in conftest."""
-    from bev.data import render
-    from bev.data.synthetic import scene_names
+    from bev.synthetic import raycast, world as world_model
+    from bev.synthetic.writer import scene_names
     from bev.geometry import quaternion_to_matrix
 
     names = scene_names(2)
     (scene,) = [s for s in nusc_syn.scene if s["name"] == "scene-0103"]
-    world = render.build_world(0, names.index(scene["name"]), 3)
+    world = world_model.build_world(0, names.index(scene["name"]), 3, nusc_syn.get("log", scene["log_token"])["location"])
     out, tok, k = [], scene["first_sample_token"], 0
     while tok:
         sample = nusc_syn.get("sample", tok)
-        t = k * render.SAMPLE_DT
+        t = k * world_model.SAMPLE_DT
         pose = nusc_syn.get("ego_pose", nusc_syn.get("sample_data", sample["data"]["LIDAR_TOP"])["ego_pose_token"])
         R, tr = quaternion_to_matrix(pose["rotation"]), np.array(pose["translation"])
         by_centre = {tuple(np.round(world.object_global(o, t)[0], 6)): i for i, o in enumerate(world.objects)}
@@ -459,7 +472,7 @@ def synthetic_renders(synthetic_root, nusc_syn):
             ann = nusc_syn.get("sample_annotation", a)
             if ann["category_name"].startswith("vehicle."):
                 anns.append((by_centre[tuple(np.round(ann["translation"], 6))], (np.array(ann["translation"]) - tr) @ R))
-        cams = {name: (render.make_camera(name), render.render_camera(world, t, name)) for name in CAMERA_NAMES}
+        cams = {name: (raycast.make_camera(name), raycast.render_camera(world, t, name)) for name in CAMERA_NAMES}
         out.append((tok, anns, cams))
         tok, k = sample["next"], k + 1
     return out

@@ -5,9 +5,10 @@ import pytest
 import torch
 from pyquaternion import Quaternion
 
-from bev.data.render import load_rig
+from bev.data.rig import load_rig
 from bev.geometry import (
     CAMERA_NAMES,
+    MAX_CELLS_PER_AXIS,
     Grid,
     ego_to_image,
     frustum_to_ego,
@@ -107,3 +108,23 @@ def test_frustum_roundtrip_with_augmentation():
         uv, depth = ego_to_image(pts[0, n].reshape(-1, 3), K[n], R[n], t[n], post_rots[0, n], post_trans[0, n])
         torch.testing.assert_close(uv, f[..., :2].reshape(-1, 2))
         torch.testing.assert_close(depth, f[..., 2].reshape(-1))
+
+
+@pytest.mark.parametrize("axis", ["xbound", "ybound", "zbound", "dbound"])
+def test_grid_too_large_names_axis_count_and_limit(axis):
+    with pytest.raises(ValueError) as e:
+        Grid(**{axis: (0.0, 2.0**31 * 1e-3, 1e-3)})  # 2**31 cells: int32 indices would overflow
+    msg = str(e.value)
+    assert axis in msg and "2147483648 cells" in msg and f"limit of {MAX_CELLS_PER_AXIS}" in msg, msg
+
+
+def test_grid_total_cells_limited():
+    n = MAX_CELLS_PER_AXIS
+    with pytest.raises(ValueError, match="voxels"):
+        Grid(xbound=(0, n, 1), ybound=(0, n, 1), zbound=(0, n, 1))
+
+
+@pytest.mark.parametrize("bound", [(0.0, float("inf"), 1.0), (float("nan"), 1.0, 0.5), (0.0, 1.0, float("inf"))])
+def test_grid_non_finite_bounds(bound):
+    with pytest.raises(ValueError, match="finite"):
+        Grid(xbound=bound)

@@ -324,7 +324,7 @@ def test_native_and_torch_plans_are_identical():
     counts = native.offsets[1:] - native.offsets[:-1]
     assert torch.equal(sparse.voxels, counts.nonzero().squeeze(1)) and torch.equal(sparse.counts, counts[counts > 0])
     flat = random_coords(500, grid, gen, margin=3).int()
-    assert torch.equal(torch.ops.bev.voxel_keys(flat, list(grid), True), flat_keys(flat[:, 0], flat[:, 1:], grid))
+    assert torch.equal(torch.ops.bev._voxel_keys(flat, list(grid), True), flat_keys(flat[:, 0], flat[:, 1:], grid))
 
 
 @requires_native
@@ -344,10 +344,10 @@ def test_native_backward_reads_strided_gradients_without_copying_them():
     }
     for name, grad in layouts.items():
         dense = grad.contiguous()
-        assert torch.equal(torch.ops.bev.voxel_sum_backward(grad, plan.keys, plan.offsets),
-                           torch.ops.bev.voxel_sum_backward(dense, plan.keys, plan.offsets)), name
-        got = torch.ops.bev.bev_pool_backward(grad, depth, feats, plan.keys, plan.offsets)
-        want = torch.ops.bev.bev_pool_backward(dense, depth, feats, plan.keys, plan.offsets)
+        assert torch.equal(torch.ops.bev._voxel_sum_backward(grad, plan.keys, plan.offsets),
+                           torch.ops.bev._voxel_sum_backward(dense, plan.keys, plan.offsets)), name
+        got = torch.ops.bev._bev_pool_backward(grad, depth, feats, plan.keys, plan.offsets)
+        want = torch.ops.bev._bev_pool_backward(dense, depth, feats, plan.keys, plan.offsets)
         assert all(torch.equal(g, w) for g, w in zip(got, want)), name
 
 
@@ -382,17 +382,17 @@ def _opcheck_inputs(device="cpu", dtype=torch.float32):
     points = torch.randn(plan.keys.numel(), 5, generator=gen).to(device=device, dtype=dtype)
     grad_out = torch.randn(2, 5, 2, 3, 4, generator=gen).to(device=device, dtype=dtype)
     return {
-        "voxel_keys": (coords, grid, False),
-        "sort_keys": (plan.keys, 2 * 2 * 3 * 4),
+        "_voxel_keys": (coords, grid, False),
+        "_sort_keys": (plan.keys, 2 * 2 * 3 * 4),
         "voxel_sum": (points.requires_grad_(), plan.keys, plan.order, plan.offsets, grid),
-        "voxel_sum_backward": (grad_out, plan.keys, plan.offsets),
+        "_voxel_sum_backward": (grad_out, plan.keys, plan.offsets),
         "bev_pool": (depth.requires_grad_(), feats.requires_grad_(), plan.keys, plan.order, plan.offsets, grid),
-        "bev_pool_backward": (grad_out, depth.detach(), feats.detach(), plan.keys, plan.offsets),
+        "_bev_pool_backward": (grad_out, depth.detach(), feats.detach(), plan.keys, plan.offsets),
     }
 
 
 @requires_native
-@pytest.mark.parametrize("op_name", ["voxel_keys", "sort_keys", "voxel_sum", "voxel_sum_backward", "bev_pool", "bev_pool_backward"])
+@pytest.mark.parametrize("op_name", ["_voxel_keys", "_sort_keys", "voxel_sum", "_voxel_sum_backward", "bev_pool", "_bev_pool_backward"])
 def test_opcheck(op_name):
     args = _opcheck_inputs()[op_name]
     torch.library.opcheck(getattr(torch.ops.bev, op_name).default, args)
@@ -644,14 +644,14 @@ def test_native_kernels_survive_a_malformed_plan():
     order = torch.tensor([5, -3, 2**40, 0, 7, 1])
     offsets = torch.tensor([4, -2, 2**41, 3, 6])  # 4 voxels
     out = torch.ops.bev.voxel_sum(feats, keys, order, offsets, [1, 1, 2, 2])
-    grad = torch.ops.bev.voxel_sum_backward(torch.randn(1, 3, 1, 2, 2), keys, offsets)
+    grad = torch.ops.bev._voxel_sum_backward(torch.randn(1, 3, 1, 2, 2), keys, offsets)
     assert out.shape == (1, 3, 1, 2, 2) and grad.shape == (6, 3)
     depth, fr, _, _ = _good_frustum_args()
     keys = torch.randint(-(2**40), 2**40, (depth.numel(),))
     order = torch.randint(-100, 100, (depth.numel(),))
     offsets = torch.randint(-100, 100, (2 * 4 + 1,))
     out = torch.ops.bev.bev_pool(depth, fr, keys, order, offsets, [2, 1, 2, 2])
-    grads = torch.ops.bev.bev_pool_backward(torch.randn_like(out), depth, fr, keys, offsets)
+    grads = torch.ops.bev._bev_pool_backward(torch.randn_like(out), depth, fr, keys, offsets)
     assert out.shape == (2, 4, 1, 2, 2) and grads[0].shape == depth.shape and grads[1].shape == fr.shape
 
 

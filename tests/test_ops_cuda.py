@@ -1,7 +1,9 @@
-"""bev.ops on a CUDA device: the same checks as test_ops.py plus stream, sync and 64-bit cases.
+"""bev.ops on a CUDA device: the same checks as test_ops.py plus stream, sync and 64-bit cases,
+and the GPU's results against the CPU emulation of the same kernels (test_ops_cuda_emulated.py).
 
-Skipped without a GPU. On a GPU machine build in place first (see README / scripts/bench_pool.py):
-  TORCH_CUDA_ARCH_LIST=9.0 pip install --no-build-isolation -e . && pytest -m cuda tests/test_ops_cuda.py
+Skipped without a GPU. On a GPU machine, `make gpu-check` (scripts/gpu_check.sh) builds for the
+device and runs these; by hand: build in place first, e.g.
+  TORCH_CUDA_ARCH_LIST=9.0 python setup.py build_ext --inplace && pytest -m cuda tests/test_ops_cuda.py
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 import bev.ops as ops
+from test_ops_cuda_emulated import emu, emulated_bev_pool, emulated_voxel_sum  # noqa: F401 (emu: a fixture)
 from test_ops import (
     DTYPES,
     FRUSTUM_CASES,
@@ -108,7 +111,7 @@ def test_gradcheck_float64(backend):
 
 
 @requires_native_cuda
-@pytest.mark.parametrize("op_name", ["sort_keys", "voxel_sum", "voxel_sum_backward", "bev_pool", "bev_pool_backward"])
+@pytest.mark.parametrize("op_name", ["_sort_keys", "voxel_sum", "_voxel_sum_backward", "bev_pool", "_bev_pool_backward"])
 def test_opcheck(op_name):
     torch.library.opcheck(getattr(torch.ops.bev, op_name).default, _opcheck_inputs(DEVICE)[op_name])
 
@@ -216,3 +219,29 @@ def test_outputs_beyond_int32_elements():
     grad[0, -1, 0, 2047, 2047] = 3
     out.backward(grad)
     assert feats.grad[:2, -1].tolist() == [3, 3] and feats.grad.float().sum().item() == 6
+
+
+@requires_native_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_matches_the_emulation_of_its_kernels(emu, dtype):
+    # Same kernels, same summation order: voxel_sum's forward (adds only) and its backward (a
+    # gather) are bitwise equal; bev_pool's products may be fused (FMA) on the GPU only.
+    gen = torch.Generator().manual_seed(12)
+    grid = (2, 2, 5, 7)
+    coords = random_coords(900, grid, gen)
+    feats = torch.randn(900, 33, generator=gen, dtype=torch.float64).to(dtype)
+    grad_out = torch.randn(2, 33, 2, 5, 7, generator=gen, dtype=torch.float64).to(dtype)
+    emulated = emulated_voxel_sum(emu, feats, coords, grid, grad_out)
+    f = feats.to(DEVICE).requires_grad_()
+    out = ops.voxel_sum(f, coords.to(DEVICE), grid, backend="native")
+    out.backward(grad_out.to(DEVICE))
+    assert torch.equal(out.cpu(), emulated[0]) and torch.equal(f.grad.cpu(), emulated[1])
+
+    depth, feats, coords = random_frustum(2, 3, 4, 3, 5, 33, grid, dtype, gen)
+    grad_out = torch.randn(2, 33, 2, 5, 7, generator=gen, dtype=torch.float64).to(dtype)
+    emulated = emulated_bev_pool(emu, depth, feats, coords, grid, grad_out)
+    d, f = depth.to(DEVICE).requires_grad_(), feats.to(DEVICE).requires_grad_()
+    out = ops.bev_pool(d, f, coords.to(DEVICE), grid, backend="native")
+    out.backward(grad_out.to(DEVICE))
+    for got, want in zip((out, d.grad, f.grad), emulated):
+        assert_matches(got.cpu(), want.to(torch.float64), dtype)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import bev.ops as ops
-from bev.ops import _plan
+from bev.ops import _checks
 from test_ops import frustum_to_points, index_add_bev_pool, index_add_voxel_sum, random_coords
 
 NATIVE = pytest.mark.skipif(not ops.native_available("cpu"), reason="native CPU kernels not built")
@@ -262,7 +262,7 @@ def test_sparse_plan_memory_scales_with_points():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grid_larger_than_the_device_is_refused_before_allocating(backend, monkeypatch):
     # Pretend the machine has 1 GB, so no test machine ever tries the 40 GB allocation.
-    monkeypatch.setattr(_plan, "memory_limit", lambda device: 10**9)
+    monkeypatch.setattr(_checks, "memory_limit", lambda device: 10**9)
     grid = (1, 1, 100_000, 100_000)
     with pytest.raises(MemoryError, match=r"grid_shape=\(1, 1, 100000, 100000\).* GB"):
         ops.voxel_sum(torch.ones(1, 1), torch.zeros(1, 4, dtype=torch.long), grid, backend=backend)
@@ -276,10 +276,10 @@ def test_grid_larger_than_the_device_is_refused_before_allocating(backend, monke
 
 
 def test_memory_error_names_the_bytes_and_the_limit(monkeypatch):
-    monkeypatch.setattr(_plan, "memory_limit", lambda device: 2 * 10**9)
+    monkeypatch.setattr(_checks, "memory_limit", lambda device: 2 * 10**9)
     with pytest.raises(MemoryError, match=r"needs at least 40\.0 GB for the output, more than the 2\.0 GB"):
-        _plan.check_memory((1, 1, 100_000, 100_000), 4, "the output", torch.device("cpu"))
-    _plan.check_memory((1, 1, 10_000, 10_000), 4, "the output", torch.device("cpu"))  # 0.4 GB: fine
+        _checks.check_memory((1, 1, 100_000, 100_000), 4, "the output", torch.device("cpu"))
+    _checks.check_memory((1, 1, 10_000, 10_000), 4, "the output", torch.device("cpu"))  # 0.4 GB: fine
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -90,3 +90,36 @@ def test_degenerate_box_fills_nothing():
     fp = box_footprints([[0.25, 0.25, 0.0]], [[0.0, 4.0, 1.0]], [_rot(0.3)])
     bev, _ = rasterize_boxes(fp, [0], [1], grid)
     assert bev.sum() == 0
+
+
+def test_lss_raster_matches_a_hand_computed_lss_target():
+    grid = Grid()
+    # Same car as above: x in [8.1, 12.1], y in [-4.3, -2.3]. LSS: (p - lo) / step rounded ->
+    # x 116.2 -> 116, 124.2 -> 124; y 91.4 -> 91, 95.4 -> 95; cv2.fillPoly fills the boundary too.
+    fp = box_footprints([[10.1, -3.3, 0.8]], [[2.0, 4.0, 1.6]], [_rot(0.0)])
+    bev, vis = rasterize_boxes(fp, [0], [3], grid, raster="lss")
+    expected = np.zeros((200, 200), np.float32)
+    expected[116:125, 91:96] = 1  # 9 x 5 cells where the centre rule gives 8 x 4
+    assert np.array_equal(bev[0], expected) and np.array_equal(vis, (expected * 3).astype(np.uint8))
+    # Rounding is NumPy's half-to-even, as LSS's np.round: on 1 m cells a corner at x = 2.5 -> 52.5 -> 52.
+    g1 = Grid(xbound=(-50, 50, 1.0), ybound=(-50, 50, 1.0))
+    fp = box_footprints([[1.5, 0.0, 0.0]], [[2.0, 2.0, 1.0]], [_rot(0.0)])  # x in [0.5, 2.5] -> 50.5, 52.5
+    bev, _ = rasterize_boxes(fp, [0], [1], g1, raster="lss")
+    assert sorted(set(np.nonzero(bev[0])[0].tolist())) == [50, 51, 52] and sorted(set(np.nonzero(bev[0])[1].tolist())) == [49, 50, 51]
+
+
+def test_lss_raster_of_a_rotated_box_against_lss_formula():
+    import cv2
+
+    grid = Grid()
+    fp = box_footprints([[-7.3, 12.9, 0.0]], [[1.9, 4.6, 1.5]], [_rot(0.7)])
+    bev, _ = rasterize_boxes(fp, [0], [1], grid, raster="lss")
+    # lift-splat-shoot src/data.py get_binimg, literally: bx = lo + step/2, dx = step.
+    bx, dx = np.array([-49.75, -49.75]), np.array([0.5, 0.5])
+    pts = np.round((fp[0] - bx + dx / 2.0) / dx).astype(np.int32)
+    pts[:, [1, 0]] = pts[:, [0, 1]]
+    img = np.zeros((200, 200))
+    cv2.fillPoly(img, [pts], 1.0)
+    assert np.array_equal(bev[0], img.astype(np.float32)) and img.sum() > 40
+    with pytest.raises(ValueError, match="unknown data.raster 'corner'"):
+        rasterize_boxes(fp, [0], [1], grid, raster="corner")

@@ -1,8 +1,10 @@
 """The synthetic nuScenes-format dataset: devkit compatibility, links, splits, geometry, visibility, errors."""
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -10,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from bev.data import render
-from bev.data.synthetic import TABLES, VERSION, make_synthetic, scene_names
+from bev.data.rig import MINI_LOCATIONS, load_rig
+from bev.synthetic import raycast, world as world_model
+from bev.synthetic.writer import MANIFEST, TABLES, VERSION, make_synthetic, scene_names
 from bev.geometry import CAMERA_NAMES, ego_to_image, quaternion_to_matrix
 
 SEED, SCENES, SAMPLES = 0, 2, 3  # what the synthetic_root fixture writes
@@ -37,7 +40,7 @@ def _box_corners(ann) -> np.ndarray:
     return np.array(ann["translation"]) + (signs * [l / 2, w / 2, h / 2]) @ quaternion_to_matrix(ann["rotation"]).T
 
 
-def _project(cam: render.Camera, pts_ego: np.ndarray):
+def _project(cam: raycast.Camera, pts_ego: np.ndarray):
     """Render-resolution (u, v) and depth through bev.geometry.ego_to_image with the rig calibration."""
     d = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
     uv, depth = ego_to_image(d(pts_ego), d(cam.intrinsic), d(cam.rotation), d(cam.translation),
@@ -55,7 +58,7 @@ def _world_index(nusc):
         while tok:
             toks.append(tok)
             tok = nusc.get("sample", tok)["next"]
-        out[scene["name"]] = (si, render.build_world(SEED, si, SAMPLES), toks)
+        out[scene["name"]] = (si, world_model.build_world(SEED, si, SAMPLES, MINI_LOCATIONS[scene["name"]]), toks)
     return out
 
 
@@ -99,8 +102,7 @@ def test_ego_and_vehicles_drive_on_the_map(nusc):
         assert mask.is_on_mask(ego["translation"][0], ego["translation"][1]).all()
         anns = [nusc.get("sample_annotation", a) for a in sample["anns"]]
         xy = np.array([a["translation"][:2] for a in anns if a["category_name"].startswith("vehicle.")])
-        inside = (xy > 0).all(1) & (xy < 500).all(1)  # the map covers [0, 500] m
-        assert mask.is_on_mask(xy[inside, 0], xy[inside, 1]).all()
+        assert mask.is_on_mask(xy[:, 0], xy[:, 1]).all()  # the map covers every vehicle
         people = np.array([a["translation"][:2] for a in anns if a["category_name"].startswith("human.")])
         assert not mask.is_on_mask(people[:, 0], people[:, 1]).any()  # pedestrians stay on the sidewalks
 
@@ -196,7 +198,7 @@ def test_scene_name_rule():
 def test_object_centres_lie_inside_their_rendered_shapes():
     # Why: the projection tests below rely on an annotation's centre being on the object's surface path.
     for seed in range(3):
-        world = render.build_world(seed, 0, 4)
+        world = world_model.build_world(seed, 0, 4, "boston-seaport")
         for obj in world.objects:
             if obj.category:
                 assert any(np.all(np.abs(c) < h) for c, h, *_ in obj.parts), obj.category
@@ -222,7 +224,7 @@ def test_vehicles_never_intersect_other_objects():
     from shapely.geometry import Polygon
 
     for seed in range(3):
-        world = render.build_world(seed, 0, 20)
+        world = world_model.build_world(seed, 0, 20, ("singapore-onenorth", "boston-seaport", "singapore-queenstown")[seed])
         for t in (0.0, 4.5, 9.5):
             ego_xy, ego_yaw = world.ego_pose(t)
             boxes = [(o.category, world.object_global(o, t), o.size) for o in world.objects
@@ -248,13 +250,13 @@ def test_projected_boxes_land_on_their_rendered_pixels(nusc):
             sample = nusc.get("sample", tok)
             R, t = _ego_from_global(nusc, sample)  # global -> LIDAR_TOP ego frame
             anns = [nusc.get("sample_annotation", a) for a in sample["anns"]]
-            index = _object_of(world, k * render.SAMPLE_DT)
+            index = _object_of(world, k * world_model.SAMPLE_DT)
             obj = np.array([index(a) for a in anns])
             centres = (np.array([a["translation"] for a in anns]) - t) @ R
             corners = (np.concatenate([_box_corners(a) for a in anns]) - t) @ R
             for cam_name in CAMERA_NAMES:
-                cam = render.make_camera(cam_name)
-                r = render.render_camera(world, k * render.SAMPLE_DT, cam)
+                cam = raycast.make_camera(cam_name)
+                r = raycast.render_camera(world, k * world_model.SAMPLE_DT, cam)
                 H, W = cam.shape
                 uv, d = _project(cam, centres)
                 row, col = np.round(uv[:, 1]).astype(int), np.round(uv[:, 0]).astype(int)
@@ -271,7 +273,7 @@ def test_projected_boxes_land_on_their_rendered_pixels(nusc):
                 uvc, dc = _project(cam, corners)
                 uvc, dc = uvc.reshape(-1, 8, 2), dc.reshape(-1, 8)
                 bb = _id_bboxes(r.ids, len(world.objects))[obj + 1]
-                check = (dc.min(1) > render.NEAR) & (bb[:, 0] <= bb[:, 1])
+                check = (dc.min(1) > raycast.NEAR) & (bb[:, 0] <= bb[:, 1])
                 checked_boxes += check.sum()
                 lo, hi = uvc.min(1)[check] - 1, uvc.max(1)[check] + 1
                 assert (bb[check, 2] >= lo[:, 0]).all() and (bb[check, 3] <= hi[:, 0]).all(), (name, cam_name)
@@ -285,8 +287,8 @@ def test_visibility_matches_the_id_buffers(nusc):
     levels = defaultdict(int)
     for name, (si, world, tokens) in _world_index(nusc).items():
         for k, tok in enumerate(tokens):
-            t = k * render.SAMPLE_DT
-            renders, counts = render.render_sample(world, t)
+            t = k * world_model.SAMPLE_DT
+            renders, counts = raycast.render_sample(world, t)
             index = _object_of(world, t)
             for a in nusc.get("sample", tok)["anns"]:
                 ann = nusc.get("sample_annotation", a)
@@ -302,13 +304,13 @@ def test_visibility_matches_the_id_buffers(nusc):
 
 
 def test_coverage_is_the_object_rendered_alone():
-    world = render.build_world(SEED, 0, 2)
-    objects = render.visible_objects(world, 0.0, render.RENDER_RANGE)
-    full = render.render_camera(world, 0.0, "CAM_FRONT", objects)
+    world = world_model.build_world(SEED, 0, 2, "singapore-onenorth")
+    objects = world_model.visible_objects(world, 0.0, world_model.RENDER_RANGE)
+    full = raycast.render_camera(world, 0.0, "CAM_FRONT", objects)
     occluded = [i for i, n in full.coverage.items() if (full.ids == i + 1).sum() < n]
     assert occluded, "expected some occlusion in front of the ego"
     for i in occluded[:5]:
-        alone = render.render_camera(world, 0.0, "CAM_FRONT", [i])
+        alone = raycast.render_camera(world, 0.0, "CAM_FRONT", [i])
         assert (alone.ids == i + 1).sum() == full.coverage[i] == alone.coverage[i]
 
 
@@ -330,7 +332,7 @@ def test_image_shows_vehicles_in_colour(nusc, synthetic_root):
     from PIL import Image
 
     (si, world, tokens) = _world_index(nusc)["scene-0061"]
-    r = render.render_camera(world, 0.0, "CAM_FRONT")
+    r = raycast.render_camera(world, 0.0, "CAM_FRONT")
     img = np.asarray(Image.open(synthetic_root / nusc.get("sample_data", nusc.get("sample", tokens[0])["data"]["CAM_FRONT"])["filename"]))
     small = img[::2, ::2].astype(np.float64) / 255.0  # render resolution, close enough for statistics
     sat = small.max(-1) - small.min(-1)
@@ -376,15 +378,69 @@ def test_existing_dataset_needs_overwrite(tmp_path):
     (out / "keep.txt").write_text("user file")
     with pytest.raises(FileExistsError, match="not empty.*overwrite"):
         make_synthetic(out, scenes=1, samples_per_scene=1, progress=False)
+    make_synthetic(out, scenes=1, samples_per_scene=2, progress=False, overwrite=True)
+    with pytest.raises(FileExistsError, match="not empty.*overwrite"):
+        make_synthetic(out, scenes=1, samples_per_scene=1, progress=False)
+    first = set(json.loads((out / MANIFEST).read_text())["files"])
     make_synthetic(out, scenes=1, samples_per_scene=1, progress=False, overwrite=True)
-    (out / "samples" / "CAM_FRONT" / "stale.jpg").write_bytes(b"old")
-    make_synthetic(out, scenes=1, samples_per_scene=1, progress=False, overwrite=True)
-    assert not (out / "samples" / "CAM_FRONT" / "stale.jpg").exists()  # the old dataset was replaced
+    second = set(json.loads((out / MANIFEST).read_text())["files"])
+    assert second < first and all((out / f).is_file() for f in second)
+    assert not any((out / f).exists() for f in first - second)  # the old dataset's own files were replaced
     assert (out / "keep.txt").read_text() == "user file"  # other files are left alone
 
 
+def test_overwrite_keeps_files_it_did_not_write(tmp_path):
+    """--overwrite removes only the files its manifest lists (it once deleted a user's samples/MYCAM/mine.jpg)."""
+    out = make_synthetic(tmp_path / "out", scenes=1, samples_per_scene=1, progress=False)
+    mine = out / "samples" / "MYCAM" / "mine.jpg"
+    mine.parent.mkdir()
+    mine.write_bytes(b"user image")
+    (out / "samples" / "CAM_FRONT" / "extra.jpg").write_bytes(b"also the user's")
+    make_synthetic(out, scenes=1, samples_per_scene=1, seed=5, progress=False, overwrite=True)
+    assert mine.read_bytes() == b"user image" and (out / "samples" / "CAM_FRONT" / "extra.jpg").exists()
+    assert json.loads((out / MANIFEST).read_text())["files"]  # the new dataset is recorded
+
+
+def test_refuses_a_dataset_it_did_not_write(tmp_path):
+    out = tmp_path / "real"
+    (out / VERSION).mkdir(parents=True)
+    (out / VERSION / "scene.json").write_text("[]")
+    (out / "samples" / "CAM_FRONT").mkdir(parents=True)
+    (out / "samples" / "CAM_FRONT" / "a.jpg").write_bytes(b"real image")
+    before = _tree(out)
+    with pytest.raises(FileExistsError, match="did not write"):
+        make_synthetic(out, scenes=1, samples_per_scene=1, progress=False, overwrite=True)
+    assert _tree(out) == before  # nothing deleted, nothing written
+    # A manifest pointing outside --out is refused too, before anything is deleted.
+    other = make_synthetic(tmp_path / "syn", scenes=1, samples_per_scene=1, progress=False)
+    (other / MANIFEST).write_text(json.dumps({"files": ["../real/samples/CAM_FRONT/a.jpg"], "dirs": []}))
+    with pytest.raises(ValueError, match="not inside"):
+        make_synthetic(other, scenes=1, samples_per_scene=1, progress=False, overwrite=True)
+    assert _tree(out) == before
+
+
+def test_cli_read_only_out(tmp_path, capsys, monkeypatch):
+    from bev.synthetic import writer
+
+    out = tmp_path / "ro"
+    out.mkdir()
+    out.chmod(0o555)
+    if os.geteuid() == 0:  # root writes through permission bits: make the first write fail as it would
+        def denied(*args, dir=None, **kwargs):
+            raise PermissionError(errno.EACCES, "Permission denied", str(dir))
+        monkeypatch.setattr(writer.tempfile, "mkstemp", denied)
+        monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: denied(dir=self))
+    try:
+        assert writer.main(["--out", str(out), "--scenes", "1", "--samples-per-scene", "1", "--workers", "1"]) == 1
+    finally:
+        out.chmod(0o755)
+    err = capsys.readouterr().err
+    assert "cannot write the dataset" in err and "Permission denied" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_cli(tmp_path, capsys):
-    from bev.data.synthetic import main
+    from bev.synthetic.writer import main
 
     out = tmp_path / "cli"
     assert main(["--out", str(out), "--scenes", "2", "--samples-per-scene", "1", "--seed", "1"]) == 0
@@ -395,7 +451,7 @@ def test_cli(tmp_path, capsys):
 
 
 def test_bundled_rig_is_the_real_rig():
-    rig = render.load_rig()
+    rig = load_rig()
     assert rig["image_size"] == {"width": 1600, "height": 900}
     assert list(rig["camera_order"]) == list(CAMERA_NAMES)
     front = rig["cameras"]["CAM_FRONT"]
@@ -409,7 +465,7 @@ def test_default_dataset_is_the_mini_split(tmp_path):
     from nuscenes.nuscenes import NuScenes
     from nuscenes.utils.splits import create_splits_scenes
 
-    from bev.data.synthetic import DEFAULT_SAMPLES
+    from bev.synthetic.writer import DEFAULT_SAMPLES
 
     root = make_synthetic(tmp_path / "default", progress=False)
     nusc = NuScenes(version=VERSION, dataroot=str(root), verbose=False)

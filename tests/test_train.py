@@ -3,6 +3,7 @@ fast_dev_run, train -> eval agreement, resume, sweep summary, DDP on CPU, bad-in
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -172,3 +173,69 @@ def test_checkpoint_from_an_incompatible_model(trained_run, synthetic_root, tmp_
             f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
     assert train_cli(args, monkeypatch) == 1
     assert_one_paragraph(capsys.readouterr().err, "different model config", "model.net.bev.widths")
+
+
+def test_eval_model_override_applies_to_the_checkpoint_config(trained_run, synthetic_root, tmp_path, monkeypatch, capsys):
+    base = [f"ckpt_path={trained_run}", f"data.dataroot={synthetic_root}", "num_pngs=0"]
+    # A setting that does not change the weights is applied on top of the checkpoint's model config...
+    assert eval_cli([*base, "+model.threshold=0.3", f"hydra.run.dir={tmp_path / 'a'}"], monkeypatch) == 0
+    assert json.loads((tmp_path / "a" / "metrics.json").read_text())["threshold"] == 0.3
+    # ...one that does is refused, naming the key.
+    assert eval_cli([*base, "+model.net.context_channels=16", f"hydra.run.dir={tmp_path / 'b'}"], monkeypatch) == 1
+    assert_one_paragraph(capsys.readouterr().err, "bev-eval: error:", "model.net.context_channels: 8 -> 16")
+
+
+def test_resume_in_the_run_dir_continues_its_metrics_log(trained_run, synthetic_root, tmp_path, monkeypatch):
+    from bev.utils.metrics_log import read_metrics_log
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    (log,) = run.glob("csv/version_*/metrics.csv")
+    first = read_metrics_log(run)["train/loss_step"]
+    # A run killed after logging a step past its last checkpoint: the resumed run logs that step again.
+    with open(log, newline="") as f:
+        header = next(csv.reader(f))
+    redo = max(first[0]) + 1
+    with open(log, "a", newline="") as f:
+        csv.DictWriter(f, header).writerow({"step": redo, "epoch": 1, "train/loss_step": 999.0})
+    args = [*TINY, "trainer.max_epochs=2", "callbacks.bev_png.every_n_steps=0",
+            f"ckpt_path={run}/checkpoints/last.ckpt", f"data.dataroot={synthetic_root}", f"hydra.run.dir={run}"]
+    assert train_cli(args, monkeypatch) == 0
+    assert list(run.glob("csv/version_*/metrics.csv")) == [log]  # no new version: the same log goes on
+    steps, values = read_metrics_log(run)["train/loss_step"]
+    assert steps == sorted(set(steps)) and len(steps) == 2 * len(first[0])  # both epochs, one value per step
+    assert steps[: len(first[0])] == first[0] and values[: len(first[1])] == first[1]  # the first epoch is kept
+    assert redo in steps and 999.0 not in values  # the re-logged step keeps the resumed run's record
+    assert len(read_metrics_log(run)["val/iou"][0]) == 2
+
+
+def write_log(run: Path, version: int, rows: list[dict]) -> None:
+    d = run / "csv" / f"version_{version}"
+    d.mkdir(parents=True)
+    with open(d / "metrics.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, ["epoch", "step", "train/loss_step", "val/iou"])
+        w.writeheader()
+        w.writerows(rows)
+
+
+def test_metrics_log_merges_versions_in_numeric_order(tmp_path):
+    from bev.utils.metrics_log import read_metrics_log
+
+    write_log(tmp_path, 2, [{"step": s, "train/loss_step": 1.0} for s in range(4)] + [{"step": 3, "val/iou": 0.1}])
+    write_log(tmp_path, 10, [{"step": s, "train/loss_step": 2.0} for s in range(3, 6)])  # resumed after step 2
+    loss = read_metrics_log(tmp_path)["train/loss_step"]
+    assert loss == ([0, 1, 2, 3, 4, 5], [1.0, 1.0, 1.0, 2.0, 2.0, 2.0])
+    assert read_metrics_log(tmp_path)["val/iou"] == ([3], [0.1])
+    write_log(tmp_path, 11, [{"step": s, "train/loss_step": 3.0} for s in range(2)])  # a new run from scratch
+    assert read_metrics_log(tmp_path)["train/loss_step"] == ([0, 1], [3.0, 3.0])
+
+
+def test_plot_learning_curve_script(tmp_path, monkeypatch, capsys):
+    import runpy
+
+    write_log(tmp_path, 2, [{"step": s, "train/loss_step": 1.0 - s / 10} for s in range(4)] + [{"step": 3, "epoch": 0, "val/iou": 0.2}])
+    write_log(tmp_path, 10, [{"step": s, "train/loss_step": 0.5} for s in range(3, 6)] + [{"step": 5, "epoch": 1, "val/iou": 0.3}])
+    out = tmp_path / "curve.png"
+    monkeypatch.setattr(sys, "argv", ["plot", str(tmp_path), "--out", str(out)])
+    runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "plot_learning_curve.py"), run_name="__main__")
+    assert out.stat().st_size > 1000 and "wrote" in capsys.readouterr().out

@@ -88,3 +88,28 @@ def test_bev_axes_follow_the_sample_grid():
     ax = render_figure(s).axes[1]
     assert ax.get_ylim() == pytest.approx((-10.0, 30.0))  # x forward, up
     assert ax.get_xlim() == pytest.approx((10.0, -10.0))  # y left, to the left
+
+
+def test_map_layers_in_colour_under_the_vehicles(tmp_path):
+    from bev.viz import BACKGROUND, MAP_COLORS, OBJECT_COLORS, compose_layers
+
+    names = ("vehicle", "drivable_area", "divider")
+    bev = torch.zeros(3, 200, 200)
+    bev[1, :, 80:120] = 1  # a road ahead of and behind the ego
+    bev[2, :, 99:101] = 1  # its centre line
+    bev[0, 150:160, 95:105] = 1  # a vehicle on the road, over the line
+    img = compose_layers(bev.numpy(), names)
+    assert tuple(img[155, 100]) == OBJECT_COLORS[0]  # the vehicle is on top
+    assert tuple(img[50, 100]) == MAP_COLORS["divider"] and tuple(img[50, 85]) == MAP_COLORS["drivable_area"]
+    assert tuple(img[50, 10]) == BACKGROUND
+    half = compose_layers(bev.numpy() * 0.5, names)  # a prediction blends by probability
+    assert 0 < half[50, 85].astype(int).sum() < img[50, 85].astype(int).sum() + 3 * 40
+    s = _sample()
+    s["bev"] = bev
+    fig = render_figure(s, pred=bev.clone() * 0.9, class_names=names)
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == list(names)
+    path = save_sample_png(tmp_path / "map.png", s, pred=bev * 0.9, class_names=names)
+    png = np.asarray(Image.open(path).convert("RGB"))
+    assert (np.abs(png.astype(int) - MAP_COLORS["drivable_area"]).sum(-1) == 0).sum() > 500
+    with pytest.raises(ValueError, match="2 class names"):
+        render_figure(s, class_names=names[:2])

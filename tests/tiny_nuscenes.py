@@ -1,15 +1,21 @@
-"""A tiny hand-made nuScenes-format dataset for reader tests (independent of bev.data.synthetic).
+"""A tiny hand-made nuScenes-format dataset for reader tests (independent of bev.synthetic).
 
 Two scenes (scene-0061 from mini_train, scene-0103 from mini_val), `samples` key frames each,
 all 13 tables, smooth-textured 1600x900 JPEGs, a 6-camera rig from yaw angles, an ego pose
 that moves and turns, cameras timestamped (and posed) slightly after LIDAR_TOP, and a few
 vehicle / pedestrian boxes placed at known EGO-frame positions of each sample.
+
+The log's location is singapore-onenorth and maps/expansion/singapore-onenorth.json is a small
+map expansion (v1.3 schema, readable by the devkit's NuScenesMap): an intersection centred at
+(110, 205) next to scene-0061's ego poses, a straight road under scene-0103's, and one parking
+spot (carpark_area) exactly under the truck (BOXES[1]) of scene-0061's first sample.
 """
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -62,7 +68,104 @@ def texture(seed: int) -> np.ndarray:
     return np.clip(np.stack([r, g, b], -1), 0, 255).astype(np.uint8)
 
 
-def write_tiny(root: Path, samples: int = 2) -> Path:
+LOCATION = "singapore-onenorth"
+SCENES = [("scene-0061", 100.0), ("scene-0103", 500.0)]  # (name, x of the first ego pose)
+
+
+def ego_pose(scene: int, k: int) -> tuple[np.ndarray, float]:
+    """Global translation and yaw (rad) of the LIDAR_TOP ego pose of sample k of SCENES[scene]."""
+    return np.array([SCENES[scene][1] + 5.0 * k, 200.0 + 2.0 * k, 0.0]), 0.3 + 0.2 * k
+
+
+def _rect(x0, x1, y0, y1):
+    return [(x0, y0), (x1, y0), (x1, y1), (x0, y1)]
+
+
+def parking_spot() -> list[tuple[float, float]]:
+    """Global footprint of the truck (BOXES[1]) in sample 0 of scene-0061."""
+    _, ex, ey, yaw, (w, l, _h), _ = BOXES[1]
+    t, ego_yaw = ego_pose(0, 0)
+    R = _rz(ego_yaw)[:2, :2]
+    c = R @ np.array([ex, ey]) + t[:2]
+    h = _rz(ego_yaw + yaw)[:2, :2]
+    return [tuple(c + h @ np.array([sx * l / 2, sy * w / 2])) for sx, sy in [(1, 1), (-1, 1), (-1, -1), (1, -1)]]
+
+
+# Polygons: layer -> list of (exterior ring, [holes]); drivable_area records group polygons.
+MAP_POLYGONS = {
+    "drivable_area": [
+        (_rect(40, 180, 198, 212), []),  # east-west road
+        (_rect(103, 117, 130, 280), []),  # north-south road
+        (_rect(130, 150, 225, 245), [_rect(136, 144, 231, 239)]),  # a square around an island (hole)
+        (_rect(440, 570, 193, 211), []),  # scene-0103's road
+    ],
+    "road_segment": [(_rect(103, 117, 198, 212), []), (_rect(40, 103, 198, 212), [])],
+    "lane": [(_rect(40, 103, 205, 212), [])],
+    "ped_crossing": [(_rect(97, 102, 198, 212), []), ([(103, 214), (117, 215.5), (117, 219.5), (103, 218)], [])],
+    "walkway": [([(40, 212), (101, 212), (101, 222), (97, 222), (97, 216), (40, 216)], [])],  # an L
+    "stop_line": [(_rect(95, 96, 198, 205), [])],
+    "carpark_area": [(_rect(60, 80, 225, 240), [])],  # + parking_spot()
+}
+MAP_LINES = {
+    "road_divider": [[(40, 205), (103, 205)], [(117, 205), (180, 205)], [(110, 130), (110, 198)], [(440, 202), (570, 202)]],
+    "lane_divider": [[(40, 208.5), (103, 208.5)], [(120, 215), (160, 250)]],
+}
+
+
+def write_map(root: Path, location: str = LOCATION) -> Path:
+    """maps/expansion/<location>.json in the nuScenes map expansion v1.3 schema."""
+    m: dict[str, Any] = {"version": "1.3", "canvas_edge": [3000.0, 3000.0], "node": [], "line": [], "polygon": [],
+                         "traffic_light": [], "arcline_path_3": {}, "connectivity": {}, "lane_connector": [],
+                         "road_block": []}
+
+    def nodes(pts):
+        toks = []
+        for x, y in pts:
+            toks.append(f"n{len(m['node'])}")
+            m["node"].append({"token": toks[-1], "x": float(x), "y": float(y)})
+        return toks
+
+    def polygon(ext, holes):
+        tok = f"p{len(m['polygon'])}"
+        m["polygon"].append({"token": tok, "exterior_node_tokens": nodes(ext),
+                             "holes": [{"node_tokens": nodes(h)} for h in holes]})
+        return tok
+
+    polys = {k: list(v) for k, v in MAP_POLYGONS.items()}
+    polys["carpark_area"].append((parking_spot(), []))
+    m["drivable_area"] = [{"token": "da0", "polygon_tokens": [polygon(*p) for p in polys["drivable_area"]]}]
+    for layer, items in polys.items():
+        if layer == "drivable_area":
+            continue
+        m[layer] = []
+        for k, p in enumerate(items):
+            rec = {"token": f"{layer}{k}", "polygon_token": polygon(*p)}
+            rec.update({
+                "road_segment": {"is_intersection": k == 0, "drivable_area_token": "da0"},
+                "lane": {"lane_type": "CAR", "from_edge_line_token": None, "to_edge_line_token": None,
+                         "left_lane_divider_segments": [], "right_lane_divider_segments": []},
+                "ped_crossing": {"road_segment_token": "road_segment0"},
+                "stop_line": {"stop_line_type": "STOP_SIGN", "ped_crossing_tokens": [], "traffic_light_tokens": [],
+                              "road_block_token": None},
+                "carpark_area": {"orientation": 0.0, "road_block_token": None},
+            }.get(layer, {}))
+            m[layer].append(rec)
+    for layer, items in MAP_LINES.items():
+        m[layer] = []
+        for k, pts in enumerate(items):
+            tok = f"l{len(m['line'])}"
+            m["line"].append({"token": tok, "node_tokens": nodes(pts)})
+            rec = {"token": f"{layer}{k}", "line_token": tok}
+            rec.update({"road_divider": {"road_segment_token": None},
+                        "lane_divider": {"lane_divider_segments": []}}[layer])
+            m[layer].append(rec)
+    path = root / "maps" / "expansion" / f"{location}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(m))
+    return path
+
+
+def write_tiny(root: Path, samples: int = 2, with_map: bool = True) -> Path:
     root = Path(root)
     tables: dict[str, list] = {t: [] for t in (
         "attribute", "calibrated_sensor", "category", "ego_pose", "instance", "log", "map",
@@ -73,7 +176,7 @@ def write_tiny(root: Path, samples: int = 2) -> Path:
     for c in cats:
         tables["category"].append({"token": f"cat-{c}", "name": c, "description": c})
     tables["log"].append({"token": "log0", "logfile": "log0", "vehicle": "v", "date_captured": "2018-07-18",
-                          "location": "singapore-onenorth"})
+                          "location": LOCATION})
     tables["map"].append({"token": "map0", "log_tokens": ["log0"], "category": "semantic_prior",
                           "filename": "maps/map0.png"})
     (root / "maps").mkdir(parents=True, exist_ok=True)
@@ -91,13 +194,12 @@ def write_tiny(root: Path, samples: int = 2) -> Path:
         tables["calibrated_sensor"].append({"token": f"cs-{ch}", "sensor_token": f"sensor-{ch}", **cs})
     instances: dict[tuple, dict] = {}
     seed = 0
-    for si, (scene_name, x0) in enumerate([("scene-0061", 100.0), ("scene-0103", 500.0)]):
+    for si, (scene_name, _x0) in enumerate(SCENES):
         scene_tok = f"scene{si}"
         sample_toks = [f"s{si}-{k}" for k in range(samples)]
         for k, stok in enumerate(sample_toks):
             t0 = 1_531_000_000_000_000 + si * 10**9 + k * 500_000
-            ego_yaw = 0.3 + 0.2 * k
-            ego_t = np.array([x0 + 5.0 * k, 200.0 + 2.0 * k, 0.0])
+            ego_t, ego_yaw = ego_pose(si, k)
             tables["sample"].append({"token": stok, "timestamp": t0, "scene_token": scene_tok,
                                      "prev": sample_toks[k - 1] if k else "",
                                      "next": sample_toks[k + 1] if k + 1 < samples else ""})
@@ -142,6 +244,8 @@ def write_tiny(root: Path, samples: int = 2) -> Path:
     ver.mkdir(parents=True, exist_ok=True)
     for name, rows in tables.items():
         (ver / f"{name}.json").write_text(json.dumps(rows))
+    if with_map:
+        write_map(root)
     return root
 
 

@@ -1,7 +1,7 @@
 """nuScenes data for Lift-Splat: reader, transforms, BEV rasterisation, LightningDataModule.
 
 Names are imported lazily, so `import bev.data` is cheap (no lightning import for a DataLoader
-worker or the gallery) and make_synthetic (bev.data.synthetic) is only loaded when used.
+worker or the gallery) and make_synthetic (bev.synthetic.writer) is only loaded when used.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 _EXPORTS = {
     "NuScenesBEVDataset": "bev.data.nuscenes",
     "NuScenesDataModule": "bev.data.datamodule",
-    "make_synthetic": "bev.data.synthetic",
+    "make_synthetic": "bev.synthetic.writer",
 }
 __all__ = list(_EXPORTS)
 

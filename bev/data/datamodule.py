@@ -7,7 +7,9 @@ from typing import Any, Sequence
 import lightning as L
 from torch.utils.data import DataLoader
 
-from bev.data.nuscenes import NuScenesBEVDataset, normalize_categories
+from bev.data.maps import normalize_map_layers
+from bev.data.nuscenes import NuScenesBEVDataset, normalize_categories, object_class_names
+from bev.data.rasterize import check_raster
 from bev.geometry import Grid
 
 
@@ -22,6 +24,8 @@ class NuScenesDataModule(L.LightningDataModule):
     Training uses `augment` (LSS random resize/crop/flip/rotate, random ncams subset); val and
     test (the val split) always use the deterministic validation transform and all cameras.
     persistent_workers only applies when num_workers > 0.
+    class_names / num_classes: the target channels (object classes, then map_layers classes); the
+    model config reads the same count through the `bev.num_classes` config resolver.
     """
 
     def __init__(
@@ -39,6 +43,8 @@ class NuScenesDataModule(L.LightningDataModule):
         rand_flip: bool = True,
         ncams: int = 6,
         categories: Any = ("vehicle.",),
+        map_layers: Any = None,
+        raster: str = "center",
         batch_size: int = 4,
         num_workers: int = 2,
         pin_memory: bool = False,
@@ -51,6 +57,7 @@ class NuScenesDataModule(L.LightningDataModule):
         self.train_split, self.val_split = train_split, val_split
         self.grid = Grid.from_any(grid)
         self.groups = normalize_categories(categories)
+        self.map_layers = normalize_map_layers(map_layers)
         self.common = dict(
             grid=self.grid,
             final_dim=_tuple(final_dim),
@@ -60,6 +67,8 @@ class NuScenesDataModule(L.LightningDataModule):
             rand_flip=bool(rand_flip),
             ncams=int(ncams),
             categories=self.groups,
+            map_layers=self.map_layers,
+            raster=check_raster(raster),
             cache_dir=cache_dir,
         )
         self.augment = bool(augment)
@@ -71,8 +80,16 @@ class NuScenesDataModule(L.LightningDataModule):
         self.val_set: NuScenesBEVDataset | None = None
 
     @property
-    def num_classes(self) -> int:
+    def class_names(self) -> tuple[str, ...]:
+        return object_class_names(self.groups) + self.map_layers
+
+    @property
+    def num_object_classes(self) -> int:
         return len(self.groups)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
 
     def _dataset(self, split: str, augment: bool) -> NuScenesBEVDataset:
         return NuScenesBEVDataset(self.dataroot, version=self.version, split=split, augment=augment, **self.common)

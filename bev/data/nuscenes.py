@@ -10,6 +10,11 @@ Ego frame = the ego pose of the sample's LIDAR_TOP sample_data (as in lift-splat
 Each camera image is taken at its own timestamp and ego pose, so camera->ego composes
 camera -> ego(at camera time) -> global -> ego(at LIDAR_TOP time); lift-splat-shoot drops
 the middle hop and is off by the ego motion between the two timestamps (up to ~0.5 m).
+
+Target channels (`class_names`): the object classes (one per category group, see
+normalize_categories) then the map classes of `map_layers` (bev.data.maps), all on the same
+grid and ego frame. With map layers the index also caches the map geometry of the split's
+locations (key: map classes + the map expansion files' sizes/mtimes).
 """
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from bev.data.rasterize import box_footprints, rasterize_boxes
+from bev.data.maps import load_map_geometry, map_signature, normalize_map_layers, rasterize_map
+from bev.data.rasterize import box_footprints, check_raster, rasterize_boxes
 from bev.data.transforms import normalize_array, sample_augmentation, warp_image
 from bev.geometry import CAMERA_NAMES, Grid, quaternion_to_matrix
 from bev.utils.io import atomic_open
@@ -35,7 +41,7 @@ TABLES = (
     "attribute", "calibrated_sensor", "category", "ego_pose", "instance", "log", "map",
     "sample", "sample_annotation", "sample_data", "scene", "sensor", "visibility",
 )
-INDEX_FORMAT = 3
+INDEX_FORMAT = 4
 
 _HOWTO = (
     "Expected layout: DATAROOT/<version>/*.json (the 13 tables) and DATAROOT/samples/CAM_*/*.jpg. "
@@ -71,6 +77,16 @@ def normalize_categories(categories: Any) -> tuple[tuple[str, ...], ...]:
     return groups
 
 
+def object_class_names(groups: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
+    """One name per category group: ("vehicle.",) -> "vehicle", ("vehicle.car", "vehicle.bus") -> "vehicle_car+vehicle_bus"."""
+    return tuple("+".join(p.strip(".").replace(".", "_") for p in g) for g in groups)
+
+
+def class_names(categories: Any, map_layers: Any = None) -> tuple[str, ...]:
+    """Target channel names: object classes, then map classes."""
+    return object_class_names(normalize_categories(categories)) + normalize_map_layers(map_layers)
+
+
 def _label(name: str, groups: tuple[tuple[str, ...], ...]) -> int:
     for k, prefixes in enumerate(groups):
         if any(name.startswith(p) for p in prefixes):
@@ -100,6 +116,22 @@ def check_dataroot(dataroot: str | os.PathLike, version: str) -> Path:
     return table_root
 
 
+def _damaged_table(table_root: Path) -> ValueError | None:
+    """A clear error naming the first table that is not valid JSON (read again, on this failure path only)."""
+    for t in TABLES:
+        path = table_root / f"{t}.json"
+        try:
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+        except ValueError as e:
+            return ValueError(
+                f"nuScenes table {str(path)!r} is damaged ({type(e).__name__}: {e}); the download or unpacking was "
+                "probably cut short: re-download it from https://www.nuscenes.org/download (or regenerate a synthetic "
+                "set with `bev-make-synthetic --out DIR`)."
+            )
+    return None
+
+
 def _table_signature(table_root: Path) -> dict[str, list[int]]:
     sig = {}
     for p in sorted(table_root.glob("*.json")):
@@ -112,7 +144,8 @@ def _pose(rec: dict) -> tuple[np.ndarray, np.ndarray]:
     return quaternion_to_matrix(rec["rotation"]), np.asarray(rec["translation"], dtype=np.float64)
 
 
-def build_index(dataroot: str | os.PathLike, version: str, split: str, groups, verbose: bool = True) -> dict:
+def build_index(dataroot: str | os.PathLike, version: str, split: str, groups, verbose: bool = True,
+                map_layers: tuple[str, ...] = ()) -> dict:
     """Walk the devkit tables once and return the flat index of one split (see module doc)."""
     from nuscenes.nuscenes import NuScenes  # the heavy import only where it is needed
     from tqdm import tqdm
@@ -122,13 +155,16 @@ def build_index(dataroot: str | os.PathLike, version: str, split: str, groups, v
     if verbose:  # stderr: stdout belongs to the caller (bev-gallery prints the PNG path there)
         print(f"loading nuScenes {version} tables from {root} to index split {split!r} (once, then cached)",
               file=sys.stderr, flush=True)
-    nusc = NuScenes(version=version, dataroot=str(root), verbose=False)
+    try:
+        nusc = NuScenes(version=version, dataroot=str(root), verbose=False)
+    except ValueError as e:  # JSONDecodeError / UnicodeDecodeError: the devkit's message names no file
+        raise _damaged_table(root / version) or e from e
     scenes = [s for s in nusc.scene if s["name"] in scenes_of_split]
     vis_level = {}
     for i, v in enumerate(sorted(nusc.visibility, key=lambda r: r["token"])):
         vis_level[v["token"]] = int(v["token"]) if str(v["token"]).isdigit() else i + 1
 
-    tokens, scene_names, timestamps, paths, hws = [], [], [], [], []
+    tokens, scene_names, locations, timestamps, paths, hws = [], [], [], [], [], []
     intr, rots, trans, ego_R, ego_t = [], [], [], [], []
     box_off = [0]
     centers, sizes, brots, labels, vis, cats, insts = [], [], [], [], [], [], []
@@ -171,6 +207,7 @@ def build_index(dataroot: str | os.PathLike, version: str, split: str, groups, v
             box_off.append(len(labels))
             tokens.append(token)
             scene_names.append(scene["name"])
+            locations.append(nusc.get("log", scene["log_token"])["location"])
             timestamps.append(sample["timestamp"])
             ego_R.append(Re)
             ego_t.append(te)
@@ -184,9 +221,12 @@ def build_index(dataroot: str | os.PathLike, version: str, split: str, groups, v
     centers_a = np.asarray(centers, dtype=np.float64).reshape(-1, 3)
     sizes_a = np.asarray(sizes, dtype=np.float64).reshape(-1, 3)
     brots_a = np.asarray(brots, dtype=np.float64).reshape(-1, 3, 3)
+    maps = load_map_geometry(root, sorted(set(locations)), map_layers, verbose) if map_layers and n else {}
     return {
+        **maps,
         "sample_token": np.asarray(tokens, dtype=str),
         "scene": np.asarray(scene_names, dtype=str),
+        "location": np.asarray(locations, dtype=str),
         "timestamp": np.asarray(timestamps, dtype=np.int64),
         # bytes, not str: NumPy str is 4 bytes a character (~80 MB of paths for trainval)
         "image_path": np.asarray([p.encode() for p in paths], dtype=bytes).reshape(n, len(CAMERA_NAMES)),
@@ -231,6 +271,7 @@ def load_index(
     categories: Any = ("vehicle.",),
     cache_dir: str | os.PathLike | None = None,
     verbose: bool = True,
+    map_layers: Any = None,
 ) -> dict:
     """The split index: from the cache when its key matches, else built from the devkit and cached."""
     table_root = check_dataroot(dataroot, version)
@@ -238,6 +279,7 @@ def load_index(
     if split not in splits:
         raise ValueError(f"unknown nuScenes split {split!r}; choose one of {sorted(splits)} (mini_* for v1.0-mini)")
     groups = normalize_categories(categories)
+    layers = normalize_map_layers(map_layers)
     key = {
         "format": INDEX_FORMAT,
         "version": version,
@@ -245,7 +287,9 @@ def load_index(
         "categories": [list(g) for g in groups],
         "tables": _table_signature(table_root),
     }
-    cat_hash = hashlib.sha1(json.dumps(key["categories"]).encode()).hexdigest()[:10]
+    if layers:
+        key.update(map_layers=list(layers), maps=map_signature(dataroot))
+    cat_hash = hashlib.sha1(json.dumps([key["categories"], list(layers)]).encode()).hexdigest()[:10]
     cache_root = Path(cache_dir).expanduser() if cache_dir is not None else Path(dataroot) / ".bev_cache"
     cache_file = cache_root / f"{version}__{split}__{cat_hash}.npz"
     if cache_file.is_file():
@@ -255,7 +299,7 @@ def load_index(
                 return cached
         except Exception as e:  # a corrupt cache is rebuilt, never fatal
             warnings.warn(f"ignoring unreadable index cache {cache_file}: {e}")
-    index = build_index(dataroot, version, split, groups, verbose=verbose)
+    index = build_index(dataroot, version, split, groups, verbose=verbose, map_layers=layers)
     if len(index["sample_token"]) == 0:
         raise ValueError(
             f"split {split!r} is empty in {str(table_root)!r}: none of its {len(splits[split])} scenes "
@@ -304,7 +348,11 @@ class NuScenesBEVDataset(Dataset):
       for a list of lists); visibility (X, Y) uint8, highest nuScenes visibility level (1-4)
       of the target boxes covering a cell, 0 where none; bev_bounds (2, 3) float64 the grid's
       x and y [lo, hi, step]; sample_token str.
-    A cell is filled when its centre lies in a box footprint (bev.data.rasterize).
+    bev has len(class_names) channels: the object classes, then the map classes of map_layers
+    (a preset name, a list of bev.data.maps.MAP_CLASSES names, or None).
+    raster="center": a cell is filled when its centre lies in a box footprint; raster="lss":
+    lift-splat-shoot's rounded-corner fill (bev.data.rasterize). Map channels follow the
+    devkit's get_map_mask rule (bev.data.maps), which is the "lss" rule for polygons.
     With augment=False images get the deterministic LSS resize + crop and all 6 cameras;
     with augment=True and ncams < 6 a random subset of ncams cameras (kept in camera order).
     resize_lim is absolute (LSS: (0.193, 0.225) around the 0.22 of 128x352 from 1600x900);
@@ -329,6 +377,8 @@ class NuScenesBEVDataset(Dataset):
         categories: Any = ("vehicle.",),
         cache_dir: str | os.PathLike | None = None,
         verbose: bool = True,
+        map_layers: Any = None,
+        raster: str = "center",
     ) -> None:
         self.dataroot = str(Path(dataroot).expanduser())
         self.version, self.split = version, split
@@ -343,13 +393,30 @@ class NuScenesBEVDataset(Dataset):
             raise ValueError(f"ncams must be in 1..{len(CAMERA_NAMES)}, got {ncams}")
         self.ncams = int(ncams)
         self.groups = normalize_categories(categories)
-        self.index = load_index(self.dataroot, version, split, self.groups, cache_dir, verbose=verbose)
+        self.map_layers = normalize_map_layers(map_layers)
+        self.raster = check_raster(raster)
+        self.index = load_index(self.dataroot, version, split, self.groups, cache_dir, verbose=verbose,
+                                map_layers=self.map_layers)
         # [[xlo, xhi, xstep], [ylo, yhi, ystep]] with every sample, so pictures need no grid plumbing.
         self._bounds = torch.tensor([self.grid.xbound, self.grid.ybound], dtype=torch.float64)
 
     @property
-    def num_classes(self) -> int:
+    def class_names(self) -> tuple[str, ...]:
+        """One name per target channel: object classes, then map classes."""
+        return object_class_names(self.groups) + self.map_layers
+
+    @property
+    def num_object_classes(self) -> int:
         return len(self.groups)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.groups) + len(self.map_layers)
+
+    def map_target(self, i: int) -> np.ndarray:
+        """(len(map_layers), X, Y) uint8 map channels of sample i (bev.data.maps.rasterize_map)."""
+        return rasterize_map(self.index, str(self.index["location"][i]), self.index["ego_rotation"][i],
+                             self.index["ego_translation"][i], self.grid, len(self.map_layers))
 
     def __len__(self) -> int:
         return len(self.index["sample_token"])
@@ -400,7 +467,10 @@ class NuScenesBEVDataset(Dataset):
             post_rots.append(pr)
             post_trans.append(pt)
         box = self.boxes(i)
-        bev, vis = rasterize_boxes(box["footprint"], box["label"], box["visibility"], self.grid, self.num_classes)
+        bev, vis = rasterize_boxes(box["footprint"], box["label"], box["visibility"], self.grid,
+                                   self.num_object_classes, self.raster)
+        if self.map_layers:
+            bev = np.concatenate([bev, self.map_target(i).astype(np.float32)])
         return {
             "images": torch.from_numpy(np.stack(imgs)),
             "intrinsics": torch.from_numpy(self.index["intrinsics"][i, cams]),

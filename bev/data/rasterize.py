@@ -6,6 +6,11 @@ box's base rectangle (length along its heading, width across it) in the ego xy p
 Cells follow bev.geometry.Grid: index i covers [lo + i*step, lo + (i+1)*step), arrays are
 indexed [x_index, y_index]. This is exact and resolution independent, unlike cv2.fillPoly
 on rounded corner pixels (which grows every box by up to a cell).
+
+raster="lss" reproduces lift-splat-shoot's target instead (published LSS-family IoUs use it):
+corners go to continuous cell coordinates (p - lo) / step, are rounded to the nearest integer
+(np.round, half to even) and the polygon is filled with cv2.fillPoly, boundary cells included.
+It grows a box by about one cell per axis; the nuScenes devkit rasterises map polygons the same way.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import numpy as np
 from bev.geometry import Grid
 
 _EPS = 1e-9
+RASTERS = ("center", "lss")
 
 
 def box_footprints(centers: np.ndarray, sizes: np.ndarray, rotations: np.ndarray) -> np.ndarray:
@@ -59,14 +65,33 @@ def polygon_cells(poly: np.ndarray, grid: Grid) -> tuple[np.ndarray, np.ndarray]
     return ii[inside], jj[inside]
 
 
+def lss_polygon_mask(poly: np.ndarray, grid: Grid) -> np.ndarray:
+    """(X, Y) bool: the cells lift-splat-shoot fills for a polygon (corners rounded, cv2.fillPoly)."""
+    import cv2
+
+    lo = np.array([grid.xbound[0], grid.ybound[0]])
+    step = np.array([grid.xbound[2], grid.ybound[2]])
+    pts = np.round((np.asarray(poly, dtype=np.float64) - lo) / step).astype(np.int32)
+    mask = np.zeros(grid.bev_shape, dtype=np.uint8)
+    cv2.fillPoly(mask, [np.ascontiguousarray(pts[:, ::-1])], 1)  # cv2 (col, row) = (y_index, x_index)
+    return mask.astype(bool)
+
+
+def check_raster(raster: str) -> str:
+    if raster not in RASTERS:
+        raise ValueError(f"unknown data.raster {raster!r}; choose one of {', '.join(RASTERS)}")
+    return raster
+
+
 def rasterize_boxes(
     footprints: np.ndarray,
     labels: np.ndarray,
     visibility: np.ndarray,
     grid: Grid,
     num_classes: int = 1,
+    raster: str = "center",
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Fill box footprints on the grid.
+    """Fill box footprints on the grid (raster "center": cell centres inside; "lss": LSS's rule).
 
     footprints (N, 4, 2) ego xy; labels (N,) class index in [0, num_classes) (others skipped);
     visibility (N,) nuScenes level 1-4. Returns bev (num_classes, X, Y) float32 in {0, 1} and
@@ -78,7 +103,7 @@ def rasterize_boxes(
     for poly, k, v in zip(np.asarray(footprints), np.asarray(labels), np.asarray(visibility)):
         if not 0 <= int(k) < num_classes:
             continue
-        ii, jj = polygon_cells(poly, grid)
+        ii, jj = polygon_cells(poly, grid) if check_raster(raster) == "center" else np.nonzero(lss_polygon_mask(poly, grid))
         bev[int(k), ii, jj] = 1.0
         vis[ii, jj] = np.maximum(vis[ii, jj], np.uint8(v))
     return bev, vis

@@ -12,10 +12,12 @@ class BevEncoder(nn.Module):
     """(B, Cin, X, Y) -> (B, num_classes, X, Y).
 
     With widths (64, 128, 256) and blocks 2 this is LSS's BevEncode (ResNet-18 conv1 + layer1-3);
-    narrower widths give the cheap CPU variant with the same shape.
+    narrower widths give the cheap CPU variant with the same shape. channels_last: as in
+    bev.models.camera.CameraEncoder (NHWC convolutions, default-layout input and output).
     """
 
-    def __init__(self, in_channels: int, num_classes: int = 1, widths: tuple[int, int, int] = (64, 128, 256), blocks: int = 2):
+    def __init__(self, in_channels: int, num_classes: int = 1, widths: tuple[int, int, int] = (64, 128, 256), blocks: int = 2,
+                 channels_last: bool = False):
         super().__init__()
         if len(widths) != 3:
             raise ValueError(f"BEV encoder needs 3 widths, got {list(widths)}")
@@ -35,10 +37,15 @@ class BevEncoder(nn.Module):
         for m in self.modules():
             if hasattr(m, "bn2") and isinstance(m.bn2, nn.BatchNorm2d):
                 nn.init.zeros_(m.bn2.weight)
+        self.channels_last = bool(channels_last)
+        if self.channels_last:
+            self.to(memory_format=torch.channels_last)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         size = x.shape[-2:]
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
         x1 = self.layer1(self.stem(x))
         x = self.up1(self.layer3(self.layer2(x1)), x1)
         x = F.interpolate(x, size=size, mode="bilinear", align_corners=True)
-        return self.up2(x)
+        return self.up2(x).contiguous()

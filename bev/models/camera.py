@@ -119,7 +119,11 @@ def _load_torchvision(name: str, weights: str | None, weights_path: str | None) 
 
 
 class CameraEncoder(nn.Module):
-    """Images (M, 3, H, W) -> (M, D + C, H/16, W/16): D depth logits then C context channels."""
+    """Images (M, 3, H, W) -> (M, D + C, H/16, W/16): D depth logits then C context channels.
+
+    channels_last runs the convolutions in NHWC (faster oneDNN/cuDNN kernels); inputs and the
+    output stay in the default layout, so callers and checkpoints do not change.
+    """
 
     def __init__(
         self,
@@ -131,6 +135,7 @@ class CameraEncoder(nn.Module):
         widths: tuple[int, ...] = (16, 32, 48, 64, 96),
         blocks: int = 1,
         mid_channels: int = 512,
+        channels_last: bool = False,
     ):
         super().__init__()
         if backbone not in BACKBONES:
@@ -145,7 +150,12 @@ class CameraEncoder(nn.Module):
         self.fuse = Up(c16 + c32, mid_channels)
         self.head = nn.Conv2d(mid_channels, depth_bins + context_channels, 1)
         self.depth_bins = depth_bins
+        self.channels_last = bool(channels_last)
+        if self.channels_last:
+            self.to(memory_format=torch.channels_last)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
         s16, s32 = self.trunk(images)
-        return self.head(self.fuse(s32, s16))
+        return self.head(self.fuse(s32, s16)).contiguous()

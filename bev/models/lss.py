@@ -2,7 +2,8 @@
 with bev.ops, and decode the BEV map. Geometry conventions come from bev.geometry only."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+import contextlib
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -15,11 +16,12 @@ SPLATS = ("bev_pool", "voxel_sum")
 
 
 class LiftSplatShoot(nn.Module):
-    """Six cameras -> (B, num_classes, X, Y) BEV logits.
+    """Any number of cameras N (1..12, any image size the config names) -> (B, num_classes, X, Y) BEV logits.
 
     splat="bev_pool" uses the fused depth x feature op (the (B, N, D, H, W, C) frustum tensor is
     never built); splat="voxel_sum" materialises it and sums points per voxel (the LSS way, kept
-    for comparison and as a cross-check).
+    for comparison and as a cross-check). Inside `exportable()` the splat is a plain scatter-add
+    (ONNX ScatterND with reduction "add"), the formulation ONNX Runtime can run.
     """
 
     def __init__(
@@ -42,12 +44,23 @@ class LiftSplatShoot(nn.Module):
         self.grid = Grid.from_any(grid)
         self.image_size = tuple(int(s) for s in image_size)
         self.context_channels = context_channels
+        self.num_classes = int(num_classes)
         self.splat_mode = splat
         self.pool_backend = pool_backend
         D = self.grid.depth_bins
         self.camera_encoder = CameraEncoder(D, context_channels, **dict(camera or {}))
         self.bev_encoder = BevEncoder(context_channels * self.grid.nz, num_classes, **dict(bev or {}))
         self.register_buffer("frustum", make_frustum(self.image_size, downsample, self.grid), persistent=False)
+        self._export_splat = False
+
+    @contextlib.contextmanager
+    def exportable(self) -> Iterator["LiftSplatShoot"]:
+        """Within this block forward() splats with scatter_splat (for torch.onnx.export)."""
+        before, self._export_splat = self._export_splat, True
+        try:
+            yield self
+        finally:
+            self._export_splat = before
 
     def voxel_coords(self, intrinsics, rots, trans, post_rots, post_trans) -> torch.Tensor:
         """(B, N, D, fH, fW, 3) int64 (z, x, y) voxel of every frustum point; out-of-grid points lie outside."""
@@ -58,6 +71,8 @@ class LiftSplatShoot(nn.Module):
 
     def splat(self, depth: torch.Tensor, feats: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
         """depth (B, N, D, H, W), feats (B, N, H, W, C), coords (B, N, D, H, W, 3) -> (B, C * Z, X, Y)."""
+        if self._export_splat:
+            return self.scatter_splat(depth, feats, coords)
         from bev import ops  # imported here so building a model never depends on the native build
 
         B = depth.shape[0]
@@ -70,6 +85,25 @@ class LiftSplatShoot(nn.Module):
             batch = torch.arange(B, device=coords.device).view(B, 1, 1, 1, 1, 1).expand(*coords.shape[:-1], 1)
             out = ops.voxel_sum(points, torch.cat([batch, coords], dim=-1).reshape(-1, 4), grid_shape, backend=self.pool_backend)
         return out.flatten(1, 2)  # (B, C, Z, X, Y) -> (B, C*Z, X, Y): height slices become channels
+
+    def scatter_splat(self, depth: torch.Tensor, feats: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
+        """The splat as one scatter-add of the depth x feature products into a flat voxel table.
+
+        Same flat keys (and so the same floor binning) as bev.ops; out-of-grid points carry the
+        sentinel key V and land in a dump row that is sliced off. Builds the (P, C) products, so
+        it is meant for export and inference, not training.
+        """
+        from bev.ops._plan import flat_keys
+
+        B, N, D, H, W = depth.shape
+        C = feats.shape[-1]
+        Z, X, Y = self.grid.voxel_shape
+        batch = torch.arange(B, device=coords.device).view(B, 1, 1, 1, 1)
+        keys = flat_keys(batch, coords, (B, Z, X, Y))
+        points = (depth.unsqueeze(-1) * feats.unsqueeze(2)).reshape(-1, C)
+        table = points.new_zeros(B * Z * X * Y + 1, C).index_put((keys,), points, accumulate=True)
+        out = table[: B * Z * X * Y].view(B, Z, X, Y, C).permute(0, 4, 1, 2, 3)  # (B, C, Z, X, Y)
+        return out.flatten(1, 2)
 
     def forward(self, images, intrinsics, rots, trans, post_rots, post_trans) -> torch.Tensor:
         B, N, _, H, W = images.shape

@@ -40,20 +40,15 @@ import warnings
 import torch
 
 from . import _native, _reference
-from ._plan import (
-    PoolPlan,
-    as_dense,
-    as_sparse,
+from ._checks import (
     check_backend,
     check_float_tensor,
     check_grid_shape,
     check_int_tensor,
-    DENSE_PLAN_BYTES,
     check_memory,
     check_same_device,
-    flat_keys,
-    make_plan,
 )
+from ._plan import DENSE_PLAN_BYTES, PoolPlan, as_dense, as_sparse, flat_keys, make_plan
 
 __all__ = ["voxel_sum", "bev_pool", "bev_pool_plan", "PoolPlan", "native_available"]
 
@@ -88,7 +83,7 @@ def _use_native(backend: str, device: torch.device) -> bool:
 def _keys(coords: torch.Tensor, grid_shape, batch_column: bool, native: bool) -> torch.Tensor:
     """Flat voxel key per point (sentinel B*Z*X*Y outside the grid); one native pass on the CPU."""
     if native and coords.device.type == "cpu":
-        return torch.ops.bev.voxel_keys(coords, list(grid_shape), batch_column)
+        return torch.ops.bev._voxel_keys(coords, list(grid_shape), batch_column)
     if batch_column:
         return flat_keys(coords[:, 0], coords[:, 1:], grid_shape)
     B = coords.shape[0]

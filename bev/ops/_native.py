@@ -1,15 +1,15 @@
 """Loads the native extension `bev.ops._C` and registers autograd and fake (meta) kernels for
-its operators. The schemas and the CPU/CUDA kernels are registered in C++
-(csrc/pool.cpp, csrc/pool_cuda.cu); a missing or broken build only disables this backend.
+its operators. The schemas are declared in csrc/ops.cpp, the kernels registered per device in
+csrc/cpu/ and csrc/cuda/; a missing or broken build only disables this backend.
 
-Operators (namespace `bev`):
-  voxel_keys(coords, grid_shape, batch_column) -> keys             flat voxel keys (CPU only)
-  sort_keys(keys, num_voxels) -> (order, offsets)                 stable sort: counting (CPU),
-                                                                  device radix sort (CUDA)
+Operators (namespace `bev`; a leading underscore marks an internal step):
   voxel_sum(feats, keys, order, offsets, grid_shape) -> out        out (B, C, Z, X, Y)
-  voxel_sum_backward(grad_out, keys, offsets) -> grad_feats
   bev_pool(depth, feats, keys, order, offsets, grid_shape) -> out
-  bev_pool_backward(grad_out, depth, feats, keys, offsets) -> (grad_depth, grad_feats)
+  _voxel_keys(coords, grid_shape, batch_column) -> keys           flat voxel keys (CPU only)
+  _sort_keys(keys, num_voxels) -> (order, offsets)                stable sort: counting (CPU),
+                                                                  device radix sort (CUDA)
+  _voxel_sum_backward(grad_out, keys, offsets) -> grad_feats
+  _bev_pool_backward(grad_out, depth, feats, keys, offsets) -> (grad_depth, grad_feats)
 """
 from __future__ import annotations
 
@@ -43,12 +43,12 @@ def unavailable_reason(device: torch.device | str) -> str:
 
 
 def _register() -> None:
-    @torch.library.register_fake("bev::voxel_keys")
+    @torch.library.register_fake("bev::_voxel_keys")
     def _voxel_keys_fake(coords, grid_shape, batch_column):
         n = coords.shape[0] if batch_column else coords.numel() // 3
         return coords.new_empty(n, dtype=torch.long)
 
-    @torch.library.register_fake("bev::sort_keys")
+    @torch.library.register_fake("bev::_sort_keys")
     def _sort_keys_fake(keys, num_voxels):
         return torch.empty_like(keys), keys.new_empty(num_voxels + 1)
 
@@ -57,7 +57,7 @@ def _register() -> None:
         B, Z, X, Y = grid_shape
         return feats.new_empty(B, feats.shape[1], Z, X, Y)
 
-    @torch.library.register_fake("bev::voxel_sum_backward")
+    @torch.library.register_fake("bev::_voxel_sum_backward")
     def _voxel_sum_backward_fake(grad_out, keys, offsets):
         return grad_out.new_empty(keys.shape[0], grad_out.shape[1])
 
@@ -66,7 +66,7 @@ def _register() -> None:
         B, Z, X, Y = grid_shape
         return feats.new_empty(B, feats.shape[-1], Z, X, Y)
 
-    @torch.library.register_fake("bev::bev_pool_backward")
+    @torch.library.register_fake("bev::_bev_pool_backward")
     def _bev_pool_backward_fake(grad_out, depth, feats, keys, offsets):
         return torch.empty_like(depth), torch.empty_like(feats)
 
@@ -75,7 +75,7 @@ def _register() -> None:
 
     def _voxel_sum_grad(ctx, grad_out):
         keys, offsets = ctx.saved_tensors
-        return torch.ops.bev.voxel_sum_backward(grad_out, keys, offsets), None, None, None, None
+        return torch.ops.bev._voxel_sum_backward(grad_out, keys, offsets), None, None, None, None
 
     def _bev_pool_setup(ctx, inputs, output):
         depth, feats, keys, _, offsets = inputs[:5]
@@ -83,7 +83,7 @@ def _register() -> None:
 
     def _bev_pool_grad(ctx, grad_out):
         depth, feats, keys, offsets = ctx.saved_tensors
-        grad_depth, grad_feats = torch.ops.bev.bev_pool_backward(grad_out, depth, feats, keys, offsets)
+        grad_depth, grad_feats = torch.ops.bev._bev_pool_backward(grad_out, depth, feats, keys, offsets)
         return grad_depth, grad_feats, None, None, None, None
 
     torch.library.register_autograd("bev::voxel_sum", _voxel_sum_grad, setup_context=_voxel_sum_setup)

@@ -1,7 +1,10 @@
 """Helpers shared by the entry points (lightning-hydra-template's utils home).
 
-  io          atomic_open / atomic_write (the one atomic-write helper), write_run_metrics
-  errors      report_errors: one clear line on stderr, the traceback in <run>/error.txt
+  io          atomic_open / atomic_write (the one atomic-write helper), write_run_metrics,
+              explain_disk_full (a full disk -> one DiskFullError naming path, free space, fix)
+  errors      report_errors: one clear line on stderr, the traceback in <run>/error.txt;
+              RunDirCheck (Hydra callback: unwritable run directory -> one clear line)
+  metrics_log the CSV metrics log: ResumableCSVLogger (a resume appends), read_metrics_log
   config      CONFIG_DIR, instantiate_list, Hydra run-mode queries
   checkpoint  read_checkpoint, check_compatible, resolve_checkpoint (clear CheckpointErrors)
   malloc      allocator tuning for CPU training

@@ -36,3 +36,35 @@ def task_overrides() -> list[str]:
     from hydra.core.hydra_config import HydraConfig
 
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def _class_names(categories, map_layers=None) -> list[str]:
+    from bev.data.nuscenes import class_names  # lazy: composing a config must not import torch
+
+    return list(class_names(categories, map_layers))
+
+
+def _map_classes(map_layers=None) -> list[str]:
+    from bev.data.maps import normalize_map_layers
+
+    return list(normalize_map_layers(map_layers))
+
+
+def register_resolvers() -> None:
+    """Config resolvers so the model's head follows data.categories + data.map_layers:
+    ${bev.num_classes:${data.categories},${data.map_layers}}, ${bev.object_classes:${data.categories}},
+    ${bev.map_classes:${data.map_layers}}."""
+    from omegaconf import OmegaConf
+
+    resolvers = {
+        "bev.num_classes": lambda cats, layers=None: len(_class_names(cats, layers)),
+        # ListConfig, not list: OmegaConf.resolve can only put a container in place of an interpolation.
+        "bev.object_classes": lambda cats: OmegaConf.create(_class_names(cats)),
+        "bev.map_classes": lambda layers=None: OmegaConf.create(_map_classes(layers)),
+    }
+    for name, fn in resolvers.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+register_resolvers()

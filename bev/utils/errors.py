@@ -1,16 +1,20 @@
 """One clear line for a failed command; the full traceback goes to <run>/error.txt."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
+import tempfile
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
+from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig
 
 from bev.utils.config import is_multirun, output_dir, task_overrides
-from bev.utils.io import atomic_write, write_run_metrics
+from bev.utils.io import atomic_write, disk_full_error, write_run_metrics
 
 
 def one_line(e: BaseException) -> str:
@@ -22,7 +26,22 @@ def one_line(e: BaseException) -> str:
         return f"{msg.splitlines()[0] if msg else ''} {one_line(cause)}".strip()
     if "Traceback (most recent call last)" in msg:  # errors re-raised from worker processes
         msg = msg.strip().splitlines()[-1]
+    # OmegaConf appends "full_key: ... / object_type=..." lines: keep the first line and the key.
+    if type(e).__module__.startswith("omegaconf") and msg:
+        first, key = msg.splitlines()[0], getattr(e, "full_key", None)
+        msg = f"{first} (config key {key})" if key and key not in first else first
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+
+
+def _save_traceback(out: Path | None) -> str:
+    """Write the current traceback to <out>/error.txt; returns where it went, for the message."""
+    if out is None:
+        return ""
+    try:
+        atomic_write(out / "error.txt", traceback.format_exc())
+    except OSError as w:  # e.g. the disk that just filled up
+        return f" (the traceback could not be saved to {out / 'error.txt'}: {w.strerror or w}; HYDRA_FULL_ERROR=1 prints it)"
+    return f" (traceback in {out / 'error.txt'})"
 
 
 def report_errors(prog: str) -> Callable:
@@ -42,18 +61,51 @@ def report_errors(prog: str) -> Callable:
             except Exception as e:
                 if os.environ.get("HYDRA_FULL_ERROR") == "1":
                     raise
-                where = ""
                 out = output_dir(cfg)
-                if out is not None:
-                    atomic_write(out / "error.txt", traceback.format_exc())
-                    where = f" (traceback in {out / 'error.txt'})"
-                print(f"{prog}: error: {one_line(e)}{where}", file=sys.stderr, flush=True)
+                # A full disk met by any writer (a logger, metrics.json) gets the free space and the fix too.
+                msg = one_line(disk_full_error(getattr(e, "filename", None) or out or ".", e) or e)
+                where = _save_traceback(out)
+                print(f"{prog}: error: {msg}{where}", file=sys.stderr, flush=True)
                 if is_multirun():
                     if out is not None:
-                        write_run_metrics(out, {"status": f"failed: {one_line(e)[:300]}", "metrics": {}, "overrides": task_overrides()})
+                        with contextlib.suppress(OSError):  # the disk may be full: the message above is what counts
+                            write_run_metrics(out, {"status": f"failed: {msg[:300]}", "metrics": {}, "overrides": task_overrides()})
                     return float("nan")
                 sys.exit(1)
 
         return run
 
     return wrap
+
+
+def unwritable_dir(path: str | os.PathLike) -> str | None:
+    """Why files cannot be created in directory `path` (made if missing), or None when they can."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror or e}"
+    return None
+
+
+class RunDirCheck(HydraCallback):
+    """Hydra callback: check that the run (sweep) directory is writable before Hydra sets up its log file
+    there, which would otherwise fail with a raw "Unable to configure handler 'file'" traceback."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config, "hydra.sweep.dir")
+
+    @staticmethod
+    def _check(config: DictConfig, key: str) -> None:
+        from omegaconf import OmegaConf
+
+        path = OmegaConf.select(config, key)
+        why = unwritable_dir(path) if path else None
+        if why:
+            what = "sweep" if "sweep" in key else "run"
+            print(f"bev-{config.task_name}: error: cannot write the {what} directory {path} ({why}). "
+                  f"Pass {key}=<a writable directory>.", file=sys.stderr, flush=True)
+            sys.exit(1)

@@ -1,16 +1,24 @@
 """Atomic file writes: a temporary file in the target directory, fsync, then os.replace.
 
 A same-directory rename is atomic on POSIX filesystems, so a reader (or a crash) never sees a
-half-written file, and a failed write leaves the previous file in place.
+half-written file, and a failed write leaves the previous file in place. A write that fails because
+the disk is full can be turned into one DiskFullError naming the path, the free space and the fix.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import IO, Any, Iterator
+
+# torch's zip writer reports a failed file.write as "unexpected pos" and may drop the OSError; such a
+# failure counts as a full disk when less than this is left on the filesystem.
+NEARLY_FULL_BYTES = 64 << 20
+RUN_DIR_FIX = "free some space there, or point paths.output_dir elsewhere (hydra.run.dir=<a directory on a disk with room>)"
 
 
 @contextlib.contextmanager
@@ -42,3 +50,64 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
 def write_run_metrics(out: str | os.PathLike, record: dict[str, Any]) -> Path:
     """<out>/metrics.json: the record of one run (read by the sweep summary)."""
     return atomic_write(Path(out) / "metrics.json", json.dumps(record, indent=2, default=str))
+
+
+class DiskFullError(OSError):
+    """A write failed because its filesystem is full; the message names the path, the free space and the fix."""
+
+
+def _no_space_in_chain(e: BaseException | None) -> bool:
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Free bytes on the filesystem holding `path` (or its nearest existing parent); None if unknown."""
+    for p in (Path(path), *Path(path).parents):
+        if p.exists():
+            try:
+                return shutil.disk_usage(p).free
+            except OSError:
+                return None
+    return None
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def disk_full_error(path: str | os.PathLike, e: BaseException, fix: str = RUN_DIR_FIX) -> DiskFullError | None:
+    """The DiskFullError to raise instead of `e` when `e`, raised while writing `path`, comes from a full disk.
+
+    Full means ENOSPC/EDQUOT somewhere in the exception chain, or a short-write failure of torch's
+    writer ("unexpected pos") with less than NEARLY_FULL_BYTES left. Otherwise None.
+    """
+    if isinstance(e, DiskFullError):
+        return None
+    free = free_bytes(path)
+    short_write = "unexpected pos" in str(e) or "PytorchStreamWriter failed" in str(e)
+    if not (_no_space_in_chain(e) or (short_write and free is not None and free < NEARLY_FULL_BYTES)):
+        return None
+    left = f"{format_bytes(free)} free on that filesystem" if free is not None else "free space unknown"
+    return DiskFullError(errno.ENOSPC, f"No space left on device while writing {path} ({left}): {fix}")
+
+
+@contextlib.contextmanager
+def explain_disk_full(path: str | os.PathLike, fix: str = RUN_DIR_FIX) -> Iterator[None]:
+    """Re-raise a failure caused by a full disk while writing `path` as one DiskFullError (see disk_full_error)."""
+    try:
+        yield
+    except Exception as e:
+        full = disk_full_error(path, e, fix)
+        if full is None:
+            raise
+        raise full from e

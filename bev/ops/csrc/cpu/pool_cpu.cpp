@@ -1,4 +1,4 @@
-// Operator schemas and CPU kernels of the bev voxel-pooling ops (CUDA kernels: pool_cuda.cu).
+// CPU kernels of the bev voxel-pooling ops (schemas: csrc/ops.cpp, CUDA kernels: csrc/cuda/).
 //
 // Every kernel walks the plan (see bev/ops/_plan.py): voxel v sums the points
 // order[offsets[v]:offsets[v+1]] in that fixed order, so results are bitwise reproducible
@@ -482,33 +482,13 @@ std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cpu(const at::Tensor& grad_
 
 }  // namespace
 
-TORCH_LIBRARY(bev, m) {
-  m.def("voxel_keys(Tensor coords, int[] grid_shape, bool batch_column) -> Tensor");
-  m.def("sort_keys(Tensor keys, int num_voxels) -> (Tensor order, Tensor offsets)");
-  m.def("voxel_sum(Tensor feats, Tensor keys, Tensor order, Tensor offsets, int[] grid_shape) -> Tensor");
-  m.def("voxel_sum_backward(Tensor grad_out, Tensor keys, Tensor offsets) -> Tensor");
-  m.def("bev_pool(Tensor depth, Tensor feats, Tensor keys, Tensor order, Tensor offsets, int[] grid_shape) -> Tensor");
-  m.def("bev_pool_backward(Tensor grad_out, Tensor depth, Tensor feats, Tensor keys, Tensor offsets) -> (Tensor, Tensor)");
-}
-
 TORCH_LIBRARY_IMPL(bev, CPU, m) {
-  m.impl("voxel_keys", &voxel_keys_cpu);
-  m.impl("sort_keys", &sort_keys_cpu);
   m.impl("voxel_sum", &voxel_sum_cpu);
-  m.impl("voxel_sum_backward", &voxel_sum_backward_cpu);
   m.impl("bev_pool", &bev_pool_cpu);
-  m.impl("bev_pool_backward", &bev_pool_backward_cpu);
+  m.impl("_voxel_keys", &voxel_keys_cpu);
+  m.impl("_sort_keys", &sort_keys_cpu);
+  m.impl("_voxel_sum_backward", &voxel_sum_backward_cpu);
+  m.impl("_bev_pool_backward", &bev_pool_backward_cpu);
 }
 
 }  // namespace bev
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.doc() = "Native kernels of bev.ops (operators are registered under torch.ops.bev)";
-  module.def("cuda_built", [] {
-#ifdef BEV_WITH_CUDA
-    return true;
-#else
-    return false;
-#endif
-  });
-}

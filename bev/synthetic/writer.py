@@ -4,7 +4,7 @@
 
     DIR/v1.0-mini/{attribute,calibrated_sensor,category,ego_pose,instance,log,map,sample,
                    sample_annotation,sample_data,scene,sensor,visibility}.json
-    DIR/samples/CAM_*/<logfile>__<CAM>__<timestamp>.jpg      1600x900 renders (bev.data.render)
+    DIR/samples/CAM_*/<logfile>__<CAM>__<timestamp>.jpg      1600x900 renders (bev.synthetic.raycast)
     DIR/samples/LIDAR_TOP/<logfile>__LIDAR_TOP__<timestamp>.pcd.bin
     DIR/maps/<token>.png                                       drivable-area mask, 0.1 m/pixel
 
@@ -12,7 +12,7 @@ which the unmodified devkit loads with `NuScenes("v1.0-mini", dataroot=DIR)`. Ke
 only (2 Hz); every sensor of a sample shares the sample's timestamp and ego pose, so the
 ego frame of the LIDAR_TOP sample_data is exactly the frame the cameras were rendered in.
 
-Images are ray-cast at 800x450 (bev.data.render.RENDER_SCALE = 2) and upscaled bilinearly to
+Images are ray-cast at 800x450 (bev.synthetic.raycast.RENDER_SCALE = 2) and upscaled bilinearly to
 1600x900 JPEGs; visibility tokens come from the render-resolution instance-id buffers
 (visible pixels of an object over the pixels it covers with nothing in front, summed over the
 six cameras). Objects within 60 m of the ego are annotated. The default, 10 scenes x 24 key
@@ -31,8 +31,9 @@ import hashlib
 import json
 import math
 import multiprocessing as mp
-import shutil
+import os
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from functools import lru_cache
@@ -42,8 +43,12 @@ import cv2
 import numpy as np
 from tqdm import tqdm
 
-from bev.data import render
-from bev.data.render import ANNOTATION_RANGE, IMAGE_H, IMAGE_W, SAMPLE_DT, build_world, load_rig, visibility_level
+from bev.data.rig import IMAGE_H, IMAGE_W, MINI_LOCATIONS, load_rig, mini_splits
+from bev.synthetic import raycast
+from bev.synthetic.mapjson import map_expansion
+from bev.synthetic.raycast import visibility_level
+from bev.synthetic.roads import fill, road_map
+from bev.synthetic.world import SAMPLE_DT, World, annotated_objects, build_world
 from bev.geometry import CAMERA_NAMES, quaternion_to_matrix, yaw_to_quaternion
 
 VERSION = "v1.0-mini"
@@ -95,25 +100,17 @@ CATEGORIES = {
     "movable_object.debris": "063c5e7f638343d3a7230bc3641caf97",
     "static_object.bicycle_rack": "0a30519ee16a4619b4f4acfe2d78fb55",
 }
-# Location of each mini scene in the real dataset.
-LOCATIONS = {
-    "scene-0061": "singapore-onenorth", "scene-0103": "boston-seaport", "scene-0553": "boston-seaport",
-    "scene-0655": "boston-seaport", "scene-0757": "boston-seaport", "scene-0796": "singapore-queenstown",
-    "scene-0916": "singapore-queenstown", "scene-1077": "singapore-hollandvillage",
-    "scene-1094": "singapore-hollandvillage", "scene-1100": "singapore-hollandvillage",
-}
 # LIDAR_TOP mount: the real position (m) and a -90 degree yaw (lidar x points to the ego's right).
 LIDAR_TRANSLATION = [0.943713, 0.0, 1.84023]
 LIDAR_ROTATION = yaw_to_quaternion(-math.pi / 2)
-MAP_SIZE_M = 500.0  # each location's map covers [0, 500] m x [0, 500] m at 0.1 m / pixel
-MAP_RES = 0.1
+MANIFEST = ".bev_synthetic_manifest.json"  # what this writer wrote in --out: all it ever deletes
+MAP_RES = 0.1  # metres per pixel of the maps/<token>.png drivable-area masks (as in nuScenes)
 
 
 def scene_names(n: int) -> list[str]:
     """Names of n synthetic scenes (see the module docstring for the rule)."""
-    # The mini split as bundled with the rig (importing the devkit costs seconds; a test
-    # checks these lists against nuscenes.utils.splits).
-    mini_train, mini_val = load_rig()["mini_splits"]["mini_train"], load_rig()["mini_splits"]["mini_val"]
+    splits = mini_splits()
+    mini_train, mini_val = splits["mini_train"], splits["mini_val"]
     if n < 1 or n > len(mini_train) + len(mini_val):
         raise ValueError(f"scenes must be in 1..{len(mini_train) + len(mini_val)} (the v1.0-mini scene names), got {n}; "
                          "for more data raise samples_per_scene")
@@ -128,7 +125,7 @@ def _token(seed: int, *key) -> str:
 
 def _log_info(name: str, index: int) -> tuple[str, str, int]:
     """(logfile, date_captured, start timestamp in microseconds) of a scene's log."""
-    boston = LOCATIONS[name].startswith("boston")
+    boston = MINI_LOCATIONS[name].startswith("boston")
     vehicle, tz = ("n008", "-0400") if boston else ("n015", "+0800")
     start = datetime(2018, 7, 18 + index % 10, 9 + index % 8, 7 + 3 * index, 57, tzinfo=timezone.utc)
     logfile = f"{vehicle}-{start:%Y-%m-%d-%H-%M-%S}{tz}"
@@ -138,8 +135,8 @@ def _log_info(name: str, index: int) -> tuple[str, str, int]:
 # ----------------------------------------------------------------------------- rendering worker
 
 @lru_cache(maxsize=16)
-def _world(seed: int, scene: int, samples: int) -> render.World:
-    return build_world(seed, scene, samples)
+def _world(seed: int, scene: int, samples: int, location: str) -> World:
+    return build_world(seed, scene, samples, location)
 
 
 def _worker_init() -> None:
@@ -148,7 +145,7 @@ def _worker_init() -> None:
     torch.set_num_threads(1)  # one process per core; torch threads would only contend
 
 
-def lidar_points(world: render.World, t: float, annotated: list[int], counts: dict, rng: np.random.Generator):
+def lidar_points(world: World, t: float, annotated: list[int], counts: dict, rng: np.random.Generator):
     """A small LIDAR_TOP cloud (N, 5: x, y, z, intensity, ring) in the lidar frame, and points per object.
 
     Ground rings (minus the ground under objects) plus, for each annotated object, points
@@ -194,10 +191,10 @@ def lidar_points(world: render.World, t: float, annotated: list[int], counts: di
 
 def _render_task(task):
     """Render and write one sample's files; return per-object visibility and lidar counts."""
-    out, seed, scene, sample, samples, cam_files, lidar_file, annotated = task
-    world = _world(seed, scene, samples)
+    out, seed, scene, sample, samples, location, cam_files, lidar_file, annotated = task
+    world = _world(seed, scene, samples, location)
     t = sample * SAMPLE_DT
-    images, counts = render.render_sample(world, t)
+    images, counts = raycast.render_sample(world, t)
     for name in CAMERA_NAMES:
         img = (images[name].image * 255.0 + 0.5).clip(0, 255).astype(np.uint8)
         big = cv2.resize(img, (IMAGE_W, IMAGE_H), interpolation=cv2.INTER_LINEAR)
@@ -214,23 +211,77 @@ def _render_task(task):
 
 # ----------------------------------------------------------------------------- tables
 
-def _annotated(world: render.World, t: float) -> list[int]:
-    """Objects annotated at time t: every non-scenery object whose centre is within ANNOTATION_RANGE (xy)."""
-    s_e, l_e, _ = world.ego_road(t)
-    return [i for i, o in enumerate(world.objects)
-            if o.category and math.hypot(o.s_at(t) - s_e, o.l - l_e) <= ANNOTATION_RANGE]
+def _write_atomic(path: Path, data: bytes | str) -> None:
+    """Write a file whole or not at all: a temporary file next to it, then os.replace."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_manifest(out: Path) -> dict:
+    """The manifest of the dataset this writer left in `out`, checked (every path inside `out`)."""
+    path = out / MANIFEST
+    try:
+        m = json.loads(path.read_text())
+        files, dirs = list(m["files"]), list(m["dirs"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a bev-make-synthetic manifest ({e}); remove the dataset by hand or "
+                         "choose another --out") from None
+    root = out.resolve()
+    for rel in files + dirs:
+        if not isinstance(rel, str) or not (out / rel).resolve().is_relative_to(root) or (out / rel).resolve() == root:
+            raise ValueError(f"{path} lists {rel!r}, which is not inside {out}; remove the dataset by hand or "
+                             "choose another --out")
+    return {"files": files, "dirs": dirs}
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
+    """Refuse (nothing deleted) an --out that is a file, holds data this writer did not write, or needs overwrite."""
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} exists and is not a directory")
-    if out.exists() and any(out.iterdir()):
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if (out / MANIFEST).is_file():
+        _read_manifest(out)
         if not overwrite:
-            raise FileExistsError(f"--out {out} exists and is not empty; choose a new directory or pass "
-                                  "overwrite=True (--overwrite) to replace the dataset in it")
-        for sub in (VERSION, "samples", "sweeps", "maps"):  # only what this writer creates
-            if (out / sub).is_dir():
-                shutil.rmtree(out / sub)
+            raise FileExistsError(f"--out {out} exists and is not empty (a synthetic dataset); choose a new directory or "
+                                  "pass overwrite=True (--overwrite) to replace the dataset in it")
+        return
+    foreign = [name for name in (VERSION, "samples", "sweeps", "maps") if (out / name).exists()]
+    if foreign:
+        raise FileExistsError(f"--out {out} holds a nuScenes dataset that bev-make-synthetic did not write "
+                              f"({', '.join(foreign)} but no {MANIFEST}); it never deletes what it did not write: "
+                              "choose another directory")
+    if not overwrite:
+        raise FileExistsError(f"--out {out} exists and is not empty; choose a new directory or pass "
+                              "overwrite=True (--overwrite) to write the dataset next to the files in it")
+
+
+def _begin(out: Path, files: list[str]) -> None:
+    """Remove the previous dataset this writer recorded in `out` (only its files, and its directories left
+    empty), create the directories of `files` and record them all in the manifest before writing any."""
+    if (out / MANIFEST).is_file():
+        old = _read_manifest(out)
+        for rel in old["files"]:
+            (out / rel).unlink(missing_ok=True)
+        for rel in sorted(old["dirs"], key=lambda d: -len(Path(d).parts)):
+            try:
+                (out / rel).rmdir()
+            except OSError:  # not empty (someone else's files) or already gone
+                pass
+        (out / MANIFEST).unlink()
+    dirs = sorted({str(p) for f in files for p in Path(f).parents if str(p) != "."}, key=lambda d: len(Path(d).parts))
+    created = [d for d in dirs if not (out / d).exists()]
+    out.mkdir(parents=True, exist_ok=True)
+    for d in created:
+        (out / d).mkdir(exist_ok=True)
+    _write_atomic(out / MANIFEST, json.dumps({"written_by": "bev-make-synthetic", "files": sorted(files),
+                                              "dirs": created}, indent=0))
 
 
 def _validate(scenes, samples_per_scene, seed, workers) -> list[str]:
@@ -249,8 +300,9 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
                    overwrite: bool = False, workers: int = 2, progress: bool = True) -> Path:
     """Write the synthetic nuScenes-format dataset to `out` and return its path (the dataroot).
 
-    `out` must not exist or be empty unless overwrite=True, which replaces only what this
-    writer creates there (v1.0-mini/, samples/, sweeps/, maps/). `workers` render processes
+    `out` must not exist or be empty unless overwrite=True, which first removes the files a
+    previous run recorded in `out`/MANIFEST (and its directories left empty) and nothing else;
+    a directory holding a nuScenes dataset without that manifest is refused. `workers` render processes
     share the samples; the result is identical for any number of workers.
     """
     names = _validate(scenes, samples_per_scene, seed, workers)
@@ -267,16 +319,13 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
     sensor_tok = {ch: _token(seed, "sensor", ch) for ch in channels}
     T["sensor"] = [{"token": sensor_tok[ch], "channel": ch, "modality": "lidar" if ch == "LIDAR_TOP" else "camera"}
                    for ch in channels]
-    for ch in channels:
-        (out / "samples" / ch).mkdir(parents=True, exist_ok=True)
-
     tasks, meta = [], {}
     for si, name in enumerate(names):
-        world = _world(seed, si, samples_per_scene)
+        world = _world(seed, si, samples_per_scene, MINI_LOCATIONS[name])
         logfile, date, t0 = _log_info(name, si)
         log_tok, scene_tok = _token(seed, "log", si), _token(seed, "scene", si)
         T["log"].append({"token": log_tok, "logfile": logfile, "vehicle": logfile[:4], "date_captured": date,
-                         "location": LOCATIONS[name]})
+                         "location": MINI_LOCATIONS[name]})
         cs_tok = {ch: _token(seed, "calibrated_sensor", si, ch) for ch in channels}
         for ch in CAMERA_NAMES:
             cal = rig["cameras"][ch]
@@ -289,7 +338,7 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
         sample_toks = [_token(seed, "sample", si, k) for k in range(samples_per_scene)]
         T["scene"].append({"token": scene_tok, "log_token": log_tok, "nbr_samples": samples_per_scene,
                            "first_sample_token": sample_toks[0], "last_sample_token": sample_toks[-1],
-                           "name": name, "description": "Synthetic: straight urban road, traffic, parked vehicles, pedestrians."})
+                           "name": name, "description": "Synthetic: drive through a road network with junctions, traffic, parked cars, pedestrians."})
         for k, tok in enumerate(sample_toks):
             ts = t0 + int(round(k * SAMPLE_DT * 1e6))
             T["sample"].append({"token": tok, "timestamp": ts, "prev": sample_toks[k - 1] if k else "",
@@ -310,29 +359,35 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
                     "height": IMAGE_H if cam else 0, "width": IMAGE_W if cam else 0, "filename": files[ch],
                     "prev": _token(seed, "sample_data", si, k - 1, ch) if k else "",
                     "next": _token(seed, "sample_data", si, k + 1, ch) if k + 1 < samples_per_scene else ""})
-            annotated = _annotated(world, k * SAMPLE_DT)
+            annotated = annotated_objects(world, k * SAMPLE_DT)
             meta[si, k] = (tok, annotated)
-            tasks.append((out, seed, si, k, samples_per_scene, {c: files[c] for c in CAMERA_NAMES},
+            tasks.append((out, seed, si, k, samples_per_scene, MINI_LOCATIONS[name], {c: files[c] for c in CAMERA_NAMES},
                           files["LIDAR_TOP"], annotated))
 
-    (out / "maps").mkdir(parents=True, exist_ok=True)
     map_tasks = []
     for loc, scenes_here in _map_groups(names).items():
         tok = _token(seed, "map", loc)
         T["map"].append({"category": "semantic_prior", "token": tok, "filename": f"maps/{tok}.png",
                          "log_tokens": [T["log"][si]["token"] for si in scenes_here]})
-        map_tasks.append((out / "maps" / f"{tok}.png", seed, scenes_here, samples_per_scene))
+        map_tasks.append((out / "maps" / f"{tok}.png", seed, loc))
+
+    written = [f for task in tasks for f in (*task[6].values(), task[7])] + [m["filename"] for m in T["map"]]
+    written += [f"maps/expansion/{loc}.json" for loc in _map_groups(names)] + [f"{VERSION}/{n}.json" for n in TABLES]
+    _begin(out, written)
+    for loc in _map_groups(names):
+        _write_atomic(out / "maps" / "expansion" / f"{loc}.json", json.dumps(map_expansion(road_map(seed, loc), seed)))
 
     results = {}
     for ch in CAMERA_NAMES:  # per-camera rays, computed once and inherited by forked workers
-        render.make_camera(ch)
+        raycast.make_camera(ch)
     bar = tqdm(total=len(tasks), desc="bev-make-synthetic", unit="sample", disable=not progress)
     if workers > 1 and len(tasks) > 1:
         # fork shares the built worlds and camera rays; spawn where fork does not exist.
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         with ctx.Pool(min(workers, len(tasks)), initializer=_worker_init) as pool:
             maps = pool.map_async(_map_task, map_tasks)  # big PNGs, encoded alongside the renders
-            for r in pool.imap_unordered(_render_task, tasks):
+            # Runs of consecutive frames per task: a worker reuses the world and ground tiles it built.
+            for r in pool.imap_unordered(_render_task, tasks, chunksize=max(1, samples_per_scene // 4)):
                 results[r[0], r[1]] = r[2:]
                 bar.update()
             maps.get()
@@ -347,7 +402,7 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
 
     # Annotations and instances, linked through the scene in sample order.
     for si, name in enumerate(names):
-        world = _world(seed, si, samples_per_scene)
+        world = _world(seed, si, samples_per_scene, MINI_LOCATIONS[name])
         tracks: dict[int, list[dict]] = {}
         for k in range(samples_per_scene):
             sample_tok, annotated = meta[si, k]
@@ -371,10 +426,8 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
                                   "last_annotation_token": recs[-1]["token"]})
         T["sample_annotation"].extend(sorted((r for recs in tracks.values() for r in recs), key=lambda r: r["token"]))
 
-    (out / VERSION).mkdir(parents=True, exist_ok=True)
     for name in TABLES:
-        with open(out / VERSION / f"{name}.json", "w") as f:
-            json.dump(T[name], f, indent=0)
+        _write_atomic(out / VERSION / f"{name}.json", json.dumps(T[name], indent=0))
     return out
 
 
@@ -382,23 +435,18 @@ def _map_groups(names: list[str]) -> dict[str, list[int]]:
     """Location -> indices of its scenes (one map per location, as in nuScenes)."""
     by_loc: dict[str, list[int]] = {}
     for si, name in enumerate(names):
-        by_loc.setdefault(LOCATIONS[name], []).append(si)
+        by_loc.setdefault(MINI_LOCATIONS[name], []).append(si)
     return dict(sorted(by_loc.items()))
 
 
 def _map_task(task) -> None:
-    """Write one location's drivable-area PNG (0.1 m/pixel, global frame): the roads of its scenes."""
-    path, seed, scenes, samples = task
-    n = int(MAP_SIZE_M / MAP_RES)
-    mask = np.zeros((n, n), np.uint8)
-    for si in scenes:
-        world = _world(seed, si, samples)
-        end = world.ego_s0 + world.ego_speed * (samples - 1) * SAMPLE_DT
-        corners = world.road_to_global([-200.0, end + 200, end + 200, -200.0],
-                                       [-render.CURB, -render.CURB, render.CURB, render.CURB])
-        # Map pixel (col, row) = (x / res, height - y / res), as nuscenes.utils.map_mask expects.
-        px = np.stack([corners[:, 0] / MAP_RES, n - corners[:, 1] / MAP_RES], -1)
-        cv2.fillPoly(mask, [np.round(px).astype(np.int32)], 255)
+    """Write one location's drivable-area PNG (MAP_RES m/pixel over the map canvas, global frame)."""
+    path, seed, location = task
+    road = road_map(seed, location)
+    w, h = (int(math.ceil(c / MAP_RES)) for c in road.canvas)
+    # Map pixel (col, row) = (x / res, height - y / res), as nuscenes.utils.map_mask expects.
+    mask = fill(np.zeros((h, w), np.uint8), road.layers["drivable_area"][0]["geom"],
+                lambda xy: np.stack([xy[:, 0] / MAP_RES, h - xy[:, 1] / MAP_RES], -1), 255)
     if not cv2.imwrite(str(path), mask, [cv2.IMWRITE_PNG_COMPRESSION, 1]):
         raise RuntimeError(f"could not write map {path}")
 
@@ -413,13 +461,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
     args = p.parse_args(argv)
     start = time.time()
-    try:  # usage errors only: a failure while writing keeps its traceback
+    try:
         _validate(args.scenes, args.samples_per_scene, args.seed, args.workers)
         _check_out(Path(args.out), args.overwrite)
     except (ValueError, TypeError, FileExistsError) as e:
         p.error(str(e))
-    out = make_synthetic(args.out, args.scenes, args.samples_per_scene, args.seed, overwrite=args.overwrite,
-                         workers=args.workers)
+    try:
+        out = make_synthetic(args.out, args.scenes, args.samples_per_scene, args.seed, overwrite=args.overwrite,
+                             workers=args.workers)
+    except OSError as e:  # e.g. a read-only or full --out: one line, no traceback
+        print(f"bev-make-synthetic: error: cannot write the dataset to {args.out}: {e}", file=sys.stderr)
+        return 1
     print(f"wrote {args.scenes} scenes x {args.samples_per_scene} samples to {out} in {time.time() - start:.1f} s",
           file=sys.stderr)
     return 0

@@ -1,0 +1,251 @@
+"""HD-map BEV targets from the nuScenes map expansion (v1.3): the one home of map classes and presets.
+
+A map class is a target channel made of one or more devkit layers (MAP_CLASSES); `divider` is
+BEVFusion's union of road_divider and lane_divider lines. Presets (PRESETS):
+  bevfusion: drivable_area, ped_crossing, walkway, stop_line, carpark_area, divider (BEVFusion's
+             map segmentation classes);
+  lss:       drivable_area, divider. "Lane boundaries" of the LSS paper are taken as the painted
+             road_divider + lane_divider lines (what LSS draws as lane lines), not lane polygon edges.
+
+Geometry is read once per split with the devkit (NuScenesMap) and cached in the split index as
+flat global-frame arrays (see load_map_geometry), so DataLoader workers never load the devkit map.
+rasterize_map then draws one sample's patch the way the devkit's get_map_mask does (which
+BEVFusion uses), on the bev.geometry grid and in the same ego frame as the boxes:
+  - frame: the LIDAR_TOP ego pose, yaw only (the devkit's patch_angle = ego yaw in degrees);
+    arrays [x_index, y_index] (the devkit canvas is [y, x]: BEVFusion transposes it);
+  - polygons: vertices at continuous cell coordinates (p - lo) / step, rounded to the nearest
+    cell corner, filled with cv2.fillPoly (boundary cells included) and holes cleared. This is
+    also the `raster: lss` rule for boxes, so both can follow one rule;
+  - lines: vertices floored (the devkit truncates), drawn with cv2.polylines LINE_WIDTH_M wide
+    (2 cells on the 0.5 m grid, as the devkit's thickness 2).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from bev.geometry import Grid
+
+POLYGON_LAYERS = ("drivable_area", "road_segment", "road_block", "lane", "ped_crossing", "walkway",
+                  "stop_line", "carpark_area")
+LINE_LAYERS = ("road_divider", "lane_divider")
+MAP_CLASSES: dict[str, tuple[str, ...]] = {
+    **{name: (name,) for name in POLYGON_LAYERS + LINE_LAYERS},
+    "divider": ("road_divider", "lane_divider"),
+}
+PRESETS: dict[str, tuple[str, ...]] = {
+    "bevfusion": ("drivable_area", "ped_crossing", "walkway", "stop_line", "carpark_area", "divider"),
+    "lss": ("drivable_area", "divider"),
+}
+LINE_WIDTH_M = 1.0  # drawn width of divider lines: the devkit's 2 px at BEVFusion's 0.5 m cells
+MAP_DOWNLOAD = (
+    "Download the map expansion pack (nuScenes-map-expansion-v1.3.zip, from https://www.nuscenes.org/download) "
+    "and unpack it into DATAROOT/maps/ so that DATAROOT/maps/expansion/<location>.json exist"
+)
+
+
+def normalize_map_layers(spec: Any) -> tuple[str, ...]:
+    """data.map_layers -> tuple of map class names: a preset name, a class name, a list of class
+    names, or None / [] / "none" for no map channels."""
+    if spec is None or (isinstance(spec, str) and spec.lower() in ("", "none", "null")):
+        return ()
+    if isinstance(spec, str):
+        spec = PRESETS[spec] if spec in PRESETS else [spec]
+    names = tuple(str(s) for s in spec)
+    unknown = [n for n in names if n not in MAP_CLASSES]
+    if unknown:
+        raise ValueError(
+            f"unknown map layer(s) {unknown} in data.map_layers; valid names: {', '.join(MAP_CLASSES)}; "
+            f"presets: {', '.join(f'{k} = {list(v)}' for k, v in PRESETS.items())}; or null for none"
+        )
+    if len(set(names)) != len(names):
+        raise ValueError(f"data.map_layers lists a class twice: {list(names)}")
+    return names
+
+
+def map_file(dataroot: str | os.PathLike, location: str) -> Path:
+    return Path(dataroot) / "maps" / "expansion" / f"{location}.json"
+
+
+def map_signature(dataroot: str | os.PathLike) -> dict[str, list[int]]:
+    """Sizes/mtimes of every map expansion JSON: part of the index cache key."""
+    folder = Path(dataroot) / "maps" / "expansion"
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(folder.glob("*.json"))}
+
+
+def check_map_files(dataroot: str | os.PathLike, locations: Sequence[str]) -> None:
+    missing = [str(map_file(dataroot, loc)) for loc in locations if not map_file(dataroot, loc).is_file()]
+    if missing:
+        raise FileNotFoundError(f"map layers were requested but the map expansion file(s) {missing} are missing. "
+                                f"{MAP_DOWNLOAD}, or set data.map_layers=null.")
+
+
+def _rings_of_polygon(nmap, polygon_token: str) -> list[np.ndarray]:
+    rec = nmap.get("polygon", polygon_token)
+    node = lambda t: (nmap.get("node", t)["x"], nmap.get("node", t)["y"])  # noqa: E731
+    rings = [np.array([node(t) for t in rec["exterior_node_tokens"]], dtype=np.float64).reshape(-1, 2)]
+    rings += [np.array([node(t) for t in h["node_tokens"]], dtype=np.float64).reshape(-1, 2)
+              for h in rec["holes"] if len(h["node_tokens"])]
+    return rings
+
+
+def load_map_geometry(dataroot: str | os.PathLike, locations: Sequence[str], classes: Sequence[str],
+                      verbose: bool = True) -> dict[str, np.ndarray]:
+    """Global-frame geometry of the map classes at `locations`, as flat arrays (no pickle, cacheable).
+
+    A "shape" is one polygon (exterior ring + holes) or one polyline of one map class:
+      map_locations (L,) str; map_xy (V, 2) float64 vertices; map_ring_offsets (R+1,) into map_xy;
+      map_shape_rings (S+1,) into the rings (first ring = exterior); map_shape_class (S,) channel;
+      map_shape_line (S,) bool; map_shape_location (S,) into map_locations; map_shape_bbox (S, 4)
+      xmin, ymin, xmax, ymax. Polygons the devkit skips (invalid, outside drivable_area) are skipped.
+    """
+    from nuscenes.map_expansion.map_api import NuScenesMap
+    from shapely.geometry import Polygon
+    from tqdm import tqdm
+
+    check_map_files(dataroot, locations)
+    xy, ring_off, shape_rings, cls, line, loc_of, bbox = [], [0], [0], [], [], [], []
+    for li, loc in enumerate(tqdm(locations, desc="loading map expansion", unit="map", disable=not verbose)):
+        try:
+            nmap = NuScenesMap(dataroot=str(dataroot), map_name=loc)
+        except Exception as e:  # outdated version, unknown location, missing layer: name the file
+            raise ValueError(f"cannot read the map expansion {str(map_file(dataroot, loc))!r} with the nuScenes devkit "
+                             f"({type(e).__name__}: {e}). {MAP_DOWNLOAD} (v1.3).") from None
+        for c, name in enumerate(classes):
+            for layer in MAP_CLASSES[name]:
+                for rec in getattr(nmap, layer):
+                    if layer in LINE_LAYERS:
+                        shapes = [[np.array([(nmap.get("node", t)["x"], nmap.get("node", t)["y"])
+                                             for t in nmap.get("line", rec["line_token"])["node_tokens"]],
+                                            dtype=np.float64).reshape(-1, 2)]]
+                    elif layer == "drivable_area":
+                        shapes = [_rings_of_polygon(nmap, t) for t in rec["polygon_tokens"]]
+                    else:
+                        rings = _rings_of_polygon(nmap, rec["polygon_token"])
+                        # As the devkit's get_map_mask: invalid non-drivable polygons are not drawn.
+                        shapes = [rings] if len(rings[0]) >= 3 and Polygon(rings[0], rings[1:]).is_valid else []
+                    for rings in shapes:
+                        if len(rings[0]) < (2 if layer in LINE_LAYERS else 3):
+                            continue
+                        for r in rings:
+                            xy.append(r)
+                            ring_off.append(ring_off[-1] + len(r))
+                        shape_rings.append(shape_rings[-1] + len(rings))
+                        cls.append(c)
+                        line.append(layer in LINE_LAYERS)
+                        loc_of.append(li)
+                        bbox.append((*rings[0].min(0), *rings[0].max(0)))
+    return {
+        "map_locations": np.asarray(list(locations), dtype=str),
+        "map_xy": np.concatenate(xy) if xy else np.zeros((0, 2)),
+        "map_ring_offsets": np.asarray(ring_off, dtype=np.int64),
+        "map_shape_rings": np.asarray(shape_rings, dtype=np.int64),
+        "map_shape_class": np.asarray(cls, dtype=np.int64),
+        "map_shape_line": np.asarray(line, dtype=bool),
+        "map_shape_location": np.asarray(loc_of, dtype=np.int64),
+        "map_shape_bbox": np.asarray(bbox, dtype=np.float64).reshape(-1, 4),
+    }
+
+
+def ego_yaw(rotation: np.ndarray) -> float:
+    """Heading of the ego x axis in the global frame (the devkit's patch_angle, in radians)."""
+    return float(np.arctan2(rotation[1, 0], rotation[0, 0]))
+
+
+def rasterize_map(geom: dict[str, np.ndarray], location: str, rotation: np.ndarray, translation: np.ndarray,
+                  grid: Grid, num_classes: int) -> np.ndarray:
+    """(num_classes, X, Y) uint8 {0, 1} map target of one ego pose (rotation 3x3, translation 3, global)."""
+    import cv2
+
+    # Drawn on the devkit's canvas layout [y_index, x_index] (cv2 fills are not symmetric under a
+    # transpose, so this keeps the devkit's cells) and returned transposed to [x_index, y_index].
+    out = np.zeros((num_classes, grid.ny, grid.nx), dtype=np.uint8)
+    locs = geom["map_locations"].tolist()
+    if num_classes == 0 or location not in locs:
+        return out.transpose(0, 2, 1).copy()
+    yaw = ego_yaw(rotation)
+    c, s = np.cos(yaw), np.sin(yaw)
+    t = np.asarray(translation, dtype=np.float64)[:2]
+    (xlo, xhi, xs), (ylo, yhi, ys) = grid.xbound, grid.ybound
+    corners = np.array([[xlo, ylo], [xlo, yhi], [xhi, ylo], [xhi, yhi]])
+    g = corners @ np.array([[c, s], [-s, c]]) + t  # grid corners in the global frame
+    bb = geom["map_shape_bbox"]
+    near = ((geom["map_shape_location"] == locs.index(location)) & (bb[:, 0] <= g[:, 0].max()) & (bb[:, 2] >= g[:, 0].min())
+            & (bb[:, 1] <= g[:, 1].max()) & (bb[:, 3] >= g[:, 1].min()))
+    to_cells = np.array([[c / xs, -s / ys], [s / xs, c / ys]])  # global offset -> (x, y) cell coordinates
+    origin = np.array([xlo / xs, ylo / ys])
+    ring_off, shape_rings, xy = geom["map_ring_offsets"], geom["map_shape_rings"], geom["map_xy"]
+    thickness = max(1, int(round(LINE_WIDTH_M / min(xs, ys))))
+    scratch = np.zeros((grid.ny, grid.nx), dtype=np.uint8)
+    patch = (*(corners.mean(0) @ np.array([[c, s], [-s, c]]) + t), yhi - ylo, xhi - xlo, np.degrees(yaw))
+    for k in np.flatnonzero(near):
+        is_line = bool(geom["map_shape_line"][k])
+        rings = [(xy[ring_off[r] : ring_off[r + 1]] - t) @ to_cells - origin for r in range(shape_rings[k], shape_rings[k + 1])]
+        layer = out[geom["map_shape_class"][k]]
+        inside = all(r.min() >= 0 and r[:, 0].max() <= grid.nx and r[:, 1].max() <= grid.ny for r in rings)
+        if is_line and not inside:
+            parts = _devkit_clip_line(xy[ring_off[shape_rings[k]] : ring_off[shape_rings[k] + 1]], patch, grid)
+        else:
+            parts = [rings] if inside else _clip(rings, is_line, grid.nx, grid.ny)
+        for part in parts:
+            # Vertices rounded (lines: floored) after clipping, as the devkit; cv2 (col, row) = (x, y).
+            pts = [np.ascontiguousarray(np.floor(p) if is_line else np.round(p), dtype=np.int32).reshape(-1, 1, 2)
+                   for p in part]
+            if is_line:
+                cv2.polylines(layer, pts, False, 1, thickness)
+            elif len(pts) == 1:
+                cv2.fillPoly(layer, pts, 1)
+            else:  # holes clear only their own polygon, not others drawn before
+                scratch[:] = 0
+                cv2.fillPoly(scratch, pts[:1], 1)
+                cv2.fillPoly(scratch, pts[1:], 0)
+                layer |= scratch
+    return out.transpose(0, 2, 1).copy()
+
+
+def _devkit_clip_line(line: np.ndarray, patch: tuple, grid: Grid) -> list[list[np.ndarray]]:
+    """A global polyline crossing the patch border, clipped and moved to cell coordinates by the
+    devkit's own sequence of shapely operations: its border vertex comes out a hair above or below
+    the border by float noise, which decides the truncated cell, so only the same steps give the same cells."""
+    from shapely import affinity
+    from shapely.geometry import LineString, box
+
+    cx, cy, ph, pw, angle = patch
+    g = LineString(line).intersection(affinity.rotate(box(cx - pw / 2, cy - ph / 2, cx + pw / 2, cy + ph / 2), angle,
+                                                      origin=(cx, cy), use_radians=False))
+    if g.is_empty:
+        return []
+    g = affinity.affine_transform(affinity.rotate(g, -angle, origin=(cx, cy), use_radians=False), [1, 0, 0, 1, -cx, -cy])
+    g = g.intersection(box(-pw / 2, -ph / 2, pw / 2, ph / 2))
+    g = affinity.scale(affinity.affine_transform(g, [1, 0, 0, 1, pw / 2, ph / 2]), xfact=grid.nx / pw, yfact=grid.ny / ph,
+                       origin=(0, 0))
+    return [[np.asarray(p.coords)] for p in getattr(g, "geoms", [g]) if p.geom_type == "LineString" and not p.is_empty]
+
+
+def _clip(rings: list[np.ndarray], is_line: bool, nx: int, ny: int) -> list[list[np.ndarray]]:
+    """Shape in cell coordinates -> its parts inside [0, nx] x [0, ny], each a list of rings.
+
+    The devkit clips to the patch before rounding; a clipped edge gets a new vertex on the border,
+    which rounds differently than the far vertex it replaces, so clipping first keeps the same cells.
+    """
+    if all(r.min() >= 0 and r[:, 0].max() <= nx and r[:, 1].max() <= ny for r in rings):
+        return [rings]
+    import shapely
+    from shapely.geometry import LineString, Polygon
+
+    shape = LineString(rings[0]) if is_line else Polygon(rings[0], rings[1:])
+    if not is_line and not shape.is_valid:
+        shape = shape.buffer(0)
+    clipped = shapely.clip_by_rect(shape, 0.0, 0.0, float(nx), float(ny))
+    parts = []
+    for g in getattr(clipped, "geoms", [clipped]):
+        if g.is_empty:
+            continue
+        if g.geom_type == "LineString":
+            parts.append([np.asarray(g.coords)])
+        elif g.geom_type == "Polygon":
+            parts.append([np.asarray(g.exterior.coords)] + [np.asarray(h.coords) for h in g.interiors])
+    return parts

@@ -1,0 +1,281 @@
+"""Using a trained model: rebuild it from a checkpoint, run it on batches, make example inputs.
+
+    model = bev.load_model("logs/train/runs/<run>")      # a .ckpt, or a run dir (its best checkpoint)
+    probs = bev.predict(model, batch)                     # (B, K, X, Y) float32 probabilities
+    model.class_names, model.grid, model.image_size      # what the K channels and X, Y cells mean
+
+load_model returns the BEVLitModule (eval mode, on `device`), not the bare network: it carries
+predict_step, the run config (`run_config`, the resolved config bev-train stored in the
+checkpoint) and works with `lightning.Trainer.predict`; the network itself is `model.net`.
+bev-eval, bev-predict and bev-export all load checkpoints through `load_checkpoint` here.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Mapping, NamedTuple
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+# The network's inputs, in the order LiftSplatShoot.forward takes them (shapes for B samples of N cameras).
+CAMERA_INPUTS: dict[str, str] = {
+    "images": "(B, N, 3, H, W) float32, ImageNet-normalised",
+    "intrinsics": "(B, N, 3, 3) float32",
+    "rots": "(B, N, 3, 3) float32, camera->ego rotation",
+    "trans": "(B, N, 3) float32, camera->ego translation (m)",
+    "post_rots": "(B, N, 3, 3) float32, image augmentation (identity if none)",
+    "post_trans": "(B, N, 3) float32, image augmentation (zeros if none)",
+}
+
+
+class Loaded(NamedTuple):
+    """A model rebuilt from a checkpoint, with the configs it was built from."""
+
+    model: Any  # bev.lit.BEVLitModule, eval mode, on the CPU
+    run_config: DictConfig  # the resolved config of the training run (grid, data, model, trainer, ...)
+    model_config: DictConfig  # the model config actually instantiated
+    checkpoint: dict  # the raw checkpoint (epoch, global_step, callbacks, ...)
+    path: Path  # the checkpoint file (a run directory resolves to its best checkpoint)
+
+
+def load_checkpoint(ckpt_path: str | Path, model_config: DictConfig | None = None, grid: Any = None,
+                    data: DictConfig | None = None) -> Loaded:
+    """Rebuild the model a checkpoint was trained as, from the config bev-train stored in it.
+
+    model_config overrides the stored model config (grid and image size still come from the
+    checkpoint); for a checkpoint without a stored config, model_config, grid and data must all be
+    given. Raises bev.utils.checkpoint.CheckpointError (missing, corrupt, incompatible).
+    """
+    from hydra.utils import instantiate
+
+    from bev.utils.checkpoint import CheckpointError, check_compatible, read_checkpoint, resolve_checkpoint
+
+    path = resolve_checkpoint(ckpt_path)
+    ckpt = read_checkpoint(path)
+    saved = ckpt.get("bev_config")
+    if saved is None and (model_config is None or grid is None or data is None):
+        raise CheckpointError(f"{str(path)!r} carries no bev-train config; pass model=..., data=... and grid=... matching how it was trained.")
+    run_cfg = OmegaConf.create(saved or {"grid": grid, "data": data, "model": model_config, "trainer": {}})
+    # model=<group> replaces the checkpoint's model config; +model.<key>=... overrides are applied on top of it
+    # (check_compatible names any that no longer fit the weights).
+    given = model_config
+    model_cfg = given if given is not None and "_target_" in given else OmegaConf.merge(run_cfg.model, given or {})
+    model_cfg = OmegaConf.merge(model_cfg, {"net": {"grid": run_cfg.grid, "image_size": run_cfg.data.final_dim}})
+    # The checkpoint holds the weights: do not download or read the pretrained backbone again.
+    model_cfg.net.camera.weights = None
+    model_cfg.net.camera.weights_path = None
+    model = instantiate(model_cfg)
+    check_compatible(model, ckpt, path, OmegaConf.to_container(model_cfg, resolve=True))
+    model.load_state_dict(ckpt["state_dict"])
+    model.run_config = OmegaConf.to_container(run_cfg, resolve=True)
+    return Loaded(model.eval(), run_cfg, model_cfg, ckpt, path)
+
+
+def build_data_config(given: DictConfig, run_config: DictConfig) -> DictConfig:
+    """The checkpoint's data settings, overridden by the non-null keys of `given` (a whole data
+    config when it has a _target_); grid and image size always come from the checkpoint, and
+    inference never augments."""
+    keys = {k: v for k, v in OmegaConf.to_container(given, resolve=False).items() if v is not None}
+    base = given if "_target_" in keys else OmegaConf.merge(run_config.data, keys)
+    return OmegaConf.merge(base, {"grid": run_config.grid, "final_dim": run_config.data.final_dim, "augment": False})
+
+
+def load_model(ckpt_path: str | Path, device: str | torch.device = "cpu"):
+    """The eval-mode BEVLitModule of a checkpoint this project wrote (a .ckpt, or a run directory).
+
+    Attributes: .net (the LiftSplatShoot network), .grid, .image_size, .class_names, .run_config.
+    """
+    return load_checkpoint(ckpt_path).model.to(device)
+
+
+def _batched(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """Check the camera inputs; add the batch dimension to a single sample."""
+    missing = [k for k in CAMERA_INPUTS if k not in batch]
+    if missing:
+        want = "; ".join(f"{k} {v}" for k, v in CAMERA_INPUTS.items())
+        raise KeyError(f"batch lacks {', '.join(missing)}; a batch needs {want}")
+    out = dict(batch)
+    if torch.as_tensor(batch["images"]).dim() == 4:  # one sample (N, 3, H, W)
+        out.update({k: torch.as_tensor(batch[k]).unsqueeze(0) for k in CAMERA_INPUTS})
+    return out
+
+
+@torch.no_grad()
+def predict(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """Per-class probabilities (B, K, X, Y) float32, on the model's device.
+
+    model: what load_model returns (or a bare LiftSplatShoot). batch: a dict with the camera
+    inputs of CAMERA_INPUTS (extra keys are ignored); a single sample (no batch dimension) works too.
+    """
+    batch = _batched(batch)
+    device = next(model.parameters()).device
+    inputs = [torch.as_tensor(batch[k]).to(device) for k in CAMERA_INPUTS]
+    was_training = model.training
+    model.eval()
+    try:
+        if hasattr(model, "predict_step"):
+            return model.predict_step(dict(zip(CAMERA_INPUTS, inputs)), 0)
+        return model(*inputs).float().sigmoid()
+    finally:
+        model.train(was_training)
+
+
+def ring_rig(num_cameras: int, image_size: tuple[int, int], batch_size: int = 1) -> dict[str, torch.Tensor]:
+    """Camera tensors of N cameras 1.5 m up, looking outwards at evenly spaced yaws (camera axes:
+    x right, y down, z forward), 90-degree horizontal field of view, no augmentation."""
+    H, W = image_size
+    K = torch.tensor([[W / 2, 0, W / 2], [0, W / 2, H / 2], [0, 0, 1.0]])
+    rots = []
+    for i in range(num_cameras):
+        yaw = 2 * math.pi * i / num_cameras
+        fwd = torch.tensor([math.cos(yaw), math.sin(yaw), 0.0])
+        right = torch.tensor([math.sin(yaw), -math.cos(yaw), 0.0])
+        rots.append(torch.stack([right, torch.tensor([0, 0, -1.0]), fwd], dim=1))
+    B, N = batch_size, num_cameras
+    return {
+        "intrinsics": K.expand(B, N, 3, 3).clone(),
+        "rots": torch.stack(rots).expand(B, N, 3, 3).clone(),
+        "trans": torch.tensor([0, 0, 1.5]).expand(B, N, 3).clone(),
+        "post_rots": torch.eye(3).expand(B, N, 3, 3).clone(),
+        "post_trans": torch.zeros(B, N, 3),
+    }
+
+
+def example_inputs(net: nn.Module, num_cameras: int = 6, batch_size: int = 1, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Random images + a ring rig: inputs of the right shapes for tracing / exporting / timing `net`."""
+    H, W = net.image_size
+    g = torch.Generator().manual_seed(seed)
+    cams = ring_rig(num_cameras, (H, W), batch_size)
+    images = torch.randn(batch_size, num_cameras, 3, H, W, generator=g)
+    return (images, *(cams[k] for k in list(CAMERA_INPUTS)[1:]))
+
+
+# ------------------------------------------------------------------------------- prediction files
+NPZ_SCALE = 255  # probabilities are stored as uint8 q = round(p * 255): p = q / 255, error <= 0.002
+
+
+def save_prediction_npz(path: str | Path, probs: torch.Tensor, names: list[str], **meta: Any) -> Path:
+    """One sample's (K, X, Y) probabilities as a compressed .npz: one uint8 (X, Y) array per class
+    name (p = q / 255, indexed [x_index, y_index]) plus `meta` under keys starting with "_"."""
+    import numpy as np
+
+    from bev.utils.io import atomic_open
+
+    p = probs.detach().float().cpu().clamp(0, 1).numpy()
+    if p.ndim != 3 or p.shape[0] != len(names):
+        raise ValueError(f"probs must be (K={len(names)}, X, Y), got {tuple(p.shape)}")
+    arrays = {name: np.rint(p[k] * NPZ_SCALE).astype(np.uint8) for k, name in enumerate(names)}
+    arrays.update({f"_{k}": np.asarray(v) for k, v in meta.items()})
+    arrays["_scale"] = np.asarray(1.0 / NPZ_SCALE, dtype=np.float32)
+    with atomic_open(path, "wb") as f:
+        np.savez_compressed(f, **arrays)
+    return Path(path)
+
+
+def save_gif(path: str | Path, frames: list, fps: float = 2.0) -> Path:
+    """An animated GIF (loops forever) of (H, W, 3) uint8 frames, written atomically."""
+    from PIL import Image
+
+    from bev.utils.io import atomic_open
+
+    if not frames:
+        raise ValueError("a GIF needs at least one frame")
+    images = [Image.fromarray(f).convert("P", palette=Image.Palette.ADAPTIVE, colors=255) for f in frames]
+    with atomic_open(path, "wb") as f:
+        images[0].save(f, format="GIF", save_all=True, append_images=images[1:], duration=int(round(1000 / fps)), loop=0)
+    return Path(path)
+
+
+def writable_dir(path: str | Path, what: str = "out") -> Path:
+    """Create `path` if needed and check a file can be written there; one clear error otherwise."""
+    import tempfile
+
+    path = Path(path).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise OSError(f"{what}={str(path)!r} is not a writable folder ({type(e).__name__}: {e.strerror or e}); "
+                      f"pass {what}=<a folder you can write to>.") from None
+    return path
+
+
+def select_samples(data_cfg: DictConfig, split: str | None = None, scene: str | None = None):
+    """(dataset, sample indices in (scene, time) order, split) for a split, or one scene of it.
+
+    Without `split` a scene is looked up in data.val_split, then data.train_split; an unknown
+    scene raises ValueError listing the scenes there are.
+    """
+    import numpy as np
+    from hydra.utils import instantiate
+
+    splits = [split] if split else [data_cfg.val_split] + ([data_cfg.train_split] if scene else [])
+    known: dict[str, list[str]] = {}
+    for s in dict.fromkeys(splits):
+        datamodule = instantiate(OmegaConf.merge(data_cfg, {"val_split": s}))
+        datamodule.setup("predict")
+        ds = datamodule.val_set
+        names, times = ds.index["scene"], ds.index["timestamp"]
+        order = np.lexsort((times, names))
+        if scene is None:
+            return ds, order, s
+        chosen = order[names[order] == scene]
+        if len(chosen):
+            return ds, chosen, s
+        known[s] = sorted(set(names.tolist()))
+    listed = "; ".join(f"{s}: {', '.join(v)}" for s, v in known.items())
+    raise ValueError(f"unknown scene {scene!r}. Scenes found ({listed}); pass scene=<one of them> or split=<the split that has it>.")
+
+
+# ------------------------------------------------------------------------------------------ export
+EXPORT_FORMATS = ("onnx", "torch_export")
+
+
+def export_onnx(net: nn.Module, example: tuple[torch.Tensor, ...], path: str | Path, opset: int = 18) -> Path:
+    """ONNX model of `net` (camera inputs -> "logits"), batch size dynamic, written atomically.
+
+    The splat goes through LiftSplatShoot.exportable() (ScatterND with reduction "add"), and the
+    geometry only uses elementwise ops, so ONNX Runtime runs it on any execution provider.
+    Uses torch.onnx.export's dynamo path (needs the onnx and onnxscript packages: pip install bev[export]).
+    """
+    from bev.utils.io import atomic_open
+
+    if opset < 17:
+        raise ValueError(f"opset must be >= 17, got {opset}")
+    if example[0].shape[0] == 1:  # torch.export specialises size-1 dims: trace with 2 to keep the batch dynamic
+        example = tuple(torch.cat([t, t]) for t in example)
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    with torch.no_grad(), net.exportable():
+        program = torch.onnx.export(net.eval(), example, dynamo=True, opset_version=int(opset), verbose=False,
+                                    input_names=list(CAMERA_INPUTS), output_names=["logits"],
+                                    dynamic_shapes=tuple({0: batch} for _ in example))
+    with atomic_open(path, "wb") as f:  # bytes, not onnx.save_model: that reads f.name, an fd number here
+        f.write(program.model_proto.SerializeToString())
+    return Path(path)
+
+
+def run_onnx(path: str | Path, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Logits of an exported ONNX model under ONNX Runtime on the CPU."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return torch.from_numpy(session.run(["logits"], {k: t.numpy() for k, t in zip(CAMERA_INPUTS, inputs)})[0])
+
+
+def export_program(net: nn.Module, example: tuple[torch.Tensor, ...], path: str | Path):
+    """torch.export ExportedProgram of `net` saved as .pt2 (atomically); returns the program.
+
+    Shapes are those of `example` (bev.ops takes the grid shape as plain ints, so the batch size
+    is fixed). The voxel pooling stays one torch.ops.bev.bev_pool node when the native build is
+    loaded; `import bev.ops` registers it before torch.export.load in another process.
+    """
+    from bev.utils.io import atomic_open
+
+    with torch.no_grad():
+        program = torch.export.export(net.eval(), example)
+    with atomic_open(path, "wb") as f:
+        torch.export.save(program, f)
+    return program

@@ -1,0 +1,409 @@
+"""The synthetic world of one scene: a drive through its location's road network.
+
+The network and its map geometry come from bev.synthetic.roads (one per location, shared by
+the scenes there). The ego follows a random route through the lanes, turning at junctions;
+other vehicles drive their own random routes or are parked at the kerb and in the car park;
+pedestrians walk or stand on the walkways; barriers and cones stand in the parking lanes;
+buildings line the blocks and traffic lights stand at the stop lines. No two vehicle (or
+barrier / cone) footprints overlap at any key frame, the ego's included: candidates that
+would are dropped. Every object is a union of axis-aligned boxes ("parts") in its own frame,
+rendered by bev.synthetic.raycast. Flat world (ground z = 0); the global frame is the map frame.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import shapely
+
+from bev.synthetic.roads import (CROSSING, CURB, LANES, PARKING_EDGE, SIDEWALK_END, Path, RoadMap, road_map)
+
+ANNOTATION_RANGE = 60.0  # objects within this ego distance (xy) are annotated
+RENDER_RANGE = 90.0  # objects farther than this are not drawn at all (they would be a few pixels)
+SAMPLE_DT = 0.5  # key frames at 2 Hz, as in nuScenes
+EGO_SIZE = (1.9, 4.6, 1.7)  # (w, l, h) of the ego footprint kept clear of other vehicles
+CLEARANCE = 0.1  # metres between any two vehicle footprints
+
+# Part kinds: how a part's faces are coloured. CABIN: side windows framed by painted pillars
+# and a painted roof; WINDOWS: a band of bus windows with mullions.
+SOLID, CABIN, DARK, WINDOWS = 0, 1, 2, 3
+
+
+@dataclass
+class Obj:
+    """One annotated (or scenery) object: its motion and its boxes in its own frame."""
+
+    category: str  # nuScenes category name; "" for scenery (buildings, traffic lights): never annotated
+    size: tuple[float, float, float]  # (w, l, h) as in sample_annotation.size
+    parts: list = field(default_factory=list)  # (centre (3,), half extents (3,), rgb (3,), kind)
+    attribute: str = ""
+    path: Path | None = None  # moving objects follow a path at `speed` from arclength s0, l metres to its left
+    s0: float = 0.0
+    speed: float = 0.0
+    l: float = 0.0
+    yaw: float = 0.0  # heading relative to the path (moving) or in the global frame (static)
+    xy: tuple[float, float] = (0.0, 0.0)  # static objects' global position
+
+    def pose(self, t) -> tuple[np.ndarray, np.ndarray]:
+        """Global xy (..., 2) and yaw (...) at time(s) t."""
+        t = np.asarray(t, dtype=np.float64)
+        if self.path is None:
+            return np.broadcast_to(np.asarray(self.xy, np.float64), t.shape + (2,)), np.full(t.shape, self.yaw)
+        xy, h = self.path.at(self.s0 + self.speed * t, self.l)
+        return xy, h + self.yaw
+
+
+@dataclass
+class World:
+    """A scene: its location's road map, the ego's route and the objects."""
+
+    seed: int
+    location: str
+    road: RoadMap
+    ego: Obj  # the ego's route (path, speed); never drawn
+    wobble: tuple[float, float, float]  # lateral wobble within the lane (amplitude, angular freq, phase)
+    sun: np.ndarray  # unit vector to the sun, global frame
+    objects: list[Obj]
+    _xy: dict = field(default_factory=dict, repr=False)
+
+    def ego_pose(self, t: float) -> tuple[np.ndarray, float]:
+        """Global translation (3,) and yaw of the ego at time t (flat world: z = 0)."""
+        a, w, p = self.wobble
+        xy, h = self.ego.path.at(self.ego.s0 + self.ego.speed * t, a * math.sin(w * t + p))
+        yaw = float(h) + math.atan2(a * w * math.cos(w * t + p), self.ego.speed)
+        return np.array([xy[0], xy[1], 0.0]), yaw
+
+    def object_global(self, obj: Obj, t: float) -> tuple[np.ndarray, float]:
+        """Global box centre (3,) and yaw of an object at time t."""
+        xy, yaw = obj.pose(t)
+        return np.array([xy[0], xy[1], obj.size[2] / 2]), float(yaw)
+
+    def positions(self, t: float) -> np.ndarray:
+        """(N, 2) global xy of every object at time t (cached)."""
+        if t not in self._xy:
+            self._xy[t] = np.array([o.pose(t)[0] for o in self.objects]).reshape(-1, 2)
+        return self._xy[t]
+
+
+def visible_objects(world: World, t: float, radius: float) -> list[int]:
+    """Indices of objects (annotated or scenery) within `radius` of the ego (xy; scenery by its near end)."""
+    ego = world.ego_pose(t)[0][:2]
+    d = np.linalg.norm(world.positions(t) - ego, axis=1)
+    extent = np.array([o.size[1] / 2 if not o.category else 0.0 for o in world.objects])
+    return np.flatnonzero(np.maximum(d - extent, 0.0) < radius).tolist()
+
+
+def annotated_objects(world: World, t: float) -> list[int]:
+    """Objects annotated at time t: every non-scenery object whose centre is within ANNOTATION_RANGE (xy)."""
+    ego = world.ego_pose(t)[0][:2]
+    d = np.linalg.norm(world.positions(t) - ego, axis=1)
+    return [i for i in np.flatnonzero(d <= ANNOTATION_RANGE).tolist() if world.objects[i].category]
+
+
+# ----------------------------------------------------------------------------- object shapes
+
+# (w, l, h) means and spreads, metres, close to the nuScenes class statistics.
+SIZES = {
+    "vehicle.car": ((1.95, 4.6, 1.7), (0.1, 0.35, 0.15)),
+    "vehicle.truck": ((2.5, 7.5, 3.0), (0.15, 1.0, 0.4)),  # l >= 5.5: the centre stays inside the cargo box
+    "vehicle.bus.rigid": ((2.9, 11.5, 3.5), (0.1, 0.8, 0.2)),
+    "vehicle.trailer": ((2.6, 11.0, 3.6), (0.1, 1.2, 0.3)),
+    "vehicle.motorcycle": ((0.8, 2.1, 1.5), (0.08, 0.15, 0.1)),
+    "human.pedestrian.adult": ((0.65, 0.7, 1.75), (0.08, 0.1, 0.1)),
+    "movable_object.barrier": ((0.5, 2.2, 1.0), (0.05, 0.3, 0.1)),
+    "movable_object.trafficcone": ((0.4, 0.4, 0.75), (0.03, 0.03, 0.08)),
+}
+MOVING_MIX = (("vehicle.car", 0.74), ("vehicle.truck", 0.1), ("vehicle.bus.rigid", 0.08), ("vehicle.motorcycle", 0.08))
+PARKED_MIX = (("vehicle.car", 0.75), ("vehicle.truck", 0.09), ("vehicle.trailer", 0.1), ("vehicle.motorcycle", 0.06))
+
+
+def _choice(rng: np.random.Generator, mix) -> str:
+    names, p = zip(*mix)
+    return names[rng.choice(len(names), p=np.asarray(p) / sum(p))]
+
+
+def _vehicle_colour(rng: np.random.Generator) -> np.ndarray:
+    """Saturated paint of a random hue (a few white ones): vehicles must stand out from grey road."""
+    if rng.random() < 0.1:
+        return np.full(3, rng.uniform(0.8, 0.95))
+    h, s, v = rng.random(), rng.uniform(0.65, 1.0), rng.uniform(0.6, 0.95)
+    k = (np.array([5.0, 3.0, 1.0]) + h * 6) % 6
+    return v - v * s * np.clip(np.minimum(k, 4 - k), 0, 1)
+
+
+def _box(cx, cy, cz, w, l, h, rgb, kind=SOLID):
+    """A part from its centre and extents in the object frame (x forward along l, y left along w)."""
+    return (np.array([cx, cy, cz]), np.array([l / 2, w / 2, h / 2]), np.asarray(rgb, dtype=np.float64), kind)
+
+
+GLASS = (0.12, 0.15, 0.2)
+TYRE = (0.06, 0.06, 0.07)
+
+
+SHADOW = (0.07, 0.07, 0.08)
+
+
+def _parts(category: str, size, rng: np.random.Generator) -> list:
+    """Boxes of an object in its own frame (origin at the box centre, z up)."""
+    parts = _shape(category, size, rng)
+    if category.startswith("vehicle.") and category != "vehicle.motorcycle":
+        # Contact shadow: a dark 2 cm slab filling the footprint under the body overhang.
+        w, l, h = size
+        parts.insert(0, _box(0, 0, -h / 2 + 0.01, w, l, 0.02, SHADOW, DARK))
+    return parts
+
+
+def _shape(category: str, size, rng: np.random.Generator) -> list:
+    w, l, h = size
+    z0 = -h / 2  # ground level in the object frame
+    if category == "vehicle.car":
+        paint = _vehicle_colour(rng)
+        body_h = 0.58 * h
+        return [
+            _box(0, 0, z0 + 0.2, 0.92 * w, 0.8 * l, 0.4, TYRE, DARK),
+            _box(0, 0, z0 + 0.3 + (body_h - 0.3) / 2, w, l, body_h - 0.3, paint),
+            _box(-0.05 * l, 0, z0 + body_h + (h - body_h) / 2, 0.86 * w, 0.52 * l, h - body_h, paint, CABIN),
+        ]
+    if category == "vehicle.truck":
+        paint, cargo = _vehicle_colour(rng), _vehicle_colour(rng)
+        cab_l = 2.2
+        return [
+            _box(0, 0, z0 + 0.3, 0.9 * w, 0.9 * l, 0.6, TYRE, DARK),
+            _box(l / 2 - cab_l / 2, 0, z0 + 0.5 + 0.3 * (h - 0.5), w, cab_l, 0.6 * (h - 0.5), paint),
+            _box(l / 2 - cab_l / 2 - 0.1, 0, z0 + 0.5 + 0.6 * (h - 0.5) + 0.175 * (h - 0.5), 0.95 * w, cab_l - 0.2, 0.35 * (h - 0.5), paint, CABIN),
+            _box(-cab_l / 2 - 0.15, 0, z0 + 0.6 + (h - 0.6) / 2, w, l - cab_l - 0.3, h - 0.6, cargo),
+        ]
+    if category == "vehicle.bus.rigid":
+        paint = _vehicle_colour(rng)
+        return [
+            _box(0, 0, z0 + 0.25, 0.9 * w, 0.85 * l, 0.5, TYRE, DARK),
+            _box(0, 0, z0 + 0.4 + 0.25 * (h - 0.4), w, l, 0.5 * (h - 0.4), paint),
+            _box(0, 0, z0 + 0.4 + 0.65 * (h - 0.4), 0.98 * w, 0.98 * l, 0.3 * (h - 0.4), paint, WINDOWS),
+            _box(0, 0, z0 + 0.4 + 0.9 * (h - 0.4), w, l, 0.2 * (h - 0.4), paint),
+        ]
+    if category == "vehicle.trailer":
+        paint = _vehicle_colour(rng)
+        return [
+            _box(-0.3 * l, 0, z0 + 0.55, 0.9 * w, 0.3 * l, 1.1, TYRE, DARK),
+            _box(0, 0, z0 + 1.1 + (h - 1.1) / 2, w, l, h - 1.1, paint),
+        ]
+    if category == "vehicle.motorcycle":
+        paint = _vehicle_colour(rng)
+        parts = [
+            _box(0, 0, z0 + 0.35, 0.3, l, 0.7, TYRE, DARK),
+            _box(0, 0, z0 + 0.85, 0.6 * w, 0.7 * l, 0.4, paint),
+        ]
+        if h > 1.3:  # with a rider: torso and helmet
+            parts += [_box(-0.1 * l, 0, z0 + 1.25, 0.8 * w, 0.25 * l, h - 1.1 - 0.25, _vehicle_colour(rng)),
+                      _box(-0.05 * l, 0, z0 + h - 0.13, 0.3, 0.3, 0.26, paint)]
+        return parts
+    if category == "human.pedestrian.adult":
+        shirt = _vehicle_colour(rng)
+        legs = np.array([0.15, 0.17, 0.3]) * rng.uniform(0.7, 1.5)
+        return [
+            _box(0, 0, z0 + 0.42, 0.36, 0.25, 0.84, legs),
+            _box(0, 0, z0 + 0.84 + 0.3, 0.5 * w / 0.65, 0.3, 0.6, shirt),
+            _box(0, 0, z0 + h - 0.15, 0.22, 0.24, 0.3, np.array([0.85, 0.65, 0.5]) * rng.uniform(0.5, 1.0)),
+        ]
+    if category == "movable_object.barrier":
+        return [_box(0, 0, z0 + 0.15, 0.6 * w, 0.9 * l, 0.3, (0.6, 0.6, 0.6)),
+                _box(0, 0, z0 + 0.3 + (h - 0.3) / 2, 0.4 * w, l, h - 0.3, (0.95, 0.95, 0.92))]
+    if category == "movable_object.trafficcone":
+        orange = (1.0, 0.45, 0.05)
+        return [_box(0, 0, z0 + 0.02, w, l, 0.04, (0.1, 0.1, 0.1)),
+                _box(0, 0, z0 + 0.04 + 0.3 * (h - 0.04), 0.6 * w, 0.6 * l, 0.6 * (h - 0.04), orange),
+                _box(0, 0, z0 + 0.04 + 0.8 * (h - 0.04), 0.3 * w, 0.3 * l, 0.4 * (h - 0.04), (0.95, 0.95, 0.95))]
+    raise ValueError(f"no shape for category {category!r}")
+
+
+def _object(category: str, rng: np.random.Generator, attribute: str = "") -> Obj:
+    mean, spread = SIZES[category]
+    size = tuple(float(m + d * np.clip(rng.standard_normal(), -2, 2)) for m, d in zip(mean, spread))
+    return Obj(category, size, _parts(category, size, rng), attribute)
+
+
+# ----------------------------------------------------------------------------- no overlaps
+
+def _corners(c: np.ndarray, yaw: np.ndarray, half: np.ndarray) -> np.ndarray:
+    """(P, 4, 2) corners of rectangles with centres (P, 2), yaws (P,), half (length, width) (P, 2)."""
+    ax = np.stack([np.cos(yaw), np.sin(yaw)], -1) * half[:, :1]
+    ay = np.stack([-np.sin(yaw), np.cos(yaw)], -1) * half[:, 1:]
+    return c[:, None] + np.stack([ax + ay, ax - ay, -ax - ay, -ax + ay], 1)
+
+
+def rectangles_overlap(c1, yaw1, half1, c2, yaw2, half2) -> np.ndarray:
+    """Whether pairs of rectangles overlap (separating-axis test), all arrays with a leading pair axis."""
+    a, b = _corners(c1, yaw1, half1), _corners(c2, yaw2, half2)
+    separated = np.zeros(len(a), bool)
+    for yaw in (yaw1, yaw1 + math.pi / 2, yaw2, yaw2 + math.pi / 2):
+        axis = np.stack([np.cos(yaw), np.sin(yaw)], -1)
+        pa, pb = np.einsum("pkd,pd->pk", a, axis), np.einsum("pkd,pd->pk", b, axis)
+        separated |= (pa.max(1) < pb.min(1)) | (pb.max(1) < pa.min(1))
+    return ~separated
+
+
+class _Fleet:
+    """Footprints of the vehicles, barriers and cones placed so far, at every key frame."""
+
+    def __init__(self):
+        self.xy = self.yaw = self.half = None
+
+    def add(self, xy: np.ndarray, yaw: np.ndarray, size) -> bool:
+        """Place a footprint track ((T, 2) centres, (T,) yaws) unless it overlaps one already placed."""
+        half = np.array([size[1], size[0]]) / 2 + CLEARANCE / 2
+        if self.xy is not None:
+            d2 = np.square(self.xy - xy).sum(2)  # (N, T)
+            n, k = np.nonzero(d2 < np.square(np.linalg.norm(self.half, axis=1) + np.linalg.norm(half))[:, None])
+            if len(n) and rectangles_overlap(self.xy[n, k], self.yaw[n, k], self.half[n], xy[k], yaw[k],
+                                             np.broadcast_to(half, (len(k), 2))).any():
+                return False
+            self.xy, self.yaw = np.concatenate([self.xy, xy[None]]), np.concatenate([self.yaw, yaw[None]])
+            self.half = np.concatenate([self.half, half[None]])
+        else:
+            self.xy, self.yaw, self.half = xy[None], yaw[None], half[None]
+        return True
+
+
+# ----------------------------------------------------------------------------- the scene
+
+def ego_route(road: RoadMap, rng: np.random.Generator, samples: int) -> tuple[Obj, tuple[float, float, float]]:
+    """The ego's drive (a random route from a random lane position) and its lateral wobble."""
+    duration = (samples - 1) * SAMPLE_DT
+    speed = rng.uniform(5.0, 9.0)
+    street = int(rng.integers(len(road.streets)))
+    dirn, k = int(rng.choice([-1, 1])), int(rng.integers(LANES))
+    lane = road.lane_path(street, dirn, k)
+    route = road.route(rng, street, dirn, k, rng.uniform(0.0, lane.length), speed * duration + 20.0)
+    wobble = (rng.uniform(0.05, 0.3), rng.uniform(0.2, 0.5), rng.uniform(0, 2 * math.pi))
+    return Obj("", EGO_SIZE, path=route, speed=speed), wobble
+
+
+def scene_rng(seed: int, scene: int) -> np.random.Generator:
+    return np.random.default_rng([seed, scene])
+
+
+def build_world(seed: int, scene: int, samples: int, location: str) -> World:
+    """The deterministic world of scene number `scene` for `seed` at `location`, sized for `samples` key frames."""
+    road = road_map(seed, location)
+    rng = scene_rng(seed, scene)
+    times = np.arange(samples) * SAMPLE_DT
+    duration = float(times[-1])
+    ego, wobble = ego_route(road, rng, samples)  # first: ego_route(road, scene_rng(...), samples) gives the same drive
+    sun_az, sun_el = rng.uniform(0, 2 * math.pi), rng.uniform(0.5, 1.1)
+    sun = np.array([math.cos(sun_az) * math.cos(sun_el), math.sin(sun_az) * math.cos(sun_el), math.sin(sun_el)])
+    world = World(seed, location, road, ego, wobble, sun, [])
+    poses = [world.ego_pose(t) for t in times]
+    ego_xy, ego_yaw = np.array([p[0][:2] for p in poses]), np.array([p[1] for p in poses])
+    fleet = _Fleet()
+    fleet.add(ego_xy, ego_yaw, EGO_SIZE)
+    objects = world.objects
+
+    def near(xy, r=RENDER_RANGE + 10.0) -> bool:
+        """Whether a static point ever comes within r of the ego."""
+        return bool(np.min(np.linalg.norm(ego_xy - np.asarray(xy)[:2], axis=1)) < r)
+
+    def place(o: Obj) -> None:
+        xy, yaw = o.pose(times)
+        if fleet.add(np.array(xy), np.array(yaw), o.size):
+            objects.append(o)
+
+    def static(o: Obj, xy, yaw) -> Obj:
+        o.xy, o.yaw = (float(xy[0]), float(xy[1])), float(yaw)
+        return o
+
+    streets = [i for i, st in enumerate(road.streets)
+               if np.min(np.linalg.norm(st.path.xy[::20, None] - ego_xy[None], axis=2)) < RENDER_RANGE + 20.0]
+    driveways = road.driveways
+    # Parked vehicles along the kerbs, cones and barriers in some gaps (straight stretches only).
+    for i in streets:
+        p = road.streets[i].path
+        for sd in (-1, 1):
+            yaw_rel = 0.0 if -sd * road.side > 0 else math.pi  # facing the traffic on this side
+            s, end = CROSSING[1] - CURB + 2.0 + rng.uniform(0, 5), p.length - (CROSSING[1] - CURB + 2.0)
+
+            def clear(a, b):
+                return p.straight(a, b) and not any(i == di and sd == ds and a < d1 and b > d0 for di, ds, d0, d1 in driveways)
+
+            while s < end:
+                if rng.random() < 0.45:
+                    cat = _choice(rng, PARKED_MIX)
+                    o = _object(cat, rng, "cycle.without_rider" if cat == "vehicle.motorcycle" else "vehicle.parked")
+                    if cat == "vehicle.motorcycle":  # parked without rider
+                        o.size = (o.size[0], o.size[1], 1.15)
+                        o.parts = _parts(cat, o.size, rng)
+                    length = o.size[1]
+                    if s + length > end:
+                        break
+                    # Centred 1.4 m into the parking lane: the widest trailer stays clear of the outer lane.
+                    xy, h = p.at(s + length / 2, sd * (PARKING_EDGE + 1.4) + rng.uniform(-0.1, 0.1))
+                    if clear(s, s + length) and near(xy):
+                        place(static(o, xy, h + yaw_rel + rng.normal(0, 0.04)))
+                    s += length + rng.uniform(1.5, 8.0)
+                else:
+                    gap = rng.uniform(4.0, 10.0)
+                    kind = rng.random()
+                    if clear(s, s + gap) and s + gap < end:
+                        if kind < 0.4:  # a few traffic cones
+                            for c in range(min(rng.integers(2, 5), int((gap - 1.0) / 1.5))):
+                                xy, h = p.at(s + 1 + 1.5 * c, sd * (PARKING_EDGE + rng.uniform(0.5, 2.0)))
+                                if near(xy):
+                                    place(static(_object("movable_object.trafficcone", rng), xy, h))
+                        elif kind < 0.7:  # a row of barriers along the kerb
+                            for c in range(min(rng.integers(2, 4), int((gap - 0.2) / 2.9))):  # barriers are <= 2.8 m long
+                                xy, h = p.at(s + 1.65 + 2.9 * c, sd * (CURB - 0.6))
+                                if near(xy):
+                                    place(static(_object("movable_object.barrier", rng), xy, h))
+                    s += gap
+    # Cars in the car-park bays.
+    for x, y, yaw in road.bays:
+        if rng.random() < 0.65 and near((x, y)):
+            o = _object("vehicle.car", rng, "vehicle.parked")
+            place(static(o, (x, y), yaw + (math.pi if rng.random() < 0.5 else 0.0) + rng.normal(0, 0.03)))
+    # Moving traffic: random routes from every lane, one speed per lane; dropped where they would overlap.
+    for i in range(len(road.streets)):
+        for dirn in (1, -1):
+            for k in range(LANES):
+                lane = road.lane_path(i, dirn, k)
+                v, s = rng.uniform(5.0, 11.0), rng.uniform(0.0, 10.0)
+                while s < lane.length:
+                    cat = _choice(rng, MOVING_MIX)
+                    o = _object(cat, rng, "cycle.with_rider" if cat == "vehicle.motorcycle" else "vehicle.moving")
+                    sc = s + o.size[1] / 2
+                    s += o.size[1] + rng.uniform(8.0, 30.0)
+                    if sc >= lane.length or np.min(np.linalg.norm(lane.at(sc)[0] - ego_xy, axis=1)) > RENDER_RANGE + 11.0 * duration + 10.0:
+                        continue
+                    o.path, o.speed = road.route(rng, i, dirn, k, sc, v * duration + 5.0), v
+                    xy, yaw = o.pose(times)
+                    if np.min(np.linalg.norm(xy - ego_xy, axis=1)) < RENDER_RANGE + 10.0 and fleet.add(xy, yaw, o.size):
+                        objects.append(o)
+    # Pedestrians on the walkways, walking along the street or standing (never on drivable area).
+    drivable = road.layers["drivable_area"][0]["geom"]
+    for i in streets:
+        p = road.streets[i].path
+        for sd in (-1, 1):
+            for _ in range(rng.poisson(0.09 * p.length)):
+                l = sd * rng.uniform(CURB + 0.8, SIDEWALK_END - 0.5)
+                s0 = rng.uniform(0.0, p.length)
+                o = _object("human.pedestrian.adult", rng, "pedestrian.moving")
+                v = rng.choice([-1, 1]) * rng.uniform(0.8, 1.6)
+                if rng.random() < 0.7 and 0.0 <= s0 + v * duration <= p.length:
+                    o.path, o.s0, o.speed, o.l, o.yaw = p, s0, v, l, (0.0 if v > 0 else math.pi) + rng.normal(0, 0.1)
+                else:
+                    xy, _ = p.at(s0, l)
+                    static(o, xy, rng.uniform(0, 2 * math.pi)).attribute = "pedestrian.standing"
+                xy, _ = o.pose(times)
+                if near(xy[0], RENDER_RANGE + 10.0 + 1.6 * duration) and not shapely.contains_xy(drivable, xy[:, 0], xy[:, 1]).any():
+                    objects.append(o)
+    # Scenery: buildings and traffic lights.
+    for x, y, yaw, w, length, h in road.buildings:
+        if near((x, y), RENDER_RANGE + length / 2 + 10.0):
+            tone = rng.uniform(0.45, 0.8) * np.array([1.0, rng.uniform(0.85, 1.0), rng.uniform(0.7, 0.95)])
+            objects.append(static(Obj("", (w, length, h), [_box(0, 0, 0, w, length, h, tone)]), (x, y), yaw))
+    for tl in road.layers["traffic_light"]:
+        x, y, z, yaw = tl["pose"]
+        if near((x, y)):
+            parts = [_box(0, 0, 0, 0.15, 0.15, 4.0, (0.35, 0.36, 0.38)),
+                     _box(0.1, 0, 1.45, 0.35, 0.3, 0.9, (0.08, 0.08, 0.08), DARK)]
+            objects.append(static(Obj("", (0.35, 0.4, 4.0), parts), (x, y), yaw))
+    return world

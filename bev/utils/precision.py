@@ -1,0 +1,66 @@
+"""`trainer.precision: auto`: bf16 mixed precision where the hardware runs bf16 natively, fp32 elsewhere.
+
+bf16 autocast halves the cost of the convolutions only on CPUs with native bf16 instructions
+(AVX512-BF16, AMX, Arm BF16); elsewhere oneDNN emulates them and fp32 is as fast or faster
+(scripts/bench_train.py measures both). On GPUs bf16 needs compute capability 8.0 (Ampere);
+older GPUs get fp16 mixed precision with loss scaling. The splat accumulates in fp32 and the
+geometry runs in fp32 under autocast (bev.models.lss), so only the encoders change precision.
+"""
+from __future__ import annotations
+
+# /proc/cpuinfo flags of native bf16 arithmetic, and how to name them in messages.
+CPU_BF16_FLAGS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX512-BF16", "bf16": "Arm BF16"}
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU feature flags of /proc/cpuinfo (x86 `flags`, Arm `Features`); empty where unreadable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_bf16_support() -> str | None:
+    """The name of this CPU's native bf16 instructions (e.g. "AVX512-BF16"), or None."""
+    flags = _cpu_flags()
+    for flag, name in CPU_BF16_FLAGS.items():
+        if flag in flags:
+            return name
+    return None
+
+
+def _accelerator(accelerator: str) -> str:
+    import torch
+
+    if accelerator in ("gpu", "cuda"):
+        return "cuda"
+    if accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return accelerator
+
+
+def resolve_precision(precision: str | int | None, accelerator: str = "auto") -> tuple[str, str]:
+    """(Lightning precision, reason) for `trainer.precision`; anything but "auto" is returned as given."""
+    if str(precision) != "auto":
+        return str(precision), "as configured"
+    import torch
+
+    device = _accelerator(str(accelerator))
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            return "32-true", "no CUDA device visible"
+        name = torch.cuda.get_device_name()
+        if torch.cuda.is_bf16_supported():
+            return "bf16-mixed", f"{name} supports bf16"
+        return "16-mixed", f"{name} has no bf16"
+    if device == "cpu":
+        native = cpu_bf16_support()
+        if native:
+            return "bf16-mixed", f"CPU has {native}"
+        return "32-true", "CPU has no native bf16 (no AVX512-BF16 / AMX): emulated bf16 is slower than fp32"
+    return "32-true", f"no bf16 rule for accelerator {accelerator!r}"

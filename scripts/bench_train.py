@@ -1,0 +1,349 @@
+#!/usr/bin/env python
+"""Training-step benchmark: forward + loss + backward + gradient clipping + optimiser step.
+
+    .venv/bin/python scripts/bench_train.py [--quick] [--configs paper embedded] [--steps 4]
+
+Models are built from the Hydra configs (compose + instantiate), so it measures what
+`bev-train` runs: "paper" is experiment=lss_nuscenes_trainval (EfficientNet-B0, 128x352, D=41,
+C=64, 200x200 grid, ResNet-18 BEV encoder, batch 4; random init), "embedded" is
+experiment=synthetic_cpu with its configured defaults. Inputs are random images with the real
+nuScenes rig and the LSS validation crop (geometry decides how many points share a voxel).
+
+Variants, alternated round-robin in one process with the same initial weights: fp32 eager
+NCHW, channels_last, bf16 autocast, both, torch.compile (fp32 NCHW), and torch.compile with
+channels_last + bf16. Medians over --steps measured steps after --warmup steps (compile time is
+reported separately). The eager variants also get a per-part breakdown (camera encoder,
+geometry, splat, BEV encoder, loss, backward, optimiser). With --loader it also times the
+configured data loader on a small synthetic set (scripts/bench_loader.py) to compare its
+samples/s with the model's. Writes JSON to --out atomically.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bev.utils.malloc import MALLOC_ENV  # noqa: E402
+
+CONFIGS = {
+    "paper": ["experiment=lss_nuscenes_trainval", "model.net.camera.weights=null", "trainer=cpu"],
+    "embedded": ["experiment=synthetic_cpu"],
+}
+# name -> (channels_last, bf16 autocast, torch.compile)
+VARIANTS = {
+    "fp32": (False, False, False),
+    "channels_last": (True, False, False),
+    "bf16": (False, True, False),
+    "channels_last+bf16": (True, True, False),
+    "compile": (False, False, True),
+    "compile+channels_last": (True, False, True),
+    "compile+channels_last+bf16": (True, True, True),
+}
+PARTS = ("camera_encoder", "geometry", "splat", "bev_encoder", "loss", "backward", "optimizer")
+
+
+def compose_config(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from bev.utils.config import CONFIG_DIR
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=[*overrides, "hydra.run.dir=/tmp/bench_train"], return_hydra_config=True)
+    HydraConfig().set_config(cfg)  # resolves ${hydra:...} interpolations as in a real run
+    return cfg
+
+
+def build(cfg, channels_last: bool, seed: int = 0):
+    """The LightningModule of cfg.model with every convolutional encoder in the requested layout."""
+    import torch
+    from hydra.utils import instantiate
+
+    torch.manual_seed(seed)  # same initial weights for every variant
+    model_cfg = cfg.model.copy()
+    model_cfg.net.camera.channels_last = channels_last
+    model_cfg.net.bev.channels_last = channels_last
+    return instantiate(model_cfg)
+
+
+def real_rig_batch(cfg, batch_size: int, seed: int = 0) -> dict:
+    """Random images and BEV targets with the real rig's calibration and the LSS validation crop."""
+    import numpy as np
+    import torch
+
+    from bev.data.render import IMAGE_H, IMAGE_W, load_rig
+    from bev.data.transforms import sample_augmentation
+    from bev.geometry import Grid, quaternion_to_matrix
+
+    rig = load_rig()
+    cams = [rig["cameras"][n] for n in rig["camera_order"]]
+    H, W = (int(s) for s in cfg.data.final_dim)
+    post_rot, post_tran = sample_augmentation((IMAGE_H, IMAGE_W), (H, W), train=False).post_rot_tran()
+    g = torch.Generator().manual_seed(seed)
+    B, N = batch_size, len(cams)
+    grid = Grid.from_any(cfg.grid)
+    X, Y = grid.voxel_shape[1:]
+
+    def rep(t):
+        return torch.as_tensor(np.asarray(t), dtype=torch.float32).expand(B, N, *np.shape(t)[1:]).clone()
+
+    return {
+        "images": torch.randn(B, N, 3, H, W, generator=g),
+        "intrinsics": rep([c["camera_intrinsic"] for c in cams]),
+        "rots": rep(np.stack([quaternion_to_matrix(c["rotation"]) for c in cams])),
+        "trans": rep([c["translation"] for c in cams]),
+        "post_rots": rep(post_rot[None].numpy()),
+        "post_trans": rep(post_tran[None].numpy()),
+        "bev": (torch.rand(B, 1, X, Y, generator=g) < 0.05).float(),
+    }
+
+
+class PartTimer:
+    """Wall time of the forward parts of an eager LiftSplatShoot, via hooks (the model code is untouched)."""
+
+    def __init__(self, net):
+        self.t: dict[str, float] = {}
+        self._start: dict[str, float] = {}
+        for name in ("camera_encoder", "bev_encoder"):
+            mod = getattr(net, name)
+            mod.register_forward_pre_hook(lambda m, a, n=name: self._begin(n))
+            mod.register_forward_hook(lambda m, a, o, n=name: self._end(n))
+        for name, attr in (("geometry", "voxel_coords"), ("splat", "splat")):
+            fn = getattr(net, attr)
+            setattr(net, attr, self._wrap(name, fn))
+
+    def _begin(self, name):
+        self._start[name] = time.perf_counter()
+
+    def _end(self, name):
+        self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - self._start[name]
+
+    def _wrap(self, name, fn):
+        def timed(*args, **kwargs):
+            self._begin(name)
+            out = fn(*args, **kwargs)
+            self._end(name)
+            return out
+        return timed
+
+
+class Variant:
+    def __init__(self, cfg, name: str, batch: dict):
+        import torch
+
+        channels_last, self.bf16, self.compiled = VARIANTS[name]
+        self.name = name
+        self.lit = build(cfg, channels_last)
+        self.lit.train()
+        self.net = self.lit.net
+        self.parts = None if self.compiled else PartTimer(self.net)
+        if self.compiled:
+            self.net.compile()
+        self.opt = self.lit.optimizer_factory(params=[p for p in self.lit.parameters() if p.requires_grad])
+        self.clip = cfg.trainer.get("gradient_clip_val")
+        self.batch = batch
+        self.times: list[float] = []
+        self.breakdown: list[dict[str, float]] = []
+        self.first_step_s: float | None = None
+        self.autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if self.bf16 else nullcontext
+
+    def step(self) -> float:
+        """One training step as Lightning runs it (autocast around forward + loss); returns seconds."""
+        import torch
+
+        t = {}
+        if self.parts:
+            self.parts.t.clear()
+        t0 = time.perf_counter()
+        with self.autocast():
+            logits = self.lit(self.batch)
+            t1 = time.perf_counter()
+            loss = self.lit.loss(logits, self.batch["bev"])
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.lit.parameters(), self.clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        t4 = time.perf_counter()
+        if self.parts:
+            t = dict(self.parts.t)
+            t["forward_other"] = (t1 - t0) - sum(t.values())
+        t.update(loss=t2 - t1, backward=t3 - t2, optimizer=t4 - t3)
+        self.last_breakdown = t
+        return t4 - t0
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def bench_config(key: str, variants: list[str], steps: int, warmup: int, progress) -> dict:
+    import torch
+
+    cfg = compose_config(CONFIGS[key])
+    batch = real_rig_batch(cfg, int(cfg.data.batch_size))
+    runs = []
+    for name in variants:
+        t = time.perf_counter()
+        v = Variant(cfg, name, batch)
+        try:
+            v.first_step_s = v.step()  # includes compilation for the compiled variants
+            for _ in range(warmup - 1):
+                v.step()
+            v.error = None
+        except Exception as e:  # a variant that cannot run here is reported, not fatal
+            v.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+            print(f"[{key}] {name}: failed: {v.error}", file=sys.stderr)
+        v.build_s = time.perf_counter() - t
+        runs.append(v)
+        progress.update(1)
+    for _ in range(steps):  # round-robin, so load changes hit every variant alike
+        for v in runs:
+            if v.error is None:
+                v.times.append(v.step())
+                v.breakdown.append(v.last_breakdown)
+        progress.update(1)
+    base = median(runs[0].times) if runs[0].error is None else None
+    out = {
+        "overrides": CONFIGS[key],
+        "batch_size": int(cfg.data.batch_size),
+        "final_dim": list(cfg.data.final_dim),
+        "grid": {k: list(cfg.grid[k]) for k in ("xbound", "ybound", "zbound", "dbound")},
+        "camera_backbone": cfg.model.net.camera.backbone,
+        "parameters": sum(p.numel() for p in runs[0].lit.parameters()),
+        "variants": {},
+    }
+    for v in runs:
+        rec = {"error": v.error} if v.error else {}
+        if not v.error:
+            med = median(v.times)
+            rec.update(step_s=round(med, 4), steps_s=[round(x, 4) for x in v.times], samples_per_s=round(out["batch_size"] / med, 2),
+                       speedup_vs_fp32=round(base / med, 2) if base else None, first_step_s=round(v.first_step_s, 2))
+            keys = [k for k in (*PARTS, "forward_other") if k in v.breakdown[0]]
+            rec["breakdown_s"] = {k: round(median([b[k] for b in v.breakdown]), 4) for k in keys}
+        out["variants"][v.name] = rec
+        del v.lit, v.net, v.opt
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return out
+
+
+def bench_loader(cfg_key: str, batches: int) -> dict:
+    """samples/s of the configured DataLoader (workers, batch size, augmentation) on a small synthetic set."""
+    import tempfile
+
+    from hydra.utils import instantiate
+
+    from bev.data import make_synthetic
+
+    with tempfile.TemporaryDirectory(prefix="bench_train_data_") as tmp:
+        root = make_synthetic(Path(tmp) / "nuscenes", scenes=2, samples_per_scene=16, seed=0, progress=False)
+        cfg = compose_config([*CONFIGS[cfg_key], f"data.dataroot={root}"])
+        dm = instantiate(cfg.data)
+        dm.setup("fit")
+        dl = dm.train_dataloader()
+        it = iter(dl)
+        next(it)  # worker start-up and the first batch are not steady-state throughput
+        t, n, done = time.perf_counter(), 0, 0
+        while done < batches:
+            try:
+                b = next(it)
+            except StopIteration:
+                it = iter(dl)
+                continue
+            n += b["images"].shape[0]
+            done += 1
+        dt = time.perf_counter() - t
+        return {"num_workers": int(cfg.data.num_workers), "batch_size": int(cfg.data.batch_size),
+                "samples": n, "samples_per_s": round(n / dt, 2)}
+
+
+def print_table(results: dict) -> None:
+    for key, r in results["configs"].items():
+        print(f"\n{key}: {' '.join(r['overrides'])}  (batch {r['batch_size']}, {r['final_dim'][0]}x{r['final_dim'][1]}, "
+              f"{r['parameters'] / 1e6:.1f} M parameters)")
+        cols = ["camera_encoder", "geometry", "splat", "bev_encoder", "backward", "optimizer"]
+        print(f"  {'variant':28s} {'step s':>8s} {'speedup':>8s} {'1st step':>9s}  " + " ".join(f"{c[:10]:>10s}" for c in cols))
+        for name, v in r["variants"].items():
+            if "error" in v:
+                print(f"  {name:28s} failed: {v['error']}")
+                continue
+            parts = " ".join(f"{v['breakdown_s'].get(c, float('nan')):10.3f}" for c in cols)
+            print(f"  {name:28s} {v['step_s']:8.3f} {v['speedup_vs_fp32'] or 0:7.2f}x {v['first_step_s']:9.1f}  {parts}")
+    if "loader" in results:
+        ld = results["loader"]
+        print(f"\nloader ({ld['num_workers']} workers): {ld['samples_per_s']:.1f} samples/s;  model at the embedded default: "
+              f"{ld.get('model_samples_per_s')} samples/s -> {'loader keeps up' if ld.get('keeps_up') else 'LOADER IS THE BOTTLENECK'}")
+    print(f"\nload average (1 min) at start {results['host']['load_average_1m_start']}, at end {results['host']['load_average_1m_end']}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--steps", type=int, default=4, help="measured steps per variant (medians)")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per variant (the first compiles)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="2 measured steps, 1 warm-up, no compiled variants")
+    p.add_argument("--loader", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the embedded config's data loader")
+    p.add_argument("--out", default=str(REPO / "benchmarks/results/bench_train_cpu.json"))
+    a = p.parse_args(argv)
+    if a.quick:
+        a.steps, a.warmup = 2, 1
+        a.variants = [v for v in a.variants if not VARIANTS[v][2]]
+
+    import torch
+    from tqdm import tqdm
+
+    from bev.utils.io import atomic_write
+    from bev.utils.precision import cpu_bf16_support
+
+    torch.set_num_threads(a.threads)
+    load0 = os.getloadavg()[0]
+    results = {"benchmark": "training step (forward, loss, backward, clip, optimiser step), CPU",
+               "steps": a.steps, "warmup": a.warmup, "threads": a.threads, "configs": {}}
+    with tqdm(total=len(a.configs) * (len(a.variants) + a.steps), desc="bench_train", file=sys.stderr) as bar:
+        for key in a.configs:
+            results["configs"][key] = bench_config(key, a.variants, a.steps, a.warmup, bar)
+    if a.loader and "embedded" in a.configs:
+        ld = bench_loader("embedded", batches=12)
+        emb = results["configs"]["embedded"]["variants"]
+        from bev.utils.precision import resolve_precision
+
+        default = "channels_last+bf16" if resolve_precision("auto", "cpu")[0].startswith("bf16") else "channels_last"
+        best = emb.get(default) or emb.get("fp32")
+        ld["model_variant"] = default
+        ld["model_samples_per_s"] = best.get("samples_per_s")
+        ld["keeps_up"] = bool(best.get("samples_per_s") and ld["samples_per_s"] >= best["samples_per_s"])
+        results["loader"] = ld
+    results["host"] = {
+        "cpus": os.cpu_count(), "cpu_bf16": cpu_bf16_support(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "load_average_1m_start": round(load0, 2), "load_average_1m_end": round(os.getloadavg()[0], 2),
+        "malloc_env": {k: os.environ.get(k) for k in MALLOC_ENV},
+        "python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
+    }
+    results["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    atomic_write(a.out, json.dumps(results, indent=2) + "\n")
+    print_table(results)
+    print(f"\nwrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    # Same allocator settings as bev-train (glibc reads them only at start-up: re-exec once).
+    if sys.platform.startswith("linux") and not all(k in os.environ for k in MALLOC_ENV) and os.environ.get("BEV_MALLOC_TUNING", "1") != "0":
+        os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], {**MALLOC_ENV, **os.environ})
+    sys.exit(main())

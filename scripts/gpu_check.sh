@@ -1,0 +1,237 @@
+#!/usr/bin/env bash
+# One command that proves bev.ops on a GPU machine (`make gpu-check`), in about 10 minutes:
+#   1. builds the extension in place for this device (TORCH_CUDA_ARCH_LIST from its capability),
+#   2. runs the CUDA tests (tests/test_ops_cuda.py) and the emulated ones (tests/test_ops_cuda_emulated.py),
+#   3. runs the GPU benchmark (scripts/bench_pool.py --device cuda: bandwidth vs the device's
+#      peak, the BEVFusion-style baseline, fused vs materialised, fp32/fp16/bf16),
+#   4. trains the embedded experiment on the GPU for a few hundred steps (bf16-mixed) on a small
+#      synthetic set and checks that the training loss went down,
+# then writes benchmarks/results/gpu_<device>.json and gpu_<device>.md (a short summary).
+#
+# Needs: python with torch (CUDA build), lightning, pytest, hypothesis, ninja, nvcc; for step 4
+# also hydra-core, omegaconf, antlr4-python3-runtime and nuscenes-devkit (+ pyquaternion,
+# shapely, descartes, ...). Where those cannot be installed, carry them as wheels in .whl/: they
+# are installed with `pip install --no-index --no-deps --target` into a private directory.
+#
+# Usage: scripts/gpu_check.sh [--dry-run] [--steps N] [--skip-train] [--skip-bench]
+#   --dry-run   check the machine and print the commands, run nothing (works without a GPU)
+# Environment: PYTHON (default python3), GPU_CHECK_DIR (work dir, default outputs/gpu_check).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+PY=${PYTHON:-python3}
+WORK=${GPU_CHECK_DIR:-$REPO/outputs/gpu_check}
+RESULTS=$REPO/benchmarks/results
+STEPS=300
+DRY_RUN=0 SKIP_TRAIN=0 SKIP_BENCH=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY_RUN=1 ;;
+    --steps) STEPS=$2; shift ;;
+    --skip-train) SKIP_TRAIN=1 ;;
+    --skip-bench) SKIP_BENCH=1 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+say() { printf '\n== %s\n' "$*"; }
+die() { printf 'gpu_check: %s\n' "$*" >&2; exit 1; }
+run() {  # run (or, with --dry-run, print) a command
+  printf '+ %s\n' "$*"
+  [ "$DRY_RUN" = 1 ] || "$@"
+}
+logged() {  # logged NAME command...: run it, keep its output in $LOGS/NAME.log; a failure is recorded, not fatal
+  local name=$1 rc=0
+  shift
+  run "$@" 2>&1 | tee "$LOGS/$name.log" || rc=$?
+  [ "$rc" = 0 ] || FAILED="$FAILED $name"
+}
+FAILED=""
+stage_start() { STAGE_T0=$(date +%s); }
+stage_end() { TIMES="$TIMES\"$1\": $(( $(date +%s) - STAGE_T0 )), "; }
+TIMES=""
+
+# ------------------------------------------------------------------------------ machine checks
+say "machine"
+command -v "$PY" >/dev/null || die "no $PY: set PYTHON=/path/to/python"
+"$PY" -c 'import torch' 2>/dev/null || die "$PY cannot import torch: install a CUDA build of torch first"
+
+# Wheels carried to a machine without an index: installed privately, never into the environment.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  SITE=${GPU_CHECK_SITE:-/tmp/bev-gpu-check-site}
+  say "installing $(ls .whl/*.whl | wc -l) carried wheels from .whl/ into $SITE"
+  run "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+  export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+# What is missing, named with the fix (the train stage needs the most).
+MISSING=$("$PY" - <<'EOF'
+import importlib.util
+need = {"lightning": "lightning", "pytest": "pytest", "hypothesis": "hypothesis", "ninja": "ninja",
+        "hydra": "hydra-core", "omegaconf": "omegaconf", "antlr4": "antlr4-python3-runtime",
+        "nuscenes": "nuscenes-devkit", "pyquaternion": "pyquaternion", "shapely": "shapely",
+        "descartes": "descartes", "PIL": "pillow", "matplotlib": "matplotlib", "tqdm": "tqdm"}
+print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
+EOF
+)
+TRAIN_NEEDS="hydra-core omegaconf antlr4-python3-runtime nuscenes-devkit pyquaternion shapely descartes pillow matplotlib tqdm"
+if [ -n "$MISSING" ]; then
+  echo "missing Python packages: $MISSING"
+  echo "  fix: pip install them, or carry wheels: put them in .whl/ (pip download --no-deps --only-binary=:all: ...)"
+  for pkg in lightning pytest hypothesis ninja; do
+    case " $MISSING " in *" $pkg "*) [ "$DRY_RUN" = 1 ] || die "$pkg is required for the tests and the build" ;; esac
+  done
+  for pkg in $TRAIN_NEEDS; do
+    case " $MISSING " in *" $pkg "*)
+      if [ "$SKIP_TRAIN" = 0 ] && [ "$DRY_RUN" = 0 ]; then die "$pkg is needed by the training stage (or pass --skip-train)"; fi ;;
+    esac
+  done
+fi
+
+INFO=$("$PY" - <<'EOF'
+import re, torch
+if not torch.cuda.is_available():
+    print(f"none none {torch.version.cuda} {torch.__version__}")
+else:
+    major, minor = torch.cuda.get_device_capability()
+    name = torch.cuda.get_device_name()
+    slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+    print(f"{major}.{minor} {slug} {torch.version.cuda} {torch.__version__}")
+EOF
+)
+read -r ARCH DEVICE TORCH_CUDA TORCH_VERSION <<<"$INFO"
+if [ "$ARCH" = none ]; then
+  [ "$DRY_RUN" = 1 ] || die "no CUDA device visible to torch ($PY): run this on a GPU machine (--dry-run checks the rest)"
+  ARCH=9.0 DEVICE=dry_run
+  echo "no CUDA device: dry run with TORCH_CUDA_ARCH_LIST=$ARCH"
+fi
+NVCC=$(command -v nvcc || true)
+if [ -z "$NVCC" ] && [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then NVCC=${CUDA_HOME:-/usr/local/cuda}/bin/nvcc; fi
+[ -n "$NVCC" ] || [ "$DRY_RUN" = 1 ] || die "nvcc not found: install the CUDA toolkit or set CUDA_HOME"
+if [ -z "${CUDA_HOME:-}" ]; then
+  if [ -d /usr/local/cuda ]; then CUDA_HOME=/usr/local/cuda; else CUDA_HOME=$(dirname "$(dirname "${NVCC:-/usr/local/cuda/bin/nvcc}")"); fi
+fi
+export CUDA_HOME
+echo "device $DEVICE (sm_${ARCH/./}), torch $TORCH_VERSION (CUDA $TORCH_CUDA), nvcc ${NVCC:-none}, CUDA_HOME $CUDA_HOME"
+LOGS=$WORK/logs
+mkdir -p "$LOGS" "$RESULTS"
+# This script's own outputs of an earlier run, so that a failed stage cannot report stale results.
+[ "$DRY_RUN" = 1 ] || rm -rf "$LOGS"/* "$WORK/bench_pool_cuda.json" "$WORK/train"
+
+# ------------------------------------------------------------------------------ 1. build
+say "1. build for sm_${ARCH/./}"
+stage_start
+# CUDA 13 wheels of torch ship some headers (cccl) in the nvidia package only.
+NV_INCLUDE=$("$PY" -c 'import os, nvidia; p = os.path.join(list(nvidia.__path__)[0], "cu13", "include"); print(p if os.path.isdir(p) else "")' 2>/dev/null || true)
+export CPATH="${NV_INCLUDE:+$NV_INCLUDE:}${CPATH:-}"
+export TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS=${MAX_JOBS:-$(nproc)}
+run "$PY" setup.py -q build_ext --inplace
+if [ "$DRY_RUN" = 0 ]; then
+  "$PY" -c 'import bev.ops as ops, sys; sys.exit(0 if ops.native_available("cuda") else "native CUDA kernels did not load: " + str(ops._native.LOAD_ERROR))'
+fi
+stage_end build
+
+# ------------------------------------------------------------------------------ 2. tests
+say "2. CUDA tests + emulated CUDA kernels"
+stage_start
+logged tests "$PY" -m pytest -q -p no:cacheprovider -m "cuda or cuda_emulated" tests/test_ops_cuda.py \
+  tests/test_ops_cuda_emulated.py --junitxml="$LOGS/tests.xml"
+stage_end tests
+
+# ------------------------------------------------------------------------------ 3. benchmark
+BENCH_JSON=$WORK/bench_pool_cuda.json
+if [ "$SKIP_BENCH" = 0 ]; then
+  say "3. benchmark"
+  stage_start
+  logged bench "$PY" scripts/bench_pool.py --device cuda --out "$BENCH_JSON"
+  stage_end bench
+fi
+
+# ------------------------------------------------------------------------------ 4. training
+TRAIN_RUN=$WORK/train
+if [ "$SKIP_TRAIN" = 0 ]; then
+  say "4. training: experiment=synthetic_cpu on the GPU, bf16-mixed, $STEPS steps"
+  stage_start
+  DATA=$WORK/synthetic
+  if [ ! -f "$DATA/v1.0-mini/scene.json" ]; then
+    logged synthetic "$PY" -m bev.data.synthetic --out "$DATA" --scenes 10 --samples-per-scene 12 --workers "$(nproc)"
+  fi
+  logged train "$PY" -m bev.train experiment=synthetic_cpu trainer=gpu trainer.precision=bf16-mixed \
+    ++trainer.max_steps="$STEPS" trainer.max_epochs=-1 trainer.max_time=null trainer.log_every_n_steps=5 \
+    data.num_workers=4 data.dataroot="$DATA" hydra.run.dir="$TRAIN_RUN" callbacks.bev_png.every_n_steps=1000000
+  stage_end train
+fi
+
+# ------------------------------------------------------------------------------ report
+[ "$DRY_RUN" = 0 ] || { say "dry run done: nothing was built, tested or measured"; exit 0; }
+say "report"
+"$PY" - "$DEVICE" "$LOGS/tests.xml" "$BENCH_JSON" "$TRAIN_RUN" "$RESULTS" "{${TIMES%, }}" "$FAILED" <<'EOF'
+import csv, json, os, statistics, sys, time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+import torch
+
+device, junit, bench_json, train_run, results, times, failed = sys.argv[1:]
+report = dict(device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+              torch=torch.__version__, cuda=torch.version.cuda, date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+              stage_seconds=json.loads(times))
+report["failed_stages"] = failed.split()
+ok = not failed.split()
+lines = [f"# GPU check on {report['device']} (sm_{''.join(map(str, report['capability']))}), torch {report['torch']}", ""]
+if Path(junit).exists():
+    suite = ET.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    report["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    lines.append(f"tests: {report['tests']}")
+def write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # atomic
+
+
+if Path(bench_json).exists():
+    bench = json.loads(Path(bench_json).read_text())
+    kept = Path(results) / f"bench_pool_cuda_{device}.json"
+    write(kept, Path(bench_json).read_text())
+    report["bench"] = {"file": os.path.relpath(kept), "targets": bench["targets"], "headline": []}
+    for r in bench["results"]:
+        for row in r["rows"]:
+            if row["method"].startswith(("native bev_pool", "materialise+native", "bevfusion")):
+                item = {k: row.get(k) for k in ("method", "forward_ms", "fwd_bwd_ms", "forward_gb_per_s",
+                                                "forward_fraction_of_peak", "fwd_bwd_peak_mb")}
+                report["bench"]["headline"].append(dict(size=r["size"], dtype=r.get("dtype"), **item))
+    fmt = lambda v, s: "-" if v is None else format(v, s)
+    lines += ["", "| size | dtype | method | fwd ms | fwd+bwd ms | GB/s | % of peak |", "|---|---|---|---:|---:|---:|---:|"]
+    for h in report["bench"]["headline"]:
+        frac = h["forward_fraction_of_peak"]
+        lines.append(f"| {h['size']} | {h['dtype']} | {h['method']} | {fmt(h['forward_ms'], '.3f')} | "
+                     f"{fmt(h['fwd_bwd_ms'], '.3f')} | {fmt(h['forward_gb_per_s'], '.0f')} | {fmt(frac and 100 * frac, '.0f')} |")
+    lines += [f"[{'MET' if c['met'] else 'MISSED'}] {c['target']}: {c['ratio']:.2f}x" for c in bench["targets"]]
+metrics = sorted(Path(train_run).glob("csv/version_*/metrics.csv"))
+if metrics:
+    with open(metrics[-1]) as f:
+        losses = [(int(r["step"]), float(r["train/loss_step"])) for r in csv.DictReader(f) if r.get("train/loss_step")]
+    k = max(1, len(losses) // 5)
+    first, last = statistics.mean(l for _, l in losses[:k]), statistics.mean(l for _, l in losses[-k:])
+    report["train"] = dict(run=os.path.relpath(train_run), steps=losses[-1][0] + 1 if losses else 0, logged=len(losses),
+                           loss_first_fifth=first, loss_last_fifth=last, loss_went_down=last < first)
+    run_metrics = Path(train_run) / "metrics.json"
+    if run_metrics.exists():
+        report["train"]["val_iou_best"] = json.loads(run_metrics.read_text())["metrics"].get("val/iou_best")
+    ok = ok and last < first
+    lines += ["", f"training: {report['train']['steps']} steps, mean train/loss {first:.4f} (first fifth of the logged steps) "
+                  f"-> {last:.4f} (last fifth): {'went down' if last < first else 'DID NOT go down'}"]
+report["ok"] = ok
+lines += ["", f"stage seconds: {report['stage_seconds']}",
+          f"overall: {'OK' if ok else 'FAILED'}" + (f" (failed stages: {failed.strip()}; logs in the work dir)" if failed.strip() else "")]
+out = Path(results) / f"gpu_{device}.json"
+write(out, json.dumps(report, indent=2) + "\n")
+write(out.with_suffix(".md"), "\n".join(lines) + "\n")
+print("\n".join(lines))
+print(f"wrote {out} and {out.with_suffix('.md')}")
+sys.exit(0 if ok else 1)
+EOF

@@ -1,0 +1,227 @@
+"""Speed settings: precision "auto", channels_last encoders, and the time budget (fake clock)."""
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from bev.callbacks import TimeBudget, parse_duration
+from bev.lit import rescale_schedule
+from bev.models import BevEncoder, CameraEncoder
+from bev.utils import precision as P
+
+
+# ----------------------------------------------------------------------------- precision
+@pytest.mark.parametrize("flags, expected", [
+    ({"avx2", "avx512f", "avx512_bf16"}, ("bf16-mixed", "AVX512-BF16")),
+    ({"avx512_bf16", "amx_bf16", "amx_tile"}, ("bf16-mixed", "AMX-BF16")),
+    ({"fp", "asimd", "bf16"}, ("bf16-mixed", "Arm BF16")),
+    ({"avx", "avx2", "fma"}, ("32-true", "no native bf16")),
+    (set(), ("32-true", "no native bf16")),
+])
+def test_auto_precision_on_cpu(flags, expected, monkeypatch):
+    monkeypatch.setattr(P, "_cpu_flags", lambda: flags)
+    precision, reason = P.resolve_precision("auto", "cpu")
+    assert precision == expected[0] and expected[1] in reason
+
+
+@pytest.mark.parametrize("bf16, expected", [(True, "bf16-mixed"), (False, "16-mixed")])
+def test_auto_precision_on_gpu(bf16, expected, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Some GPU")
+    assert P.resolve_precision("auto", "gpu")[0] == expected
+    assert P.resolve_precision("auto", "auto")[0] == expected
+
+
+def test_explicit_precision_is_kept(monkeypatch):
+    monkeypatch.setattr(P, "_cpu_flags", lambda: {"avx512_bf16"})
+    assert P.resolve_precision("32-true", "cpu") == ("32-true", "as configured")
+    assert P.resolve_precision("bf16-mixed", "cpu")[0] == "bf16-mixed"
+
+
+def test_cpu_flags_are_read_from_proc_cpuinfo(tmp_path, monkeypatch):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n\nprocessor\t: 1\nflags\t\t: fpu avx2 avx512_bf16\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda p, *a, **k: real_open(info if p == "/proc/cpuinfo" else p, *a, **k))
+    assert P._cpu_flags() == {"fpu", "avx2", "avx512_bf16"}
+    assert P.cpu_bf16_support() == "AVX512-BF16"
+
+
+# ----------------------------------------------------------------------------- channels_last
+def test_channels_last_encoders_compute_the_same_function():
+    torch.manual_seed(0)
+    images, bev = torch.randn(2, 3, 64, 96), torch.randn(1, 8, 24, 24)
+    outs = {}
+    for cl in (False, True):
+        torch.manual_seed(1)
+        cam = CameraEncoder(5, 7, backbone="small", widths=(8, 8, 16, 16, 16), mid_channels=16, channels_last=cl).eval()
+        torch.manual_seed(2)
+        enc = BevEncoder(8, 2, widths=(8, 8, 16), blocks=1, channels_last=cl).eval()
+        outs[cl] = (cam(images), enc(bev))
+        if cl:
+            assert cam.head.weight.is_contiguous(memory_format=torch.channels_last)
+    for a, b in zip(outs[False], outs[True]):
+        assert b.is_contiguous()  # callers see the default layout
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # Same parameter names and shapes: checkpoints load either way.
+    sd = {k: v.shape for k, v in CameraEncoder(5, 7, backbone="small", channels_last=True).state_dict().items()}
+    assert sd == {k: v.shape for k, v in CameraEncoder(5, 7, backbone="small").state_dict().items()}
+
+
+# ----------------------------------------------------------------------------- time budget
+def test_parse_duration():
+    assert parse_duration("00:16:00") == 960
+    assert parse_duration("00:00:17:00") == 1020
+    assert parse_duration("1:30") == 90
+    assert parse_duration(45) == 45.0
+    assert parse_duration(None) is None
+    for bad in ("16 min", "0:0:0", "1:2:3:4:5", -3):
+        with pytest.raises(ValueError, match="time_budget"):
+            parse_duration(bad)
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Tiny(L.LightningModule):
+    """A linear regression whose every training step costs `step_s` and validation batch `val_s` fake seconds."""
+
+    def __init__(self, clock: FakeClock, step_s: float = 1.0, val_s: float = 0.25):
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+        self.clock, self.step_s, self.val_s = clock, step_s, val_s
+        self.lrs: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        self.clock.t += self.step_s
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+        x, y = batch
+        return nn.functional.mse_loss(self.layer(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        self.clock.t += self.val_s
+        x, y = batch
+        self.log("val/loss", nn.functional.mse_loss(self.layer(x), y))
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=int(self.trainer.estimated_stepping_batches), pct_start=0.1)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def loaders():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(80, 4, generator=g)
+    ds = TensorDataset(x, x.sum(1, keepdim=True))
+    return DataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1)), DataLoader(ds, batch_size=8)
+
+
+def fit(budget=None, epochs=5, step_s=1.0, ckpt_path=None, callback=None, **kw):
+    """20 steps per epoch, 10 validation batches; returns (module, trainer, callback)."""
+    L.seed_everything(0, verbose=False)
+    clock = FakeClock()
+    model = Tiny(clock, step_s)
+    callbacks = []
+    if budget is not None:
+        callback = TimeBudget(budget, measure_steps=10, skip_steps=2, **kw)
+    if callback is not None:
+        callback.clock = clock
+        callbacks.append(callback)
+    trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks)
+    train, val = loaders()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 4-wide linear layer: more threads only wait on each other
+    try:
+        trainer.fit(model, train, val, ckpt_path=ckpt_path)
+    finally:
+        torch.set_num_threads(threads)
+    return model, trainer, callback
+
+
+def test_an_unbound_budget_changes_nothing():
+    plain, t0, _ = fit()
+    budgeted, t1, cb = fit(budget=10_000)
+    assert t0.global_step == t1.global_step == 100
+    assert plain.lrs == budgeted.lrs
+    for a, b in zip(plain.parameters(), budgeted.parameters()):
+        assert torch.equal(a, b)
+    assert cb.summary()["shortened"] is False and cb.limit is None
+
+
+def test_a_binding_budget_shortens_the_run_and_completes_the_schedule():
+    # Planned: 100 steps of 1 s + 5 validations of 2.5 s = 112.5 s; the budget is 60 s.
+    model, trainer, cb = fit(budget=60, margin=0.0)
+    s = cb.summary()
+    assert s["shortened"] and not s["stopped_on_budget"] and s["planned_steps"] == 100
+    assert trainer.global_step == cb.limit < 100
+    assert cb.s_per_step == pytest.approx(1.0)
+    assert s["used_s"] <= 60  # training + validations (the last one at the shortened end) fit
+    assert s["used_s"] >= 60 - 4  # and most of the budget is used (within a step + a validation)
+    sched = trainer.lr_scheduler_configs[0].scheduler
+    assert sched.total_steps == cb.limit and sched.last_epoch == cb.limit
+    # The schedule completed: the last step ran at OneCycle's final LR, and the LR fell monotonically after the peak.
+    assert len(model.lrs) == cb.limit
+    assert model.lrs[-1] == pytest.approx(1e-2 / 25 / 1e4, rel=1e-6)
+    peak = max(range(len(model.lrs)), key=model.lrs.__getitem__)
+    assert all(a >= b for a, b in zip(model.lrs[peak:], model.lrs[peak + 1:]))
+    assert f"of {s['planned_steps']} planned steps" in s["message"] and "compressed" in s["message"]
+
+
+def test_a_resumed_run_keeps_its_limit_and_spends_only_what_is_left(tmp_path):
+    _, trainer, cb = fit(budget=60, margin=0.0)
+    ckpt = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(ckpt)
+    # Resuming the finished, shortened run trains no further (bev.lit's stretch is not triggered).
+    _, again, cb2 = fit(budget=60, margin=0.0, ckpt_path=ckpt)
+    assert again.global_step == trainer.global_step == cb2.limit == cb.limit
+    assert cb2.elapsed_before == pytest.approx(cb.elapsed(), abs=1e-6)
+
+
+def test_a_machine_that_slows_down_hits_the_hard_stop():
+    # A 2 s/step machine with 30 s: the plan after 12 steps already overruns; a far slower end is caught by the net.
+    _, trainer, cb = fit(budget=30, step_s=2.0, margin=0.0)
+    assert trainer.global_step < 100 and cb.elapsed() <= 30 + 2 + 2.5 + 1e-6
+
+
+def test_rescale_schedule_keeps_the_past_and_ends_on_the_final_lr():
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=200, pct_start=0.1)
+    lrs = []
+    for _ in range(50):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    before = sched.get_last_lr()[0]
+    assert rescale_schedule(sched, 120, pivot=sched.last_epoch)
+    assert sched.get_lr()[0] == pytest.approx(before)  # recomputing the current step: no jump
+    for _ in range(69):  # the LR of step 119, the last of 120
+        opt.step()
+        sched.step()
+    assert sched.get_last_lr()[0] == pytest.approx(0.1 / 25 / 1e4)
+    assert not rescale_schedule(torch.optim.lr_scheduler.StepLR(opt, 10), 100, pivot=0)
+
+
+def test_bev_train_records_precision_and_the_time_budget(synthetic_root, tmp_path, monkeypatch, capsys):
+    import json
+
+    from test_train import TINY, train_cli
+
+    args = [*TINY, "trainer.max_epochs=3", "callbacks.time_budget.budget=0.001", "callbacks.bev_png.every_n_steps=0",
+            f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
+    assert train_cli(args, monkeypatch) == 0
+    rec = json.loads((tmp_path / "metrics.json").read_text())
+    assert rec["precision"] in ("32-true", "bf16-mixed")  # "auto", resolved for this CPU
+    assert f"precision: {rec['precision']}" in capsys.readouterr().out
+    tb = rec["time_budget"]
+    assert tb["budget_s"] == 0.001 and tb["planned_steps"] == 3 and tb["stopped_on_budget"]
+    assert rec["global_step"] == 1 and "spent at step 1 of 3" in tb["message"]
