@@ -344,10 +344,10 @@ def test_native_backward_reads_strided_gradients_without_copying_them():
     }
     for name, grad in layouts.items():
         dense = grad.contiguous()
-        assert torch.equal(torch.ops.bev.voxel_sum_backward(grad, plan.keys, plan.offsets),
-                           torch.ops.bev.voxel_sum_backward(dense, plan.keys, plan.offsets)), name
-        got = torch.ops.bev.bev_pool_backward(grad, depth, feats, plan.keys, plan.offsets)
-        want = torch.ops.bev.bev_pool_backward(dense, depth, feats, plan.keys, plan.offsets)
+        assert torch.equal(torch.ops.bev._voxel_sum_backward(grad, plan.keys, plan.offsets),
+                           torch.ops.bev._voxel_sum_backward(dense, plan.keys, plan.offsets)), name
+        got = torch.ops.bev._bev_pool_backward(grad, depth, feats, plan.keys, plan.offsets)
+        want = torch.ops.bev._bev_pool_backward(dense, depth, feats, plan.keys, plan.offsets)
         assert all(torch.equal(g, w) for g, w in zip(got, want)), name
 
 
