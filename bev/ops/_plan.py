@@ -82,7 +82,7 @@ def sparse_runs(keys: torch.Tensor, order: torch.Tensor, num_voxels: int) -> tup
 DENSE_PLAN_BYTES = 16
 
 
-def make_plan(keys, grid_shape, points_shape, use_native: bool, dense: bool) -> PoolPlan:
+def make_plan(keys, grid_shape, points_shape, use_native: bool, dense: bool = True) -> PoolPlan:
     """A dense plan (native kernels, quickcumsum) or a sparse one (the torch reference)."""
     V = _product(grid_shape)
     if dense:
