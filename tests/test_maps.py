@@ -239,3 +239,17 @@ def test_bad_loss_and_pos_weight_are_clear_errors():
     torch.testing.assert_close(f0, F.binary_cross_entropy_with_logits(logits, target))
     f2 = BEVLitModule(**kw, pos_weight=1.0, loss="focal").loss(logits, target)
     assert f2 < f0
+
+
+def test_clip_drops_degenerate_rings():
+    # Map files can hold sliver rings (< 3 distinct vertices); they have no area and must not
+    # make the whole polygon fail to clip.
+    import numpy as np
+
+    from bev.data.maps import _clip
+
+    outer = np.array([[-5.0, -5.0], [20.0, -5.0], [20.0, 20.0], [-5.0, 20.0]])
+    parts = _clip([outer, np.array([[1.0, 1.0], [2.0, 2.0]])], False, 10, 10)
+    assert len(parts) == 1 and len(parts[0]) == 1
+    assert np.ptp(parts[0][0], axis=0).tolist() == [10.0, 10.0]
+    assert _clip([np.array([[-5.0, -5.0], [20.0, -5.0], [-5.0, -5.0]])], False, 10, 10) == []

@@ -246,10 +246,19 @@ def _clip(rings: list[np.ndarray], is_line: bool, nx: int, ny: int) -> list[list
     import shapely
     from shapely.geometry import LineString, Polygon
 
+    if not is_line:
+        # A ring of fewer than 3 distinct vertices (a sliver the map file may hold) has no area
+        # and makes GEOS refuse the whole polygon: drop it.
+        rings = [r for r in rings if len(np.unique(r, axis=0)) >= 3]
+        if not rings or len(np.unique(rings[0], axis=0)) < 3:
+            return []
     shape = LineString(rings[0]) if is_line else Polygon(rings[0], rings[1:])
     if not is_line and not shape.is_valid:
         shape = shape.buffer(0)
-    clipped = shapely.clip_by_rect(shape, 0.0, 0.0, float(nx), float(ny))
+    try:
+        clipped = shapely.clip_by_rect(shape, 0.0, 0.0, float(nx), float(ny))
+    except shapely.errors.GEOSException:  # a self-touching ring GEOS cannot clip as given
+        clipped = shapely.clip_by_rect(shape.buffer(0), 0.0, 0.0, float(nx), float(ny))
     parts = []
     for g in getattr(clipped, "geoms", [clipped]):
         if g.is_empty:
