@@ -257,8 +257,8 @@ def _clip(rings: list[np.ndarray], is_line: bool, nx: int, ny: int) -> list[list
         shape = shape.buffer(0)
     try:
         clipped = shapely.clip_by_rect(shape, 0.0, 0.0, float(nx), float(ny))
-    except shapely.errors.GEOSException:  # a self-touching ring GEOS cannot clip as given
-        clipped = shapely.clip_by_rect(shape.buffer(0), 0.0, 0.0, float(nx), float(ny))
+    except shapely.errors.GEOSException:  # GEOS's rectangle clip can build a 3-point ring: use a general intersection
+        clipped = shape.intersection(shapely.box(0.0, 0.0, float(nx), float(ny)))
     parts = []
     for g in getattr(clipped, "geoms", [clipped]):
         if g.is_empty:
