@@ -38,6 +38,19 @@ CONFIGS = {
     "paper": ["experiment=lss_nuscenes_trainval", "model.net.camera.weights=null", "trainer=cpu"],
     "embedded": ["experiment=synthetic_cpu"],
 }
+DEVICE = "cpu"  # --device; on cuda every timing waits for the GPU (synchronize) before reading the clock
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def clock() -> float:
+    sync()
+    return time.perf_counter()
 # name -> (channels_last, bf16 autocast, torch.compile)
 VARIANTS = {
     "fp32": (False, False, False),
@@ -82,7 +95,7 @@ def real_rig_batch(cfg, batch_size: int, seed: int = 0) -> dict:
     import numpy as np
     import torch
 
-    from bev.data.render import IMAGE_H, IMAGE_W, load_rig
+    from bev.data.rig import IMAGE_H, IMAGE_W, load_rig
     from bev.data.transforms import sample_augmentation
     from bev.geometry import Grid, quaternion_to_matrix
 
@@ -105,7 +118,7 @@ def real_rig_batch(cfg, batch_size: int, seed: int = 0) -> dict:
         "trans": rep([c["translation"] for c in cams]),
         "post_rots": rep(post_rot[None].numpy()),
         "post_trans": rep(post_tran[None].numpy()),
-        "bev": (torch.rand(B, 1, X, Y, generator=g) < 0.05).float(),
+        "bev": (torch.rand(B, int(cfg.model.net.num_classes), X, Y, generator=g) < 0.05).float(),
     }
 
 
@@ -124,10 +137,10 @@ class PartTimer:
             setattr(net, attr, self._wrap(name, fn))
 
     def _begin(self, name):
-        self._start[name] = time.perf_counter()
+        self._start[name] = clock()
 
     def _end(self, name):
-        self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - self._start[name]
+        self.t[name] = self.t.get(name, 0.0) + clock() - self._start[name]
 
     def _wrap(self, name, fn):
         def timed(*args, **kwargs):
@@ -144,7 +157,7 @@ class Variant:
 
         channels_last, self.bf16, self.compiled = VARIANTS[name]
         self.name = name
-        self.lit = build(cfg, channels_last)
+        self.lit = build(cfg, channels_last).to(DEVICE)
         self.lit.train()
         self.net = self.lit.net
         self.parts = None if self.compiled else PartTimer(self.net)
@@ -156,7 +169,7 @@ class Variant:
         self.times: list[float] = []
         self.breakdown: list[dict[str, float]] = []
         self.first_step_s: float | None = None
-        self.autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if self.bf16 else nullcontext
+        self.autocast = (lambda: torch.autocast(DEVICE, dtype=torch.bfloat16)) if self.bf16 else nullcontext
 
     def step(self) -> float:
         """One training step as Lightning runs it (autocast around forward + loss); returns seconds."""
@@ -165,19 +178,19 @@ class Variant:
         t = {}
         if self.parts:
             self.parts.t.clear()
-        t0 = time.perf_counter()
+        t0 = clock()
         with self.autocast():
             logits = self.lit(self.batch)
-            t1 = time.perf_counter()
+            t1 = clock()
             loss = self.lit.loss(logits, self.batch["bev"])
-        t2 = time.perf_counter()
+        t2 = clock()
         loss.backward()
-        t3 = time.perf_counter()
+        t3 = clock()
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.lit.parameters(), self.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        t4 = time.perf_counter()
+        t4 = clock()
         if self.parts:
             t = dict(self.parts.t)
             t["forward_other"] = (t1 - t0) - sum(t.values())
@@ -194,7 +207,7 @@ def bench_config(key: str, variants: list[str], steps: int, warmup: int, progres
     import torch
 
     cfg = compose_config(CONFIGS[key])
-    batch = real_rig_batch(cfg, int(cfg.data.batch_size))
+    batch = {k: v.to(DEVICE) for k, v in real_rig_batch(cfg, int(cfg.data.batch_size)).items()}
     runs = []
     for name in variants:
         t = time.perf_counter()
@@ -302,12 +315,17 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="2 measured steps, 1 warm-up, no compiled variants")
     p.add_argument("--loader", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the embedded config's data loader")
-    p.add_argument("--out", default=str(REPO / "benchmarks/results/bench_train_cpu.json"))
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: the same variants on the GPU (bf16 autocast on the GPU; --threads is ignored)")
+    p.add_argument("--out", default=None, help="default benchmarks/results/bench_train_<device>.json")
     a = p.parse_args(argv)
+    global DEVICE
+    DEVICE = a.device
+    a.out = a.out or str(REPO / f"benchmarks/results/bench_train_{a.device}.json")
     variants = {key: list(a.variants or VARIANTS) for key in a.configs}
     from bev.utils.precision import cpu_bf16_support
 
-    if a.variants is None and "paper" in variants and not cpu_bf16_support():
+    if a.variants is None and "paper" in variants and a.device == "cpu" and not cpu_bf16_support():
         variants["paper"] = [v for v in variants["paper"] if not VARIANTS[v][1]]
     if a.quick:
         a.steps, a.warmup, a.compile = 2, 1, False
@@ -321,7 +339,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(a.threads)
     load0 = os.getloadavg()[0]
-    results = {"benchmark": "training step (forward, loss, backward, clip, optimiser step), CPU",
+    results = {"benchmark": f"training step (forward, loss, backward, clip, optimiser step), {a.device}",
+               "device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or platform.machine(),
                "steps": a.steps, "warmup": a.warmup, "threads": a.threads, "configs": {}}
     with tqdm(total=sum(len(v) + a.steps for v in variants.values()), desc="bench_train", file=sys.stderr) as bar:
         for key in a.configs:
@@ -330,7 +349,7 @@ def main(argv=None) -> int:
                        for v in VARIANTS if v not in variants[key] and a.variants is None}
             if skipped:
                 results["configs"][key]["skipped"] = skipped
-    if a.loader and "embedded" in a.configs:
+    if a.loader and "embedded" in a.configs and a.device == "cpu":
         ld = bench_loader("embedded", batches=12)
         emb = results["configs"]["embedded"]["variants"]
         from bev.utils.precision import resolve_precision

@@ -158,7 +158,7 @@ if [ "$SKIP_TRAIN" = 0 ]; then
   stage_start
   DATA=$WORK/synthetic
   if [ ! -f "$DATA/v1.0-mini/scene.json" ]; then
-    logged synthetic "$PY" -m bev.data.synthetic --out "$DATA" --scenes 10 --samples-per-scene 12 --workers "$(nproc)"
+    logged synthetic "$PY" -m bev.synthetic.writer --out "$DATA" --scenes 10 --samples-per-scene 12 --workers "$(nproc)"
   fi
   logged train "$PY" -m bev.train experiment=synthetic_cpu trainer=gpu trainer.precision=bf16-mixed \
     ++trainer.max_steps="$STEPS" trainer.max_epochs=-1 trainer.max_time=null trainer.log_every_n_steps=5 \
