@@ -375,6 +375,24 @@ def test_datamodule_with_map_layers(tiny_root, tmp_path):
     assert (batch["bev"].sum((2, 3)) > 0).all()  # scene-0061 is at the intersection: every channel has cells
 
 
+def test_targets_are_memoised_exactly_and_bounded(tiny_root, tmp_path, monkeypatch):
+    import bev.data.nuscenes as nuscenes
+
+    kw = dict(categories=[["vehicle."], ["human."]], map_layers="bevfusion", augment=True)
+    ds = _ds(tiny_root, tmp_path, **kw)
+    first = [ds[i] for i in range(len(ds))]
+    assert len(ds._memo) == len(ds)
+    for i, s in enumerate(first):  # from the memo: the same targets, fresh arrays
+        again = ds[i]
+        assert torch.equal(again["bev"], s["bev"]) and torch.equal(again["visibility"], s["visibility"])
+        assert again["bev"].dtype == torch.float32 and again["bev"].sum() > 0
+        again["bev"].zero_()
+        assert torch.equal(ds[i]["bev"], s["bev"])
+    monkeypatch.setattr(nuscenes, "TARGET_MEMO_BYTES", 0)
+    fresh = _ds(tiny_root, tmp_path, **kw)
+    assert all(torch.equal(fresh[i]["bev"], s["bev"]) for i, s in enumerate(first)) and not fresh._memo
+
+
 # ---------------------------------------------------------------- the synthetic dataset
 
 

@@ -42,6 +42,9 @@ TABLES = (
     "sample", "sample_annotation", "sample_data", "scene", "sensor", "visibility",
 )
 INDEX_FORMAT = 4
+# Per process, for NuScenesBEVDataset.targets: the synthetic set needs ~15 MB, trainval at 200x200 would
+# need ~2 GB and keeps only its first samples.
+TARGET_MEMO_BYTES = 256 * 2**20
 
 _HOWTO = (
     "Expected layout: DATAROOT/<version>/*.json (the 13 tables) and DATAROOT/samples/CAM_*/*.jpg. "
@@ -399,6 +402,8 @@ class NuScenesBEVDataset(Dataset):
                                 map_layers=self.map_layers)
         # [[xlo, xhi, xstep], [ylo, yhi, ystep]] with every sample, so pictures need no grid plumbing.
         self._bounds = torch.tensor([self.grid.xbound, self.grid.ybound], dtype=torch.float64)
+        self._memo: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # sample -> packed targets (targets())
+        self._memo_bytes = 0
 
     @property
     def class_names(self) -> tuple[str, ...]:
@@ -417,6 +422,28 @@ class NuScenesBEVDataset(Dataset):
         """(len(map_layers), X, Y) uint8 map channels of sample i (bev.data.maps.rasterize_map)."""
         return rasterize_map(self.index, str(self.index["location"][i]), self.index["ego_rotation"][i],
                              self.index["ego_translation"][i], self.grid, len(self.map_layers))
+
+    def targets(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """bev (K, X, Y) float32 and visibility (X, Y) uint8 of sample i.
+
+        Targets do not depend on the image augmentation, so each is rasterised once per process
+        and kept bit-packed (about K * X * Y / 8 bytes) while the memo stays under TARGET_MEMO_BYTES:
+        from the second epoch on, (persistent) workers only decode images.
+        """
+        if i in self._memo:
+            bits, vis = self._memo[i]
+            bev = np.unpackbits(bits, count=self.num_classes * self.grid.nx * self.grid.ny)
+            return bev.reshape(self.num_classes, self.grid.nx, self.grid.ny).astype(np.float32), vis.copy()
+        box = self.boxes(i)
+        bev, vis = rasterize_boxes(box["footprint"], box["label"], box["visibility"], self.grid,
+                                   self.num_object_classes, self.raster)
+        if self.map_layers:
+            bev = np.concatenate([bev, self.map_target(i).astype(np.float32)])
+        entry = (np.packbits(bev.astype(bool)), vis)
+        size = entry[0].nbytes + vis.nbytes
+        if self._memo_bytes + size <= TARGET_MEMO_BYTES:
+            self._memo[i], self._memo_bytes = entry, self._memo_bytes + size
+        return bev, vis
 
     def __len__(self) -> int:
         return len(self.index["sample_token"])
@@ -466,11 +493,7 @@ class NuScenesBEVDataset(Dataset):
             imgs.append(img)
             post_rots.append(pr)
             post_trans.append(pt)
-        box = self.boxes(i)
-        bev, vis = rasterize_boxes(box["footprint"], box["label"], box["visibility"], self.grid,
-                                   self.num_object_classes, self.raster)
-        if self.map_layers:
-            bev = np.concatenate([bev, self.map_target(i).astype(np.float32)])
+        bev, vis = self.targets(i)
         return {
             "images": torch.from_numpy(np.stack(imgs)),
             "intrinsics": torch.from_numpy(self.index["intrinsics"][i, cams]),
