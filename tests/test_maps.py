@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bev.data import NuScenesBEVDataset
-from bev.data.maps import MAP_CLASSES, PRESETS, load_map_geometry, normalize_map_layers, rasterize_map
+from bev.data.maps import MAP_CLASSES, PRESETS, devkit_map_mask, load_map_geometry, normalize_map_layers, rasterize_map
 from bev.data.rasterize import box_footprints, lss_polygon_mask
 from bev.geometry import Grid
 from tiny_nuscenes import BOXES, LOCATION, ego_box, ego_pose, write_tiny
@@ -41,29 +41,6 @@ def _rot(yaw: float) -> np.ndarray:
     return np.array([[c, -s, 0], [s, c, 0], [0, 0, 1.0]])
 
 
-def devkit_mask(nusc_map, t, yaw, layers, grid: Grid) -> np.ndarray:
-    """BEVFusion's call: patch around the grid centre, angle = ego yaw in degrees, canvas (ny, nx),
-    then the canvas [y, x] transposed to [x_index, y_index]."""
-    (xlo, xhi, _), (ylo, yhi, _) = grid.xbound, grid.ybound
-    centre = _rot(yaw)[:2, :2] @ np.array([(xlo + xhi) / 2, (ylo + yhi) / 2]) + np.asarray(t)[:2]
-    m = nusc_map.get_map_mask((centre[0], centre[1], yhi - ylo, xhi - xlo), math.degrees(yaw), list(layers),
-                              canvas_size=(grid.ny, grid.nx))
-    return m.transpose(0, 2, 1).astype(bool)
-
-
-def test_layer_names_and_presets():
-    assert normalize_map_layers(None) == () == normalize_map_layers([]) == normalize_map_layers("none")
-    assert normalize_map_layers("bevfusion") == ("drivable_area", "ped_crossing", "walkway", "stop_line", "carpark_area", "divider")
-    assert normalize_map_layers("lss") == ("drivable_area", "divider")
-    assert normalize_map_layers(["lane", "walkway"]) == ("lane", "walkway")
-    assert MAP_CLASSES["divider"] == ("road_divider", "lane_divider")
-    assert all(set(v) <= set(MAP_CLASSES) for v in PRESETS.values())
-    with pytest.raises(ValueError, match=r"unknown map layer.*'roads'.*valid names: drivable_area.*presets: bevfusion"):
-        normalize_map_layers(["drivable_area", "roads"])
-    with pytest.raises(ValueError, match="twice"):
-        normalize_map_layers(["lane", "lane"])
-
-
 POSES = [  # (translation, yaw): the fixture's ego poses, and yawed poses in the intersection
     (*ego_pose(0, 0),), (*ego_pose(0, 1),), (*ego_pose(1, 0),),
     (np.array([110.0, 205.0, 0.0]), math.radians(37.0)),
@@ -76,7 +53,7 @@ def test_rasteriser_matches_devkit_get_map_mask(nusc_map, geometry, pose):
     grid = Grid()
     t, yaw = POSES[pose]
     ours = rasterize_map(geometry, LOCATION, _rot(yaw), t, grid, len(LAYERS)).astype(bool)
-    ref = devkit_mask(nusc_map, t, yaw, LAYERS, grid)
+    ref = devkit_map_mask(nusc_map, t, yaw, LAYERS, grid)
     for k, layer in enumerate(LAYERS):
         inter, union = (ours[k] & ref[k]).sum(), (ours[k] | ref[k]).sum()
         if union == 0:
@@ -84,6 +61,22 @@ def test_rasteriser_matches_devkit_get_map_mask(nusc_map, geometry, pose):
         assert inter / union >= 0.98, (layer, inter / union, ours[k].sum(), ref[k].sum())
     if pose == 3:  # in the intersection every layer is in view: the comparison is not vacuous
         assert all(ref[k].sum() > 10 for k in range(len(LAYERS))), ref.reshape(len(LAYERS), -1).sum(1)
+
+
+def test_synthetic_map_targets_match_the_devkit(synthetic_root, tmp_path):
+    """scripts/check_map_targets.py on the road-network map: every BEVFusion class on the 0.5 m grid."""
+    import json
+    import runpy
+
+    check = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "check_map_targets.py"))
+    out = tmp_path / "check.json"
+    assert check["main"](["--dataroot", str(synthetic_root), "--grids", "lss", "--cache-dir", str(tmp_path),
+                          "--out", str(out)]) == 0
+    classes = json.loads(out.read_text())["grids"]["lss"]["classes"]
+    assert set(classes) == set(PRESETS["bevfusion"])
+    in_view = {k: r for k, r in classes.items() if r["devkit_cells"] > 0}
+    assert {"drivable_area", "walkway", "divider"} <= set(in_view)
+    assert all(r["iou"] >= 0.98 for r in in_view.values()), classes
 
 
 def test_known_cells_at_a_yawed_intersection(geometry):
@@ -143,7 +136,7 @@ def test_dataset_map_channels_share_the_box_frame(tiny_root, tmp_path):
     from nuscenes.map_expansion.map_api import NuScenesMap
 
     t, yaw = ego_pose(0, 1)
-    ref = devkit_mask(NuScenesMap(str(tiny_root), LOCATION), t, yaw, ["carpark_area", "drivable_area"], ds.grid)
+    ref = devkit_map_mask(NuScenesMap(str(tiny_root), LOCATION), t, yaw, ["carpark_area", "drivable_area"], ds.grid)
     got = ds[1]["bev"][1:].numpy() > 0
     assert all((got[k] & ref[k]).sum() / (got[k] | ref[k]).sum() >= 0.98 for k in range(2))
 

@@ -22,6 +22,7 @@ BEVFusion uses), on the bev.geometry grid and in the same ego frame as the boxes
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -205,6 +206,47 @@ def rasterize_map(geom: dict[str, np.ndarray], location: str, rotation: np.ndarr
                 cv2.fillPoly(scratch, pts[1:], 0)
                 layer |= scratch
     return out.transpose(0, 2, 1).copy()
+
+
+def devkit_map_mask(nusc_map, translation: np.ndarray, yaw: float, classes: Sequence[str], grid: Grid) -> np.ndarray:
+    """(len(classes), X, Y) bool: the devkit's own NuScenesMap.get_map_mask of the grid around an ego
+    pose, in the [x_index, y_index] layout; a class of several layers ("divider") is their union.
+
+    BEVFusion's call: the patch centred on the grid centre, patch_angle the ego yaw in degrees,
+    canvas (ny, nx), the canvas [y, x] transposed. The independent reference rasterize_map is
+    checked against (tests, scripts/check_map_targets.py); slow (shapely per call).
+    """
+    (xlo, xhi, _), (ylo, yhi, _) = grid.xbound, grid.ybound
+    c, s = np.cos(yaw), np.sin(yaw)
+    centre = np.array([[c, -s], [s, c]]) @ np.array([(xlo + xhi) / 2, (ylo + yhi) / 2]) + np.asarray(translation)[:2]
+    layers = sorted({layer for name in classes for layer in MAP_CLASSES[name]})
+    with _devkit_multiline_fix():
+        m = nusc_map.get_map_mask((centre[0], centre[1], yhi - ylo, xhi - xlo), float(np.degrees(yaw)), layers,
+                                  canvas_size=(grid.ny, grid.nx)).astype(bool)
+    per_layer = dict(zip(layers, m.transpose(0, 2, 1)))
+    return np.stack([np.logical_or.reduce([per_layer[layer] for layer in MAP_CLASSES[name]]) for name in classes])
+
+
+@contextmanager
+def _devkit_multiline_fix():
+    """nuscenes-devkit 1.2's mask_for_lines iterates a MultiLineString (a divider cut in pieces by the
+    patch), which shapely >= 2 refuses with a TypeError; meanwhile, the same drawing over `.geoms`."""
+    from nuscenes.map_expansion.map_api import NuScenesMapExplorer
+
+    original = NuScenesMapExplorer.__dict__["mask_for_lines"]
+
+    def mask_for_lines(lines, mask):
+        for line in getattr(lines, "geoms", [lines]):
+            cv2.polylines(mask, [np.asarray(line.coords, np.int32).reshape(-1, 2)], False, 1, 2)
+        return mask
+
+    import cv2
+
+    NuScenesMapExplorer.mask_for_lines = staticmethod(mask_for_lines)
+    try:
+        yield
+    finally:
+        NuScenesMapExplorer.mask_for_lines = original
 
 
 def _devkit_patch(centre, ph: float, pw: float, angle: float) -> tuple:
