@@ -37,10 +37,21 @@ $(STAMP): pyproject.toml setup.py $(CSRC)
 
 build: venv
 
+# `make train` ends within TRAIN_MINUTES in all on a slow machine too: training gets the time left
+# after writing the data, less EVAL_RESERVE_S for evaluation and plots, as its time budget
+# (bev.callbacks.TimeBudget shortens the run and compresses the LR schedule only if it must).
+TRAIN_MINUTES ?= 20
+EVAL_RESERVE_S ?= 150
+
 # A second `make train` resumes the run from its last.ckpt (a finished run just re-evaluates).
 train: venv
-	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA) --samples-per-scene $(SYNTHETIC_SAMPLES)
+	@start=$$(date +%s); set -e; \
+	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA) --samples-per-scene $(SYNTHETIC_SAMPLES); \
+	budget=$$(( $(TRAIN_MINUTES) * 60 - $(EVAL_RESERVE_S) - $$(date +%s) + start )); \
+	if [ $$budget -lt 120 ]; then budget=120; fi; \
+	echo "training time budget: $$budget s (make train: $(TRAIN_MINUTES) min in all)"; \
 	$(VENV)/bin/bev-train experiment=synthetic_cpu data.dataroot=$(DATA) hydra.run.dir=$(RUN) \
+		callbacks.time_budget.budget=$$budget \
 		$(if $(wildcard $(RUN)/checkpoints/last.ckpt),ckpt_path=$(RUN)/checkpoints/last.ckpt)
 	$(VENV)/bin/bev-eval ckpt_path=$(RUN)/checkpoints data.dataroot=$(DATA) hydra.run.dir=$(RUN)/eval
 	$(PY) scripts/plot_learning_curve.py $(RUN) --out $(RUN)/learning_curve.png
