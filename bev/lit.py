@@ -33,18 +33,22 @@ def _class_names(net: nn.Module, object_classes, map_classes) -> tuple[tuple[str
     return object_classes, map_classes
 
 
-def _pos_weight(spec, names: tuple[str, ...]) -> torch.Tensor:
-    """pos_weight config -> (K,) tensor: a number for all, a list per channel, or {class: weight} (others 1.0)."""
+def _per_class(spec, names: tuple[str, ...], what: str = "pos_weight") -> torch.Tensor:
+    """A per-class config (pos_weight, class_weight) -> (K,) tensor: a number for all, a list per
+    channel, or {class: weight} (others 1.0)."""
     if isinstance(spec, Mapping):
         unknown = [k for k in spec if k not in names]
         if unknown:
-            raise ValueError(f"pos_weight names unknown class(es) {unknown}; classes: {list(names)}")
-        return torch.tensor([float(spec.get(n, 1.0)) for n in names])
-    if isinstance(spec, (int, float)):
-        return torch.full((len(names),), float(spec))
-    values = [float(v) for v in spec]
+            raise ValueError(f"{what} names unknown class(es) {unknown}; classes: {list(names)}")
+        values = [float(spec.get(n, 1.0)) for n in names]
+    elif isinstance(spec, (int, float)):
+        values = [float(spec)] * len(names)
+    else:
+        values = [float(v) for v in spec]
     if len(values) != len(names):
-        raise ValueError(f"pos_weight has {len(values)} values for {len(names)} classes {list(names)}")
+        raise ValueError(f"{what} has {len(values)} values for {len(names)} classes {list(names)}")
+    if any(v < 0 for v in values) or not sum(values) > 0:
+        raise ValueError(f"{what} must be >= 0 and not all 0, got {dict(zip(names, values))}")
     return torch.tensor(values)
 
 
@@ -93,6 +97,9 @@ class BEVLitModule(L.LightningModule):
     pos_weight: a number for every channel, a list (one per channel) or a {class name: weight}
     mapping (unlisted classes 1.0). loss: "bce" (BCE with logits) or "focal" (sigmoid focal loss,
     focal_gamma; as BEVFusion's map head; pos_weight multiplies the positive term).
+    class_weight: the weight of each channel's mean loss in the total (same forms as pos_weight;
+    None = every cell alike): with many map channels, the object channels' share of the gradient
+    through the shared encoders is otherwise 1/K.
     """
 
     def __init__(
@@ -108,6 +115,7 @@ class BEVLitModule(L.LightningModule):
         map_classes: Sequence[str] = (),
         loss: str = "bce",
         focal_gamma: float = 2.0,
+        class_weight: float | Sequence[float] | Mapping[str, float] | None = None,
     ):
         super().__init__()
         self.net = net
@@ -120,7 +128,9 @@ class BEVLitModule(L.LightningModule):
         if loss not in LOSSES:
             raise ValueError(f"unknown model.loss {loss!r}; choose one of {', '.join(LOSSES)}")
         self.loss_name, self.focal_gamma = loss, float(focal_gamma)
-        self.register_buffer("pos_weight", _pos_weight(pos_weight, self.class_names).view(-1, 1, 1), persistent=False)
+        self.register_buffer("pos_weight", _per_class(pos_weight, self.class_names).view(-1, 1, 1), persistent=False)
+        w = None if class_weight is None else _per_class(class_weight, self.class_names, "class_weight")
+        self.register_buffer("class_weight", None if w is None else w / w.sum(), persistent=False)
         grid = getattr(net, "grid", None) or Grid()
         self.val_iou = BevIoU(grid, threshold, self.object_classes)
         self.test_iou = BevIoU(grid, threshold, self.object_classes)
@@ -166,13 +176,17 @@ class BEVLitModule(L.LightningModule):
     def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         logits, target = logits.float(), target.float()
         if self.loss_name == "bce":
-            return F.binary_cross_entropy_with_logits(logits, target, pos_weight=self.pos_weight)
-        # Sigmoid focal loss (Lin et al.): BCE scaled by (1 - p_t)^gamma, mean over every cell.
-        ce = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
-        p = logits.sigmoid()
-        p_t = p * target + (1 - p) * (1 - target)
-        weight = 1 + (self.pos_weight - 1) * target
-        return (weight * ce * (1 - p_t) ** self.focal_gamma).mean()
+            if self.class_weight is None:
+                return F.binary_cross_entropy_with_logits(logits, target, pos_weight=self.pos_weight)
+            per_cell = F.binary_cross_entropy_with_logits(logits, target, pos_weight=self.pos_weight, reduction="none")
+        else:  # sigmoid focal loss (Lin et al.): BCE scaled by (1 - p_t)^gamma
+            ce = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+            p = logits.sigmoid()
+            p_t = p * target + (1 - p) * (1 - target)
+            per_cell = (1 + (self.pos_weight - 1) * target) * ce * (1 - p_t) ** self.focal_gamma
+            if self.class_weight is None:
+                return per_cell.mean()
+        return (per_cell.mean((0, 2, 3)) * self.class_weight).sum()  # class_weight sums to 1
 
     def _update_metrics(self, iou: BevIoU, map_iou: MapIoU, logits: torch.Tensor, batch: dict) -> None:
         k = len(self.object_classes)

@@ -234,6 +234,29 @@ def test_bad_loss_and_pos_weight_are_clear_errors():
     assert f2 < f0
 
 
+def test_class_weight_weighs_each_channel_mean_loss():
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from bev.lit import BEVLitModule
+
+    net = nn.Conv2d(1, 3, 1)
+    net.num_classes = 3
+    kw = dict(net=net, optimizer=None, object_classes=["vehicle"], map_classes=["drivable_area", "divider"], pos_weight=2.0)
+    logits, target = torch.randn(2, 3, 4, 5), (torch.rand(2, 3, 4, 5) > 0.7).float()
+    per_class = [F.binary_cross_entropy_with_logits(logits[:, k], target[:, k], pos_weight=torch.tensor(2.0)) for k in range(3)]
+    got = BEVLitModule(**kw, class_weight={"vehicle": 4.0}).loss(logits, target)
+    torch.testing.assert_close(got, (4 * per_class[0] + per_class[1] + per_class[2]) / 6)
+    torch.testing.assert_close(BEVLitModule(**kw, class_weight=1.0).loss(logits, target), BEVLitModule(**kw).loss(logits, target))
+    focal = BEVLitModule(**kw, loss="focal", focal_gamma=0.0, class_weight=[0, 1, 0]).loss(logits, target)
+    torch.testing.assert_close(focal, per_class[1])
+    with pytest.raises(ValueError, match="class_weight names unknown class.*'car'"):
+        BEVLitModule(**kw, class_weight={"car": 2.0})
+    with pytest.raises(ValueError, match="class_weight must be >= 0 and not all 0"):
+        BEVLitModule(**kw, class_weight=[0, 0, 0])
+
+
 def test_clip_drops_degenerate_rings():
     # Map files can hold sliver rings (< 3 distinct vertices); they have no area and must not
     # make the whole polygon fail to clip.
