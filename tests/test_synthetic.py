@@ -314,6 +314,52 @@ def test_coverage_is_the_object_rendered_alone():
         assert (alone.ids == i + 1).sum() == full.coverage[i] == alone.coverage[i]
 
 
+def _render_part_by_part(world, t, cam):
+    """Reference for render_camera's batched slab tests and scatter-min z-buffer: each part in turn on
+    its own rectangle, drawn where it is hit strictly nearer than what is drawn so far."""
+    parts = raycast._object_parts_ego(world, t, world_model.visible_objects(world, t, world_model.RENDER_RANGE))
+    rects, (o, _) = raycast._part_rects(cam, parts), raycast._part_frames(cam, parts)
+    base = raycast.render_camera(world, t, cam, [])  # sky and ground
+    assert not base.coverage and not base.ids.any()
+    img, ids, depth, own = base.image.copy(), base.ids.copy(), base.depth.copy(), {}
+    for j, (r0, r1, c0, c1) in enumerate(rects.tolist()):
+        if r1 <= r0 or c1 <= c0:
+            continue
+        R, half, box = parts.R[j], parts.half[j], (slice(r0, r1), slice(c0, c1))
+        rx, ry, rz = (cam.rays[..., k][box] for k in range(3))
+        d = [rx * np.float32(R[0, k]) + ry * np.float32(R[1, k]) for k in (0, 1)] + [rz]  # parts only yaw
+        with np.errstate(divide="ignore", invalid="ignore"):
+            inv = [np.float32(1) / dk for dk in d]
+            ts = [(np.float32(-half[k] - o[j, k]) * inv[k], np.float32(half[k] - o[j, k]) * inv[k]) for k in range(3)]
+        lo, hi = [np.fmin(*x) for x in ts], [np.fmax(*x) for x in ts]
+        tnear = np.fmax(np.fmax(lo[0], lo[1]), lo[2])
+        hit = (tnear <= np.fmin(np.fmin(hi[0], hi[1]), hi[2])) & (tnear > raycast.NEAR)
+        if parts.label[j]:
+            own.setdefault(int(parts.obj[j]), np.zeros(ids.shape, bool))[box] |= hit
+        front = hit & (tnear < depth[box])
+        face = np.zeros(front.sum(), np.int64)
+        for k in range(3):
+            on = lo[k][front] == tnear[front]
+            face[on] = 2 * k + (d[k][front][on] < 0)
+        if parts.kind[j] in (world_model.CABIN, world_model.WINDOWS):
+            at = [o[j, k].astype(np.float32) + tnear[front] * d[k][front] for k in range(3)]  # hit points, part frame
+            face += 6 * raycast._glass(face, at, np.tile(half, (len(face), 1)), np.full(len(face), parts.kind[j]))
+        depth[box][front], ids[box][front], img[box][front] = tnear[front], parts.label[j], parts.cols[j][face]
+    return img, ids, depth, {i: int(m.sum()) for i, m in own.items()}
+
+
+def test_batched_render_equals_part_by_part():
+    for location, t in (("singapore-onenorth", 0.0), ("boston-seaport", 2.5)):
+        world = world_model.build_world(SEED, 0, 6, location)
+        for name in CAMERA_NAMES:
+            cam = raycast.make_camera(name)
+            r = raycast.render_camera(world, t, cam)
+            img, ids, depth, coverage = _render_part_by_part(world, t, cam)
+            assert ids.any() and coverage
+            assert (r.ids == ids).all() and (r.depth == depth).all() and (r.image == img).all(), name
+            assert r.coverage == coverage, name
+
+
 def test_enough_vehicles_near_the_ego(nusc):
     counts = []
     for sample in nusc.sample:

@@ -80,9 +80,17 @@ class World:
         return np.array([xy[0], xy[1], obj.size[2] / 2]), float(yaw)
 
     def positions(self, t: float) -> np.ndarray:
-        """(N, 2) global xy of every object at time t (cached)."""
+        """(N, 2) global xy of every object at time t (cached; after the first time only moving objects
+        are recomputed: most objects are static)."""
         if t not in self._xy:
-            self._xy[t] = np.array([o.pose(t)[0] for o in self.objects]).reshape(-1, 2)
+            if self._xy:
+                xy = next(iter(self._xy.values())).copy()
+                for i, o in enumerate(self.objects):
+                    if o.path is not None:
+                        xy[i] = o.pose(t)[0]
+                self._xy[t] = xy
+            else:
+                self._xy[t] = np.array([o.pose(t)[0] for o in self.objects]).reshape(-1, 2)
         return self._xy[t]
 
 

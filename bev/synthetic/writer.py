@@ -176,17 +176,19 @@ def lidar_points(world: World, t: float, annotated: list[int], counts: dict, rng
         local = rng.uniform(-0.9, 0.9, (n, 3)) * half  # strictly inside the box
         pts.append(np.concatenate([local @ R.T + c_ego, np.full((n, 1), 60.0), rng.integers(0, 32, (n, 1))], 1))
     cloud = np.concatenate([ground] + pts)
-    if boxes:
-        # Points in each box, all boxes at once: (B, N, 3) offsets in the box frames.
-        Rs = np.stack([b[1] for b in boxes])
-        local = (cloud[None, :, :3] - np.stack([b[2] for b in boxes])[:, None]) @ Rs  # rows: R^T (p - c)
-        halves = np.stack([b[3] for b in boxes])[:, None]
-        under = np.all(np.abs(local) <= halves + 0.05, axis=2).any(0)  # the lidar cannot see the ground under an object
-        keep = ~under | (np.arange(len(cloud)) >= len(ground))
-        cloud, local = cloud[keep], local[:, keep]
-        per_obj = dict(zip([b[0] for b in boxes], np.all(np.abs(local) <= halves, axis=2).sum(1).tolist()))
-    else:
-        per_obj = {}
+    # Points in each box, in its own frame; a box only tests the points within its reach in x
+    # (points sorted by x; the reach covers the 0.05 m margin below).
+    order = np.argsort(cloud[:, 0], kind="stable")
+    xs, under, inside = cloud[order, 0], np.zeros(len(cloud), bool), []
+    for i, R, c_ego, half in boxes:
+        reach = math.hypot(half[0], half[1]) + 0.1
+        near = order[np.searchsorted(xs, c_ego[0] - reach):np.searchsorted(xs, c_ego[0] + reach, "right")]
+        local = np.abs((cloud[near, :3] - c_ego) @ R)  # rows: R^T (p - c)
+        under[near[np.all(local <= half + 0.05, axis=1)]] = True
+        inside.append((i, near[np.all(local <= half, axis=1)]))
+    under[len(ground):] = False  # only ground points are dropped: the lidar cannot see the ground under an object
+    per_obj = {i: int(np.count_nonzero(~under[idx])) for i, idx in inside}
+    cloud = cloud[~under]
     R_l = quaternion_to_matrix(LIDAR_ROTATION)
     cloud[:, :3] = (cloud[:, :3] - np.array(LIDAR_TRANSLATION)) @ R_l  # ego -> lidar: R^T (p - t)
     return cloud.astype(np.float32), per_obj
@@ -200,8 +202,9 @@ def _render_task(task):
     images, counts = raycast.render_sample(world, t)
     for name in CAMERA_NAMES:
         img = (images[name].image * 255.0 + 0.5).clip(0, 255).astype(np.uint8)
-        big = cv2.resize(img, (IMAGE_W, IMAGE_H), interpolation=cv2.INTER_LINEAR)
-        ok, buf = cv2.imencode(".jpg", big[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, JPEG_QUALITY])
+        # RGB -> BGR before upscaling (same pixels): a contiguous array encodes ~3x faster than a flipped view.
+        big = cv2.resize(cv2.cvtColor(img, cv2.COLOR_RGB2BGR), (IMAGE_W, IMAGE_H), interpolation=cv2.INTER_LINEAR)
+        ok, buf = cv2.imencode(".jpg", big, [cv2.IMWRITE_JPEG_QUALITY, JPEG_QUALITY])
         if not ok:
             raise RuntimeError(f"JPEG encoding failed for {cam_files[name]}")
         (out / cam_files[name]).write_bytes(buf.tobytes())
