@@ -6,7 +6,7 @@ STAMP := $(VENV)/.bev-installed
 DATA ?= data/synthetic
 RUN ?= outputs/synthetic_cpu
 # Key frames per synthetic scene for `make train` (10 scenes: 8 train, 2 val). Fewer overfit the
-# embedded model (val loss rises from epoch ~7 with 48); 96 gives 768 training samples (~2.5 min to write).
+# embedded model (val loss rises from epoch ~7 with 48); 96 gives 768 training samples (~1.5 min to write on 2 cores).
 SYNTHETIC_SAMPLES ?= 96
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
