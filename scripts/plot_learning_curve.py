@@ -42,6 +42,9 @@ def main() -> None:
     s2, v2 = read_series("val/iou_vis")
     if v2:
         ax_iou.plot(s2, v2, "s--", color="tab:green", ms=3, label="val/iou_vis")
+    s3, v3 = read_series("val/miou_map")
+    if v3:  # map classes: BEVFusion's mean IoU
+        ax_iou.plot(s3, v3, "^-", color="tab:orange", ms=4, label="val/miou_map")
     ax_iou.set_ylabel("IoU")
     ax_iou.set_ylim(0, 1)
     if v:
