@@ -230,7 +230,8 @@ def devkit_map_mask(nusc_map, translation: np.ndarray, yaw: float, classes: Sequ
 @contextmanager
 def _devkit_multiline_fix():
     """nuscenes-devkit 1.2's mask_for_lines iterates a MultiLineString (a divider cut in pieces by the
-    patch), which shapely >= 2 refuses with a TypeError; meanwhile, the same drawing over `.geoms`."""
+    patch), which shapely >= 2 refuses with a TypeError; within the block, the same drawing over `.geoms`."""
+    import cv2
     from nuscenes.map_expansion.map_api import NuScenesMapExplorer
 
     original = NuScenesMapExplorer.__dict__["mask_for_lines"]
@@ -239,8 +240,6 @@ def _devkit_multiline_fix():
         for line in getattr(lines, "geoms", [lines]):
             cv2.polylines(mask, [np.asarray(line.coords, np.int32).reshape(-1, 2)], False, 1, 2)
         return mask
-
-    import cv2
 
     NuScenesMapExplorer.mask_for_lines = staticmethod(mask_for_lines)
     try:

@@ -439,7 +439,7 @@ class NuScenesBEVDataset(Dataset):
                                    self.num_object_classes, self.raster)
         if self.map_layers:
             bev = np.concatenate([bev, self.map_target(i).astype(np.float32)])
-        entry = (np.packbits(bev.astype(bool)), vis)
+        entry = (np.packbits(bev.astype(bool)), vis.copy())  # callers may write into what they get
         size = entry[0].nbytes + vis.nbytes
         if self._memo_bytes + size <= TARGET_MEMO_BYTES:
             self._memo[i], self._memo_bytes = entry, self._memo_bytes + size
