@@ -352,10 +352,10 @@ def main(argv=None) -> int:
     if a.loader and "embedded" in a.configs and a.device == "cpu":
         ld = bench_loader("embedded", batches=12)
         emb = results["configs"]["embedded"]["variants"]
-        from bev.utils.precision import resolve_precision
+        from bev.utils.precision import resolve_channels_last, resolve_precision
 
         cfg = compose_config(CONFIGS["embedded"])
-        default = "+".join(["channels_last"] * bool(cfg.model.net.camera.channels_last)
+        default = "+".join(["channels_last"] * resolve_channels_last(cfg.model.net.camera.channels_last)
                            + ["bf16"] * resolve_precision("auto", "cpu")[0].startswith("bf16")) or "fp32"
         best = emb.get(default) or emb.get("fp32")
         ld["model_variant"] = default

@@ -52,6 +52,21 @@ def test_cpu_flags_are_read_from_proc_cpuinfo(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- channels_last
+@pytest.mark.parametrize("flags, cuda, expected", [
+    ({"avx512_bf16"}, False, True), ({"amx_bf16"}, False, True), ({"avx2"}, False, False), (set(), True, True),
+])
+def test_auto_channels_last_follows_the_hardware(flags, cuda, expected, monkeypatch):
+    monkeypatch.setattr(P, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert P.resolve_channels_last("auto") is expected
+    assert P.resolve_channels_last(False) is False and P.resolve_channels_last(True) is True
+    enc = BevEncoder(8, 2, widths=(8, 8, 16), blocks=1, channels_last="auto")
+    assert enc.channels_last is expected
+    assert enc.stem[0].weight.is_contiguous(memory_format=torch.channels_last) is expected
+    with pytest.raises(ValueError, match="true, false or auto"):
+        P.resolve_channels_last("yes")
+
+
 def test_channels_last_encoders_compute_the_same_function():
     torch.manual_seed(0)
     images, bev = torch.randn(2, 3, 64, 96), torch.randn(1, 8, 24, 24)

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bev.models.camera import Up, resnet_stage
+from bev.utils.precision import resolve_channels_last
 
 
 class BevEncoder(nn.Module):
@@ -17,7 +18,7 @@ class BevEncoder(nn.Module):
     """
 
     def __init__(self, in_channels: int, num_classes: int = 1, widths: tuple[int, int, int] = (64, 128, 256), blocks: int = 2,
-                 channels_last: bool = False):
+                 channels_last: bool | str = False):
         super().__init__()
         if len(widths) != 3:
             raise ValueError(f"BEV encoder needs 3 widths, got {list(widths)}")
@@ -37,7 +38,7 @@ class BevEncoder(nn.Module):
         for m in self.modules():
             if hasattr(m, "bn2") and isinstance(m.bn2, nn.BatchNorm2d):
                 nn.init.zeros_(m.bn2.weight)
-        self.channels_last = bool(channels_last)
+        self.channels_last = resolve_channels_last(channels_last)
         if self.channels_last:
             self.to(memory_format=torch.channels_last)
 

@@ -13,6 +13,9 @@ import torchvision
 from torch import nn
 from torchvision.models.resnet import BasicBlock
 
+from bev.utils.precision import resolve_channels_last
+
+
 BACKBONES = ("efficientnet_b0", "resnet18", "resnet50", "small")
 
 
@@ -135,7 +138,7 @@ class CameraEncoder(nn.Module):
         widths: tuple[int, ...] = (16, 32, 48, 64, 96),
         blocks: int = 1,
         mid_channels: int = 512,
-        channels_last: bool = False,
+        channels_last: bool | str = False,
     ):
         super().__init__()
         if backbone not in BACKBONES:
@@ -150,7 +153,7 @@ class CameraEncoder(nn.Module):
         self.fuse = Up(c16 + c32, mid_channels)
         self.head = nn.Conv2d(mid_channels, depth_bins + context_channels, 1)
         self.depth_bins = depth_bins
-        self.channels_last = bool(channels_last)
+        self.channels_last = resolve_channels_last(channels_last)
         if self.channels_last:
             self.to(memory_format=torch.channels_last)
 

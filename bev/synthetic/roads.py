@@ -11,8 +11,8 @@ offset l from its centreline, + = left of the direction a -> b):
 
 Junctions are squares (half-size CURB) with a zebra crossing on every arm, a stop line and a
 traffic light on every incoming approach; lanes end at LANE_START from the junction node and
-lane connectors (straight, or quarter circles) join them across it. One block holds a car park
-with bays, reached by a driveway through the walkway. Traffic drives on the right in Boston
+lane connectors (straight, or quarter circles) join them across it. Up to CARPARKS blocks hold a
+car park with bays, reached by a driveway through the walkway. Traffic drives on the right in Boston
 and on the left in Singapore.
 
 The geometry lives here as shapely polygons and lines in the map (global) frame, metres:
@@ -48,13 +48,17 @@ SIDEWALK_END = 14.0
 BUILDING_START = 17.0
 # Along an arm, metres from the junction node.
 CROSSING = (10.5, 14.5)  # zebra crossing band
-STOP_LINE = (15.0, 15.5)
+STOP_LINE = (15.0, 15.5)  # the painted line
+# The map's stop_line polygon: as in the nuScenes map expansion, the area where a car waits (the
+# incoming lanes from the painted line back 3 m), not the 0.5 m of paint, which a 1 m grid cannot hold.
+STOP_AREA = (15.0, 18.0)
 LANE_START = 16.0  # lanes start / end here; lane connectors cross the junction in between
 BEND_RADIUS = 24.0  # centreline radius of a curved street
 GRID = 4  # junction nodes per side
 BLOCK = (80.0, 150.0)  # node spacing range
 MARGIN = 100.0  # map canvas beyond the outermost street centreline
 CARPARK_LEN, CARPARK_DEPTH = 44.2, 19.0  # 17 bays of 2.6 m; two 5.5 m rows and a 7 m aisle
+CARPARKS = 4  # car parks per location, where blocks leave room (one was too rare to learn: absent from most drives)
 BAY_W, BAY_D = 2.6, 5.5
 DASH, GAP = 3.0, 6.0  # white dashed lane line
 
@@ -378,9 +382,11 @@ def _across(path: Path, s: float, l0: float, l1: float) -> LineString:
     return LineString([path.at(s, l0)[0], path.at(s, l1)[0]])
 
 
-def _carpark(road: RoadMap, rng: np.random.Generator, walk_area) -> tuple | None:
-    """(street, side, s centre) of a car park behind a walkway that fits inside a block, or None."""
+def _carparks(road: RoadMap, rng: np.random.Generator, walk_area) -> list[tuple[int, int, float]]:
+    """(street, side, s centre) of up to CARPARKS car parks behind walkways, each inside a block and
+    clear of roads, walkways and the other car parks."""
     cands = [(i, sd) for i in range(len(road.streets)) for sd in (-1, 1)]
+    sites, taken = [], walk_area
     for idx in rng.permutation(len(cands)):
         i, sd = cands[idx]
         path = road.streets[i].path
@@ -390,12 +396,15 @@ def _carpark(road: RoadMap, rng: np.random.Generator, walk_area) -> tuple | None
         sc = float(rng.uniform(lo, hi))
         if not path.straight(sc - CARPARK_LEN / 2 - 7, sc + CARPARK_LEN / 2 + 7):
             continue
-        # The lot and 6 m around it (but on the street side) must be clear of every road and walkway.
+        # The lot and 6 m around it (but on the street side) must be clear of everything placed so far.
         room = _band(path.sub(sc - CARPARK_LEN / 2 - 6, sc + CARPARK_LEN / 2 + 6), sd * (SIDEWALK_END + 0.01),
                      sd * (SIDEWALK_END + CARPARK_DEPTH + 6))
-        if room.intersection(walk_area).area < 0.5:
-            return i, sd, sc
-    return None
+        if room.intersection(taken).area < 0.5:
+            sites.append((i, sd, sc))
+            taken = taken.union(room)
+            if len(sites) == CARPARKS:
+                break
+    return sites
 
 
 def _build_layers(road: RoadMap, rng: np.random.Generator) -> None:
@@ -412,11 +421,9 @@ def _build_layers(road: RoadMap, rng: np.random.Generator) -> None:
                             + [_square(j.xy, dirs, SIDEWALK_END) for j in road.junctions])
     roads = unary_union(street_surf + junction_surf)
 
-    # One car park behind a walkway, reached by a driveway.
+    # Car parks behind walkways, each reached by a driveway.
     lots, driveway = [], []
-    cp = _carpark(road, rng, walk_area)
-    if cp is not None:
-        i, sd, sc = cp
+    for i, sd, sc in _carparks(road, rng, walk_area):
         path = road.streets[i].path
         lot_path = path.sub(sc - CARPARK_LEN / 2, sc + CARPARK_LEN / 2)
         lots.append(_band(lot_path, sd * SIDEWALK_END, sd * (SIDEWALK_END + CARPARK_DEPTH)))
@@ -436,7 +443,7 @@ def _build_layers(road: RoadMap, rng: np.random.Generator) -> None:
                     continue  # the driveway enters the aisle here
                 c = lot_path.at(s, sd * (l0 + l1) / 2)[0]
                 road.bays.append((float(c[0]), float(c[1]), h + sd * math.pi / 2))
-        L["carpark_area"].append({"geom": lots[0], "orientation": float((h + sd * math.pi / 2) % (2 * math.pi)),
+        L["carpark_area"].append({"geom": lots[-1], "orientation": float((h + sd * math.pi / 2) % (2 * math.pi)),
                                   "block": None})
     drivable = unary_union([roads] + lots + driveway)
     shapely.prepare(drivable)  # fast point queries
@@ -499,8 +506,8 @@ def _build_layers(road: RoadMap, rng: np.random.Generator) -> None:
             for b in range(int(2 * CURB)):  # zebra bars, 0.5 m wide, every metre
                 paint["zebra"].append(_band(cpath, -CURB + b + 0.25, -CURB + b + 0.75))
             inc = -side * dirn_in * LANES * LANE_W
-            stop = _band(p.sub(min(sd_of(STOP_LINE[0]), sd_of(STOP_LINE[1])), max(sd_of(STOP_LINE[0]), sd_of(STOP_LINE[1]))),
-                         0.0, inc)
+            def across_incoming(d0, d1):
+                return _band(p.sub(min(sd_of(d0), sd_of(d1)), max(sd_of(d0), sd_of(d1))), 0.0, inc)
             block = len(L["road_block"]) - 2 + (0 if dirn_in > 0 else 1)
             tl = len(L["traffic_light"])
             # A traffic light on the kerb beside the stop line, facing the incoming traffic.
@@ -510,9 +517,9 @@ def _build_layers(road: RoadMap, rng: np.random.Generator) -> None:
             face = float(h) + (math.pi if dirn_in > 0 else 0.0)
             L["traffic_light"].append({"geom": _across(p, s_tl, kerb_l - 0.2 * np.sign(kerb_l), kerb_l + 0.2 * np.sign(kerb_l)),
                                        "block": block, "pose": (float(xy[0]), float(xy[1]), 3.5, face)})
-            L["stop_line"].append({"geom": stop, "type": "TRAFFIC_LIGHT", "ped_crossings": [pc],
+            L["stop_line"].append({"geom": across_incoming(*STOP_AREA), "type": "TRAFFIC_LIGHT", "ped_crossings": [pc],
                                    "traffic_lights": [tl], "block": block})
-            paint["white"].append(stop)  # filled polygons are painted whole
+            paint["white"].append(across_incoming(*STOP_LINE))  # filled polygons are painted whole
 
     # Lane connectors across each junction, and the lanes' connectivity.
     road.connectivity = {f"lane{n}": {"incoming": [], "outgoing": []} for n in range(len(L["lane"]))}

@@ -1,4 +1,5 @@
-"""`trainer.precision: auto`: bf16 mixed precision where the hardware runs bf16 natively, fp32 elsewhere.
+"""`trainer.precision: auto`: bf16 mixed precision where the hardware runs bf16 natively, fp32 elsewhere;
+`channels_last: auto`: NHWC convolutions on the same hardware.
 
 bf16 autocast halves the cost of the convolutions only on CPUs with native bf16 instructions
 (AVX512-BF16, AMX, Arm BF16); elsewhere oneDNN emulates them and fp32 is as fast or faster
@@ -64,3 +65,18 @@ def resolve_precision(precision: str | int | None, accelerator: str = "auto") ->
             return "bf16-mixed", f"CPU has {native}"
         return "32-true", "CPU has no native bf16 (no AVX512-BF16 / AMX): emulated bf16 is slower than fp32"
     return "32-true", f"no bf16 rule for accelerator {accelerator!r}"
+
+
+def resolve_channels_last(value: bool | str) -> bool:
+    """`channels_last` of the encoders: True/False as given; "auto": on GPUs and on CPUs with native bf16.
+
+    NHWC convolutions were 1.17-1.26x faster per training step on an AVX512-BF16 CPU in fp32 and
+    bf16 alike, but slower on a CPU without it (scripts/bench_train.py, benchmarks/results/).
+    """
+    if isinstance(value, str):
+        if value != "auto":
+            raise ValueError(f"channels_last must be true, false or auto, got {value!r}")
+        import torch
+
+        return torch.cuda.is_available() or cpu_bf16_support() is not None
+    return bool(value)
