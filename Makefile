@@ -5,9 +5,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.bev-installed
 DATA ?= data/synthetic
 RUN ?= outputs/synthetic_cpu
-# Key frames per synthetic scene for `make train` (10 scenes: 8 train, 2 val). Fewer overfit the
-# embedded model (val loss rises from epoch ~7 with 48); 96 gives 768 training samples (~1.5 min to write on 2 cores).
-SYNTHETIC_SAMPLES ?= 96
+# Key frames per synthetic scene for `make train` (10 scenes: 8 train, 2 val). Longer drives see more
+# of the road network: 192 (1536 training samples, ~2 min to write on 2 cores) beat 96 with the same
+# training time on every class (vehicle val IoU 0.211 vs 0.176, map mIoU 0.525 vs 0.467).
+SYNTHETIC_SAMPLES ?= 192
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
 # Compile the CUDA kernels too when nvcc is present (no GPU needed to compile).
