@@ -163,15 +163,28 @@ def test_log_location_matches_its_map(synthetic_root, maps):
         assert want.sum() > 200 and (want == got).mean() > 0.99
 
 
-def test_render_map_patch_and_line_layers(maps, tmp_path):
-    # descartes (the devkit's polygon patch helper) cannot draw shapely 2 polygons, on any map:
-    # polygon layers are checked through get_map_mask above; lines are drawn here.
+def test_render_map_patch_draws_every_layer(maps, tmp_path):
+    """The devkit's render_map_patch draws the written map: lines as they are, polygon layers through
+    devkit_render_fix (descartes cannot read shapely 2 polygons, on any map)."""
+    import matplotlib.pyplot as plt
+    from bev.data.maps import devkit_render_fix
+
     m = maps["boston-seaport"]
     j = _four_way(R.road_map(SEED, "boston-seaport"))
-    fig, ax = m.render_map_patch((j.xy[0] - 50, j.xy[1] - 50, j.xy[0] + 50, j.xy[1] + 50),
-                                 ["road_divider", "lane_divider"], figsize=(4, 4))
-    fig.savefig(tmp_path / "patch.png")
+    box = (j.xy[0] - 50, j.xy[1] - 50, j.xy[0] + 50, j.xy[1] + 50)
+    fig, ax = m.render_map_patch(box, ["road_divider", "lane_divider"], figsize=(4, 4))
+    fig.savefig(tmp_path / "lines.png")
     assert len(ax.lines) > 5
+    plt.close(fig)
+    polygons = ["drivable_area", "ped_crossing", "walkway", "stop_line", "road_segment", "lane"]
+    with devkit_render_fix():
+        fig, ax = m.render_map_patch(box, polygons, figsize=(4, 4))
+    fig.savefig(tmp_path / "polygons.png")
+    # the 4-way junction's own crossings, stop areas and walkways are each drawn as a patch
+    assert len(ax.patches) >= 12, len(ax.patches)
+    assert {p.get_facecolor()[:3] for p in ax.patches} >= {tuple(plt.matplotlib.colors.to_rgb(m.explorer.color_map[k]))
+                                                             for k in ("ped_crossing", "walkway", "stop_line")}
+    plt.close(fig)
 
 
 def test_ego_headings_cover_every_direction():

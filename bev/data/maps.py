@@ -228,6 +228,26 @@ def devkit_map_mask(nusc_map, translation: np.ndarray, yaw: float, classes: Sequ
 
 
 @contextmanager
+def devkit_render_fix():
+    """descartes 1.1, which draws the devkit's polygon layers (render_map_patch, render_layers, ...),
+    reads shapely polygons as arrays, which shapely >= 2 refuses: every polygon layer of every map
+    fails to draw. Within the block, descartes gets each polygon as GeoJSON, which it reads."""
+    import descartes
+    from shapely.geometry import mapping
+
+    original = descartes.PolygonPatch
+
+    def polygon_patch(polygon, **kwargs):
+        return original(mapping(polygon) if hasattr(polygon, "geom_type") else polygon, **kwargs)
+
+    descartes.PolygonPatch = polygon_patch
+    try:
+        yield
+    finally:
+        descartes.PolygonPatch = original
+
+
+@contextmanager
 def _devkit_multiline_fix():
     """nuscenes-devkit 1.2's mask_for_lines iterates a MultiLineString (a divider cut in pieces by the
     patch), which shapely >= 2 refuses with a TypeError; within the block, the same drawing over `.geoms`."""
