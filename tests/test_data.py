@@ -501,8 +501,8 @@ _BOX_OFFSETS = np.array([[0, 0, 0], [0.6, 0, 0], [-0.6, 0, 0], [0, 0.6, 0], [0, 
 
 @pytest.mark.parametrize("augment", [False, True])
 def test_synthetic_boxes_land_on_their_rendered_pixels(synthetic_root, synthetic_renders, tmp_path, augment):
-    """Box centres projected with the returned intrinsics/rots/trans/post_rots/post_trans land, in the
-    returned (augmented) image, on pixels showing the object the generator rendered there."""
+    """Points inside the boxes projected with the returned intrinsics/rots/trans/post_rots/post_trans
+    land, in the returned (augmented) image, on pixels showing the object the generator rendered there."""
     torch.manual_seed(3)
     ds = _ds(synthetic_root, tmp_path, split="mini_val", augment=augment)
     mean, std = torch.tensor(IMAGENET_MEAN).view(3, 1, 1), torch.tensor(IMAGENET_STD).view(3, 1, 1)
@@ -514,8 +514,7 @@ def test_synthetic_boxes_land_on_their_rendered_pixels(synthetic_root, synthetic
         Hf, Wf = imgs.shape[1:3]
         for n, c in enumerate(s["cam_ids"].tolist()):
             cam, r = cams[CAMERA_NAMES[c]]
-            # Several points inside each box (the centre and +-0.6 m around it) give enough checks
-            # from one short scene; each is projected independently by the renderer and the reader.
+            # Several points per box (_BOX_OFFSETS) give enough checks from one short scene.
             points = [(obj, centre + off) for obj, centre in anns for off in _BOX_OFFSETS]
             for obj, centre in points:
                 (ur, vr), dr = (x[0] for x in cam.project(centre[None]))

@@ -21,6 +21,7 @@ BEVFusion uses), on the bev.geometry grid and in the same ego frame as the boxes
 """
 from __future__ import annotations
 
+import inspect
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -228,10 +229,21 @@ def devkit_map_mask(nusc_map, translation: np.ndarray, yaw: float, classes: Sequ
 
 
 @contextmanager
+def _swapped(owner, name: str, value):
+    """owner.name = value within the block, restored after (the devkit fixes below). The original is
+    read statically, so a class's staticmethod is put back as a staticmethod."""
+    original = inspect.getattr_static(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
 def devkit_render_fix():
     """descartes 1.1, which draws the devkit's polygon layers (render_map_patch, render_layers, ...),
     reads shapely polygons as arrays, which shapely >= 2 refuses: every polygon layer of every map
-    fails to draw. Within the block, descartes gets each polygon as GeoJSON, which it reads."""
+    fails to draw. Within the block (`with devkit_render_fix():`), descartes gets GeoJSON instead."""
     import descartes
     from shapely.geometry import mapping
 
@@ -240,32 +252,21 @@ def devkit_render_fix():
     def polygon_patch(polygon, **kwargs):
         return original(mapping(polygon) if hasattr(polygon, "geom_type") else polygon, **kwargs)
 
-    descartes.PolygonPatch = polygon_patch
-    try:
-        yield
-    finally:
-        descartes.PolygonPatch = original
+    return _swapped(descartes, "PolygonPatch", polygon_patch)
 
 
-@contextmanager
 def _devkit_multiline_fix():
     """nuscenes-devkit 1.2's mask_for_lines iterates a MultiLineString (a divider cut in pieces by the
     patch), which shapely >= 2 refuses with a TypeError; within the block, the same drawing over `.geoms`."""
     import cv2
     from nuscenes.map_expansion.map_api import NuScenesMapExplorer
 
-    original = NuScenesMapExplorer.__dict__["mask_for_lines"]
-
     def mask_for_lines(lines, mask):
         for line in getattr(lines, "geoms", [lines]):
             cv2.polylines(mask, [np.asarray(line.coords, np.int32).reshape(-1, 2)], False, 1, 2)
         return mask
 
-    NuScenesMapExplorer.mask_for_lines = staticmethod(mask_for_lines)
-    try:
-        yield
-    finally:
-        NuScenesMapExplorer.mask_for_lines = original
+    return _swapped(NuScenesMapExplorer, "mask_for_lines", staticmethod(mask_for_lines))
 
 
 def _devkit_patch(centre, ph: float, pw: float, angle: float) -> tuple:
