@@ -39,16 +39,18 @@ $(STAMP): pyproject.toml setup.py $(CSRC)
 build: venv
 
 # `make train` ends within TRAIN_MINUTES in all on a slow machine too: training gets the time left
-# after writing the data, less EVAL_RESERVE_S for evaluation and plots, as its time budget
+# since make started (installing the venv and writing the data count), less EVAL_RESERVE_S for
+# evaluation and plots, as its time budget
 # (bev.callbacks.TimeBudget shortens the run and compresses the LR schedule only if it must).
 TRAIN_MINUTES ?= 20
 EVAL_RESERVE_S ?= 150
+MAKE_START := $(shell date +%s)
 
 # A second `make train` resumes the run from its last.ckpt (a finished run just re-evaluates).
 train: venv
-	@start=$$(date +%s); set -e; \
+	@set -e; \
 	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA) --samples-per-scene $(SYNTHETIC_SAMPLES); \
-	budget=$$(( $(TRAIN_MINUTES) * 60 - $(EVAL_RESERVE_S) - $$(date +%s) + start )); \
+	budget=$$(( $(TRAIN_MINUTES) * 60 - $(EVAL_RESERVE_S) - $$(date +%s) + $(MAKE_START) )); \
 	if [ $$budget -lt 120 ]; then budget=120; fi; \
 	echo "training time budget: $$budget s (make train: $(TRAIN_MINUTES) min in all)"; \
 	$(VENV)/bin/bev-train experiment=synthetic_cpu data.dataroot=$(DATA) hydra.run.dir=$(RUN) \

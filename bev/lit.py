@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bev.data.nuscenes import CAMERA_GEOMETRY
 from bev.geometry import Grid
 from bev.metrics import BevIoU, MapIoU
 
-CAMERA_KEYS = ("images", "intrinsics", "rots", "trans", "post_rots", "post_trans")
+CAMERA_KEYS = ("images",) + CAMERA_GEOMETRY
 LOSSES = ("bce", "focal")
 
 
@@ -100,6 +101,8 @@ class BEVLitModule(L.LightningModule):
     class_weight: the weight of each channel's mean loss in the total (same forms as pos_weight;
     None = every cell alike): with many map channels, the object channels' share of the gradient
     through the shared encoders is otherwise 1/K.
+    depth_weight > 0 adds that times the cross-entropy of the camera depth logits against the
+    lidar depth bins (data.depth_target=true; cells without a target are ignored), as BEVDepth.
     """
 
     def __init__(
@@ -116,6 +119,7 @@ class BEVLitModule(L.LightningModule):
         loss: str = "bce",
         focal_gamma: float = 2.0,
         class_weight: float | Sequence[float] | Mapping[str, float] | None = None,
+        depth_weight: float = 0.0,
     ):
         super().__init__()
         self.net = net
@@ -128,6 +132,7 @@ class BEVLitModule(L.LightningModule):
         if loss not in LOSSES:
             raise ValueError(f"unknown model.loss {loss!r}; choose one of {', '.join(LOSSES)}")
         self.loss_name, self.focal_gamma = loss, float(focal_gamma)
+        self.depth_weight = float(depth_weight)
         self.register_buffer("pos_weight", _per_class(pos_weight, self.class_names).view(-1, 1, 1), persistent=False)
         w = None if class_weight is None else _per_class(class_weight, self.class_names, "class_weight")
         self.register_buffer("class_weight", None if w is None else w / w.sum(), persistent=False)
@@ -202,9 +207,22 @@ class BEVLitModule(L.LightningModule):
             map_iou.reset()
         return results
 
+    def depth_loss(self, depth_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over the cells with a target: logits (B, N, D, fH, fW), bins (B, N, fH, fW)."""
+        ce = F.cross_entropy(depth_logits.float().flatten(0, 1), target.flatten(0, 1), ignore_index=-1, reduction="sum")
+        return ce / (target >= 0).sum().clamp(min=1)
+
     def training_step(self, batch: dict, batch_idx: int) -> dict:
-        logits = self(batch)
-        loss = self.loss(logits, batch["bev"])
+        if not self.depth_weight:
+            logits = self(batch)
+            loss = self.loss(logits, batch["bev"])
+        else:
+            if "depth" not in batch:
+                raise ValueError("model.depth_weight > 0 needs lidar depth targets in the batch: set data.depth_target=true")
+            logits, depth_logits = self.net(*(batch[k] for k in CAMERA_KEYS), return_depth=True)
+            depth_loss = self.depth_loss(depth_logits, batch["depth"])
+            self.log("train/depth_loss", depth_loss, on_step=True, on_epoch=True, batch_size=logits.shape[0])
+            loss = self.loss(logits, batch["bev"]) + self.depth_weight * depth_loss
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=logits.shape[0])
         return {"loss": loss, "logits": logits.detach()}
 

@@ -45,6 +45,7 @@ class NuScenesDataModule(L.LightningDataModule):
         categories: Any = ("vehicle.",),
         map_layers: Any = None,
         raster: str = "center",
+        depth_target: bool = False,
         batch_size: int = 4,
         num_workers: int = 2,
         pin_memory: bool = False,
@@ -69,6 +70,7 @@ class NuScenesDataModule(L.LightningDataModule):
             categories=self.groups,
             map_layers=self.map_layers,
             raster=check_raster(raster),
+            depth_target=bool(depth_target),
             cache_dir=cache_dir,
         )
         self.augment = bool(augment)

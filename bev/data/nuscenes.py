@@ -31,17 +31,19 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from bev.data.depth import depth_targets, load_lidar
 from bev.data.maps import load_map_geometry, map_signature, normalize_map_layers, rasterize_map
 from bev.data.rasterize import box_footprints, check_raster, rasterize_boxes
 from bev.data.transforms import normalize_array, sample_augmentation, warp_image
-from bev.geometry import CAMERA_NAMES, Grid, quaternion_to_matrix
+from bev.geometry import CAMERA_NAMES, FEATURE_STRIDE, Grid, quaternion_to_matrix
 from bev.utils.io import atomic_open
 
 TABLES = (
     "attribute", "calibrated_sensor", "category", "ego_pose", "instance", "log", "map",
     "sample", "sample_annotation", "sample_data", "scene", "sensor", "visibility",
 )
-INDEX_FORMAT = 4
+INDEX_FORMAT = 5
+CAMERA_GEOMETRY = ("intrinsics", "rots", "trans", "post_rots", "post_trans")
 # Per process, for NuScenesBEVDataset.targets: the synthetic set needs ~15 MB, trainval at 200x200 would
 # need ~2 GB and keeps only its first samples.
 TARGET_MEMO_BYTES = 256 * 2**20
@@ -169,6 +171,7 @@ def build_index(dataroot: str | os.PathLike, version: str, split: str, groups, v
 
     tokens, scene_names, locations, timestamps, paths, hws = [], [], [], [], [], []
     intr, rots, trans, ego_R, ego_t = [], [], [], [], []
+    lidar_paths, lidar_R, lidar_t = [], [], []
     box_off = [0]
     centers, sizes, brots, labels, vis, cats, insts = [], [], [], [], [], [], []
     n_samples = sum(s["nbr_samples"] for s in scenes)
@@ -181,6 +184,10 @@ def build_index(dataroot: str | os.PathLike, version: str, split: str, groups, v
                 raise ValueError(f"sample {token} of {scene['name']} has no LIDAR_TOP sample_data (defines the ego frame)")
             lidar = nusc.get("sample_data", sample["data"]["LIDAR_TOP"])
             Re, te = _pose(nusc.get("ego_pose", lidar["ego_pose_token"]))
+            Rl, tl = _pose(nusc.get("calibrated_sensor", lidar["calibrated_sensor_token"]))
+            lidar_paths.append(lidar["filename"])
+            lidar_R.append(Rl)
+            lidar_t.append(tl)
             for cam in CAMERA_NAMES:
                 if cam not in sample["data"]:
                     raise ValueError(f"sample {token} of {scene['name']} has no {cam} image")
@@ -239,6 +246,9 @@ def build_index(dataroot: str | os.PathLike, version: str, split: str, groups, v
         "trans": np.asarray(trans, dtype=f32).reshape(n, len(CAMERA_NAMES), 3),
         "ego_rotation": np.asarray(ego_R, dtype=np.float64).reshape(n, 3, 3),
         "ego_translation": np.asarray(ego_t, dtype=np.float64).reshape(n, 3),
+        "lidar_path": np.asarray([p.encode() for p in lidar_paths], dtype=bytes),
+        "lidar_rotation": np.asarray(lidar_R, dtype=np.float64).reshape(n, 3, 3),  # LIDAR_TOP -> ego
+        "lidar_translation": np.asarray(lidar_t, dtype=np.float64).reshape(n, 3),
         "box_offsets": np.asarray(box_off, dtype=np.int64),
         "box_center": centers_a,
         "box_size": sizes_a,  # nuScenes (w, l, h)
@@ -356,6 +366,8 @@ class NuScenesBEVDataset(Dataset):
     raster="center": a cell is filled when its centre lies in a box footprint; raster="lss":
     lift-splat-shoot's rounded-corner fill (bev.data.rasterize). Map channels follow the
     devkit's get_map_mask rule (bev.data.maps), which is the "lss" rule for polygons.
+    depth_target=True adds depth (Ncam, H/16, W/16) int64: the depth bin of the nearest LIDAR_TOP
+    point in each camera feature cell, -1 where none (bev.data.depth), for depth supervision.
     With augment=False images get the deterministic LSS resize + crop and all 6 cameras;
     with augment=True and ncams < 6 a random subset of ncams cameras (kept in camera order).
     resize_lim is absolute (LSS: (0.193, 0.225) around the 0.22 of 128x352 from 1600x900);
@@ -382,6 +394,7 @@ class NuScenesBEVDataset(Dataset):
         verbose: bool = True,
         map_layers: Any = None,
         raster: str = "center",
+        depth_target: bool = False,
     ) -> None:
         self.dataroot = str(Path(dataroot).expanduser())
         self.version, self.split = version, split
@@ -398,6 +411,7 @@ class NuScenesBEVDataset(Dataset):
         self.groups = normalize_categories(categories)
         self.map_layers = normalize_map_layers(map_layers)
         self.raster = check_raster(raster)
+        self.depth_target = bool(depth_target)
         self.index = load_index(self.dataroot, version, split, self.groups, cache_dir, verbose=verbose,
                                 map_layers=self.map_layers)
         # [[xlo, xhi, xstep], [ylo, yhi, ystep]] with every sample, so pictures need no grid plumbing.
@@ -482,6 +496,12 @@ class NuScenesBEVDataset(Dataset):
         post_rot, post_tran = aug.post_rot_tran()
         return out, post_rot, post_tran
 
+    def lidar_points(self, i: int) -> torch.Tensor:
+        """(P, 3) LIDAR_TOP points of sample i in the ego frame."""
+        path = os.path.join(self.dataroot, self.index["lidar_path"][i].decode())
+        R, t = self.index["lidar_rotation"][i], self.index["lidar_translation"][i]
+        return torch.from_numpy((load_lidar(path) @ R.T + t).astype(np.float32))
+
     def __getitem__(self, i: int) -> dict[str, Any]:
         if not -len(self) <= i < len(self):
             raise IndexError(f"sample index {i} out of range for {len(self)} samples")
@@ -494,7 +514,7 @@ class NuScenesBEVDataset(Dataset):
             post_rots.append(pr)
             post_trans.append(pt)
         bev, vis = self.targets(i)
-        return {
+        item = {
             "images": torch.from_numpy(np.stack(imgs)),
             "intrinsics": torch.from_numpy(self.index["intrinsics"][i, cams]),
             "rots": torch.from_numpy(self.index["rots"][i, cams]),
@@ -507,3 +527,7 @@ class NuScenesBEVDataset(Dataset):
             "bev_bounds": self._bounds,
             "sample_token": str(self.index["sample_token"][i]),
         }
+        if self.depth_target:
+            item["depth"] = depth_targets(self.lidar_points(i), *(item[k] for k in CAMERA_GEOMETRY), self.final_dim,
+                                          FEATURE_STRIDE, self.grid, torch.from_numpy(self.index["image_hw"][i, cams]))
+        return item

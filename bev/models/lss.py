@@ -8,7 +8,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
-from bev.geometry import Grid, frustum_to_ego, make_frustum, voxel_coords
+from bev.geometry import FEATURE_STRIDE, Grid, frustum_to_ego, make_frustum, voxel_coords
 from bev.models.bev_encoder import BevEncoder
 from bev.models.camera import CameraEncoder
 
@@ -28,7 +28,7 @@ class LiftSplatShoot(nn.Module):
         self,
         grid: Grid | Mapping[str, Any] | None,
         image_size: tuple[int, int] = (128, 352),
-        downsample: int = 16,
+        downsample: int = FEATURE_STRIDE,
         context_channels: int = 64,
         num_classes: int = 1,
         camera: Mapping[str, Any] | None = None,
@@ -39,8 +39,8 @@ class LiftSplatShoot(nn.Module):
         super().__init__()
         if splat not in SPLATS:
             raise ValueError(f"unknown splat {splat!r}; choose one of {', '.join(SPLATS)}")
-        if downsample != 16:
-            raise ValueError(f"the camera encoder gives stride-16 features; downsample must be 16, got {downsample}")
+        if downsample != FEATURE_STRIDE:
+            raise ValueError(f"the camera encoder gives stride-{FEATURE_STRIDE} features; downsample must be {FEATURE_STRIDE}, got {downsample}")
         self.grid = Grid.from_any(grid)
         self.image_size = tuple(int(s) for s in image_size)
         self.context_channels = context_channels
@@ -105,14 +105,16 @@ class LiftSplatShoot(nn.Module):
         out = table[: B * Z * X * Y].view(B, Z, X, Y, C).permute(0, 4, 1, 2, 3)  # (B, C, Z, X, Y)
         return out.flatten(1, 2)
 
-    def forward(self, images, intrinsics, rots, trans, post_rots, post_trans) -> torch.Tensor:
+    def forward(self, images, intrinsics, rots, trans, post_rots, post_trans, return_depth: bool = False):
+        """BEV logits (B, K, X, Y); with return_depth also the depth logits (B, N, D, fH, fW)."""
         B, N, _, H, W = images.shape
         if (H, W) != self.image_size:
             raise ValueError(f"images are {H}x{W} but the model was built for {self.image_size[0]}x{self.image_size[1]}")
         x = self.camera_encoder(images.flatten(0, 1))
         D, C = self.grid.depth_bins, self.context_channels
         fH, fW = x.shape[-2:]
-        depth = x[:, :D].softmax(dim=1).view(B, N, D, fH, fW)
+        depth_logits = x[:, :D].view(B, N, D, fH, fW)
         feats = x[:, D:].view(B, N, C, fH, fW).permute(0, 1, 3, 4, 2)
         coords = self.voxel_coords(intrinsics, rots, trans, post_rots, post_trans)
-        return self.bev_encoder(self.splat(depth, feats, coords))
+        bev = self.bev_encoder(self.splat(depth_logits.softmax(dim=2), feats, coords))
+        return (bev, depth_logits) if return_depth else bev
