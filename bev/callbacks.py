@@ -207,7 +207,8 @@ class TimeBudget(L.Callback):
         elif self._mark is not None and trainer.global_step - self._mark[2] == self.measure_steps:
             self._plan(trainer)
         if self.limit is not None and trainer.global_step >= self.limit:
-            trainer.should_stop = True  # stop here with a validation + checkpoint (max_steps alone skips them)
+            trainer.should_stop = True  # stop here with a validation + checkpoint (max_steps alone skips them),
+            trainer.check_val_every_n_epoch = 1  # also in an epoch that check_val_every_n_epoch would skip
         elif trainer.strategy.reduce_boolean_decision(self.elapsed() >= self.budget, all=False):
             self._stop(trainer, f"time budget {_fmt(self.budget)} spent at step {trainer.global_step} of "
                                 f"{self.limit or self.planned_steps}: stopped before the LR schedule finished")

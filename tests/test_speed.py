@@ -115,6 +115,7 @@ class Tiny(L.LightningModule):
         self.layer = nn.Linear(4, 1)
         self.clock, self.step_s, self.val_s = clock, step_s, val_s
         self.lrs: list[float] = []
+        self.validated_at: list[int] = []  # global step of each validation
 
     def training_step(self, batch, batch_idx):
         self.clock.t += self.step_s
@@ -126,6 +127,9 @@ class Tiny(L.LightningModule):
         self.clock.t += self.val_s
         x, y = batch
         self.log("val/loss", nn.functional.mse_loss(self.layer(x), y))
+
+    def on_validation_epoch_end(self):
+        self.validated_at.append(self.trainer.global_step)
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -140,7 +144,7 @@ def loaders():
     return DataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1)), DataLoader(ds, batch_size=8)
 
 
-def fit(budget=None, epochs=5, step_s=1.0, ckpt_path=None, callback=None, **kw):
+def fit(budget=None, epochs=5, step_s=1.0, ckpt_path=None, callback=None, val_every=1, **kw):
     """20 steps per epoch, 10 validation batches; returns (module, trainer, callback)."""
     L.seed_everything(0, verbose=False)
     clock = FakeClock()
@@ -152,7 +156,7 @@ def fit(budget=None, epochs=5, step_s=1.0, ckpt_path=None, callback=None, **kw):
         callback.clock = clock
         callbacks.append(callback)
     trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks)
+                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks, check_val_every_n_epoch=val_every)
     train, val = loaders()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a 4-wide linear layer: more threads only wait on each other
@@ -190,6 +194,14 @@ def test_a_binding_budget_shortens_the_run_and_completes_the_schedule():
     peak = max(range(len(model.lrs)), key=model.lrs.__getitem__)
     assert all(a >= b for a, b in zip(model.lrs[peak:], model.lrs[peak + 1:]))
     assert f"of {s['planned_steps']} planned steps" in s["message"] and "compressed" in s["message"]
+
+
+def test_a_shortened_run_validates_at_its_end_when_validation_skips_epochs():
+    # Validating every 2nd epoch (steps 40, 80): the 60 s budget ends the run inside an epoch
+    # that would not validate; the last validation is still at the shortened end.
+    model, trainer, cb = fit(budget=60, margin=0.0, val_every=2)
+    assert cb.limit % 40 != 0 and model.validated_at[-1] == trainer.global_step == cb.limit
+    assert cb.summary()["used_s"] <= 60
 
 
 def test_a_resumed_run_keeps_its_limit_and_spends_only_what_is_left(tmp_path):
