@@ -28,6 +28,7 @@ TINY = [
     "model.net.camera.mid_channels=16",
     "model.net.bev.widths=[8,16,16]",
     "trainer.max_epochs=1",
+    "trainer.check_val_every_n_epoch=1",
     "trainer.enable_progress_bar=false",
     "trainer.log_every_n_steps=1",
 ]

@@ -38,6 +38,13 @@ BOXES = [
 ]
 
 
+def _ground_sweep() -> np.ndarray:
+    """A LIDAR_TOP file's points (x, y, z, intensity, ring) float32: a ground grid 1.8 m below the sensor."""
+    xs, ys = np.meshgrid(np.arange(-40.0, 40.0, 1.0), np.arange(-40.0, 40.0, 1.0))
+    n = xs.size
+    return np.stack([xs.ravel(), ys.ravel(), np.full(n, -1.8), np.full(n, 10.0), np.zeros(n)], 1).astype(np.float32)
+
+
 def _mat_to_quat(R: np.ndarray) -> list[float]:
     w = math.sqrt(max(0.0, 1 + R[0, 0] + R[1, 1] + R[2, 2])) / 2
     x = math.copysign(math.sqrt(max(0.0, 1 + R[0, 0] - R[1, 1] - R[2, 2])) / 2, R[2, 1] - R[1, 2])
@@ -212,6 +219,8 @@ def write_tiny(root: Path, samples: int = 2, with_map: bool = True) -> Path:
                 tables["ego_pose"].append(ep)
                 if ch == "LIDAR_TOP":
                     fn, fmt, h, w = f"samples/LIDAR_TOP/{stok}.pcd.bin", "pcd", 0, 0
+                    (root / "samples" / ch).mkdir(parents=True, exist_ok=True)
+                    _ground_sweep().tofile(root / fn)
                 else:
                     fn, fmt, h, w = f"samples/{ch}/{stok}__{ch}.jpg", "jpg", H, W
                     (root / "samples" / ch).mkdir(parents=True, exist_ok=True)
