@@ -83,6 +83,24 @@ def time_decode(final_dim, reps: int = 20) -> dict:
     return out
 
 
+def time_depth_target(ds, rounds: int = 5) -> dict:
+    """Single-process samples/s without and with lidar depth targets (data.depth_target), alternating
+    the two for `rounds` passes over up to 8 samples; medians."""
+    import statistics
+
+    n = min(len(ds), 8)
+    rates = {False: [], True: []}
+    for _ in range(rounds):
+        for on in (False, True):
+            ds.depth_target = on
+            t = time.perf_counter()
+            for i in range(n):
+                ds[i]
+            rates[on].append(n / (time.perf_counter() - t))
+    ds.depth_target = False
+    return {"off": round(statistics.median(rates[False]), 2), "on": round(statistics.median(rates[True]), 2)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataroot", default=None, help="nuScenes-format root (default: write a synthetic one)")
@@ -128,6 +146,8 @@ def main(argv=None) -> int:
             ds[i]
         decode["draft" if draft else "full_decode"] = round(n / (time.perf_counter() - t), 2)
     ds.use_draft = True
+    depth = time_depth_target(ds)
+    print(f"single process, depth_target off / on: {depth}", file=sys.stderr)
     photo = time_decode(a.final_dim)
     print(f"photo-like JPEG: {photo}", file=sys.stderr)
 
@@ -144,6 +164,7 @@ def main(argv=None) -> int:
         "final_dim": list(a.final_dim), "cameras": 6, "raw_image": "1600x900 JPEG",
         "index_build_s": round(index_s, 3), "index_from_cache_s": round(cached_s, 3),
         "single_process_samples_per_s": decode,
+        "depth_target_single_process_samples_per_s": depth,
         "photo_like_jpeg_decode_plus_augment_ms_per_image": photo,
         "loader": results,
         "main_torch_threads": torch.get_num_threads(),
