@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bev.data.nuscenes import CAMERA_GEOMETRY
-from bev.geometry import Grid
+from bev.geometry import CAMERA_GEOMETRY, Grid
 from bev.metrics import BevIoU, MapIoU
 
 CAMERA_KEYS = ("images",) + CAMERA_GEOMETRY

@@ -35,7 +35,7 @@ from bev.data.depth import depth_targets, load_lidar
 from bev.data.maps import load_map_geometry, map_signature, normalize_map_layers, rasterize_map
 from bev.data.rasterize import box_footprints, check_raster, rasterize_boxes
 from bev.data.transforms import normalize_array, sample_augmentation, warp_image
-from bev.geometry import CAMERA_NAMES, FEATURE_STRIDE, Grid, quaternion_to_matrix
+from bev.geometry import CAMERA_GEOMETRY, CAMERA_NAMES, FEATURE_STRIDE, Grid, quaternion_to_matrix
 from bev.utils.io import atomic_open
 
 TABLES = (
@@ -43,7 +43,6 @@ TABLES = (
     "sample", "sample_annotation", "sample_data", "scene", "sensor", "visibility",
 )
 INDEX_FORMAT = 5
-CAMERA_GEOMETRY = ("intrinsics", "rots", "trans", "post_rots", "post_trans")
 # Per process, for NuScenesBEVDataset.targets: the synthetic set needs ~15 MB, trainval at 200x200 would
 # need ~2 GB and keeps only its first samples.
 TARGET_MEMO_BYTES = 256 * 2**20
