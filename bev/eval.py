@@ -27,6 +27,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     from bev.inference import build_data_config, load_checkpoint
     from bev.utils.checkpoint import logged_val_iou
     from bev.metrics import format_table
+    from bev.utils.threads import intra_op_threads
 
     if OmegaConf.is_missing(cfg, "ckpt_path"):
         raise ValueError("no checkpoint given: bev-eval ckpt_path=<a .ckpt file, or a run directory for its best checkpoint>")
@@ -40,7 +41,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     precision = cfg.get("precision") or OmegaConf.select(run_cfg, "trainer.precision", default="32-true")
     trainer = L.Trainer(accelerator=cfg.accelerator, devices=1, precision=precision, logger=False,
                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
-    trainer.test(model, datamodule=datamodule, verbose=False)
+    with intra_op_threads(cfg.get("threads"), data_cfg.get("num_workers", 0), str(cfg.accelerator)):
+        trainer.test(model, datamodule=datamodule, verbose=False)
     metrics = {k.removeprefix("test/"): float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
 
     out = Path(cfg.paths.output_dir)

@@ -29,6 +29,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from bev.callbacks import AtomicCheckpointIO, TimeBudget
     from bev.utils.checkpoint import check_compatible, read_checkpoint
     from bev.utils.precision import resolve_precision
+    from bev.utils.threads import intra_op_threads
 
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
@@ -56,7 +57,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         plugins=[AtomicCheckpointIO()],
     )
     start = time.time()
-    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    threads = (cfg.get("threads"), cfg.data.get("num_workers", 0), str(cfg.trainer.get("accelerator", "cpu")),
+               cfg.trainer.get("devices", 1))
+    with intra_op_threads(*threads):
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     wall = time.time() - start
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}

@@ -78,6 +78,23 @@ def test_fast_dev_run(precision, synthetic_root, tmp_path, monkeypatch):
     assert torch.isfinite(torch.tensor(rec["metrics"]["train/loss_step"]))
 
 
+def test_training_sets_intra_op_threads_and_restores_them(synthetic_root, tmp_path, monkeypatch, capsys):
+    import bev.utils.threads as threads
+    from lightning import Trainer
+
+    seen, fit = [], Trainer.fit
+    monkeypatch.setattr(Trainer, "fit", lambda self, *a, **k: (seen.append(torch.get_num_threads()), fit(self, *a, **k))[1])
+    before = torch.get_num_threads()
+    cpus = before + 2  # so that the expected count (cpus less one worker) differs from torch's
+    monkeypatch.setattr(threads, "available_cpus", lambda: cpus)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    args = [*TINY, "debug=fdr", "data.num_workers=1", f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
+    assert train_cli(args, monkeypatch) == 0
+    assert seen == [cpus - 1]  # the CPUs less the loader worker, during fit only
+    assert torch.get_num_threads() == before
+    assert f"threads: {cpus - 1} ({cpus} CPUs less 1 loader worker(s))" in capsys.readouterr().out
+
+
 def test_run_writes_checkpoints_logs_and_pictures(trained_run):
     ck = trained_run / "checkpoints"
     assert (ck / "last.ckpt").is_file() and (ck / "epoch_000.ckpt").is_file()

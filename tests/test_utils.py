@@ -65,3 +65,46 @@ def test_tune_malloc_in_process_keeps_freed_buffers_mapped():
     # At most one of the five buffers faulted in again (seen once on a fresh clone: glibc may move
     # the heap top once more after the warm-up); without tuning all five are.
     assert results["tuned"][1] <= pages // 5 + 64, results
+
+
+@pytest.fixture
+def four_cpus(monkeypatch):
+    import bev.utils.threads as threads
+
+    monkeypatch.setattr(threads, "available_cpus", lambda: 4)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    return threads
+
+
+def test_threads_auto_leaves_a_core_per_loader_worker(four_cpus):
+    assert four_cpus.resolve_threads("auto", 1)[0] == 3
+    assert four_cpus.resolve_threads("auto", 0)[0] == 4
+    assert four_cpus.resolve_threads("auto", 8)[0] == 1  # never below one thread
+    assert four_cpus.resolve_threads("auto", 1, devices=2)[0] == 1  # two DDP processes share the 4 CPUs
+
+
+def test_threads_auto_respects_omp_num_threads_and_gpus(four_cpus, monkeypatch):
+    assert four_cpus.resolve_threads("auto", 1, "gpu")[0] is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    n, reason = four_cpus.resolve_threads("auto", 1)
+    assert n is None and "OMP_NUM_THREADS" in reason
+
+
+def test_threads_explicit_and_invalid(four_cpus):
+    assert four_cpus.resolve_threads(2, 1) == (2, "as configured")
+    assert four_cpus.resolve_threads(None, 1)[0] is None
+    for bad in (0, -1, "many"):
+        with pytest.raises(ValueError, match="threads must be a positive integer, auto or null"):
+            four_cpus.resolve_threads(bad, 1)
+
+
+def test_apply_threads_sets_torch_threads(four_cpus):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert four_cpus.apply_threads("auto", 1) == "threads: 3 (4 CPUs less 1 loader worker(s))"
+        assert torch.get_num_threads() == 3
+        assert four_cpus.apply_threads(None, 1) is None and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
