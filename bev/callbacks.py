@@ -221,8 +221,7 @@ class TimeBudget(L.Callback):
         if self._val_n:
             self.s_per_val = self._val_s / self._val_n
         else:  # not measured yet: a guess from the validation batch count, corrected after the first one
-            n_val = sum(trainer.num_val_batches) if isinstance(trainer.num_val_batches, list) else trainer.num_val_batches
-            self.s_per_val = float(n_val) * self.s_per_step * self.val_cost_guess
+            self.s_per_val = _val_batches(trainer) * self.s_per_step * self.val_cost_guess
 
     def _steps_between_validations(self, trainer) -> float:
         batches = trainer.num_training_batches
@@ -260,6 +259,23 @@ class TimeBudget(L.Callback):
         self.stopped_on_budget = True
         self.message = message
         _announce(trainer, message)
+
+
+def _val_batches(trainer) -> float:
+    """Validation batches per validation; before the first one Lightning has not counted them yet
+    (no sanity check), so count the val loader's batches (within limit_val_batches)."""
+    n = trainer.num_val_batches
+    n = sum(n) if isinstance(n, list) else n
+    if n:
+        return float(n)
+    try:  # the loader the val loop will use (a new DataLoader object: no worker starts until iterated)
+        source = trainer.fit_loop.epoch_loop.val_loop._data_source
+        loaders = source.dataloader() if source.is_defined() else None
+        n = sum(len(d) for d in loaders) if isinstance(loaders, (list, tuple)) else len(loaders) if loaders is not None else 0
+    except (AttributeError, TypeError):  # another Lightning's internals, or an iterable without a length
+        return 0.0
+    limit = trainer.limit_val_batches
+    return float(min(n, limit) if isinstance(limit, int) else n * limit)
 
 
 def _fmt(seconds: float) -> str:

@@ -204,6 +204,14 @@ def test_a_shortened_run_validates_at_its_end_when_validation_skips_epochs():
     assert cb.summary()["used_s"] <= 60
 
 
+def test_the_last_validation_is_reserved_before_any_validation_ran():
+    # Validating only every 5th epoch (step 100): the shortened run stops before any validation
+    # was measured, so the one at its end (10 batches of 0.25 s) must come from the guess.
+    model, trainer, cb = fit(budget=60, margin=0.0, val_every=5)
+    assert cb.s_per_val > 0 and model.validated_at == [trainer.global_step]
+    assert cb.summary()["used_s"] <= 60
+
+
 def test_a_resumed_run_keeps_its_limit_and_spends_only_what_is_left(tmp_path):
     _, trainer, cb = fit(budget=60, margin=0.0)
     ckpt = tmp_path / "last.ckpt"
