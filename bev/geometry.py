@@ -32,12 +32,12 @@ CAMERA_NAMES: tuple[str, ...] = (
 )
 
 
-# Limits on grid sizes: past them a config typo (a step in mm instead of m) would ask for tensors of
-# many GiB, and flat int32 voxel indices (2**31 - 1) would overflow.
 # Per-camera calibration + augmentation tensors of a sample, in the order the model takes them.
 CAMERA_GEOMETRY = ("intrinsics", "rots", "trans", "post_rots", "post_trans")
 # Stride of the camera features (frustum cells) in input pixels: the camera encoder's output.
 FEATURE_STRIDE = 16
+# Limits on grid sizes: past them a config typo (a step in mm instead of m) would ask for tensors of
+# many GiB, and flat int32 voxel indices (2**31 - 1) would overflow.
 MAX_CELLS_PER_AXIS = 2**16
 MAX_VOXELS = 2**31 - 1
 

@@ -17,9 +17,9 @@ only (2 Hz); every sensor of a sample shares the sample's timestamp and ego pose
 ego frame of the LIDAR_TOP sample_data is exactly the frame the cameras were rendered in.
 
 Images are ray-cast at 1600x900 / render_scale (default bev.synthetic.raycast.RENDER_SCALE = 2:
-800x450) and upscaled bilinearly to 1600x900 JPEGs; visibility tokens come from the render-resolution instance-id buffers
-(visible pixels of an object over the pixels it covers with nothing in front, summed over the
-six cameras). Objects within 60 m of the ego are annotated.
+800x450) and upscaled bilinearly to 1600x900 JPEGs; visibility tokens come from the
+render-resolution instance-id buffers (visible pixels of an object over the pixels it covers
+with nothing in front, summed over the six cameras). Objects within 60 m of the ego are annotated.
 
 Scene names (so `create_splits_scenes()["mini_train"/"mini_val"]` work unchanged): the
 first n - k scenes take the mini_train names in order, the last k = max(1, floor(n / 5 + 0.5))
