@@ -14,7 +14,7 @@ import torch
 
 import bev.ops as ops
 from bev.ops import _native
-from bev.ops._plan import flat_keys
+from bev.ops._plan import flat_keys, sort_keys
 
 # ---------------------------------------------------------------------------------------------
 # Independent reference (shares no code with bev.ops) and input generators
@@ -328,6 +328,18 @@ def test_native_and_torch_plans_are_identical():
 
 
 @requires_native
+def test_native_sort_matches_a_stable_argsort():
+    gen = torch.Generator().manual_seed(12)
+    V = 50_000
+    keys = torch.randint(-5, V + 5, (120_000,), generator=gen)  # some below 0 and >= V: ignored
+    keys[:30_000] %= 97  # long runs
+    order, offsets = torch.ops.bev._sort_keys(keys, V)
+    bucket = torch.where((keys >= 0) & (keys < V), keys, V)
+    want_order, want_offsets = sort_keys(bucket, V, use_native=False)
+    assert torch.equal(order, want_order) and torch.equal(offsets, want_offsets)
+
+
+@requires_native
 def test_native_backward_reads_strided_gradients_without_copying_them():
     # out.sum().backward() passes an expanded (stride-0) gradient; the kernels read it through
     # its strides. Every layout must give what its contiguous copy gives.
@@ -344,8 +356,8 @@ def test_native_backward_reads_strided_gradients_without_copying_them():
     }
     for name, grad in layouts.items():
         dense = grad.contiguous()
-        assert torch.equal(torch.ops.bev._voxel_sum_backward(grad, plan.keys, plan.offsets),
-                           torch.ops.bev._voxel_sum_backward(dense, plan.keys, plan.offsets)), name
+        assert torch.equal(torch.ops.bev._voxel_sum_backward(grad, plan.keys, plan.order, plan.offsets),
+                           torch.ops.bev._voxel_sum_backward(dense, plan.keys, plan.order, plan.offsets)), name
         got = torch.ops.bev._bev_pool_backward(grad, depth, feats, plan.keys, plan.offsets)
         want = torch.ops.bev._bev_pool_backward(dense, depth, feats, plan.keys, plan.offsets)
         assert all(torch.equal(g, w) for g, w in zip(got, want)), name
@@ -385,7 +397,7 @@ def _opcheck_inputs(device="cpu", dtype=torch.float32):
         "_voxel_keys": (coords, grid, False),
         "_sort_keys": (plan.keys, 2 * 2 * 3 * 4),
         "voxel_sum": (points.requires_grad_(), plan.keys, plan.order, plan.offsets, grid),
-        "_voxel_sum_backward": (grad_out, plan.keys, plan.offsets),
+        "_voxel_sum_backward": (grad_out, plan.keys, plan.order, plan.offsets),
         "bev_pool": (depth.requires_grad_(), feats.requires_grad_(), plan.keys, plan.order, plan.offsets, grid),
         "_bev_pool_backward": (grad_out, depth.detach(), feats.detach(), plan.keys, plan.offsets),
     }
@@ -644,7 +656,7 @@ def test_native_kernels_survive_a_malformed_plan():
     order = torch.tensor([5, -3, 2**40, 0, 7, 1])
     offsets = torch.tensor([4, -2, 2**41, 3, 6])  # 4 voxels
     out = torch.ops.bev.voxel_sum(feats, keys, order, offsets, [1, 1, 2, 2])
-    grad = torch.ops.bev._voxel_sum_backward(torch.randn(1, 3, 1, 2, 2), keys, offsets)
+    grad = torch.ops.bev._voxel_sum_backward(torch.randn(1, 3, 1, 2, 2), keys, order, offsets)
     assert out.shape == (1, 3, 1, 2, 2) and grad.shape == (6, 3)
     depth, fr, _, _ = _good_frustum_args()
     keys = torch.randint(-(2**40), 2**40, (depth.numel(),))

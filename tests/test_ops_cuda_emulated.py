@@ -104,7 +104,7 @@ def frustum_plan(coords, grid):
 def emulated_voxel_sum(emu, feats, coords, grid, grad_out):
     plan = voxel_plan(coords, grid, feats.shape[0])
     out = emu.voxel_sum(feats, plan.keys, plan.order, plan.offsets, list(grid))
-    grad = emu.voxel_sum_backward(grad_out, plan.keys, plan.offsets)
+    grad = emu.voxel_sum_backward(grad_out, plan.keys, plan.order, plan.offsets)
     return out, grad
 
 

@@ -8,7 +8,7 @@ Operators (namespace `bev`; a leading underscore marks an internal step):
   _voxel_keys(coords, grid_shape, batch_column) -> keys           flat voxel keys (CPU only)
   _sort_keys(keys, num_voxels) -> (order, offsets)                stable sort: counting (CPU),
                                                                   device radix sort (CUDA)
-  _voxel_sum_backward(grad_out, keys, offsets) -> grad_feats
+  _voxel_sum_backward(grad_out, keys, order, offsets) -> grad_feats
   _bev_pool_backward(grad_out, depth, feats, keys, offsets) -> (grad_depth, grad_feats)
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _register() -> None:
         return feats.new_empty(B, feats.shape[1], Z, X, Y)
 
     @torch.library.register_fake("bev::_voxel_sum_backward")
-    def _voxel_sum_backward_fake(grad_out, keys, offsets):
+    def _voxel_sum_backward_fake(grad_out, keys, order, offsets):
         return grad_out.new_empty(keys.shape[0], grad_out.shape[1])
 
     @torch.library.register_fake("bev::bev_pool")
@@ -71,11 +71,11 @@ def _register() -> None:
         return torch.empty_like(depth), torch.empty_like(feats)
 
     def _voxel_sum_setup(ctx, inputs, output):
-        ctx.save_for_backward(inputs[1], inputs[3])
+        ctx.save_for_backward(*inputs[1:4])  # keys, order, offsets
 
     def _voxel_sum_grad(ctx, grad_out):
-        keys, offsets = ctx.saved_tensors
-        return torch.ops.bev._voxel_sum_backward(grad_out, keys, offsets), None, None, None, None
+        keys, order, offsets = ctx.saved_tensors
+        return torch.ops.bev._voxel_sum_backward(grad_out, keys, order, offsets), None, None, None, None
 
     def _bev_pool_setup(ctx, inputs, output):
         depth, feats, keys, _, offsets = inputs[:5]

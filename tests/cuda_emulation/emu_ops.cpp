@@ -32,8 +32,9 @@ at::Tensor bev_pool(const at::Tensor& depth, const at::Tensor& feats, const at::
   return bev_pool_launch(EmulatedLaunch{}, depth, feats, keys, order, offsets, grid_shape);
 }
 
-at::Tensor voxel_sum_backward(const at::Tensor& grad_out, const at::Tensor& keys, const at::Tensor& offsets) {
-  return voxel_sum_backward_launch(EmulatedLaunch{}, grad_out, keys, offsets);
+at::Tensor voxel_sum_backward(const at::Tensor& grad_out, const at::Tensor& keys, const at::Tensor& order,
+                              const at::Tensor& offsets) {
+  return voxel_sum_backward_launch(EmulatedLaunch{}, grad_out, keys, order, offsets);
 }
 
 std::tuple<at::Tensor, at::Tensor> bev_pool_backward(const at::Tensor& grad_out, const at::Tensor& depth,

@@ -9,7 +9,7 @@ TORCH_LIBRARY(bev, m) {
   m.def("bev_pool(Tensor depth, Tensor feats, Tensor keys, Tensor order, Tensor offsets, int[] grid_shape) -> Tensor");
   m.def("_voxel_keys(Tensor coords, int[] grid_shape, bool batch_column) -> Tensor");
   m.def("_sort_keys(Tensor keys, int num_voxels) -> (Tensor order, Tensor offsets)");
-  m.def("_voxel_sum_backward(Tensor grad_out, Tensor keys, Tensor offsets) -> Tensor");
+  m.def("_voxel_sum_backward(Tensor grad_out, Tensor keys, Tensor order, Tensor offsets) -> Tensor");
   m.def("_bev_pool_backward(Tensor grad_out, Tensor depth, Tensor feats, Tensor keys, Tensor offsets) -> (Tensor, Tensor)");
 }
 

@@ -288,17 +288,14 @@ at::Tensor bev_pool_cpu(const at::Tensor& depth_in, const at::Tensor& feats_in, 
 }
 
 // ------------------------------------------------------------------------------------------
-// Occupied-voxel rows of grad_out for the backward passes. Both need grad_out (B, C, S) as one
-// contiguous row per voxel, but only for voxels that hold points (a minority on real rigs):
+// grad_out for the backward passes, read through its strides as (B, C, S) (GradView): the
+// expanded, stride-0 gradient of out.sum().backward() is never materialised (that copy alone
+// wrote a tensor the size of the output). Only voxels that hold points (a minority on real
+// rigs) are read. bev_pool's backward reads a voxel's row once per point, so it first gathers
+// the occupied rows into an (R, C) table, small enough to stay in cache:
 //  - occupied_ranks numbers those voxels in voxel order: rank (V+1), voxel v is occupied iff
 //    rank[v+1] > rank[v], and its row is rank[v] (O(V), from the plan's offsets);
-//  - compact_rows gathers their rows into an (R, C) table, small enough to stay in cache. A
-//    work item takes kGatherTile consecutive voxels of one sample; while it gathers them (a
-//    transpose in cache), the C channel runs of the next tile are prefetched (C short streams
-//    are too many for the hardware prefetcher).
-// grad_out is read through its strides as (B, C, S) (GradView): the expanded, stride-0
-// gradient of out.sum().backward() is never materialised (that copy alone wrote a tensor the
-// size of the output).
+//  - compact_rows copies their rows into the table (a transpose in cache, tile by tile).
 // A key whose voxel is not occupied (only in a malformed plan) reads as a zero gradient.
 // ------------------------------------------------------------------------------------------
 at::Tensor occupied_ranks(const at::Tensor& offsets, int64_t V) {
@@ -322,34 +319,45 @@ inline GradView grad_view(const at::Tensor& grad, const GridDims g) {
   return {t, t.stride(0), t.stride(1), t.stride(2)};
 }
 
+// grad_out in work items of kGatherTile consecutive voxels of one sample. While a tile is
+// read, the C channel runs of the next one are prefetched (C short streams are too many for
+// the hardware prefetcher).
+template <typename scalar_t>
+struct GradTiles {
+  const GradView& gv;
+  const GridDims g;
+  const int64_t per_batch;
+  GradTiles(const GradView& view, const GridDims dims)
+      : gv(view), g(dims), per_batch((dims.per_batch() + kGatherTile - 1) / kGatherTile) {}
+  int64_t count() const { return g.B * per_batch; }
+  // Tile t: its first voxel v0, its width, and grad_out at (b, channel 0, first voxel).
+  const scalar_t* origin(int64_t t, int64_t& v0, int64_t& width) const {
+    const int64_t b = t / per_batch, s0 = (t % per_batch) * kGatherTile;
+    width = std::min(kGatherTile, g.per_batch() - s0);
+    v0 = b * g.per_batch() + s0;
+    return gv.t.data_ptr<scalar_t>() + b * gv.sb + s0 * gv.ss;
+  }
+  void prefetch(int64_t t, int64_t C) const {
+    if (gv.ss != 1) return;
+    int64_t v0, width;
+    const scalar_t* src = origin(t, v0, width);
+    for (int64_t c = 0; c < C; ++c) prefetch_row<0>(src + c * gv.sc, width);
+  }
+};
+
 template <typename scalar_t>
 void compact_rows(const GradView& gv, const int64_t* rank, scalar_t* table, const GridDims g, int64_t C) {
-  const scalar_t* grad = gv.t.data_ptr<scalar_t>();
-  const int64_t sc = gv.sc, ss = gv.ss;
-  const int64_t S = g.per_batch();
-  const int64_t tiles_per_batch = (S + kGatherTile - 1) / kGatherTile;
-  auto tile_origin = [&](int64_t t, int64_t& s0, int64_t& width) -> const scalar_t* {
-    const int64_t b = t / tiles_per_batch;
-    s0 = (t % tiles_per_batch) * kGatherTile;
-    width = std::min(kGatherTile, S - s0);
-    return grad + b * gv.sb + s0 * ss;
-  };
-  parallel_chunks(0, g.B * tiles_per_batch, kGatherTileChunk, [&](int64_t tile_begin, int64_t tile_end) {
+  const GradTiles<scalar_t> tiles(gv, g);
+  parallel_chunks(0, tiles.count(), kGatherTileChunk, [&](int64_t tile_begin, int64_t tile_end) {
     for (int64_t t = tile_begin; t < tile_end; ++t) {
-      int64_t s0, width;
-      const scalar_t* src = tile_origin(t, s0, width);
-      const int64_t v0 = (t / tiles_per_batch) * S + s0;
+      int64_t v0, width;
+      const scalar_t* src = tiles.origin(t, v0, width);
       if (rank[v0] == rank[v0 + width]) continue;  // no points in this tile
-      if (t + 1 < tile_end && ss == 1) {
-        int64_t ns0, nwidth;
-        const scalar_t* next = tile_origin(t + 1, ns0, nwidth);
-        for (int64_t c = 0; c < C; ++c) prefetch_row<0>(next + c * sc, nwidth);
-      }
+      if (t + 1 < tile_end) tiles.prefetch(t + 1, C);
       for (int64_t j = 0; j < width; ++j) {
         if (rank[v0 + j] == rank[v0 + j + 1]) continue;
         scalar_t* __restrict__ row = table + rank[v0 + j] * C;
-        const scalar_t* col = src + j * ss;
-        for (int64_t c = 0; c < C; ++c) row[c] = col[c * sc];
+        for (int64_t c = 0; c < C; ++c) row[c] = src[j * gv.ss + c * gv.sc];
       }
     }
   });
@@ -361,47 +369,64 @@ inline int64_t table_row(const int64_t* rank, int64_t k, int64_t V) {
 }
 
 // ------------------------------------------------------------------------------------------
-// voxel_sum backward: the gather grad_feats[p] = grad_out[key(p)] (zero for ignored points).
-// grad_out's occupied rows are compacted into a cache-sized table (no (V, C) copy), then
-// points are visited in their own order: every row of grad_feats is written exactly once, in
-// sequence (streamed when large), and only the small table is read at random.
+// voxel_sum backward: grad_feats[p] = grad_out[key(p)], zero for ignored points. The plan's
+// runs are walked tile by tile (GradTiles): each occupied voxel's gradient column is read once
+// into a row in cache and written to every point of its run, streamed when large. Ignored
+// points (the run after offsets[V]) get zero rows. Every row of grad_feats is written exactly
+// once and nothing of the size of grad_out or of grad_feats is read besides grad_out's
+// occupied tiles: no (V, C) copy, no table of rows (what gathering by key would need).
 // ------------------------------------------------------------------------------------------
 template <typename scalar_t>
-void gather_rows(const scalar_t* table, const int64_t* rank, const int64_t* keys, scalar_t* grad_feats, int64_t N,
-                 int64_t C, int64_t V) {
+void scatter_runs(const GradView& gv, const int64_t* order, const int64_t* offsets, scalar_t* grad_feats,
+                  const GridDims g, int64_t N, int64_t C) {
+  const GradTiles<scalar_t> tiles(gv, g);
   const int64_t row_bytes = C * int64_t(sizeof(scalar_t));
   const bool stream = N * row_bytes >= kStreamBytes;
-  parallel_chunks(0, N, kPointChunk, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      if (p + kPrefetchDistance < end) {
-        const int64_t q = table_row(rank, keys[p + kPrefetchDistance], V);
-        if (q >= 0) prefetch_row<0>(table + q * C, C);
+  parallel_chunks(0, tiles.count(), kGatherTileChunk, [&](int64_t tile_begin, int64_t tile_end) {
+    std::vector<scalar_t> row(C);
+    for (int64_t t = tile_begin; t < tile_end; ++t) {
+      int64_t v0, width;
+      const scalar_t* src = tiles.origin(t, v0, width);
+      if (offsets[v0] == offsets[v0 + width]) continue;  // no points in this tile
+      if (t + 1 < tile_end) tiles.prefetch(t + 1, C);
+      for (int64_t j = 0; j < width; ++j) {
+        int64_t begin, end;
+        run_bounds(offsets, v0 + j, N, begin, end);
+        if (begin == end) continue;
+        for (int64_t c = 0; c < C; ++c) row[c] = src[j * gv.ss + c * gv.sc];
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t p = order[i];
+          if (p >= 0 && p < N) write_bytes(grad_feats + p * C, row.data(), row_bytes, stream);
+        }
       }
-      const int64_t r = table_row(rank, keys[p], V);
-      if (r >= 0) write_bytes(grad_feats + p * C, table + r * C, row_bytes, stream);
-      else zero_bytes(grad_feats + p * C, row_bytes, stream);
+    }
+    end_streaming(stream);
+  });
+  const int64_t ignored = std::min(std::max(offsets[g.voxels()], int64_t(0)), N);
+  parallel_chunks(ignored, N, kPointChunk, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t p = order[i];
+      if (p >= 0 && p < N) zero_bytes(grad_feats + p * C, row_bytes, stream);
     }
     end_streaming(stream);
   });
 }
 
-at::Tensor voxel_sum_backward_cpu(const at::Tensor& grad_in, const at::Tensor& keys, const at::Tensor& offsets) {
+at::Tensor voxel_sum_backward_cpu(const at::Tensor& grad_in, const at::Tensor& keys, const at::Tensor& order,
+                                  const at::Tensor& offsets) {
   check_float(grad_in, "grad_out");
   TORCH_CHECK(grad_in.dim() == 5, "grad_out must be (B, C, Z, X, Y), got ", grad_in.sizes());
   const GridDims g{grad_in.size(0), grad_in.size(2), grad_in.size(3), grad_in.size(4)};
-  const int64_t N = keys.numel(), C = grad_in.size(1), V = g.voxels();
+  const int64_t N = keys.numel(), C = grad_in.size(1);
   check_index(keys, "keys", N, grad_in);
-  check_index(offsets, "offsets", V + 1, grad_in);
-  auto k = keys.contiguous();
+  check_index(order, "order", N, grad_in);
+  check_index(offsets, "offsets", g.voxels() + 1, grad_in);
   auto grad_feats = at::empty({N, C}, grad_in.options());
   if (N == 0 || C == 0) return grad_feats;
   const GradView grad = grad_view(grad_in, g);
-  auto rank = occupied_ranks(offsets.contiguous(), V);
-  const int64_t* r = rank.data_ptr<int64_t>();
-  auto table = at::empty({r[V], C}, grad_in.options());
+  auto ord = order.contiguous(), off = offsets.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_in.scalar_type(), "voxel_sum_backward_cpu", [&] {
-    compact_rows<scalar_t>(grad, r, table.data_ptr<scalar_t>(), g, C);
-    gather_rows<scalar_t>(table.data_ptr<scalar_t>(), r, k.data_ptr<int64_t>(), grad_feats.data_ptr<scalar_t>(), N, C, V);
+    scatter_runs<scalar_t>(grad, ord.data_ptr<int64_t>(), off.data_ptr<int64_t>(), grad_feats.data_ptr<scalar_t>(), g, N, C);
   });
   return grad_feats;
 }

@@ -49,9 +49,10 @@ at::Tensor bev_pool_cuda(const at::Tensor& depth, const at::Tensor& feats, const
   return bev_pool_launch(CudaLaunch{}, depth, feats, keys, order, offsets, grid_shape);
 }
 
-at::Tensor voxel_sum_backward_cuda(const at::Tensor& grad_out, const at::Tensor& keys, const at::Tensor& offsets) {
+at::Tensor voxel_sum_backward_cuda(const at::Tensor& grad_out, const at::Tensor& keys, const at::Tensor& order,
+                                  const at::Tensor& offsets) {
   const c10::cuda::CUDAGuard guard(grad_out.device());
-  return voxel_sum_backward_launch(CudaLaunch{}, grad_out, keys, offsets);
+  return voxel_sum_backward_launch(CudaLaunch{}, grad_out, keys, order, offsets);
 }
 
 std::tuple<at::Tensor, at::Tensor> bev_pool_backward_cuda(const at::Tensor& grad_out, const at::Tensor& depth,

@@ -71,14 +71,16 @@ at::Tensor bev_pool_launch(const Launcher& launch, const at::Tensor& depth_in, c
 
 template <typename Launcher>
 at::Tensor voxel_sum_backward_launch(const Launcher& launch, const at::Tensor& grad_in, const at::Tensor& keys,
-                                     const at::Tensor& offsets) {
+                                     const at::Tensor& order, const at::Tensor& offsets) {
   check_float(grad_in, "grad_out");
   TORCH_CHECK(grad_in.dim() == 5, "grad_out must be (B, C, Z, X, Y), got ", grad_in.sizes());
   const GridDims g{grad_in.size(0), grad_in.size(2), grad_in.size(3), grad_in.size(4)};
   const int64_t N = keys.numel(), C = grad_in.size(1), V = g.voxels();
   check_index(keys, "keys", N, grad_in);
+  check_index(order, "order", N, grad_in);
   check_index(offsets, "offsets", V + 1, grad_in);
-  // Voxel-major rows (one dense transpose), then a coalesced gather.
+  // Voxel-major rows (one dense transpose), then a coalesced gather by key (order is not
+  // needed: the CPU kernel walks the runs instead, to write rows without a table).
   auto G = grad_in.permute({0, 2, 3, 4, 1}).contiguous();
   auto k = keys.contiguous();
   auto grad_feats = at::empty({N, C}, grad_in.options());
