@@ -393,6 +393,34 @@ def test_targets_are_memoised_exactly_and_bounded(tiny_root, tmp_path, monkeypat
     assert all(torch.equal(fresh[i]["bev"], s["bev"]) for i, s in enumerate(first)) and not fresh._memo
 
 
+def test_inputs_are_memoised_without_augmentation_only(tiny_copy, tmp_path):
+    kw = dict(depth_target=True, input_memo_mb=64)
+    ds = _ds(tiny_copy, tmp_path, **kw)
+    first = [ds[i] for i in range(len(ds))]
+    for path in (tiny_copy / "samples").rglob("*.jpg"):
+        path.unlink()  # from now on only the memo can serve the images
+    for i, s in enumerate(first):
+        again = ds[i]
+        for key in ("images", "post_rots", "post_trans", "depth"):
+            assert torch.equal(again[key], s[key]), key
+        again["images"].zero_(), again["depth"].zero_(), again["post_rots"].zero_()  # callers own what they get
+        assert torch.equal(ds[i]["images"], s["images"]) and torch.equal(ds[i]["depth"], s["depth"])
+        assert torch.equal(ds[i]["post_rots"], s["post_rots"])
+    with pytest.raises(FileNotFoundError, match="missing"):  # augmented crops change every call: never memoised
+        _ds(tiny_copy, tmp_path, augment=True, **kw)[0]
+    with pytest.raises(FileNotFoundError, match="missing"):  # the memo keeps no more than input_memo_mb
+        _ds(tiny_copy, tmp_path, depth_target=True, input_memo_mb=0.1)[0]
+
+
+def test_input_memo_is_bounded_and_checked(tiny_root, tmp_path):
+    one_crop = 128 * 352 * 3
+    ds = _ds(tiny_root, tmp_path, input_memo_mb=2.5 * one_crop / 2**20)
+    ds[0]
+    assert len(ds._inputs) == 2 and ds._inputs_bytes == 2 * one_crop
+    with pytest.raises(ValueError, match="input_memo_mb must be >= 0"):
+        _ds(tiny_root, tmp_path, input_memo_mb=-1)
+
+
 # ---------------------------------------------------------------- the synthetic dataset
 
 

@@ -46,6 +46,7 @@ class NuScenesDataModule(L.LightningDataModule):
         map_layers: Any = None,
         raster: str = "center",
         depth_target: bool = False,
+        input_memo_mb: float = 0,
         batch_size: int = 4,
         num_workers: int = 2,
         pin_memory: bool = False,
@@ -71,6 +72,7 @@ class NuScenesDataModule(L.LightningDataModule):
             map_layers=self.map_layers,
             raster=check_raster(raster),
             depth_target=bool(depth_target),
+            input_memo_mb=input_memo_mb,
             cache_dir=cache_dir,
         )
         self.augment = bool(augment)

@@ -24,7 +24,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -394,6 +394,7 @@ class NuScenesBEVDataset(Dataset):
         map_layers: Any = None,
         raster: str = "center",
         depth_target: bool = False,
+        input_memo_mb: float = 0,
     ) -> None:
         self.dataroot = str(Path(dataroot).expanduser())
         self.version, self.split = version, split
@@ -417,6 +418,11 @@ class NuScenesBEVDataset(Dataset):
         self._bounds = torch.tensor([self.grid.xbound, self.grid.ybound], dtype=torch.float64)
         self._memo: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # sample -> packed targets (targets())
         self._memo_bytes = 0
+        if input_memo_mb < 0:
+            raise ValueError(f"input_memo_mb must be >= 0 (0 turns the memo off), got {input_memo_mb}")
+        self._inputs_limit = int(input_memo_mb * 2**20)
+        self._inputs: dict[tuple[str, int, int], Any] = {}  # see remember_input()
+        self._inputs_bytes = 0
 
     @property
     def class_names(self) -> tuple[str, ...]:
@@ -479,7 +485,28 @@ class NuScenesBEVDataset(Dataset):
         """Absolute path of sample i's image from camera CAMERA_NAMES[cam]."""
         return os.path.join(self.dataroot, self.index["image_path"][i, cam].decode())
 
+    def remember_input(self, key: tuple[str, int, int], make: Callable[[], Any], nbytes: Callable[[Any], int]) -> Any:
+        """make(), memoised under key while the memo stays under input_memo_mb, for inputs that
+        never change: without augmentation a camera crop (uint8, 0.13 MB at 128x352) and a depth
+        target are the same every epoch, and decoding the crops is most of a loader's time."""
+        if key in self._inputs:
+            return self._inputs[key]
+        value = make()
+        size = nbytes(value)
+        if self._inputs_bytes + size <= self._inputs_limit:
+            self._inputs[key], self._inputs_bytes = value, self._inputs_bytes + size
+        return value
+
     def load_image(self, i: int, cam: int, train: bool) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        if train:
+            pixels, post_rot, post_tran = self.decode_image(i, cam, train)
+        else:
+            pixels, post_rot, post_tran = self.remember_input(
+                ("image", i, cam), lambda: self.decode_image(i, cam, train), lambda v: v[0].nbytes)
+        return normalize_array(pixels), post_rot.clone(), post_tran.clone()
+
+    def decode_image(self, i: int, cam: int, train: bool) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        """(H, W, 3) uint8 crop of sample i's camera `cam`, with its post_rot and post_tran."""
         path = self.image_path(i, cam)
         try:
             with Image.open(path) as img:
@@ -487,13 +514,13 @@ class NuScenesBEVDataset(Dataset):
                     (img.size[1], img.size[0]), self.final_dim, train, self.resize_lim, self.bot_pct_lim, self.rot_lim,
                     self.rand_flip,
                 )
-                out = normalize_array(warp_image(img, aug, self.use_draft))
+                pixels = np.asarray(warp_image(img, aug, self.use_draft))
         except FileNotFoundError:
             raise FileNotFoundError(f"camera image {path!r} is missing (listed in {self.version} sample_data). {_HOWTO}") from None
         except OSError as e:  # truncated / corrupt JPEG: name the file
             raise OSError(f"cannot decode camera image {path!r} ({e}); re-download or regenerate it") from e
         post_rot, post_tran = aug.post_rot_tran()
-        return out, post_rot, post_tran
+        return pixels, post_rot, post_tran
 
     def lidar_points(self, i: int) -> torch.Tensor:
         """(P, 3) LIDAR_TOP points of sample i in the ego frame."""
@@ -527,6 +554,11 @@ class NuScenesBEVDataset(Dataset):
             "sample_token": str(self.index["sample_token"][i]),
         }
         if self.depth_target:
-            item["depth"] = depth_targets(self.lidar_points(i), *(item[k] for k in CAMERA_GEOMETRY), self.final_dim,
-                                          FEATURE_STRIDE, self.grid, torch.from_numpy(self.index["image_hw"][i, cams]))
+            def depth():
+                return depth_targets(self.lidar_points(i), *(item[k] for k in CAMERA_GEOMETRY), self.final_dim,
+                                     FEATURE_STRIDE, self.grid, torch.from_numpy(self.index["image_hw"][i, cams]))
+            if self.augment:
+                item["depth"] = depth()
+            else:  # all cameras, fixed crops: the same target every epoch
+                item["depth"] = self.remember_input(("depth", i, -1), depth, lambda t: t.numel() * t.element_size()).clone()
         return item
