@@ -119,7 +119,8 @@ class TimeBudget(L.Callback):
     """Fit training into a wall-clock budget by shortening it, with the LR schedule completing.
 
     After `measure_steps` steps (the first `skip_steps` of a session are not counted: workers
-    start, kernels warm up) it projects the planned run from the measured seconds per step and
+    start, kernels warm up; with `skip_epochs`, the first steps of that many epochs are not
+    either: an input memo that fills in the first epoch makes it slower than the rest) it projects the planned run from the measured seconds per step and
     per validation. If that overruns the budget (less `margin`), it lowers the step limit to
     what fits and compresses the rest of a fixed-length LR schedule (bev.lit.rescale_schedule)
     to end there; at the new limit it stops with a final validation and checkpoint. The
@@ -131,9 +132,12 @@ class TimeBudget(L.Callback):
     """
 
     def __init__(self, budget: Any = None, measure_steps: int = 40, skip_steps: int = 5, margin: float = 0.03,
-                 val_cost_guess: float = 0.5):
+                 val_cost_guess: float = 0.5, skip_epochs: int = 0):
         self.budget = parse_duration(budget)
         self.measure_steps, self.skip_steps = int(measure_steps), int(skip_steps)
+        if int(skip_epochs) < 0:
+            raise ValueError(f"skip_epochs must be >= 0, got {skip_epochs}")
+        self.skip_epochs = int(skip_epochs)
         self.margin = float(margin)
         self.val_cost_guess = float(val_cost_guess)  # one validation batch / one training step, until measured
         self.clock = time.monotonic  # replaced by a fake clock in tests
@@ -174,7 +178,7 @@ class TimeBudget(L.Callback):
         if self.budget is None:
             return
         self._start = self.clock()
-        self._session_step0 = trainer.global_step
+        self._session_step0, self._session_epoch0 = trainer.global_step, trainer.current_epoch
         self._mark = None  # (time, validation seconds so far, step) once skip_steps are done
         self._val_s, self._val_n, self._val_start = 0.0, 0, None
         if self.limit is not None:  # resumed after the budget bound: keep the shortened run (runs before bev.lit's stretch)
@@ -201,8 +205,7 @@ class TimeBudget(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.budget is None or getattr(self, "_start", None) is None:
             return
-        done = trainer.global_step - self._session_step0
-        if self._mark is None and done >= self.skip_steps:
+        if self._mark is None and self._warmed_up(trainer, batch_idx):
             self._mark = (self.clock(), self._val_s, trainer.global_step)
         elif self._mark is not None and trainer.global_step - self._mark[2] == self.measure_steps:
             self._plan(trainer)
@@ -212,6 +215,12 @@ class TimeBudget(L.Callback):
         elif trainer.strategy.reduce_boolean_decision(self.elapsed() >= self.budget, all=False):
             self._stop(trainer, f"time budget {_fmt(self.budget)} spent at step {trainer.global_step} of "
                                 f"{self.limit or self.planned_steps}: stopped before the LR schedule finished")
+
+    def _warmed_up(self, trainer, batch_idx: int) -> bool:
+        """Whether steps from now on are measured (see skip_steps, skip_epochs)."""
+        if self.skip_epochs:
+            return trainer.current_epoch - self._session_epoch0 >= self.skip_epochs and batch_idx + 1 >= self.skip_steps
+        return trainer.global_step - self._session_step0 >= self.skip_steps
 
     # ------------------------------------------------------------------ planning
     def _measure(self, trainer) -> None:

@@ -110,15 +110,16 @@ class FakeClock:
 class Tiny(L.LightningModule):
     """A linear regression whose every training step costs `step_s` and validation batch `val_s` fake seconds."""
 
-    def __init__(self, clock: FakeClock, step_s: float = 1.0, val_s: float = 0.25):
+    def __init__(self, clock: FakeClock, step_s: float = 1.0, val_s: float = 0.25, first_epoch_step_s: float | None = None):
         super().__init__()
         self.layer = nn.Linear(4, 1)
         self.clock, self.step_s, self.val_s = clock, step_s, val_s
+        self.first_epoch_step_s = step_s if first_epoch_step_s is None else first_epoch_step_s
         self.lrs: list[float] = []
         self.validated_at: list[int] = []  # global step of each validation
 
     def training_step(self, batch, batch_idx):
-        self.clock.t += self.step_s
+        self.clock.t += self.first_epoch_step_s if self.current_epoch == 0 else self.step_s
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
         x, y = batch
         return nn.functional.mse_loss(self.layer(x), y)
@@ -144,11 +145,11 @@ def loaders():
     return DataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1)), DataLoader(ds, batch_size=8)
 
 
-def fit(budget=None, epochs=5, step_s=1.0, ckpt_path=None, callback=None, val_every=1, **kw):
+def fit(budget=None, epochs=5, step_s=1.0, ckpt_path=None, callback=None, val_every=1, first_epoch_step_s=None, **kw):
     """20 steps per epoch, 10 validation batches; returns (module, trainer, callback)."""
     L.seed_everything(0, verbose=False)
     clock = FakeClock()
-    model = Tiny(clock, step_s)
+    model = Tiny(clock, step_s, first_epoch_step_s=first_epoch_step_s)
     callbacks = []
     if budget is not None:
         callback = TimeBudget(budget, measure_steps=10, skip_steps=2, **kw)
@@ -210,6 +211,20 @@ def test_the_last_validation_is_reserved_before_any_validation_ran():
     model, trainer, cb = fit(budget=60, margin=0.0, val_every=5)
     assert cb.s_per_val > 0 and model.validated_at == [trainer.global_step]
     assert cb.summary()["used_s"] <= 60
+
+
+def test_a_slow_first_epoch_is_not_measured_with_skip_epochs():
+    # The first epoch at 3 s/step (an input memo filling), the rest at 1 s/step: 20 x 3 + 80 x 1 +
+    # 5 validations of 2.5 s = 152.5 s fits a 160 s budget. Measured in the first epoch the run
+    # looks like 300 s and would be shortened; measured from the second it runs unchanged.
+    plain, _, _ = fit(first_epoch_step_s=3.0)
+    _, early, cb = fit(budget=160, margin=0.0, first_epoch_step_s=3.0)
+    assert cb.summary()["shortened"] and early.global_step < 100
+    skipped, late, cb = fit(budget=160, margin=0.0, first_epoch_step_s=3.0, skip_epochs=1)
+    assert not cb.summary()["shortened"] and late.global_step == 100 and cb.s_per_step == pytest.approx(1.0)
+    assert skipped.lrs == plain.lrs and cb.summary()["used_s"] == pytest.approx(152.5)
+    with pytest.raises(ValueError, match="skip_epochs"):
+        TimeBudget(60, skip_epochs=-1)
 
 
 def test_a_resumed_run_keeps_its_limit_and_spends_only_what_is_left(tmp_path):
