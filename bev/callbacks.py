@@ -115,12 +115,45 @@ def parse_duration(value: Any, name: str = "time_budget") -> float | None:
     return seconds
 
 
+class ThreadsFollowLoad(L.Callback):
+    """`threads: auto` on the CPU: at the start of training and of every epoch, torch's intra-op
+    threads become `max_threads` less one per CPU that other processes kept busy meanwhile
+    (bev.utils.threads.threads_for_load; a short probe before the first epoch). Each change is
+    printed. On an idle machine the count never changes."""
+
+    def __init__(self, max_threads: int, probe_s: float = 0.5):
+        self.max_threads, self.probe_s = int(max_threads), float(probe_s)
+        self.load = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from bev.utils.threads import OtherLoad
+
+        self.load = OtherLoad()
+        time.sleep(self.probe_s)
+        self._follow("at the start")
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if self.load is not None and trainer.current_epoch > 0:
+            self._follow(f"in epoch {trainer.current_epoch - 1}")
+
+    def _follow(self, when: str) -> None:
+        from bev.utils.threads import threads_for_load
+
+        others = self.load.cpus_busy()
+        n = threads_for_load(self.max_threads, others)
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+            print(f"threads: {n} (other processes kept {others:.1f} of the CPUs busy {when})", flush=True)
+        self.load.mark()
+
+
 class TimeBudget(L.Callback):
     """Fit training into a wall-clock budget by shortening it, with the LR schedule completing.
 
     After `measure_steps` steps (the first `skip_steps` of a session are not counted: workers
     start, kernels warm up; with `skip_epochs`, the first steps of that many epochs are not
-    either: an input memo that fills in the first epoch makes it slower than the rest) it projects the planned run from the measured seconds per step and
+    either: an input memo that fills in the first epoch makes it slower than the rest, unless
+    those epochs alone would overrun the budget at their measured pace) it projects the planned run from the measured seconds per step and
     per validation. If that overruns the budget (less `margin`), it lowers the step limit to
     what fits and compresses the rest of a fixed-length LR schedule (bev.lit.rescale_schedule)
     to end there; at the new limit it stops with a final validation and checkpoint. The
@@ -180,6 +213,7 @@ class TimeBudget(L.Callback):
         self._start = self.clock()
         self._session_step0, self._session_epoch0 = trainer.global_step, trainer.current_epoch
         self._mark = None  # (time, validation seconds so far, step) once skip_steps are done
+        self._early = None  # the same, in the epochs skip_epochs leaves unmeasured
         self._val_s, self._val_n, self._val_start = 0.0, 0, None
         if self.limit is not None:  # resumed after the budget bound: keep the shortened run (runs before bev.lit's stretch)
             trainer.fit_loop.epoch_loop.max_steps = self.limit
@@ -207,6 +241,8 @@ class TimeBudget(L.Callback):
             return
         if self._mark is None and self._warmed_up(trainer, batch_idx):
             self._mark = (self.clock(), self._val_s, trainer.global_step)
+        elif self._mark is None:
+            self._watch_skipped_epochs(trainer, batch_idx)
         elif self._mark is not None and trainer.global_step - self._mark[2] == self.measure_steps:
             self._plan(trainer)
         if self.limit is not None and trainer.global_step >= self.limit:
@@ -215,6 +251,20 @@ class TimeBudget(L.Callback):
         elif trainer.strategy.reduce_boolean_decision(self.elapsed() >= self.budget, all=False):
             self._stop(trainer, f"time budget {_fmt(self.budget)} spent at step {trainer.global_step} of "
                                 f"{self.limit or self.planned_steps}: stopped before the LR schedule finished")
+
+    def _watch_skipped_epochs(self, trainer, batch_idx: int) -> None:
+        """Plan now, at the skipped epochs' pace, if those epochs alone would overrun the budget."""
+        done = trainer.global_step - self._session_step0
+        if done == self.skip_steps:
+            self._early = (self.clock(), self._val_s, trainer.global_step)
+        elif getattr(self, "_early", None) and trainer.global_step - self._early[2] == self.measure_steps:
+            t0, val0, step0 = self._early
+            pace = max((self.clock() - t0) - (self._val_s - val0), 0.0) / self.measure_steps
+            epochs_left = self._session_epoch0 + self.skip_epochs - trainer.current_epoch
+            steps_left = (epochs_left * trainer.num_training_batches - batch_idx - 1) / trainer.accumulate_grad_batches
+            if self.elapsed() + steps_left * pace > self.budget * (1 - self.margin):
+                self._mark = self._early
+                self._plan(trainer)
 
     def _warmed_up(self, trainer, batch_idx: int) -> bool:
         """Whether steps from now on are measured (see skip_steps, skip_epochs)."""

@@ -26,10 +26,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from hydra.utils import instantiate
     from lightning.pytorch.utilities import rank_zero_only
 
-    from bev.callbacks import AtomicCheckpointIO, TimeBudget
+    from bev.callbacks import AtomicCheckpointIO, ThreadsFollowLoad, TimeBudget
     from bev.utils.checkpoint import check_compatible, read_checkpoint
     from bev.utils.precision import resolve_precision
-    from bev.utils.threads import intra_op_threads
+    from bev.utils.threads import follows_load, intra_op_threads
 
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
@@ -59,7 +59,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     start = time.time()
     threads = (cfg.get("threads"), cfg.data.get("num_workers", 0), str(cfg.trainer.get("accelerator", "cpu")),
                cfg.trainer.get("devices", 1))
-    with intra_op_threads(*threads):
+    with intra_op_threads(*threads) as n:
+        if n and follows_load(threads[0], threads[2], threads[3]):
+            trainer.callbacks.append(ThreadsFollowLoad(n))
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     wall = time.time() - start
 

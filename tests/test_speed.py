@@ -227,6 +227,16 @@ def test_a_slow_first_epoch_is_not_measured_with_skip_epochs():
         TimeBudget(60, skip_epochs=-1)
 
 
+def test_skipped_epochs_that_alone_overrun_are_planned_early():
+    # The first epoch at 8 s/step would take 160 s of a 140 s budget: waiting for the second epoch
+    # to measure would end on the hard stop with the schedule unfinished. Planned at the first
+    # epoch's pace instead, the run is shortened with the schedule compressed.
+    model, trainer, cb = fit(budget=140, margin=0.0, first_epoch_step_s=8.0, skip_epochs=1)
+    s = cb.summary()
+    assert s["shortened"] and not s["stopped_on_budget"] and cb.limit < 20 and s["used_s"] <= 140
+    assert model.lrs[-1] == pytest.approx(1e-2 / 25 / 1e4, rel=1e-6)
+
+
 def test_a_resumed_run_keeps_its_limit_and_spends_only_what_is_left(tmp_path):
     _, trainer, cb = fit(budget=60, margin=0.0)
     ckpt = tmp_path / "last.ckpt"

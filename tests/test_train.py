@@ -95,6 +95,22 @@ def test_training_sets_intra_op_threads_and_restores_them(synthetic_root, tmp_pa
     assert f"threads: {cpus - 1} ({cpus} CPUs less 1 loader worker(s))" in capsys.readouterr().out
 
 
+def test_training_threads_give_way_to_other_processes(synthetic_root, tmp_path, monkeypatch, capsys):
+    import bev.utils.threads as threads
+    from bev.callbacks import ThreadsFollowLoad
+
+    monkeypatch.setattr(threads, "available_cpus", lambda: 4)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads.OtherLoad, "cpus_busy", lambda self: 2.0)  # two CPUs busy with others
+    seen, follow = [], ThreadsFollowLoad._follow
+    monkeypatch.setattr(ThreadsFollowLoad, "_follow", lambda self, when: (follow(self, when), seen.append(torch.get_num_threads())))
+    before = torch.get_num_threads()
+    args = [*TINY, "debug=fdr", "data.num_workers=0", f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
+    assert train_cli(args, monkeypatch) == 0
+    assert seen == [2] and torch.get_num_threads() == before
+    assert "threads: 2 (other processes kept 2.0 of the CPUs busy at the start)" in capsys.readouterr().out
+
+
 def test_run_writes_checkpoints_logs_and_pictures(trained_run):
     ck = trained_run / "checkpoints"
     assert (ck / "last.ckpt").is_file() and (ck / "epoch_000.ckpt").is_file()

@@ -103,8 +103,42 @@ def test_apply_threads_sets_torch_threads(four_cpus):
 
     before = torch.get_num_threads()
     try:
-        assert four_cpus.apply_threads("auto", 1) == "threads: 3 (4 CPUs less 1 loader worker(s))"
+        assert four_cpus.apply_threads("auto", 1) == (3, "threads: 3 (4 CPUs less 1 loader worker(s))")
         assert torch.get_num_threads() == 3
-        assert four_cpus.apply_threads(None, 1) is None and torch.get_num_threads() == 3
+        assert four_cpus.apply_threads(None, 1) == (None, None) and torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_threads_give_way_to_other_processes():
+    from bev.utils.threads import threads_for_load
+
+    assert [threads_for_load(2, busy) for busy in (None, 0.0, 0.4, 0.6, 1.0, 3.0)] == [2, 2, 2, 1, 1, 1]
+    assert [threads_for_load(8, busy) for busy in (0.3, 2.2, 7.9)] == [8, 6, 1]
+
+
+def test_other_load_counts_other_processes_only(monkeypatch):
+    from bev.utils import threads
+
+    ticks = {"busy": 1000, "own": 500}
+    monkeypatch.setattr(threads, "_busy_ticks", lambda cpus: ticks["busy"])
+    monkeypatch.setattr(threads, "_own_ticks", lambda: ticks["own"])
+    now = [100.0]
+    monkeypatch.setattr(threads.time, "monotonic", lambda: now[0])
+    load = threads.OtherLoad(cpus={0, 1})
+    load.hz = 100
+    now[0] += 2.0
+    ticks["busy"] += 300  # 3 CPU-seconds busy on our CPUs in 2 s, of which 1 s was ours
+    ticks["own"] += 100
+    assert load.cpus_busy() == pytest.approx(1.0)
+    monkeypatch.setattr(threads, "_own_ticks", lambda: None)  # /proc unreadable: no opinion
+    assert load.cpus_busy() is None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="Linux /proc only")
+def test_proc_readers_see_this_process():
+    from bev.utils import threads
+
+    cpus = os.sched_getaffinity(0)
+    assert threads._busy_ticks(cpus) > 0 and threads._own_ticks() > 0
+    assert threads.OtherLoad().cpus_busy() >= 0.0

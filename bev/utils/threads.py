@@ -1,13 +1,20 @@
-"""`threads: auto`: torch's intra-op threads for CPU training, leaving a core to each loader worker.
+"""`threads: auto`: torch's intra-op threads for CPU training, leaving a core to each loader worker
+and to other processes that keep the machine's cores busy.
 
 torch uses every core by default. On a small machine its threads and the data loader's worker
 processes then contend for the same cores, and each parallel region of the model waits for its
 slowest thread: on 2 cores, 2 threads + 1 worker ran the embedded default at 0.232 s/step, 1
-thread + 1 worker at 0.204 s/step (same machine, same run length).
+thread + 1 worker at 0.204 s/step (same machine, same run length). Other processes do the same:
+with three CPU-bound loops beside it, the embedded default ran at 1.35 s/step on 2 threads and
+0.44 on 1, where an idle machine gives 0.125 and 0.21. So training re-checks, at the start and
+every epoch (bev.callbacks.ThreadsFollowLoad), how many of its CPUs other processes kept busy
+(OtherLoad) and gives up a thread per busy CPU (threads_for_load).
 """
 from __future__ import annotations
 
+import math
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -53,29 +60,104 @@ def resolve_threads(threads: int | str | None, num_workers: int, accelerator: st
     return n, f"{share} less {num_workers} loader worker(s)"
 
 
+def follows_load(threads: int | str | None, accelerator: str = "cpu", devices: int | str = 1) -> bool:
+    """Whether `threads` is auto for one CPU process, whose count then follows other processes' load."""
+    one_process = not isinstance(devices, int) or devices <= 1  # DDP processes would count each other as load
+    return str(threads) == "auto" and one_process and resolve_threads(threads, 0, accelerator, devices)[0] is not None
+
+
 def apply_threads(threads: int | str | None, num_workers: int, accelerator: str = "cpu",
-                  devices: int | str = 1) -> str | None:
-    """Set torch's intra-op threads per `threads` (resolve_threads); returns a line to print, or None."""
+                  devices: int | str = 1) -> tuple[int | None, str | None]:
+    """Set torch's intra-op threads per `threads` (resolve_threads); returns (count set or None, a line to print or None)."""
     import torch
 
     n, reason = resolve_threads(threads, num_workers, accelerator, devices)
     if n is None:
-        return None
+        return None, None
     torch.set_num_threads(n)
-    return f"threads: {n} ({reason})"
+    return n, f"threads: {n} ({reason})"
 
 
 @contextmanager
 def intra_op_threads(threads: int | str | None, num_workers: int, accelerator: str = "cpu",
-                     devices: int | str = 1) -> Iterator[None]:
-    """apply_threads (printing what it set) for the duration of the block, then torch's previous count."""
+                     devices: int | str = 1) -> Iterator[int | None]:
+    """apply_threads (printing what it set) for the duration of the block, then torch's previous count;
+    yields the count set (None: torch's default kept)."""
     import torch
 
     before = torch.get_num_threads()
-    line = apply_threads(threads, num_workers, accelerator, devices)
+    n, line = apply_threads(threads, num_workers, accelerator, devices)
     if line:
         print(line, flush=True)
     try:
-        yield
+        yield n
     finally:
         torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------
+# Load of other processes on our CPUs (Linux /proc; None elsewhere)
+# ---------------------------------------------------------------------------------------------
+def _busy_ticks(cpus: set[int]) -> int | None:
+    """Clock ticks the CPUs in `cpus` spent busy (not idle, not waiting for I/O) since boot."""
+    try:
+        with open("/proc/stat") as f:
+            lines = [line.split() for line in f if line.startswith("cpu") and line[3].isdigit()]
+    except OSError:
+        return None
+    busy = 0
+    for fields in lines:
+        if int(fields[0][3:]) in cpus:
+            ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+            busy += sum(ticks) - ticks[3] - ticks[4]
+    return busy
+
+
+def _own_ticks() -> int | None:
+    """Clock ticks used by this process and its live children (the loader workers)."""
+    me = os.getpid()
+    total = 0
+    try:
+        pids = [pid for pid in os.listdir("/proc") if pid.isdigit()]
+    except OSError:
+        return None
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "(comm)", which may hold spaces
+        except OSError:
+            continue  # exited meanwhile, or not ours to read
+        if int(pid) == me or int(fields[1]) == me:  # fields[1] = ppid
+            total += int(fields[11]) + int(fields[12])  # utime + stime
+    return total
+
+
+class OtherLoad:
+    """CPUs (of those this process may use) kept busy by other processes since the last mark()."""
+
+    def __init__(self, cpus: set[int] | None = None):
+        try:
+            self.cpus = cpus if cpus is not None else os.sched_getaffinity(0)
+        except (AttributeError, OSError):
+            self.cpus = set(range(os.cpu_count() or 1))
+        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.mark()
+
+    def mark(self) -> None:
+        self._mark = (time.monotonic(), _busy_ticks(self.cpus), _own_ticks())
+
+    def cpus_busy(self) -> float | None:
+        """Average CPUs used by others since mark(), or None if /proc cannot tell (not Linux)."""
+        t0, busy0, own0 = self._mark
+        busy, own = _busy_ticks(self.cpus), _own_ticks()
+        wall = time.monotonic() - t0
+        if None in (busy0, own0, busy, own) or wall <= 0:
+            return None
+        return max(0.0, (busy - busy0 - (own - own0)) / self.hz / wall)
+
+
+def threads_for_load(max_threads: int, others: float | None) -> int:
+    """max_threads less one per CPU other processes keep busy (rounded), at least 1."""
+    if others is None:
+        return max_threads
+    return max(1, min(max_threads, math.floor(max_threads + 0.5 - others)))
