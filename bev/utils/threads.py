@@ -19,12 +19,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
-def available_cpus() -> int:
-    """CPUs this process may run on (the affinity mask: containers and taskset included)."""
+def cpu_set() -> set[int]:
+    """The CPUs this process may run on (the affinity mask: containers and taskset included)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return set(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))
+
+
+def available_cpus() -> int:
+    return len(cpu_set())
 
 
 def resolve_threads(threads: int | str | None, num_workers: int, accelerator: str = "cpu",
@@ -136,10 +140,7 @@ class OtherLoad:
     """CPUs (of those this process may use) kept busy by other processes since the last mark()."""
 
     def __init__(self, cpus: set[int] | None = None):
-        try:
-            self.cpus = cpus if cpus is not None else os.sched_getaffinity(0)
-        except (AttributeError, OSError):
-            self.cpus = set(range(os.cpu_count() or 1))
+        self.cpus = cpus if cpus is not None else cpu_set()
         self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self.mark()
 
