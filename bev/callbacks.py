@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import datetime
 import json
 import logging
 import os
@@ -115,6 +116,28 @@ def parse_duration(value: Any, name: str = "time_budget") -> float | None:
     return seconds
 
 
+def parse_deadline(value: Any) -> float | None:
+    """A wall-clock time as Unix seconds, from a number of seconds since the epoch or an ISO 8601
+    date and time ("2026-11-25T18:00:00", local time unless it names a zone); None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        try:
+            seconds = float(value)
+        except ValueError:
+            try:
+                seconds = datetime.datetime.fromisoformat(str(value).strip()).timestamp()
+            except ValueError:
+                raise ValueError(f"deadline must be Unix seconds (e.g. $(date -d '+15 min' +%s)) or an ISO date and "
+                                 f"time like \"2026-11-25T18:00:00\", got {value!r}") from None
+    if seconds < 1e9:  # before 2001: a duration passed where a time was meant
+        raise ValueError(f"deadline must be a wall-clock time (Unix seconds), got {value!r}; for a duration use "
+                         f"callbacks.time_budget.budget")
+    return seconds
+
+
 class ThreadsFollowLoad(L.Callback):
     """`threads: auto` on the CPU: at the start of training and of every epoch, torch's intra-op
     threads become `max_threads` less one per CPU that other processes kept busy meanwhile
@@ -161,12 +184,15 @@ class TimeBudget(L.Callback):
     moves when the projection does by more than 1%, never past the plan). When the budget does
     not bind, nothing in the run changes, so it stays bitwise reproducible. The time used, the
     plan and the decision are saved in checkpoints: a resumed run spends what is left.
-    As a last resort (the machine slowed down a lot) training stops when the budget is spent.
+    `deadline` (a wall-clock time) sets the budget when training starts to the time left until
+    then, so everything before it (start-up, data, other jobs) counts; with `budget` too, the
+    smaller wins. As a last resort (the machine slowed down a lot) training stops when the budget is spent.
     """
 
     def __init__(self, budget: Any = None, measure_steps: int = 40, skip_steps: int = 5, margin: float = 0.03,
-                 val_cost_guess: float = 0.5, skip_epochs: int = 0):
-        self.budget = parse_duration(budget)
+                 val_cost_guess: float = 0.5, skip_epochs: int = 0, deadline: Any = None):
+        self.budget = self.configured_budget = parse_duration(budget)
+        self.deadline = parse_deadline(deadline)
         self.measure_steps, self.skip_steps = int(measure_steps), int(skip_steps)
         if int(skip_epochs) < 0:
             raise ValueError(f"skip_epochs must be >= 0, got {skip_epochs}")
@@ -174,6 +200,7 @@ class TimeBudget(L.Callback):
         self.margin = float(margin)
         self.val_cost_guess = float(val_cost_guess)  # one validation batch / one training step, until measured
         self.clock = time.monotonic  # replaced by a fake clock in tests
+        self.wall_clock = time.time  # for the deadline only (the budget is measured on the monotonic clock)
         self.elapsed_before = 0.0  # training seconds of earlier sessions (resume)
         self.planned_steps: int | None = None  # the run as configured
         self.limit: int | None = None  # the shortened step limit, once the budget binds
@@ -201,13 +228,16 @@ class TimeBudget(L.Callback):
         """The record bev.train writes to metrics.json (None without a budget)."""
         if self.budget is None:
             return None
-        return {"budget_s": self.budget, "used_s": round(self.elapsed(), 1), "planned_steps": self.planned_steps,
+        deadline = {"deadline": _clock_time(self.deadline)} if self.deadline is not None else {}
+        return {"budget_s": round(self.budget, 3), **deadline, "used_s": round(self.elapsed(), 1), "planned_steps": self.planned_steps,
                 "step_limit": self.limit, "shortened": self.limit is not None and self.limit < (self.planned_steps or 0), "stopped_on_budget": self.stopped_on_budget,
                 "s_per_step": self.s_per_step and round(self.s_per_step, 4), "s_per_validation": self.s_per_val and round(self.s_per_val, 2),
                 "message": self.message}
 
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer, pl_module) -> None:
+        if self.deadline is not None:
+            self._budget_from_deadline()
         if self.budget is None:
             return
         self._start = self.clock()
@@ -220,8 +250,17 @@ class TimeBudget(L.Callback):
             trainer.fit_loop.min_epochs = 0
         else:
             self.planned_steps = int(trainer.estimated_stepping_batches)
-        if self.elapsed() >= self.budget:
+        if self.deadline is not None and self.wall_clock() >= self.deadline:
+            self._stop(trainer, f"the deadline {_clock_time(self.deadline)} passed before training started")
+        elif self.elapsed() >= self.budget:
             self._stop(trainer, f"time budget {_fmt(self.budget)} already spent ({_fmt(self.elapsed())} in earlier sessions)")
+
+    def _budget_from_deadline(self) -> None:
+        """The budget becomes what earlier sessions used plus the time left until the deadline
+        (the smaller of that and `budget` when both are set): start-up before training counts."""
+        until = self.elapsed_before + self.deadline - self.wall_clock()
+        self.budget = until if self.configured_budget is None else min(self.configured_budget, until)
+        self.budget = max(self.budget, 1e-3)  # a deadline already passed: stopped at once below
 
     def on_validation_start(self, trainer, pl_module) -> None:
         if self.budget is not None and not trainer.sanity_checking and getattr(self, "_start", None) is not None:
@@ -309,7 +348,8 @@ class TimeBudget(L.Callback):
         sched = ("the LR schedule was compressed to fit" if compressed and all(compressed) else
                  "the LR schedule is not a fixed-length one (OneCycleLR, CosineAnnealingLR) and was left as is" if compressed else
                  "no per-step LR schedule")
-        self.message = (f"time budget {_fmt(self.budget)}: measured {self.s_per_step:.2f} s/step and {self.s_per_val:.0f} s per "
+        until = f" (until the deadline {_clock_time(self.deadline)})" if self.deadline is not None else ""
+        self.message = (f"time budget {_fmt(self.budget)}{until}: measured {self.s_per_step:.2f} s/step and {self.s_per_val:.0f} s per "
                         f"validation, training {fits} of {self.planned_steps} planned steps ({100 * fits / self.planned_steps:.0f}%); {sched}")
         _announce(trainer, self.message)
 
@@ -335,6 +375,10 @@ def _val_batches(trainer) -> float:
         return 0.0
     limit = trainer.limit_val_batches
     return float(min(n, limit) if isinstance(limit, int) else n * limit)
+
+
+def _clock_time(unix_seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(unix_seconds).isoformat(timespec="seconds")
 
 
 def _fmt(seconds: float) -> str:

@@ -93,3 +93,14 @@ def test_slurm_launcher_config_is_optional():
     with initialize_config_dir(CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=["hydra/launcher=slurm"], return_hydra_config=True)
     assert "submitit" in cfg.hydra.launcher._target_
+
+
+def test_make_train_time_budget_overrides_compose(tmp_path):
+    # What `make train` passes: no budget, a deadline in Unix seconds (see the Makefile).
+    from bev.callbacks import TimeBudget
+
+    cfg = compose_train(tmp_path, ["experiment=synthetic_cpu", "callbacks.time_budget.budget=null",
+                                   "callbacks.time_budget.deadline=1800000000"])
+    callback = instantiate(cfg.callbacks.time_budget)
+    assert isinstance(callback, TimeBudget) and callback.budget is None and callback.deadline == 1.8e9
+    assert callback.skip_epochs == 1  # the experiment's own setting survives

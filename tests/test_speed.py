@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from bev.callbacks import TimeBudget, parse_duration
+from bev.callbacks import TimeBudget, parse_deadline, parse_duration
 from bev.lit import rescale_schedule
 from bev.models import BevEncoder, CameraEncoder
 from bev.utils import precision as P
@@ -245,6 +245,46 @@ def test_a_resumed_run_keeps_its_limit_and_spends_only_what_is_left(tmp_path):
     _, again, cb2 = fit(budget=60, margin=0.0, ckpt_path=ckpt)
     assert again.global_step == trainer.global_step == cb2.limit == cb.limit
     assert cb2.elapsed_before == pytest.approx(cb.elapsed(), abs=1e-6)
+
+
+T0 = 1_800_000_000.0  # a wall-clock time (2027)
+
+
+def fit_to_deadline(deadline, startup_s, **kw):
+    """fit() with a TimeBudget whose wall clock reads T0 + startup_s when training starts."""
+    callback = TimeBudget(deadline=deadline, measure_steps=10, skip_steps=2, margin=0.0, **kw)
+    callback.wall_clock = lambda: T0 + startup_s
+    return fit(callback=callback)
+
+
+def test_a_deadline_counts_the_time_before_training():
+    # 60 s until the deadline with nothing spent before training: the same run as a 60 s budget.
+    _, budget_run, by_budget = fit(budget=60, margin=0.0)
+    _, deadline_run, cb = fit_to_deadline(T0 + 60, startup_s=0)
+    assert deadline_run.global_step == budget_run.global_step == cb.limit == by_budget.limit < 100
+    assert cb.summary()["budget_s"] == 60 and cb.summary()["deadline"] and "until the deadline" in cb.message
+    # 20 s of start-up leave 40 s: a shorter run that still ends by the deadline, schedule completed.
+    model, late_run, late = fit_to_deadline(T0 + 60, startup_s=20)
+    assert late.budget == 40 and late_run.global_step == late.limit < cb.limit
+    assert late.summary()["used_s"] <= 40 and model.lrs[-1] == pytest.approx(1e-2 / 25 / 1e4, rel=1e-6)
+    # With a budget as well, the smaller of the two binds.
+    _, _, both = fit_to_deadline(T0 + 60, startup_s=0, budget=30)
+    assert both.budget == 30
+
+
+def test_a_deadline_already_passed_stops_before_the_first_step():
+    _, trainer, cb = fit_to_deadline(T0 + 60, startup_s=90)
+    assert trainer.global_step == 0 and cb.stopped_on_budget and "passed before training started" in cb.message
+
+
+def test_parse_deadline():
+    assert parse_deadline(None) is None
+    assert parse_deadline(T0) == parse_deadline(str(int(T0))) == T0
+    assert parse_deadline("2026-11-25T18:00:00+00:00") == 1795629600.0
+    with pytest.raises(ValueError, match="for a duration use callbacks.time_budget.budget"):
+        parse_deadline(900)  # 15 minutes, not a time
+    with pytest.raises(ValueError, match="ISO date"):
+        parse_deadline("in 15 minutes")
 
 
 def test_a_machine_that_slows_down_hits_the_hard_stop():
