@@ -186,17 +186,23 @@ class TimeBudget(L.Callback):
     plan and the decision are saved in checkpoints: a resumed run spends what is left.
     `deadline` (a wall-clock time) sets the budget when training starts to the time left until
     then, so everything before it (start-up, data, other jobs) counts; with `budget` too, the
-    smaller wins. As a last resort (the machine slowed down a lot) training stops when the budget is spent.
+    smaller wins. `reserve_validations` keeps that many measured validations' time free at the
+    end of the budget, for work that follows training and scales with the machine (the
+    evaluation of `make train`). As a last resort (the machine slowed down a lot) training stops when the budget is spent.
     """
 
     def __init__(self, budget: Any = None, measure_steps: int = 40, skip_steps: int = 5, margin: float = 0.03,
-                 val_cost_guess: float = 0.5, skip_epochs: int = 0, deadline: Any = None):
+                 val_cost_guess: float = 0.5, skip_epochs: int = 0, deadline: Any = None,
+                 reserve_validations: float = 0.0):
         self.budget = self.configured_budget = parse_duration(budget)
         self.deadline = parse_deadline(deadline)
         self.measure_steps, self.skip_steps = int(measure_steps), int(skip_steps)
         if int(skip_epochs) < 0:
             raise ValueError(f"skip_epochs must be >= 0, got {skip_epochs}")
         self.skip_epochs = int(skip_epochs)
+        if float(reserve_validations) < 0:
+            raise ValueError(f"reserve_validations must be >= 0, got {reserve_validations}")
+        self.reserve_validations = float(reserve_validations)
         self.margin = float(margin)
         self.val_cost_guess = float(val_cost_guess)  # one validation batch / one training step, until measured
         self.clock = time.monotonic  # replaced by a fake clock in tests
@@ -229,7 +235,7 @@ class TimeBudget(L.Callback):
         if self.budget is None:
             return None
         deadline = {"deadline": _clock_time(self.deadline)} if self.deadline is not None else {}
-        return {"budget_s": round(self.budget, 3), **deadline, "used_s": round(self.elapsed(), 1), "planned_steps": self.planned_steps,
+        return {"budget_s": round(self.budget, 3), **deadline, "reserved_after_s": round(self._reserve(), 1), "used_s": round(self.elapsed(), 1), "planned_steps": self.planned_steps,
                 "step_limit": self.limit, "shortened": self.limit is not None and self.limit < (self.planned_steps or 0), "stopped_on_budget": self.stopped_on_budget,
                 "s_per_step": self.s_per_step and round(self.s_per_step, 4), "s_per_validation": self.s_per_val and round(self.s_per_val, 2),
                 "message": self.message}
@@ -287,7 +293,7 @@ class TimeBudget(L.Callback):
         if self.limit is not None and trainer.global_step >= self.limit:
             trainer.should_stop = True  # stop here with a validation + checkpoint (max_steps alone skips them),
             trainer.check_val_every_n_epoch = 1  # also in an epoch that check_val_every_n_epoch would skip
-        elif trainer.strategy.reduce_boolean_decision(self.elapsed() >= self.budget, all=False):
+        elif trainer.strategy.reduce_boolean_decision(self.elapsed() >= self.budget - self._reserve(), all=False):
             self._stop(trainer, f"time budget {_fmt(self.budget)} spent at step {trainer.global_step} of "
                                 f"{self.limit or self.planned_steps}: stopped before the LR schedule finished")
 
@@ -301,7 +307,8 @@ class TimeBudget(L.Callback):
             pace = max((self.clock() - t0) - (self._val_s - val0), 0.0) / self.measure_steps
             epochs_left = self._session_epoch0 + self.skip_epochs - trainer.current_epoch
             steps_left = (epochs_left * trainer.num_training_batches - batch_idx - 1) / trainer.accumulate_grad_batches
-            if self.elapsed() + steps_left * pace > self.budget * (1 - self.margin):
+            val_guess = _val_batches(trainer) * pace * self.val_cost_guess
+            if self.elapsed() + steps_left * pace > self.budget * (1 - self.margin) - self.reserve_validations * val_guess:
                 self._mark = self._early
                 self._plan(trainer)
 
@@ -331,7 +338,7 @@ class TimeBudget(L.Callback):
         self._measure(trainer)
         step = trainer.global_step
         current = self.limit or self.planned_steps
-        left = self.budget * (1 - self.margin) - self.elapsed()
+        left = self.budget * (1 - self.margin) - self.elapsed() - self._reserve()
         per_step = self.s_per_step + self.s_per_val / self._steps_between_validations(trainer)
         # + the last validation; at least 2 more steps: the next step's LR is already set (scheduler.last_epoch == step)
         fits = min(step + max(int((left - self.s_per_val) / per_step), 2), self.planned_steps)
@@ -349,9 +356,15 @@ class TimeBudget(L.Callback):
                  "the LR schedule is not a fixed-length one (OneCycleLR, CosineAnnealingLR) and was left as is" if compressed else
                  "no per-step LR schedule")
         until = f" (until the deadline {_clock_time(self.deadline)})" if self.deadline is not None else ""
+        if self.reserve_validations:
+            until += f", {_fmt(self._reserve())} of it kept for after training"
         self.message = (f"time budget {_fmt(self.budget)}{until}: measured {self.s_per_step:.2f} s/step and {self.s_per_val:.0f} s per "
                         f"validation, training {fits} of {self.planned_steps} planned steps ({100 * fits / self.planned_steps:.0f}%); {sched}")
         _announce(trainer, self.message)
+
+    def _reserve(self) -> float:
+        """Seconds kept free at the end of the budget: reserve_validations measured validations."""
+        return self.reserve_validations * (self.s_per_val or 0.0)
 
     def _stop(self, trainer, message: str) -> None:
         trainer.should_stop = True

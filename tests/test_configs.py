@@ -100,7 +100,7 @@ def test_make_train_time_budget_overrides_compose(tmp_path):
     from bev.callbacks import TimeBudget
 
     cfg = compose_train(tmp_path, ["experiment=synthetic_cpu", "callbacks.time_budget.budget=null",
-                                   "callbacks.time_budget.deadline=1800000000"])
+                                   "callbacks.time_budget.deadline=1800000000", "callbacks.time_budget.reserve_validations=2"])
     callback = instantiate(cfg.callbacks.time_budget)
     assert isinstance(callback, TimeBudget) and callback.budget is None and callback.deadline == 1.8e9
-    assert callback.skip_epochs == 1  # the experiment's own setting survives
+    assert callback.reserve_validations == 2 and callback.skip_epochs == 1  # the experiment's own setting survives

@@ -60,11 +60,27 @@ def test_auto_channels_last_follows_the_hardware(flags, cuda, expected, monkeypa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     assert P.resolve_channels_last("auto") is expected
     assert P.resolve_channels_last(False) is False and P.resolve_channels_last(True) is True
-    enc = BevEncoder(8, 2, widths=(8, 8, 16), blocks=1, channels_last="auto")
+    enc = BevEncoder(8, 2, widths=(16, 16, 32), blocks=1, channels_last="auto")
     assert enc.channels_last is expected
     assert enc.stem[0].weight.is_contiguous(memory_format=torch.channels_last) is expected
     with pytest.raises(ValueError, match="true, false or auto"):
         P.resolve_channels_last("yes")
+
+
+@pytest.mark.filterwarnings("error")  # no hazard warning for the models that are fine
+def test_auto_channels_last_keeps_nchw_for_narrow_strided_1x1_convolutions(monkeypatch):
+    # oneDNN's NHWC weight gradient of a 1x1 stride-2 convolution with < 16 input channels crashes
+    # or is wrong on x86 CPUs (uxlfoundation/oneDNN#6035): such encoders keep NCHW under "auto".
+    monkeypatch.setattr(P, "_cpu_flags", lambda: {"avx512_bf16"})
+    assert BevEncoder(8, 2, widths=(16, 16, 32), blocks=1, channels_last="auto").channels_last is True
+    assert CameraEncoder(5, 7, backbone="small", widths=(16, 32, 48, 64, 96), mid_channels=16, channels_last="auto").channels_last
+    with pytest.warns(UserWarning, match="keeps NCHW.*oneDNN#6035") as record:
+        narrow = CameraEncoder(5, 7, backbone="small", widths=(8, 8, 16, 16, 16), mid_channels=16, channels_last="auto")
+    assert narrow.channels_last is False and not narrow.trunk.stem[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert "trunk." in str(record[0].message)  # names the layer
+    assert P.nhwc_hazards(BevEncoder(8, 2, widths=(8, 8, 16), blocks=1)) == ["layer2.0.downsample.0", "layer3.0.downsample.0"]
+    with pytest.warns(UserWarning, match="channels_last=true as configured"):  # an explicit choice is kept, with the warning
+        assert BevEncoder(8, 2, widths=(8, 8, 16), blocks=1, channels_last=True).channels_last is True
 
 
 def test_channels_last_encoders_compute_the_same_function():
@@ -195,6 +211,18 @@ def test_a_binding_budget_shortens_the_run_and_completes_the_schedule():
     peak = max(range(len(model.lrs)), key=model.lrs.__getitem__)
     assert all(a >= b for a, b in zip(model.lrs[peak:], model.lrs[peak + 1:]))
     assert f"of {s['planned_steps']} planned steps" in s["message"] and "compressed" in s["message"]
+
+
+def test_a_reserve_of_validations_is_kept_free_at_the_end_of_the_budget():
+    # Validations take 2.5 s here: reserving two keeps 5 s of the 60 s for what follows training.
+    _, plain, without = fit(budget=60, margin=0.0)
+    model, trainer, cb = fit(budget=60, margin=0.0, reserve_validations=2)
+    s = cb.summary()
+    assert s["reserved_after_s"] == 5.0 and "5 s of it kept for after training" in s["message"]
+    assert trainer.global_step == cb.limit < without.limit and 55 - 4 <= s["used_s"] <= 55
+    assert model.lrs[-1] == pytest.approx(1e-2 / 25 / 1e4, rel=1e-6)  # the schedule still completes
+    with pytest.raises(ValueError, match="reserve_validations"):
+        TimeBudget(60, reserve_validations=-1)
 
 
 def test_a_shortened_run_validates_at_its_end_when_validation_skips_epochs():

@@ -38,7 +38,7 @@ class BevEncoder(nn.Module):
         for m in self.modules():
             if hasattr(m, "bn2") and isinstance(m.bn2, nn.BatchNorm2d):
                 nn.init.zeros_(m.bn2.weight)
-        self.channels_last = resolve_channels_last(channels_last)
+        self.channels_last = resolve_channels_last(channels_last, self)
         if self.channels_last:
             self.to(memory_format=torch.channels_last)
 

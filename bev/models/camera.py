@@ -153,7 +153,7 @@ class CameraEncoder(nn.Module):
         self.fuse = Up(c16 + c32, mid_channels)
         self.head = nn.Conv2d(mid_channels, depth_bins + context_channels, 1)
         self.depth_bins = depth_bins
-        self.channels_last = resolve_channels_last(channels_last)
+        self.channels_last = resolve_channels_last(channels_last, self)
         if self.channels_last:
             self.to(memory_format=torch.channels_last)
 

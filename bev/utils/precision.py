@@ -9,6 +9,8 @@ geometry runs in fp32 under autocast (bev.models.lss), so only the encoders chan
 """
 from __future__ import annotations
 
+import warnings
+
 # /proc/cpuinfo flags of native bf16 arithmetic, and how to name them in messages.
 CPU_BF16_FLAGS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX512-BF16", "bf16": "Arm BF16"}
 
@@ -67,16 +69,40 @@ def resolve_precision(precision: str | int | None, accelerator: str = "auto") ->
     return "32-true", f"no bf16 rule for accelerator {accelerator!r}"
 
 
-def resolve_channels_last(value: bool | str) -> bool:
-    """`channels_last` of the encoders: True/False as given; "auto": on GPUs and on CPUs with native bf16.
+def resolve_channels_last(value: bool | str, module=None) -> bool:
+    """`channels_last` of the encoders: True/False as given; "auto": on GPUs and on CPUs with native bf16,
+    unless `module` has a convolution oneDNN's NHWC backward gets wrong (nhwc_hazards).
 
     NHWC convolutions were 1.17-1.26x faster per training step on an AVX512-BF16 CPU in fp32 and
     bf16 alike, but slower on a CPU without it (scripts/bench_train.py, benchmarks/results/).
     """
-    if isinstance(value, str):
-        if value != "auto":
-            raise ValueError(f"channels_last must be true, false or auto, got {value!r}")
+    if isinstance(value, str) and value != "auto":
+        raise ValueError(f"channels_last must be true, false or auto, got {value!r}")
+    hazards = nhwc_hazards(module) if module is not None and value else []
+    if hazards:
+        choice = "keeps NCHW" if value == "auto" else "channels_last=true as configured"
+        warnings.warn(f"{type(module).__name__}: {choice}: {len(hazards)} convolution(s) ({hazards[0]}, ...) are 1x1 "
+                      f"with stride > 1 and fewer than {NHWC_MIN_CHANNELS} input channels, whose channels_last weight gradient "
+                      "oneDNN on x86 CPUs computes past its buffer (crashes, hangs or wrong gradients: "
+                      "uxlfoundation/oneDNN#6035); widen them or set channels_last=false", stacklevel=3)
+        if value == "auto":
+            return False
+    if value == "auto":
         import torch
 
         return torch.cuda.is_available() or cpu_bf16_support() is not None
     return bool(value)
+
+
+# oneDNN's AVX-512 1x1 convolution blocks input channels by 16; below one block its strided
+# NHWC backward-weights kernel overruns its workspace (seen here on an AMD EPYC with AVX512-BF16:
+# 8 or 12 input channels, 12x12 input, batch 2, 3-4 threads: segfault).
+NHWC_MIN_CHANNELS = 16
+
+
+def nhwc_hazards(module) -> list[str]:
+    """Names of the module's Conv2d layers that are 1x1, strided and narrower than NHWC_MIN_CHANNELS."""
+    from torch import nn
+
+    return [name for name, m in module.named_modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (1, 1)
+            and max(m.stride) > 1 and m.in_channels < NHWC_MIN_CHANNELS]
