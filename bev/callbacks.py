@@ -139,7 +139,7 @@ def parse_deadline(value: Any) -> float | None:
 
 
 class ThreadsFollowLoad(L.Callback):
-    """`threads: auto` on the CPU: at the start of training and of every epoch, torch's intra-op
+    """`threads: auto` on the CPU: at the start of training (or of testing) and of every epoch, torch's intra-op
     threads become `max_threads` less one per CPU that other processes kept busy meanwhile
     (bev.utils.threads.threads_for_load; a short probe before the first epoch). Each change is
     printed. On an idle machine the count never changes."""
@@ -154,6 +154,9 @@ class ThreadsFollowLoad(L.Callback):
         self.load = OtherLoad()
         time.sleep(self.probe_s)
         self._follow("at the start")
+
+    def on_test_start(self, trainer, pl_module) -> None:  # bev-eval: one probe before its single pass
+        self.on_train_start(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         if self.load is not None and trainer.current_epoch > 0:
@@ -192,7 +195,7 @@ class TimeBudget(L.Callback):
     """
 
     def __init__(self, budget: Any = None, measure_steps: int = 40, skip_steps: int = 5, margin: float = 0.03,
-                 val_cost_guess: float = 0.5, skip_epochs: int = 0, deadline: Any = None,
+                 val_cost_guess: float = 0.9, skip_epochs: int = 0, deadline: Any = None,
                  reserve_validations: float = 0.0):
         self.budget = self.configured_budget = parse_duration(budget)
         self.deadline = parse_deadline(deadline)
@@ -204,7 +207,9 @@ class TimeBudget(L.Callback):
             raise ValueError(f"reserve_validations must be >= 0, got {reserve_validations}")
         self.reserve_validations = float(reserve_validations)
         self.margin = float(margin)
-        self.val_cost_guess = float(val_cost_guess)  # one validation batch / one training step, until measured
+        # One validation batch / one training step, until measured: a first validation decodes its
+        # images (the embedded default: 0.85-0.92, idle and busy EPYC).
+        self.val_cost_guess = float(val_cost_guess)
         self.clock = time.monotonic  # replaced by a fake clock in tests
         self.wall_clock = time.time  # for the deadline only (the budget is measured on the monotonic clock)
         self.elapsed_before = 0.0  # training seconds of earlier sessions (resume)

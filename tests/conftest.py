@@ -3,7 +3,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import lightning.pytorch  # noqa: F401  (before any test: see below)
 import pytest
+
+# Lightning gives its logger a StreamHandler on sys.stderr when first imported. Imported first
+# inside a capsys test, that handler would keep the test's stream, closed afterwards, and every
+# later Lightning log line would print a "Logging error" traceback into other tests' stderr.
 
 
 @pytest.fixture(scope="session")

@@ -209,6 +209,22 @@ def test_checkpoint_from_an_incompatible_model(trained_run, synthetic_root, tmp_
     assert_one_paragraph(capsys.readouterr().err, "different model config", "model.net.bev.widths")
 
 
+def test_eval_threads_give_way_to_other_processes(trained_run, synthetic_root, tmp_path, monkeypatch, capsys):
+    import bev.utils.threads as threads
+    from bev.callbacks import ThreadsFollowLoad
+
+    monkeypatch.setattr(threads, "available_cpus", lambda: 4)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads.OtherLoad, "cpus_busy", lambda self: 2.0)  # two CPUs busy with others
+    seen, follow = [], ThreadsFollowLoad._follow
+    monkeypatch.setattr(ThreadsFollowLoad, "_follow", lambda self, when: (follow(self, when), seen.append(torch.get_num_threads())))
+    before = torch.get_num_threads()
+    args = [f"ckpt_path={trained_run}", f"data.dataroot={synthetic_root}", "data.num_workers=0", f"hydra.run.dir={tmp_path}"]
+    assert eval_cli(args, monkeypatch) == 0
+    assert seen == [2] and torch.get_num_threads() == before  # one probe before the pass; restored after
+    assert "threads: 2 (other processes kept 2.0 of the CPUs busy at the start)" in capsys.readouterr().out
+
+
 def test_eval_model_override_applies_to_the_checkpoint_config(trained_run, synthetic_root, tmp_path, monkeypatch, capsys):
     base = [f"ckpt_path={trained_run}", f"data.dataroot={synthetic_root}", "num_pngs=0"]
     # A setting that does not change the weights is applied on top of the checkpoint's model config...
