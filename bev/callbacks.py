@@ -121,17 +121,14 @@ def parse_deadline(value: Any) -> float | None:
     date and time ("2026-11-25T18:00:00", local time unless it names a zone); None stays None."""
     if value is None:
         return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    try:
         seconds = float(value)
-    else:
+    except ValueError:
         try:
-            seconds = float(value)
+            seconds = datetime.datetime.fromisoformat(str(value).strip()).timestamp()
         except ValueError:
-            try:
-                seconds = datetime.datetime.fromisoformat(str(value).strip()).timestamp()
-            except ValueError:
-                raise ValueError(f"deadline must be Unix seconds (e.g. $(date -d '+15 min' +%s)) or an ISO date and "
-                                 f"time like \"2026-11-25T18:00:00\", got {value!r}") from None
+            raise ValueError(f"deadline must be Unix seconds (e.g. $(date -d '+15 min' +%s)) or an ISO date and "
+                             f"time like \"2026-11-25T18:00:00\", got {value!r}") from None
     if seconds < 1e9:  # before 2001: a duration passed where a time was meant
         raise ValueError(f"deadline must be a wall-clock time (Unix seconds), got {value!r}; for a duration use "
                          f"callbacks.time_budget.budget")
@@ -191,7 +188,8 @@ class TimeBudget(L.Callback):
     then, so everything before it (start-up, data, other jobs) counts; with `budget` too, the
     smaller wins. `reserve_validations` keeps that many measured validations' time free at the
     end of the budget, for work that follows training and scales with the machine (the
-    evaluation of `make train`). As a last resort (the machine slowed down a lot) training stops when the budget is spent.
+    evaluation of `make train`). As a last resort (the machine slowed down a lot) training
+    stops when the budget (less that reserve) is spent.
     """
 
     def __init__(self, budget: Any = None, measure_steps: int = 40, skip_steps: int = 5, margin: float = 0.03,
