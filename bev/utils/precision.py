@@ -85,13 +85,11 @@ def resolve_channels_last(value: bool | str, module=None) -> bool:
                       f"with stride > 1 and fewer than {NHWC_MIN_CHANNELS} input channels, whose channels_last weight gradient "
                       "oneDNN on x86 CPUs computes past its buffer (crashes, hangs or wrong gradients: "
                       "uxlfoundation/oneDNN#6035); widen them or set channels_last=false", stacklevel=3)
-        if value == "auto":
-            return False
-    if value == "auto":
-        import torch
+    if value != "auto":
+        return bool(value)
+    import torch
 
-        return torch.cuda.is_available() or cpu_bf16_support() is not None
-    return bool(value)
+    return not hazards and (torch.cuda.is_available() or cpu_bf16_support() is not None)
 
 
 # oneDNN's AVX-512 1x1 convolution blocks input channels by 16; below one block its strided
