@@ -145,6 +145,13 @@ class ThreadsFollowLoad(L.Callback):
         self.max_threads, self.probe_s = int(max_threads), float(probe_s)
         self.load = None
 
+    @classmethod
+    def when_auto(cls, n: int | None, threads, accelerator: str = "cpu", devices=1) -> list["ThreadsFollowLoad"]:
+        """[cls(n)] where `threads: auto` set n intra-op threads for one CPU process, else []."""
+        from bev.utils.threads import follows_load
+
+        return [cls(n)] if n and follows_load(threads, accelerator, devices) else []
+
     def on_train_start(self, trainer, pl_module) -> None:
         from bev.utils.threads import OtherLoad
 
@@ -310,8 +317,8 @@ class TimeBudget(L.Callback):
             pace = max((self.clock() - t0) - (self._val_s - val0), 0.0) / self.measure_steps
             epochs_left = self._session_epoch0 + self.skip_epochs - trainer.current_epoch
             steps_left = (epochs_left * trainer.num_training_batches - batch_idx - 1) / trainer.accumulate_grad_batches
-            val_guess = _val_batches(trainer) * pace * self.val_cost_guess
-            if self.elapsed() + steps_left * pace > self.budget * (1 - self.margin) - self.reserve_validations * val_guess:
+            reserve = self.reserve_validations * self._val_guess(trainer, pace)
+            if self.elapsed() + steps_left * pace > self.budget * (1 - self.margin) - reserve:
                 self._mark = self._early
                 self._plan(trainer)
 
@@ -328,8 +335,12 @@ class TimeBudget(L.Callback):
         self.s_per_step = max((self.clock() - t0) - (self._val_s - val0), 1e-6) / steps
         if self._val_n:
             self.s_per_val = self._val_s / self._val_n
-        else:  # not measured yet: a guess from the validation batch count, corrected after the first one
-            self.s_per_val = _val_batches(trainer) * self.s_per_step * self.val_cost_guess
+        else:  # not measured yet: a guess, corrected after the first one
+            self.s_per_val = self._val_guess(trainer, self.s_per_step)
+
+    def _val_guess(self, trainer, s_per_step: float) -> float:
+        """Seconds of a validation not measured yet, from its batch count and the step pace."""
+        return _val_batches(trainer) * s_per_step * self.val_cost_guess
 
     def _steps_between_validations(self, trainer) -> float:
         batches = trainer.num_training_batches

@@ -28,7 +28,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     from bev.utils.checkpoint import logged_val_iou
     from bev.metrics import format_table
     from bev.callbacks import ThreadsFollowLoad
-    from bev.utils.threads import follows_load, intra_op_threads
+    from bev.utils.threads import intra_op_threads
 
     if OmegaConf.is_missing(cfg, "ckpt_path"):
         raise ValueError("no checkpoint given: bev-eval ckpt_path=<a .ckpt file, or a run directory for its best checkpoint>")
@@ -40,10 +40,10 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     datamodule = instantiate(data_cfg)
 
     precision = cfg.get("precision") or OmegaConf.select(run_cfg, "trainer.precision", default="32-true")
-    threads = (cfg.get("threads"), data_cfg.get("num_workers", 0), str(cfg.accelerator))
-    with intra_op_threads(*threads) as n:
-        # On a busy machine threads: auto gives way to the other processes (bev.callbacks.ThreadsFollowLoad).
-        follow = [ThreadsFollowLoad(n)] if n and follows_load(threads[0], threads[2]) else []
+    threads, accelerator = cfg.get("threads"), str(cfg.accelerator)
+    with intra_op_threads(threads, data_cfg.get("num_workers", 0), accelerator) as n:
+        # On a busy machine threads: auto gives way to the other processes.
+        follow = ThreadsFollowLoad.when_auto(n, threads, accelerator)
         trainer = L.Trainer(accelerator=cfg.accelerator, devices=1, precision=precision, logger=False, callbacks=follow,
                             enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
         trainer.test(model, datamodule=datamodule, verbose=False)

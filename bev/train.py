@@ -29,7 +29,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from bev.callbacks import AtomicCheckpointIO, ThreadsFollowLoad, TimeBudget
     from bev.utils.checkpoint import check_compatible, read_checkpoint
     from bev.utils.precision import resolve_precision
-    from bev.utils.threads import follows_load, intra_op_threads
+    from bev.utils.threads import intra_op_threads
 
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
@@ -60,8 +60,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     threads = (cfg.get("threads"), cfg.data.get("num_workers", 0), str(cfg.trainer.get("accelerator", "cpu")),
                cfg.trainer.get("devices", 1))
     with intra_op_threads(*threads) as n:
-        if n and follows_load(threads[0], threads[2], threads[3]):
-            trainer.callbacks.append(ThreadsFollowLoad(n))
+        trainer.callbacks.extend(ThreadsFollowLoad.when_auto(n, threads[0], *threads[2:]))
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     wall = time.time() - start
 

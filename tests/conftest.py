@@ -3,12 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import lightning.pytorch  # noqa: F401  (before any test: see below)
-import pytest
-
 # Lightning gives its logger a StreamHandler on sys.stderr when first imported. Imported first
 # inside a capsys test, that handler would keep the test's stream, closed afterwards, and every
 # later Lightning log line would print a "Logging error" traceback into other tests' stderr.
+import lightning.pytorch  # noqa: F401
+import pytest
 
 
 @pytest.fixture(scope="session")
