@@ -120,17 +120,6 @@ def _unbatch(sample: Mapping[str, Any]) -> tuple[dict, bool]:
     return out, True
 
 
-def _pred_map(pred: Any) -> np.ndarray:
-    """Prediction -> (X, Y) probabilities (class 0). Accepts (X, Y), (C, X, Y) or (B, C, X, Y);
-    values outside [0, 1] are taken as logits and passed through a sigmoid."""
-    p = _np(pred)
-    while p.ndim > 2:
-        p = p[0]
-    if p.size and (p.min() < 0 or p.max() > 1):
-        p = 1.0 / (1.0 + np.exp(-p))
-    return p
-
-
 def _pred_channels(pred: Any) -> np.ndarray:
     """Prediction (C, X, Y) or (1, C, X, Y) -> (C, X, Y) probabilities (logits pass through a sigmoid)."""
     p = _np(pred)
@@ -139,6 +128,12 @@ def _pred_channels(pred: Any) -> np.ndarray:
     if p.size and (p.min() < 0 or p.max() > 1):
         p = 1.0 / (1.0 + np.exp(-p))
     return p
+
+
+def _pred_map(pred: Any) -> np.ndarray:
+    """Prediction (X, Y), (C, X, Y) or (B, C, X, Y) -> (X, Y) probabilities of class 0."""
+    p = _pred_channels(pred)
+    return p[0] if p.ndim > 2 else p
 
 
 def _draw_bev(ax, img: np.ndarray, grid: Grid, title: str, **kw):

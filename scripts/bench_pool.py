@@ -65,6 +65,7 @@ from bev.data.rig import load_rig  # noqa: E402
 from bev.geometry import Grid, frustum_to_ego, make_frustum, quaternion_to_matrix, voxel_coords  # noqa: E402
 from bev.utils.io import atomic_write  # noqa: E402
 from bev.utils.malloc import MALLOC_ENV, tune_malloc_in_process  # noqa: E402
+from bev.utils.profiling import peak_cpu_bytes  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -271,19 +272,13 @@ def peak_memory(method, state, grad_out, backward, device):
         del out
         clear_grads(state)
         return peak
-    from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    def call():
         out = run_once(method, state, grad_out, backward)
         del out
         clear_grads(state)
-    # Raw allocation (+bytes) / free (-bytes) records, in time order.
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    current = peak = 0
-    for _, delta in events:
-        current += delta
-        peak = max(peak, current)
-    return peak
+
+    return peak_cpu_bytes(call)
 
 
 def product_bytes(depth, feats):

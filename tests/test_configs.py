@@ -55,6 +55,8 @@ def test_lss_paper_settings():
         cfg = compose("train", overrides=["experiment=lss_nuscenes_trainval"])
     g = Grid.from_any(cfg.grid)
     assert g.bev_shape == (200, 200) and g.depth_bins == 41
+    assert (g.xbound, g.ybound, g.dbound) == ((-50, 50, 0.5), (-50, 50, 0.5), (4, 45, 1))
+    assert cfg.trainer.gradient_clip_val == 5.0 and cfg.data.version == "v1.0-trainval"
     assert list(cfg.data.final_dim) == [128, 352] and cfg.data.batch_size == 4
     assert cfg.model.optimizer.lr == 1e-3 and cfg.model.optimizer.weight_decay == 1e-7
     assert cfg.model.pos_weight == 2.13

@@ -332,9 +332,10 @@ def test_empty_split(tiny_root, tmp_path):
 
 def test_resize_lim_far_from_final_dim_warns(tiny_root):
     with pytest.warns(UserWarning, match="resize_lim"):
-        _ds(tiny_root, final_dim=(64, 176), augment=True)
-    ds = _ds(tiny_root, final_dim=(64, 176), augment=True, resize_lim=None)
+        _ds(tiny_root, final_dim=(64, 176), augment=True, resize_lim=(0.193, 0.225))
+    ds = _ds(tiny_root, final_dim=(64, 176), augment=True)  # the default scales LSS's range
     assert ds.resize_lim == pytest.approx((0.0965, 0.1125))
+    assert ds.bot_pct_lim == (0.0, 0.22) and ds.rot_lim == (-5.4, 5.4)
 
 
 # ---------------------------------------------------------------- DataModule

@@ -1,11 +1,11 @@
 """Model: shapes, splat variants agree, gradients, pretrained-weight errors, torch.compile."""
-import math
 import urllib.error
 
 import pytest
 import torch
 
 from bev.geometry import Grid
+from bev.inference import ring_rig
 from bev.models import BackboneWeightsError, BevEncoder, CameraEncoder, LiftSplatShoot
 
 GRID = Grid(xbound=(-24, 24, 2.0), ybound=(-24, 24, 2.0), zbound=(-10, 10, 20), dbound=(4, 44, 8.0))
@@ -19,21 +19,7 @@ TINY = dict(
 
 def rig(B: int, N: int = 6, size=SIZE):
     """Six cameras at 1.5 m looking outwards every 60 degrees (camera: x right, y down, z forward)."""
-    H, W = size
-    K = torch.tensor([[W / 2, 0, W / 2], [0, W / 2, H / 2], [0, 0, 1.0]])
-    rots = []
-    for i in range(N):
-        yaw = 2 * math.pi * i / N
-        fwd = torch.tensor([math.cos(yaw), math.sin(yaw), 0.0])
-        right = torch.tensor([math.sin(yaw), -math.cos(yaw), 0.0])
-        rots.append(torch.stack([right, torch.tensor([0, 0, -1.0]), fwd], dim=1))
-    return dict(
-        intrinsics=K.expand(B, N, 3, 3).clone(),
-        rots=torch.stack(rots).expand(B, N, 3, 3).clone(),
-        trans=torch.tensor([0, 0, 1.5]).expand(B, N, 3).clone(),
-        post_rots=torch.eye(3).expand(B, N, 3, 3).clone(),
-        post_trans=torch.zeros(B, N, 3),
-    )
+    return ring_rig(N, size, B)
 
 
 def model_inputs(B=2, seed=0):

@@ -88,6 +88,15 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dt
     torch.testing.assert_close(actual.to(torch.float64), expected.to(torch.float64), **tol)
 
 
+def assert_gradient_is_exact_gather(out, feats, coords, grid, gen):
+    """voxel_sum's backward is a pure gather of grad_out: exact in every dtype (vs float64 index_add_)."""
+    grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.dtype)
+    out.backward(grad_out)
+    expected = feats.detach().to(torch.float64).requires_grad_()
+    index_add_voxel_sum(expected, coords, grid).backward(grad_out.to(torch.float64))
+    assert torch.equal(feats.grad.to(torch.float64), expected.grad)
+
+
 def backends_for(device: str) -> list:
     """Explicit backends to test on `device`; native is skipped (not silently dropped) if unbuilt."""
     native_mark = pytest.mark.skipif(
@@ -123,12 +132,7 @@ def test_voxel_sum_matches_index_add(backend, dtype, case):
     assert out.shape == (grid[0], C, *grid[1:]) and out.is_contiguous()
     assert_matches(out, index_add_voxel_sum(feats.detach(), coords, grid), dtype)
 
-    grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)
-    out.backward(grad_out)
-    expected = feats.detach().to(torch.float64).requires_grad_()
-    index_add_voxel_sum(expected, coords, grid).backward(grad_out.to(torch.float64))
-    # The gradient is a pure gather: exact in every dtype.
-    assert torch.equal(feats.grad.to(torch.float64), expected.grad)
+    assert_gradient_is_exact_gather(out, feats, coords, grid, gen)
 
 
 @pytest.mark.parametrize("backend", backends_for("cpu"))
@@ -204,11 +208,7 @@ def test_native_voxel_sum_large_outputs(case):
     feats = torch.randn(N, C, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
     out = ops.voxel_sum(feats, coords, grid, backend="native")
     assert_matches(out, index_add_voxel_sum(feats.detach(), coords, grid), dtype)
-    grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)
-    out.backward(grad_out)
-    expected = feats.detach().to(torch.float64).requires_grad_()
-    index_add_voxel_sum(expected, coords, grid).backward(grad_out.to(torch.float64))
-    assert torch.equal(feats.grad.to(torch.float64), expected.grad)
+    assert_gradient_is_exact_gather(out, feats, coords, grid, gen)
 
 
 @requires_native
@@ -440,7 +440,11 @@ def test_module_runs_under_torch_compile_fullgraph(monkeypatch):
     fresh_compile_caches(monkeypatch)
     grid = (2, 1, 4, 4)
     depth, feats, coords = random_frustum(2, 2, 3, 2, 3, 4, grid, generator=torch.Generator().manual_seed(8))
-    model = SplatModule(grid, 4)
+    assert_compiled_matches_eager(SplatModule(grid, 4), depth, feats, coords)
+
+
+def assert_compiled_matches_eager(model, depth, feats, coords):
+    """torch.compile(fullgraph=True) of model: same output and input gradients as eager."""
     compiled = torch.compile(model, fullgraph=True, backend="inductor")
     inputs = [depth.clone().requires_grad_(), feats.clone().requires_grad_()]
     out = compiled(*inputs, coords)

@@ -18,6 +18,7 @@ from test_ops import (
     VOXEL_CASES,
     SplatModule,
     _opcheck_inputs,
+    assert_compiled_matches_eager,
     fresh_compile_caches,
     assert_matches,
     backends_for,
@@ -122,17 +123,7 @@ def test_module_runs_under_torch_compile_fullgraph(monkeypatch):
     fresh_compile_caches(monkeypatch)
     grid = (2, 1, 8, 8)
     depth, feats, coords = random_frustum(2, 3, 5, 4, 6, 16, grid, device=DEVICE)
-    model = SplatModule(grid, 16).to(DEVICE)
-    compiled = torch.compile(model, fullgraph=True)
-    inputs = [depth.clone().requires_grad_(), feats.clone().requires_grad_()]
-    out = compiled(*inputs, coords)
-    out.square().sum().backward()
-    eager = [depth.clone().requires_grad_(), feats.clone().requires_grad_()]
-    expected = model(*eager, coords)
-    expected.square().sum().backward()
-    torch.testing.assert_close(out, expected)
-    for got, want in zip(inputs, eager):
-        torch.testing.assert_close(got.grad, want.grad)
+    assert_compiled_matches_eager(SplatModule(grid, 16).to(DEVICE), depth, feats, coords)
 
 
 def _lss_like_problem(dtype=torch.float32):

@@ -17,6 +17,7 @@ import torch
 
 import bev.ops as ops
 from bev.ops import _checks
+from bev.utils.profiling import peak_cpu_bytes
 from test_ops import frustum_to_points, index_add_bev_pool, index_add_voxel_sum, random_coords
 
 NATIVE = pytest.mark.skipif(not ops.native_available("cpu"), reason="native CPU kernels not built")
@@ -229,21 +230,6 @@ def test_quickcumsum_loses_small_voxels_known_limitation():
     assert out[0, 0, 0].diagonal().tolist() == [1e17, 0.0]
 
 
-def profiled_peak_bytes(fn) -> int:
-    """Peak of torch CPU allocations while fn runs (its inputs excluded, its result included)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-        del result
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    current = peak = 0
-    for _, delta in events:
-        current += delta
-        peak = max(peak, current)
-    return peak
-
-
 def test_sparse_plan_memory_scales_with_points():
     # A huge, nearly empty grid: the torch plan holds O(points), never 8 bytes per voxel.
     coords = torch.zeros(1, 1, 1, 1, 1, 3, dtype=torch.long)
@@ -254,7 +240,7 @@ def test_sparse_plan_memory_scales_with_points():
     grid = (1, 1, 2000, 2000)
     feats, coords = torch.ones(5, 1), torch.tensor([[0, 0, 7, 9]] * 5)
     out_bytes = 2000 * 2000 * 4
-    peak = profiled_peak_bytes(lambda: ops.voxel_sum(feats, coords, grid, backend="torch"))
+    peak = peak_cpu_bytes(lambda: ops.voxel_sum(feats, coords, grid, backend="torch"))
     assert out_bytes <= peak < out_bytes + (1 << 20), peak
     assert ops.voxel_sum(feats, coords, grid, backend="torch")[0, 0, 0, 7, 9] == 5
 

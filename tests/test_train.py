@@ -95,15 +95,22 @@ def test_training_sets_intra_op_threads_and_restores_them(synthetic_root, tmp_pa
     assert f"threads: {cpus - 1} ({cpus} CPUs less 1 loader worker(s))" in capsys.readouterr().out
 
 
-def test_training_threads_give_way_to_other_processes(synthetic_root, tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def two_of_four_cpus_busy(monkeypatch) -> list[int]:
+    """Four CPUs, two kept busy by other processes; returns the thread counts ThreadsFollowLoad sets."""
     import bev.utils.threads as threads
     from bev.callbacks import ThreadsFollowLoad
 
     monkeypatch.setattr(threads, "available_cpus", lambda: 4)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(threads.OtherLoad, "cpus_busy", lambda self: 2.0)  # two CPUs busy with others
+    monkeypatch.setattr(threads.OtherLoad, "cpus_busy", lambda self: 2.0)
     seen, follow = [], ThreadsFollowLoad._follow
     monkeypatch.setattr(ThreadsFollowLoad, "_follow", lambda self, when: (follow(self, when), seen.append(torch.get_num_threads())))
+    return seen
+
+
+def test_training_threads_give_way_to_other_processes(synthetic_root, tmp_path, monkeypatch, capsys, two_of_four_cpus_busy):
+    seen = two_of_four_cpus_busy
     before = torch.get_num_threads()
     args = [*TINY, "debug=fdr", "data.num_workers=0", f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
     assert train_cli(args, monkeypatch) == 0
@@ -209,15 +216,9 @@ def test_checkpoint_from_an_incompatible_model(trained_run, synthetic_root, tmp_
     assert_one_paragraph(capsys.readouterr().err, "different model config", "model.net.bev.widths")
 
 
-def test_eval_threads_give_way_to_other_processes(trained_run, synthetic_root, tmp_path, monkeypatch, capsys):
-    import bev.utils.threads as threads
-    from bev.callbacks import ThreadsFollowLoad
-
-    monkeypatch.setattr(threads, "available_cpus", lambda: 4)
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(threads.OtherLoad, "cpus_busy", lambda self: 2.0)  # two CPUs busy with others
-    seen, follow = [], ThreadsFollowLoad._follow
-    monkeypatch.setattr(ThreadsFollowLoad, "_follow", lambda self, when: (follow(self, when), seen.append(torch.get_num_threads())))
+def test_eval_threads_give_way_to_other_processes(trained_run, synthetic_root, tmp_path, monkeypatch, capsys,
+                                                two_of_four_cpus_busy):
+    seen = two_of_four_cpus_busy
     before = torch.get_num_threads()
     args = [f"ckpt_path={trained_run}", f"data.dataroot={synthetic_root}", "data.num_workers=0", f"hydra.run.dir={tmp_path}"]
     assert eval_cli(args, monkeypatch) == 0

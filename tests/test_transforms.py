@@ -15,7 +15,9 @@ from bev.data.transforms import (
     ImageAug,
     denormalize_image,
     draft_factor,
+    float_range,
     normalize_image,
+    resize_range,
     sample_augmentation,
     warp_image,
 )
@@ -59,6 +61,15 @@ def test_validation_transform_is_the_lss_crop():
     torch.testing.assert_close(post_rot, torch.diag(torch.tensor([0.22, 0.22, 1.0])))
     torch.testing.assert_close(post_tran, torch.tensor([0.0, -48.0, 0.0]))
     assert aug.final_dim == (128, 352)
+
+
+def test_augmentation_ranges_default_to_lss():
+    assert resize_range(None, (128, 352), augment=True) == (0.193, 0.225)  # exactly, at LSS's own size
+    assert resize_range(None, (256, 704), augment=True) == pytest.approx((0.386, 0.45))
+    assert resize_range([0.3, 0.5], (256, 704), augment=True) == (0.3, 0.5)
+    assert float_range(None, (-5.4, 5.4)) == (-5.4, 5.4) and float_range([1, 2], (0.0, 0.0)) == (1.0, 2.0)
+    with pytest.warns(UserWarning, match="far from the validation scale"):
+        resize_range((0.193, 0.225), (64, 176), augment=True)
 
 
 def test_train_augmentations_stay_in_range():

@@ -13,16 +13,17 @@ from bev.data.rasterize import check_raster
 from bev.geometry import Grid
 
 
-def _tuple(v: Any) -> tuple:
-    # Hydra hands lists/ListConfig; the dataset wants plain tuples of numbers.
-    return tuple(v)
+def _tuple(v: Any) -> tuple | None:
+    # Hydra hands lists/ListConfig; the dataset wants plain tuples of numbers (None: its default).
+    return None if v is None else tuple(v)
 
 
 class NuScenesDataModule(L.LightningDataModule):
     """nuScenes (or synthetic nuScenes-format) BEV data for Lift-Splat training.
 
-    Training uses `augment` (LSS random resize/crop/flip/rotate, random ncams subset); val and
-    test (the val split) always use the deterministic validation transform and all cameras.
+    Training uses `augment` (LSS random resize/crop/flip/rotate, random ncams subset; a range of
+    None is LSS's, see NuScenesBEVDataset); val and test (the val split) always use the
+    deterministic validation transform and all cameras.
     persistent_workers only applies when num_workers > 0.
     class_names / num_classes: the target channels (object classes, then map_layers classes); the
     model config reads the same count through the `bev.num_classes` config resolver.
@@ -37,9 +38,9 @@ class NuScenesDataModule(L.LightningDataModule):
         grid: Grid | dict | None = None,
         final_dim: Sequence[int] = (128, 352),
         augment: bool = True,
-        resize_lim: Sequence[float] = (0.193, 0.225),
-        bot_pct_lim: Sequence[float] = (0.0, 0.22),
-        rot_lim: Sequence[float] = (-5.4, 5.4),
+        resize_lim: Sequence[float] | None = None,
+        bot_pct_lim: Sequence[float] | None = None,
+        rot_lim: Sequence[float] | None = None,
         rand_flip: bool = True,
         ncams: int = 6,
         categories: Any = ("vehicle.",),
@@ -63,7 +64,7 @@ class NuScenesDataModule(L.LightningDataModule):
         self.common = dict(
             grid=self.grid,
             final_dim=_tuple(final_dim),
-            resize_lim=None if resize_lim is None else _tuple(resize_lim),
+            resize_lim=_tuple(resize_lim),
             bot_pct_lim=_tuple(bot_pct_lim),
             rot_lim=_tuple(rot_lim),
             rand_flip=bool(rand_flip),

@@ -34,7 +34,15 @@ from torch.utils.data import Dataset
 from bev.data.depth import depth_targets, load_lidar
 from bev.data.maps import load_map_geometry, map_signature, normalize_map_layers, rasterize_map
 from bev.data.rasterize import box_footprints, check_raster, rasterize_boxes
-from bev.data.transforms import normalize_array, sample_augmentation, warp_image
+from bev.data.transforms import (
+    LSS_BOT_PCT_LIM,
+    LSS_ROT_LIM,
+    float_range,
+    normalize_array,
+    resize_range,
+    sample_augmentation,
+    warp_image,
+)
 from bev.geometry import CAMERA_GEOMETRY, CAMERA_NAMES, FEATURE_STRIDE, Grid, quaternion_to_matrix
 from bev.utils.io import atomic_open
 
@@ -331,24 +339,6 @@ def load_index(
     return index
 
 
-_LSS_VAL_RESIZE = 0.22  # the validation scale the LSS resize_lim (0.193, 0.225) was chosen around
-
-
-def _resize_lim(resize_lim, final_dim, augment: bool, raw_hw=(900, 1600)) -> tuple[float, float]:
-    """resize_lim as floats; None scales the LSS range to final_dim (it is absolute, tuned for 128x352)."""
-    val = max(final_dim[0] / raw_hw[0], final_dim[1] / raw_hw[1])
-    if resize_lim is None:
-        return (0.193 * val / _LSS_VAL_RESIZE, 0.225 * val / _LSS_VAL_RESIZE)
-    lim = (float(resize_lim[0]), float(resize_lim[1]))
-    if augment and not 0.8 * lim[0] <= val <= 1.25 * lim[1]:
-        warnings.warn(
-            f"resize_lim {lim} is far from the validation scale {val:.4f} of final_dim {tuple(final_dim)}: "
-            f"training crops would show a different field of view than validation. Scale resize_lim with "
-            f"final_dim, or pass resize_lim=None to scale the LSS range automatically."
-        )
-    return lim
-
-
 class NuScenesBEVDataset(Dataset):
     """Six surround-camera images + BEV targets of the key-frame samples of one split.
 
@@ -369,8 +359,8 @@ class NuScenesBEVDataset(Dataset):
     point in each camera feature cell, -1 where none (bev.data.depth), for depth supervision.
     With augment=False images get the deterministic LSS resize + crop and all 6 cameras;
     with augment=True and ncams < 6 a random subset of ncams cameras (kept in camera order).
-    resize_lim is absolute (LSS: (0.193, 0.225) around the 0.22 of 128x352 from 1600x900);
-    None scales that range to final_dim.
+    resize_lim, bot_pct_lim, rot_lim: None gives Lift-Splat-Shoot's ranges (bev.data.transforms);
+    resize_lim is absolute, and None scales the LSS range to final_dim.
     """
 
     use_draft = True  # decode JPEGs at 1/2, 1/4, 1/8 DCT scale when the output allows (exact geometry)
@@ -383,9 +373,9 @@ class NuScenesBEVDataset(Dataset):
         grid: Grid | dict | None = None,
         final_dim: Sequence[int] = (128, 352),
         augment: bool = False,
-        resize_lim: Sequence[float] = (0.193, 0.225),
-        bot_pct_lim: Sequence[float] = (0.0, 0.22),
-        rot_lim: Sequence[float] = (-5.4, 5.4),
+        resize_lim: Sequence[float] | None = None,
+        bot_pct_lim: Sequence[float] | None = None,
+        rot_lim: Sequence[float] | None = None,
         rand_flip: bool = True,
         ncams: int = 6,
         categories: Any = ("vehicle.",),
@@ -401,9 +391,9 @@ class NuScenesBEVDataset(Dataset):
         self.grid = Grid.from_any(grid)
         self.final_dim = (int(final_dim[0]), int(final_dim[1]))
         self.augment = bool(augment)
-        self.resize_lim = _resize_lim(resize_lim, self.final_dim, self.augment)
-        self.bot_pct_lim = tuple(float(v) for v in bot_pct_lim)
-        self.rot_lim = tuple(float(v) for v in rot_lim)
+        self.resize_lim = resize_range(resize_lim, self.final_dim, self.augment)
+        self.bot_pct_lim = float_range(bot_pct_lim, LSS_BOT_PCT_LIM)
+        self.rot_lim = float_range(rot_lim, LSS_ROT_LIM)
         self.rand_flip = bool(rand_flip)
         if not 1 <= int(ncams) <= len(CAMERA_NAMES):
             raise ValueError(f"ncams must be in 1..{len(CAMERA_NAMES)}, got {ncams}")

@@ -18,6 +18,7 @@ is folded into the warp exactly.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -25,8 +26,18 @@ import numpy as np
 import torch
 from PIL import Image
 
+from bev.data.rig import IMAGE_H, IMAGE_W
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# Lift-Splat-Shoot's training augmentation: the one statement of these defaults (None in the data
+# classes and configs means these). resize_lim is absolute: LSS chose it around LSS_VAL_RESIZE, the
+# validation scale of 128x352 crops of 1600x900 images; resize_range scales it to other crops.
+LSS_RESIZE_LIM = (0.193, 0.225)
+LSS_VAL_RESIZE = 0.22
+LSS_BOT_PCT_LIM = (0.0, 0.22)
+LSS_ROT_LIM = (-5.4, 5.4)  # degrees
 
 
 @dataclass(frozen=True)
@@ -76,9 +87,9 @@ def sample_augmentation(
     raw_hw: tuple[int, int],
     final_dim: Sequence[int],
     train: bool,
-    resize_lim: Sequence[float] = (0.193, 0.225),
-    bot_pct_lim: Sequence[float] = (0.0, 0.22),
-    rot_lim: Sequence[float] = (-5.4, 5.4),
+    resize_lim: Sequence[float] = LSS_RESIZE_LIM,
+    bot_pct_lim: Sequence[float] = LSS_BOT_PCT_LIM,
+    rot_lim: Sequence[float] = LSS_ROT_LIM,
     rand_flip: bool = True,
 ) -> ImageAug:
     """Draw an augmentation (train) or return the deterministic validation one.
@@ -104,6 +115,26 @@ def sample_augmentation(
         crop_w = int(max(0, newW - fW) / 2)
         flip, rotate = False, 0.0
     return ImageAug(resize, (crop_w, crop_h, crop_w + fW, crop_h + fH), flip, rotate)
+
+
+def float_range(lim: Sequence[float] | None, default: tuple[float, float]) -> tuple[float, float]:
+    """lim as a (lo, hi) pair of floats; None gives the default."""
+    return default if lim is None else (float(lim[0]), float(lim[1]))
+
+
+def resize_range(resize_lim, final_dim, augment: bool, raw_hw=(IMAGE_H, IMAGE_W)) -> tuple[float, float]:
+    """resize_lim as floats; None gives LSS_RESIZE_LIM scaled to final_dim's validation scale."""
+    val = max(final_dim[0] / raw_hw[0], final_dim[1] / raw_hw[1])
+    if resize_lim is None:
+        return LSS_RESIZE_LIM if val == LSS_VAL_RESIZE else tuple(v * val / LSS_VAL_RESIZE for v in LSS_RESIZE_LIM)
+    lim = float_range(resize_lim, LSS_RESIZE_LIM)
+    if augment and not 0.8 * lim[0] <= val <= 1.25 * lim[1]:
+        warnings.warn(
+            f"resize_lim {lim} is far from the validation scale {val:.4f} of final_dim {tuple(final_dim)}: "
+            f"training crops would show a different field of view than validation. Scale resize_lim with "
+            f"final_dim, or pass resize_lim=None to scale the LSS range automatically."
+        )
+    return lim
 
 
 def draft_factor(raw_size: tuple[int, int], draft_size: tuple[int, int]) -> int:
