@@ -85,12 +85,17 @@ def check_map_files(dataroot: str | os.PathLike, locations: Sequence[str]) -> No
                                 f"{MAP_DOWNLOAD}, or set data.map_layers=null.")
 
 
+def _vertices(nmap, node_tokens: Sequence[str]) -> np.ndarray:
+    """(N, 2) float64 global x, y of map nodes."""
+    return np.array([(nmap.get("node", t)["x"], nmap.get("node", t)["y"]) for t in node_tokens],
+                    dtype=np.float64).reshape(-1, 2)
+
+
 def _rings_of_polygon(nmap, polygon_token: str) -> list[np.ndarray]:
+    """A map polygon's rings: the exterior, then its non-empty holes."""
     rec = nmap.get("polygon", polygon_token)
-    node = lambda t: (nmap.get("node", t)["x"], nmap.get("node", t)["y"])  # noqa: E731
-    rings = [np.array([node(t) for t in rec["exterior_node_tokens"]], dtype=np.float64).reshape(-1, 2)]
-    rings += [np.array([node(t) for t in h["node_tokens"]], dtype=np.float64).reshape(-1, 2)
-              for h in rec["holes"] if len(h["node_tokens"])]
+    rings = [_vertices(nmap, rec["exterior_node_tokens"])]
+    rings += [_vertices(nmap, h["node_tokens"]) for h in rec["holes"] if len(h["node_tokens"])]
     return rings
 
 
@@ -104,52 +109,78 @@ def load_map_geometry(dataroot: str | os.PathLike, locations: Sequence[str], cla
       map_shape_line (S,) bool; map_shape_location (S,) into map_locations; map_shape_bbox (S, 4)
       xmin, ymin, xmax, ymax. Polygons the devkit skips (invalid, outside drivable_area) are skipped.
     """
-    from nuscenes.map_expansion.map_api import NuScenesMap
-    from shapely.geometry import Polygon
     from tqdm import tqdm
 
     check_map_files(dataroot, locations)
-    xy, ring_off, shape_rings, cls, line, loc_of, bbox = [], [0], [0], [], [], [], []
+    table = _ShapeTable()
     for li, loc in enumerate(tqdm(locations, desc="loading map expansion", unit="map", disable=not verbose)):
-        try:
-            nmap = NuScenesMap(dataroot=str(dataroot), map_name=loc)
-        except Exception as e:  # outdated version, unknown location, missing layer: name the file
-            raise ValueError(f"cannot read the map expansion {str(map_file(dataroot, loc))!r} with the nuScenes devkit "
-                             f"({type(e).__name__}: {e}). {MAP_DOWNLOAD} (v1.3).") from None
+        nmap = _open_map(dataroot, loc)
         for c, name in enumerate(classes):
             for layer in MAP_CLASSES[name]:
                 for rec in getattr(nmap, layer):
-                    if layer in LINE_LAYERS:
-                        shapes = [[np.array([(nmap.get("node", t)["x"], nmap.get("node", t)["y"])
-                                             for t in nmap.get("line", rec["line_token"])["node_tokens"]],
-                                            dtype=np.float64).reshape(-1, 2)]]
-                    elif layer == "drivable_area":
-                        shapes = [_rings_of_polygon(nmap, t) for t in rec["polygon_tokens"]]
-                    else:
-                        rings = _rings_of_polygon(nmap, rec["polygon_token"])
-                        # As the devkit's get_map_mask: invalid non-drivable polygons are not drawn.
-                        shapes = [rings] if len(rings[0]) >= 3 and Polygon(rings[0], rings[1:]).is_valid else []
-                    for rings in shapes:
-                        if len(rings[0]) < (2 if layer in LINE_LAYERS else 3):
-                            continue
-                        for r in rings:
-                            xy.append(r)
-                            ring_off.append(ring_off[-1] + len(r))
-                        shape_rings.append(shape_rings[-1] + len(rings))
-                        cls.append(c)
-                        line.append(layer in LINE_LAYERS)
-                        loc_of.append(li)
-                        bbox.append((*rings[0].min(0), *rings[0].max(0)))
-    return {
-        "map_locations": np.asarray(list(locations), dtype=str),
-        "map_xy": np.concatenate(xy) if xy else np.zeros((0, 2)),
-        "map_ring_offsets": np.asarray(ring_off, dtype=np.int64),
-        "map_shape_rings": np.asarray(shape_rings, dtype=np.int64),
-        "map_shape_class": np.asarray(cls, dtype=np.int64),
-        "map_shape_line": np.asarray(line, dtype=bool),
-        "map_shape_location": np.asarray(loc_of, dtype=np.int64),
-        "map_shape_bbox": np.asarray(bbox, dtype=np.float64).reshape(-1, 4),
-    }
+                    for rings in _record_shapes(nmap, layer, rec):
+                        table.add(rings, c, layer in LINE_LAYERS, li)
+    return table.arrays(locations)
+
+
+def _open_map(dataroot: str | os.PathLike, location: str):
+    """The devkit's NuScenesMap of one location; any failure to read it names the file."""
+    from nuscenes.map_expansion.map_api import NuScenesMap
+
+    try:
+        return NuScenesMap(dataroot=str(dataroot), map_name=location)
+    except Exception as e:  # outdated version, unknown location, missing layer: name the file
+        raise ValueError(f"cannot read the map expansion {str(map_file(dataroot, location))!r} with the nuScenes devkit "
+                         f"({type(e).__name__}: {e}). {MAP_DOWNLOAD} (v1.3).") from None
+
+
+def _record_shapes(nmap, layer: str, rec: dict) -> list[list[np.ndarray]]:
+    """The drawable shapes of one record of a devkit layer, each a list of rings (a line: one ring)."""
+    from shapely.geometry import Polygon
+
+    if layer in LINE_LAYERS:
+        shapes = [[_vertices(nmap, nmap.get("line", rec["line_token"])["node_tokens"])]]
+    elif layer == "drivable_area":
+        shapes = [_rings_of_polygon(nmap, t) for t in rec["polygon_tokens"]]
+    else:
+        rings = _rings_of_polygon(nmap, rec["polygon_token"])
+        # As the devkit's get_map_mask: invalid non-drivable polygons are not drawn.
+        shapes = [rings] if len(rings[0]) >= 3 and Polygon(rings[0], rings[1:]).is_valid else []
+    min_vertices = 2 if layer in LINE_LAYERS else 3
+    return [rings for rings in shapes if len(rings[0]) >= min_vertices]
+
+
+class _ShapeTable:
+    """load_map_geometry's flat arrays, filled one shape at a time."""
+
+    def __init__(self) -> None:
+        self.xy: list[np.ndarray] = []
+        self.ring_off, self.shape_rings = [0], [0]
+        self.cls, self.line, self.loc_of, self.bbox = [], [], [], []
+
+    def add(self, rings: list[np.ndarray], c: int, line: bool, li: int) -> None:
+        """Append one shape (rings, first = exterior) of map class c at location li."""
+        for r in rings:
+            self.xy.append(r)
+            self.ring_off.append(self.ring_off[-1] + len(r))
+        self.shape_rings.append(self.shape_rings[-1] + len(rings))
+        self.cls.append(c)
+        self.line.append(line)
+        self.loc_of.append(li)
+        self.bbox.append((*rings[0].min(0), *rings[0].max(0)))
+
+    def arrays(self, locations: Sequence[str]) -> dict[str, np.ndarray]:
+        """The shapes as load_map_geometry's arrays."""
+        return {
+            "map_locations": np.asarray(list(locations), dtype=str),
+            "map_xy": np.concatenate(self.xy) if self.xy else np.zeros((0, 2)),
+            "map_ring_offsets": np.asarray(self.ring_off, dtype=np.int64),
+            "map_shape_rings": np.asarray(self.shape_rings, dtype=np.int64),
+            "map_shape_class": np.asarray(self.cls, dtype=np.int64),
+            "map_shape_line": np.asarray(self.line, dtype=bool),
+            "map_shape_location": np.asarray(self.loc_of, dtype=np.int64),
+            "map_shape_bbox": np.asarray(self.bbox, dtype=np.float64).reshape(-1, 4),
+        }
 
 
 def ego_yaw(rotation: np.ndarray) -> float:

@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import warnings
+from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -159,113 +160,147 @@ def _pose(rec: dict) -> tuple[np.ndarray, np.ndarray]:
 def build_index(dataroot: str | os.PathLike, version: str, split: str, groups, verbose: bool = True,
                 map_layers: tuple[str, ...] = ()) -> dict:
     """Walk the devkit tables once and return the flat index of one split (see module doc)."""
-    from nuscenes.nuscenes import NuScenes  # the heavy import only where it is needed
-    from tqdm import tqdm
-
     root = Path(dataroot)
     scenes_of_split = set(_split_scenes()[split])
+    nusc = _open_tables(root, version, split, verbose)
+    scenes = sorted((s for s in nusc.scene if s["name"] in scenes_of_split), key=lambda s: s["name"])
+    cols = _walk_scenes(nusc, scenes, groups, f"indexing {version}/{split}", verbose)
+    n = len(cols["sample_token"])
+    locations = sorted(set(cols["location"]))
+    maps = load_map_geometry(root, locations, map_layers, verbose) if map_layers and n else {}
+    return {**maps, **_sample_arrays(cols, n), **_box_arrays(cols)}
+
+
+def _open_tables(root: Path, version: str, split: str, verbose: bool):
+    """The devkit's NuScenes of root/version; a table that is not valid JSON is named in the error."""
+    from nuscenes.nuscenes import NuScenes  # the heavy import only where it is needed
+
     if verbose:  # stderr: stdout belongs to the caller (bev-gallery prints the PNG path there)
         print(f"loading nuScenes {version} tables from {root} to index split {split!r} (once, then cached)",
               file=sys.stderr, flush=True)
     try:
-        nusc = NuScenes(version=version, dataroot=str(root), verbose=False)
+        return NuScenes(version=version, dataroot=str(root), verbose=False)
     except ValueError as e:  # JSONDecodeError / UnicodeDecodeError: the devkit's message names no file
         raise _damaged_table(root / version) or e from e
-    scenes = [s for s in nusc.scene if s["name"] in scenes_of_split]
-    vis_level = {}
-    for i, v in enumerate(sorted(nusc.visibility, key=lambda r: r["token"])):
-        vis_level[v["token"]] = int(v["token"]) if str(v["token"]).isdigit() else i + 1
 
-    tokens, scene_names, locations, timestamps, paths, hws = [], [], [], [], [], []
-    intr, rots, trans, ego_R, ego_t = [], [], [], [], []
-    lidar_paths, lidar_R, lidar_t = [], [], []
-    box_off = [0]
-    centers, sizes, brots, labels, vis, cats, insts = [], [], [], [], [], [], []
-    n_samples = sum(s["nbr_samples"] for s in scenes)
-    bar = tqdm(total=n_samples, desc=f"indexing {version}/{split}", unit="sample", disable=not verbose)
-    for scene in sorted(scenes, key=lambda s: s["name"]):
+
+def _visibility_levels(nusc) -> dict[str, int]:
+    """visibility token -> level: the token itself when it is a number (nuScenes' "1".."4"), else its rank."""
+    levels = {}
+    for i, v in enumerate(sorted(nusc.visibility, key=lambda r: r["token"])):
+        levels[v["token"]] = int(v["token"]) if str(v["token"]).isdigit() else i + 1
+    return levels
+
+
+def _walk_scenes(nusc, scenes: list[dict], groups, desc: str, verbose: bool) -> dict[str, list]:
+    """The index columns as lists, named as the index's arrays: every key frame of `scenes`, in order."""
+    from tqdm import tqdm
+
+    vis_level = _visibility_levels(nusc)
+    cols: dict[str, list] = defaultdict(list)
+    cols["box_offsets"].append(0)  # sample i's boxes are rows box_offsets[i]:box_offsets[i + 1]
+    bar = tqdm(total=sum(s["nbr_samples"] for s in scenes), desc=desc, unit="sample", disable=not verbose)
+    for scene in scenes:
         token = scene["first_sample_token"]
-        while token:
+        while token:  # the scene's key frames in time order
             sample = nusc.get("sample", token)
-            if "LIDAR_TOP" not in sample["data"]:
-                raise ValueError(f"sample {token} of {scene['name']} has no LIDAR_TOP sample_data (defines the ego frame)")
-            lidar = nusc.get("sample_data", sample["data"]["LIDAR_TOP"])
-            Re, te = _pose(nusc.get("ego_pose", lidar["ego_pose_token"]))
-            Rl, tl = _pose(nusc.get("calibrated_sensor", lidar["calibrated_sensor_token"]))
-            lidar_paths.append(lidar["filename"])
-            lidar_R.append(Rl)
-            lidar_t.append(tl)
-            for cam in CAMERA_NAMES:
-                if cam not in sample["data"]:
-                    raise ValueError(f"sample {token} of {scene['name']} has no {cam} image")
-                sd = nusc.get("sample_data", sample["data"][cam])
-                calib = nusc.get("calibrated_sensor", sd["calibrated_sensor_token"])
-                Rc, tc = _pose(calib)
-                Rce, tce = _pose(nusc.get("ego_pose", sd["ego_pose_token"]))
-                # camera -> ego(camera time) -> global -> ego(LIDAR_TOP time)
-                rots.append(Re.T @ Rce @ Rc)
-                trans.append(Re.T @ (Rce @ tc + tce - te))
-                intr.append(np.asarray(calib["camera_intrinsic"]))
-                paths.append(sd["filename"])
-                hws.append((sd["height"], sd["width"]))
-            for ann_token in sample["anns"]:
-                ann = nusc.get("sample_annotation", ann_token)
-                k = _label(ann["category_name"], groups)
-                if k < 0:
-                    continue
-                Rb, tb = _pose(ann)
-                centers.append(Re.T @ (tb - te))
-                brots.append(Re.T @ Rb)
-                sizes.append(ann["size"])
-                labels.append(k)
-                vis.append(vis_level.get(ann["visibility_token"], 0))
-                cats.append(ann["category_name"])
-                insts.append(ann["instance_token"])
-            box_off.append(len(labels))
-            tokens.append(token)
-            scene_names.append(scene["name"])
-            locations.append(nusc.get("log", scene["log_token"])["location"])
-            timestamps.append(sample["timestamp"])
-            ego_R.append(Re)
-            ego_t.append(te)
+            _add_sample(nusc, scene, token, sample, groups, vis_level, cols)
             token = sample["next"]
             bar.update(1)
     bar.close()
-    n = len(tokens)
-    f32 = np.float32
-    cat_names = sorted(set(cats))
-    cat_code = {c: k for k, c in enumerate(cat_names)}
-    centers_a = np.asarray(centers, dtype=np.float64).reshape(-1, 3)
-    sizes_a = np.asarray(sizes, dtype=np.float64).reshape(-1, 3)
-    brots_a = np.asarray(brots, dtype=np.float64).reshape(-1, 3, 3)
-    maps = load_map_geometry(root, sorted(set(locations)), map_layers, verbose) if map_layers and n else {}
+    return cols
+
+
+def _append(cols: dict[str, list], **values) -> None:
+    """Append one row's values to the columns of the same names."""
+    for name, value in values.items():
+        cols[name].append(value)
+
+
+def _add_sample(nusc, scene: dict, token: str, sample: dict, groups, vis_level: dict[str, int],
+                cols: dict[str, list]) -> None:
+    """Append one key frame: its LIDAR_TOP, its cameras and its target boxes, all in its ego frame."""
+    where = f"sample {token} of {scene['name']}"
+    if "LIDAR_TOP" not in sample["data"]:
+        raise ValueError(f"{where} has no LIDAR_TOP sample_data (defines the ego frame)")
+    lidar = nusc.get("sample_data", sample["data"]["LIDAR_TOP"])
+    Re, te = _pose(nusc.get("ego_pose", lidar["ego_pose_token"]))
+    Rl, tl = _pose(nusc.get("calibrated_sensor", lidar["calibrated_sensor_token"]))
+    _append(cols, lidar_path=lidar["filename"], lidar_rotation=Rl, lidar_translation=tl)
+    for cam in CAMERA_NAMES:
+        if cam not in sample["data"]:
+            raise ValueError(f"{where} has no {cam} image")
+        _add_camera(nusc, nusc.get("sample_data", sample["data"][cam]), Re, te, cols)
+    for ann_token in sample["anns"]:
+        _add_box(nusc.get("sample_annotation", ann_token), groups, vis_level, Re, te, cols)
+    cols["box_offsets"].append(len(cols["box_label"]))
+    _append(cols, sample_token=token, scene=scene["name"], location=nusc.get("log", scene["log_token"])["location"],
+            timestamp=sample["timestamp"], ego_rotation=Re, ego_translation=te)
+
+
+def _add_camera(nusc, sd: dict, Re: np.ndarray, te: np.ndarray, cols: dict[str, list]) -> None:
+    """Append one camera image: its file, size, intrinsics and camera -> ego pose (Re, te)."""
+    calib = nusc.get("calibrated_sensor", sd["calibrated_sensor_token"])
+    Rc, tc = _pose(calib)
+    Rce, tce = _pose(nusc.get("ego_pose", sd["ego_pose_token"]))
+    # camera -> ego(camera time) -> global -> ego(LIDAR_TOP time)
+    _append(cols, rots=Re.T @ Rce @ Rc, trans=Re.T @ (Rce @ tc + tce - te),
+            intrinsics=np.asarray(calib["camera_intrinsic"]), image_path=sd["filename"],
+            image_hw=(sd["height"], sd["width"]))
+
+
+def _add_box(ann: dict, groups, vis_level: dict[str, int], Re: np.ndarray, te: np.ndarray,
+             cols: dict[str, list]) -> None:
+    """Append one annotation as a target box in the ego frame (Re, te), unless no category group has it."""
+    k = _label(ann["category_name"], groups)
+    if k < 0:
+        return
+    Rb, tb = _pose(ann)
+    _append(cols, box_center=Re.T @ (tb - te), box_rotation=Re.T @ Rb, box_size=ann["size"], box_label=k,
+            box_visibility=vis_level.get(ann["visibility_token"], 0), box_category=ann["category_name"],
+            box_instance=ann["instance_token"])
+
+
+def _sample_arrays(cols: dict[str, list], n: int) -> dict[str, np.ndarray]:
+    """The n key frames' columns as arrays; per-camera ones are (n, len(CAMERA_NAMES), ...)."""
+    ncam, f32 = len(CAMERA_NAMES), np.float32
     return {
-        **maps,
-        "sample_token": np.asarray(tokens, dtype=str),
-        "scene": np.asarray(scene_names, dtype=str),
-        "location": np.asarray(locations, dtype=str),
-        "timestamp": np.asarray(timestamps, dtype=np.int64),
+        "sample_token": np.asarray(cols["sample_token"], dtype=str),
+        "scene": np.asarray(cols["scene"], dtype=str),
+        "location": np.asarray(cols["location"], dtype=str),
+        "timestamp": np.asarray(cols["timestamp"], dtype=np.int64),
         # bytes, not str: NumPy str is 4 bytes a character (~80 MB of paths for trainval)
-        "image_path": np.asarray([p.encode() for p in paths], dtype=bytes).reshape(n, len(CAMERA_NAMES)),
-        "image_hw": np.asarray(hws, dtype=np.int64).reshape(n, len(CAMERA_NAMES), 2),
-        "intrinsics": np.asarray(intr, dtype=f32).reshape(n, len(CAMERA_NAMES), 3, 3),
-        "rots": np.asarray(rots, dtype=f32).reshape(n, len(CAMERA_NAMES), 3, 3),
-        "trans": np.asarray(trans, dtype=f32).reshape(n, len(CAMERA_NAMES), 3),
-        "ego_rotation": np.asarray(ego_R, dtype=np.float64).reshape(n, 3, 3),
-        "ego_translation": np.asarray(ego_t, dtype=np.float64).reshape(n, 3),
-        "lidar_path": np.asarray([p.encode() for p in lidar_paths], dtype=bytes),
-        "lidar_rotation": np.asarray(lidar_R, dtype=np.float64).reshape(n, 3, 3),  # LIDAR_TOP -> ego
-        "lidar_translation": np.asarray(lidar_t, dtype=np.float64).reshape(n, 3),
-        "box_offsets": np.asarray(box_off, dtype=np.int64),
-        "box_center": centers_a,
-        "box_size": sizes_a,  # nuScenes (w, l, h)
-        "box_rotation": brots_a,  # box -> ego
-        "box_footprint": box_footprints(centers_a, sizes_a, brots_a),
-        "box_label": np.asarray(labels, dtype=np.int64),
-        "box_visibility": np.asarray(vis, dtype=np.uint8),
-        "box_category": np.asarray([cat_code[c] for c in cats], dtype=np.int64),  # into category_names
+        "image_path": np.asarray([p.encode() for p in cols["image_path"]], dtype=bytes).reshape(n, ncam),
+        "image_hw": np.asarray(cols["image_hw"], dtype=np.int64).reshape(n, ncam, 2),
+        "intrinsics": np.asarray(cols["intrinsics"], dtype=f32).reshape(n, ncam, 3, 3),
+        "rots": np.asarray(cols["rots"], dtype=f32).reshape(n, ncam, 3, 3),
+        "trans": np.asarray(cols["trans"], dtype=f32).reshape(n, ncam, 3),
+        "ego_rotation": np.asarray(cols["ego_rotation"], dtype=np.float64).reshape(n, 3, 3),
+        "ego_translation": np.asarray(cols["ego_translation"], dtype=np.float64).reshape(n, 3),
+        "lidar_path": np.asarray([p.encode() for p in cols["lidar_path"]], dtype=bytes),
+        "lidar_rotation": np.asarray(cols["lidar_rotation"], dtype=np.float64).reshape(n, 3, 3),  # LIDAR_TOP -> ego
+        "lidar_translation": np.asarray(cols["lidar_translation"], dtype=np.float64).reshape(n, 3),
+    }
+
+
+def _box_arrays(cols: dict[str, list]) -> dict[str, np.ndarray]:
+    """The target boxes' columns as arrays, with their footprints and category names."""
+    cat_names = sorted(set(cols["box_category"]))
+    cat_code = {c: k for k, c in enumerate(cat_names)}
+    centers = np.asarray(cols["box_center"], dtype=np.float64).reshape(-1, 3)
+    sizes = np.asarray(cols["box_size"], dtype=np.float64).reshape(-1, 3)
+    rots = np.asarray(cols["box_rotation"], dtype=np.float64).reshape(-1, 3, 3)
+    return {
+        "box_offsets": np.asarray(cols["box_offsets"], dtype=np.int64),
+        "box_center": centers,
+        "box_size": sizes,  # nuScenes (w, l, h)
+        "box_rotation": rots,  # box -> ego
+        "box_footprint": box_footprints(centers, sizes, rots),
+        "box_label": np.asarray(cols["box_label"], dtype=np.int64),
+        "box_visibility": np.asarray(cols["box_visibility"], dtype=np.uint8),
+        "box_category": np.asarray([cat_code[c] for c in cols["box_category"]], dtype=np.int64),  # into category_names
         "category_names": np.asarray(cat_names, dtype=str),
-        "box_instance": np.asarray([t.encode() for t in insts], dtype=bytes),
+        "box_instance": np.asarray([t.encode() for t in cols["box_instance"]], dtype=bytes),
     }
 
 
@@ -300,6 +335,23 @@ def load_index(
         raise ValueError(f"unknown nuScenes split {split!r}; choose one of {sorted(splits)} (mini_* for v1.0-mini)")
     groups = normalize_categories(categories)
     layers = normalize_map_layers(map_layers)
+    key = _cache_key(dataroot, table_root, version, split, groups, layers)
+    cache_file = _cache_file(dataroot, cache_dir, key)
+    cached = _read_cache(cache_file, key)
+    if cached is not None:
+        return cached
+    index = build_index(dataroot, version, split, groups, verbose=verbose, map_layers=layers)
+    _check_built(index, dataroot, table_root, version, split, splits[split])
+    try:
+        _save_npz(index, key, cache_file)
+    except OSError as e:  # read-only dataset mounts still work, just without a cache
+        warnings.warn(f"could not write the index cache {cache_file} ({e}); pass cache_dir=<writable dir>")
+    return index
+
+
+def _cache_key(dataroot: str | os.PathLike, table_root: Path, version: str, split: str, groups,
+               layers: tuple[str, ...]) -> dict:
+    """What a cached index must match: format, split, classes and the sizes/mtimes of the files read."""
     key = {
         "format": INDEX_FORMAT,
         "version": version,
@@ -309,21 +361,35 @@ def load_index(
     }
     if layers:
         key.update(map_layers=list(layers), maps=map_signature(dataroot))
-    cat_hash = hashlib.sha1(json.dumps([key["categories"], list(layers)]).encode()).hexdigest()[:10]
+    return key
+
+
+def _cache_file(dataroot: str | os.PathLike, cache_dir: str | os.PathLike | None, key: dict) -> Path:
+    """Where the index of `key` is cached: one file per version, split and class list."""
+    classes = [key["categories"], key.get("map_layers", [])]
+    cat_hash = hashlib.sha1(json.dumps(classes).encode()).hexdigest()[:10]
     cache_root = Path(cache_dir).expanduser() if cache_dir is not None else Path(dataroot) / ".bev_cache"
-    cache_file = cache_root / f"{version}__{split}__{cat_hash}.npz"
-    if cache_file.is_file():
-        try:
-            cached = _load_npz(cache_file, key)
-            if cached is not None:
-                return cached
-        except Exception as e:  # a corrupt cache is rebuilt, never fatal
-            warnings.warn(f"ignoring unreadable index cache {cache_file}: {e}")
-    index = build_index(dataroot, version, split, groups, verbose=verbose, map_layers=layers)
+    return cache_root / f"{key['version']}__{key['split']}__{cat_hash}.npz"
+
+
+def _read_cache(cache_file: Path, key: dict) -> dict | None:
+    """The cached index when cache_file holds one of this key, else None."""
+    if not cache_file.is_file():
+        return None
+    try:
+        return _load_npz(cache_file, key)
+    except Exception as e:  # a corrupt cache is rebuilt, never fatal
+        warnings.warn(f"ignoring unreadable index cache {cache_file}: {e}")
+        return None
+
+
+def _check_built(index: dict, dataroot: str | os.PathLike, table_root: Path, version: str, split: str,
+                 split_scenes: list[str]) -> None:
+    """Refuse a fresh index with no samples or with camera images missing on disk (before it is cached)."""
     if len(index["sample_token"]) == 0:
         raise ValueError(
-            f"split {split!r} is empty in {str(table_root)!r}: none of its {len(splits[split])} scenes "
-            f"(e.g. {splits[split][:3]}) are in this {version} release. Use mini_train/mini_val with v1.0-mini "
+            f"split {split!r} is empty in {str(table_root)!r}: none of its {len(split_scenes)} scenes "
+            f"(e.g. {split_scenes[:3]}) are in this {version} release. Use mini_train/mini_val with v1.0-mini "
             f"and train/val with v1.0-trainval. {_HOWTO}"
         )
     missing = [p.decode() for p in index["image_path"].ravel() if not (Path(dataroot) / p.decode()).is_file()]
@@ -332,11 +398,6 @@ def load_index(
             f"{len(missing)} camera image(s) of split {split!r} are missing, e.g. {str(Path(dataroot) / missing[0])!r}. "
             f"{_HOWTO}"
         )
-    try:
-        _save_npz(index, key, cache_file)
-    except OSError as e:  # read-only dataset mounts still work, just without a cache
-        warnings.warn(f"could not write the index cache {cache_file} ({e}); pass cache_dir=<writable dir>")
-    return index
 
 
 class NuScenesBEVDataset(Dataset):
