@@ -408,120 +408,173 @@ def _carparks(road: RoadMap, rng: np.random.Generator, walk_area) -> list[tuple[
 
 
 def _build_layers(road: RoadMap, rng: np.random.Generator) -> None:
-    L = road.layers = {name: [] for name in (
+    """Fill road.layers and road.paint from the network; car parks and buildings draw from rng."""
+    road.layers = {name: [] for name in (
         "drivable_area", "road_segment", "road_block", "lane", "lane_connector", "ped_crossing", "walkway",
         "stop_line", "carpark_area", "road_divider", "lane_divider", "traffic_light")}
-    paint = road.paint = {"white": [], "dashes": [], "yellow": [], "zebra": [], "bays": []}
-    dirs, side = road.dirs, road.side
+    road.paint = {"white": [], "dashes": [], "yellow": [], "zebra": [], "bays": []}
 
     # Surfaces: streets and junction squares.
     street_surf = [_band(st.path, -CURB, CURB) for st in road.streets]
-    junction_surf = [_square(j.xy, dirs, CURB) for j in road.junctions]
+    junction_surf = [_square(j.xy, road.dirs, CURB) for j in road.junctions]
     walk_area = unary_union([_band(st.path, -SIDEWALK_END, SIDEWALK_END) for st in road.streets]
-                            + [_square(j.xy, dirs, SIDEWALK_END) for j in road.junctions])
+                            + [_square(j.xy, road.dirs, SIDEWALK_END) for j in road.junctions])
     roads = unary_union(street_surf + junction_surf)
 
-    # Car parks behind walkways, each reached by a driveway.
-    lots, driveway = [], []
+    lots, driveways = _add_carparks(road, rng, walk_area)
+    drivable = _add_drivable(road, roads, lots, driveways, walk_area)
+    # Road segments: streets, then junctions (intersections).
+    for g in street_surf:
+        road.layers["road_segment"].append({"geom": g, "is_intersection": False})
+    for g in junction_surf:
+        road.layers["road_segment"].append({"geom": g, "is_intersection": True})
+    # Street by street, in this order: records refer to each other by their index in a layer.
+    lane_index = {}
+    for i in range(len(road.streets)):
+        blocks = _add_lanes(road, i, lane_index)
+        _add_street_lines(road, i)
+        for end in (0, 1):
+            _add_street_end(road, i, end, blocks)
+    _add_lane_connectors(road, lane_index)
+    _place_buildings(road, rng, unary_union([walk_area, drivable] + lots).buffer(1.0))
+
+
+def _add_carparks(road: RoadMap, rng: np.random.Generator, walk_area) -> tuple[list[Polygon], list[Polygon]]:
+    """Car parks behind the walkways, each reached by a driveway; returns the lot and driveway polygons."""
+    lots, driveways = [], []
     for i, sd, sc in _carparks(road, rng, walk_area):
         path = road.streets[i].path
         lot_path = path.sub(sc - CARPARK_LEN / 2, sc + CARPARK_LEN / 2)
         lots.append(_band(lot_path, sd * SIDEWALK_END, sd * (SIDEWALK_END + CARPARK_DEPTH)))
-        driveway.append(_band(path.sub(sc - 3.0, sc + 3.0), sd * (CURB - 0.05), sd * (SIDEWALK_END + 0.05)))
+        driveways.append(_band(path.sub(sc - 3.0, sc + 3.0), sd * (CURB - 0.05), sd * (SIDEWALK_END + 0.05)))
         road.driveways.append((i, sd, sc - 3.0, sc + 3.0))
         h = float(lot_path.at(0.0)[1])
-        rows = [(SIDEWALK_END + 0.5, SIDEWALK_END + 0.5 + BAY_D), (SIDEWALK_END + CARPARK_DEPTH - 0.5 - BAY_D,
-                                                                   SIDEWALK_END + CARPARK_DEPTH - 0.5)]
-        n_bays = int(CARPARK_LEN // BAY_W)
-        for r, (l0, l1) in enumerate(rows):
-            for b in range(n_bays + 1):  # bay separators
-                s = (CARPARK_LEN - n_bays * BAY_W) / 2 + b * BAY_W
-                paint["bays"].append(_across(lot_path, s, sd * l0, sd * l1))
-            for b in range(n_bays):
-                s = (CARPARK_LEN - n_bays * BAY_W) / 2 + (b + 0.5) * BAY_W
-                if r == 0 and abs(s - CARPARK_LEN / 2) < 3.0 + BAY_W / 2:
-                    continue  # the driveway enters the aisle here
-                c = lot_path.at(s, sd * (l0 + l1) / 2)[0]
-                road.bays.append((float(c[0]), float(c[1]), h + sd * math.pi / 2))
-        L["carpark_area"].append({"geom": lots[-1], "orientation": float((h + sd * math.pi / 2) % (2 * math.pi)),
-                                  "block": None})
-    drivable = unary_union([roads] + lots + driveway)
+        _add_bays(road, lot_path, sd, h)
+        road.layers["carpark_area"].append({"geom": lots[-1], "orientation": float((h + sd * math.pi / 2) % (2 * math.pi)),
+                                            "block": None})
+    return lots, driveways
+
+
+def _add_bays(road: RoadMap, lot_path: Path, sd: int, h: float) -> None:
+    """A car park's two rows of bays: separators painted, bay centres and yaws added to road.bays."""
+    rows = [(SIDEWALK_END + 0.5, SIDEWALK_END + 0.5 + BAY_D), (SIDEWALK_END + CARPARK_DEPTH - 0.5 - BAY_D,
+                                                               SIDEWALK_END + CARPARK_DEPTH - 0.5)]
+    n_bays = int(CARPARK_LEN // BAY_W)
+    for r, (l0, l1) in enumerate(rows):
+        for b in range(n_bays + 1):  # bay separators
+            s = (CARPARK_LEN - n_bays * BAY_W) / 2 + b * BAY_W
+            road.paint["bays"].append(_across(lot_path, s, sd * l0, sd * l1))
+        for b in range(n_bays):
+            s = (CARPARK_LEN - n_bays * BAY_W) / 2 + (b + 0.5) * BAY_W
+            if r == 0 and abs(s - CARPARK_LEN / 2) < 3.0 + BAY_W / 2:
+                continue  # the driveway enters the aisle here
+            c = lot_path.at(s, sd * (l0 + l1) / 2)[0]
+            road.bays.append((float(c[0]), float(c[1]), h + sd * math.pi / 2))
+
+
+def _add_drivable(road: RoadMap, roads, lots: list, driveways: list, walk_area):
+    """The drivable_area and walkway layers and the kerb paint; returns the drivable area."""
+    drivable = unary_union([roads] + lots + driveways)
     shapely.prepare(drivable)  # fast point queries
-    L["drivable_area"].append({"geom": drivable})
+    road.layers["drivable_area"].append({"geom": drivable})
     walk = walk_area.difference(drivable)
     for g in getattr(walk, "geoms", [walk]):
         if g.area > 1.0:
-            L["walkway"].append({"geom": g})
-    paint["kerb"] = roads.boundary.difference(unary_union(driveway).buffer(0.3)) if driveway else roads.boundary
+            road.layers["walkway"].append({"geom": g})
+    road.paint["kerb"] = (roads.boundary.difference(unary_union(driveways).buffer(0.3)) if driveways
+                          else roads.boundary)
+    return drivable
 
-    # Road segments: streets, then junctions (intersections).
-    for g in street_surf:
-        L["road_segment"].append({"geom": g, "is_intersection": False})
-    for g in junction_surf:
-        L["road_segment"].append({"geom": g, "is_intersection": True})
 
-    # Per street: road blocks, lanes, dividers; per street end: crossing, stop line, traffic light.
-    lane_index = {}
-    for i, st in enumerate(road.streets):
-        p, length = st.path, st.path.length
-        for dirn in (1, -1):
-            travel = p if dirn > 0 else p.reverse()
-            half = _band(travel, 0.0, -side * CURB)
-            block = len(L["road_block"])
-            L["road_block"].append({"geom": half, "segment": i, "from_edge": _across(travel, 0.0, 0.0, -side * CURB),
-                                    "to_edge": _across(travel, length, 0.0, -side * CURB), "key": (i, dirn)})
-            for k in range(LANES):
-                lane = road.lane_path(i, dirn, k)
-                o = road.lane_offset(k)
-                inner, outer = lane.offset(side * LANE_W / 2), lane.offset(-side * LANE_W / 2)
-                kinds = {0: "DOUBLE_SOLID_YELLOW", 1: "DOUBLE_DASHED_WHITE", 2: "SINGLE_SOLID_WHITE"}
-                inner_kind, outer_kind = kinds[k], kinds[k + 1]
-                # Left/right in the travel direction: the inner side is on the left when driving on the right.
-                left, right = ((inner, inner_kind), (outer, outer_kind)) if side > 0 else ((outer, outer_kind), (inner, inner_kind))
-                lane_index[i, dirn, k] = len(L["lane"])
-                L["lane"].append({"geom": _band(lane, -LANE_W / 2, LANE_W / 2), "path": lane, "block": block,
-                                  "from_edge": _across(lane, 0.0, -LANE_W / 2, LANE_W / 2),
-                                  "to_edge": _across(lane, lane.length, -LANE_W / 2, LANE_W / 2),
-                                  "left": (left[0].line(), left[1]), "right": (right[0].line(), right[1]),
-                                  "offset": o})
-        seg_path = p.sub(CROSSING[1] - CURB, length - (CROSSING[1] - CURB))
-        centre = seg_path.line()
-        L["road_divider"].append({"geom": centre, "segment": i})
-        paint["yellow"] += [seg_path.line(0.12), seg_path.line(-0.12)]
-        for sd in (-1, 1):
-            edge = seg_path.line(sd * PARKING_EDGE)
-            L["lane_divider"].append({"geom": edge, "type": "SINGLE_SOLID_WHITE"})
-            paint["white"].append(edge)
-            dash_path = p.sub(STOP_LINE[1] - CURB, length - (STOP_LINE[1] - CURB))
-            mid = dash_path.line(sd * LANE_W)
-            L["lane_divider"].append({"geom": mid, "type": "DOUBLE_DASHED_WHITE"})
-            paint["dashes"] += _dashes(dash_path, sd * LANE_W)
-        for end, (j, arm) in enumerate(((st.a, st.arm_a), (st.b, st.arm_b))):
-            # d -> street arclength at this end; the incoming half is on the traffic side of the travel direction.
-            sd_of = (lambda d: d - CURB) if end == 0 else (lambda d: length - (d - CURB))
-            dirn_in = -1 if end == 0 else 1  # the incoming half lies at street-frame offsets -side * dirn_in * [0, CURB]
-            cpath = p.sub(min(sd_of(CROSSING[0]), sd_of(CROSSING[1])), max(sd_of(CROSSING[0]), sd_of(CROSSING[1])))
-            pc = len(L["ped_crossing"])
-            L["ped_crossing"].append({"geom": _band(cpath, -CURB, CURB), "segment": i})
-            for b in range(int(2 * CURB)):  # zebra bars, 0.5 m wide, every metre
-                paint["zebra"].append(_band(cpath, -CURB + b + 0.25, -CURB + b + 0.75))
-            inc = -side * dirn_in * LANES * LANE_W
-            def across_incoming(d0, d1):
-                return _band(p.sub(min(sd_of(d0), sd_of(d1)), max(sd_of(d0), sd_of(d1))), 0.0, inc)
-            block = len(L["road_block"]) - 2 + (0 if dirn_in > 0 else 1)
-            tl = len(L["traffic_light"])
-            # A traffic light on the kerb beside the stop line, facing the incoming traffic.
-            kerb_l = -side * dirn_in * (CURB + 0.8)
-            s_tl = sd_of(STOP_LINE[0])
-            xy, h = p.at(s_tl, kerb_l)
-            face = float(h) + (math.pi if dirn_in > 0 else 0.0)
-            L["traffic_light"].append({"geom": _across(p, s_tl, kerb_l - 0.2 * np.sign(kerb_l), kerb_l + 0.2 * np.sign(kerb_l)),
-                                       "block": block, "pose": (float(xy[0]), float(xy[1]), 3.5, face)})
-            L["stop_line"].append({"geom": across_incoming(*STOP_AREA), "type": "TRAFFIC_LIGHT", "ped_crossings": [pc],
-                                   "traffic_lights": [tl], "block": block})
-            paint["white"].append(across_incoming(*STOP_LINE))  # filled polygons are painted whole
+# The line on the inner side of lane k is of kind _LINE_KINDS[k], on its outer side _LINE_KINDS[k + 1].
+_LINE_KINDS = ("DOUBLE_SOLID_YELLOW", "DOUBLE_DASHED_WHITE", "SINGLE_SOLID_WHITE")
 
-    # Lane connectors across each junction, and the lanes' connectivity.
+
+def _add_lanes(road: RoadMap, i: int, lane_index: dict) -> dict[int, int]:
+    """Street i's road blocks and lanes, one block per travel direction; returns direction -> block index."""
+    L, side, p = road.layers, road.side, road.streets[i].path
+    blocks = {}
+    for dirn in (1, -1):
+        travel = p if dirn > 0 else p.reverse()
+        half = _band(travel, 0.0, -side * CURB)
+        blocks[dirn] = block = len(L["road_block"])
+        L["road_block"].append({"geom": half, "segment": i, "from_edge": _across(travel, 0.0, 0.0, -side * CURB),
+                                "to_edge": _across(travel, p.length, 0.0, -side * CURB), "key": (i, dirn)})
+        for k in range(LANES):
+            lane_index[i, dirn, k] = len(L["lane"])
+            L["lane"].append(_lane(road, road.lane_path(i, dirn, k), k, block))
+    return blocks
+
+
+def _lane(road: RoadMap, lane: Path, k: int, block: int) -> dict:
+    """The lane layer's record of lane k (centre path `lane`) in road block `block`."""
+    side = road.side
+    inner, outer = lane.offset(side * LANE_W / 2), lane.offset(-side * LANE_W / 2)
+    inner_kind, outer_kind = _LINE_KINDS[k], _LINE_KINDS[k + 1]
+    # Left/right in the travel direction: the inner side is on the left when driving on the right.
+    left, right = ((inner, inner_kind), (outer, outer_kind)) if side > 0 else ((outer, outer_kind), (inner, inner_kind))
+    return {"geom": _band(lane, -LANE_W / 2, LANE_W / 2), "path": lane, "block": block,
+            "from_edge": _across(lane, 0.0, -LANE_W / 2, LANE_W / 2),
+            "to_edge": _across(lane, lane.length, -LANE_W / 2, LANE_W / 2),
+            "left": (left[0].line(), left[1]), "right": (right[0].line(), right[1]),
+            "offset": road.lane_offset(k)}
+
+
+def _add_street_lines(road: RoadMap, i: int) -> None:
+    """Street i's centre line (road divider, double yellow) and lane dividers (solid edge, dashed middle)."""
+    L, paint, p = road.layers, road.paint, road.streets[i].path
+    length = p.length
+    seg_path = p.sub(CROSSING[1] - CURB, length - (CROSSING[1] - CURB))
+    L["road_divider"].append({"geom": seg_path.line(), "segment": i})
+    paint["yellow"] += [seg_path.line(0.12), seg_path.line(-0.12)]
+    dash_path = p.sub(STOP_LINE[1] - CURB, length - (STOP_LINE[1] - CURB))
+    for sd in (-1, 1):
+        edge = seg_path.line(sd * PARKING_EDGE)
+        L["lane_divider"].append({"geom": edge, "type": "SINGLE_SOLID_WHITE"})
+        paint["white"].append(edge)
+        L["lane_divider"].append({"geom": dash_path.line(sd * LANE_W), "type": "DOUBLE_DASHED_WHITE"})
+        paint["dashes"] += _dashes(dash_path, sd * LANE_W)
+
+
+def _from_end(length: float, end: int, d: float) -> float:
+    """Arclength along a street `length` m long of the point d metres from its end-0 (a) or end-1 (b) junction node."""
+    return d - CURB if end == 0 else length - (d - CURB)
+
+
+def _add_street_end(road: RoadMap, i: int, end: int, blocks: dict[int, int]) -> None:
+    """At end 0 (a) or 1 (b) of street i: the zebra crossing, and the incoming half's traffic light and stop line."""
+    L, side, p = road.layers, road.side, road.streets[i].path
+    length = p.length
+
+    def span(d0: float, d1: float) -> Path:
+        """The street between d0 and d1 metres from this end's junction node."""
+        s0, s1 = _from_end(length, end, d0), _from_end(length, end, d1)
+        return p.sub(min(s0, s1), max(s0, s1))
+
+    dirn_in = -1 if end == 0 else 1  # the incoming half lies at street-frame offsets -side * dirn_in * [0, CURB]
+    block = blocks[dirn_in]
+    cpath = span(*CROSSING)
+    pc = len(L["ped_crossing"])
+    L["ped_crossing"].append({"geom": _band(cpath, -CURB, CURB), "segment": i})
+    for b in range(int(2 * CURB)):  # zebra bars, 0.5 m wide, every metre
+        road.paint["zebra"].append(_band(cpath, -CURB + b + 0.25, -CURB + b + 0.75))
+    # A traffic light on the kerb beside the stop line, facing the incoming traffic.
+    kerb_l = -side * dirn_in * (CURB + 0.8)
+    s_tl = _from_end(length, end, STOP_LINE[0])
+    xy, h = p.at(s_tl, kerb_l)
+    face = float(h) + (math.pi if dirn_in > 0 else 0.0)
+    tl = len(L["traffic_light"])
+    L["traffic_light"].append({"geom": _across(p, s_tl, kerb_l - 0.2 * np.sign(kerb_l), kerb_l + 0.2 * np.sign(kerb_l)),
+                               "block": block, "pose": (float(xy[0]), float(xy[1]), 3.5, face)})
+    inc = -side * dirn_in * LANES * LANE_W
+    L["stop_line"].append({"geom": _band(span(*STOP_AREA), 0.0, inc), "type": "TRAFFIC_LIGHT", "ped_crossings": [pc],
+                           "traffic_lights": [tl], "block": block})
+    road.paint["white"].append(_band(span(*STOP_LINE), 0.0, inc))  # filled polygons are painted whole
+
+
+def _add_lane_connectors(road: RoadMap, lane_index: dict) -> None:
+    """Lane connectors across every junction, and the connectivity of lanes and connectors."""
+    L = road.layers
     road.connectivity = {f"lane{n}": {"incoming": [], "outgoing": []} for n in range(len(L["lane"]))}
     for j, jn in enumerate(road.junctions):
         for arm_in, (si, di) in jn.arms.items():
@@ -537,8 +590,6 @@ def _build_layers(road: RoadMap, rng: np.random.Generator) -> None:
                     road.connectivity[f"lane{a}"]["outgoing"].append(f"connector{c}")
                     road.connectivity[f"lane{b}"]["incoming"].append(f"connector{c}")
                     road.connectivity[f"connector{c}"] = {"incoming": [f"lane{a}"], "outgoing": [f"lane{b}"]}
-
-    _place_buildings(road, rng, unary_union([walk_area, drivable] + lots).buffer(1.0))
 
 
 def _place_buildings(road: RoadMap, rng: np.random.Generator, keepout) -> None:

@@ -163,66 +163,107 @@ def _parts(category: str, size, rng: np.random.Generator) -> list:
 
 
 def _shape(category: str, size, rng: np.random.Generator) -> list:
-    w, l, h = size
-    z0 = -h / 2  # ground level in the object frame
-    if category == "vehicle.car":
-        paint = _vehicle_colour(rng)
-        body_h = 0.58 * h
-        return [
-            _box(0, 0, z0 + 0.2, 0.92 * w, 0.8 * l, 0.4, TYRE, DARK),
-            _box(0, 0, z0 + 0.3 + (body_h - 0.3) / 2, w, l, body_h - 0.3, paint),
-            _box(-0.05 * l, 0, z0 + body_h + (h - body_h) / 2, 0.86 * w, 0.52 * l, h - body_h, paint, CABIN),
-        ]
-    if category == "vehicle.truck":
-        paint, cargo = _vehicle_colour(rng), _vehicle_colour(rng)
-        cab_l = 2.2
-        return [
-            _box(0, 0, z0 + 0.3, 0.9 * w, 0.9 * l, 0.6, TYRE, DARK),
-            _box(l / 2 - cab_l / 2, 0, z0 + 0.5 + 0.3 * (h - 0.5), w, cab_l, 0.6 * (h - 0.5), paint),
-            _box(l / 2 - cab_l / 2 - 0.1, 0, z0 + 0.5 + 0.6 * (h - 0.5) + 0.175 * (h - 0.5), 0.95 * w, cab_l - 0.2, 0.35 * (h - 0.5), paint, CABIN),
-            _box(-cab_l / 2 - 0.15, 0, z0 + 0.6 + (h - 0.6) / 2, w, l - cab_l - 0.3, h - 0.6, cargo),
-        ]
-    if category == "vehicle.bus.rigid":
-        paint = _vehicle_colour(rng)
-        return [
-            _box(0, 0, z0 + 0.25, 0.9 * w, 0.85 * l, 0.5, TYRE, DARK),
-            _box(0, 0, z0 + 0.4 + 0.25 * (h - 0.4), w, l, 0.5 * (h - 0.4), paint),
-            _box(0, 0, z0 + 0.4 + 0.65 * (h - 0.4), 0.98 * w, 0.98 * l, 0.3 * (h - 0.4), paint, WINDOWS),
-            _box(0, 0, z0 + 0.4 + 0.9 * (h - 0.4), w, l, 0.2 * (h - 0.4), paint),
-        ]
-    if category == "vehicle.trailer":
-        paint = _vehicle_colour(rng)
-        return [
-            _box(-0.3 * l, 0, z0 + 0.55, 0.9 * w, 0.3 * l, 1.1, TYRE, DARK),
-            _box(0, 0, z0 + 1.1 + (h - 1.1) / 2, w, l, h - 1.1, paint),
-        ]
-    if category == "vehicle.motorcycle":
-        paint = _vehicle_colour(rng)
-        parts = [
-            _box(0, 0, z0 + 0.35, 0.3, l, 0.7, TYRE, DARK),
-            _box(0, 0, z0 + 0.85, 0.6 * w, 0.7 * l, 0.4, paint),
-        ]
-        if h > 1.3:  # with a rider: torso and helmet
-            parts += [_box(-0.1 * l, 0, z0 + 1.25, 0.8 * w, 0.25 * l, h - 1.1 - 0.25, _vehicle_colour(rng)),
-                      _box(-0.05 * l, 0, z0 + h - 0.13, 0.3, 0.3, 0.26, paint)]
-        return parts
-    if category == "human.pedestrian.adult":
-        shirt = _vehicle_colour(rng)
-        legs = np.array([0.15, 0.17, 0.3]) * rng.uniform(0.7, 1.5)
-        return [
-            _box(0, 0, z0 + 0.42, 0.36, 0.25, 0.84, legs),
-            _box(0, 0, z0 + 0.84 + 0.3, 0.5 * w / 0.65, 0.3, 0.6, shirt),
-            _box(0, 0, z0 + h - 0.15, 0.22, 0.24, 0.3, np.array([0.85, 0.65, 0.5]) * rng.uniform(0.5, 1.0)),
-        ]
-    if category == "movable_object.barrier":
-        return [_box(0, 0, z0 + 0.15, 0.6 * w, 0.9 * l, 0.3, (0.6, 0.6, 0.6)),
-                _box(0, 0, z0 + 0.3 + (h - 0.3) / 2, 0.4 * w, l, h - 0.3, (0.95, 0.95, 0.92))]
-    if category == "movable_object.trafficcone":
-        orange = (1.0, 0.45, 0.05)
-        return [_box(0, 0, z0 + 0.02, w, l, 0.04, (0.1, 0.1, 0.1)),
-                _box(0, 0, z0 + 0.04 + 0.3 * (h - 0.04), 0.6 * w, 0.6 * l, 0.6 * (h - 0.04), orange),
-                _box(0, 0, z0 + 0.04 + 0.8 * (h - 0.04), 0.3 * w, 0.3 * l, 0.4 * (h - 0.04), (0.95, 0.95, 0.95))]
-    raise ValueError(f"no shape for category {category!r}")
+    """The category's boxes (see _SHAPES) for an object of `size` (w, l, h)."""
+    if category not in _SHAPES:
+        raise ValueError(f"no shape for category {category!r}")
+    return _SHAPES[category](*size, rng)
+
+
+# Each shape below takes the object's (w, l, h) and works in its frame: x forward, y left, z up
+# from z0 = -h / 2, the ground.
+
+def _car(w, l, h, rng: np.random.Generator) -> list:
+    """Tyres, a painted body and a cabin with windows."""
+    z0 = -h / 2
+    paint = _vehicle_colour(rng)
+    body_h = 0.58 * h
+    return [
+        _box(0, 0, z0 + 0.2, 0.92 * w, 0.8 * l, 0.4, TYRE, DARK),
+        _box(0, 0, z0 + 0.3 + (body_h - 0.3) / 2, w, l, body_h - 0.3, paint),
+        _box(-0.05 * l, 0, z0 + body_h + (h - body_h) / 2, 0.86 * w, 0.52 * l, h - body_h, paint, CABIN),
+    ]
+
+
+def _truck(w, l, h, rng: np.random.Generator) -> list:
+    """Tyres, a cab at the front with its windows, and a cargo box of another colour."""
+    z0 = -h / 2
+    paint, cargo = _vehicle_colour(rng), _vehicle_colour(rng)
+    cab_l = 2.2
+    return [
+        _box(0, 0, z0 + 0.3, 0.9 * w, 0.9 * l, 0.6, TYRE, DARK),
+        _box(l / 2 - cab_l / 2, 0, z0 + 0.5 + 0.3 * (h - 0.5), w, cab_l, 0.6 * (h - 0.5), paint),
+        _box(l / 2 - cab_l / 2 - 0.1, 0, z0 + 0.5 + 0.6 * (h - 0.5) + 0.175 * (h - 0.5), 0.95 * w, cab_l - 0.2, 0.35 * (h - 0.5), paint, CABIN),
+        _box(-cab_l / 2 - 0.15, 0, z0 + 0.6 + (h - 0.6) / 2, w, l - cab_l - 0.3, h - 0.6, cargo),
+    ]
+
+
+def _bus(w, l, h, rng: np.random.Generator) -> list:
+    """Tyres and a painted body with a band of windows near the top."""
+    z0 = -h / 2
+    paint = _vehicle_colour(rng)
+    return [
+        _box(0, 0, z0 + 0.25, 0.9 * w, 0.85 * l, 0.5, TYRE, DARK),
+        _box(0, 0, z0 + 0.4 + 0.25 * (h - 0.4), w, l, 0.5 * (h - 0.4), paint),
+        _box(0, 0, z0 + 0.4 + 0.65 * (h - 0.4), 0.98 * w, 0.98 * l, 0.3 * (h - 0.4), paint, WINDOWS),
+        _box(0, 0, z0 + 0.4 + 0.9 * (h - 0.4), w, l, 0.2 * (h - 0.4), paint),
+    ]
+
+
+def _trailer(w, l, h, rng: np.random.Generator) -> list:
+    """Rear wheels under a high painted box."""
+    z0 = -h / 2
+    paint = _vehicle_colour(rng)
+    return [
+        _box(-0.3 * l, 0, z0 + 0.55, 0.9 * w, 0.3 * l, 1.1, TYRE, DARK),
+        _box(0, 0, z0 + 1.1 + (h - 1.1) / 2, w, l, h - 1.1, paint),
+    ]
+
+
+def _motorcycle(w, l, h, rng: np.random.Generator) -> list:
+    """Wheels and a painted body, and a rider where the object is tall enough to carry one."""
+    z0 = -h / 2
+    paint = _vehicle_colour(rng)
+    parts = [
+        _box(0, 0, z0 + 0.35, 0.3, l, 0.7, TYRE, DARK),
+        _box(0, 0, z0 + 0.85, 0.6 * w, 0.7 * l, 0.4, paint),
+    ]
+    if h > 1.3:  # with a rider: torso and helmet
+        parts += [_box(-0.1 * l, 0, z0 + 1.25, 0.8 * w, 0.25 * l, h - 1.1 - 0.25, _vehicle_colour(rng)),
+                  _box(-0.05 * l, 0, z0 + h - 0.13, 0.3, 0.3, 0.26, paint)]
+    return parts
+
+
+def _pedestrian(w, l, h, rng: np.random.Generator) -> list:
+    """Legs, a shirt and a head."""
+    z0 = -h / 2
+    shirt = _vehicle_colour(rng)
+    legs = np.array([0.15, 0.17, 0.3]) * rng.uniform(0.7, 1.5)
+    return [
+        _box(0, 0, z0 + 0.42, 0.36, 0.25, 0.84, legs),
+        _box(0, 0, z0 + 0.84 + 0.3, 0.5 * w / 0.65, 0.3, 0.6, shirt),
+        _box(0, 0, z0 + h - 0.15, 0.22, 0.24, 0.3, np.array([0.85, 0.65, 0.5]) * rng.uniform(0.5, 1.0)),
+    ]
+
+
+def _barrier(w, l, h, rng: np.random.Generator) -> list:
+    """A grey foot under a white board."""
+    z0 = -h / 2
+    return [_box(0, 0, z0 + 0.15, 0.6 * w, 0.9 * l, 0.3, (0.6, 0.6, 0.6)),
+            _box(0, 0, z0 + 0.3 + (h - 0.3) / 2, 0.4 * w, l, h - 0.3, (0.95, 0.95, 0.92))]
+
+
+def _trafficcone(w, l, h, rng: np.random.Generator) -> list:
+    """A black base, an orange cone and a white tip."""
+    z0 = -h / 2
+    orange = (1.0, 0.45, 0.05)
+    return [_box(0, 0, z0 + 0.02, w, l, 0.04, (0.1, 0.1, 0.1)),
+            _box(0, 0, z0 + 0.04 + 0.3 * (h - 0.04), 0.6 * w, 0.6 * l, 0.6 * (h - 0.04), orange),
+            _box(0, 0, z0 + 0.04 + 0.8 * (h - 0.04), 0.3 * w, 0.3 * l, 0.4 * (h - 0.04), (0.95, 0.95, 0.95))]
+
+
+_SHAPES = {"vehicle.car": _car, "vehicle.truck": _truck, "vehicle.bus.rigid": _bus, "vehicle.trailer": _trailer,
+           "vehicle.motorcycle": _motorcycle, "human.pedestrian.adult": _pedestrian,
+           "movable_object.barrier": _barrier, "movable_object.trafficcone": _trafficcone}
 
 
 def _object(category: str, rng: np.random.Generator, attribute: str = "") -> Obj:
@@ -295,97 +336,174 @@ def build_world(seed: int, scene: int, samples: int, location: str) -> World:
     """The deterministic world of scene number `scene` for `seed` at `location`, sized for `samples` key frames."""
     road = road_map(seed, location)
     rng = scene_rng(seed, scene)
-    times = np.arange(samples) * SAMPLE_DT
-    duration = float(times[-1])
     ego, wobble = ego_route(road, rng, samples)  # first: ego_route(road, scene_rng(...), samples) gives the same drive
     sun_az, sun_el = rng.uniform(0, 2 * math.pi), rng.uniform(0.5, 1.1)
     sun = np.array([math.cos(sun_az) * math.cos(sun_el), math.sin(sun_az) * math.cos(sun_el), math.sin(sun_el)])
     world = World(seed, location, road, ego, wobble, sun, [])
-    poses = [world.ego_pose(t) for t in times]
-    ego_xy, ego_yaw = np.array([p[0][:2] for p in poses]), np.array([p[1] for p in poses])
-    fleet = _Fleet()
-    fleet.add(ego_xy, ego_yaw, EGO_SIZE)
-    objects = world.objects
-
-    def near(xy, r=RENDER_RANGE + 10.0) -> bool:
-        """Whether a static point ever comes within r of the ego."""
-        return bool(np.min(np.linalg.norm(ego_xy - np.asarray(xy)[:2], axis=1)) < r)
-
-    def place(o: Obj) -> None:
-        xy, yaw = o.pose(times)
-        if fleet.add(np.array(xy), np.array(yaw), o.size):
-            objects.append(o)
-
-    def static(o: Obj, xy, yaw) -> Obj:
-        o.xy, o.yaw = (float(xy[0]), float(xy[1])), float(yaw)
-        return o
-
-    streets = [i for i, st in enumerate(road.streets)
-               if np.min(np.linalg.norm(st.path.xy[::20, None] - ego_xy[None], axis=2)) < RENDER_RANGE + 20.0]
-    driveways = road.driveways
-    # Parked vehicles along the kerbs, cones and barriers in some gaps (straight stretches only).
+    placer = _Placer.start(world, rng, np.arange(samples) * SAMPLE_DT)
+    # Each step draws from the one random stream in turn: their order fixes every scene.
+    streets = placer.streets_near()
     for i in streets:
-        p = road.streets[i].path
         for sd in (-1, 1):
-            yaw_rel = 0.0 if -sd * road.side > 0 else math.pi  # facing the traffic on this side
-            s, end = CROSSING[1] - CURB + 2.0 + rng.uniform(0, 5), p.length - (CROSSING[1] - CURB + 2.0)
+            _line_kerb(placer, _Kerb(i, road.streets[i].path, sd, road.driveways))
+    _park_in_bays(placer)
+    _add_traffic(placer)
+    _add_pedestrians(placer, streets)
+    _add_scenery(placer)
+    return world
 
-            def clear(a, b):
-                return p.straight(a, b) and not any(i == di and sd == ds and a < d1 and b > d0 for di, ds, d0, d1 in driveways)
 
-            while s < end:
-                if rng.random() < 0.45:
-                    cat = _choice(rng, PARKED_MIX)
-                    o = _object(cat, rng, "cycle.without_rider" if cat == "vehicle.motorcycle" else "vehicle.parked")
-                    if cat == "vehicle.motorcycle":  # parked without rider
-                        o.size = (o.size[0], o.size[1], 1.15)
-                        o.parts = _parts(cat, o.size, rng)
-                    length = o.size[1]
-                    if s + length > end:
-                        break
-                    # Centred 1.4 m into the parking lane: the widest trailer stays clear of the outer lane.
-                    xy, h = p.at(s + length / 2, sd * (PARKING_EDGE + 1.4) + rng.uniform(-0.1, 0.1))
-                    if clear(s, s + length) and near(xy):
-                        place(static(o, xy, h + yaw_rel + rng.normal(0, 0.04)))
-                    s += length + rng.uniform(1.5, 8.0)
-                else:
-                    gap = rng.uniform(4.0, 10.0)
-                    kind = rng.random()
-                    if clear(s, s + gap) and s + gap < end:
-                        if kind < 0.4:  # a few traffic cones
-                            for c in range(min(rng.integers(2, 5), int((gap - 1.0) / 1.5))):
-                                xy, h = p.at(s + 1 + 1.5 * c, sd * (PARKING_EDGE + rng.uniform(0.5, 2.0)))
-                                if near(xy):
-                                    place(static(_object("movable_object.trafficcone", rng), xy, h))
-                        elif kind < 0.7:  # a row of barriers along the kerb
-                            for c in range(min(rng.integers(2, 4), int((gap - 0.2) / 2.9))):  # barriers are <= 2.8 m long
-                                xy, h = p.at(s + 1.65 + 2.9 * c, sd * (CURB - 0.6))
-                                if near(xy):
-                                    place(static(_object("movable_object.barrier", rng), xy, h))
-                    s += gap
-    # Cars in the car-park bays.
-    for x, y, yaw in road.bays:
-        if rng.random() < 0.65 and near((x, y)):
+def _static(o: Obj, xy, yaw) -> Obj:
+    """o, standing still at global xy (its first two values) with global yaw."""
+    o.xy, o.yaw = (float(xy[0]), float(xy[1])), float(yaw)
+    return o
+
+
+@dataclass
+class _Placer:
+    """A world being filled with objects, and what the steps that fill it share."""
+
+    world: World
+    rng: np.random.Generator
+    times: np.ndarray  # (T,) key-frame times
+    ego_xy: np.ndarray  # (T, 2) the ego's position at each
+    fleet: _Fleet  # footprints placed so far, the ego's first
+
+    @classmethod
+    def start(cls, world: World, rng: np.random.Generator, times: np.ndarray) -> _Placer:
+        """An empty world's state: only the ego's footprint placed."""
+        poses = [world.ego_pose(t) for t in times]
+        ego_xy, ego_yaw = np.array([p[0][:2] for p in poses]), np.array([p[1] for p in poses])
+        fleet = _Fleet()
+        fleet.add(ego_xy, ego_yaw, EGO_SIZE)
+        return cls(world, rng, times, ego_xy, fleet)
+
+    @property
+    def duration(self) -> float:
+        """Seconds from the first key frame to the last."""
+        return float(self.times[-1])
+
+    def near(self, xy, r=RENDER_RANGE + 10.0) -> bool:
+        """Whether a static point ever comes within r of the ego."""
+        return bool(np.min(np.linalg.norm(self.ego_xy - np.asarray(xy)[:2], axis=1)) < r)
+
+    def place(self, o: Obj) -> None:
+        """Add a vehicle, barrier or cone unless its footprint would overlap one placed before."""
+        xy, yaw = o.pose(self.times)
+        if self.fleet.add(np.array(xy), np.array(yaw), o.size):
+            self.world.objects.append(o)
+
+    def streets_near(self) -> list[int]:
+        """Streets that come within render range (plus a margin) of the ego."""
+        return [i for i, st in enumerate(self.world.road.streets)
+                if np.min(np.linalg.norm(st.path.xy[::20, None] - self.ego_xy[None], axis=2)) < RENDER_RANGE + 20.0]
+
+
+@dataclass
+class _Kerb:
+    """One side (sd = +1: left, -1: right of the street's direction) of a street's parking lanes."""
+
+    street: int
+    path: Path
+    sd: int
+    driveways: list[tuple[int, int, float, float]]  # RoadMap.driveways
+
+    def clear(self, a: float, b: float) -> bool:
+        """Whether arclengths [a, b] are straight and cross no driveway on this side."""
+        return self.path.straight(a, b) and not any(
+            self.street == di and self.sd == ds and a < d1 and b > d0 for di, ds, d0, d1 in self.driveways)
+
+
+def _line_kerb(placer: _Placer, kerb: _Kerb) -> None:
+    """Parked vehicles along a kerb, with cones and barriers in some of the gaps (straight stretches only)."""
+    p, rng = kerb.path, placer.rng
+    s, end = CROSSING[1] - CURB + 2.0 + rng.uniform(0, 5), p.length - (CROSSING[1] - CURB + 2.0)
+    while s < end:
+        if rng.random() < 0.45:
+            s = _park_at_kerb(placer, kerb, s, end)
+            if s is None:
+                break
+        else:
+            s = _kerb_gap(placer, kerb, s, end)
+
+
+def _park_at_kerb(placer: _Placer, kerb: _Kerb, s: float, end: float) -> float | None:
+    """A parked vehicle from arclength s: where the next one may start, or None where it would pass `end`."""
+    p, rng, sd = kerb.path, placer.rng, kerb.sd
+    yaw_rel = 0.0 if -sd * placer.world.road.side > 0 else math.pi  # facing the traffic on this side
+    cat = _choice(rng, PARKED_MIX)
+    o = _object(cat, rng, "cycle.without_rider" if cat == "vehicle.motorcycle" else "vehicle.parked")
+    if cat == "vehicle.motorcycle":  # parked without rider
+        o.size = (o.size[0], o.size[1], 1.15)
+        o.parts = _parts(cat, o.size, rng)
+    length = o.size[1]
+    if s + length > end:
+        return None
+    # Centred 1.4 m into the parking lane: the widest trailer stays clear of the outer lane.
+    xy, h = p.at(s + length / 2, sd * (PARKING_EDGE + 1.4) + rng.uniform(-0.1, 0.1))
+    if kerb.clear(s, s + length) and placer.near(xy):
+        placer.place(_static(o, xy, h + yaw_rel + rng.normal(0, 0.04)))
+    return s + (length + rng.uniform(1.5, 8.0))
+
+
+def _kerb_gap(placer: _Placer, kerb: _Kerb, s: float, end: float) -> float:
+    """A gap from arclength s holding a few traffic cones, a row of barriers or nothing; returns its end."""
+    p, rng, sd = kerb.path, placer.rng, kerb.sd
+    gap = rng.uniform(4.0, 10.0)
+    kind = rng.random()
+    if kerb.clear(s, s + gap) and s + gap < end:
+        if kind < 0.4:  # a few traffic cones
+            for c in range(min(rng.integers(2, 5), int((gap - 1.0) / 1.5))):
+                xy, h = p.at(s + 1 + 1.5 * c, sd * (PARKING_EDGE + rng.uniform(0.5, 2.0)))
+                if placer.near(xy):
+                    placer.place(_static(_object("movable_object.trafficcone", rng), xy, h))
+        elif kind < 0.7:  # a row of barriers along the kerb
+            for c in range(min(rng.integers(2, 4), int((gap - 0.2) / 2.9))):  # barriers are <= 2.8 m long
+                xy, h = p.at(s + 1.65 + 2.9 * c, sd * (CURB - 0.6))
+                if placer.near(xy):
+                    placer.place(_static(_object("movable_object.barrier", rng), xy, h))
+    return s + gap
+
+
+def _park_in_bays(placer: _Placer) -> None:
+    """Cars in some of the car-park bays, facing either way."""
+    rng = placer.rng
+    for x, y, yaw in placer.world.road.bays:
+        if rng.random() < 0.65 and placer.near((x, y)):
             o = _object("vehicle.car", rng, "vehicle.parked")
-            place(static(o, (x, y), yaw + (math.pi if rng.random() < 0.5 else 0.0) + rng.normal(0, 0.03)))
-    # Moving traffic: random routes from every lane, one speed per lane; dropped where they would overlap.
-    for i in range(len(road.streets)):
+            placer.place(_static(o, (x, y), yaw + (math.pi if rng.random() < 0.5 else 0.0) + rng.normal(0, 0.03)))
+
+
+def _add_traffic(placer: _Placer) -> None:
+    """Moving traffic: random routes from every lane, one speed per lane; dropped where they would overlap."""
+    for i in range(len(placer.world.road.streets)):
         for dirn in (1, -1):
             for k in range(LANES):
-                lane = road.lane_path(i, dirn, k)
-                v, s = rng.uniform(5.0, 11.0), rng.uniform(0.0, 10.0)
-                while s < lane.length:
-                    cat = _choice(rng, MOVING_MIX)
-                    o = _object(cat, rng, "cycle.with_rider" if cat == "vehicle.motorcycle" else "vehicle.moving")
-                    sc = s + o.size[1] / 2
-                    s += o.size[1] + rng.uniform(6.0, 22.0)
-                    if sc >= lane.length or np.min(np.linalg.norm(lane.at(sc)[0] - ego_xy, axis=1)) > RENDER_RANGE + 11.0 * duration + 10.0:
-                        continue
-                    o.path, o.speed = road.route(rng, i, dirn, k, sc, v * duration + 5.0), v
-                    xy, yaw = o.pose(times)
-                    if np.min(np.linalg.norm(xy - ego_xy, axis=1)) < RENDER_RANGE + 10.0 and fleet.add(xy, yaw, o.size):
-                        objects.append(o)
-    # Pedestrians on the walkways, walking along the street or standing (never on drivable area).
+                _drive_lane(placer, i, dirn, k)
+
+
+def _drive_lane(placer: _Placer, i: int, dirn: int, k: int) -> None:
+    """Vehicles spaced along lane k of street i (direction dirn), each driving its own route at the lane's speed."""
+    road, rng, duration, ego_xy = placer.world.road, placer.rng, placer.duration, placer.ego_xy
+    lane = road.lane_path(i, dirn, k)
+    v, s = rng.uniform(5.0, 11.0), rng.uniform(0.0, 10.0)
+    while s < lane.length:
+        cat = _choice(rng, MOVING_MIX)
+        o = _object(cat, rng, "cycle.with_rider" if cat == "vehicle.motorcycle" else "vehicle.moving")
+        sc = s + o.size[1] / 2
+        s += o.size[1] + rng.uniform(6.0, 22.0)
+        # Skip vehicles that cannot come into render range during the scene (at up to 11 m/s).
+        if sc >= lane.length or np.min(np.linalg.norm(lane.at(sc)[0] - ego_xy, axis=1)) > RENDER_RANGE + 11.0 * duration + 10.0:
+            continue
+        o.path, o.speed = road.route(rng, i, dirn, k, sc, v * duration + 5.0), v
+        xy, yaw = o.pose(placer.times)
+        if np.min(np.linalg.norm(xy - ego_xy, axis=1)) < RENDER_RANGE + 10.0 and placer.fleet.add(xy, yaw, o.size):
+            placer.world.objects.append(o)
+
+
+def _add_pedestrians(placer: _Placer, streets: list[int]) -> None:
+    """Pedestrians on the walkways, walking along the street or standing (never on drivable area)."""
+    road, rng, duration = placer.world.road, placer.rng, placer.duration
     drivable = road.layers["drivable_area"][0]["geom"]
     for i in streets:
         p = road.streets[i].path
@@ -399,19 +517,22 @@ def build_world(seed: int, scene: int, samples: int, location: str) -> World:
                     o.path, o.s0, o.speed, o.l, o.yaw = p, s0, v, l, (0.0 if v > 0 else math.pi) + rng.normal(0, 0.1)
                 else:
                     xy, _ = p.at(s0, l)
-                    static(o, xy, rng.uniform(0, 2 * math.pi)).attribute = "pedestrian.standing"
-                xy, _ = o.pose(times)
-                if near(xy[0], RENDER_RANGE + 10.0 + 1.6 * duration) and not shapely.contains_xy(drivable, xy[:, 0], xy[:, 1]).any():
-                    objects.append(o)
-    # Scenery: buildings and traffic lights.
+                    _static(o, xy, rng.uniform(0, 2 * math.pi)).attribute = "pedestrian.standing"
+                xy, _ = o.pose(placer.times)
+                if placer.near(xy[0], RENDER_RANGE + 10.0 + 1.6 * duration) and not shapely.contains_xy(drivable, xy[:, 0], xy[:, 1]).any():
+                    placer.world.objects.append(o)
+
+
+def _add_scenery(placer: _Placer) -> None:
+    """Scenery near the drive: buildings (their tones drawn from the scene's stream) and traffic lights."""
+    road, rng, objects = placer.world.road, placer.rng, placer.world.objects
     for x, y, yaw, w, length, h in road.buildings:
-        if near((x, y), RENDER_RANGE + length / 2 + 10.0):
+        if placer.near((x, y), RENDER_RANGE + length / 2 + 10.0):
             tone = rng.uniform(0.45, 0.8) * np.array([1.0, rng.uniform(0.85, 1.0), rng.uniform(0.7, 0.95)])
-            objects.append(static(Obj("", (w, length, h), [_box(0, 0, 0, w, length, h, tone)]), (x, y), yaw))
+            objects.append(_static(Obj("", (w, length, h), [_box(0, 0, 0, w, length, h, tone)]), (x, y), yaw))
     for tl in road.layers["traffic_light"]:
         x, y, z, yaw = tl["pose"]
-        if near((x, y)):
+        if placer.near((x, y)):
             parts = [_box(0, 0, 0, 0.15, 0.15, 4.0, (0.35, 0.36, 0.38)),
                      _box(0.1, 0, 1.45, 0.35, 0.3, 0.9, (0.08, 0.08, 0.08), DARK)]
-            objects.append(static(Obj("", (0.35, 0.4, 4.0), parts), (x, y), yaw))
-    return world
+            objects.append(_static(Obj("", (0.35, 0.4, 4.0), parts), (x, y), yaw))
