@@ -41,6 +41,7 @@ import time
 from datetime import datetime, timezone
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 import cv2
 import numpy as np
@@ -60,6 +61,7 @@ DEFAULT_SAMPLES = 24
 JPEG_QUALITY = 90
 TABLES = ("attribute", "calibrated_sensor", "category", "ego_pose", "instance", "log", "map", "sample",
           "sample_annotation", "sample_data", "scene", "sensor", "visibility")
+CHANNELS = (*CAMERA_NAMES, "LIDAR_TOP")  # the sensors of every sample, in sensor/sample_data row order
 
 # Real nuScenes v1.0 tokens and names (facts of the public schema).
 VISIBILITY = [
@@ -140,10 +142,27 @@ def _log_info(name: str, index: int) -> tuple[str, str, int]:
 
 @lru_cache(maxsize=16)
 def _world(seed: int, scene: int, samples: int, location: str) -> World:
+    """build_world, cached: the tables, the renders and the annotations all read the same world."""
     return build_world(seed, scene, samples, location)
 
 
+class _RenderTask(NamedTuple):
+    """One sample for a render worker: its world, its files (relative to out) and the objects it annotates."""
+
+    out: Path
+    seed: int
+    scene: int
+    sample: int
+    samples: int  # per scene (sizes the world)
+    location: str
+    cam_files: dict[str, str]  # camera -> JPEG
+    lidar_file: str
+    annotated: list[int]
+    scale: int  # render_scale
+
+
 def _worker_init() -> None:
+    """Set up a render worker process."""
     import torch
 
     torch.set_num_threads(1)  # one process per core; torch threads would only contend
@@ -283,7 +302,8 @@ def _begin(out: Path, files: list[str]) -> None:
             except OSError:  # not empty (someone else's files) or already gone
                 pass
         (out / MANIFEST).unlink()
-    dirs = sorted({str(p) for f in files for p in Path(f).parents if str(p) != "."}, key=lambda d: len(Path(d).parts))
+    # Sorted by name: the manifest is the same bytes every run, and a parent (a prefix) is created before its children.
+    dirs = sorted({str(p) for f in files for p in Path(f).parents if str(p) != "."})
     created = [d for d in dirs if not (out / d).exists()]
     out.mkdir(parents=True, exist_ok=True)
     for d in created:
@@ -296,6 +316,7 @@ RENDER_SCALES = (1, 2, 4)  # divisors of 1600x900 that keep whole pixels
 
 
 def _check_render_scale(scale) -> int:
+    """`scale` as an int if it is one of RENDER_SCALES, else a ValueError."""
     if isinstance(scale, bool) or not isinstance(scale, (int, np.integer)) or int(scale) not in RENDER_SCALES:
         raise ValueError(f"render_scale must be one of {', '.join(map(str, RENDER_SCALES))} "
                          f"(ray-cast at 1600x900 / render_scale), got {scale!r}")
@@ -332,125 +353,176 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
     out = Path(out)
     _check_out(out, overwrite)
     rig = load_rig()
-    T = {name: [] for name in TABLES}
+    T = _fixed_tables(seed)
+    scene_tasks = [_add_scene(T, rig, out, seed, si, name, samples_per_scene, render_scale)
+                   for si, name in enumerate(names)]
+    tasks = [task for scene in scene_tasks for task in scene]
+    map_tasks = _add_maps(T, out, seed, names)
+    _begin(out, _dataset_files(tasks, T["map"], names))
+    _write_map_expansions(out, seed, names)
+    results = _render(tasks, map_tasks, workers, render_scale, samples_per_scene, progress)
+    for scene in scene_tasks:
+        _add_annotations(T, scene, results)
+    for name in TABLES:
+        _write_atomic(out / VERSION / f"{name}.json", json.dumps(T[name], indent=0))
+    return out
 
+
+def _fixed_tables(seed: int) -> dict[str, list[dict]]:
+    """All TABLES, with the rows that do not depend on the scenes (visibility, attribute, category, sensor)."""
+    T = {name: [] for name in TABLES}
     T["visibility"] = [dict(v) for v in VISIBILITY]
     T["attribute"] = [{"token": tok, "name": n, "description": d} for n, (tok, d) in ATTRIBUTES.items()]
     T["category"] = [{"token": tok, "name": n, "description": f"nuScenes category {n}."} for n, tok in CATEGORIES.items()]
-    channels = list(CAMERA_NAMES) + ["LIDAR_TOP"]
-    sensor_tok = {ch: _token(seed, "sensor", ch) for ch in channels}
-    T["sensor"] = [{"token": sensor_tok[ch], "channel": ch, "modality": "lidar" if ch == "LIDAR_TOP" else "camera"}
-                   for ch in channels]
-    tasks, meta = [], {}
-    for si, name in enumerate(names):
-        world = _world(seed, si, samples_per_scene, MINI_LOCATIONS[name])
-        logfile, date, t0 = _log_info(name, si)
-        log_tok, scene_tok = _token(seed, "log", si), _token(seed, "scene", si)
-        T["log"].append({"token": log_tok, "logfile": logfile, "vehicle": logfile[:4], "date_captured": date,
-                         "location": MINI_LOCATIONS[name]})
-        cs_tok = {ch: _token(seed, "calibrated_sensor", si, ch) for ch in channels}
-        for ch in CAMERA_NAMES:
-            cal = rig["cameras"][ch]
-            T["calibrated_sensor"].append({"token": cs_tok[ch], "sensor_token": sensor_tok[ch],
-                                           "translation": cal["translation"], "rotation": cal["rotation"],
-                                           "camera_intrinsic": cal["camera_intrinsic"]})
-        T["calibrated_sensor"].append({"token": cs_tok["LIDAR_TOP"], "sensor_token": sensor_tok["LIDAR_TOP"],
-                                       "translation": LIDAR_TRANSLATION, "rotation": LIDAR_ROTATION,
-                                       "camera_intrinsic": []})
-        sample_toks = [_token(seed, "sample", si, k) for k in range(samples_per_scene)]
-        T["scene"].append({"token": scene_tok, "log_token": log_tok, "nbr_samples": samples_per_scene,
-                           "first_sample_token": sample_toks[0], "last_sample_token": sample_toks[-1],
-                           "name": name, "description": "Synthetic: drive through a road network with junctions, traffic, parked cars, pedestrians."})
-        for k, tok in enumerate(sample_toks):
-            ts = t0 + int(round(k * SAMPLE_DT * 1e6))
-            T["sample"].append({"token": tok, "timestamp": ts, "prev": sample_toks[k - 1] if k else "",
-                                "next": sample_toks[k + 1] if k + 1 < samples_per_scene else "", "scene_token": scene_tok})
-            ego_t, ego_yaw = world.ego_pose(k * SAMPLE_DT)
-            files = {}
-            for ch in channels:
-                # As in nuScenes, an ego_pose shares its token with its sample_data.
-                sd_tok = _token(seed, "sample_data", si, k, ch)
-                ext = "pcd.bin" if ch == "LIDAR_TOP" else "jpg"
-                files[ch] = f"samples/{ch}/{logfile}__{ch}__{ts}.{ext}"
-                T["ego_pose"].append({"token": sd_tok, "timestamp": ts, "rotation": yaw_to_quaternion(ego_yaw),
-                                      "translation": ego_t.tolist()})
-                cam = ch != "LIDAR_TOP"
-                T["sample_data"].append({
-                    "token": sd_tok, "sample_token": tok, "ego_pose_token": sd_tok, "calibrated_sensor_token": cs_tok[ch],
-                    "timestamp": ts, "fileformat": "jpg" if cam else "pcd", "is_key_frame": True,
-                    "height": IMAGE_H if cam else 0, "width": IMAGE_W if cam else 0, "filename": files[ch],
-                    "prev": _token(seed, "sample_data", si, k - 1, ch) if k else "",
-                    "next": _token(seed, "sample_data", si, k + 1, ch) if k + 1 < samples_per_scene else ""})
-            annotated = annotated_objects(world, k * SAMPLE_DT)
-            meta[si, k] = (tok, annotated)
-            tasks.append((out, seed, si, k, samples_per_scene, MINI_LOCATIONS[name], {c: files[c] for c in CAMERA_NAMES},
-                          files["LIDAR_TOP"], annotated, render_scale))
+    T["sensor"] = [{"token": _token(seed, "sensor", ch), "channel": ch, "modality": "lidar" if ch == "LIDAR_TOP" else "camera"}
+                   for ch in CHANNELS]
+    return T
 
+
+def _add_scene(T: dict, rig: dict, out: Path, seed: int, si: int, name: str, samples: int,
+               render_scale: int) -> list[_RenderTask]:
+    """Append scene `si`'s log, calibrated_sensor, scene and per-sample rows; return its samples' render tasks."""
+    location = MINI_LOCATIONS[name]
+    world = _world(seed, si, samples, location)
+    logfile, date, t0 = _log_info(name, si)
+    log_tok, scene_tok = _token(seed, "log", si), _token(seed, "scene", si)
+    T["log"].append({"token": log_tok, "logfile": logfile, "vehicle": logfile[:4], "date_captured": date,
+                     "location": location})
+    _add_calibrated_sensors(T, rig, seed, si)
+    sample_toks = [_token(seed, "sample", si, k) for k in range(samples)]
+    T["scene"].append({"token": scene_tok, "log_token": log_tok, "nbr_samples": samples,
+                       "first_sample_token": sample_toks[0], "last_sample_token": sample_toks[-1],
+                       "name": name, "description": "Synthetic: drive through a road network with junctions, traffic, parked cars, pedestrians."})
+    tasks = []
+    for k, tok in enumerate(sample_toks):
+        ts = t0 + int(round(k * SAMPLE_DT * 1e6))
+        T["sample"].append({"token": tok, "timestamp": ts, "prev": sample_toks[k - 1] if k else "",
+                            "next": sample_toks[k + 1] if k + 1 < samples else "", "scene_token": scene_tok})
+        files = _add_sample_data(T, world, seed, si, k, samples, tok, ts, logfile)
+        tasks.append(_RenderTask(out, seed, si, k, samples, location, {c: files[c] for c in CAMERA_NAMES},
+                                 files["LIDAR_TOP"], annotated_objects(world, k * SAMPLE_DT), render_scale))
+    return tasks
+
+
+def _add_calibrated_sensors(T: dict, rig: dict, seed: int, si: int) -> None:
+    """Append scene `si`'s calibrated_sensor rows: the rig's six cameras, then the lidar mount."""
+    for ch in CAMERA_NAMES:
+        cal = rig["cameras"][ch]
+        T["calibrated_sensor"].append({"token": _token(seed, "calibrated_sensor", si, ch),
+                                       "sensor_token": _token(seed, "sensor", ch),
+                                       "translation": cal["translation"], "rotation": cal["rotation"],
+                                       "camera_intrinsic": cal["camera_intrinsic"]})
+    T["calibrated_sensor"].append({"token": _token(seed, "calibrated_sensor", si, "LIDAR_TOP"),
+                                   "sensor_token": _token(seed, "sensor", "LIDAR_TOP"),
+                                   "translation": LIDAR_TRANSLATION, "rotation": LIDAR_ROTATION,
+                                   "camera_intrinsic": []})
+
+
+def _add_sample_data(T: dict, world: World, seed: int, si: int, k: int, samples: int, sample_tok: str, ts: int,
+                     logfile: str) -> dict[str, str]:
+    """Append sample k's ego_pose and sample_data rows, one per channel; return channel -> file (relative to out)."""
+    ego_t, ego_yaw = world.ego_pose(k * SAMPLE_DT)
+    files = {}
+    for ch in CHANNELS:
+        # As in nuScenes, an ego_pose shares its token with its sample_data.
+        sd_tok = _token(seed, "sample_data", si, k, ch)
+        cam = ch != "LIDAR_TOP"
+        files[ch] = f"samples/{ch}/{logfile}__{ch}__{ts}.{'jpg' if cam else 'pcd.bin'}"
+        T["ego_pose"].append({"token": sd_tok, "timestamp": ts, "rotation": yaw_to_quaternion(ego_yaw),
+                              "translation": ego_t.tolist()})
+        T["sample_data"].append({
+            "token": sd_tok, "sample_token": sample_tok, "ego_pose_token": sd_tok,
+            "calibrated_sensor_token": _token(seed, "calibrated_sensor", si, ch),
+            "timestamp": ts, "fileformat": "jpg" if cam else "pcd", "is_key_frame": True,
+            "height": IMAGE_H if cam else 0, "width": IMAGE_W if cam else 0, "filename": files[ch],
+            "prev": _token(seed, "sample_data", si, k - 1, ch) if k else "",
+            "next": _token(seed, "sample_data", si, k + 1, ch) if k + 1 < samples else ""})
+    return files
+
+
+def _add_maps(T: dict, out: Path, seed: int, names: list[str]) -> list[tuple]:
+    """Append one map row per location (after the logs it lists); return the tasks that write their PNGs."""
     map_tasks = []
     for loc, scenes_here in _map_groups(names).items():
         tok = _token(seed, "map", loc)
         T["map"].append({"category": "semantic_prior", "token": tok, "filename": f"maps/{tok}.png",
                          "log_tokens": [T["log"][si]["token"] for si in scenes_here]})
         map_tasks.append((out / "maps" / f"{tok}.png", seed, loc))
+    return map_tasks
 
-    written = [f for task in tasks for f in (*task[6].values(), task[7])] + [m["filename"] for m in T["map"]]
-    written += [f"maps/expansion/{loc}.json" for loc in _map_groups(names)] + [f"{VERSION}/{n}.json" for n in TABLES]
-    _begin(out, written)
+
+def _dataset_files(tasks: list[_RenderTask], maps: list[dict], names: list[str]) -> list[str]:
+    """Every file of the dataset, relative to out (what the manifest records)."""
+    files = [f for task in tasks for f in (*task.cam_files.values(), task.lidar_file)] + [m["filename"] for m in maps]
+    return files + [f"maps/expansion/{loc}.json" for loc in _map_groups(names)] + [f"{VERSION}/{n}.json" for n in TABLES]
+
+
+def _write_map_expansions(out: Path, seed: int, names: list[str]) -> None:
+    """Write each location's HD map (maps/expansion/<location>.json)."""
     for loc in _map_groups(names):
         _write_atomic(out / "maps" / "expansion" / f"{loc}.json", json.dumps(map_expansion(road_map(seed, loc), seed)))
 
-    results = {}
+
+def _render(tasks: list[_RenderTask], map_tasks: list[tuple], workers: int, render_scale: int, samples_per_scene: int,
+            progress: bool) -> dict:
+    """Write every sample's images and lidar cloud and the map PNGs; return (scene, sample) -> (visibility, lidar counts)."""
     for ch in CAMERA_NAMES:  # per-camera rays, computed once and inherited by forked workers
         raycast.make_camera(ch, render_scale)
+    results = {}
     bar = tqdm(total=len(tasks), desc="bev-make-synthetic", unit="sample", disable=not progress)
+    # Runs of consecutive frames per chunk: a worker reuses the world and ground tiles it built.
+    for r in _run_tasks(tasks, map_tasks, workers, chunksize=max(1, samples_per_scene // 4)):
+        results[r[0], r[1]] = r[2:]
+        bar.update()
+    bar.close()
+    return results
+
+
+def _run_tasks(tasks: list[_RenderTask], map_tasks: list[tuple], workers: int, chunksize: int):
+    """Run the map and render tasks (in `workers` processes when there are several); yield the render results."""
     if workers > 1 and len(tasks) > 1:
         # fork shares the built worlds and camera rays; spawn where fork does not exist.
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         with ctx.Pool(min(workers, len(tasks)), initializer=_worker_init) as pool:
             maps = pool.map_async(_map_task, map_tasks)  # big PNGs, encoded alongside the renders
-            # Runs of consecutive frames per task: a worker reuses the world and ground tiles it built.
-            for r in pool.imap_unordered(_render_task, tasks, chunksize=max(1, samples_per_scene // 4)):
-                results[r[0], r[1]] = r[2:]
-                bar.update()
+            yield from pool.imap_unordered(_render_task, tasks, chunksize=chunksize)
             maps.get()
     else:
         for task in map_tasks:
             _map_task(task)
-        for task in tasks:
-            r = _render_task(task)
-            results[r[0], r[1]] = r[2:]
-            bar.update()
-    bar.close()
+        yield from map(_render_task, tasks)
 
-    # Annotations and instances, linked through the scene in sample order.
-    for si, name in enumerate(names):
-        world = _world(seed, si, samples_per_scene, MINI_LOCATIONS[name])
-        tracks: dict[int, list[dict]] = {}
-        for k in range(samples_per_scene):
-            sample_tok, annotated = meta[si, k]
-            vis, lidar = results[si, k]
-            for i in annotated:
-                obj = world.objects[i]
-                centre, yaw = world.object_global(obj, k * SAMPLE_DT)
-                rec = {"token": _token(seed, "sample_annotation", si, k, i), "sample_token": sample_tok,
-                       "instance_token": _token(seed, "instance", si, i), "visibility_token": vis[i],
-                       "attribute_tokens": [ATTRIBUTES[obj.attribute][0]] if obj.attribute else [],
-                       "translation": centre.tolist(), "size": list(obj.size), "rotation": yaw_to_quaternion(yaw),
-                       "prev": "", "next": "", "num_lidar_pts": lidar[i], "num_radar_pts": 0}
-                tracks.setdefault(i, []).append(rec)
-        for i in sorted(tracks):
-            recs = tracks[i]
-            for a, b in zip(recs, recs[1:]):
-                a["next"], b["prev"] = b["token"], a["token"]
-            T["instance"].append({"token": recs[0]["instance_token"],
-                                  "category_token": CATEGORIES[world.objects[i].category],
-                                  "nbr_annotations": len(recs), "first_annotation_token": recs[0]["token"],
-                                  "last_annotation_token": recs[-1]["token"]})
-        T["sample_annotation"].extend(sorted((r for recs in tracks.values() for r in recs), key=lambda r: r["token"]))
 
-    for name in TABLES:
-        _write_atomic(out / VERSION / f"{name}.json", json.dumps(T[name], indent=0))
-    return out
+def _add_annotations(T: dict, tasks: list[_RenderTask], results: dict) -> None:
+    """Append one scene's sample_annotation and instance rows, each object's annotations linked in sample order."""
+    first = tasks[0]
+    world = _world(first.seed, first.scene, first.samples, first.location)
+    tracks: dict[int, list[dict]] = {}
+    for task in tasks:  # in sample order
+        vis, lidar = results[task.scene, task.sample]
+        for i in task.annotated:
+            tracks.setdefault(i, []).append(_annotation(world, task, i, vis[i], lidar[i]))
+    for i in sorted(tracks):
+        recs = tracks[i]
+        for a, b in zip(recs, recs[1:]):
+            a["next"], b["prev"] = b["token"], a["token"]
+        T["instance"].append({"token": recs[0]["instance_token"],
+                              "category_token": CATEGORIES[world.objects[i].category],
+                              "nbr_annotations": len(recs), "first_annotation_token": recs[0]["token"],
+                              "last_annotation_token": recs[-1]["token"]})
+    T["sample_annotation"].extend(sorted((r for recs in tracks.values() for r in recs), key=lambda r: r["token"]))
+
+
+def _annotation(world: World, task: _RenderTask, i: int, visibility: str, num_lidar_pts: int) -> dict:
+    """The sample_annotation row of object i in the task's sample (prev/next are linked per track)."""
+    seed, si, k = task.seed, task.scene, task.sample
+    obj = world.objects[i]
+    centre, yaw = world.object_global(obj, k * SAMPLE_DT)
+    return {"token": _token(seed, "sample_annotation", si, k, i), "sample_token": _token(seed, "sample", si, k),
+            "instance_token": _token(seed, "instance", si, i), "visibility_token": visibility,
+            "attribute_tokens": [ATTRIBUTES[obj.attribute][0]] if obj.attribute else [],
+            "translation": centre.tolist(), "size": list(obj.size), "rotation": yaw_to_quaternion(yaw),
+            "prev": "", "next": "", "num_lidar_pts": num_lidar_pts, "num_radar_pts": 0}
 
 
 def _map_groups(names: list[str]) -> dict[str, list[int]]:
@@ -474,6 +546,7 @@ def _map_task(task) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """bev-make-synthetic: the command line of make_synthetic (exit status 1 when --out cannot be written)."""
     p = argparse.ArgumentParser(prog="bev-make-synthetic", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="dataroot to create (load it with NuScenes('v1.0-mini', dataroot=OUT))")
     p.add_argument("--scenes", type=int, default=DEFAULT_SCENES, help="1..10 (default %(default)s = the mini split)")
