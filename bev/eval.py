@@ -21,44 +21,57 @@ from bev.utils.io import atomic_write
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
-    import lightning as L
+    """Evaluate cfg.ckpt_path on the val split: print the IoU table, write metrics.json and PNGs; returns the record."""
     from hydra.utils import instantiate
 
     from bev.inference import build_data_config, load_checkpoint
-    from bev.utils.checkpoint import logged_val_iou
-    from bev.metrics import format_table
-    from bev.callbacks import ThreadsFollowLoad
-    from bev.utils.threads import intra_op_threads
 
     if OmegaConf.is_missing(cfg, "ckpt_path"):
         raise ValueError("no checkpoint given: bev-eval ckpt_path=<a .ckpt file, or a run directory for its best checkpoint>")
     loaded = load_checkpoint(cfg.ckpt_path, cfg.get("model"), cfg.grid, cfg.data)
-    model, run_cfg, model_cfg, ckpt, ckpt_path = loaded
     with open_dict(cfg):
-        cfg.grid = run_cfg.grid
-    data_cfg = build_data_config(cfg.data, run_cfg)
+        cfg.grid = loaded.run_config.grid
+    data_cfg = build_data_config(cfg.data, loaded.run_config)
     datamodule = instantiate(data_cfg)
-
-    precision = cfg.get("precision") or OmegaConf.select(run_cfg, "trainer.precision", default="32-true")
-    threads, accelerator = cfg.get("threads"), str(cfg.accelerator)
-    with intra_op_threads(threads, data_cfg.get("num_workers", 0), accelerator) as n:
-        # On a busy machine threads: auto gives way to the other processes.
-        follow = ThreadsFollowLoad.when_auto(n, threads, accelerator)
-        trainer = L.Trainer(accelerator=cfg.accelerator, devices=1, precision=precision, logger=False, callbacks=follow,
-                            enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
-        trainer.test(model, datamodule=datamodule, verbose=False)
-    metrics = {k.removeprefix("test/"): float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
+    metrics = _test_metrics(cfg, loaded, data_cfg, datamodule)
 
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    logged = logged_val_iou(ckpt)
-    record = {
-        "checkpoint": str(ckpt_path),
+    record = _eval_record(loaded, data_cfg, metrics)
+    atomic_write(out / "metrics.json", json.dumps(record, indent=2))
+    pngs = save_pngs(loaded.model, datamodule, out, int(cfg.num_pngs))
+    _print_report(loaded, data_cfg, record, out, len(pngs))
+    return record
+
+
+def _test_metrics(cfg: DictConfig, loaded, data_cfg: DictConfig, datamodule) -> dict[str, float]:
+    """One trainer.test pass of the model over the data; returns its metrics without the "test/" prefix."""
+    import lightning as L
+
+    from bev.utils.threads import threads_following_load
+
+    precision = cfg.get("precision") or OmegaConf.select(loaded.run_config, "trainer.precision", default="32-true")
+    threads, accelerator = cfg.get("threads"), str(cfg.accelerator)
+    # On a busy machine threads: auto gives way to the other processes.
+    with threads_following_load(threads, data_cfg.get("num_workers", 0), accelerator) as follow:
+        trainer = L.Trainer(accelerator=cfg.accelerator, devices=1, precision=precision, logger=False, callbacks=follow,
+                            enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+        trainer.test(loaded.model, datamodule=datamodule, verbose=False)
+    return {k.removeprefix("test/"): float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
+
+
+def _eval_record(loaded, data_cfg: DictConfig, metrics: dict[str, float]) -> dict[str, Any]:
+    """The metrics.json record: what was evaluated, how the metrics are defined, and the metrics."""
+    from bev.utils.checkpoint import logged_val_iou
+
+    ckpt, model = loaded.checkpoint, loaded.model
+    return {
+        "checkpoint": str(loaded.path),
         "epoch": ckpt.get("epoch"),
         "global_step": ckpt.get("global_step"),
         "data": OmegaConf.to_container(OmegaConf.masked_copy(data_cfg, ["dataroot", "version", "val_split", "final_dim"]), resolve=True),
-        "grid": OmegaConf.to_container(run_cfg.grid),
-        "threshold": float(model_cfg.get("threshold", 0.5)),
+        "grid": OmegaConf.to_container(loaded.run_config.grid),
+        "threshold": float(loaded.model_config.get("threshold", 0.5)),
         "visibility_filter": "iou_vis*: cells of vehicles with nuScenes visibility level 1 (0-40%) ignored",
         "distance_bands_m": "cell-centre distance from the ego origin: [0,20), [20,35), [35,50)",
         "object_classes": list(model.object_classes),
@@ -66,18 +79,21 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "map_protocol": "BEVFusion: IoU of p >= t over the split for t in 0.35..0.65 step 0.05; iou_<class> at the "
                         "best t (thr_<class>); miou_map their mean",
         "metrics": metrics,
-        "logged_val_iou": logged,
+        "logged_val_iou": logged_val_iou(ckpt),
     }
-    atomic_write(out / "metrics.json", json.dumps(record, indent=2))
-    pngs = save_pngs(model, datamodule, out, int(cfg.num_pngs))
 
-    print(f"Checkpoint {ckpt_path} (epoch {ckpt.get('epoch')}, step {ckpt.get('global_step')}) on "
+
+def _print_report(loaded, data_cfg: DictConfig, record: dict[str, Any], out: Path, num_pngs: int) -> None:
+    """What was evaluated, the IoU table, the run's own val/iou for comparison, and where the files are."""
+    from bev.metrics import format_table
+
+    ckpt, metrics, logged = loaded.checkpoint, record["metrics"], record["logged_val_iou"]
+    print(f"Checkpoint {loaded.path} (epoch {ckpt.get('epoch')}, step {ckpt.get('global_step')}) on "
           f"{data_cfg.dataroot} {data_cfg.version}/{data_cfg.val_split}, threshold {record['threshold']}:")
-    print(format_table(metrics, model.object_classes, model.map_classes))
+    print(format_table(metrics, loaded.model.object_classes, loaded.model.map_classes))
     if logged is not None:
         print(f"val/iou logged by the run for this checkpoint: {logged:.4f} (this evaluation: {metrics['iou']:.4f})")
-    print(f"Metrics: {out / 'metrics.json'}  Pictures: {len(pngs)} PNGs in {out}")
-    return record
+    print(f"Metrics: {out / 'metrics.json'}  Pictures: {num_pngs} PNGs in {out}")
 
 
 def save_pngs(model, datamodule, out: Path, n: int) -> list[Path]:

@@ -17,75 +17,126 @@ from bev.utils.errors import report_errors
 
 
 def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
+    """Predict the chosen split or scene, writing the files listed above; returns predictions.json's content."""
     import json
 
-    import numpy as np
-    import torch
-    from PIL import Image
-    from torch.utils.data import DataLoader, Subset
-    from tqdm import tqdm
-
-    from bev.inference import build_data_config, load_checkpoint, predict, save_gif, save_prediction_npz, select_samples, writable_dir
-    from bev.utils.io import atomic_open, atomic_write
-    from bev.viz import render_sample
+    from bev.inference import build_data_config, load_checkpoint, select_samples, writable_dir
+    from bev.utils.io import atomic_write
 
     out = writable_dir(cfg.out, "out")
     loaded = load_checkpoint(cfg.ckpt_path)
-    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    model = loaded.model.to(device)
+    model = loaded.model.to(_device(cfg.device))
     data_cfg = build_data_config(cfg.data, loaded.run_config)
     dataset, indices, split = select_samples(data_cfg, cfg.split, cfg.scene)
-    scenes, times = dataset.index["scene"], dataset.index["timestamp"]
-    loader = DataLoader(Subset(dataset, indices.tolist()), batch_size=int(cfg.batch_size or data_cfg.batch_size),
-                        num_workers=int(data_cfg.num_workers), shuffle=False)
+    files = _PredictionFiles(cfg, out, model.class_names)
+    desc = f"predicting {split}" + (f" {cfg.scene}" if cfg.scene else "")
+    records = _predict_samples(model, _loader(cfg, data_cfg, dataset, indices), indices, dataset.index, files, desc)
+    summary = {"checkpoint": str(loaded.path), "split": split, "scene": cfg.scene, "class_names": model.class_names,
+               "npz_format": "uint8 q per class, probability = q / 255 (arrays indexed [x_index, y_index]); _-prefixed keys are metadata",
+               "grid": OmegaConf.to_container(loaded.run_config.grid), "gifs": files.gifs, "samples": records}
+    atomic_write(out / "predictions.json", json.dumps(summary, indent=2))
+    print(f"Predicted {len(records)} samples of {split}{' ' + cfg.scene if cfg.scene else ''} with {loaded.path}: "
+          f"{len(files.gifs)} GIF(s), files in {out}")
+    return summary
 
-    records, frames, gifs = [], [], []
-    def flush_gif(scene: str) -> None:
-        if cfg.gif and frames:
-            gifs.append(str(save_gif(out / f"{scene}.gif", frames, float(cfg.gif_fps))))
-        frames.clear()
 
-    position, scene, nth = 0, None, 0
-    bar = tqdm(total=len(indices), desc=f"predicting {split}" + (f" {cfg.scene}" if cfg.scene else ""), unit="sample")
+def _device(device: str) -> str:
+    """The `device` setting, with auto meaning cuda when available, else cpu."""
+    import torch
+
+    return device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _loader(cfg: DictConfig, data_cfg: DictConfig, dataset, indices):
+    """A DataLoader over the selected samples, in their (scene, time) order."""
+    from torch.utils.data import DataLoader, Subset
+
+    return DataLoader(Subset(dataset, indices.tolist()), batch_size=int(cfg.batch_size or data_cfg.batch_size),
+                      num_workers=int(data_cfg.num_workers), shuffle=False)
+
+
+def _predict_samples(model, loader, indices, index, files: _PredictionFiles, desc: str) -> list[dict[str, Any]]:
+    """Predict every sample of the loader and write its files; returns their predictions.json records."""
+    from tqdm import tqdm
+
+    from bev.inference import predict
+
+    scenes, times = index["scene"], index["timestamp"]
+    records, position = [], 0
+    bar = tqdm(total=len(indices), desc=desc, unit="sample")
     for batch in loader:
         probs = predict(model, batch).cpu()
         for i in range(probs.shape[0]):
-            k = int(indices[position])
+            k = int(indices[position])  # the sample's row in the dataset index
             position += 1
-            if scenes[k] != scene:
-                if scene is not None:
-                    flush_gif(scene)
-                scene, nth = str(scenes[k]), 0
-            token = batch["sample_token"][i]
-            stem = out / scene / f"{nth:03d}_{token}"
-            nth += 1
-            rec = {"scene": scene, "sample_token": token, "timestamp": int(times[k]),
-                   "npz": str(save_prediction_npz(stem.with_suffix(".npz"), probs[i], model.class_names, sample_token=token,
-                                                  scene=scene, timestamp=int(times[k]), bev_bounds=batch["bev_bounds"][i].numpy()))}
-            if cfg.png or cfg.gif:
-                sample = {key: v[i : i + 1] for key, v in batch.items() if torch.is_tensor(v) or isinstance(v, list)}
-                img = render_sample(sample, pred=probs[i : i + 1], title=f"{scene} #{nth - 1}  {token}",
-                                    class_names=model.class_names)
-                if cfg.png:
-                    with atomic_open(stem.with_suffix(".png"), "wb") as f:
-                        Image.fromarray(img).save(f, format="PNG")
-                    rec["png"] = str(stem.with_suffix(".png"))
-                if cfg.gif:
-                    h, w = img.shape[:2]
-                    width = min(int(cfg.gif_width), w)
-                    frames.append(np.asarray(Image.fromarray(img).resize((width, round(h * width / w)), Image.Resampling.LANCZOS)))
-            records.append(rec)
+            records.append(files.add(batch, i, probs, scenes[k], int(times[k])))
             bar.update(1)
     bar.close()
-    if scene is not None:
-        flush_gif(scene)
-    summary = {"checkpoint": str(loaded.path), "split": split, "scene": cfg.scene, "class_names": model.class_names,
-               "npz_format": "uint8 q per class, probability = q / 255 (arrays indexed [x_index, y_index]); _-prefixed keys are metadata",
-               "grid": OmegaConf.to_container(loaded.run_config.grid), "gifs": gifs, "samples": records}
-    atomic_write(out / "predictions.json", json.dumps(summary, indent=2))
-    print(f"Predicted {len(records)} samples of {split}{' ' + cfg.scene if cfg.scene else ''} with {loaded.path}: "
-          f"{len(gifs)} GIF(s), files in {out}")
-    return summary
+    files.end_scene()
+    return records
+
+
+class _PredictionFiles:
+    """Writes the files of one sample after another: npz (+ png) per sample, a GIF per scene, numbered per scene."""
+
+    def __init__(self, cfg: DictConfig, out, class_names: list[str]):
+        self.cfg, self.out, self.class_names = cfg, out, class_names
+        self.scene, self.nth = None, 0  # the scene being written and the number of its next sample
+        self.frames: list = []  # that scene's GIF frames so far
+        self.gifs: list[str] = []
+
+    def add(self, batch, i: int, probs, scene, timestamp: int) -> dict[str, Any]:
+        """Write sample i of the batch (probabilities probs[i]) as the next of `scene`; returns its record."""
+        from bev.inference import save_prediction_npz
+
+        if scene != self.scene:  # samples come in (scene, time) order: the previous scene is complete
+            self.end_scene()
+            self.scene, self.nth = str(scene), 0
+        token = batch["sample_token"][i]
+        stem = self.out / self.scene / f"{self.nth:03d}_{token}"
+        title = f"{self.scene} #{self.nth}  {token}"
+        self.nth += 1
+        rec = {"scene": self.scene, "sample_token": token, "timestamp": timestamp,
+               "npz": str(save_prediction_npz(stem.with_suffix(".npz"), probs[i], self.class_names, sample_token=token,
+                                              scene=self.scene, timestamp=timestamp, bev_bounds=batch["bev_bounds"][i].numpy()))}
+        if self.cfg.png or self.cfg.gif:
+            self._pictures(rec, stem, title, batch, i, probs)
+        return rec
+
+    def _pictures(self, rec: dict[str, Any], stem, title: str, batch, i: int, probs) -> None:
+        """Render sample i once for its PNG (named in rec) and its scene's GIF frame, as configured."""
+        import torch
+        from PIL import Image
+
+        from bev.utils.io import atomic_open
+        from bev.viz import render_sample
+
+        sample = {key: v[i : i + 1] for key, v in batch.items() if torch.is_tensor(v) or isinstance(v, list)}
+        img = render_sample(sample, pred=probs[i : i + 1], title=title, class_names=self.class_names)
+        if self.cfg.png:
+            with atomic_open(stem.with_suffix(".png"), "wb") as f:
+                Image.fromarray(img).save(f, format="PNG")
+            rec["png"] = str(stem.with_suffix(".png"))
+        if self.cfg.gif:
+            self.frames.append(_gif_frame(img, int(self.cfg.gif_width)))
+
+    def end_scene(self) -> None:
+        """Write the current scene's GIF (when GIFs are on and it has frames) and start with no frames."""
+        from bev.inference import save_gif
+
+        if self.cfg.gif and self.frames:
+            self.gifs.append(str(save_gif(self.out / f"{self.scene}.gif", self.frames, float(self.cfg.gif_fps))))
+        self.frames.clear()
+
+
+def _gif_frame(img, max_width: int):
+    """img scaled down to at most max_width pixels wide (aspect kept), keeping GIFs small."""
+    import numpy as np
+    from PIL import Image
+
+    h, w = img.shape[:2]
+    width = min(max_width, w)
+    return np.asarray(Image.fromarray(img).resize((width, round(h * width / w)), Image.Resampling.LANCZOS))
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="predict")

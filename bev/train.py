@@ -21,70 +21,126 @@ from bev.utils.malloc import tune_malloc_in_process
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Fit the model described by `cfg`; returns the final metrics (val/iou, val/iou_best, ...)."""
+    from hydra.utils import instantiate
+
+    _seed_and_matmul_precision(cfg)
+    out = Path(cfg.paths.output_dir)
+    _resolve_auto_precision(cfg)
+    datamodule = instantiate(cfg.data)
+    model = _build_model(cfg)
+    ckpt_path = cfg.get("ckpt_path")
+    _check_resume_checkpoint(model, ckpt_path)
+    trainer = _build_trainer(cfg)
+    wall = _fit(cfg, trainer, model, datamodule, ckpt_path)
+    metrics = _final_metrics(trainer, model)
+    _finish(cfg, trainer, metrics, out, wall)
+    return metrics
+
+
+def _seed_and_matmul_precision(cfg: DictConfig) -> None:
+    """Seed every RNG (loader workers included) and set torch's float32 matmul precision, where configured."""
     import lightning as L
     import torch
-    from hydra.utils import instantiate
-    from lightning.pytorch.utilities import rank_zero_only
-
-    from bev.callbacks import AtomicCheckpointIO, ThreadsFollowLoad, TimeBudget
-    from bev.utils.checkpoint import check_compatible, read_checkpoint
-    from bev.utils.precision import resolve_precision
-    from bev.utils.threads import intra_op_threads
 
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     if cfg.get("float32_matmul_precision"):
         torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
-    out = Path(cfg.paths.output_dir)
+
+
+def _resolve_auto_precision(cfg: DictConfig) -> None:
+    """Replace `trainer.precision: auto` by what this hardware gets (bev.utils.precision), and say why."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from bev.utils.precision import resolve_precision
+
     if str(cfg.trainer.get("precision")) == "auto":  # resolved before the config is stored in checkpoints
         precision, reason = resolve_precision("auto", cfg.trainer.get("accelerator", "auto"))
         cfg.trainer.precision = precision
         if rank_zero_only.rank == 0:
             print(f"precision: {precision} ({reason})", flush=True)
 
-    datamodule = instantiate(cfg.data)
+
+def _build_model(cfg: DictConfig):
+    """The LightningModule of cfg.model, carrying the resolved run config that its checkpoints store."""
+    from hydra.utils import instantiate
+
     model = instantiate(cfg.model)
     model.run_config = OmegaConf.to_container(cfg, resolve=True)
-    ckpt_path = cfg.get("ckpt_path")
+    return model
+
+
+def _check_resume_checkpoint(model, ckpt_path: str | None) -> None:
+    """Check that the checkpoint to resume from fits the model (nothing to check without one)."""
+    from bev.utils.checkpoint import check_compatible, read_checkpoint
+
     if ckpt_path:  # check before Lightning does, for a clear message instead of a state_dict dump
         ckpt = read_checkpoint(ckpt_path)
         check_compatible(model, ckpt, ckpt_path, model.run_config["model"])
-        del ckpt
-    trainer = instantiate(
+
+
+def _build_trainer(cfg: DictConfig):
+    """The Trainer of cfg.trainer with the configured callbacks and loggers, saving checkpoints atomically."""
+    from hydra.utils import instantiate
+
+    from bev.callbacks import AtomicCheckpointIO
+
+    return instantiate(
         cfg.trainer,
         callbacks=instantiate_list(cfg.get("callbacks")),
         logger=instantiate_list(cfg.get("logger")) or False,
         plugins=[AtomicCheckpointIO()],
     )
-    start = time.time()
-    threads = (cfg.get("threads"), cfg.data.get("num_workers", 0), str(cfg.trainer.get("accelerator", "cpu")),
-               cfg.trainer.get("devices", 1))
-    with intra_op_threads(*threads) as n:
-        trainer.callbacks.extend(ThreadsFollowLoad.when_auto(n, threads[0], *threads[2:]))
-        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
-    wall = time.time() - start
 
+
+def _fit(cfg: DictConfig, trainer, model, datamodule, ckpt_path: str | None) -> float:
+    """trainer.fit under the configured intra-op threads (bev.utils.threads); returns its wall time in seconds."""
+    from bev.utils.threads import threads_following_load
+
+    start = time.time()
+    with threads_following_load(cfg.get("threads"), cfg.data.get("num_workers", 0),
+                                str(cfg.trainer.get("accelerator", "cpu")), cfg.trainer.get("devices", 1)) as follow:
+        trainer.callbacks.extend(follow)
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    return time.time() - start
+
+
+def _final_metrics(trainer, model) -> dict[str, float]:
+    """The scalar metrics logged last, and the best val/iou of the run."""
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     metrics["val/iou_best"] = float(model.val_iou_best)
+    return metrics
+
+
+def _finish(cfg: DictConfig, trainer, metrics: dict[str, float], out: Path, wall: float) -> None:
+    """On global rank 0: write <out>/metrics.json and print the outcome (and the time budget's message)."""
+    from bev.callbacks import TimeBudget
+
     budget = next((c.summary() for c in trainer.callbacks if isinstance(c, TimeBudget)), None)
     best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
-    if trainer.is_global_zero:
-        write_run_metrics(out, {
-            "status": "ok",
-            "metrics": metrics,
-            "best_ckpt": best,
-            "global_step": trainer.global_step,
-            "epochs": trainer.current_epoch,
-            "fit_wall_s": round(wall, 1),
-            "precision": str(cfg.trainer.get("precision")),
-            **({"time_budget": budget} if budget else {}),
-            "overrides": task_overrides(),
-        })
-        print(f"Training done in {wall / 60:.1f} min, {trainer.global_step} steps: val/iou_best={metrics['val/iou_best']:.4f}. "
-              f"Best checkpoint: {best or '(none)'}; run dir: {out}")
-        if budget and budget["message"]:
-            print(budget["message"])
-    return metrics
+    if not trainer.is_global_zero:
+        return
+    write_run_metrics(out, _run_record(cfg, trainer, metrics, wall, budget, best))
+    print(f"Training done in {wall / 60:.1f} min, {trainer.global_step} steps: val/iou_best={metrics['val/iou_best']:.4f}. "
+          f"Best checkpoint: {best or '(none)'}; run dir: {out}")
+    if budget and budget["message"]:
+        print(budget["message"])
+
+
+def _run_record(cfg: DictConfig, trainer, metrics: dict[str, float], wall: float, budget: dict | None,
+                best: str) -> dict[str, Any]:
+    """The metrics.json record of a finished run (read by the sweep summary)."""
+    return {
+        "status": "ok",
+        "metrics": metrics,
+        "best_ckpt": best,
+        "global_step": trainer.global_step,
+        "epochs": trainer.current_epoch,
+        "fit_wall_s": round(wall, 1),
+        "precision": str(cfg.trainer.get("precision")),
+        **({"time_budget": budget} if budget else {}),
+        "overrides": task_overrides(),
+    }
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")

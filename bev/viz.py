@@ -166,23 +166,51 @@ def render_figure(sample: Mapping[str, Any], pred: Any = None, grid: Grid | None
     the first channel's (the first object class)."""
     s, _ = _unbatch(sample)
     cams = camera_grid(s["images"], s.get("cam_ids"))
-    channels = _np(s["bev"])
-    channels = channels[None] if channels.ndim == 2 else channels
-    if class_names is not None and len(class_names) != channels.shape[0]:
-        raise ValueError(f"{len(class_names)} class names {list(class_names)} for a target of {channels.shape[0]} channels")
-    layered = class_names is not None and len(class_names) > 1  # one class: the grey/viridis view
-    target = channels[0] if layered else channels.max(axis=0)
-    if grid is None and s.get("bev_bounds") is not None:
-        b = s["bev_bounds"]
-        b = b.detach().cpu().double().numpy() if isinstance(b, torch.Tensor) else np.asarray(b, dtype=np.float64)
-        xb, yb = (tuple(float(v) for v in row) for row in b.reshape(2, 3))
-        grid = Grid(xbound=xb, ybound=yb)
-    g = _grid_for(target.shape, grid)
-    npanels = 1 if pred is None else 3
+    channels = _target_channels(s["bev"], class_names)
+    layers = class_names if class_names is not None and len(class_names) > 1 else None  # one class: the grey/viridis view
+    target = channels[0] if layers is not None else channels.max(axis=0)
+    g = _grid_for(target.shape, _sample_grid(s, grid))
     fig = Figure(figsize=(12, 4.2 + 3.2), dpi=100)
     FigureCanvasAgg(fig)
     gs = fig.add_gridspec(2, 3, height_ratios=[cams.shape[0] / cams.shape[1] * 3, 1.0])
-    ax = fig.add_subplot(gs[0, :])
+    _draw_cameras(fig.add_subplot(gs[0, :]), cams, s, title)
+    if layers is not None:
+        _draw_bev(fig.add_subplot(gs[1, 0]), compose_layers(channels, layers), g, "BEV target")
+    else:
+        _draw_bev(fig.add_subplot(gs[1, 0]), target, g, "BEV target", cmap="gray", vmin=0, vmax=1)
+    if pred is not None:
+        prob = _pred_map(pred)
+        if prob.shape != target.shape:
+            raise ValueError(f"prediction shape {prob.shape} does not match the BEV target {target.shape}")
+        _draw_prediction(fig, gs[1, 1], pred, prob, channels, g, layers)
+        _draw_errors(fig.add_subplot(gs[1, 2]), prob, target, g, layers[0] if layers is not None else "vehicle")
+    fig.tight_layout()
+    if layers is not None:
+        _add_legend(fig, layers)
+    return fig
+
+
+def _target_channels(bev: Any, class_names) -> np.ndarray:
+    """The sample's BEV target as (K, X, Y), checked against class_names (one name per channel) when given."""
+    channels = _np(bev)
+    channels = channels[None] if channels.ndim == 2 else channels
+    if class_names is not None and len(class_names) != channels.shape[0]:
+        raise ValueError(f"{len(class_names)} class names {list(class_names)} for a target of {channels.shape[0]} channels")
+    return channels
+
+
+def _sample_grid(s: Mapping[str, Any], grid: Grid | None) -> Grid | None:
+    """`grid` if given, else the grid of the sample's bev_bounds (None when it has none)."""
+    if grid is not None or s.get("bev_bounds") is None:
+        return grid
+    b = s["bev_bounds"]
+    b = b.detach().cpu().double().numpy() if isinstance(b, torch.Tensor) else np.asarray(b, dtype=np.float64)
+    xb, yb = (tuple(float(v) for v in row) for row in b.reshape(2, 3))
+    return Grid(xbound=xb, ybound=yb)
+
+
+def _draw_cameras(ax, cams: np.ndarray, s: Mapping[str, Any], title: str | None) -> None:
+    """The camera picture, each slot labelled with its camera's name, under the figure's title."""
     ax.imshow(cams)
     H, W = s["images"].shape[-2:]
     ids = camera_slots(s["images"].shape[0], s.get("cam_ids"))
@@ -194,37 +222,36 @@ def render_figure(sample: Mapping[str, Any], pred: Any = None, grid: Grid | None
                 bbox=dict(facecolor="black", alpha=0.5, pad=1, lw=0))
     ax.set_axis_off()
     ax.set_title(title or f"sample {s.get('sample_token', '')}", fontsize=9)
-    if layered:
-        _draw_bev(fig.add_subplot(gs[1, 0]), compose_layers(channels, class_names), g, "BEV target")
-    else:
-        _draw_bev(fig.add_subplot(gs[1, 0]), target, g, "BEV target", cmap="gray", vmin=0, vmax=1)
-    if npanels == 3:
-        prob = _pred_map(pred)
-        if prob.shape != target.shape:
-            raise ValueError(f"prediction shape {prob.shape} does not match the BEV target {target.shape}")
-        if layered:
-            probs = _pred_channels(pred)
-            if probs.shape != channels.shape:
-                raise ValueError(f"prediction shape {probs.shape} does not match the BEV target {channels.shape}")
-            _draw_bev(fig.add_subplot(gs[1, 1]), compose_layers(probs, class_names), g, "prediction (blended by probability)")
-        else:
-            im = _draw_bev(fig.add_subplot(gs[1, 1]), prob, g, "prediction P(vehicle)", cmap="viridis", vmin=0, vmax=1)
-            fig.colorbar(im, ax=fig.axes[-1], fraction=0.046, pad=0.02).ax.tick_params(labelsize=6)
-        tp = int(((prob >= 0.5) & (target > 0.5)).sum())
-        fp = int(((prob >= 0.5) & (target <= 0.5)).sum())
-        fn = int(((prob < 0.5) & (target > 0.5)).sum())
-        iou = tp / max(tp + fp + fn, 1)
-        name = class_names[0] if layered else "vehicle"
-        _draw_bev(fig.add_subplot(gs[1, 2]), error_map(prob, target), g,
-                  f"{name} @0.5 TP green, FP red, FN blue (IoU {iou:.3f})")
-    fig.tight_layout()
-    if layered:
-        from matplotlib.patches import Patch
 
-        handles = [Patch(facecolor=np.asarray(c) / 255, edgecolor="black", lw=0.5, label=n) for n, c in layer_colors(class_names)]
-        fig.subplots_adjust(bottom=0.1)
-        fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 8), fontsize=7, frameon=False)
-    return fig
+
+def _draw_prediction(fig: Figure, cell, pred: Any, prob: np.ndarray, channels: np.ndarray, grid: Grid, layers) -> None:
+    """The prediction panel: every layer blended by its probability (layers given), else P(vehicle) with a colorbar."""
+    if layers is not None:
+        probs = _pred_channels(pred)
+        if probs.shape != channels.shape:
+            raise ValueError(f"prediction shape {probs.shape} does not match the BEV target {channels.shape}")
+        _draw_bev(fig.add_subplot(cell), compose_layers(probs, layers), grid, "prediction (blended by probability)")
+    else:
+        im = _draw_bev(fig.add_subplot(cell), prob, grid, "prediction P(vehicle)", cmap="viridis", vmin=0, vmax=1)
+        fig.colorbar(im, ax=fig.axes[-1], fraction=0.046, pad=0.02).ax.tick_params(labelsize=6)
+
+
+def _draw_errors(ax, prob: np.ndarray, target: np.ndarray, grid: Grid, name: str) -> None:
+    """The TP/FP/FN map of one class at threshold 0.5, titled with its IoU."""
+    tp = int(((prob >= 0.5) & (target > 0.5)).sum())
+    fp = int(((prob >= 0.5) & (target <= 0.5)).sum())
+    fn = int(((prob < 0.5) & (target > 0.5)).sum())
+    iou = tp / max(tp + fp + fn, 1)
+    _draw_bev(ax, error_map(prob, target), grid, f"{name} @0.5 TP green, FP red, FN blue (IoU {iou:.3f})")
+
+
+def _add_legend(fig: Figure, class_names) -> None:
+    """A legend of the layer colours along the bottom of the figure."""
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=np.asarray(c) / 255, edgecolor="black", lw=0.5, label=n) for n, c in layer_colors(class_names)]
+    fig.subplots_adjust(bottom=0.1)
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 8), fontsize=7, frameon=False)
 
 
 def render_sample(sample: Mapping[str, Any], pred: Any = None, grid: Grid | None = None, title: str | None = None,
