@@ -269,3 +269,17 @@ def test_clip_drops_degenerate_rings():
     assert len(parts) == 1 and len(parts[0]) == 1
     assert np.ptp(parts[0][0], axis=0).tolist() == [10.0, 10.0]
     assert _clip([np.array([[-5.0, -5.0], [20.0, -5.0], [-5.0, -5.0]])], False, 10, 10) == []
+
+
+def test_reading_maps_leaves_the_matplotlib_style_alone():
+    # The devkit's map_api calls plt.style.use(...) when imported: our pictures must not change with it.
+    import subprocess
+    import sys
+
+    code = ("import matplotlib; before = dict(matplotlib.rcParams)\n"
+            "from bev.data.maps import _map_api\n"
+            "assert _map_api().NuScenesMap.__module__ == 'nuscenes.map_expansion.map_api'\n"
+            "changed = sorted(k for k, v in matplotlib.rcParams.items() if before[k] != v)\n"
+            "assert not changed, changed\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

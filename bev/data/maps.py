@@ -123,12 +123,20 @@ def load_map_geometry(dataroot: str | os.PathLike, locations: Sequence[str], cla
     return table.arrays(locations)
 
 
+def _map_api():
+    """The devkit's map_api module, imported without its side effect: it calls plt.style.use(...) at import,
+    which would draw every later picture of the process with another style (grid lines on white)."""
+    import matplotlib
+
+    with matplotlib.rc_context():
+        from nuscenes.map_expansion import map_api
+    return map_api
+
+
 def _open_map(dataroot: str | os.PathLike, location: str):
     """The devkit's NuScenesMap of one location; any failure to read it names the file."""
-    from nuscenes.map_expansion.map_api import NuScenesMap
-
     try:
-        return NuScenesMap(dataroot=str(dataroot), map_name=location)
+        return _map_api().NuScenesMap(dataroot=str(dataroot), map_name=location)
     except Exception as e:  # outdated version, unknown location, missing layer: name the file
         raise ValueError(f"cannot read the map expansion {str(map_file(dataroot, location))!r} with the nuScenes devkit "
                          f"({type(e).__name__}: {e}). {MAP_DOWNLOAD} (v1.3).") from None
@@ -290,7 +298,8 @@ def _devkit_multiline_fix():
     """nuscenes-devkit 1.2's mask_for_lines iterates a MultiLineString (a divider cut in pieces by the
     patch), which shapely >= 2 refuses with a TypeError; within the block, the same drawing over `.geoms`."""
     import cv2
-    from nuscenes.map_expansion.map_api import NuScenesMapExplorer
+
+    NuScenesMapExplorer = _map_api().NuScenesMapExplorer
 
     def mask_for_lines(lines, mask):
         for line in getattr(lines, "geoms", [lines]):

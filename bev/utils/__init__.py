@@ -8,6 +8,9 @@
   config      CONFIG_DIR, instantiate_list, Hydra run-mode queries
   checkpoint  read_checkpoint, check_compatible, resolve_checkpoint (clear CheckpointErrors)
   malloc      allocator tuning for CPU training
+  precision   trainer.precision / channels_last resolved per device ("auto": bf16-mixed where native)
+  threads     `threads: auto`: intra-op threads that leave cores to loader workers and busy neighbours
+  profiling   peak_cpu_bytes: what a call allocates (benchmarks and tests)
 
 Each module imports only what it needs, so `import bev.utils.io` stays cheap in workers.
 """
