@@ -100,7 +100,7 @@ def save_pngs(model, datamodule, out: Path, n: int) -> list[Path]:
     """Cameras + prediction vs target for the first n validation samples."""
     import torch
 
-    from bev.viz import save_sample_png
+    from bev.viz import batch_sample, save_sample_png
 
     if n <= 0:
         return []
@@ -113,9 +113,8 @@ def save_pngs(model, datamodule, out: Path, n: int) -> list[Path]:
             for i in range(pred.shape[0]):
                 if len(paths) >= n:
                     return paths
-                sample = {k: v[i : i + 1] if torch.is_tensor(v) or isinstance(v, list) else v for k, v in batch.items()}
                 path = out / f"sample_{len(paths):03d}.png"
-                save_sample_png(path, sample, pred=pred[i : i + 1], class_names=model.class_names)
+                save_sample_png(path, batch_sample(batch, i), pred=pred[i : i + 1], class_names=model.class_names)
                 paths.append(path)
     return paths
 

@@ -105,14 +105,12 @@ class _PredictionFiles:
 
     def _pictures(self, rec: dict[str, Any], stem, title: str, batch, i: int, probs) -> None:
         """Render sample i once for its PNG (named in rec) and its scene's GIF frame, as configured."""
-        import torch
         from PIL import Image
 
         from bev.utils.io import atomic_open
-        from bev.viz import render_sample
+        from bev.viz import batch_sample, render_sample
 
-        sample = {key: v[i : i + 1] for key, v in batch.items() if torch.is_tensor(v) or isinstance(v, list)}
-        img = render_sample(sample, pred=probs[i : i + 1], title=title, class_names=self.class_names)
+        img = render_sample(batch_sample(batch, i), pred=probs[i : i + 1], title=title, class_names=self.class_names)
         if self.cfg.png:
             with atomic_open(stem.with_suffix(".png"), "wb") as f:
                 Image.fromarray(img).save(f, format="PNG")

@@ -110,6 +110,11 @@ def compose_layers(channels: np.ndarray, class_names) -> np.ndarray:
     return img.round().astype(np.uint8)
 
 
+def batch_sample(batch: Mapping[str, Any], i: int) -> dict:
+    """Sample i of a collated batch, kept batched (size 1), as render_sample and save_sample_png take it."""
+    return {k: v[i : i + 1] if torch.is_tensor(v) or isinstance(v, list) else v for k, v in batch.items()}
+
+
 def _unbatch(sample: Mapping[str, Any]) -> tuple[dict, bool]:
     batched = sample["images"].dim() == 5 if isinstance(sample["images"], torch.Tensor) else np.ndim(sample["images"]) == 5
     if not batched:
