@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -23,10 +22,13 @@ import torch
 from torch.utils.data import DataLoader
 
 from bev.data import NuScenesBEVDataset
-from bev.utils.io import atomic_write
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when a test runs this file with runpy
+from bench_common import host_versions, write_report  # noqa: E402
 
 
 def time_loader(ds, workers: int, batch_size: int, batches: int) -> dict:
+    """samples/s over `batches` batches after the first (whose start-up time is reported apart)."""
     dl = DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, drop_last=len(ds) >= batch_size,
                     persistent_workers=workers > 0)
     t0 = time.perf_counter()
@@ -101,7 +103,8 @@ def time_depth_target(ds, rounds: int = 5) -> dict:
     return {"off": round(statistics.median(rates[False]), 2), "on": round(statistics.median(rates[True]), 2)}
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
+    """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataroot", default=None, help="nuScenes-format root (default: write a synthetic one)")
     p.add_argument("--version", default="v1.0-mini")
@@ -113,50 +116,78 @@ def main(argv=None) -> int:
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads of the main process (collate runs there with 0 workers)")
     p.add_argument("--out", default="benchmarks/results/bench_loader_cpu.json")
-    a = p.parse_args(argv)
-    if a.torch_threads:
-        torch.set_num_threads(a.torch_threads)
+    return p.parse_args(argv)
 
-    tmp = None
-    dataroot = a.dataroot
-    if dataroot is None:
-        from bev.data import make_synthetic
 
-        tmp = tempfile.TemporaryDirectory(prefix="bench_loader_")
-        t = time.perf_counter()
-        dataroot = str(make_synthetic(Path(tmp.name) / "nuscenes", scenes=2, samples_per_scene=8, seed=0, progress=False))
-        print(f"synthetic dataset (2 scenes x 8 samples) written in {time.perf_counter() - t:.1f}s", file=sys.stderr)
-    cache = tempfile.TemporaryDirectory(prefix="bench_cache_")
+def synthetic_root() -> tuple[str, tempfile.TemporaryDirectory]:
+    """A small synthetic nuScenes-format set in a temp folder: (dataroot, the folder to keep alive)."""
+    from bev.data import make_synthetic
+
+    tmp = tempfile.TemporaryDirectory(prefix="bench_loader_")
+    t = time.perf_counter()
+    dataroot = str(make_synthetic(Path(tmp.name) / "nuscenes", scenes=2, samples_per_scene=8, seed=0, progress=False))
+    print(f"synthetic dataset (2 scenes x 8 samples) written in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    return dataroot, tmp
+
+
+def build_dataset(dataroot: str, a, cache_dir: str) -> tuple[NuScenesBEVDataset, float, float]:
+    """The training-augmented dataset, with the seconds to build its index and to read it back from the cache."""
     t = time.perf_counter()
     ds = NuScenesBEVDataset(dataroot, version=a.version, split=a.split, final_dim=a.final_dim, augment=True,
-                            resize_lim=None, cache_dir=cache.name)
+                            resize_lim=None, cache_dir=cache_dir)
     index_s = time.perf_counter() - t
     t = time.perf_counter()
-    NuScenesBEVDataset(dataroot, version=a.version, split=a.split, cache_dir=cache.name, verbose=False)
-    cached_s = time.perf_counter() - t
+    NuScenesBEVDataset(dataroot, version=a.version, split=a.split, cache_dir=cache_dir, verbose=False)
+    return ds, index_s, time.perf_counter() - t
 
+
+def time_draft_decoding(ds) -> dict:
+    """Single-process samples/s over up to 8 samples with and without JPEG draft decoding (leaves draft on)."""
     torch.manual_seed(0)
     decode = {}
     for draft in (True, False):
         ds.use_draft = draft
-        ds[0]
+        ds[0]  # warm-up
         t = time.perf_counter()
         n = min(len(ds), 8)
         for i in range(n):
             ds[i]
         decode["draft" if draft else "full_decode"] = round(n / (time.perf_counter() - t), 2)
     ds.use_draft = True
-    depth = time_depth_target(ds)
-    print(f"single process, depth_target off / on: {depth}", file=sys.stderr)
-    photo = time_decode(a.final_dim)
-    print(f"photo-like JPEG: {photo}", file=sys.stderr)
+    return decode
 
+
+def time_loaders(ds, a) -> list[dict]:
+    """time_loader for each --workers setting, each reported on stderr as it finishes."""
     results = []
     for w in a.workers:
         r = time_loader(ds, w, a.batch_size, a.batches)
         print(f"workers={w}: {r['samples_per_s']:.2f} samples/s (first batch {r['first_batch_s']:.2f}s)", file=sys.stderr)
         results.append(r)
+    return results
 
+
+def host() -> dict:
+    """CPUs, the affinity mask's size, the load at the end, and versions."""
+    return {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "load_average_1m_at_end": round(os.getloadavg()[0], 2), **host_versions()}
+
+
+def main(argv=None) -> int:
+    """Time indexing, decoding and the DataLoader settings, then write and print the report."""
+    a = parse_args(argv)
+    if a.torch_threads:
+        torch.set_num_threads(a.torch_threads)
+    # Both temp folders must outlive the dataset, which reads from them: keep them until main returns.
+    dataroot, tmp = synthetic_root() if a.dataroot is None else (a.dataroot, None)
+    cache = tempfile.TemporaryDirectory(prefix="bench_cache_")
+    ds, index_s, cached_s = build_dataset(dataroot, a, cache.name)
+    decode = time_draft_decoding(ds)
+    depth = time_depth_target(ds)
+    print(f"single process, depth_target off / on: {depth}", file=sys.stderr)
+    photo = time_decode(a.final_dim)
+    print(f"photo-like JPEG: {photo}", file=sys.stderr)
+    results = time_loaders(ds, a)
     report = {
         "benchmark": "bev.data.NuScenesBEVDataset via torch DataLoader, training augmentation",
         "dataset": "synthetic (bev.data.make_synthetic)" if tmp else dataroot,
@@ -168,13 +199,10 @@ def main(argv=None) -> int:
         "photo_like_jpeg_decode_plus_augment_ms_per_image": photo,
         "loader": results,
         "main_torch_threads": torch.get_num_threads(),
-        "host": {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-                 "load_average_1m_at_end": round(os.getloadavg()[0], 2),
-                 "python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine()},
+        "host": host(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    out = Path(a.out)
-    atomic_write(out, json.dumps(report, indent=2) + "\n")
+    write_report(Path(a.out), report)
     print(json.dumps(report, indent=2))
     return 0
 

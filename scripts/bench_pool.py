@@ -50,6 +50,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when run with runpy
+from bench_common import write_report  # noqa: E402
+
 # The benchmark machines are shared: spinning OpenMP workers that wait for a descheduled
 # sibling turn every small parallel op into a time slice. Passive waiting keeps the numbers
 # meaningful for every method alike (recorded in the JSON); must be set before torch loads.
@@ -63,7 +66,6 @@ from tqdm import tqdm  # noqa: E402
 import bev.ops as ops  # noqa: E402
 from bev.data.rig import load_rig  # noqa: E402
 from bev.geometry import Grid, frustum_to_ego, make_frustum, quaternion_to_matrix, voxel_coords  # noqa: E402
-from bev.utils.io import atomic_write  # noqa: E402
 from bev.utils.malloc import MALLOC_ENV, tune_malloc_in_process  # noqa: E402
 from bev.utils.profiling import peak_cpu_bytes  # noqa: E402
 
@@ -111,16 +113,19 @@ def real_rig_coords(size: dict, device) -> tuple[torch.Tensor, tuple[int, int, i
 # prepared outside the timed region (materialised product, precomputed plan)
 # ---------------------------------------------------------------------------------------------
 def materialise(depth, feats):
+    """The (points, C) depth x feats product the unfused methods pool."""
     return (depth.unsqueeze(-1) * feats.unsqueeze(2)).reshape(-1, feats.shape[-1])
 
 
 def flat_coords(coords):
+    """(points, 4) coords with the batch index first, as voxel_sum takes them."""
     B = coords.shape[0]
     batch = torch.arange(B, device=coords.device).view(B, 1, 1, 1, 1, 1).expand(*coords.shape[:5], 1)
     return torch.cat([batch, coords], -1).reshape(-1, 4)
 
 
 def index_add_pool(points, coords4, grid):
+    """Pool with index_add_ into the flat grid; points outside go to an extra row that is dropped."""
     B, Z, X, Y = grid
     upper = torch.tensor([B, Z, X, Y], device=coords4.device)
     inside = ((coords4 >= 0) & (coords4 < upper)).all(1)
@@ -181,6 +186,7 @@ torch::Tensor interval_pool(torch::Tensor sorted_points, torch::Tensor starts, t
 
 
 def load_baseline():
+    """Compile the BEVFusion-style kernel (GPU) with torch's inline extension loader."""
     from torch.utils.cpp_extension import load_inline
 
     return load_inline(
@@ -202,11 +208,13 @@ def add_baseline_methods(state, baseline):
     S = Z * X * Y
 
     def bevfusion_style(s):
+        """Materialise, sort by voxel, then the interval kernel (the full BEVFusion-style path)."""
         points = materialise(s["depth"], s["feats"]).index_select(0, s["plan"].order)
         out = baseline.interval_pool(points.contiguous(), *s["intervals"], B, S)
         return out.view(B, -1, Z, X, Y)
 
     def bevfusion_kernel_only(s):
+        """The interval kernel alone, on the product sorted outside the timed region."""
         return baseline.interval_pool(s["sorted_points"], *s["intervals"], B, S).view(B, -1, Z, X, Y)
 
     return {
@@ -219,11 +227,13 @@ def add_baseline_methods(state, baseline):
 # measurement
 # ---------------------------------------------------------------------------------------------
 def sync(device):
+    """Wait for the GPU, so that the clock covers its work."""
     if device.type == "cuda":
         torch.cuda.synchronize()
 
 
 def make_state(depth, feats, coords, grid, leaf):
+    """Inputs of a method; its leaf tensors (the product, or depth and feats) require grad."""
     state = dict(coords=coords, grid=grid, coords4=flat_coords(coords))
     if leaf == "points":
         state["points"] = materialise(depth, feats).detach().requires_grad_()
@@ -234,6 +244,7 @@ def make_state(depth, feats, coords, grid, leaf):
 
 
 def run_once(method, state, grad_out, backward):
+    """One call of the method, with the backward pass when asked."""
     out = method["fn"](state)
     if backward:
         out.backward(grad_out)
@@ -241,12 +252,14 @@ def run_once(method, state, grad_out, backward):
 
 
 def clear_grads(state):
+    """Drop the gradients a backward pass left on the leaves."""
     for key in ("points", "depth", "feats"):
         if key in state:
             state[key].grad = None
 
 
 def time_it(method, state, grad_out, backward, repeats, device):
+    """Median and min seconds of `repeats` calls after one warm-up call."""
     times = []
     for i in range(repeats + 1):  # first run is warm-up
         clear_grads(state)
@@ -261,6 +274,7 @@ def time_it(method, state, grad_out, backward, repeats, device):
 
 
 def peak_memory(method, state, grad_out, backward, device):
+    """Peak bytes allocated during one call above what existed before it (see the module docstring)."""
     clear_grads(state)
     if device.type == "cuda":
         sync(device)
@@ -274,6 +288,7 @@ def peak_memory(method, state, grad_out, backward, device):
         return peak
 
     def call():
+        """The call whose CPU allocations are replayed; it frees its output and gradients."""
         out = run_once(method, state, grad_out, backward)
         del out
         clear_grads(state)
@@ -282,6 +297,7 @@ def peak_memory(method, state, grad_out, backward, device):
 
 
 def product_bytes(depth, feats):
+    """Bytes of the materialised depth x feats product."""
     return depth.numel() * feats.shape[-1] * feats.element_size()
 
 
@@ -318,53 +334,81 @@ def peak_bandwidth(device):
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def bench_size(name, size, device, repeats, methods, baseline, dtype=torch.float32):
-    coords, grid = real_rig_coords(size, device)
+def random_inputs(coords, grid, channels, device, dtype):
+    """Seeded depth (softmax over the bins), features and output gradient for the frustum of `coords`."""
     B, Nc, D, fH, fW, _ = coords.shape
-    C = size["channels"]
     gen = torch.Generator(device="cpu").manual_seed(0)
     depth = torch.randn(B, Nc, D, fH, fW, generator=gen).softmax(2).to(device, dtype)
-    feats = torch.randn(B, Nc, fH, fW, C, generator=gen).to(device, dtype)
-    grad_out = torch.randn(B, C, *grid[1:], generator=gen).to(device, dtype)
-    inside = ((coords >= 0) & (coords < torch.tensor(grid[1:], device=device))).all(-1)
-    plan = ops.bev_pool_plan(coords, grid, backend="native")
+    feats = torch.randn(B, Nc, fH, fW, channels, generator=gen).to(device, dtype)
+    grad_out = torch.randn(B, channels, *grid[1:], generator=gen).to(device, dtype)
+    return depth, feats, grad_out
+
+
+def geometry_info(depth, feats, coords, grid, plan) -> dict:
+    """How the points fall into the grid: counts, fraction inside, occupied voxels, product size."""
+    inside = ((coords >= 0) & (coords < torch.tensor(grid[1:], device=coords.device))).all(-1)
     occupied = int(((plan.offsets[1:] - plan.offsets[:-1]) > 0).sum())
-    info = dict(
-        points=int(depth.numel()), channels=C, grid_shape=list(grid), inside_fraction=float(inside.float().mean()),
+    return dict(
+        points=int(depth.numel()), channels=feats.shape[-1], grid_shape=list(grid), inside_fraction=float(inside.float().mean()),
         occupied_voxels=occupied, points_per_occupied_voxel=float(inside.sum()) / max(occupied, 1),
         product_mb=product_bytes(depth, feats) / 2**20,
     )
+
+
+def method_state(label, method, depth, feats, coords, grid, plan, baseline):
+    """A method's inputs, made outside the timed region (for the bevfusion ones: intervals, sorted product)."""
+    state = make_state(depth, feats, coords, grid, method["leaf"])
+    state["plan"] = plan
+    if "bevfusion" in label:
+        add_baseline_methods(state, baseline)
+        state["sorted_points"] = materialise(depth, feats).index_select(0, plan.order).contiguous()
+    return state
+
+
+def measure(method, state, grad_out, repeats, device) -> dict:
+    """Median and min ms and peak MB of the forward and, unless the method is forward-only, fwd+bwd."""
+    row = {}
+    median, fastest = time_it(method, state, grad_out, False, repeats, device)
+    row["forward_ms"], row["forward_ms_min"] = 1e3 * median, 1e3 * fastest
+    row["forward_peak_mb"] = peak_memory(method, state, grad_out, False, device) / 2**20
+    if not method.get("forward_only"):
+        median, fastest = time_it(method, state, grad_out, True, repeats, device)
+        row["fwd_bwd_ms"], row["fwd_bwd_ms_min"] = 1e3 * median, 1e3 * fastest
+        row["fwd_bwd_peak_mb"] = peak_memory(method, state, grad_out, True, device) / 2**20
+    return row
+
+
+def print_method_row(name, label, row):
+    """One method's progress line."""
+    print(f"  {name:7s} {label:24s} fwd {row['forward_ms']:9.2f} ms  fwd+bwd "
+          f"{row.get('fwd_bwd_ms', float('nan')):9.2f} ms  peak fwd+bwd {row.get('fwd_bwd_peak_mb', float('nan')):8.1f} MB",
+          flush=True)
+
+
+def bench_size(name, size, device, repeats, methods, baseline, dtype=torch.float32):
+    """Every method at one size and dtype: difference from the first method's output, times, peak memory."""
+    coords, grid = real_rig_coords(size, device)
+    depth, feats, grad_out = random_inputs(coords, grid, size["channels"], device, dtype)
+    plan = ops.bev_pool_plan(coords, grid, backend="native")
+    info = geometry_info(depth, feats, coords, grid, plan)
     all_methods = dict(methods)
     if baseline is not None and dtype == torch.float32:  # the baseline kernel is fp32-only, as the original
         all_methods.update(add_baseline_methods(dict(plan=plan, grid=grid), baseline))
     rows = []
     reference_out = None
     for label, method in all_methods.items():
-        state = make_state(depth, feats, coords, grid, method["leaf"])
-        state["plan"] = plan
-        if "bevfusion" in label:
-            add_baseline_methods(state, baseline)
-            state["sorted_points"] = materialise(depth, feats).index_select(0, plan.order).contiguous()
+        state = method_state(label, method, depth, feats, coords, grid, plan, baseline)
         with torch.no_grad():
             out = method["fn"](state)
-        if reference_out is None:
+        if reference_out is None:  # every method is checked against the first one's output
             reference_out = out.double()
-        max_err = float((out.double() - reference_out).abs().max())
+        row = dict(method=label, max_abs_diff_vs_first=float((out.double() - reference_out).abs().max()))
         del out
-        row = dict(method=label, max_abs_diff_vs_first=max_err)
-        median, fastest = time_it(method, state, grad_out, False, repeats, device)
-        row["forward_ms"], row["forward_ms_min"] = 1e3 * median, 1e3 * fastest
-        row["forward_peak_mb"] = peak_memory(method, state, grad_out, False, device) / 2**20
-        if not method.get("forward_only"):
-            median, fastest = time_it(method, state, grad_out, True, repeats, device)
-            row["fwd_bwd_ms"], row["fwd_bwd_ms_min"] = 1e3 * median, 1e3 * fastest
-            row["fwd_bwd_peak_mb"] = peak_memory(method, state, grad_out, True, device) / 2**20
+        row.update(measure(method, state, grad_out, repeats, device))
         if device.type == "cuda" and label.startswith("native bev_pool"):
             row["forward_gb_per_s"] = fused_forward_bytes(depth, feats, grid) / (row["forward_ms"] / 1e3) / 1e9
         rows.append(row)
-        print(f"  {name:7s} {label:24s} fwd {row['forward_ms']:9.2f} ms  fwd+bwd "
-              f"{row.get('fwd_bwd_ms', float('nan')):9.2f} ms  peak fwd+bwd {row.get('fwd_bwd_peak_mb', float('nan')):8.1f} MB",
-              flush=True)
+        print_method_row(name, label, row)
         del state
     info["fused_forward_bytes"] = fused_forward_bytes(depth, feats, grid)
     return dict(size=name, dtype=str(dtype).replace("torch.", ""), **info, rows=rows)
@@ -394,6 +438,7 @@ def fresh_state(base, leaf):
 
 
 def user_level(name, size, device, rounds, skip=()):
+    """Median wall and CPU ms of each user-level method's fwd+bwd over `rounds` alternating rounds."""
     coords, grid = real_rig_coords(size, device)
     B, Nc, D, fH, fW, _ = coords.shape
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -437,6 +482,7 @@ def user_level_ratios(result, key="fwd_bwd_ms"):
 
 
 def user_level_targets(user, device):
+    """The issue's user-level targets (CPU, LSS size), evaluated on this run's ratios."""
     checks = []
     ratios = user.get("lss", {}).get("ratios", {})
     if device.type == "cpu" and ratios:
@@ -458,6 +504,7 @@ def targets(results, device):
 
 
 def _targets(results, device):
+    """The method-level targets; raises KeyError when a method they compare was skipped."""
     # Targets are stated for fp32 (the other dtypes are reported alongside).
     results = [r for r in results if r.get("dtype", "float32") == "float32"]
     by = {r["size"]: {row["method"]: row for row in r["rows"]} for r in results}
@@ -485,7 +532,8 @@ def _targets(results, device):
     return checks
 
 
-def main(argv=None):
+def parse_args(argv):
+    """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -499,10 +547,101 @@ def main(argv=None):
                         help="input dtypes (default: float32 on the CPU; float32, float16, bfloat16 on a GPU)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def malloc_mode(malloc_tuning: dict) -> str:
+    """"malloc_tuned" when freed memory stays mapped (tuned here or by the environment), else "malloc_default"."""
+    return "malloc_tuned" if malloc_tuning or all(k in os.environ for k in MALLOC_ENV) else "malloc_default"
+
+
+def malloc_settings(malloc_tuning: dict) -> dict:
+    """Each allocator setting as the environment gives it, else as tune_malloc_in_process applied it."""
+    return {k: os.environ.get(k, str(malloc_tuning.get(k))) for k in MALLOC_ENV}
+
+
+def load_report(out: Path, section: str) -> dict:
+    """The report to fill: a single section updates the existing one (keeping the other section), else a new one."""
+    return json.loads(out.read_text()) if section != "all" and out.exists() else {}
+
+
+def host_fields(device, device_name) -> dict:
+    """The report's device and software fields, refreshed by every run."""
+    return dict(
+        device=str(device), device_name=device_name, torch=torch.__version__, threads=torch.get_num_threads(),
+        cpu_count=os.cpu_count(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), python=platform.python_version(),
+    )
+
+
+def add_bandwidth(result, bandwidth, peak):
+    """Record the GPU's copy and theoretical bandwidth in `result`, and the fused rows' fractions of them."""
+    result["copy_bandwidth_gb_per_s"] = bandwidth / 1e9
+    result["peak_bandwidth_gb_per_s"] = peak / 1e9 if peak else None
+    for row in result["rows"]:
+        if "forward_gb_per_s" in row:
+            row["forward_fraction_of_copy"] = row["forward_gb_per_s"] / result["copy_bandwidth_gb_per_s"]
+            row["forward_fraction_of_peak"] = row["forward_gb_per_s"] * 1e9 / peak if peak else None
+
+
+def bench_all_sizes(args, device, repeats, baseline) -> list[dict]:
+    """bench_size for every dtype and size (dtype by dtype), with the bandwidth figures on a GPU."""
+    methods = {k: v for k, v in METHODS.items() if k not in args.skip}
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
+    peak = peak_bandwidth(device) if device.type == "cuda" else None
+    dtypes = args.dtypes or (list(DTYPES) if device.type == "cuda" else ["float32"])
+    results = []
+    for dtype in dtypes:
+        for name in args.sizes:
+            print(f"{name} {dtype}", flush=True)
+            result = bench_size(name, SIZES[name], device, repeats, methods, baseline, DTYPES[dtype])
+            if bandwidth:
+                add_bandwidth(result, bandwidth, peak)
+            results.append(result)
+    return results
+
+
+def methods_section(args, device, repeats, baseline, malloc_tuning, report):
+    """Measure every method, record the results and how they were measured in `report`, print the table."""
+    load_at_start = os.getloadavg()
+    results = bench_all_sizes(args, device, repeats, baseline)
+    checks = targets(results, device)
+    report.update(
+        malloc=malloc_settings(malloc_tuning), malloc_mode=malloc_mode(malloc_tuning),
+        load_average_at_start=load_at_start, load_average_at_end=os.getloadavg(), repeats=repeats,
+        statistic="median of repeats (min also recorded; a shared CPU machine adds other jobs load)",
+        memory_method=("torch.cuda.max_memory_allocated above the pre-call allocation" if device.type == "cuda" else
+                       "peak of torch allocations during the call, replayed from torch.profiler(profile_memory=True) "
+                       "events (inputs excluded)"),
+        date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), results=results, targets=checks,
+    )
+    report.pop("malloc_env", None)  # older key, now "malloc"
+    print_table(results, checks)
+
+
+def user_section(args, device, malloc_tuning, report):
+    """Measure the user level (LSS size), record it under user_level.<malloc mode> in `report`, print its table."""
+    load_at_start = os.getloadavg()
+    # Each allocator mode keeps its own record: a BEV_MALLOC_TUNING=0 run leaves the tuned one in place.
+    user = report.setdefault("user_level", {}).setdefault(malloc_mode(malloc_tuning), {})
+    user.update(
+        how="fresh inputs each call (made outside the timed region), plan built in the call, out.sum().backward(); "
+            "methods alternate within each round; median of the rounds after one warm-up round",
+        rounds=args.rounds, malloc=malloc_settings(malloc_tuning),
+        date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    )
+    result = user_level("lss", SIZES["lss"], device, args.rounds, args.skip)
+    result["ratios"] = user_level_ratios(result)
+    result["cpu_time_ratios"] = user_level_ratios(result, "fwd_bwd_cpu_ms")
+    user.update(lss=result, load_average_at_start=load_at_start, load_average_at_end=os.getloadavg())
+    user["targets"] = user_level_targets(user, device)
+    print_user_table(report["user_level"])
+
+
+def main(argv=None):
+    """Run the requested sections, print their tables and write (or update) the JSON report."""
+    args = parse_args(argv)
     # As the CPU training entry does; BEV_MALLOC_TUNING=0 measures glibc's defaults.
     malloc_tuning = tune_malloc_in_process()
-    malloc_mode = "malloc_tuned" if malloc_tuning or all(k in os.environ for k in MALLOC_ENV) else "malloc_default"
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -512,65 +651,20 @@ def main(argv=None):
     baseline = load_baseline() if device.type == "cuda" and args.section != "user" else None
     device_name = describe_device(device)
     print(f"bench_pool on {device_name} ({device}), torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"{malloc_mode}, median of {repeats} (user level: {args.rounds} rounds)", flush=True)
+          f"{malloc_mode(malloc_tuning)}, median of {repeats} (user level: {args.rounds} rounds)", flush=True)
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"bench_pool_{device.type}.json"
-    report = json.loads(out.read_text()) if args.section != "all" and out.exists() else {}
-    report.update(
-        device=str(device), device_name=device_name, torch=torch.__version__, threads=torch.get_num_threads(),
-        cpu_count=os.cpu_count(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), python=platform.python_version(),
-    )
-    results, checks = report.get("results", []), report.get("targets", [])
+    report = load_report(out, args.section)
+    report.update(host_fields(device, device_name))
     if args.section in ("all", "methods"):
-        load_at_start = os.getloadavg()
-        methods = {k: v for k, v in METHODS.items() if k not in args.skip}
-        bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
-        peak = peak_bandwidth(device) if device.type == "cuda" else None
-        dtypes = args.dtypes or (list(DTYPES) if device.type == "cuda" else ["float32"])
-        results = []
-        for dtype in dtypes:
-            for name in args.sizes:
-                print(f"{name} {dtype}", flush=True)
-                result = bench_size(name, SIZES[name], device, repeats, methods, baseline, DTYPES[dtype])
-                if bandwidth:
-                    result["copy_bandwidth_gb_per_s"] = bandwidth / 1e9
-                    result["peak_bandwidth_gb_per_s"] = peak / 1e9 if peak else None
-                    for row in result["rows"]:
-                        if "forward_gb_per_s" in row:
-                            row["forward_fraction_of_copy"] = row["forward_gb_per_s"] / result["copy_bandwidth_gb_per_s"]
-                            row["forward_fraction_of_peak"] = row["forward_gb_per_s"] * 1e9 / peak if peak else None
-                results.append(result)
-        checks = targets(results, device)
-        report.update(
-            malloc={k: os.environ.get(k, str(malloc_tuning.get(k))) for k in MALLOC_ENV}, malloc_mode=malloc_mode,
-            load_average_at_start=load_at_start, load_average_at_end=os.getloadavg(), repeats=repeats,
-            statistic="median of repeats (min also recorded; a shared CPU machine adds other jobs load)",
-            memory_method=("torch.cuda.max_memory_allocated above the pre-call allocation" if device.type == "cuda" else
-                           "peak of torch allocations during the call, replayed from torch.profiler(profile_memory=True) "
-                           "events (inputs excluded)"),
-            date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), results=results, targets=checks,
-        )
-        report.pop("malloc_env", None)  # older key, now "malloc"
-        print_table(results, checks)
+        methods_section(args, device, repeats, baseline, malloc_tuning, report)
     if args.section in ("all", "user"):
-        load_at_start = os.getloadavg()
-        user = report.setdefault("user_level", {}).setdefault(malloc_mode, {})
-        user.update(
-            how="fresh inputs each call (made outside the timed region), plan built in the call, out.sum().backward(); "
-                "methods alternate within each round; median of the rounds after one warm-up round",
-            rounds=args.rounds, malloc={k: os.environ.get(k, str(malloc_tuning.get(k))) for k in MALLOC_ENV},
-            date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        )
-        result = user_level("lss", SIZES["lss"], device, args.rounds, args.skip)
-        result["ratios"] = user_level_ratios(result)
-        result["cpu_time_ratios"] = user_level_ratios(result, "fwd_bwd_cpu_ms")
-        user.update(lss=result, load_average_at_start=load_at_start, load_average_at_end=os.getloadavg())
-        user["targets"] = user_level_targets(user, device)
-        print_user_table(report["user_level"])
-    atomic_write(out, json.dumps(report, indent=2) + "\n")
+        user_section(args, device, malloc_tuning, report)
+    write_report(out, report)
     print(f"wrote {out}")
 
 
 def describe_device(device) -> str:
+    """The GPU's name, or the CPU's model name from /proc/cpuinfo (else what platform knows)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     try:
@@ -583,6 +677,7 @@ def describe_device(device) -> str:
 
 
 def print_user_table(user_level):
+    """The user-level table of every allocator mode the report holds, with ratios and targets."""
     for mode, user in user_level.items():
         if "lss" not in user:
             continue
@@ -598,6 +693,7 @@ def print_user_table(user_level):
 
 
 def print_table(results, checks):
+    """The methods table, bandwidths, geometry per size, and the targets."""
     header = f"| size | dtype | method | fwd ms | fwd+bwd ms | fwd peak MB | fwd+bwd peak MB | GB/s | % of peak |"
     print("\n" + header + "\n|---|---|---|---:|---:|---:|---:|---:|---:|")
     fmt = lambda v, spec: format(v, spec) if v is not None else "-"

@@ -20,7 +20,6 @@ samples/s with the model's. Writes JSON to --out atomically.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -31,8 +30,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))  # bench_common, also when run with runpy
 
-from bev.utils.malloc import MALLOC_ENV  # noqa: E402
+from bench_common import host_versions, malloc_env, reexec_with_malloc_env, write_report  # noqa: E402
 
 CONFIGS = {
     "paper": ["experiment=lss_nuscenes_trainval", "model.net.camera.weights=null", "trainer=cpu"],
@@ -42,6 +42,7 @@ DEVICE = "cpu"  # --device; on cuda every timing waits for the GPU (synchronize)
 
 
 def sync() -> None:
+    """Wait for the GPU (on --device cuda), so that the clock covers its work."""
     if DEVICE == "cuda":
         import torch
 
@@ -49,8 +50,11 @@ def sync() -> None:
 
 
 def clock() -> float:
+    """perf_counter after the device's queued work is done."""
     sync()
     return time.perf_counter()
+
+
 # name -> (channels_last, bf16 autocast, torch.compile)
 VARIANTS = {
     "fp32": (False, False, False),
@@ -65,6 +69,7 @@ PARTS = ("camera_encoder", "geometry", "splat", "bev_encoder", "loss", "backward
 
 
 def compose_config(overrides: list[str]):
+    """The `train` config with `overrides`, composed as bev-train composes it."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
@@ -109,6 +114,7 @@ def real_rig_batch(cfg, batch_size: int, seed: int = 0) -> dict:
     X, Y = grid.voxel_shape[1:]
 
     def rep(t):
+        """The per-camera values repeated for every sample of the batch."""
         return torch.as_tensor(np.asarray(t), dtype=torch.float32).expand(B, N, *np.shape(t)[1:]).clone()
 
     return {
@@ -126,6 +132,7 @@ class PartTimer:
     """Wall time of the forward parts of an eager LiftSplatShoot, via hooks (the model code is untouched)."""
 
     def __init__(self, net):
+        """Hook the encoders and wrap the geometry and splat methods of `net`."""
         self.t: dict[str, float] = {}
         self._start: dict[str, float] = {}
         for name in ("camera_encoder", "bev_encoder"):
@@ -137,13 +144,17 @@ class PartTimer:
             setattr(net, attr, self._wrap(name, fn))
 
     def _begin(self, name):
+        """Start the clock of one part."""
         self._start[name] = clock()
 
     def _end(self, name):
+        """Add the time since _begin to the part's total (a part may run more than once per step)."""
         self.t[name] = self.t.get(name, 0.0) + clock() - self._start[name]
 
     def _wrap(self, name, fn):
+        """`fn`, timed as the part `name`."""
         def timed(*args, **kwargs):
+            """The wrapped call between _begin and _end."""
             self._begin(name)
             out = fn(*args, **kwargs)
             self._end(name)
@@ -152,7 +163,10 @@ class PartTimer:
 
 
 class Variant:
+    """One variant's model, optimiser and measurements."""
+
     def __init__(self, cfg, name: str, batch: dict):
+        """Build the model of cfg in the variant's layout and precision (compiled if asked) and its optimiser."""
         import torch
 
         channels_last, self.bf16, self.compiled = VARIANTS[name]
@@ -200,35 +214,59 @@ class Variant:
 
 
 def median(xs):
+    """The median, or None for no values."""
     return statistics.median(xs) if xs else None
 
 
-def bench_config(key: str, variants: list[str], steps: int, warmup: int, progress) -> dict:
-    import torch
+def start_variant(cfg, key: str, name: str, batch: dict, warmup: int) -> Variant:
+    """Build one variant and run its warm-up steps; a failure is kept in .error, not raised."""
+    t = time.perf_counter()
+    v = Variant(cfg, name, batch)
+    try:
+        v.first_step_s = v.step()  # includes compilation for the compiled variants
+        for _ in range(warmup - 1):
+            v.step()
+        v.error = None
+    except Exception as e:  # a variant that cannot run here is reported, not fatal
+        v.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        print(f"[{key}] {name}: failed: {v.error}", file=sys.stderr)
+    v.build_s = time.perf_counter() - t
+    return v
 
-    cfg = compose_config(CONFIGS[key])
-    batch = {k: v.to(DEVICE) for k, v in real_rig_batch(cfg, int(cfg.data.batch_size)).items()}
-    runs = []
-    for name in variants:
-        t = time.perf_counter()
-        v = Variant(cfg, name, batch)
-        try:
-            v.first_step_s = v.step()  # includes compilation for the compiled variants
-            for _ in range(warmup - 1):
-                v.step()
-            v.error = None
-        except Exception as e:  # a variant that cannot run here is reported, not fatal
-            v.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
-            print(f"[{key}] {name}: failed: {v.error}", file=sys.stderr)
-        v.build_s = time.perf_counter() - t
-        runs.append(v)
-        progress.update(1)
+
+def measure_steps(runs: list[Variant], steps: int, progress) -> None:
+    """`steps` measured steps of every variant that started, one of each per round."""
     for _ in range(steps):  # round-robin, so load changes hit every variant alike
         for v in runs:
             if v.error is None:
                 v.times.append(v.step())
                 v.breakdown.append(v.last_breakdown)
         progress.update(1)
+
+
+def variant_record(v: Variant, batch_size: int, base: float | None) -> dict:
+    """A variant's report entry: its error, or its median step, samples/s, speed-up and per-part medians."""
+    if v.error:
+        return {"error": v.error}
+    med = median(v.times)
+    rec = dict(step_s=round(med, 4), steps_s=[round(x, 4) for x in v.times], samples_per_s=round(batch_size / med, 2),
+               speedup_vs_fp32=round(base / med, 2) if base else None, first_step_s=round(v.first_step_s, 2))
+    keys = [k for k in (*PARTS, "forward_other") if k in v.breakdown[0]]
+    rec["breakdown_s"] = {k: round(median([b[k] for b in v.breakdown]), 4) for k in keys}
+    return rec
+
+
+def bench_config(key: str, variants: list[str], steps: int, warmup: int, progress) -> dict:
+    """Every variant of one config on the same batch: the config's shape and each variant's record."""
+    import torch
+
+    cfg = compose_config(CONFIGS[key])
+    batch = {k: v.to(DEVICE) for k, v in real_rig_batch(cfg, int(cfg.data.batch_size)).items()}
+    runs = []
+    for name in variants:
+        runs.append(start_variant(cfg, key, name, batch, warmup))
+        progress.update(1)
+    measure_steps(runs, steps, progress)
     base = median(runs[0].times) if runs[0].error is None else None
     out = {
         "overrides": CONFIGS[key],
@@ -240,16 +278,10 @@ def bench_config(key: str, variants: list[str], steps: int, warmup: int, progres
         "variants": {},
     }
     for v in runs:
-        rec = {"error": v.error} if v.error else {}
-        if not v.error:
-            med = median(v.times)
-            rec.update(step_s=round(med, 4), steps_s=[round(x, 4) for x in v.times], samples_per_s=round(out["batch_size"] / med, 2),
-                       speedup_vs_fp32=round(base / med, 2) if base else None, first_step_s=round(v.first_step_s, 2))
-            keys = [k for k in (*PARTS, "forward_other") if k in v.breakdown[0]]
-            rec["breakdown_s"] = {k: round(median([b[k] for b in v.breakdown]), 4) for k in keys}
-        out["variants"][v.name] = rec
-        del v.lit, v.net, v.opt
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        out["variants"][v.name] = variant_record(v, out["batch_size"], base)
+        del v.lit, v.net, v.opt  # free the models before the next config builds its own
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return out
 
 
@@ -284,6 +316,7 @@ def bench_loader(cfg_key: str, batches: int) -> dict:
 
 
 def print_table(results: dict) -> None:
+    """Per config: one line per variant with its step time, speed-up and part breakdown; then the loader."""
     for key, r in results["configs"].items():
         print(f"\n{key}: {' '.join(r['overrides'])}  (batch {r['batch_size']}, {r['final_dim'][0]}x{r['final_dim'][1]}, "
               f"{r['parameters'] / 1e6:.1f} M parameters)")
@@ -302,7 +335,8 @@ def print_table(results: dict) -> None:
     print(f"\nload average (1 min) at start {results['host']['load_average_1m_start']}, at end {results['host']['load_average_1m_end']}")
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
+    """The command line (see the module docstring); --quick sets --steps, --warmup and --no-compile."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=None,
@@ -319,64 +353,96 @@ def main(argv=None) -> int:
                    help="cuda: the same variants on the GPU (bf16 autocast on the GPU; --threads is ignored)")
     p.add_argument("--out", default=None, help="default benchmarks/results/bench_train_<device>.json")
     a = p.parse_args(argv)
-    global DEVICE
-    DEVICE = a.device
     a.out = a.out or str(REPO / f"benchmarks/results/bench_train_{a.device}.json")
-    variants = {key: list(a.variants or VARIANTS) for key in a.configs}
-    from bev.utils.precision import cpu_bf16_support
-
-    if a.variants is None and "paper" in variants and a.device == "cpu" and not cpu_bf16_support():
-        variants["paper"] = [v for v in variants["paper"] if not VARIANTS[v][1]]
     if a.quick:
         a.steps, a.warmup, a.compile = 2, 1, False
+    return a
+
+
+def variants_to_run(a) -> dict[str, list[str]]:
+    """Each config's variants: --variants or all, less emulated bf16 at the paper size and compiled ones with --no-compile."""
+    from bev.utils.precision import cpu_bf16_support
+
+    variants = {key: list(a.variants or VARIANTS) for key in a.configs}
+    if a.variants is None and "paper" in variants and a.device == "cpu" and not cpu_bf16_support():
+        variants["paper"] = [v for v in variants["paper"] if not VARIANTS[v][1]]
     if not a.compile:
         variants = {k: [v for v in vs if not VARIANTS[v][2]] for k, vs in variants.items()}
+    return variants
 
-    import torch
+
+def bench_configs(a, variants: dict[str, list[str]]) -> dict:
+    """bench_config for each config under one progress bar, with the default variants it left out and why."""
     from tqdm import tqdm
 
-    from bev.utils.io import atomic_write
+    configs = {}
+    with tqdm(total=sum(len(v) + a.steps for v in variants.values()), desc="bench_train", file=sys.stderr) as bar:
+        for key in a.configs:
+            configs[key] = bench_config(key, variants[key], a.steps, a.warmup, bar)
+            skipped = {v: "no native bf16 on this CPU" if VARIANTS[v][1] else "--no-compile"
+                       for v in VARIANTS if v not in variants[key] and a.variants is None}
+            if skipped:
+                configs[key]["skipped"] = skipped
+    return configs
+
+
+def embedded_default_variant() -> str:
+    """The variant bev-train runs by default at the embedded config on this CPU (layout and precision resolved)."""
+    from bev.utils.precision import resolve_channels_last, resolve_precision
+
+    cfg = compose_config(CONFIGS["embedded"])
+    return "+".join(["channels_last"] * resolve_channels_last(cfg.model.net.camera.channels_last)
+                    + ["bf16"] * resolve_precision("auto", "cpu")[0].startswith("bf16")) or "fp32"
+
+
+def loader_vs_model(embedded: dict) -> dict:
+    """The embedded config's loader samples/s next to its model's at the default variant (fp32 if not measured)."""
+    ld = bench_loader("embedded", batches=12)
+    default = embedded_default_variant()
+    best = embedded.get(default) or embedded.get("fp32")
+    ld["model_variant"] = default
+    ld["model_samples_per_s"] = best.get("samples_per_s")
+    ld["keeps_up"] = bool(best.get("samples_per_s") and ld["samples_per_s"] >= best["samples_per_s"])
+    return ld
+
+
+def host(load0: float) -> dict:
+    """CPUs and their bf16 / vector capability, load at start and end, allocator settings, versions."""
+    import torch
+
+    from bev.utils.precision import cpu_bf16_support
+
+    return {
+        "cpus": os.cpu_count(), "cpu_bf16": cpu_bf16_support(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "load_average_1m_start": round(load0, 2), "load_average_1m_end": round(os.getloadavg()[0], 2),
+        "malloc_env": malloc_env(), **host_versions(),
+    }
+
+
+def main(argv=None) -> int:
+    """Time every config's variants (and the loader), then write the report and print its table."""
+    global DEVICE
+    a = parse_args(argv)
+    DEVICE = a.device
+    variants = variants_to_run(a)
+
+    import torch
 
     torch.set_num_threads(a.threads)
     load0 = os.getloadavg()[0]
     results = {"benchmark": f"training step (forward, loss, backward, clip, optimiser step), {a.device}",
                "device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or platform.machine(),
-               "steps": a.steps, "warmup": a.warmup, "threads": a.threads, "configs": {}}
-    with tqdm(total=sum(len(v) + a.steps for v in variants.values()), desc="bench_train", file=sys.stderr) as bar:
-        for key in a.configs:
-            results["configs"][key] = bench_config(key, variants[key], a.steps, a.warmup, bar)
-            skipped = {v: "no native bf16 on this CPU" if VARIANTS[v][1] else "--no-compile"
-                       for v in VARIANTS if v not in variants[key] and a.variants is None}
-            if skipped:
-                results["configs"][key]["skipped"] = skipped
+               "steps": a.steps, "warmup": a.warmup, "threads": a.threads, "configs": bench_configs(a, variants)}
     if a.loader and "embedded" in a.configs and a.device == "cpu":
-        ld = bench_loader("embedded", batches=12)
-        emb = results["configs"]["embedded"]["variants"]
-        from bev.utils.precision import resolve_channels_last, resolve_precision
-
-        cfg = compose_config(CONFIGS["embedded"])
-        default = "+".join(["channels_last"] * resolve_channels_last(cfg.model.net.camera.channels_last)
-                           + ["bf16"] * resolve_precision("auto", "cpu")[0].startswith("bf16")) or "fp32"
-        best = emb.get(default) or emb.get("fp32")
-        ld["model_variant"] = default
-        ld["model_samples_per_s"] = best.get("samples_per_s")
-        ld["keeps_up"] = bool(best.get("samples_per_s") and ld["samples_per_s"] >= best["samples_per_s"])
-        results["loader"] = ld
-    results["host"] = {
-        "cpus": os.cpu_count(), "cpu_bf16": cpu_bf16_support(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "load_average_1m_start": round(load0, 2), "load_average_1m_end": round(os.getloadavg()[0], 2),
-        "malloc_env": {k: os.environ.get(k) for k in MALLOC_ENV},
-        "python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
-    }
+        results["loader"] = loader_vs_model(results["configs"]["embedded"]["variants"])
+    results["host"] = host(load0)
     results["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    atomic_write(a.out, json.dumps(results, indent=2) + "\n")
+    write_report(a.out, results)
     print_table(results)
     print(f"\nwrote {a.out}")
     return 0
 
 
 if __name__ == "__main__":
-    # Same allocator settings as bev-train (glibc reads them only at start-up: re-exec once).
-    if sys.platform.startswith("linux") and not all(k in os.environ for k in MALLOC_ENV) and os.environ.get("BEV_MALLOC_TUNING", "1") != "0":
-        os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], {**MALLOC_ENV, **os.environ})
+    reexec_with_malloc_env(__file__)  # same allocator settings as bev-train
     sys.exit(main())

@@ -1,0 +1,40 @@
+"""What the benchmark scripts share: the allocator re-exec, the host's versions, the JSON report.
+
+The bench_*.py scripts import it as a sibling module (each puts scripts/ on sys.path first, so
+it also loads when a test runs a script with runpy). torch is imported only inside host_versions:
+bench_infer re-execs before torch may load.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+
+from bev.utils.io import atomic_write
+from bev.utils.malloc import MALLOC_ENV
+
+
+def reexec_with_malloc_env(script: str) -> None:
+    """Restart `script` once with bev-train's allocator settings (glibc reads them only at start-up)."""
+    if (sys.platform.startswith("linux") and os.environ.get("BEV_MALLOC_TUNING", "1") != "0"
+            and not all(k in os.environ for k in MALLOC_ENV)):
+        sys.stdout.flush()  # exec drops whatever is still buffered
+        os.execve(sys.executable, [sys.executable, os.path.abspath(script), *sys.argv[1:]], {**MALLOC_ENV, **os.environ})
+
+
+def malloc_env() -> dict[str, str | None]:
+    """The allocator variables of MALLOC_ENV as this process sees them (None: unset)."""
+    return {k: os.environ.get(k) for k in MALLOC_ENV}
+
+
+def host_versions() -> dict[str, str]:
+    """Python and torch versions and the machine type, for a report's host record."""
+    import torch
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine()}
+
+
+def write_report(path, report: dict) -> None:
+    """Write `report` to `path` as indented JSON, atomically (a reader never sees half a report)."""
+    atomic_write(path, json.dumps(report, indent=2) + "\n")
