@@ -379,7 +379,7 @@ def bench_configs(a, variants: dict[str, list[str]]) -> dict:
     with tqdm(total=sum(len(v) + a.steps for v in variants.values()), desc="bench_train", file=sys.stderr) as bar:
         for key in a.configs:
             configs[key] = bench_config(key, variants[key], a.steps, a.warmup, bar)
-            skipped = {v: "no native bf16 on this CPU" if VARIANTS[v][1] else "--no-compile"
+            skipped = {v: "--no-compile" if VARIANTS[v][2] and not a.compile else "no native bf16 on this CPU"
                        for v in VARIANTS if v not in variants[key] and a.variants is None}
             if skipped:
                 configs[key]["skipped"] = skipped
