@@ -7,6 +7,7 @@ with PyTorch. The work is in bev.inference (export_onnx, export_program).
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -17,11 +18,30 @@ from bev.utils.errors import report_errors
 
 
 def export(cfg: DictConfig) -> dict[str, Any]:
-    from pathlib import Path
-
+    """Export the checkpoint's network to cfg.out; returns out, format and, with check=true, max_abs_diff."""
     import torch
 
-    from bev.inference import EXPORT_FORMATS, example_inputs, export_onnx, export_program, load_checkpoint, run_onnx, writable_dir
+    from bev.inference import example_inputs, load_checkpoint
+
+    out = _checked_out(cfg)
+    net = load_checkpoint(cfg.ckpt_path).model.net.eval()
+    example = example_inputs(net, int(cfg.num_cameras), int(cfg.batch_size))
+    with torch.no_grad():
+        expected = net(*example)
+    result: dict[str, Any] = {"out": str(out), "format": cfg.format}
+    write = _write_onnx if cfg.format == "onnx" else _write_program
+    diff = write(net, example, expected, out, cfg)
+    if diff is not None:
+        result["max_abs_diff"] = diff
+    print(f"Exported {cfg.format} to {out} ({out.stat().st_size / 1e6:.1f} MB) for {cfg.num_cameras} cameras of "
+          f"{net.image_size[0]}x{net.image_size[1]}; logits {tuple(expected.shape[1:])} per sample"
+          + (f"; max |logit - PyTorch| on an example: {diff:.2e}" if isinstance(diff, float) else f"; {diff}" if diff else ""))
+    return result
+
+
+def _checked_out(cfg: DictConfig) -> Path:
+    """The output path, once format, num_cameras, the output folder and (onnx) the packages are checked."""
+    from bev.inference import EXPORT_FORMATS, writable_dir
 
     if cfg.format not in EXPORT_FORMATS:
         raise ValueError(f"unknown format {cfg.format!r}; choose one of {', '.join(EXPORT_FORMATS)}")
@@ -35,33 +55,37 @@ def export(cfg: DictConfig) -> dict[str, Any]:
             import onnxscript  # noqa: F401
         except ImportError as e:
             raise ImportError(f"format=onnx needs the onnx and onnxscript packages ({e}); pip install 'bev[export]'") from None
-    net = load_checkpoint(cfg.ckpt_path).model.net.eval()
-    example = example_inputs(net, int(cfg.num_cameras), int(cfg.batch_size))
-    with torch.no_grad():
-        expected = net(*example)
-    result: dict[str, Any] = {"out": str(out), "format": cfg.format}
-    if cfg.format == "onnx":
-        export_onnx(net, example, out, int(cfg.opset))
-        if cfg.check:
-            try:
-                result["max_abs_diff"] = float((run_onnx(out, example) - expected).abs().max())
-            except ImportError:
-                result["max_abs_diff"] = "not checked: onnxruntime is not installed"
-    else:
-        from bev import ops
+    return out
 
-        if not ops.native_available("cpu"):
-            print("bev-export: warning: the native bev.ops build is not loaded; the program contains the pure-torch "
-                  "reference pooling instead of the torch.ops.bev.bev_pool node")
-        export_program(net, example, out)
-        if cfg.check:
-            with torch.no_grad():
-                result["max_abs_diff"] = float((torch.export.load(out).module()(*example) - expected).abs().max())
-    diff = result.get("max_abs_diff")
-    print(f"Exported {cfg.format} to {out} ({out.stat().st_size / 1e6:.1f} MB) for {cfg.num_cameras} cameras of "
-          f"{net.image_size[0]}x{net.image_size[1]}; logits {tuple(expected.shape[1:])} per sample"
-          + (f"; max |logit - PyTorch| on an example: {diff:.2e}" if isinstance(diff, float) else f"; {diff}" if diff else ""))
-    return result
+
+def _write_onnx(net, example: tuple, expected, out: Path, cfg: DictConfig) -> float | str | None:
+    """Write the ONNX model; with check=true, its max |logit - PyTorch| run by ONNX Runtime (or why not)."""
+    from bev.inference import export_onnx, run_onnx
+
+    export_onnx(net, example, out, int(cfg.opset))
+    if not cfg.check:
+        return None
+    try:
+        return float((run_onnx(out, example) - expected).abs().max())
+    except ImportError:
+        return "not checked: onnxruntime is not installed"
+
+
+def _write_program(net, example: tuple, expected, out: Path, cfg: DictConfig) -> float | None:
+    """Write the .pt2 ExportedProgram; with check=true, the loaded program's max |logit - PyTorch|."""
+    import torch
+
+    from bev import ops
+    from bev.inference import export_program
+
+    if not ops.native_available("cpu"):
+        print("bev-export: warning: the native bev.ops build is not loaded; the program contains the pure-torch "
+              "reference pooling instead of the torch.ops.bev.bev_pool node")
+    export_program(net, example, out)
+    if not cfg.check:
+        return None
+    with torch.no_grad():
+        return float((torch.export.load(out).module()(*example) - expected).abs().max())
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="export")

@@ -199,8 +199,6 @@ def ego_yaw(rotation: np.ndarray) -> float:
 def rasterize_map(geom: dict[str, np.ndarray], location: str, rotation: np.ndarray, translation: np.ndarray,
                   grid: Grid, num_classes: int) -> np.ndarray:
     """(num_classes, X, Y) uint8 {0, 1} map target of one ego pose (rotation 3x3, translation 3, global)."""
-    import cv2
-
     # Drawn on the devkit's canvas layout [y_index, x_index] (cv2 fills are not symmetric under a
     # transpose, so this keeps the devkit's cells) and returned transposed to [x_index, y_index].
     out = np.zeros((num_classes, grid.ny, grid.nx), dtype=np.uint8)
@@ -212,40 +210,64 @@ def rasterize_map(geom: dict[str, np.ndarray], location: str, rotation: np.ndarr
     t = np.asarray(translation, dtype=np.float64)[:2]
     (xlo, xhi, xs), (ylo, yhi, ys) = grid.xbound, grid.ybound
     corners = np.array([[xlo, ylo], [xlo, yhi], [xhi, ylo], [xhi, yhi]])
-    g = corners @ np.array([[c, s], [-s, c]]) + t  # grid corners in the global frame
-    bb = geom["map_shape_bbox"]
-    near = ((geom["map_shape_location"] == locs.index(location)) & (bb[:, 0] <= g[:, 0].max()) & (bb[:, 2] >= g[:, 0].min())
-            & (bb[:, 1] <= g[:, 1].max()) & (bb[:, 3] >= g[:, 1].min()))
+    to_global = np.array([[c, s], [-s, c]])  # ego (x, y) rows -> global offset
     to_cells = np.array([[c / xs, -s / ys], [s / xs, c / ys]])  # global offset -> (x, y) cell coordinates
     origin = np.array([xlo / xs, ylo / ys])
-    ring_off, shape_rings, xy = geom["map_ring_offsets"], geom["map_shape_rings"], geom["map_xy"]
     thickness = max(1, int(round(LINE_WIDTH_M / min(xs, ys))))
     scratch = np.zeros((grid.ny, grid.nx), dtype=np.uint8)
     patch = None  # the devkit's patch polygons, built on the first line that crosses the border
-    for k in np.flatnonzero(near):
+    g = corners @ to_global + t  # grid corners in the global frame
+    for k in _shapes_near(geom, locs.index(location), g):
         is_line = bool(geom["map_shape_line"][k])
-        rings = [(xy[ring_off[r] : ring_off[r + 1]] - t) @ to_cells - origin for r in range(shape_rings[k], shape_rings[k + 1])]
-        layer = out[geom["map_shape_class"][k]]
-        inside = all(r.min() >= 0 and r[:, 0].max() <= grid.nx and r[:, 1].max() <= grid.ny for r in rings)
+        global_rings = _shape_rings(geom, k)
+        rings = [(r - t) @ to_cells - origin for r in global_rings]
+        inside = _inside(rings, grid.nx, grid.ny)
         if is_line and not inside:
-            patch = patch or _devkit_patch(corners.mean(0) @ np.array([[c, s], [-s, c]]) + t, yhi - ylo, xhi - xlo, np.degrees(yaw))
-            parts = _devkit_clip_line(xy[ring_off[shape_rings[k]] : ring_off[shape_rings[k] + 1]], patch, grid)
+            patch = patch or _devkit_patch(corners.mean(0) @ to_global + t, yhi - ylo, xhi - xlo, np.degrees(yaw))
+            parts = _devkit_clip_line(global_rings[0], patch, grid)
         else:
             parts = [rings] if inside else _clip(rings, is_line, grid.nx, grid.ny)
-        for part in parts:
-            # Vertices rounded (lines: floored) after clipping, as the devkit; cv2 (col, row) = (x, y).
-            pts = [np.ascontiguousarray(np.floor(p) if is_line else np.round(p), dtype=np.int32).reshape(-1, 1, 2)
-                   for p in part]
-            if is_line:
-                cv2.polylines(layer, pts, False, 1, thickness)
-            elif len(pts) == 1:
-                cv2.fillPoly(layer, pts, 1)
-            else:  # holes clear only their own polygon, not others drawn before
-                scratch[:] = 0
-                cv2.fillPoly(scratch, pts[:1], 1)
-                cv2.fillPoly(scratch, pts[1:], 0)
-                layer |= scratch
+        _draw_parts(out[geom["map_shape_class"][k]], parts, is_line, thickness, scratch)
     return out.transpose(0, 2, 1).copy()
+
+
+def _shapes_near(geom: dict[str, np.ndarray], li: int, g: np.ndarray) -> np.ndarray:
+    """Indices of the shapes at location li whose bounding box meets the bounding box of the points g (N, 2)."""
+    bb = geom["map_shape_bbox"]
+    near = ((geom["map_shape_location"] == li) & (bb[:, 0] <= g[:, 0].max()) & (bb[:, 2] >= g[:, 0].min())
+            & (bb[:, 1] <= g[:, 1].max()) & (bb[:, 3] >= g[:, 1].min()))
+    return np.flatnonzero(near)
+
+
+def _shape_rings(geom: dict[str, np.ndarray], k: int) -> list[np.ndarray]:
+    """The global x, y rings of shape k (first: the exterior, or the line), views into map_xy."""
+    ring_off, shape_rings, xy = geom["map_ring_offsets"], geom["map_shape_rings"], geom["map_xy"]
+    return [xy[ring_off[r] : ring_off[r + 1]] for r in range(shape_rings[k], shape_rings[k + 1])]
+
+
+def _inside(rings: list[np.ndarray], nx: int, ny: int) -> bool:
+    """Whether rings in cell coordinates lie within [0, nx] x [0, ny]."""
+    return all(r.min() >= 0 and r[:, 0].max() <= nx and r[:, 1].max() <= ny for r in rings)
+
+
+def _draw_parts(layer: np.ndarray, parts: list[list[np.ndarray]], is_line: bool, thickness: int,
+                scratch: np.ndarray) -> None:
+    """Draw a shape's parts (lists of rings in cell coordinates) into its class's canvas, in place."""
+    import cv2
+
+    for part in parts:
+        # Vertices rounded (lines: floored) after clipping, as the devkit; cv2 (col, row) = (x, y).
+        pts = [np.ascontiguousarray(np.floor(p) if is_line else np.round(p), dtype=np.int32).reshape(-1, 1, 2)
+               for p in part]
+        if is_line:
+            cv2.polylines(layer, pts, False, 1, thickness)
+        elif len(pts) == 1:
+            cv2.fillPoly(layer, pts, 1)
+        else:  # holes clear only their own polygon, not others drawn before
+            scratch[:] = 0
+            cv2.fillPoly(scratch, pts[:1], 1)
+            cv2.fillPoly(scratch, pts[1:], 0)
+            layer |= scratch
 
 
 def devkit_map_mask(nusc_map, translation: np.ndarray, yaw: float, classes: Sequence[str], grid: Grid) -> np.ndarray:
@@ -343,7 +365,7 @@ def _clip(rings: list[np.ndarray], is_line: bool, nx: int, ny: int) -> list[list
     The devkit clips to the patch before rounding; a clipped edge gets a new vertex on the border,
     which rounds differently than the far vertex it replaces, so clipping first keeps the same cells.
     """
-    if all(r.min() >= 0 and r[:, 0].max() <= nx and r[:, 1].max() <= ny for r in rings):
+    if _inside(rings, nx, ny):
         return [rings]
     import shapely
     from shapely.geometry import LineString, Polygon

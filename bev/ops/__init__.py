@@ -148,6 +148,22 @@ def bev_pool(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Fused lift + splat: sum depth (B, Nc, D, H, W) x feats (B, Nc, H, W, C) into (B, C, Z, X, Y)."""
+    depth, feats = _check_depth_feats(depth, feats)
+    native = _use_native(backend, depth.device)
+    if plan is None:
+        plan = _new_plan(depth, feats, coords, grid_shape, backend, native)
+    else:
+        plan = _given_plan(plan, depth, feats, coords, grid_shape, backend, native)
+    depth, feats = depth.contiguous(), feats.contiguous()
+    if native:
+        return torch.ops.bev.bev_pool(depth, feats, plan.keys, plan.order, plan.offsets, list(plan.grid_shape))
+    if backend == "quickcumsum":
+        return _reference.quickcumsum_bev_pool(depth, feats, plan)
+    return _reference.bev_pool(depth, feats, plan)
+
+
+def _check_depth_feats(depth: torch.Tensor, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bev_pool's depth and feats checked against each other, promoted to one dtype."""
     check_float_tensor("depth", depth, 5, "(B, Nc, D, H, W)")
     check_float_tensor("feats", feats, 5, "(B, Nc, H, W, C)")
     if depth.dtype != feats.dtype:
@@ -161,32 +177,32 @@ def bev_pool(
             f"got {tuple(feats.shape)}"
         )
     check_same_device(depth=depth, feats=feats)
-    native = _use_native(backend, depth.device)
-    if plan is None:
-        if coords is None or grid_shape is None:
-            raise ValueError("bev_pool needs coords and grid_shape, or a plan from bev_pool_plan")
-        grid_shape = _check_frustum_coords(coords, grid_shape)
-        if tuple(coords.shape[:5]) != tuple(depth.shape):
-            raise ValueError(
-                f"coords must have shape (B, Nc, D, H, W, 3) = {tuple(depth.shape) + (3,)} to match depth, got {tuple(coords.shape)}"
-            )
-        check_same_device(depth=depth, coords=coords)
-        _check_output_memory(grid_shape, feats, backend, native)
-        plan = bev_pool_plan(coords, grid_shape, backend="native" if native else backend)
-    else:
-        if not isinstance(plan, PoolPlan):
-            raise TypeError(f"plan must be a PoolPlan from bev_pool_plan, got {type(plan).__name__}")
-        if coords is not None or grid_shape is not None:
-            raise ValueError("pass either plan or (coords, grid_shape) to bev_pool, not both")
-        if tuple(plan.points_shape) != tuple(depth.shape):
-            raise ValueError(f"plan was built for points of shape {tuple(plan.points_shape)} but depth has shape {tuple(depth.shape)}")
-        check_same_device(depth=depth, plan=plan.keys)
-        _check_output_memory(plan.grid_shape, feats, backend, native)
-        # A plan built for another backend gets the form of runs this one needs.
-        plan = as_dense(plan, native) if _dense(backend, native) else as_sparse(plan)
-    depth, feats = depth.contiguous(), feats.contiguous()
-    if native:
-        return torch.ops.bev.bev_pool(depth, feats, plan.keys, plan.order, plan.offsets, list(plan.grid_shape))
-    if backend == "quickcumsum":
-        return _reference.quickcumsum_bev_pool(depth, feats, plan)
-    return _reference.bev_pool(depth, feats, plan)
+    return depth, feats
+
+
+def _new_plan(depth: torch.Tensor, feats: torch.Tensor, coords, grid_shape, backend: str, native: bool) -> PoolPlan:
+    """bev_pool's plan from coords and grid_shape, checked against depth and the device's memory first."""
+    if coords is None or grid_shape is None:
+        raise ValueError("bev_pool needs coords and grid_shape, or a plan from bev_pool_plan")
+    grid_shape = _check_frustum_coords(coords, grid_shape)
+    if tuple(coords.shape[:5]) != tuple(depth.shape):
+        raise ValueError(
+            f"coords must have shape (B, Nc, D, H, W, 3) = {tuple(depth.shape) + (3,)} to match depth, got {tuple(coords.shape)}"
+        )
+    check_same_device(depth=depth, coords=coords)
+    _check_output_memory(grid_shape, feats, backend, native)
+    return bev_pool_plan(coords, grid_shape, backend="native" if native else backend)
+
+
+def _given_plan(plan, depth: torch.Tensor, feats: torch.Tensor, coords, grid_shape, backend: str, native: bool) -> PoolPlan:
+    """A plan passed to bev_pool, checked against depth and the device's memory, in the form this backend needs."""
+    if not isinstance(plan, PoolPlan):
+        raise TypeError(f"plan must be a PoolPlan from bev_pool_plan, got {type(plan).__name__}")
+    if coords is not None or grid_shape is not None:
+        raise ValueError("pass either plan or (coords, grid_shape) to bev_pool, not both")
+    if tuple(plan.points_shape) != tuple(depth.shape):
+        raise ValueError(f"plan was built for points of shape {tuple(plan.points_shape)} but depth has shape {tuple(depth.shape)}")
+    check_same_device(depth=depth, plan=plan.keys)
+    _check_output_memory(plan.grid_shape, feats, backend, native)
+    # A plan built for another backend gets the form of runs this one needs.
+    return as_dense(plan, native) if _dense(backend, native) else as_sparse(plan)

@@ -23,7 +23,7 @@ import torch
 
 from bev.data.rig import IMAGE_H, IMAGE_W, load_rig
 from bev.geometry import CAMERA_NAMES, ego_to_image, frustum_to_ego, quaternion_to_matrix
-from bev.synthetic.roads import fill, road_map, stroke
+from bev.synthetic.roads import RoadMap, fill, road_map, stroke
 from bev.synthetic.world import CABIN, GLASS, RENDER_RANGE, WINDOWS, World, visible_objects
 
 # Cameras are ray-cast at 1/RENDER_SCALE of 1600x900 and upscaled bilinearly: the model
@@ -152,7 +152,11 @@ _NOISE = np.array([a for _, a in GROUND.values()], np.float32)
 def _tile(seed: int, location: str, tx: int, ty: int) -> np.ndarray:
     """(TILE, TILE, 3) uint8 ground colours of tile (tx, ty); texel [r, c] has its centre at
     x = (tx * TILE + c + 0.5) * TEX_RES, y = (ty * TILE + r + 0.5) * TEX_RES."""
-    road = road_map(seed, location)
+    return _textured(_tile_labels(road_map(seed, location), tx, ty), tx, ty)
+
+
+def _tile_labels(road: RoadMap, tx: int, ty: int) -> np.ndarray:
+    """(TILE, TILE) uint8 ground class (_CLASS) of every texel of tile (tx, ty): the map's surfaces and paint."""
     x0, y0, size = tx * TILE * TEX_RES, ty * TILE * TEX_RES, TILE * TEX_RES
     label = np.zeros((TILE, TILE), np.uint8)
 
@@ -180,6 +184,11 @@ def _tile(seed: int, location: str, tx: int, ty: int) -> np.ndarray:
     lines([g for g in P["white"] if g.geom_type == "LineString"] + P["dashes"], 0.15, "white")
     area([g for g in P["white"] if g.geom_type != "LineString"] + P["zebra"], "white")
     lines(P["yellow"], 0.1, "yellow")
+    return label
+
+
+def _textured(label: np.ndarray, tx: int, ty: int) -> np.ndarray:
+    """(TILE, TILE, 3) uint8 colours of tile (tx, ty)'s texel classes: each class's colour plus surface noise."""
     # Surface noise in 0.5 m cells (5 x 5 texels), a hash of the global cell index so tiles join seamlessly.
     # Colours are computed once per (cell, class) and looked up per texel.
     cells = int(0.5 / TEX_RES)

@@ -322,8 +322,21 @@ def road_map(seed: int, location: str) -> RoadMap:
     """The network and map of `location` for `seed` (deterministic, cached per process)."""
     if location not in TRAFFIC_SIDE:
         raise ValueError(f"unknown location {location!r}; expected one of {sorted(TRAFFIC_SIDE)}")
-    rng = _location_rng(seed, location)
+    rng = _location_rng(seed, location)  # drawn from in this order: grid, rotation, car parks, buildings
     nodes, edges = _grid(rng)
+    pos, canvas, dirs = _place_grid(rng, nodes)
+    junctions, streets = _network(nodes, edges, pos, dirs)
+    road = RoadMap(location, TRAFFIC_SIDE[location], dirs, canvas, junctions, streets)
+    _build_layers(road, rng)
+    return road
+
+
+# Grid directions E, N, W, S (direction index d) as steps (di, dj) of the node index; RoadMap.dirs rotates them.
+_STEPS = ((1, 0), (0, 1), (-1, 0), (0, -1))
+
+
+def _place_grid(rng: np.random.Generator, nodes: dict) -> tuple[dict, tuple[float, float], np.ndarray]:
+    """The grid turned by a random angle and moved MARGIN inside the canvas: node positions, canvas, dirs."""
     theta = rng.uniform(0.0, math.pi / 2)
     R = np.array([[math.cos(theta), -math.sin(theta)], [math.sin(theta), math.cos(theta)]])
     local = np.stack(list(nodes.values()))
@@ -331,43 +344,59 @@ def road_map(seed: int, location: str) -> RoadMap:
     shift = MARGIN - corners.min(0)
     pos = {n: R @ p + shift for n, p in nodes.items()}
     canvas = tuple(float(v) for v in corners.max(0) + shift + MARGIN)
-    dirs = np.array([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]]) @ R.T
-    step = {0: (1, 0), 1: (0, 1), 2: (-1, 0), 3: (0, -1)}
+    dirs = np.array(_STEPS, dtype=np.float64) @ R.T
+    return pos, canvas, dirs
 
-    def arms(n):
-        return [d for d, (di, dj) in step.items() if frozenset([n, (n[0] + di, n[1] + dj)]) in edges]
 
-    junction_nodes = sorted(n for n in nodes if len(arms(n)) >= 3)
+def _arms(n: tuple[int, int], edges: set) -> list[int]:
+    """Directions in which grid node n has a kept edge."""
+    return [d for d in range(len(_STEPS)) if frozenset([n, _step(n, d)]) in edges]
+
+
+def _step(n: tuple[int, int], d: int) -> tuple[int, int]:
+    """The grid node next to n in direction d."""
+    return n[0] + _STEPS[d][0], n[1] + _STEPS[d][1]
+
+
+def _network(nodes: dict, edges: set, pos: dict, dirs: np.ndarray) -> tuple[list[Junction], list[Street]]:
+    """Junctions (the nodes of 3 or 4 arms, in node order) and the streets between them."""
+    junction_nodes = sorted(n for n in nodes if len(_arms(n, edges)) >= 3)
     jindex = {n: i for i, n in enumerate(junction_nodes)}
     junctions = [Junction(pos[n], {}) for n in junction_nodes]
     streets: list[Street] = []
     for n in junction_nodes:
-        for d in arms(n):
+        for d in _arms(n, edges):
             if d in junctions[jindex[n]].arms:
                 continue  # found from its other end
-            u = dirs[d]
-            start = pos[n] + u * CURB
-            pieces, p, h = [], start, math.atan2(u[1], u[0])
-            m, dd = (n[0] + step[d][0], n[1] + step[d][1]), d
-            while m not in jindex:  # through bends and straight degree-2 nodes
-                (nd,) = [a for a in arms(m) if a != (dd + 2) % 4]
-                if nd != dd:
-                    v = dirs[nd]
-                    t1 = pos[m] - u * BEND_RADIUS
-                    pieces.append((p[0], p[1], h, float(np.dot(t1 - p, u)), 0.0))
-                    turn = float(np.sign(u[0] * v[1] - u[1] * v[0]))
-                    pieces.append((t1[0], t1[1], h, BEND_RADIUS * math.pi / 2, turn / BEND_RADIUS))
-                    p, h, u, dd = pos[m] + v * BEND_RADIUS, h + turn * math.pi / 2, v, nd
-                m = (m[0] + step[dd][0], m[1] + step[dd][1])
-            end = pos[m] - u * CURB
-            pieces.append((p[0], p[1], h, float(np.dot(end - p, u)), 0.0))
+            m, arm_m, path = _trace_street(n, d, edges, pos, dirs, jindex)
             si = len(streets)
-            streets.append(Street(jindex[n], d, jindex[m], (dd + 2) % 4, Path(pieces)))
+            streets.append(Street(jindex[n], d, jindex[m], arm_m, path))
             junctions[jindex[n]].arms[d] = (si, 1)
-            junctions[jindex[m]].arms[(dd + 2) % 4] = (si, -1)
-    road = RoadMap(location, TRAFFIC_SIDE[location], dirs, canvas, junctions, streets)
-    _build_layers(road, rng)
-    return road
+            junctions[jindex[m]].arms[arm_m] = (si, -1)
+    return junctions, streets
+
+
+def _trace_street(n: tuple[int, int], d: int, edges: set, pos: dict, dirs: np.ndarray,
+                  jindex: dict) -> tuple[tuple[int, int], int, Path]:
+    """The street leaving junction node n in direction d: the junction node m it reaches, its arm there,
+    and the centreline from kerb to kerb (a quarter circle at each bend)."""
+    u = dirs[d]
+    start = pos[n] + u * CURB
+    pieces, p, h = [], start, math.atan2(u[1], u[0])
+    m, dd = _step(n, d), d
+    while m not in jindex:  # through bends and straight degree-2 nodes
+        (nd,) = [a for a in _arms(m, edges) if a != (dd + 2) % 4]
+        if nd != dd:  # a bend: straight up to the arc, then a quarter circle that cuts the corner at m
+            v = dirs[nd]
+            t1 = pos[m] - u * BEND_RADIUS
+            pieces.append((p[0], p[1], h, float(np.dot(t1 - p, u)), 0.0))
+            turn = float(np.sign(u[0] * v[1] - u[1] * v[0]))
+            pieces.append((t1[0], t1[1], h, BEND_RADIUS * math.pi / 2, turn / BEND_RADIUS))
+            p, h, u, dd = pos[m] + v * BEND_RADIUS, h + turn * math.pi / 2, v, nd
+        m = _step(m, dd)
+    end = pos[m] - u * CURB
+    pieces.append((p[0], p[1], h, float(np.dot(end - p, u)), 0.0))
+    return m, (dd + 2) % 4, Path(pieces)
 
 
 # ----------------------------------------------------------------------------- map layers

@@ -176,14 +176,34 @@ def lidar_points(world: World, t: float, annotated: list[int], counts: dict, rng
     inside its box in proportion to its visible pixels (counts at render scale `scale`, so any
     scale gives the same density); num_lidar_pts is then the true count of cloud points in each box.
     """
-    ego_t, ego_yaw = world.ego_pose(t)
-    c, s = math.cos(ego_yaw), math.sin(ego_yaw)
-    R_ge = np.array([[c, -s, 0], [s, c, 0], [0, 0, 1.0]])  # ego -> global
+    ground = _ground_rings()
+    boxes, pts = _object_points(world, t, annotated, counts, rng, scale)
+    cloud = np.concatenate([ground] + pts)
+    under, inside = _points_in_boxes(cloud, boxes)
+    under[len(ground):] = False  # only ground points are dropped: the lidar cannot see the ground under an object
+    per_obj = {i: int(np.count_nonzero(~under[idx])) for i, idx in inside}
+    cloud = cloud[~under]
+    R_l = quaternion_to_matrix(LIDAR_ROTATION)
+    cloud[:, :3] = (cloud[:, :3] - np.array(LIDAR_TRANSLATION)) @ R_l  # ego -> lidar: R^T (p - t)
+    return cloud.astype(np.float32), per_obj
+
+
+def _ground_rings() -> np.ndarray:
+    """The ground points (N, 5) of the lidar's 32 rings in the ego frame, 64 azimuths each."""
     rings = np.arange(32)
     r = 3.0 * 1.09 ** rings  # 3 m .. ~45 m
     az = np.linspace(-math.pi, math.pi, 64, endpoint=False)
-    ground = np.stack([np.outer(r, np.cos(az)).ravel(), np.outer(r, np.sin(az)).ravel(), np.zeros(r.size * az.size),
-                       np.full(r.size * az.size, 10.0), np.repeat(rings, az.size).astype(np.float64)], -1)
+    return np.stack([np.outer(r, np.cos(az)).ravel(), np.outer(r, np.sin(az)).ravel(), np.zeros(r.size * az.size),
+                     np.full(r.size * az.size, 10.0), np.repeat(rings, az.size).astype(np.float64)], -1)
+
+
+def _object_points(world: World, t: float, annotated: list[int], counts: dict, rng: np.random.Generator,
+                   scale: int) -> tuple[list[tuple], list[np.ndarray]]:
+    """Each annotated object's box in the ego frame (index, rotation object -> ego, centre, half size) and its
+    points (n, 5), n in proportion to its visible pixels."""
+    ego_t, ego_yaw = world.ego_pose(t)
+    c, s = math.cos(ego_yaw), math.sin(ego_yaw)
+    R_ge = np.array([[c, -s, 0], [s, c, 0], [0, 0, 1.0]])  # ego -> global
     boxes, pts = [], []
     for i in annotated:
         obj = world.objects[i]
@@ -196,7 +216,11 @@ def lidar_points(world: World, t: float, annotated: list[int], counts: dict, rng
         n = int(min(200, counts.get(i, (0, 0))[0] * scale * scale // LIDAR_PX_PER_POINT))
         local = rng.uniform(-0.9, 0.9, (n, 3)) * half  # strictly inside the box
         pts.append(np.concatenate([local @ R.T + c_ego, np.full((n, 1), 60.0), rng.integers(0, 32, (n, 1))], 1))
-    cloud = np.concatenate([ground] + pts)
+    return boxes, pts
+
+
+def _points_in_boxes(cloud: np.ndarray, boxes: list[tuple]) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
+    """A mask of the cloud points within 0.05 m of any box, and per box (index, the points inside it)."""
     # Points in each box, in its own frame; a box only tests the points within its reach in x
     # (points sorted by x; the reach covers the 0.05 m margin below).
     order = np.argsort(cloud[:, 0], kind="stable")
@@ -207,12 +231,7 @@ def lidar_points(world: World, t: float, annotated: list[int], counts: dict, rng
         local = np.abs((cloud[near, :3] - c_ego) @ R)  # rows: R^T (p - c)
         under[near[np.all(local <= half + 0.05, axis=1)]] = True
         inside.append((i, near[np.all(local <= half, axis=1)]))
-    under[len(ground):] = False  # only ground points are dropped: the lidar cannot see the ground under an object
-    per_obj = {i: int(np.count_nonzero(~under[idx])) for i, idx in inside}
-    cloud = cloud[~under]
-    R_l = quaternion_to_matrix(LIDAR_ROTATION)
-    cloud[:, :3] = (cloud[:, :3] - np.array(LIDAR_TRANSLATION)) @ R_l  # ego -> lidar: R^T (p - t)
-    return cloud.astype(np.float32), per_obj
+    return under, inside
 
 
 def _render_task(task):
