@@ -61,6 +61,7 @@ def native_available(device: torch.device | str | None = None) -> bool:
 
 
 def _use_native(backend: str, device: torch.device) -> bool:
+    """Whether `backend` runs the native kernels on `device` ("auto" falls back to torch with one warning)."""
     check_backend(backend)
     if backend in ("torch", "quickcumsum"):
         return False
@@ -123,6 +124,7 @@ def _check_output_memory(grid_shape, feats: torch.Tensor, backend: str, native: 
 
 
 def _check_frustum_coords(coords, grid_shape) -> tuple[int, int, int, int]:
+    """grid_shape checked, for frustum coords (B, Nc, D, H, W, 3) of the same batch size."""
     check_int_tensor("coords", coords, 6, "(B, Nc, D, H, W, 3) with (z, x, y) last", 3)
     grid_shape = check_grid_shape(grid_shape)
     if coords.shape[0] != grid_shape[0]:
