@@ -220,7 +220,6 @@ def median(xs):
 
 def start_variant(cfg, key: str, name: str, batch: dict, warmup: int) -> Variant:
     """Build one variant and run its warm-up steps; a failure is kept in .error, not raised."""
-    t = time.perf_counter()
     v = Variant(cfg, name, batch)
     try:
         v.first_step_s = v.step()  # includes compilation for the compiled variants
@@ -230,7 +229,6 @@ def start_variant(cfg, key: str, name: str, batch: dict, warmup: int) -> Variant
     except Exception as e:  # a variant that cannot run here is reported, not fatal
         v.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
         print(f"[{key}] {name}: failed: {v.error}", file=sys.stderr)
-    v.build_s = time.perf_counter() - t
     return v
 
 
@@ -267,7 +265,8 @@ def bench_config(key: str, variants: list[str], steps: int, warmup: int, progres
         runs.append(start_variant(cfg, key, name, batch, warmup))
         progress.update(1)
     measure_steps(runs, steps, progress)
-    base = median(runs[0].times) if runs[0].error is None else None
+    fp32 = [v for v in runs if v.name == "fp32" and v.error is None]
+    base = median(fp32[0].times) if fp32 else None  # no fp32 run (--variants): no speed-up to report
     out = {
         "overrides": CONFIGS[key],
         "batch_size": int(cfg.data.batch_size),
