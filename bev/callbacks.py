@@ -145,13 +145,6 @@ class ThreadsFollowLoad(L.Callback):
         self.max_threads, self.probe_s = int(max_threads), float(probe_s)
         self.load = None
 
-    @classmethod
-    def when_auto(cls, n: int | None, threads, accelerator: str = "cpu", devices=1) -> list["ThreadsFollowLoad"]:
-        """[cls(n)] where `threads: auto` set n intra-op threads for one CPU process, else []."""
-        from bev.utils.threads import follows_load
-
-        return [cls(n)] if n and follows_load(threads, accelerator, devices) else []
-
     def on_train_start(self, trainer, pl_module) -> None:
         from bev.utils.threads import OtherLoad
 

@@ -24,7 +24,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from hydra.utils import instantiate
 
     _seed_and_matmul_precision(cfg)
-    out = Path(cfg.paths.output_dir)
     _resolve_auto_precision(cfg)
     datamodule = instantiate(cfg.data)
     model = _build_model(cfg)
@@ -33,7 +32,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     trainer = _build_trainer(cfg)
     wall = _fit(cfg, trainer, model, datamodule, ckpt_path)
     metrics = _final_metrics(trainer, model)
-    _finish(cfg, trainer, metrics, out, wall)
+    _finish(cfg, trainer, metrics, Path(cfg.paths.output_dir), wall)
     return metrics
 
 

@@ -135,12 +135,6 @@ def _pred_channels(pred: Any) -> np.ndarray:
     return p
 
 
-def _pred_map(pred: Any) -> np.ndarray:
-    """Prediction (X, Y), (C, X, Y) or (B, C, X, Y) -> (X, Y) probabilities of class 0."""
-    p = _pred_channels(pred)
-    return p[0] if p.ndim > 2 else p
-
-
 def _draw_bev(ax, img: np.ndarray, grid: Grid, title: str, **kw):
     (xlo, xhi, _), (ylo, yhi, _) = grid.xbound, grid.ybound
     im = ax.imshow(bev_to_display(img), extent=(yhi, ylo, xlo, xhi), interpolation="nearest", **kw)
@@ -184,10 +178,11 @@ def render_figure(sample: Mapping[str, Any], pred: Any = None, grid: Grid | None
     else:
         _draw_bev(fig.add_subplot(gs[1, 0]), target, g, "BEV target", cmap="gray", vmin=0, vmax=1)
     if pred is not None:
-        prob = _pred_map(pred)
+        probs = _pred_channels(pred)
+        prob = probs[0] if probs.ndim > 2 else probs  # the first class's, for the error map
         if prob.shape != target.shape:
             raise ValueError(f"prediction shape {prob.shape} does not match the BEV target {target.shape}")
-        _draw_prediction(fig, gs[1, 1], pred, prob, channels, g, layers)
+        _draw_prediction(fig, gs[1, 1], probs, prob, channels, g, layers)
         _draw_errors(fig.add_subplot(gs[1, 2]), prob, target, g, layers[0] if layers is not None else "vehicle")
     fig.tight_layout()
     if layers is not None:
@@ -229,10 +224,10 @@ def _draw_cameras(ax, cams: np.ndarray, s: Mapping[str, Any], title: str | None)
     ax.set_title(title or f"sample {s.get('sample_token', '')}", fontsize=9)
 
 
-def _draw_prediction(fig: Figure, cell, pred: Any, prob: np.ndarray, channels: np.ndarray, grid: Grid, layers) -> None:
+def _draw_prediction(fig: Figure, cell, probs: np.ndarray, prob: np.ndarray, channels: np.ndarray, grid: Grid,
+                     layers) -> None:
     """The prediction panel: every layer blended by its probability (layers given), else P(vehicle) with a colorbar."""
     if layers is not None:
-        probs = _pred_channels(pred)
         if probs.shape != channels.shape:
             raise ValueError(f"prediction shape {probs.shape} does not match the BEV target {channels.shape}")
         _draw_bev(fig.add_subplot(cell), compose_layers(probs, layers), grid, "prediction (blended by probability)")
