@@ -13,7 +13,10 @@ Variants, alternated round-robin in one process with the same initial weights: f
 NCHW, channels_last, bf16 autocast, both, torch.compile (fp32 NCHW), and torch.compile with
 channels_last + bf16. Medians over --steps measured steps after --warmup steps (compile time is
 reported separately). The eager variants also get a per-part breakdown (camera encoder,
-geometry, splat, BEV encoder, loss, backward, optimiser). With --loader it also times the
+geometry, splat, BEV encoder, loss, backward, optimiser). On --device cuda the forward is not
+split (a clock inside it would wait for the GPU and serialise the host's launches with the
+GPU's work, the very overlap that decides a GPU step), and cuDNN autotuning is on as in
+trainer=gpu. With --loader it also times the
 configured data loader on a small synthetic set (scripts/bench_loader.py) to compare its
 samples/s with the model's. Writes JSON to --out atomically.
 """
@@ -174,7 +177,7 @@ class Variant:
         self.lit = build(cfg, channels_last).to(DEVICE)
         self.lit.train()
         self.net = self.lit.net
-        self.parts = None if self.compiled else PartTimer(self.net)
+        self.parts = None if self.compiled or DEVICE == "cuda" else PartTimer(self.net)
         if self.compiled:
             self.net.compile()
         self.opt = self.lit.optimizer_factory(params=[p for p in self.lit.parameters() if p.requires_grad])
@@ -208,6 +211,8 @@ class Variant:
         if self.parts:
             t = dict(self.parts.t)
             t["forward_other"] = (t1 - t0) - sum(t.values())
+        else:
+            t["forward"] = t1 - t0
         t.update(loss=t2 - t1, backward=t3 - t2, optimizer=t4 - t3)
         self.last_breakdown = t
         return t4 - t0
@@ -249,7 +254,7 @@ def variant_record(v: Variant, batch_size: int, base: float | None) -> dict:
     med = median(v.times)
     rec = dict(step_s=round(med, 4), steps_s=[round(x, 4) for x in v.times], samples_per_s=round(batch_size / med, 2),
                speedup_vs_fp32=round(base / med, 2) if base else None, first_step_s=round(v.first_step_s, 2))
-    keys = [k for k in (*PARTS, "forward_other") if k in v.breakdown[0]]
+    keys = [k for k in ("forward", *PARTS, "forward_other") if k in v.breakdown[0]]
     rec["breakdown_s"] = {k: round(median([b[k] for b in v.breakdown]), 4) for k in keys}
     return rec
 
@@ -428,6 +433,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(a.threads)
+    torch.backends.cudnn.benchmark = a.device == "cuda"  # as trainer=gpu
     load0 = os.getloadavg()[0]
     results = {"benchmark": f"training step (forward, loss, backward, clip, optimiser step), {a.device}",
                "device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or platform.machine(),

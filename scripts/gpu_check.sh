@@ -2,8 +2,9 @@
 # One command that proves bev.ops on a GPU machine (`make gpu-check`), in about 10 minutes:
 #   1. builds the extension in place for this device (TORCH_CUDA_ARCH_LIST from its capability),
 #   2. runs the CUDA tests (tests/test_ops_cuda.py) and the emulated ones (tests/test_ops_cuda_emulated.py),
-#   3. runs the GPU benchmark (scripts/bench_pool.py --device cuda: bandwidth vs the device's
-#      peak, the BEVFusion-style baseline, fused vs materialised, fp32/fp16/bf16),
+#   3. runs the GPU benchmarks: the op (scripts/bench_pool.py --device cuda: bandwidth vs the
+#      device's peak, the BEVFusion-style baseline, fused vs materialised, fp32/fp16/bf16) and the
+#      training step (scripts/bench_train.py --device cuda: fp32 NCHW vs channels_last / bf16),
 #   4. trains the embedded experiment on the GPU for a few hundred steps (bf16-mixed) on a small
 #      synthetic set and checks that the training loss went down,
 # then writes benchmarks/results/gpu_<device>.json and gpu_<device>.md (a short summary).
@@ -120,7 +121,7 @@ echo "device $DEVICE (sm_${ARCH/./}), torch $TORCH_VERSION (CUDA $TORCH_CUDA), n
 LOGS=$WORK/logs
 mkdir -p "$LOGS" "$RESULTS"
 # This script's own outputs of an earlier run, so that a failed stage cannot report stale results.
-[ "$DRY_RUN" = 1 ] || rm -rf "$LOGS"/* "$WORK/bench_pool_cuda.json" "$WORK/train"
+[ "$DRY_RUN" = 1 ] || rm -rf "$LOGS"/* "$WORK/bench_pool_cuda.json" "$WORK/bench_train_cuda.json" "$WORK/train"
 
 # ------------------------------------------------------------------------------ 1. build
 say "1. build for sm_${ARCH/./}"
@@ -138,55 +139,68 @@ stage_end build
 # ------------------------------------------------------------------------------ 2. tests
 say "2. CUDA tests + emulated CUDA kernels"
 stage_start
-logged tests "$PY" -m pytest -q -p no:cacheprovider -m "cuda or cuda_emulated" tests/test_ops_cuda.py \
-  tests/test_ops_cuda_emulated.py --junitxml="$LOGS/tests.xml"
+# Two processes, so that a crash in one (a C++ exception thrown through a broken unwinder is a
+# segfault: seen with the H200 image's compiler, see benchmarks/results/gpu_nvidia_h200.md) keeps the other's report.
+logged tests "$PY" -X faulthandler -m pytest -q -p no:cacheprovider -m cuda tests/test_ops_cuda.py --junitxml="$LOGS/tests.xml"
+logged tests_emulated "$PY" -X faulthandler -m pytest -q -p no:cacheprovider -m cuda_emulated tests/test_ops_cuda_emulated.py \
+  --junitxml="$LOGS/tests_emulated.xml"
 stage_end tests
 
 # ------------------------------------------------------------------------------ 3. benchmark
 BENCH_JSON=$WORK/bench_pool_cuda.json
+TRAIN_BENCH_JSON=$WORK/bench_train_cuda.json
 if [ "$SKIP_BENCH" = 0 ]; then
   say "3. benchmark"
   stage_start
   logged bench "$PY" scripts/bench_pool.py --device cuda --out "$BENCH_JSON"
+  logged bench_train "$PY" scripts/bench_train.py --device cuda --no-compile --steps 10 --warmup 3 --out "$TRAIN_BENCH_JSON"
   stage_end bench
 fi
 
 # ------------------------------------------------------------------------------ 4. training
 TRAIN_RUN=$WORK/train
+DATA=$WORK/synthetic
+TRAIN_OVERRIDES=(experiment=synthetic_cpu trainer=gpu trainer.precision=bf16-mixed
+  ++trainer.max_steps="$STEPS" trainer.max_epochs=-1 callbacks.time_budget.budget=null trainer.log_every_n_steps=5
+  data.num_workers=4 data.dataroot="$DATA" hydra.run.dir="$TRAIN_RUN" callbacks.bev_png.every_n_steps=1000000)
+if [ "$DRY_RUN" = 1 ] && [ "$SKIP_TRAIN" = 0 ]; then
+  # A dry run composes the training config, so that a stale override fails here, not on the GPU.
+  "$PY" -m bev.train "${TRAIN_OVERRIDES[@]}" --cfg job >/dev/null || die "the training stage's overrides do not compose (above)"
+fi
 if [ "$SKIP_TRAIN" = 0 ]; then
   say "4. training: experiment=synthetic_cpu on the GPU, bf16-mixed, $STEPS steps"
   stage_start
-  DATA=$WORK/synthetic
   if [ ! -f "$DATA/v1.0-mini/scene.json" ]; then
     logged synthetic "$PY" -m bev.synthetic.writer --out "$DATA" --scenes 10 --samples-per-scene 12 --workers "$(nproc)"
   fi
-  logged train "$PY" -m bev.train experiment=synthetic_cpu trainer=gpu trainer.precision=bf16-mixed \
-    ++trainer.max_steps="$STEPS" trainer.max_epochs=-1 trainer.max_time=null trainer.log_every_n_steps=5 \
-    data.num_workers=4 data.dataroot="$DATA" hydra.run.dir="$TRAIN_RUN" callbacks.bev_png.every_n_steps=1000000
+  logged train "$PY" -m bev.train "${TRAIN_OVERRIDES[@]}"
   stage_end train
 fi
 
 # ------------------------------------------------------------------------------ report
 [ "$DRY_RUN" = 0 ] || { say "dry run done: nothing was built, tested or measured"; exit 0; }
 say "report"
-"$PY" - "$DEVICE" "$LOGS/tests.xml" "$BENCH_JSON" "$TRAIN_RUN" "$RESULTS" "{${TIMES%, }}" "$FAILED" <<'EOF'
+"$PY" - "$DEVICE" "$LOGS/tests.xml" "$BENCH_JSON" "$TRAIN_RUN" "$RESULTS" "{${TIMES%, }}" "$FAILED" "$TRAIN_BENCH_JSON" <<'EOF'
 import csv, json, os, statistics, sys, time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 import torch
 
-device, junit, bench_json, train_run, results, times, failed = sys.argv[1:]
+device, junit, bench_json, train_run, results, times, failed, train_bench_json = sys.argv[1:]
 report = dict(device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
               torch=torch.__version__, cuda=torch.version.cuda, date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               stage_seconds=json.loads(times))
 report["failed_stages"] = failed.split()
 ok = not failed.split()
 lines = [f"# GPU check on {report['device']} (sm_{''.join(map(str, report['capability']))}), torch {report['torch']}", ""]
-if Path(junit).exists():
-    suite = ET.parse(junit).getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    report["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    lines.append(f"tests: {report['tests']}")
+for key, xml in (("tests", junit), ("tests_emulated", junit.replace("tests.xml", "tests_emulated.xml"))):
+    if Path(xml).exists():
+        suite = ET.parse(xml).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        report[key] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    else:  # pytest died before writing its report (a crash: see the log)
+        report[key] = "no report: the pytest process crashed or did not run"
+    lines.append(f"{key}: {report[key]}")
 def write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
@@ -211,6 +225,18 @@ if Path(bench_json).exists():
         lines.append(f"| {h['size']} | {h['dtype']} | {h['method']} | {fmt(h['forward_ms'], '.3f')} | "
                      f"{fmt(h['fwd_bwd_ms'], '.3f')} | {fmt(h['forward_gb_per_s'], '.0f')} | {fmt(frac and 100 * frac, '.0f')} |")
     lines += [f"[{'MET' if c['met'] else 'MISSED'}] {c['target']}: {c['ratio']:.2f}x" for c in bench["targets"]]
+if Path(train_bench_json).exists():
+    tb = json.loads(Path(train_bench_json).read_text())
+    kept = Path(results) / f"bench_train_cuda_{device}.json"
+    write(kept, Path(train_bench_json).read_text())
+    report["bench_train"] = {"file": os.path.relpath(kept), "configs": {}}
+    lines += ["", "| training step | variant | step ms | vs fp32 |", "|---|---|---:|---:|"]
+    for key, c in tb["configs"].items():
+        rows = {name: {k: v.get(k) for k in ("step_s", "speedup_vs_fp32", "error")} for name, v in c["variants"].items()}
+        report["bench_train"]["configs"][key] = rows
+        for name, v in rows.items():
+            cell = f"{1e3 * v['step_s']:.1f} | {v['speedup_vs_fp32']}x" if v["step_s"] else f"failed: {v['error']} |"
+            lines.append(f"| {key} (batch {c['batch_size']}) | {name} | {cell} |")
 metrics = sorted(Path(train_run).glob("csv/version_*/metrics.csv"))
 if metrics:
     with open(metrics[-1]) as f:

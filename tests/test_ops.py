@@ -652,6 +652,27 @@ def test_bev_pool_plan_rejects_bad_inputs():
         ops.bev_pool_plan(coords, grid, backend="fast")
 
 
+def native_check_in_subprocess(device: str) -> subprocess.CompletedProcess:
+    """Call the native voxel_sum past the Python checks with 1-D feats (a TORCH_CHECK), in a fresh process."""
+    code = (
+        "import torch, bev.ops\n"
+        f"z = lambda *s, **k: torch.zeros(*s, device='{device}', **k)\n"
+        "try:\n"
+        "    torch.ops.bev.voxel_sum(z(3), z(3, dtype=torch.long), z(3, dtype=torch.long), z(2, dtype=torch.long), [1, 1, 1, 1])\n"
+        "except RuntimeError as e:\n"
+        "    print('RuntimeError:', str(e).splitlines()[0])\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+@requires_native
+def test_a_native_check_raises_instead_of_crashing():
+    # In a subprocess: on one GPU machine's image the throw itself killed the process (SIGSEGV,
+    # benchmarks/results/gpu_nvidia_h200.md); tests/test_ops_cuda.py checks the CUDA launcher alike.
+    r = native_check_in_subprocess("cpu")
+    assert r.returncode == 0 and "RuntimeError: feats must be (N, C)" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
+
+
 @requires_native
 def test_native_kernels_survive_a_malformed_plan():
     # Garbage plan entries must never read or write out of bounds (the values are unspecified).
