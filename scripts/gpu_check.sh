@@ -7,7 +7,8 @@
 #      training step (scripts/bench_train.py --device cuda: fp32 NCHW vs channels_last / bf16),
 #   4. trains the embedded experiment on the GPU for a few hundred steps (bf16-mixed) on a small
 #      synthetic set and checks that the training loss went down,
-# then writes benchmarks/results/gpu_<device>.json and gpu_<device>.md (a short summary).
+# and after each stage writes benchmarks/results/gpu_<device>.json and gpu_<device>.md (a short
+# summary; scripts/gpu_check_report.py), so that a check cut short keeps what it finished.
 #
 # Needs: python with torch (CUDA build), lightning, pytest, hypothesis, ninja, nvcc; for step 4
 # also hydra-core, omegaconf, antlr4-python3-runtime and nuscenes-devkit (+ pyquaternion,
@@ -51,8 +52,23 @@ logged() {  # logged NAME command...: run it, keep its output in $LOGS/NAME.log;
 }
 FAILED=""
 stage_start() { STAGE_T0=$(date +%s); }
-stage_end() { TIMES="$TIMES\"$1\": $(( $(date +%s) - STAGE_T0 )), "; }
+stage_end() {  # stage_end NAME: its time, then the report with the stages still to run
+  TIMES="$TIMES\"$1\": $(( $(date +%s) - STAGE_T0 )), "
+  PENDING=$(echo " $PENDING " | sed "s/ $1 / /; s/^ *//; s/ *$//")
+  report "$PENDING"
+}
 TIMES=""
+PENDING="build tests"
+[ "$SKIP_BENCH" = 1 ] || PENDING="$PENDING bench"
+[ "$SKIP_TRAIN" = 1 ] || PENDING="$PENDING train"
+# The report (scripts/gpu_check_report.py) after every stage: a check cut short keeps what it finished.
+report() {  # report STAGES_STILL_TO_RUN
+  [ "$DRY_RUN" = 0 ] || return 0
+  REPORT_RC=0
+  "$PY" scripts/gpu_check_report.py --device "$DEVICE" --work "$WORK" --results "$RESULTS" --times "{${TIMES%, }}" \
+    --failed "$FAILED" --pending "$1" > "$LOGS/report.log" 2>&1 || REPORT_RC=$?
+}
+REPORT_RC=0
 
 # ------------------------------------------------------------------------------ machine checks
 say "machine"
@@ -180,84 +196,5 @@ fi
 # ------------------------------------------------------------------------------ report
 [ "$DRY_RUN" = 0 ] || { say "dry run done: nothing was built, tested or measured"; exit 0; }
 say "report"
-"$PY" - "$DEVICE" "$LOGS/tests.xml" "$BENCH_JSON" "$TRAIN_RUN" "$RESULTS" "{${TIMES%, }}" "$FAILED" "$TRAIN_BENCH_JSON" <<'EOF'
-import csv, json, os, statistics, sys, time
-import xml.etree.ElementTree as ET
-from pathlib import Path
-import torch
-
-device, junit, bench_json, train_run, results, times, failed, train_bench_json = sys.argv[1:]
-report = dict(device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
-              torch=torch.__version__, cuda=torch.version.cuda, date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-              stage_seconds=json.loads(times))
-report["failed_stages"] = failed.split()
-ok = not failed.split()
-lines = [f"# GPU check on {report['device']} (sm_{''.join(map(str, report['capability']))}), torch {report['torch']}", ""]
-for key, xml in (("tests", junit), ("tests_emulated", junit.replace("tests.xml", "tests_emulated.xml"))):
-    if Path(xml).exists():
-        suite = ET.parse(xml).getroot()
-        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-        report[key] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    else:  # pytest died before writing its report (a crash: see the log)
-        report[key] = "no report: the pytest process crashed or did not run"
-    lines.append(f"{key}: {report[key]}")
-def write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)  # atomic
-
-
-if Path(bench_json).exists():
-    bench = json.loads(Path(bench_json).read_text())
-    kept = Path(results) / f"bench_pool_cuda_{device}.json"
-    write(kept, Path(bench_json).read_text())
-    report["bench"] = {"file": os.path.relpath(kept), "targets": bench["targets"], "headline": []}
-    for r in bench["results"]:
-        for row in r["rows"]:
-            if row["method"].startswith(("native bev_pool", "materialise+native", "bevfusion")):
-                item = {k: row.get(k) for k in ("method", "forward_ms", "fwd_bwd_ms", "forward_gb_per_s",
-                                                "forward_fraction_of_peak", "fwd_bwd_peak_mb")}
-                report["bench"]["headline"].append(dict(size=r["size"], dtype=r.get("dtype"), **item))
-    fmt = lambda v, s: "-" if v is None else format(v, s)
-    lines += ["", "| size | dtype | method | fwd ms | fwd+bwd ms | GB/s | % of peak |", "|---|---|---|---:|---:|---:|---:|"]
-    for h in report["bench"]["headline"]:
-        frac = h["forward_fraction_of_peak"]
-        lines.append(f"| {h['size']} | {h['dtype']} | {h['method']} | {fmt(h['forward_ms'], '.3f')} | "
-                     f"{fmt(h['fwd_bwd_ms'], '.3f')} | {fmt(h['forward_gb_per_s'], '.0f')} | {fmt(frac and 100 * frac, '.0f')} |")
-    lines += [f"[{'MET' if c['met'] else 'MISSED'}] {c['target']}: {c['ratio']:.2f}x" for c in bench["targets"]]
-if Path(train_bench_json).exists():
-    tb = json.loads(Path(train_bench_json).read_text())
-    kept = Path(results) / f"bench_train_cuda_{device}.json"
-    write(kept, Path(train_bench_json).read_text())
-    report["bench_train"] = {"file": os.path.relpath(kept), "configs": {}}
-    lines += ["", "| training step | variant | step ms | vs fp32 |", "|---|---|---:|---:|"]
-    for key, c in tb["configs"].items():
-        rows = {name: {k: v.get(k) for k in ("step_s", "speedup_vs_fp32", "error")} for name, v in c["variants"].items()}
-        report["bench_train"]["configs"][key] = rows
-        for name, v in rows.items():
-            cell = f"{1e3 * v['step_s']:.1f} | {v['speedup_vs_fp32']}x" if v["step_s"] else f"failed: {v['error']} |"
-            lines.append(f"| {key} (batch {c['batch_size']}) | {name} | {cell} |")
-metrics = sorted(Path(train_run).glob("csv/version_*/metrics.csv"))
-if metrics:
-    with open(metrics[-1]) as f:
-        losses = [(int(r["step"]), float(r["train/loss_step"])) for r in csv.DictReader(f) if r.get("train/loss_step")]
-    k = max(1, len(losses) // 5)
-    first, last = statistics.mean(l for _, l in losses[:k]), statistics.mean(l for _, l in losses[-k:])
-    report["train"] = dict(run=os.path.relpath(train_run), steps=losses[-1][0] + 1 if losses else 0, logged=len(losses),
-                           loss_first_fifth=first, loss_last_fifth=last, loss_went_down=last < first)
-    run_metrics = Path(train_run) / "metrics.json"
-    if run_metrics.exists():
-        report["train"]["val_iou_best"] = json.loads(run_metrics.read_text())["metrics"].get("val/iou_best")
-    ok = ok and last < first
-    lines += ["", f"training: {report['train']['steps']} steps, mean train/loss {first:.4f} (first fifth of the logged steps) "
-                  f"-> {last:.4f} (last fifth): {'went down' if last < first else 'DID NOT go down'}"]
-report["ok"] = ok
-lines += ["", f"stage seconds: {report['stage_seconds']}",
-          f"overall: {'OK' if ok else 'FAILED'}" + (f" (failed stages: {failed.strip()}; logs in the work dir)" if failed.strip() else "")]
-out = Path(results) / f"gpu_{device}.json"
-write(out, json.dumps(report, indent=2) + "\n")
-write(out.with_suffix(".md"), "\n".join(lines) + "\n")
-print("\n".join(lines))
-print(f"wrote {out} and {out.with_suffix('.md')}")
-sys.exit(0 if ok else 1)
-EOF
+cat "$LOGS/report.log"
+exit "$REPORT_RC"

@@ -1,0 +1,145 @@
+#!/usr/bin/env python
+"""The report of scripts/gpu_check.sh: benchmarks/results/gpu_<device>.json and .md.
+
+gpu_check.sh runs it after every stage, with the stages still to come in --pending, so that a
+check cut short (a machine's time limit) still leaves the report of what it finished. Reads the
+work dir's junit files, benchmark JSON (copied to benchmarks/results/ under the device's name)
+and the training run's metrics. Exits 1 unless every stage ran, none failed and the training
+loss went down.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+def write(path: Path, text: str) -> None:
+    """Write text atomically (a temporary file in the same folder, then a rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def junit_counts(xml: Path) -> dict | str:
+    """tests / failures / errors / skipped of a junit file, or why there is none."""
+    if not xml.exists():  # pytest died before writing it (a crash: see the log), or did not run
+        return "no report: the pytest process crashed or did not run"
+    suite = ET.parse(xml).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+
+
+def pool_section(bench: dict, kept: Path) -> tuple[dict, list[str]]:
+    """The op benchmark's targets and headline rows (native, materialised, BEVFusion-style)."""
+    section = {"file": os.path.relpath(kept), "targets": bench["targets"], "headline": []}
+    for r in bench["results"]:
+        for row in r["rows"]:
+            if row["method"].startswith(("native bev_pool", "materialise+native", "bevfusion")):
+                item = {k: row.get(k) for k in ("method", "forward_ms", "fwd_bwd_ms", "forward_gb_per_s",
+                                                "forward_fraction_of_peak", "fwd_bwd_peak_mb")}
+                section["headline"].append(dict(size=r["size"], dtype=r.get("dtype"), **item))
+    lines = ["", "| size | dtype | method | fwd ms | fwd+bwd ms | GB/s | % of peak |", "|---|---|---|---:|---:|---:|---:|"]
+    for h in section["headline"]:
+        frac = h["forward_fraction_of_peak"]
+        lines.append(f"| {h['size']} | {h['dtype']} | {h['method']} | {fmt(h['forward_ms'], '.3f')} | "
+                     f"{fmt(h['fwd_bwd_ms'], '.3f')} | {fmt(h['forward_gb_per_s'], '.0f')} | {fmt(frac and 100 * frac, '.0f')} |")
+    lines += [f"[{'MET' if c['met'] else 'MISSED'}] {c['target']}: {c['ratio']:.2f}x" for c in bench["targets"]]
+    return section, lines
+
+
+def train_bench_section(tb: dict, kept: Path) -> tuple[dict, list[str]]:
+    """Each config's training-step variants: median step and speed-up over fp32."""
+    section = {"file": os.path.relpath(kept), "configs": {}}
+    lines = ["", "| training step | variant | step ms | vs fp32 |", "|---|---|---:|---:|"]
+    for key, c in tb["configs"].items():
+        rows = {name: {k: v.get(k) for k in ("step_s", "speedup_vs_fp32", "error")} for name, v in c["variants"].items()}
+        section["configs"][key] = rows
+        for name, v in rows.items():
+            cell = f"{1e3 * v['step_s']:.1f} | {v['speedup_vs_fp32']}x" if v["step_s"] else f"failed: {v['error']} |"
+            lines.append(f"| {key} (batch {c['batch_size']}) | {name} | {cell} |")
+    return section, lines
+
+
+def train_section(train_run: Path) -> tuple[dict | None, list[str]]:
+    """Steps, mean loss of the first and last fifth of the logged steps, best val IoU; None without a log."""
+    metrics = sorted(train_run.glob("csv/version_*/metrics.csv"))
+    if not metrics:
+        return None, []
+    with open(metrics[-1]) as f:
+        losses = [(int(r["step"]), float(r["train/loss_step"])) for r in csv.DictReader(f) if r.get("train/loss_step")]
+    if not losses:
+        return None, []
+    k = max(1, len(losses) // 5)
+    first, last = statistics.mean(l for _, l in losses[:k]), statistics.mean(l for _, l in losses[-k:])
+    section = dict(run=os.path.relpath(train_run), steps=losses[-1][0] + 1, logged=len(losses),
+                   loss_first_fifth=first, loss_last_fifth=last, loss_went_down=last < first)
+    run_metrics = train_run / "metrics.json"
+    if run_metrics.exists():
+        section["val_iou_best"] = json.loads(run_metrics.read_text())["metrics"].get("val/iou_best")
+    return section, ["", f"training: {section['steps']} steps, mean train/loss {first:.4f} (first fifth of the logged "
+                         f"steps) -> {last:.4f} (last fifth): {'went down' if last < first else 'DID NOT go down'}"]
+
+
+def benchmark_sections(a, report: dict, results: Path) -> list[str]:
+    """The op and training-step benchmarks that exist, kept under the device's name."""
+    lines = []
+    for key, name, build in (("bench", "bench_pool_cuda", pool_section), ("bench_train", "bench_train_cuda", train_bench_section)):
+        src = a.work / f"{name}.json"
+        if src.exists():
+            kept = results / f"{name}_{a.device}.json"
+            write(kept, src.read_text())
+            report[key], more = build(json.loads(src.read_text()), kept)
+            lines += more
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", required=True, help="the device's name as a file-name slug")
+    p.add_argument("--work", type=Path, required=True, help="gpu_check's work dir (logs/, benchmark JSON, train/)")
+    p.add_argument("--results", type=Path, required=True)
+    p.add_argument("--times", default="{}", help="JSON: seconds per finished stage")
+    p.add_argument("--failed", default="", help="failed stages, space-separated")
+    p.add_argument("--pending", default="", help="stages not run yet, space-separated")
+    a = p.parse_args(argv)
+    import torch
+
+    failed, pending = a.failed.split(), a.pending.split()
+    report = dict(device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+                  torch=torch.__version__, cuda=torch.version.cuda, date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                  stage_seconds=json.loads(a.times), failed_stages=failed, pending_stages=pending)
+    lines = [f"# GPU check on {report['device']} (sm_{''.join(map(str, report['capability']))}), torch {report['torch']}", ""]
+    for key in ("tests", "tests_emulated"):
+        if (a.work / "logs" / f"{key}.log").exists():
+            report[key] = junit_counts(a.work / "logs" / f"{key}.xml")
+            lines.append(f"{key}: {report[key]}")
+    lines += benchmark_sections(a, report, a.results)
+    report["train"], more = train_section(a.work / "train")
+    lines += more
+    went_down = report["train"] is None or report["train"]["loss_went_down"]  # None: skipped (or failed, in `failed`)
+    ok = report["ok"] = not failed and not pending and went_down
+    lines += ["", f"stage seconds: {report['stage_seconds']}",
+              f"overall: {'OK' if ok else 'NOT DONE' if pending and not failed else 'FAILED'}"
+              + (f" (failed stages: {' '.join(failed)}; logs in the work dir)" if failed else "")
+              + (f" (still to run: {' '.join(pending)})" if pending else "")]
+    out = a.results / f"gpu_{a.device}.json"
+    write(out, json.dumps(report, indent=2) + "\n")
+    write(out.with_suffix(".md"), "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

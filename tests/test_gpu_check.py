@@ -1,0 +1,78 @@
+"""scripts/gpu_check.sh without a GPU: its dry run, and its report from a work dir's outputs."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+import gpu_check_report  # noqa: E402
+
+
+def test_gpu_check_dry_run_composes_its_training_stage(tmp_path):
+    # The dry run composes the GPU training stage's overrides, so a stale one fails here (a removed
+    # trainer.max_time once reached the GPU machine before it failed).
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_DIR": str(tmp_path)}
+    r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run"], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0 and "dry run done" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "bev.train experiment=synthetic_cpu trainer=gpu" in r.stdout
+
+
+def _work_dir(tmp_path: Path, losses: list[float]) -> Path:
+    """A gpu_check work dir as the stages leave it: junit files, both benchmarks' JSON, a training log."""
+    work = tmp_path / "work"
+    (work / "logs").mkdir(parents=True)
+    for name, failures in (("tests", 0), ("tests_emulated", 1)):
+        (work / "logs" / f"{name}.log").write_text("")
+        (work / "logs" / f"{name}.xml").write_text(
+            f'<testsuites><testsuite tests="5" failures="{failures}" errors="0" skipped="1"/></testsuites>')
+    row = dict(method="native bev_pool", forward_ms=0.2, fwd_bwd_ms=0.3, forward_gb_per_s=100.0,
+               forward_fraction_of_peak=0.02, fwd_bwd_peak_mb=80.0)
+    (work / "bench_pool_cuda.json").write_text(json.dumps({
+        "results": [{"size": "lss", "dtype": "float32", "rows": [row, dict(row, method="index_add_")]}],
+        "targets": [{"target": "fused faster", "ratio": 1.3, "met": True}]}))
+    (work / "bench_train_cuda.json").write_text(json.dumps({"configs": {"paper": {"batch_size": 4, "variants": {
+        "fp32": {"step_s": 0.05, "speedup_vs_fp32": 1.0}, "bf16": {"error": "RuntimeError: x"}}}}}))
+    run = work / "train" / "csv" / "version_0"
+    run.mkdir(parents=True)
+    (run / "metrics.csv").write_text("step,train/loss_step\n" + "".join(f"{i},{l}\n" for i, l in enumerate(losses)))
+    return work
+
+
+def _report(tmp_path, monkeypatch, work, *args):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Some GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    results = tmp_path / "results"
+    results.mkdir(exist_ok=True)
+    rc = gpu_check_report.main(["--device", "some_gpu", "--work", str(work), "--results", str(results), *args])
+    return rc, json.loads((results / "gpu_some_gpu.json").read_text()), (results / "gpu_some_gpu.md").read_text()
+
+
+def test_report_of_a_finished_check(tmp_path, monkeypatch):
+    work = _work_dir(tmp_path, [1.0, 0.9, 0.8, 0.7, 0.6])
+    rc, report, md = _report(tmp_path, monkeypatch, work, "--times", '{"build": 36}')
+    assert rc == 0 and report["ok"] and report["pending_stages"] == []
+    assert report["tests"]["tests"] == 5 and report["tests_emulated"]["failures"] == 1
+    assert report["bench"]["headline"][0]["method"] == "native bev_pool"  # index_add_ is not a headline row
+    assert report["bench_train"]["configs"]["paper"]["bf16"]["error"] == "RuntimeError: x"
+    assert report["train"]["steps"] == 5 and report["train"]["loss_went_down"]
+    assert (tmp_path / "results" / "bench_pool_cuda_some_gpu.json").exists()
+    assert "| paper (batch 4) | fp32 | 50.0 | 1.0x |" in md and "overall: OK" in md
+
+
+def test_report_of_a_check_cut_short_or_failing(tmp_path, monkeypatch):
+    work = _work_dir(tmp_path, [0.5, 0.6, 0.7, 0.8, 0.9])
+    (work / "logs" / "tests_emulated.xml").unlink()  # the pytest process crashed
+    rc, report, md = _report(tmp_path, monkeypatch, work, "--pending", "train")
+    assert rc == 1 and not report["ok"] and report["pending_stages"] == ["train"]
+    assert report["tests_emulated"].startswith("no report")
+    assert "NOT DONE (still to run: train)" in md
+    rc, report, md = _report(tmp_path, monkeypatch, work, "--failed", "bench")
+    assert rc == 1 and "FAILED (failed stages: bench" in md
+    rc, report, md = _report(tmp_path, monkeypatch, work)
+    assert rc == 1 and not report["train"]["loss_went_down"] and "DID NOT go down" in md
