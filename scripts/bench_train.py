@@ -259,11 +259,12 @@ def variant_record(v: Variant, batch_size: int, base: float | None) -> dict:
     return rec
 
 
-def bench_config(key: str, variants: list[str], steps: int, warmup: int, progress) -> dict:
-    """Every variant of one config on the same batch: the config's shape and each variant's record."""
+def bench_config(key: str, variants: list[str], steps: int, warmup: int, progress, extra: list[str] = ()) -> dict:
+    """Every variant of one config (plus `extra` overrides) on the same batch: its shape and each variant's record."""
     import torch
 
-    cfg = compose_config(CONFIGS[key])
+    overrides = [*CONFIGS[key], *extra]
+    cfg = compose_config(overrides)
     batch = {k: v.to(DEVICE) for k, v in real_rig_batch(cfg, int(cfg.data.batch_size)).items()}
     runs = []
     for name in variants:
@@ -273,7 +274,7 @@ def bench_config(key: str, variants: list[str], steps: int, warmup: int, progres
     fp32 = [v for v in runs if v.name == "fp32" and v.error is None]
     base = median(fp32[0].times) if fp32 else None  # no fp32 run (--variants): no speed-up to report
     out = {
-        "overrides": CONFIGS[key],
+        "overrides": overrides,
         "batch_size": int(cfg.data.batch_size),
         "final_dim": list(cfg.data.final_dim),
         "grid": {k: list(cfg.grid[k]) for k in ("xbound", "ybound", "zbound", "dbound")},
@@ -350,6 +351,8 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps per variant (the first compiles)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="include the torch.compile variants")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="instead of the configs' batch size (4): e.g. to see when a GPU stops being launch-bound")
     p.add_argument("--quick", action="store_true", help="2 measured steps, 1 warm-up, no compiled variants")
     p.add_argument("--loader", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the embedded config's data loader")
@@ -382,7 +385,8 @@ def bench_configs(a, variants: dict[str, list[str]]) -> dict:
     configs = {}
     with tqdm(total=sum(len(v) + a.steps for v in variants.values()), desc="bench_train", file=sys.stderr) as bar:
         for key in a.configs:
-            configs[key] = bench_config(key, variants[key], a.steps, a.warmup, bar)
+            extra = [f"data.batch_size={a.batch_size}"] if a.batch_size else []
+            configs[key] = bench_config(key, variants[key], a.steps, a.warmup, bar, extra)
             skipped = {v: "--no-compile" if VARIANTS[v][2] and not a.compile else "no native bf16 on this CPU"
                        for v in VARIANTS if v not in variants[key] and a.variants is None}
             if skipped:
