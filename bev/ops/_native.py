@@ -42,7 +42,29 @@ def unavailable_reason(device: torch.device | str) -> str:
     return f"the native extension was built without kernels for {torch.device(device).type} devices"
 
 
-def _register() -> None:
+# Autograd of the two public operators: the backward is its own native operator.
+def _voxel_sum_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[1:4])  # keys, order, offsets
+
+
+def _voxel_sum_grad(ctx, grad_out):
+    keys, order, offsets = ctx.saved_tensors
+    return torch.ops.bev._voxel_sum_backward(grad_out, keys, order, offsets), None, None, None, None
+
+
+def _bev_pool_setup(ctx, inputs, output):
+    depth, feats, keys, _, offsets = inputs[:5]
+    ctx.save_for_backward(depth, feats, keys, offsets)
+
+
+def _bev_pool_grad(ctx, grad_out):
+    depth, feats, keys, offsets = ctx.saved_tensors
+    grad_depth, grad_feats = torch.ops.bev._bev_pool_backward(grad_out, depth, feats, keys, offsets)
+    return grad_depth, grad_feats, None, None, None, None
+
+
+def _register_fakes() -> None:
+    """Output shapes without computing them (torch.compile, export, meta tensors)."""
     @torch.library.register_fake("bev::_voxel_keys")
     def _voxel_keys_fake(coords, grid_shape, batch_column):
         n = coords.shape[0] if batch_column else coords.numel() // 3
@@ -70,25 +92,11 @@ def _register() -> None:
     def _bev_pool_backward_fake(grad_out, depth, feats, keys, offsets):
         return torch.empty_like(depth), torch.empty_like(feats)
 
-    def _voxel_sum_setup(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[1:4])  # keys, order, offsets
 
-    def _voxel_sum_grad(ctx, grad_out):
-        keys, order, offsets = ctx.saved_tensors
-        return torch.ops.bev._voxel_sum_backward(grad_out, keys, order, offsets), None, None, None, None
-
-    def _bev_pool_setup(ctx, inputs, output):
-        depth, feats, keys, _, offsets = inputs[:5]
-        ctx.save_for_backward(depth, feats, keys, offsets)
-
-    def _bev_pool_grad(ctx, grad_out):
-        depth, feats, keys, offsets = ctx.saved_tensors
-        grad_depth, grad_feats = torch.ops.bev._bev_pool_backward(grad_out, depth, feats, keys, offsets)
-        return grad_depth, grad_feats, None, None, None, None
-
+def _register() -> None:
+    _register_fakes()
     torch.library.register_autograd("bev::voxel_sum", _voxel_sum_grad, setup_context=_voxel_sum_setup)
     torch.library.register_autograd("bev::bev_pool", _bev_pool_grad, setup_context=_bev_pool_setup)
-
 
 if _C is not None:
     try:
