@@ -4,7 +4,8 @@
 #   2. runs the CUDA tests (tests/test_ops_cuda.py) and the emulated ones (tests/test_ops_cuda_emulated.py),
 #   3. runs the GPU benchmarks: the op (scripts/bench_pool.py --device cuda: bandwidth vs the
 #      device's peak, the BEVFusion-style baseline, fused vs materialised, fp32/fp16/bf16) and the
-#      training step (scripts/bench_train.py --device cuda: fp32 NCHW vs channels_last / bf16),
+#      training step at the LSS paper config (scripts/bench_train.py --device cuda: fp32 NCHW vs
+#      channels_last / bf16, at the paper's batch 4, where an H200 was launch-bound, and at 16),
 #   4. trains the embedded experiment on the GPU for a few hundred steps (bf16-mixed) on a small
 #      synthetic set and checks that the training loss went down,
 # and after each stage writes benchmarks/results/gpu_<device>.json and gpu_<device>.md (a short
@@ -137,7 +138,7 @@ echo "device $DEVICE (sm_${ARCH/./}), torch $TORCH_VERSION (CUDA $TORCH_CUDA), n
 LOGS=$WORK/logs
 mkdir -p "$LOGS" "$RESULTS"
 # This script's own outputs of an earlier run, so that a failed stage cannot report stale results.
-[ "$DRY_RUN" = 1 ] || rm -rf "$LOGS"/* "$WORK/bench_pool_cuda.json" "$WORK/bench_train_cuda.json" "$WORK/train"
+[ "$DRY_RUN" = 1 ] || rm -rf "$LOGS"/* "$WORK/bench_pool_cuda.json" "$WORK"/bench_train_cuda*.json "$WORK/train"
 
 # ------------------------------------------------------------------------------ 1. build
 say "1. build for sm_${ARCH/./}"
@@ -169,7 +170,10 @@ if [ "$SKIP_BENCH" = 0 ]; then
   say "3. benchmark"
   stage_start
   logged bench "$PY" scripts/bench_pool.py --device cuda --out "$BENCH_JSON"
-  logged bench_train "$PY" scripts/bench_train.py --device cuda --no-compile --steps 10 --warmup 3 --out "$TRAIN_BENCH_JSON"
+  logged bench_train "$PY" scripts/bench_train.py --device cuda --configs paper --no-compile --steps 10 --warmup 3 \
+    --out "$TRAIN_BENCH_JSON"
+  logged bench_train_b16 "$PY" scripts/bench_train.py --device cuda --configs paper --batch-size 16 --steps 10 --warmup 3 \
+    --variants fp32 channels_last channels_last+bf16 --out "${TRAIN_BENCH_JSON%.json}_b16.json"
   stage_end bench
 fi
 

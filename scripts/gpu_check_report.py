@@ -91,10 +91,15 @@ def train_section(train_run: Path) -> tuple[dict | None, list[str]]:
                          f"steps) -> {last:.4f} (last fifth): {'went down' if last < first else 'DID NOT go down'}"]
 
 
+# work-dir file -> (report key, section builder); bench_train_cuda_b16 is the paper config at batch 16.
+BENCHMARKS = {"bench_pool_cuda": ("bench", pool_section), "bench_train_cuda": ("bench_train", train_bench_section),
+              "bench_train_cuda_b16": ("bench_train_b16", train_bench_section)}
+
+
 def benchmark_sections(a, report: dict, results: Path) -> list[str]:
-    """The op and training-step benchmarks that exist, kept under the device's name."""
+    """The benchmarks that exist, kept under the device's name."""
     lines = []
-    for key, name, build in (("bench", "bench_pool_cuda", pool_section), ("bench_train", "bench_train_cuda", train_bench_section)):
+    for name, (key, build) in BENCHMARKS.items():
         src = a.work / f"{name}.json"
         if src.exists():
             kept = results / f"{name}_{a.device}.json"
