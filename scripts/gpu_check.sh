@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command that proves bev.ops on a GPU machine (`make gpu-check`), in about 10 minutes:
 #   1. builds the extension in place for this device (TORCH_CUDA_ARCH_LIST from its capability),
-#   2. runs the CUDA tests (tests/test_ops_cuda.py) and the emulated ones (tests/test_ops_cuda_emulated.py),
+#   2. runs the CUDA tests (tests/test_ops_cuda.py), the emulated ones (tests/test_ops_cuda_emulated.py)
+#      and the native kernels' value tests under compute-sanitizer memcheck,
 #   3. runs the GPU benchmarks: the op (scripts/bench_pool.py --device cuda: bandwidth vs the
 #      device's peak, the BEVFusion-style baseline, fused vs materialised, fp32/fp16/bf16) and the
 #      training step at the LSS paper config (scripts/bench_train.py --device cuda: fp32 NCHW vs
@@ -161,6 +162,15 @@ stage_start
 logged tests "$PY" -X faulthandler -m pytest -q -p no:cacheprovider -m cuda tests/test_ops_cuda.py --junitxml="$LOGS/tests.xml"
 logged tests_emulated "$PY" -X faulthandler -m pytest -q -p no:cacheprovider -m cuda_emulated tests/test_ops_cuda_emulated.py \
   --junitxml="$LOGS/tests_emulated.xml"
+# Out-of-bounds and misaligned accesses that a value check can miss: the native kernels' value tests
+# (fp32 and bf16) under compute-sanitizer's memcheck, where the toolkit has it (~40 s on an H200).
+SANITIZER=$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")
+if [ -x "$SANITIZER" ] || [ "$DRY_RUN" = 1 ]; then
+  logged memcheck "$SANITIZER" --tool memcheck --error-exitcode 9 "$PY" -m pytest -q -p no:cacheprovider -m cuda \
+    tests/test_ops_cuda.py -k "(native and (float32 or bfloat16)) or (adversarial and native)"
+else
+  echo "no compute-sanitizer in $CUDA_HOME/bin: memcheck skipped"
+fi
 stage_end tests
 
 # ------------------------------------------------------------------------------ 3. benchmark
