@@ -16,9 +16,9 @@ reported separately). The eager variants also get a per-part breakdown (camera e
 geometry, splat, BEV encoder, loss, backward, optimiser). On --device cuda the forward is not
 split (a clock inside it would wait for the GPU and serialise the host's launches with the
 GPU's work, the very overlap that decides a GPU step), and cuDNN autotuning is on as in
-trainer=gpu. With --loader it also times the
-configured data loader on a small synthetic set (scripts/bench_loader.py) to compare its
-samples/s with the model's. Writes JSON to --out atomically.
+trainer=gpu. With --loader it also times the configured data loader on a small synthetic set
+(scripts/bench_loader.py) to compare its samples/s with the model's. --batch-size replaces the
+configs' batch size. Writes JSON to --out atomically.
 """
 from __future__ import annotations
 

@@ -19,12 +19,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-
-def write(path: Path, text: str) -> None:
-    """Write text atomically (a temporary file in the same folder, then a rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bev.utils.io import atomic_write as write  # noqa: E402
 
 
 def fmt(v, spec: str) -> str:
