@@ -352,7 +352,7 @@ def parse_args(argv):
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="include the torch.compile variants")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=None,
-                   help="instead of the configs' batch size (4): e.g. to see when a GPU stops being launch-bound")
+                   help="instead of the configs' batch size (4): e.g. to see where bf16 starts to pay on a GPU")
     p.add_argument("--quick", action="store_true", help="2 measured steps, 1 warm-up, no compiled variants")
     p.add_argument("--loader", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the embedded config's data loader")

@@ -6,7 +6,7 @@
 #   3. runs the GPU benchmarks: the op (scripts/bench_pool.py --device cuda: bandwidth vs the
 #      device's peak, the BEVFusion-style baseline, fused vs materialised, fp32/fp16/bf16) and the
 #      training step at the LSS paper config (scripts/bench_train.py --device cuda: fp32 NCHW vs
-#      channels_last / bf16, at the paper's batch 4, where an H200 was launch-bound, and at 16),
+#      channels_last / bf16, at the paper's batch 4, where bf16 did not pay on an H200, and at 16),
 #   4. trains the embedded experiment on the GPU for a few hundred steps (bf16-mixed) on a small
 #      synthetic set and checks that the training loss went down,
 # and after each stage writes benchmarks/results/gpu_<device>.json and gpu_<device>.md (a short
