@@ -23,7 +23,7 @@ BUILD_ENV = CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST="$(TORCH_CUDA_ARCH_LIST)
 	CPATH="$$($(PY) -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cu13", "include"))' 2>/dev/null):$$CPATH"
 endif
 
-.PHONY: venv build train test test-all bench gpu-check clean
+.PHONY: venv build train test test-all bench gpu-check gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -81,6 +81,17 @@ bench: venv
 # training run; writes benchmarks/results/gpu_<device>.json (see scripts/gpu_check.sh).
 gpu-check:
 	PYTHON=$(PYTHON) bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
+
+# For a GPU machine with no package index: download here the wheels gpu-check's training stage
+# needs beyond a CUDA torch image (seen missing on the lent H200 image), into .whl/ (git-ignored),
+# which gpu_check.sh installs privately. GPU_PYTHON is the GPU machine's Python version.
+GPU_PYTHON ?= 3.12
+GPU_WHEELS := hydra-core==1.3.8 omegaconf==2.3.1 nuscenes-devkit==1.2.0 pyquaternion==0.9.9 \
+	shapely==2.0.7 descartes==1.1.0 cachetools==5.5.2
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
+	$(PYTHON) -m pip wheel -q --no-deps antlr4-python3-runtime==4.9.3 -w .whl  # published as a source archive only
 
 clean:
 	rm -rf build *.egg-info bev/ops/_C*.so

@@ -14,7 +14,8 @@
 #
 # Needs: python with torch (CUDA build), lightning, pytest, hypothesis, ninja, nvcc; for step 4
 # also hydra-core, omegaconf, antlr4-python3-runtime and nuscenes-devkit (+ pyquaternion,
-# shapely, descartes, ...). Where those cannot be installed, carry them as wheels in .whl/: they
+# shapely, descartes, ...). Where those cannot be installed, carry them as wheels in .whl/ (`make
+# gpu-wheels` downloads them on a machine with an index): they
 # are installed with `pip install --no-index --no-deps --target` into a private directory.
 #
 # Usage: scripts/gpu_check.sh [--dry-run] [--steps N] [--skip-train] [--skip-bench]
@@ -100,7 +101,7 @@ EOF
 TRAIN_NEEDS="hydra-core omegaconf antlr4-python3-runtime nuscenes-devkit pyquaternion shapely descartes pillow matplotlib tqdm"
 if [ -n "$MISSING" ]; then
   echo "missing Python packages: $MISSING"
-  echo "  fix: pip install them, or carry wheels: put them in .whl/ (pip download --no-deps --only-binary=:all: ...)"
+  echo "  fix: pip install them, or carry wheels in .whl/ (make gpu-wheels, on a machine with a package index)"
   for pkg in lightning pytest hypothesis ninja; do
     case " $MISSING " in *" $pkg "*) [ "$DRY_RUN" = 1 ] || die "$pkg is required for the tests and the build" ;; esac
   done
