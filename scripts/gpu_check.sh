@@ -35,7 +35,7 @@ while [ $# -gt 0 ]; do
     --steps) STEPS=$2; shift ;;
     --skip-train) SKIP_TRAIN=1 ;;
     --skip-bench) SKIP_BENCH=1 ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ {print; next} NR > 1 {exit}' "$0"; exit 0 ;;  # the header above
     *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
