@@ -125,6 +125,9 @@ def main(argv=None) -> int:
         if (a.work / "logs" / f"{key}.log").exists():
             report[key] = junit_counts(a.work / "logs" / f"{key}.xml")
             lines.append(f"{key}: {report[key]}")
+    if (a.work / "logs" / "memcheck.log").exists():  # compute-sanitizer exits non-zero on any error it finds
+        report["memcheck"] = "failed: see logs/memcheck.log" if "memcheck" in failed else "no errors, tests passed"
+        lines.append(f"memcheck: {report['memcheck']}")
     lines += benchmark_sections(a, report, a.results)
     report["train"], more = train_section(a.work / "train")
     lines += more

@@ -27,6 +27,7 @@ def _work_dir(tmp_path: Path, losses: list[float]) -> Path:
     """A gpu_check work dir as the stages leave it: junit files, both benchmarks' JSON, a training log."""
     work = tmp_path / "work"
     (work / "logs").mkdir(parents=True)
+    (work / "logs" / "memcheck.log").write_text("")
     for name, failures in (("tests", 0), ("tests_emulated", 1)):
         (work / "logs" / f"{name}.log").write_text("")
         (work / "logs" / f"{name}.xml").write_text(
@@ -60,6 +61,7 @@ def test_report_of_a_finished_check(tmp_path, monkeypatch):
     rc, report, md = _report(tmp_path, monkeypatch, work, "--times", '{"build": 36}')
     assert rc == 0 and report["ok"] and report["pending_stages"] == []
     assert report["tests"]["tests"] == 5 and report["tests_emulated"]["failures"] == 1
+    assert report["memcheck"] == "no errors, tests passed"
     assert report["bench"]["headline"][0]["method"] == "native bev_pool"  # index_add_ is not a headline row
     assert report["bench_train"]["configs"]["paper"]["bf16"]["error"] == "RuntimeError: x"
     assert report["train"]["steps"] == 5 and report["train"]["loss_went_down"]
@@ -76,7 +78,7 @@ def test_report_of_a_check_cut_short_or_failing(tmp_path, monkeypatch):
     assert rc == 1 and not report["ok"] and report["pending_stages"] == ["train"]
     assert report["tests_emulated"].startswith("no report")
     assert "NOT DONE (still to run: train)" in md
-    rc, report, md = _report(tmp_path, monkeypatch, work, "--failed", "bench")
-    assert rc == 1 and "FAILED (failed stages: bench" in md
+    rc, report, md = _report(tmp_path, monkeypatch, work, "--failed", "bench memcheck")
+    assert rc == 1 and "FAILED (failed stages: bench memcheck" in md and report["memcheck"].startswith("failed")
     rc, report, md = _report(tmp_path, monkeypatch, work)
     assert rc == 1 and not report["train"]["loss_went_down"] and "DID NOT go down" in md
