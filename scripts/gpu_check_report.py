@@ -105,7 +105,7 @@ def benchmark_sections(a, report: dict, results: Path) -> list[str]:
     return lines
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", required=True, help="the device's name as a file-name slug")
     p.add_argument("--work", type=Path, required=True, help="gpu_check's work dir (logs/, benchmark JSON, train/)")
@@ -113,7 +113,12 @@ def main(argv=None) -> int:
     p.add_argument("--times", default="{}", help="JSON: seconds per finished stage")
     p.add_argument("--failed", default="", help="failed stages, space-separated")
     p.add_argument("--pending", default="", help="stages not run yet, space-separated")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """Write the report of the work dir's stages; 0 if the check is complete and passed."""
+    a = parse_args(argv)
     import torch
 
     failed, pending = a.failed.split(), a.pending.split()
