@@ -98,9 +98,9 @@ def benchmark_sections(a, report: dict, results: Path) -> list[str]:
     for name, (key, build) in BENCHMARKS.items():
         src = a.work / f"{name}.json"
         if src.exists():
-            kept = results / f"{name}_{a.device}.json"
-            write(kept, src.read_text())
-            report[key], more = build(json.loads(src.read_text()), kept)
+            text, kept = src.read_text(), results / f"{name}_{a.device}.json"
+            write(kept, text)
+            report[key], more = build(json.loads(text), kept)
             lines += more
     return lines
 

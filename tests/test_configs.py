@@ -106,4 +106,3 @@ def test_make_train_time_budget_overrides_compose(tmp_path):
     callback = instantiate(cfg.callbacks.time_budget)
     assert isinstance(callback, TimeBudget) and callback.budget is None and callback.deadline == 1.8e9
     assert callback.reserve_validations == 2 and callback.skip_epochs == 1  # the experiment's own setting survives
-

@@ -98,6 +98,7 @@ def _register() -> None:
     torch.library.register_autograd("bev::voxel_sum", _voxel_sum_grad, setup_context=_voxel_sum_setup)
     torch.library.register_autograd("bev::bev_pool", _bev_pool_grad, setup_context=_bev_pool_setup)
 
+
 if _C is not None:
     try:
         _register()
