@@ -18,7 +18,9 @@ split (a clock inside it would wait for the GPU and serialise the host's launche
 GPU's work, the very overlap that decides a GPU step), and cuDNN autotuning is on as in
 trainer=gpu. With --loader it also times the configured data loader on a small synthetic set
 (scripts/bench_loader.py) to compare its samples/s with the model's. --batch-size replaces the
-configs' batch size. Writes JSON to --out atomically.
+configs' batch size. --profile N then profiles N more steps of each variant (torch.profiler, no
+clock inside a step). The optimiser is built as bev-train builds it (fused on CUDA). Writes JSON
+to --out atomically.
 """
 from __future__ import annotations
 
@@ -52,9 +54,10 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def clock() -> float:
-    """perf_counter after the device's queued work is done."""
-    sync()
+def clock(wait: bool = True) -> float:
+    """perf_counter after the device's queued work is done (wait=False: at once, as a trainer runs)."""
+    if wait:
+        sync()
     return time.perf_counter()
 
 
@@ -180,13 +183,14 @@ class Variant:
         self.parts = None if self.compiled or DEVICE == "cuda" else PartTimer(self.net)
         if self.compiled:
             self.net.compile()
-        self.opt = self.lit.optimizer_factory(params=[p for p in self.lit.parameters() if p.requires_grad])
+        self.opt = self.lit.make_optimizer()  # as configure_optimizers builds it
         self.clip = cfg.trainer.get("gradient_clip_val")
         self.batch = batch
         self.times: list[float] = []
         self.breakdown: list[dict[str, float]] = []
         self.first_step_s: float | None = None
         self.autocast = (lambda: torch.autocast(DEVICE, dtype=torch.bfloat16)) if self.bf16 else nullcontext
+        self.wait = True  # False while profiled: no clock may wait for the GPU inside a step
 
     def step(self) -> float:
         """One training step as Lightning runs it (autocast around forward + loss); returns seconds."""
@@ -195,19 +199,19 @@ class Variant:
         t = {}
         if self.parts:
             self.parts.t.clear()
-        t0 = clock()
+        t0 = clock(self.wait)
         with self.autocast():
             logits = self.lit(self.batch)
-            t1 = clock()
+            t1 = clock(self.wait)
             loss = self.lit.loss(logits, self.batch["bev"])
-        t2 = clock()
+        t2 = clock(self.wait)
         loss.backward()
-        t3 = clock()
+        t3 = clock(self.wait)
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.lit.parameters(), self.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        t4 = clock()
+        t4 = clock(self.wait)
         if self.parts:
             t = dict(self.parts.t)
             t["forward_other"] = (t1 - t0) - sum(t.values())
@@ -216,6 +220,35 @@ class Variant:
         t.update(loss=t2 - t1, backward=t3 - t2, optimizer=t4 - t3)
         self.last_breakdown = t
         return t4 - t0
+
+    def profile(self, steps: int) -> dict:
+        """torch.profiler over `steps` steps with no waiting inside them: wall and GPU kernel time per
+        step, kernel launches per step, and the ops with the most self time (GPU time on a GPU)."""
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+        self.wait = False
+        try:
+            with profile(activities=acts) as prof:
+                t0 = clock()
+                for _ in range(steps):
+                    self.step()
+                wall = (clock() - t0) / steps
+        finally:
+            self.wait = True
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+        def self_ms(e):
+            """Self time of a key average per step: on the GPU where there is one, else on the CPU."""
+            us = getattr(e, "self_device_time_total", e.self_cuda_time_total) if kernels else e.self_cpu_time_total
+            return us / steps / 1e3
+
+        top = sorted(prof.key_averages(), key=self_ms, reverse=True)[:10]
+        return {"wall_ms": round(wall * 1e3, 2), "steps": steps,
+                "gpu_kernel_ms": round(sum(e.device_time for e in kernels) / steps / 1e3, 2) if kernels else None,
+                "kernels_per_step": round(len(kernels) / steps) if kernels else None,
+                "top_self_ms": {e.key: round(self_ms(e), 3) for e in top}}
 
 
 def median(xs):
@@ -259,8 +292,10 @@ def variant_record(v: Variant, batch_size: int, base: float | None) -> dict:
     return rec
 
 
-def bench_config(key: str, variants: list[str], steps: int, warmup: int, progress, extra: list[str] = ()) -> dict:
-    """Every variant of one config (plus `extra` overrides) on the same batch: its shape and each variant's record."""
+def bench_config(key: str, variants: list[str], steps: int, warmup: int, progress, extra: list[str] = (),
+                 profile: int = 0) -> dict:
+    """Every variant of one config (plus `extra` overrides) on the same batch: its shape and each variant's
+    record (with `profile` > 0, also a torch.profiler summary over that many steps)."""
     import torch
 
     overrides = [*CONFIGS[key], *extra]
@@ -271,6 +306,7 @@ def bench_config(key: str, variants: list[str], steps: int, warmup: int, progres
         runs.append(start_variant(cfg, key, name, batch, warmup))
         progress.update(1)
     measure_steps(runs, steps, progress)
+    profiles = {v.name: v.profile(profile) for v in runs if profile and v.error is None}
     fp32 = [v for v in runs if v.name == "fp32" and v.error is None]
     base = median(fp32[0].times) if fp32 else None  # no fp32 run (--variants): no speed-up to report
     out = {
@@ -284,6 +320,8 @@ def bench_config(key: str, variants: list[str], steps: int, warmup: int, progres
     }
     for v in runs:
         out["variants"][v.name] = variant_record(v, out["batch_size"], base)
+        if v.name in profiles:
+            out["variants"][v.name]["profile"] = profiles[v.name]
         del v.lit, v.net, v.opt  # free the models before the next config builds its own
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -320,6 +358,13 @@ def bench_loader(cfg_key: str, batches: int) -> dict:
                 "samples": n, "samples_per_s": round(n / dt, 2)}
 
 
+def print_profile(pr: dict) -> None:
+    """A variant's profile: wall vs kernel time per step, launches, the top ops."""
+    gpu = f", GPU kernels {pr['gpu_kernel_ms']:.1f} ms ({pr['kernels_per_step']} launches)" if pr["gpu_kernel_ms"] else ""
+    print(f"    profiled: {pr['wall_ms']:.1f} ms per step{gpu}; most self time: "
+          + ", ".join(f"{k} {ms:.1f}" for k, ms in list(pr["top_self_ms"].items())[:5]))
+
+
 def print_table(results: dict) -> None:
     """Per config: one line per variant with its step time, speed-up and part breakdown; then the loader."""
     for key, r in results["configs"].items():
@@ -333,6 +378,8 @@ def print_table(results: dict) -> None:
                 continue
             parts = " ".join(f"{v['breakdown_s'].get(c, float('nan')):10.3f}" for c in cols)
             print(f"  {name:28s} {v['step_s']:8.3f} {v['speedup_vs_fp32'] or 0:7.2f}x {v['first_step_s']:9.1f}  {parts}")
+            if "profile" in v:
+                print_profile(v["profile"])
     if "loader" in results:
         ld = results["loader"]
         print(f"\nloader ({ld['num_workers']} workers): {ld['samples_per_s']:.1f} samples/s;  model at the embedded default: "
@@ -358,6 +405,9 @@ def parse_args(argv):
                    help="also time the embedded config's data loader")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: the same variants on the GPU (bf16 autocast on the GPU; --threads is ignored)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the measurement, profile N more steps of each variant (torch.profiler, no clock "
+                        "inside a step): wall vs GPU kernel time, launches per step, the ops with the most self time")
     p.add_argument("--out", default=None, help="default benchmarks/results/bench_train_<device>.json")
     a = p.parse_args(argv)
     a.out = a.out or str(REPO / f"benchmarks/results/bench_train_{a.device}.json")
@@ -386,7 +436,7 @@ def bench_configs(a, variants: dict[str, list[str]]) -> dict:
     with tqdm(total=sum(len(v) + a.steps for v in variants.values()), desc="bench_train", file=sys.stderr) as bar:
         for key in a.configs:
             extra = [f"data.batch_size={a.batch_size}"] if a.batch_size else []
-            configs[key] = bench_config(key, variants[key], a.steps, a.warmup, bar, extra)
+            configs[key] = bench_config(key, variants[key], a.steps, a.warmup, bar, extra, a.profile)
             skipped = {v: "--no-compile" if VARIANTS[v][2] and not a.compile else "no native bf16 on this CPU"
                        for v in VARIANTS if v not in variants[key] and a.variants is None}
             if skipped:

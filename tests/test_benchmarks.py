@@ -1,0 +1,44 @@
+"""The training-step benchmarks run end to end on the embedded config (one step each: no timings checked)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+
+@pytest.fixture(autouse=True)
+def _keep_threads():
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_bench_train_profiles_each_variant(tmp_path, capsys):
+    import bench_train
+
+    out = tmp_path / "train.json"
+    assert bench_train.main(["--configs", "embedded", "--variants", "fp32", "--steps", "1", "--warmup", "1",
+                             "--no-loader", "--profile", "1", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())["configs"]["embedded"]["variants"]["fp32"]
+    pr = rec["profile"]
+    assert pr["steps"] == 1 and pr["wall_ms"] > 0 and pr["gpu_kernel_ms"] is None  # no GPU here
+    assert pr["top_self_ms"] and all(ms >= 0 for ms in pr["top_self_ms"].values())
+    assert "profiled:" in capsys.readouterr().out
+
+
+def test_bench_optimizer_alternates_foreach_and_fused(tmp_path):
+    import bench_optimizer
+
+    out = tmp_path / "opt.json"
+    assert bench_optimizer.main(["--configs", "embedded", "--rounds", "2", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())["configs"]["embedded"]
+    assert r["optimizer"] == "torch.optim.AdamW"
+    v = r["variants"]["fp32"]
+    assert len(v["steps_ms"]["foreach"]) == len(v["steps_ms"]["fused"]) == 2
+    assert 0 <= v["fused_faster_rounds"] <= 2 and v["fused_speedup_median_of_rounds"] > 0
