@@ -150,6 +150,28 @@ NV_INCLUDE=$("$PY" -c 'import os, nvidia; p = os.path.join(list(nvidia.__path__)
 export CPATH="${NV_INCLUDE:+$NV_INCLUDE:}${CPATH:-}"
 export TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS=${MAX_JOBS:-$(nproc)}
 run "$PY" setup.py -q build_ext --inplace
+# A C++ error raised inside _C must reach Python as RuntimeError. Built by the H200 image's default
+# compiler (CXX=/opt/gcc/bin/g++, a wrapper with its own runtime directory, which linked libstdc++
+# statically into _C) it was a segfault instead; built there by /usr/bin/g++-12 it raised. So where
+# the probe crashes, rebuild with the system's g++ (CC and CXX: nvcc's host compiler follows CC).
+native_error_raises() {
+  "$PY" -c 'import torch, bev.ops
+z = torch.zeros(3, dtype=torch.long)
+try:
+    torch.ops.bev.voxel_sum(torch.zeros(3), z, z, torch.zeros(2, dtype=torch.long), [1, 1, 1, 1])
+except RuntimeError:
+    pass' >/dev/null 2>&1
+  [ $? -lt 128 ]  # killed by a signal: the crash (an import problem is reported by the load check below)
+}
+if [ "$DRY_RUN" = 0 ] && ! native_error_raises; then
+  echo "bev.ops._C built by ${CXX:-c++} crashes on a C++ exception instead of raising: rebuilding with the system g++"
+  for gxx in /usr/bin/g++ /usr/bin/g++-[0-9]*; do
+    [ -x "$gxx" ] && [ "$gxx" != "${CXX:-}" ] || continue
+    CC=${gxx/g++/gcc} CXX=$gxx run "$PY" setup.py -q build_ext --inplace || continue
+    if native_error_raises; then echo "built by $gxx: a native error raises"; break; fi
+  done
+  native_error_raises || FAILED="$FAILED native_errors_crash"
+fi
 if [ "$DRY_RUN" = 0 ]; then
   "$PY" -c 'import bev.ops as ops, sys; sys.exit(0 if ops.native_available("cuda") else "native CUDA kernels did not load: " + str(ops._native.LOAD_ERROR))'
 fi
