@@ -77,7 +77,8 @@ class EpochSummary(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if isinstance(outputs, dict) and "loss" in outputs:
-            self.loss_sum += float(outputs["loss"])
+            # Summed where the loss is: float() here would wait for the GPU after every step.
+            self.loss_sum = self.loss_sum + outputs["loss"].detach().float()
             self.loss_n += 1
 
     @rank_zero_only
@@ -89,7 +90,7 @@ class EpochSummary(L.Callback):
         def fmt(key: str) -> str:
             return f"{float(m[key]):.4f}" if key in m else "-"
 
-        train_loss = f"{self.loss_sum / self.loss_n:.4f}" if self.loss_n else "-"
+        train_loss = f"{float(self.loss_sum) / self.loss_n:.4f}" if self.loss_n else "-"
         self.loss_sum, self.loss_n = 0.0, 0
         elapsed = time.time() - self.start
         print(f"epoch {trainer.current_epoch:3d} step {trainer.global_step:6d}  train/loss {train_loss}  "

@@ -1,11 +1,13 @@
-"""Atomic checkpoint writes and the sweep summary (no training)."""
+"""Atomic checkpoint writes, the sweep summary and the epoch summary line (no training)."""
 import csv
 import json
 
 import pytest
 import torch
 
-from bev.callbacks import AtomicCheckpointIO, summarize_sweep
+from types import SimpleNamespace
+
+from bev.callbacks import AtomicCheckpointIO, EpochSummary, summarize_sweep
 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
@@ -47,3 +49,17 @@ def test_sweep_summary_sorts_by_best_iou_and_lists_failures(tmp_path):
     assert [float(r["val/iou_best"]) for r in table[:3]] == [0.4, 0.3, 0.2]
     md = (tmp_path / "summary.md").read_text()
     assert md.index("| 1 |") < md.index("| 3 |") < md.index("| 0 |") and "missing" in md
+
+
+def test_epoch_summary_sums_the_train_loss_without_reading_it_every_step(capsys):
+    cb = EpochSummary()
+    cb.on_train_start(None, None)
+    for loss in (0.5, 1.5):
+        cb.on_train_batch_end(None, None, {"loss": torch.tensor(loss)}, None, 0)
+    assert torch.is_tensor(cb.loss_sum)  # a float() per step would wait for the GPU after every step
+    trainer = SimpleNamespace(sanity_checking=False, current_epoch=0, global_step=2,
+                              callback_metrics={"val/loss": torch.tensor(0.25), "val/iou": torch.tensor(0.5)})
+    cb.on_validation_end(trainer, None)
+    line = capsys.readouterr().out
+    assert "train/loss 1.0000" in line and "val/loss 0.2500" in line and "val/iou_best -" in line
+    assert cb.loss_n == 0 and float(cb.loss_sum) == 0.0
