@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One command that proves bev.ops on a GPU machine (`make gpu-check`), in about 10 minutes:
-#   1. builds the extension in place for this device (TORCH_CUDA_ARCH_LIST from its capability),
+#   1. builds the extension in place for this device (TORCH_CUDA_ARCH_LIST from its capability) and
+#      checks that a C++ error inside it raises (where it crashes: rebuilds with the system's g++),
 #   2. runs the CUDA tests (tests/test_ops_cuda.py), the emulated ones (tests/test_ops_cuda_emulated.py)
 #      and the native kernels' value tests under compute-sanitizer memcheck,
 #   3. runs the GPU benchmarks: the op (scripts/bench_pool.py --device cuda: bandwidth vs the
 #      device's peak, the BEVFusion-style baseline, fused vs materialised, fp32/fp16/bf16) and the
 #      training step at the LSS paper config (scripts/bench_train.py --device cuda: fp32 NCHW vs
-#      channels_last / bf16, at the paper's batch 4, where bf16 did not pay on an H200, and at 16),
+#      channels_last / bf16, at the paper's batch 4 (also profiled: GPU kernel time, launches),
+#      where bf16 did not pay on an H200, and at 16, where channels_last + bf16 gave 1.70x there),
 #   4. trains the embedded experiment on the GPU for a few hundred steps (bf16-mixed) on a small
 #      synthetic set and checks that the training loss went down,
 # and after each stage writes benchmarks/results/gpu_<device>.json and gpu_<device>.md (a short
@@ -203,7 +205,7 @@ if [ "$SKIP_BENCH" = 0 ]; then
   say "3. benchmark"
   stage_start
   logged bench "$PY" scripts/bench_pool.py --device cuda --out "$BENCH_JSON"
-  logged bench_train "$PY" scripts/bench_train.py --device cuda --configs paper --no-compile --steps 10 --warmup 3 \
+  logged bench_train "$PY" scripts/bench_train.py --device cuda --configs paper --no-compile --steps 10 --warmup 3 --profile 3 \
     --out "$TRAIN_BENCH_JSON"
   logged bench_train_b16 "$PY" scripts/bench_train.py --device cuda --configs paper --batch-size 16 --steps 10 --warmup 3 \
     --variants fp32 channels_last channels_last+bf16 --out "${TRAIN_BENCH_JSON%.json}_b16.json"
