@@ -113,6 +113,7 @@ def test_channels_last_encoders_compute_the_same_function():
     (partial(torch.optim.Adam, lr=1e-3, fused=False), "cuda", {}),  # the config's choice wins
     (partial(torch.optim.Adam, lr=1e-3, foreach=True), "cuda", {}),
     (partial(torch.optim.LBFGS, lr=1.0), "cuda", {}),  # no fused kernel
+    (partial(torch.optim.Adagrad, lr=0.1), "cuda", {}),  # its fused kernel is CPU-only
     (lambda params: torch.optim.SGD(params, lr=0.1), "cuda", {}),  # not a class: its keywords are unknown
 ])
 def test_optimizers_on_cuda_are_fused_unless_configured(factory, device, expected):
