@@ -270,7 +270,8 @@ class BEVLitModule(L.LightningModule):
     def make_optimizer(self) -> torch.optim.Optimizer:
         """model.optimizer over the trainable parameters (fused on CUDA unless the config says otherwise)."""
         params = [p for p in self.parameters() if p.requires_grad]
-        return self.optimizer_factory(params=params, **fused_default(self.optimizer_factory, params[0].device.type))
+        device_type = params[0].device.type if params else "cpu"
+        return self.optimizer_factory(params=params, **fused_default(self.optimizer_factory, device_type))
 
     def configure_optimizers(self):
         optimizer = self.make_optimizer()

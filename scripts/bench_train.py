@@ -241,7 +241,7 @@ class Variant:
 
         def self_ms(e):
             """Self time of a key average per step: on the GPU where there is one, else on the CPU."""
-            us = getattr(e, "self_device_time_total", e.self_cuda_time_total) if kernels else e.self_cpu_time_total
+            us = e.self_device_time_total if kernels else e.self_cpu_time_total
             return us / steps / 1e3
 
         top = sorted(prof.key_averages(), key=self_ms, reverse=True)[:10]

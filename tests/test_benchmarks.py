@@ -32,7 +32,7 @@ def test_bench_train_profiles_each_variant(tmp_path, capsys):
     assert "profiled:" in capsys.readouterr().out
 
 
-def test_bench_optimizer_alternates_foreach_and_fused(tmp_path):
+def test_bench_optimizer_alternates_the_default_and_fused_steps(tmp_path):
     import bench_optimizer
 
     out = tmp_path / "opt.json"
@@ -40,5 +40,5 @@ def test_bench_optimizer_alternates_foreach_and_fused(tmp_path):
     r = json.loads(out.read_text())["configs"]["embedded"]
     assert r["optimizer"] == "torch.optim.AdamW"
     v = r["variants"]["fp32"]
-    assert len(v["steps_ms"]["foreach"]) == len(v["steps_ms"]["fused"]) == 2
+    assert len(v["steps_ms"]["default"]) == len(v["steps_ms"]["fused"]) == 2
     assert 0 <= v["fused_faster_rounds"] <= 2 and v["fused_speedup_median_of_rounds"] > 0
