@@ -42,3 +42,13 @@ def test_bench_optimizer_alternates_the_default_and_fused_steps(tmp_path):
     v = r["variants"]["fp32"]
     assert len(v["steps_ms"]["default"]) == len(v["steps_ms"]["fused"]) == 2
     assert 0 <= v["fused_faster_rounds"] <= 2 and v["fused_speedup_median_of_rounds"] > 0
+
+
+def test_cuda_graph_variant_is_only_a_default_on_a_gpu():
+    import bench_train
+
+    cpu = bench_train.variants_to_run(bench_train.parse_args(["--device", "cpu", "--configs", "embedded"]))
+    gpu = bench_train.variants_to_run(bench_train.parse_args(["--device", "cuda", "--configs", "embedded"]))
+    assert "cudagraphs+channels_last+bf16" not in cpu["embedded"] and "cudagraphs+channels_last+bf16" in gpu["embedded"]
+    eager = bench_train.variants_to_run(bench_train.parse_args(["--device", "cuda", "--no-compile"]))
+    assert all(bench_train.VARIANTS[v][2] is None for vs in eager.values() for v in vs)
