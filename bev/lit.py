@@ -33,16 +33,17 @@ def _class_names(net: nn.Module, object_classes, map_classes) -> tuple[tuple[str
     return object_classes, map_classes
 
 
-def fused_default(factory: Callable[..., torch.optim.Optimizer], device_type: str) -> dict:
+def fused_default(factory: Callable[..., torch.optim.Optimizer], device_type: str, precision: str | None = None) -> dict:
     """{"fused": True} for Adam or AdamW on CUDA parameters when the config chose neither fused nor foreach.
 
     On a GPU the default multi-tensor step still loops over every parameter tensor in Python (two
     scalars per tensor), host time that a launch-bound step cannot hide; the fused kernel does not.
-    Only the two measured optimisers (others' fused kernels may be CPU-only, e.g. Adagrad's). CPUs
-    keep the default: fused did not pay there, and CPU runs stay as they were measured."""
+    Only the two measured optimisers (others' fused kernels may be CPU-only, e.g. Adagrad's), and not
+    under fp16 "16-mixed", where the gradients are still scaled when Lightning clips them. CPUs keep
+    the default: fused did not pay there, and CPU runs stay as they were measured."""
     given = getattr(factory, "keywords", {})
     cls = getattr(factory, "func", factory)
-    if device_type != "cuda" or "fused" in given or "foreach" in given:
+    if device_type != "cuda" or precision == "16-mixed" or "fused" in given or "foreach" in given:
         return {}
     return {"fused": True} if inspect.isclass(cls) and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)) else {}
 
@@ -271,7 +272,21 @@ class BEVLitModule(L.LightningModule):
         """model.optimizer over the trainable parameters (fused on CUDA unless the config says otherwise)."""
         params = [p for p in self.parameters() if p.requires_grad]
         device_type = params[0].device.type if params else "cpu"
-        return self.optimizer_factory(params=params, **fused_default(self.optimizer_factory, device_type))
+        precision = self._trainer.precision if self._trainer is not None else None
+        return self.optimizer_factory(params=params, **fused_default(self.optimizer_factory, device_type, precision))
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Clips a fused optimiser's gradients under bf16-mixed, which Lightning's mixed-precision plugin
+        refuses for any optimiser that unscales inside its step: only fp16's GradScaler leaves them
+        scaled at this point, so without one they are the true gradients, clipped as the plugin would."""
+        if gradient_clip_val and getattr(optimizer, "_step_supports_amp_scaling", False) and self.trainer.precision != "16-mixed":
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            if gradient_clip_algorithm == "value":
+                torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+            else:
+                torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self):
         optimizer = self.make_optimizer()

@@ -118,6 +118,8 @@ def test_channels_last_encoders_compute_the_same_function():
 ])
 def test_optimizers_on_cuda_are_fused_unless_configured(factory, device, expected):
     assert fused_default(factory, device) == expected
+    assert fused_default(factory, device, "bf16-mixed") == expected
+    assert fused_default(factory, device, "16-mixed") == {}  # fp16's scaled gradients could not be clipped
 
 
 def test_configure_optimizers_builds_the_configured_optimizer_on_cpu():

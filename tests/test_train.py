@@ -78,6 +78,21 @@ def test_fast_dev_run(precision, synthetic_root, tmp_path, monkeypatch):
     assert torch.isfinite(torch.tensor(rec["metrics"]["train/loss_step"]))
 
 
+def test_a_fused_optimizer_is_clipped_under_bf16_mixed(synthetic_root, tmp_path, monkeypatch):
+    # Lightning's mixed-precision plugin refuses to clip for fused optimisers (GPUs get fused Adam by default).
+    clipped, clip = [], torch.nn.utils.clip_grad_norm_
+
+    def spy(params, max_norm, *args, **kwargs):
+        clipped.append(max_norm)
+        return clip(params, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    args = [*TINY, "debug=fdr", "trainer.precision=bf16-mixed", "+model.optimizer.fused=true", "trainer.gradient_clip_val=0.5",
+            f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
+    assert train_cli(args, monkeypatch) == 0
+    assert json.loads((tmp_path / "metrics.json").read_text())["status"] == "ok" and clipped == [0.5]
+
+
 def test_training_sets_intra_op_threads_and_restores_them(synthetic_root, tmp_path, monkeypatch, capsys):
     import bev.utils.threads as threads
     from lightning import Trainer
