@@ -52,3 +52,29 @@ def test_cuda_graph_variant_is_only_a_default_on_a_gpu():
     assert "cudagraphs+channels_last+bf16" not in cpu["embedded"] and "cudagraphs+channels_last+bf16" in gpu["embedded"]
     eager = bench_train.variants_to_run(bench_train.parse_args(["--device", "cuda", "--no-compile"]))
     assert all(bench_train.VARIANTS[v][2] is None for vs in eager.values() for v in vs)
+
+
+def test_bench_fast_layers_times_each_replaced_layer(tmp_path):
+    import bench_fast_layers
+
+    out = tmp_path / "layers.json"
+    assert bench_fast_layers.main(["--batch-size", "1", "--rounds", "1", "--steps", "0", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["layers"]
+    kinds = {r["kind"] for r in rows}
+    assert "squeeze-excitation" in kinds and "depthwise 5x5 stride 2" in kinds and "depthwise 3x3 stride 1" not in kinds
+    assert all(r["input"][0] == 6 and r["plain_ms"] > 0 and r["fast_ms"] > 0 for r in rows)  # 1 sample x 6 cameras
+
+
+def test_plain_layers_undoes_the_fast_layers():
+    import bench_fast_layers
+    import torch
+
+    from bev.models import CameraEncoder
+    from bev.models.fast_layers import FP32DepthwiseConv2d, GlobalAvgPool
+
+    enc = CameraEncoder(5, 7, backbone="efficientnet_b0", mid_channels=16, depthwise_fp32=True)
+    keys = enc.state_dict().keys()
+    assert any(isinstance(m, (FP32DepthwiseConv2d, GlobalAvgPool)) for m in enc.modules())
+    bench_fast_layers.plain_layers(enc)
+    assert not any(isinstance(m, (FP32DepthwiseConv2d, GlobalAvgPool)) for m in enc.modules())
+    assert sum(isinstance(m, torch.nn.AdaptiveAvgPool2d) for m in enc.modules()) == 16 and enc.state_dict().keys() == keys

@@ -13,7 +13,8 @@ import torchvision
 from torch import nn
 from torchvision.models.resnet import BasicBlock
 
-from bev.utils.precision import resolve_channels_last
+from bev.models.fast_layers import fast_global_pools, fp32_depthwise
+from bev.utils.precision import resolve_channels_last, resolve_depthwise_fp32
 
 
 BACKBONES = ("efficientnet_b0", "resnet18", "resnet50", "small")
@@ -125,7 +126,9 @@ class CameraEncoder(nn.Module):
     """Images (M, 3, H, W) -> (M, D + C, H/16, W/16): D depth logits then C context channels.
 
     channels_last runs the convolutions in NHWC (faster oneDNN/cuDNN kernels); inputs and the
-    output stay in the default layout, so callers and checkpoints do not change.
+    output stay in the default layout, so callers and checkpoints do not change. depthwise_fp32
+    keeps the depthwise convolutions that oneDNN's bf16 backward handles slowly in fp32 under CPU
+    bf16 autocast (bev.models.fast_layers; "auto": bev.utils.precision.resolve_depthwise_fp32).
     """
 
     def __init__(
@@ -139,6 +142,7 @@ class CameraEncoder(nn.Module):
         blocks: int = 1,
         mid_channels: int = 512,
         channels_last: bool | str = False,
+        depthwise_fp32: bool | str = "auto",
     ):
         super().__init__()
         if backbone not in BACKBONES:
@@ -153,6 +157,8 @@ class CameraEncoder(nn.Module):
         self.fuse = Up(c16 + c32, mid_channels)
         self.head = nn.Conv2d(mid_channels, depth_bins + context_channels, 1)
         self.depth_bins = depth_bins
+        fast_global_pools(self.trunk)
+        self.fp32_depthwise = fp32_depthwise(self.trunk) if resolve_depthwise_fp32(depthwise_fp32) else []
         self.channels_last = resolve_channels_last(channels_last, self)
         if self.channels_last:
             self.to(memory_format=torch.channels_last)

@@ -104,3 +104,14 @@ def nhwc_hazards(module) -> list[str]:
 
     return [name for name, m in module.named_modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (1, 1)
             and max(m.stride) > 1 and m.in_channels < NHWC_MIN_CHANNELS]
+
+
+def resolve_depthwise_fp32(value: bool | str) -> bool:
+    """`depthwise_fp32` of the camera encoder: True/False as given; "auto": on, except on AMX CPUs
+    (not measured there; their bf16 convolutions take other oneDNN kernels)."""
+    if isinstance(value, str) and value != "auto":
+        raise ValueError(f"depthwise_fp32 must be true, false or auto, got {value!r}")
+    if value != "auto":
+        return bool(value)
+    return "amx_bf16" not in _cpu_flags()
+

@@ -1,0 +1,91 @@
+"""Drop-in replacements for trunk layers that PyTorch's CPU kernels run slowly in bf16.
+
+Swapped in place (same parameters, same state_dict), so pretrained weights and checkpoints load
+as before; on GPUs and in fp32 they compute what the layers they replace compute.
+Measured with scripts/bench_depthwise.py (EfficientNet-B0 at the LSS paper size, 2 threads).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _cpu_bf16_autocast() -> bool:
+    return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
+def slow_bf16_depthwise(conv: nn.Module) -> bool:
+    """Whether oneDNN lacks a bf16 depthwise backward kernel for this convolution: it has one for 3x3
+    stride-1 filters only; the others (EfficientNet's 5x5 and strided ones) fall back to generic
+    grouped kernels, 2-8x slower than its fp32 depthwise ones on an AVX512-BF16 CPU."""
+    depthwise = isinstance(conv, nn.Conv2d) and 1 < conv.groups == conv.in_channels == conv.out_channels
+    return depthwise and (conv.kernel_size != (3, 3) or conv.stride != (1, 1))
+
+
+class FP32DepthwiseConv2d(nn.Conv2d):
+    """A depthwise Conv2d that runs in fp32 under CPU bf16 autocast and returns the input's dtype, so
+    the layers around it stay bf16; on GPUs and without autocast a plain Conv2d."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and _cpu_bf16_autocast():
+            with torch.autocast("cpu", enabled=False):
+                return super().forward(x.float()).to(x.dtype)
+        return super().forward(x)
+
+
+def fp32_depthwise(module: nn.Module) -> list[str]:
+    """Turn the module's slow_bf16_depthwise convolutions into FP32DepthwiseConv2d; returns their names."""
+    names = [name for name, m in module.named_modules() if slow_bf16_depthwise(m)]
+    for name in names:
+        module.get_submodule(name).__class__ = FP32DepthwiseConv2d
+    return names
+
+
+def spatial_mean(x: torch.Tensor) -> torch.Tensor:
+    """Mean over H and W, (N, C, 1, 1). A bf16 tensor on the CPU is summed by a matrix-vector product
+    (fp32 accumulation; the sum rounded to bf16, divided in fp32: two roundings where ATen rounds
+    once): ATen's bf16 mean goes through an fp32 copy and took 13-15 ms at EfficientNet's largest
+    squeeze-excitation inputs, the product 0.6-1 ms."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return x.mean((2, 3), keepdim=True)
+    N, C, H, W = x.shape
+    ones = x.new_ones(1, H * W)
+    if x.is_contiguous(memory_format=torch.channels_last):
+        total = torch.matmul(ones, x.permute(0, 2, 3, 1).reshape(N, H * W, C))
+    else:
+        total = torch.matmul(x.reshape(N, C, H * W), ones.T)
+    return (total.float() / (H * W)).to(x.dtype).reshape(N, C, 1, 1)
+
+
+class _SpatialMean(torch.autograd.Function):
+    """spatial_mean whose gradient stays an expanded (stride-0) tensor: autograd adds it into the
+    gradient of the input's other use (x * scale) instead of first writing a full-size copy."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.shape = x.shape
+        return spatial_mean(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        H, W = ctx.shape[-2:]
+        return (grad / (H * W)).expand(ctx.shape)
+
+
+class GlobalAvgPool(nn.Module):
+    """nn.AdaptiveAvgPool2d(1) (the squeeze of squeeze-and-excitation) by spatial_mean and _SpatialMean."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and x.requires_grad):
+            return spatial_mean(x)
+        return _SpatialMean.apply(x)
+
+
+def fast_global_pools(module: nn.Module) -> int:
+    """Replace the module's AdaptiveAvgPool2d(1) layers (no parameters) by GlobalAvgPool; returns how many."""
+    names = [name for name, m in module.named_modules()
+             if isinstance(m, nn.AdaptiveAvgPool2d) and m.output_size in (1, (1, 1))]
+    for name in names:
+        parent, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(parent), attr, GlobalAvgPool())
+    return len(names)

@@ -1,0 +1,127 @@
+"""bev.models.fast_layers: the CPU-bf16 replacements compute what the layers they replace compute."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+from torchvision.ops.misc import SqueezeExcitation
+
+from bev.models import CameraEncoder
+from bev.models.fast_layers import (FP32DepthwiseConv2d, GlobalAvgPool, _SpatialMean, fast_global_pools,
+                                    fp32_depthwise, slow_bf16_depthwise, spatial_mean)
+from bev.utils import precision as P
+
+BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("conv, slow", [
+    (nn.Conv2d(8, 8, 5, groups=8), True),
+    (nn.Conv2d(8, 8, 3, stride=2, groups=8), True),
+    (nn.Conv2d(8, 8, 3, groups=8), False),  # oneDNN has a bf16 depthwise backward kernel for 3x3 stride 1
+    (nn.Conv2d(8, 8, 5, groups=4), False),  # grouped, not depthwise
+    (nn.Conv2d(8, 16, 5, groups=8), False),  # depth multiplier 2
+    (nn.Conv2d(8, 8, 5), False),
+    (nn.Linear(8, 8), False),
+])
+def test_which_convolutions_leave_bf16(conv, slow):
+    assert slow_bf16_depthwise(conv) is slow
+
+
+def test_fp32_depthwise_convolution_runs_in_fp32_under_cpu_bf16_autocast():
+    torch.manual_seed(0)
+    conv = nn.Conv2d(6, 6, 5, stride=2, padding=2, groups=6)
+    ref = nn.Conv2d(6, 6, 5, stride=2, padding=2, groups=6)
+    ref.load_state_dict(conv.state_dict())
+    assert fp32_depthwise(nn.Sequential(conv)) == ["0"] and type(conv) is FP32DepthwiseConv2d
+    x = torch.randn(2, 6, 11, 13)
+    torch.testing.assert_close(conv(x), ref(x), rtol=0, atol=0)  # a plain Conv2d without autocast
+    xb = x.bfloat16().requires_grad_()
+    with torch.autocast(**BF16):
+        out = conv(xb)
+        plain = ref(xb)
+    assert out.dtype == torch.bfloat16 and plain.dtype == torch.bfloat16
+    # fp32 arithmetic on the bf16 input, rounded once: closer to the fp32 result than the bf16 kernel's
+    exact = ref(xb.detach().float())
+    torch.testing.assert_close(out, exact.bfloat16(), rtol=0, atol=0)
+    assert (out.float() - exact).abs().max() <= (plain.float() - exact).abs().max()
+    out.float().sum().backward()
+    assert xb.grad.dtype == torch.bfloat16 and conv.weight.grad.dtype == torch.float32
+    g = torch.autograd.grad(ref(xb.detach().float().requires_grad_()).sum(), ref.weight)[0]
+    torch.testing.assert_close(conv.weight.grad, g, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_spatial_mean_matches_a_float64_mean(channels_last):
+    torch.manual_seed(0)
+    x = torch.randn(3, 20, 17, 33) + 0.5
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    assert torch.equal(spatial_mean(x), x.mean((2, 3), keepdim=True))  # fp32: ATen's own mean
+    xb = x.bfloat16()
+    want = xb.double().mean((2, 3), keepdim=True)
+    got = spatial_mean(xb)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, 20, 1, 1)
+    # fp32 accumulation, the sum rounded to bf16, divided in fp32, rounded again: two bf16 roundings
+    # (unit roundoff 2^-8 each) from the exact mean, where ATen's bf16 mean rounds once
+    assert ((got.double() - want).abs() <= want.abs() * 2 * 2 ** -8).all()
+    assert ((xb.mean((2, 3), keepdim=True).double() - want).abs() <= want.abs() * 2 ** -8).all()
+
+
+def test_global_pool_gradient_is_the_mean_gradient():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(_SpatialMean.apply, (x,))
+    g = torch.autograd.grad(_SpatialMean.apply(x).sum(), x)[0]
+    assert g.stride()[2:] == (0, 0)  # expanded: no full-size tensor written before it is accumulated
+    torch.testing.assert_close(g, torch.autograd.grad(x.mean((2, 3)).sum(), x)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_squeeze_excitation_with_the_fast_pool_is_unchanged(channels_last):
+    torch.manual_seed(0)
+    ref = SqueezeExcitation(24, 6, activation=nn.SiLU)
+    se = SqueezeExcitation(24, 6, activation=nn.SiLU)
+    se.load_state_dict(ref.state_dict())
+    assert fast_global_pools(se) == 1 and isinstance(se.avgpool, GlobalAvgPool)
+    assert se.state_dict().keys() == ref.state_dict().keys()
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(2, 24, 9, 14).contiguous(memory_format=fmt)
+    grads = []
+    for m in (ref, se):
+        xi = x.clone().requires_grad_()
+        out = m(xi)
+        out.backward(torch.cos(out.detach()))
+        grads.append((out, xi.grad, m.fc1.weight.grad))
+    for a, b in zip(*grads):  # fp32: the same arithmetic
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    xb = x.bfloat16().requires_grad_()
+    with torch.autocast(**BF16):
+        out, want = se(xb), ref(xb)
+    torch.testing.assert_close(out.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+    out.float().sum().backward()
+    assert xb.grad.shape == x.shape and torch.isfinite(xb.grad.float()).all()
+
+
+def test_efficientnet_camera_encoder_keeps_its_parameters_and_function(monkeypatch):
+    monkeypatch.setattr(P, "_cpu_flags", lambda: {"avx512_bf16"})
+    torch.manual_seed(0)
+    fast = CameraEncoder(5, 7, backbone="efficientnet_b0", mid_channels=16).eval()
+    plain = CameraEncoder(5, 7, backbone="efficientnet_b0", mid_channels=16, depthwise_fp32=False).eval()
+    # 16 squeeze-excitation pools; the 11 depthwise convolutions that are 5x5 or strided
+    assert sum(isinstance(m, GlobalAvgPool) for m in fast.modules()) == 16
+    assert len(fast.fp32_depthwise) == 11 and plain.fp32_depthwise == []
+    reference = torchvision.models.efficientnet_b0()
+    assert fast.trunk.to16.state_dict().keys() == reference.features[:6].state_dict().keys()
+    plain.load_state_dict(fast.state_dict())
+    x = torch.randn(1, 3, 64, 96)
+    torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("flags, expected", [({"avx512_bf16"}, True), ({"avx2"}, True), ({"avx512_bf16", "amx_bf16"}, False)])
+def test_auto_depthwise_fp32_is_off_on_amx_cpus(flags, expected, monkeypatch):
+    monkeypatch.setattr(P, "_cpu_flags", lambda: flags)
+    assert P.resolve_depthwise_fp32("auto") is expected
+    assert P.resolve_depthwise_fp32(False) is False and P.resolve_depthwise_fp32(True) is True
+    with pytest.raises(ValueError, match="true, false or auto"):
+        P.resolve_depthwise_fp32("fp32")
