@@ -160,7 +160,9 @@ def main(argv=None) -> int:
 
     load0 = os.getloadavg()[0]
     torch.set_num_threads(a.threads)
-    cfg = bt.compose_config([*bt.CONFIGS["paper"], *([f"data.batch_size={a.batch_size}"] if a.batch_size else [])])
+    # depthwise_fp32=true: the fast layers are measured whatever `auto` chooses on this CPU (off on AMX)
+    cfg = bt.compose_config([*bt.CONFIGS["paper"], "model.net.camera.depthwise_fp32=true",
+                             *([f"data.batch_size={a.batch_size}"] if a.batch_size else [])])
     report = {"benchmark": "camera trunk fast layers vs the layers they replace (forward + backward; training step)",
               "batch_size": int(cfg.data.batch_size), "cpu_bf16": cpu_bf16_support(), "threads": a.threads, "rounds": a.rounds, "steps": a.steps}
     print("layers (forward + backward, medians):")

@@ -78,3 +78,14 @@ def test_plain_layers_undoes_the_fast_layers():
     bench_fast_layers.plain_layers(enc)
     assert not any(isinstance(m, (FP32DepthwiseConv2d, GlobalAvgPool)) for m in enc.modules())
     assert sum(isinstance(m, torch.nn.AdaptiveAvgPool2d) for m in enc.modules()) == 16 and enc.state_dict().keys() == keys
+
+
+@pytest.mark.slow  # four paper-config models; bf16 steps are emulated (minutes) on CPUs without native bf16
+def test_bench_fast_layers_alternates_training_steps_with_and_without(tmp_path):
+    import bench_fast_layers
+
+    out = tmp_path / "steps.json"
+    assert bench_fast_layers.main(["--batch-size", "1", "--rounds", "1", "--steps", "1", "--out", str(out)]) == 0
+    s = json.loads(out.read_text())["training_step"]
+    assert set(s["step_s"]) == {"fp32 fast", "fp32 plain", "channels_last+bf16 fast", "channels_last+bf16 plain"}
+    assert s["bf16_speedup_fast"] > 0 and s["fast_layers_speedup_fp32"] > 0
