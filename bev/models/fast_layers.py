@@ -2,7 +2,7 @@
 
 Swapped in place (same parameters, same state_dict), so pretrained weights and checkpoints load
 as before; on GPUs and in fp32 they compute what the layers they replace compute.
-Measured with scripts/bench_depthwise.py (EfficientNet-B0 at the LSS paper size, 2 threads).
+Measured with scripts/bench_fast_layers.py (EfficientNet-B0 at the LSS paper size, 2 threads).
 """
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ from torch import nn
 
 
 def _cpu_bf16_autocast() -> bool:
+    """Whether CPU autocast to bf16 is on (bf16-mixed training on a CPU)."""
     return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
 
 
 def slow_bf16_depthwise(conv: nn.Module) -> bool:
     """Whether oneDNN lacks a bf16 depthwise backward kernel for this convolution: it has one for 3x3
     stride-1 filters only; the others (EfficientNet's 5x5 and strided ones) fall back to generic
-    grouped kernels, 2-8x slower than its fp32 depthwise ones on an AVX512-BF16 CPU."""
+    grouped kernels, 1.7-8.5x slower than its fp32 depthwise ones on an AVX512-BF16 CPU."""
     depthwise = isinstance(conv, nn.Conv2d) and 1 < conv.groups == conv.in_channels == conv.out_channels
     return depthwise and (conv.kernel_size != (3, 3) or conv.stride != (1, 1))
 

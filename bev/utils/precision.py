@@ -1,5 +1,6 @@
 """`trainer.precision: auto`: bf16 mixed precision where the hardware runs bf16 natively, fp32 elsewhere;
-`channels_last: auto`: NHWC convolutions on the same hardware.
+`channels_last: auto`: NHWC convolutions on the same hardware; `depthwise_fp32: auto`: the camera
+trunk's depthwise convolutions that oneDNN's bf16 backward runs slowly stay fp32 (not on AMX CPUs).
 
 bf16 autocast halves the cost of the convolutions only on CPUs with native bf16 instructions
 (AVX512-BF16, AMX, Arm BF16); elsewhere oneDNN emulates them and fp32 is as fast or faster
@@ -107,11 +108,10 @@ def nhwc_hazards(module) -> list[str]:
 
 
 def resolve_depthwise_fp32(value: bool | str) -> bool:
-    """`depthwise_fp32` of the camera encoder: True/False as given; "auto": on, except on AMX CPUs
-    (not measured there; their bf16 convolutions take other oneDNN kernels)."""
+    """`depthwise_fp32` of the camera encoder (bev.models.fast_layers): True/False as given; "auto": on,
+    except on AMX CPUs, where oneDNN picks other bf16 kernels and the swap is not measured yet."""
     if isinstance(value, str) and value != "auto":
         raise ValueError(f"depthwise_fp32 must be true, false or auto, got {value!r}")
     if value != "auto":
         return bool(value)
     return "amx_bf16" not in _cpu_flags()
-
