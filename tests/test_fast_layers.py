@@ -45,6 +45,8 @@ def test_fp32_depthwise_convolution_runs_in_fp32_under_cpu_bf16_autocast():
     exact = ref(xb.detach().float())
     torch.testing.assert_close(out, exact.bfloat16(), rtol=0, atol=0)
     assert (out.float() - exact).abs().max() <= (plain.float() - exact).abs().max()
+    with torch.autocast(**BF16):  # an fp32 input comes out bf16 too, as from the autocast convolution
+        assert conv(x).dtype == ref(x).dtype == torch.bfloat16
     out.float().sum().backward()
     assert xb.grad.dtype == torch.bfloat16 and conv.weight.grad.dtype == torch.float32
     g = torch.autograd.grad(ref(xb.detach().float().requires_grad_()).sum(), ref.weight)[0]

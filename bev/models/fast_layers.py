@@ -24,13 +24,13 @@ def slow_bf16_depthwise(conv: nn.Module) -> bool:
 
 
 class FP32DepthwiseConv2d(nn.Conv2d):
-    """A depthwise Conv2d that runs in fp32 under CPU bf16 autocast and returns the input's dtype, so
-    the layers around it stay bf16; on GPUs and without autocast a plain Conv2d."""
+    """A depthwise Conv2d that runs in fp32 under CPU bf16 autocast and returns bf16, as the autocast
+    convolution it replaces would, so the layers around it stay bf16; elsewhere a plain Conv2d."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and _cpu_bf16_autocast():
             with torch.autocast("cpu", enabled=False):
-                return super().forward(x.float()).to(x.dtype)
+                return super().forward(x.float()).to(torch.bfloat16)
         return super().forward(x)
 
 
