@@ -28,29 +28,38 @@ def test_which_convolutions_leave_bf16(conv, slow):
     assert slow_bf16_depthwise(conv) is slow
 
 
-def test_fp32_depthwise_convolution_runs_in_fp32_under_cpu_bf16_autocast():
+@pytest.mark.parametrize("bias, channels_last", [(False, True), (True, False)])
+def test_fp32_depthwise_convolution_computes_its_gradients_in_fp32(bias, channels_last):
     torch.manual_seed(0)
-    conv = nn.Conv2d(6, 6, 5, stride=2, padding=2, groups=6)
-    ref = nn.Conv2d(6, 6, 5, stride=2, padding=2, groups=6)
+    conv = nn.Conv2d(6, 6, 5, stride=2, padding=2, groups=6, bias=bias)
+    ref = nn.Conv2d(6, 6, 5, stride=2, padding=2, groups=6, bias=bias)
     ref.load_state_dict(conv.state_dict())
     assert fp32_depthwise(nn.Sequential(conv)) == ["0"] and type(conv) is FP32DepthwiseConv2d
-    x = torch.randn(2, 6, 11, 13)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    conv, ref = conv.to(memory_format=fmt), ref.to(memory_format=fmt)
+    x = torch.randn(2, 6, 11, 13).contiguous(memory_format=fmt)
     torch.testing.assert_close(conv(x), ref(x), rtol=0, atol=0)  # a plain Conv2d without autocast
     xb = x.bfloat16().requires_grad_()
     with torch.autocast(**BF16):
-        out = conv(xb)
-        plain = ref(xb)
-    assert out.dtype == torch.bfloat16 and plain.dtype == torch.bfloat16
-    # fp32 arithmetic on the bf16 input, rounded once: closer to the fp32 result than the bf16 kernel's
-    exact = ref(xb.detach().float())
-    torch.testing.assert_close(out, exact.bfloat16(), rtol=0, atol=0)
-    assert (out.float() - exact).abs().max() <= (plain.float() - exact).abs().max()
-    with torch.autocast(**BF16):  # an fp32 input comes out bf16 too, as from the autocast convolution
-        assert conv(x).dtype == ref(x).dtype == torch.bfloat16
-    out.float().sum().backward()
+        out, plain = conv(xb), ref(xb.detach())
+        with torch.no_grad():
+            assert torch.equal(conv(xb), plain)  # no gradients: the plain autocast convolution
+        assert conv(x).dtype == torch.bfloat16  # an fp32 input comes out bf16, as from autocast
+    assert torch.equal(out, plain)  # the forward is the autocast convolution's own
+    g = torch.cos(out.detach().float()).bfloat16()
+    out.backward(g)
+    # the gradients of an fp32 convolution of the same bf16 values, the input's rounded to bf16
+    xf = xb.detach().float().requires_grad_()
+    want = torch.autograd.grad(ref(xf), [xf, *ref.parameters()], g.float())
     assert xb.grad.dtype == torch.bfloat16 and conv.weight.grad.dtype == torch.float32
-    g = torch.autograd.grad(ref(xb.detach().float().requires_grad_()).sum(), ref.weight)[0]
-    torch.testing.assert_close(conv.weight.grad, g, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(xb.grad, want[0].bfloat16(), rtol=0, atol=0)
+    for got, w in zip([p.grad for p in conv.parameters()], want[1:]):
+        torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6)
+
+
+def test_only_plain_zero_padded_depthwise_convolutions_are_swapped():
+    assert not slow_bf16_depthwise(nn.Conv2d(8, 8, 5, padding="same", groups=8))
+    assert not slow_bf16_depthwise(nn.Conv2d(8, 8, 5, padding=2, padding_mode="reflect", groups=8))
 
 
 @pytest.mark.parametrize("channels_last", [False, True])

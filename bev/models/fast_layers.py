@@ -7,6 +7,7 @@ Measured with scripts/bench_fast_layers.py (EfficientNet-B0 at the LSS paper siz
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -20,17 +21,42 @@ def slow_bf16_depthwise(conv: nn.Module) -> bool:
     stride-1 filters only; the others (EfficientNet's 5x5 and strided ones) fall back to generic
     grouped kernels, 1.7-8.5x slower than its fp32 depthwise ones on an AVX512-BF16 CPU."""
     depthwise = isinstance(conv, nn.Conv2d) and 1 < conv.groups == conv.in_channels == conv.out_channels
-    return depthwise and (conv.kernel_size != (3, 3) or conv.stride != (1, 1))
+    plain = conv.padding_mode == "zeros" and not isinstance(conv.padding, str) if depthwise else False
+    return plain and (conv.kernel_size != (3, 3) or conv.stride != (1, 1))
+
+
+class _BF16ForwardFP32Backward(torch.autograd.Function):
+    """conv2d in bf16 (oneDNN's fast depthwise forward) whose gradients are computed in fp32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, conv):
+        ctx.save_for_backward(x, weight)
+        ctx.conv, ctx.has_bias = conv, bias is not None
+        b = bias.to(torch.bfloat16) if bias is not None else None
+        with torch.autocast("cpu", enabled=False):
+            return F.conv2d(x.to(torch.bfloat16), weight.to(torch.bfloat16), b, conv.stride, conv.padding,
+                            conv.dilation, conv.groups)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        c = ctx.conv
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
+        gx, gw, gb = torch.ops.aten.convolution_backward(
+            grad.float(), x.float(), weight.float(), [weight.shape[0]] if ctx.has_bias else None, c.stride, c.padding,
+            c.dilation, False, [0, 0], c.groups, mask)
+        return (gx.to(x.dtype) if gx is not None else None), gw, gb, None
 
 
 class FP32DepthwiseConv2d(nn.Conv2d):
-    """A depthwise Conv2d that runs in fp32 under CPU bf16 autocast and returns bf16, as the autocast
-    convolution it replaces would, so the layers around it stay bf16; elsewhere a plain Conv2d."""
+    """A depthwise Conv2d whose gradients are computed in fp32 under CPU bf16 autocast (the forward
+    and its bf16 output stay as the autocast convolution it replaces computes them, with oneDNN's
+    fast bf16 depthwise forward kernel); elsewhere, and without gradients, a plain Conv2d."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and _cpu_bf16_autocast():
-            with torch.autocast("cpu", enabled=False):
-                return super().forward(x.float()).to(torch.bfloat16)
+        if (x.device.type == "cpu" and torch.is_grad_enabled() and _cpu_bf16_autocast()
+                and not torch.compiler.is_compiling()):
+            return _BF16ForwardFP32Backward.apply(x, self.weight, self.bias, self)
         return super().forward(x)
 
 
