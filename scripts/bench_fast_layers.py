@@ -2,10 +2,10 @@
 
     .venv/bin/python scripts/bench_fast_layers.py [--rounds 5] [--steps 4] [--out FILE]
 
-1. Layers: every depthwise convolution and squeeze-excitation block of the paper config's
+1. Layers: every swapped depthwise convolution and squeeze-excitation block of the paper config's
    EfficientNet-B0 trunk, at its own input size (24 images of 128x352: batch 4 x 6 cameras),
    forward + backward, the replaced layer and the fast one alternated, medians of --rounds:
-   depthwise convolutions in channels_last + bf16 autocast (where FP32DepthwiseConv2d acts),
+   depthwise convolutions in channels_last + bf16 autocast (where FP32GradDepthwiseConv2d acts),
    squeeze-excitation in that and in fp32 NCHW (GlobalAvgPool acts in both).
 2. Training step: bench_train's paper config, variants fp32 and channels_last+bf16, each with the
    fast layers and with the plain ones (the swaps undone on the same initial weights), alternated
@@ -31,10 +31,10 @@ def plain_layers(module):
     """The module with bev.models.fast_layers' swaps undone (in place): plain Conv2d and AdaptiveAvgPool2d."""
     from torch import nn
 
-    from bev.models.fast_layers import FP32DepthwiseConv2d, GlobalAvgPool
+    from bev.models.fast_layers import FP32GradDepthwiseConv2d, GlobalAvgPool
 
     for name, m in list(module.named_modules()):
-        if type(m) is FP32DepthwiseConv2d:
+        if type(m) is FP32GradDepthwiseConv2d:
             m.__class__ = nn.Conv2d
         elif isinstance(m, GlobalAvgPool):
             parent, _, attr = name.rpartition(".")

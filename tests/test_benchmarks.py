@@ -70,13 +70,13 @@ def test_plain_layers_undoes_the_fast_layers():
     import torch
 
     from bev.models import CameraEncoder
-    from bev.models.fast_layers import FP32DepthwiseConv2d, GlobalAvgPool
+    from bev.models.fast_layers import FP32GradDepthwiseConv2d, GlobalAvgPool
 
     enc = CameraEncoder(5, 7, backbone="efficientnet_b0", mid_channels=16, depthwise_fp32=True)
     keys = enc.state_dict().keys()
-    assert any(isinstance(m, (FP32DepthwiseConv2d, GlobalAvgPool)) for m in enc.modules())
+    assert any(isinstance(m, (FP32GradDepthwiseConv2d, GlobalAvgPool)) for m in enc.modules())
     bench_fast_layers.plain_layers(enc)
-    assert not any(isinstance(m, (FP32DepthwiseConv2d, GlobalAvgPool)) for m in enc.modules())
+    assert not any(isinstance(m, (FP32GradDepthwiseConv2d, GlobalAvgPool)) for m in enc.modules())
     assert sum(isinstance(m, torch.nn.AdaptiveAvgPool2d) for m in enc.modules()) == 16 and enc.state_dict().keys() == keys
 
 

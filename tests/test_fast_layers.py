@@ -8,7 +8,7 @@ from torch import nn
 from torchvision.ops.misc import SqueezeExcitation
 
 from bev.models import CameraEncoder
-from bev.models.fast_layers import (FP32DepthwiseConv2d, GlobalAvgPool, _SpatialMean, fast_global_pools,
+from bev.models.fast_layers import (FP32GradDepthwiseConv2d, GlobalAvgPool, _SpatialMean, fast_global_pools,
                                     fp32_depthwise, slow_bf16_depthwise, spatial_mean)
 from bev.utils import precision as P
 
@@ -34,7 +34,7 @@ def test_fp32_depthwise_convolution_computes_its_gradients_in_fp32(bias, channel
     conv = nn.Conv2d(6, 6, 5, stride=2, padding=2, groups=6, bias=bias)
     ref = nn.Conv2d(6, 6, 5, stride=2, padding=2, groups=6, bias=bias)
     ref.load_state_dict(conv.state_dict())
-    assert fp32_depthwise(nn.Sequential(conv)) == ["0"] and type(conv) is FP32DepthwiseConv2d
+    assert fp32_depthwise(nn.Sequential(conv)) == ["0"] and type(conv) is FP32GradDepthwiseConv2d
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     conv, ref = conv.to(memory_format=fmt), ref.to(memory_format=fmt)
     x = torch.randn(2, 6, 11, 13).contiguous(memory_format=fmt)

@@ -127,8 +127,8 @@ class CameraEncoder(nn.Module):
 
     channels_last runs the convolutions in NHWC (faster oneDNN/cuDNN kernels); inputs and the
     output stay in the default layout, so callers and checkpoints do not change. depthwise_fp32
-    keeps the depthwise convolutions that oneDNN's bf16 backward handles slowly in fp32 under CPU
-    bf16 autocast (bev.models.fast_layers; "auto": bev.utils.precision.resolve_depthwise_fp32).
+    computes the gradients of the depthwise convolutions that oneDNN's bf16 backward handles slowly
+    in fp32 under CPU bf16 autocast (bev.models.fast_layers; "auto": bev.utils.precision.resolve_depthwise_fp32).
     """
 
     def __init__(

@@ -48,7 +48,7 @@ class _BF16ForwardFP32Backward(torch.autograd.Function):
         return (gx.to(x.dtype) if gx is not None else None), gw, gb, None
 
 
-class FP32DepthwiseConv2d(nn.Conv2d):
+class FP32GradDepthwiseConv2d(nn.Conv2d):
     """A depthwise Conv2d whose gradients are computed in fp32 under CPU bf16 autocast (the forward
     and its bf16 output stay as the autocast convolution it replaces computes them, with oneDNN's
     fast bf16 depthwise forward kernel); elsewhere, and without gradients, a plain Conv2d."""
@@ -61,10 +61,10 @@ class FP32DepthwiseConv2d(nn.Conv2d):
 
 
 def fp32_depthwise(module: nn.Module) -> list[str]:
-    """Turn the module's slow_bf16_depthwise convolutions into FP32DepthwiseConv2d; returns their names."""
+    """Turn the module's slow_bf16_depthwise convolutions into FP32GradDepthwiseConv2d; returns their names."""
     names = [name for name, m in module.named_modules() if slow_bf16_depthwise(m)]
     for name in names:
-        module.get_submodule(name).__class__ = FP32DepthwiseConv2d
+        module.get_submodule(name).__class__ = FP32GradDepthwiseConv2d
     return names
 
 

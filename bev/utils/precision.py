@@ -1,6 +1,6 @@
 """`trainer.precision: auto`: bf16 mixed precision where the hardware runs bf16 natively, fp32 elsewhere;
-`channels_last: auto`: NHWC convolutions on the same hardware; `depthwise_fp32: auto`: the camera
-trunk's depthwise convolutions that oneDNN's bf16 backward runs slowly stay fp32 (not on AMX CPUs).
+`channels_last: auto`: NHWC convolutions on the same hardware; `depthwise_fp32: auto`: fp32 gradients
+for the camera trunk's depthwise convolutions that oneDNN's bf16 backward runs slowly (not on AMX CPUs).
 
 bf16 autocast halves the cost of the convolutions only on CPUs with native bf16 instructions
 (AVX512-BF16, AMX, Arm BF16); elsewhere oneDNN emulates them and fp32 is as fast or faster
