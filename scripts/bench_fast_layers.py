@@ -37,8 +37,7 @@ def plain_layers(module):
         if type(m) is FP32GradDepthwiseConv2d:
             m.__class__ = nn.Conv2d
         elif isinstance(m, GlobalAvgPool):
-            parent, _, attr = name.rpartition(".")
-            setattr(module.get_submodule(parent), attr, nn.AdaptiveAvgPool2d(1))
+            module.set_submodule(name, nn.AdaptiveAvgPool2d(1))
     return module
 
 

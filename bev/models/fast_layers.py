@@ -113,6 +113,5 @@ def fast_global_pools(module: nn.Module) -> int:
     names = [name for name, m in module.named_modules()
              if isinstance(m, nn.AdaptiveAvgPool2d) and m.output_size in (1, (1, 1))]
     for name in names:
-        parent, _, attr = name.rpartition(".")
-        setattr(module.get_submodule(parent), attr, GlobalAvgPool())
+        module.set_submodule(name, GlobalAvgPool())
     return len(names)
