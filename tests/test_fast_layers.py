@@ -69,6 +69,7 @@ def test_spatial_mean_matches_a_float64_mean(channels_last):
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
     assert torch.equal(spatial_mean(x), x.mean((2, 3), keepdim=True))  # fp32: ATen's own mean
+    assert torch.equal(spatial_mean(x[0].bfloat16()), x[0].bfloat16().mean((1, 2), keepdim=True))  # (C, H, W) too
     xb = x.bfloat16()
     want = xb.double().mean((2, 3), keepdim=True)
     got = spatial_mean(xb)

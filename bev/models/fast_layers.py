@@ -69,12 +69,12 @@ def fp32_depthwise(module: nn.Module) -> list[str]:
 
 
 def spatial_mean(x: torch.Tensor) -> torch.Tensor:
-    """Mean over H and W, (N, C, 1, 1). A bf16 tensor on the CPU is summed by a matrix-vector product
-    (fp32 accumulation; the sum rounded to bf16, divided in fp32: two roundings where ATen rounds
-    once): ATen's bf16 mean goes through an fp32 copy and took 13-15 ms at EfficientNet's largest
-    squeeze-excitation inputs, the product 0.6-1 ms."""
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
-        return x.mean((2, 3), keepdim=True)
+    """Mean over H and W (the last two dims), kept as size-1 dims. A 4-d bf16 tensor on the CPU is
+    summed by a matrix-vector product (fp32 accumulation; the sum rounded to bf16, divided in fp32:
+    two roundings where ATen rounds once): ATen's bf16 mean goes through an fp32 copy and took
+    13-15 ms at EfficientNet's largest squeeze-excitation inputs, the product 0.6-1 ms."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 4:
+        return x.mean((-2, -1), keepdim=True)
     N, C, H, W = x.shape
     ones = x.new_ones(1, H * W)
     if x.is_contiguous(memory_format=torch.channels_last):
