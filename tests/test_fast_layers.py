@@ -48,7 +48,10 @@ def test_fp32_depthwise_convolution_computes_its_gradients_in_fp32(bias, channel
     assert torch.equal(out, plain)  # the forward is the autocast convolution's own
     g = torch.cos(out.detach().float()).bfloat16()
     out.backward(g)
-    # the gradients of an fp32 convolution of the same bf16 values, the input's rounded to bf16
+    # the gradients of an fp32 convolution of the bf16 values the forward used (input and weight
+    # rounded to bf16), the input's gradient rounded to bf16
+    with torch.no_grad():
+        ref.weight.copy_(ref.weight.bfloat16().float())
     xf = xb.detach().float().requires_grad_()
     want = torch.autograd.grad(ref(xf), [xf, *ref.parameters()], g.float())
     assert xb.grad.dtype == torch.bfloat16 and conv.weight.grad.dtype == torch.float32

@@ -42,8 +42,9 @@ class _BF16ForwardFP32Backward(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         c = ctx.conv
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
+        w = weight.to(torch.bfloat16).float()  # the weight the forward used: the gradient of what was computed
         gx, gw, gb = torch.ops.aten.convolution_backward(
-            grad.float(), x.float(), weight.float(), [weight.shape[0]] if ctx.has_bias else None, c.stride, c.padding,
+            grad.float(), x.float(), w, [weight.shape[0]] if ctx.has_bias else None, c.stride, c.padding,
             c.dilation, False, [0, 0], c.groups, mask)
         return (gx.to(x.dtype) if gx is not None else None), gw, gb, None
 
