@@ -24,7 +24,7 @@ BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
     (nn.Conv2d(8, 8, 5), False),
     (nn.Linear(8, 8), False),
 ])
-def test_which_convolutions_leave_bf16(conv, slow):
+def test_which_depthwise_convolutions_get_fp32_gradients(conv, slow):
     assert slow_bf16_depthwise(conv) is slow
 
 
