@@ -238,12 +238,13 @@ def voxel_coords(points: torch.Tensor, grid: Grid) -> torch.Tensor:
     """Ego points (..., 3) -> int64 (..., 3) voxel indices in (z, x, y) order by floor.
 
     Indices outside the grid stay outside (clamped to -1 or n) so bev.ops ignores them;
-    NaN/inf points map outside too instead of to an undefined integer.
+    NaN/inf points map outside too instead of to an undefined integer. The bounds enter as
+    scalars, one axis at a time: a tensor made from them on every call would be a host-to-device
+    copy on a GPU, which waits for all queued work and cannot be captured in a CUDA graph.
     """
-    lo = torch.tensor([grid.xbound[0], grid.ybound[0], grid.zbound[0]], dtype=points.dtype, device=points.device)
-    step = torch.tensor([grid.xbound[2], grid.ybound[2], grid.zbound[2]], dtype=points.dtype, device=points.device)
-    n = torch.tensor([grid.nx, grid.ny, grid.nz], dtype=points.dtype, device=points.device)
-    idx = torch.floor((points - lo) / step)
-    idx = torch.nan_to_num(idx, nan=-1.0, posinf=float(max(grid.nx, grid.ny, grid.nz)), neginf=-1.0)
-    idx = torch.maximum(torch.minimum(idx, n), torch.full_like(idx, -1.0)).long()
-    return idx[..., [2, 0, 1]]
+    axes = ((2, grid.zbound, grid.nz), (0, grid.xbound, grid.nx), (1, grid.ybound, grid.ny))
+    cols = []
+    for axis, (lo, _, step), n in axes:
+        idx = torch.floor((points[..., axis] - lo) / step)
+        cols.append(torch.nan_to_num(idx, nan=-1.0, posinf=float(n), neginf=-1.0).clamp(-1.0, float(n)))
+    return torch.stack(cols, dim=-1).long()

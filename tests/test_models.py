@@ -3,6 +3,9 @@ import urllib.error
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bev import ops
 
 from bev.geometry import Grid
 from bev.inference import ring_rig
@@ -140,3 +143,43 @@ def test_mixed_precision_forward_backward(dtype):
     assert torch.isfinite(out.float()).all()
     torch.testing.assert_close(out.float(), ref, rtol=0.1, atol=0.1)
     assert all(torch.isfinite(p.grad).all() for p in net.parameters() if p.grad is not None)
+
+
+class HostTraffic(TorchDispatchMode):
+    """Records the ops that move data between host and device on a GPU: tensors made from Python data
+    (lift_fresh: a blocking host-to-device copy) and scalar reads (_local_scalar_dense: .item()) or
+    data-dependent sizes (nonzero, masked_select, unique), which wait for the GPU."""
+
+    HOST = {"lift_fresh", "lift_fresh_copy", "_local_scalar_dense", "nonzero", "masked_select", "_unique2",
+            "unique_consecutive", "unique_dim"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.HOST:
+            self.seen.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(not ops.native_available("cpu"), reason="native CPU kernels not built")
+@pytest.mark.parametrize("splat,loss", [("bev_pool", "bce"), ("voxel_sum", "focal")])
+def test_training_step_never_waits_for_the_host(splat, loss):
+    """Forward, loss and backward enqueue device work only: on a GPU the host never stops to copy or
+    read a value mid-step (which also keeps the step capturable as a CUDA graph). Device-independent
+    ops, so the CPU run shows what a GPU run would do; the check itself sees both kinds of op."""
+    from bev.lit import BEVLitModule
+
+    torch.manual_seed(0)
+    net = LiftSplatShoot(GRID, SIZE, splat=splat, pool_backend="native", **TINY)
+    lit = BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], loss=loss, class_weight=1.0)
+    x = model_inputs()
+    target = (torch.rand(2, 1, *GRID.bev_shape) > 0.9).float()
+    net(*x)  # first call: lazy set-up outside the measured step
+    with HostTraffic() as traffic:
+        lit.loss(net(*x), target).backward()
+    assert traffic.seen == []
+    with HostTraffic() as traffic:
+        torch.tensor([1.0, 2.0]).sum().item()
+    assert traffic.seen == ["lift_fresh", "_local_scalar_dense"]
