@@ -11,7 +11,10 @@ nuScenes rig and the LSS validation crop (geometry decides how many points share
 
 Variants, alternated round-robin in one process with the same initial weights: fp32 eager
 NCHW, channels_last, bf16 autocast, both, torch.compile (fp32 NCHW), torch.compile with
-channels_last + bf16, and on a GPU the latter with CUDA graphs (compile mode "reduce-overhead").
+channels_last + bf16, and on a GPU the latter with CUDA graphs: compiled (compile mode
+"reduce-overhead") and eager ("graph+channels_last+bf16": the whole step, forward to optimiser,
+captured once as one CUDA graph after warm-up steps on a side stream, then replayed after copying
+the batch into the graph's static inputs; no compilation).
 Medians over --steps measured steps after --warmup steps (compile time is reported separately).
 The eager variants also get a per-part breakdown (camera encoder, geometry, splat, BEV encoder,
 loss, backward, optimiser). On --device cuda the forward is not
@@ -62,19 +65,22 @@ def clock(wait: bool = True) -> float:
     return time.perf_counter()
 
 
-# name -> (channels_last, bf16 autocast, torch.compile mode or None for eager). "reduce-overhead"
-# replays the compiled forward and backward as CUDA graphs: the host's launches, which bound the
-# paper config's GPU step at batch 4, are gone; on a CPU it is the same as "default".
+# name -> (channels_last, bf16 autocast, torch.compile mode or None for eager, whole-step CUDA graph).
+# "reduce-overhead" replays the compiled forward and backward as CUDA graphs; on a CPU it is the
+# same as "default". The graphed step needs no compiler. Both remove the host's ~1500 launches per
+# step, which bound the paper config's GPU step at batch 4.
 VARIANTS = {
-    "fp32": (False, False, None),
-    "channels_last": (True, False, None),
-    "bf16": (False, True, None),
-    "channels_last+bf16": (True, True, None),
-    "compile": (False, False, "default"),
-    "compile+channels_last": (True, False, "default"),
-    "compile+channels_last+bf16": (True, True, "default"),
-    "cudagraphs+channels_last+bf16": (True, True, "reduce-overhead"),
+    "fp32": (False, False, None, False),
+    "channels_last": (True, False, None, False),
+    "bf16": (False, True, None, False),
+    "channels_last+bf16": (True, True, None, False),
+    "compile": (False, False, "default", False),
+    "compile+channels_last": (True, False, "default", False),
+    "compile+channels_last+bf16": (True, True, "default", False),
+    "cudagraphs+channels_last+bf16": (True, True, "reduce-overhead", False),
+    "graph+channels_last+bf16": (True, True, None, True),
 }
+GRAPH_WARMUP = 3  # eager steps on a side stream before the capture: cuDNN autotuning, optimiser state
 PARTS = ("camera_encoder", "geometry", "splat", "bev_encoder", "loss", "backward", "optimizer")
 
 
@@ -179,7 +185,7 @@ class Variant:
         """Build the model of cfg in the variant's layout and precision (compiled if asked) and its optimiser."""
         import torch
 
-        channels_last, self.bf16, self.compiled = VARIANTS[name]  # compiled: the compile mode or None
+        channels_last, self.bf16, self.compiled, self.graphed = VARIANTS[name]  # compiled: the compile mode or None
         self.name = name
         self.lit = build(cfg, channels_last).to(DEVICE)
         self.lit.train()
@@ -187,19 +193,25 @@ class Variant:
         self.parts = None if self.compiled or DEVICE == "cuda" else PartTimer(self.net)
         if self.compiled:
             self.net.compile(mode=self.compiled)
-        self.opt = self.lit.make_optimizer()  # as configure_optimizers builds it
+        self.opt = graph_optimizer(self.lit) if self.graphed else self.lit.make_optimizer()  # as configure_optimizers builds it
         self.clip = cfg.trainer.get("gradient_clip_val")
         self.batch = batch
         self.times: list[float] = []
         self.breakdown: list[dict[str, float]] = []
         self.first_step_s: float | None = None
-        self.autocast = (lambda: torch.autocast(DEVICE, dtype=torch.bfloat16)) if self.bf16 else nullcontext
+        # A captured graph replays the casts it recorded: autocast's weight-cast cache must be off.
+        cache = not self.graphed
+        self.autocast = (lambda: torch.autocast(DEVICE, dtype=torch.bfloat16, cache_enabled=cache)) if self.bf16 else nullcontext
         self.wait = True  # False while profiled: no clock may wait for the GPU inside a step
+        self.graph, self.static, self.eager_steps = None, None, 0
+        self.graph_losses = []  # the loss of every replay, read at the end: proof that replays train
 
     def step(self) -> float:
         """One training step as Lightning runs it (autocast around forward + loss); returns seconds."""
         import torch
 
+        if self.graphed:
+            return self.graph_step()
         t = {}
         if self.parts:
             self.parts.t.clear()
@@ -226,6 +238,50 @@ class Variant:
         t.update(loss=t2 - t1, backward=t3 - t2, optimizer=t4 - t3)
         self.last_breakdown = t
         return t4 - t0
+
+    def graph_step(self) -> float:
+        """One step of the graphed variant: the batch copied into the static inputs, then GRAPH_WARMUP eager
+        steps on a side stream, one capture (replayed at once: capturing records the work, runs none), replays."""
+        import torch
+
+        t0 = clock(self.wait)
+        if self.static is None:
+            self.static = {k: v.clone() for k, v in self.batch.items()}
+        for k, v in self.batch.items():
+            self.static[k].copy_(v, non_blocking=True)
+        if self.graph is not None:
+            self.graph.replay()
+            self.graph_losses.append(self.static_loss.detach().clone())
+        elif self.eager_steps < GRAPH_WARMUP:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.whole_step(self.static)
+                self.opt.zero_grad(set_to_none=True)
+            torch.cuda.current_stream().wait_stream(side)
+            self.eager_steps += 1
+        else:
+            self.opt.zero_grad(set_to_none=True)  # the capture allocates the gradients the replays overwrite
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.static_loss = self.whole_step(self.static)
+            graph.replay()
+            self.graph = graph
+        self.last_breakdown = {}
+        return clock(self.wait) - t0
+
+    def whole_step(self, batch: dict):
+        """Forward and loss under the variant's autocast, backward, clipping, optimiser step; no clock inside.
+        Returns the loss."""
+        import torch
+
+        with self.autocast():
+            loss = self.lit.loss(self.lit(batch), batch["bev"])
+        loss.backward()
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.lit.parameters(), self.clip)
+        self.opt.step()
+        return loss
 
     def profile(self, steps: int) -> dict:
         """torch.profiler over `steps` steps with no waiting inside them: wall and GPU kernel time per
@@ -257,6 +313,17 @@ class Variant:
                 "top_self_ms": {e.key: round(self_ms(e), 3) for e in top}}
 
 
+def graph_optimizer(lit):
+    """The optimiser bev-train builds on a GPU (fused Adam/AdamW), capturable where fused: its step counters
+    then live on the GPU, so that its step can be captured in a CUDA graph."""
+    from bev.lit import fused_default
+
+    kw = fused_default(lit.optimizer_factory, "cuda")
+    if kw:
+        kw["capturable"] = True
+    return lit.optimizer_factory(params=[p for p in lit.parameters() if p.requires_grad], **kw)
+
+
 def median(xs):
     """The median, or None for no values."""
     return statistics.median(xs) if xs else None
@@ -265,6 +332,8 @@ def median(xs):
 def start_variant(cfg, key: str, name: str, batch: dict, warmup: int) -> Variant:
     """Build one variant and run its warm-up steps; a failure is kept in .error, not raised."""
     v = Variant(cfg, name, batch)
+    if v.graphed:  # the capture belongs to the warm-up, not to the measured steps
+        warmup = max(warmup, GRAPH_WARMUP + 1)
     try:
         v.first_step_s = v.step()  # includes compilation for the compiled variants
         for _ in range(warmup - 1):
@@ -295,6 +364,8 @@ def variant_record(v: Variant, batch_size: int, base: float | None) -> dict:
                speedup_vs_fp32=round(base / med, 2) if base else None, first_step_s=round(v.first_step_s, 2))
     keys = [k for k in ("forward", *PARTS, "forward_other") if k in v.breakdown[0]]
     rec["breakdown_s"] = {k: round(median([b[k] for b in v.breakdown]), 4) for k in keys}
+    if v.graphed:  # the same batch every step: replays that train make its loss fall
+        rec["replay_losses"] = [round(float(x), 5) for x in v.graph_losses]
     return rec
 
 
@@ -384,6 +455,8 @@ def print_table(results: dict) -> None:
                 continue
             parts = " ".join(f"{v['breakdown_s'].get(c, float('nan')):10.3f}" for c in cols)
             print(f"  {name:28s} {v['step_s']:8.3f} {v['speedup_vs_fp32'] or 0:7.2f}x {v['first_step_s']:9.1f}  {parts}")
+            if v.get("replay_losses"):
+                print(f"    graph replays: loss {v['replay_losses'][0]:.4f} -> {v['replay_losses'][-1]:.4f} on the repeated batch")
             if "profile" in v:
                 print_profile(v["profile"])
     if "loader" in results:
@@ -424,7 +497,7 @@ def parse_args(argv):
 
 def gpu_only(variant: str) -> bool:
     """Whether the variant means something only on a GPU (CUDA graphs)."""
-    return VARIANTS[variant][2] == "reduce-overhead"
+    return VARIANTS[variant][2] == "reduce-overhead" or VARIANTS[variant][3]
 
 
 def variants_to_run(a) -> dict[str, list[str]]:

@@ -7,8 +7,9 @@
 #   3. runs the GPU benchmarks: the op (scripts/bench_pool.py --device cuda: bandwidth vs the
 #      device's peak, the BEVFusion-style baseline, fused vs materialised, fp32/fp16/bf16) and the
 #      training step at the LSS paper config (scripts/bench_train.py --device cuda: fp32 NCHW vs
-#      channels_last / bf16, at the paper's batch 4 (also profiled: GPU kernel time, launches),
-#      where bf16 did not pay on an H200, and at 16, where channels_last + bf16 gave 1.70x there),
+#      channels_last / channels_last + bf16 / the latter as one captured CUDA graph, at the paper's
+#      batch 4 (also profiled: GPU kernel time, launches), where bf16 did not pay on an H200, and at
+#      16, where channels_last + bf16 gave 1.70x there),
 #   4. trains the embedded experiment on the GPU for a few hundred steps (bf16-mixed) on a small
 #      synthetic set and checks that the training loss went down,
 # and after each stage writes benchmarks/results/gpu_<device>.json and gpu_<device>.md (a short
@@ -200,7 +201,7 @@ if [ "$SKIP_BENCH" = 0 ]; then
   stage_start
   logged bench "$PY" scripts/bench_pool.py --device cuda --out "$BENCH_JSON"
   logged bench_train "$PY" scripts/bench_train.py --device cuda --configs paper --no-compile --steps 10 --warmup 3 --profile 3 \
-    --out "$TRAIN_BENCH_JSON"
+    --variants fp32 channels_last channels_last+bf16 graph+channels_last+bf16 --out "$TRAIN_BENCH_JSON"
   logged bench_train_b16 "$PY" scripts/bench_train.py --device cuda --configs paper --batch-size 16 --steps 10 --warmup 3 \
     --variants fp32 channels_last channels_last+bf16 --out "${TRAIN_BENCH_JSON%.json}_b16.json"
   stage_end bench

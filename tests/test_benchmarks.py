@@ -44,14 +44,38 @@ def test_bench_optimizer_alternates_the_default_and_fused_steps(tmp_path):
     assert 0 <= v["fused_faster_rounds"] <= 2 and v["fused_speedup_median_of_rounds"] > 0
 
 
-def test_cuda_graph_variant_is_only_a_default_on_a_gpu():
+def test_cuda_graph_variants_are_only_a_default_on_a_gpu():
     import bench_train
 
+    graphs = {"cudagraphs+channels_last+bf16", "graph+channels_last+bf16"}
     cpu = bench_train.variants_to_run(bench_train.parse_args(["--device", "cpu", "--configs", "embedded"]))
     gpu = bench_train.variants_to_run(bench_train.parse_args(["--device", "cuda", "--configs", "embedded"]))
-    assert "cudagraphs+channels_last+bf16" not in cpu["embedded"] and "cudagraphs+channels_last+bf16" in gpu["embedded"]
+    assert not graphs & set(cpu["embedded"]) and graphs <= set(gpu["embedded"])
     eager = bench_train.variants_to_run(bench_train.parse_args(["--device", "cuda", "--no-compile"]))
     assert all(bench_train.VARIANTS[v][2] is None for vs in eager.values() for v in vs)
+    assert all("graph+channels_last+bf16" in vs for vs in eager.values())  # the graphed step compiles nothing
+
+
+def test_graphed_step_gets_a_capturable_fused_optimiser():
+    import functools
+
+    import bench_train
+    import torch
+
+    class Lit(torch.nn.Module):
+        def __init__(self, factory):
+            super().__init__()
+            self.w, self.optimizer_factory = torch.nn.Parameter(torch.zeros(3)), factory
+
+        def make_optimizer(self):
+            return self.optimizer_factory(params=list(self.parameters()))
+
+    adam = bench_train.graph_optimizer(Lit(functools.partial(torch.optim.AdamW, lr=1e-3)))
+    assert adam.defaults["fused"] and adam.defaults["capturable"]
+    chosen = bench_train.graph_optimizer(Lit(functools.partial(torch.optim.AdamW, lr=1e-3, foreach=True)))
+    assert not chosen.defaults["capturable"]  # the config chose: left as configured (the capture will say so)
+    sgd = bench_train.graph_optimizer(Lit(functools.partial(torch.optim.SGD, lr=1e-3)))
+    assert isinstance(sgd, torch.optim.SGD)
 
 
 def test_bench_fast_layers_times_each_replaced_layer(tmp_path):
