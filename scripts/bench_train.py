@@ -355,13 +355,51 @@ def measure_steps(runs: list[Variant], steps: int, progress) -> None:
         progress.update(1)
 
 
-def variant_record(v: Variant, batch_size: int, base: float | None) -> dict:
-    """A variant's report entry: its error, or its median step, samples/s, speed-up and per-part medians."""
+def step_flops(cfg, batch: dict) -> int:
+    """Floating-point operations of one training step of cfg's model on the batch (layer_flops)."""
+    return layer_flops(build(cfg, channels_last=False).to(DEVICE), batch)[1]
+
+
+def layer_flops(lit, batch: dict) -> tuple[int, int]:
+    """(forward, whole step) floating-point operations: 2 per multiply-add of every convolution and linear
+    layer in the forward (nearly all of the step's arithmetic), and as many again in the backward for each
+    weight gradient and for each input gradient a layer needs; counted from one forward. (torch's
+    FlopCounterMode overcounts the backward of grouped and strided convolutions: 1551 GFLOP for the
+    paper step's 906.)"""
+    import torch
+    from torch import nn
+
+    forward = step = 0
+
+    def count(layer, args, out):
+        nonlocal forward, step
+        if isinstance(layer, nn.Conv2d):
+            per_output = layer.in_channels // layer.groups * layer.kernel_size[0] * layer.kernel_size[1]
+        else:
+            per_output = layer.in_features
+        flops = 2 * out.numel() * per_output
+        forward += flops
+        step += flops * (1 + layer.weight.requires_grad + args[0].requires_grad)
+
+    hooks = [m.register_forward_hook(count) for m in lit.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    try:
+        with torch.enable_grad():
+            lit(batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return forward, step
+
+
+def variant_record(v: Variant, batch_size: int, base: float | None, flops: int) -> dict:
+    """A variant's report entry: its error, or its median step, samples/s, speed-up, arithmetic rate and
+    per-part medians."""
     if v.error:
         return {"error": v.error}
     med = median(v.times)
     rec = dict(step_s=round(med, 4), steps_s=[round(x, 4) for x in v.times], samples_per_s=round(batch_size / med, 2),
-               speedup_vs_fp32=round(base / med, 2) if base else None, first_step_s=round(v.first_step_s, 2))
+               speedup_vs_fp32=round(base / med, 2) if base else None, first_step_s=round(v.first_step_s, 2),
+               gflop_per_s=round(flops / med / 1e9, 1))
     keys = [k for k in ("forward", *PARTS, "forward_other") if k in v.breakdown[0]]
     rec["breakdown_s"] = {k: round(median([b[k] for b in v.breakdown]), 4) for k in keys}
     if v.graphed:  # the same batch every step: replays that train make its loss fall
@@ -378,6 +416,7 @@ def bench_config(key: str, variants: list[str], steps: int, warmup: int, progres
     overrides = [*CONFIGS[key], *extra]
     cfg = compose_config(overrides)
     batch = {k: v.to(DEVICE) for k, v in real_rig_batch(cfg, int(cfg.data.batch_size)).items()}
+    flops = step_flops(cfg, batch)
     runs = []
     for name in variants:
         runs.append(start_variant(cfg, key, name, batch, warmup))
@@ -393,10 +432,11 @@ def bench_config(key: str, variants: list[str], steps: int, warmup: int, progres
         "grid": {k: list(cfg.grid[k]) for k in ("xbound", "ybound", "zbound", "dbound")},
         "camera_backbone": cfg.model.net.camera.backbone,
         "parameters": sum(p.numel() for p in runs[0].lit.parameters()),
+        "gflop_per_step": round(flops / 1e9, 1),
         "variants": {},
     }
     for v in runs:
-        out["variants"][v.name] = variant_record(v, out["batch_size"], base)
+        out["variants"][v.name] = variant_record(v, out["batch_size"], base, flops)
         if v.name in profiles:
             out["variants"][v.name]["profile"] = profiles[v.name]
         del v.lit, v.net, v.opt  # free the models before the next config builds its own
@@ -444,17 +484,23 @@ def print_profile(pr: dict) -> None:
 
 def print_table(results: dict) -> None:
     """Per config: one line per variant with its step time, speed-up and part breakdown; then the loader."""
+    if "matmul_gflop_per_s" in results:
+        print("matrix products on this device, GFLOP/s (the % after a variant's rate): "
+              + ", ".join(f"{k} {v:.0f}" for k, v in results["matmul_gflop_per_s"].items()))
     for key, r in results["configs"].items():
         print(f"\n{key}: {' '.join(r['overrides'])}  (batch {r['batch_size']}, {r['final_dim'][0]}x{r['final_dim'][1]}, "
-              f"{r['parameters'] / 1e6:.1f} M parameters)")
+              f"{r['parameters'] / 1e6:.1f} M parameters, {r['gflop_per_step']:.0f} GFLOP per step)")
         cols = ["camera_encoder", "geometry", "splat", "bev_encoder", "backward", "optimizer"]
-        print(f"  {'variant':28s} {'step s':>8s} {'speedup':>8s} {'1st step':>9s}  " + " ".join(f"{c[:10]:>10s}" for c in cols))
+        print(f"  {'variant':28s} {'step s':>8s} {'speedup':>8s} {'GFLOP/s':>14s} {'1st step':>9s}  "
+              + " ".join(f"{c[:10]:>10s}" for c in cols))
         for name, v in r["variants"].items():
             if "error" in v:
                 print(f"  {name:28s} failed: {v['error']}")
                 continue
             parts = " ".join(f"{v['breakdown_s'].get(c, float('nan')):10.3f}" for c in cols)
-            print(f"  {name:28s} {v['step_s']:8.3f} {v['speedup_vs_fp32'] or 0:7.2f}x {v['first_step_s']:9.1f}  {parts}")
+            rate = f"{v['gflop_per_s']:.1f} ({100 * v['of_matmul_rate']:.0f}%)" if "of_matmul_rate" in v else f"{v['gflop_per_s']:.1f}"
+            print(f"  {name:28s} {v['step_s']:8.3f} {v['speedup_vs_fp32'] or 0:7.2f}x {rate:>14s} "
+                  f"{v['first_step_s']:9.1f}  {parts}")
             if v.get("replay_losses"):
                 print(f"    graph replays: loss {v['replay_losses'][0]:.4f} -> {v['replay_losses'][-1]:.4f} on the repeated batch")
             if "profile" in v:
@@ -548,6 +594,35 @@ def loader_vs_model(embedded: dict) -> dict:
     return ld
 
 
+def matmul_rates() -> dict:
+    """GFLOP/s of square fp32 and bf16 matrix products on the device (median of 5 after 2 warm-ups): the
+    arithmetic rate the step's convolutions can at best approach. (On a GPU the fp32 product runs without
+    TF32, which cuDNN's fp32 convolutions use by default.)"""
+    import torch
+
+    n = 3072 if DEVICE == "cpu" else 8192
+    rates = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = (torch.randn(n, n, device=DEVICE, dtype=dtype) for _ in range(2))
+        times = []
+        for i in range(7):
+            t0 = clock()
+            a @ b
+            if i >= 2:
+                times.append(clock() - t0)
+        rates[str(dtype).removeprefix("torch.")] = round(2 * n**3 / median(times) / 1e9, 1)
+    return rates
+
+
+def add_matmul_fractions(results: dict) -> None:
+    """Each variant's GFLOP/s as a fraction of the matrix-product rate of its precision."""
+    for c in results["configs"].values():
+        for name, v in c["variants"].items():
+            if "gflop_per_s" in v:
+                rate = results["matmul_gflop_per_s"]["bfloat16" if VARIANTS[name][1] else "float32"]
+                v["of_matmul_rate"] = round(v["gflop_per_s"] / rate, 3)
+
+
 def host(load0: float) -> dict:
     """CPUs and their bf16 / vector capability, load at start and end, allocator settings, versions."""
     import torch
@@ -573,9 +648,12 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     torch.backends.cudnn.benchmark = a.device == "cuda"  # as trainer=gpu
     load0 = os.getloadavg()[0]
+    rates = matmul_rates()
     results = {"benchmark": f"training step (forward, loss, backward, clip, optimiser step), {a.device}",
                "device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or platform.machine(),
-               "steps": a.steps, "warmup": a.warmup, "threads": a.threads, "configs": bench_configs(a, variants)}
+               "steps": a.steps, "warmup": a.warmup, "threads": a.threads, "matmul_gflop_per_s": rates,
+               "configs": bench_configs(a, variants)}
+    add_matmul_fractions(results)
     if a.loader and "embedded" in a.configs and a.device == "cpu":
         results["loader"] = loader_vs_model(results["configs"]["embedded"]["variants"])
     results["host"] = host(load0)

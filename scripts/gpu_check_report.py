@@ -55,18 +55,20 @@ def pool_section(bench: dict, kept: Path) -> tuple[dict, list[str]]:
 
 
 def train_bench_section(tb: dict, kept: Path) -> tuple[dict, list[str]]:
-    """Each config's training-step variants: median step, speed-up over fp32 and, where profiled, the
-    GPU kernel time and launches per step."""
+    """Each config's training-step variants: median step, speed-up over fp32, arithmetic rate and, where
+    profiled, the GPU kernel time and launches per step."""
     section = {"file": os.path.relpath(kept), "configs": {}}
-    lines = ["", "| training step | variant | step ms | vs fp32 | GPU kernels ms | launches |", "|---|---|---:|---:|---:|---:|"]
+    lines = ["", "| training step | variant | step ms | vs fp32 | TFLOP/s | GPU kernels ms | launches |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for key, c in tb["configs"].items():
-        rows = {name: {k: v.get(k) for k in ("step_s", "speedup_vs_fp32", "error")} for name, v in c["variants"].items()}
+        rows = {name: {k: v.get(k) for k in ("step_s", "speedup_vs_fp32", "gflop_per_s", "error")} for name, v in c["variants"].items()}
         for name, v in c["variants"].items():
             if "profile" in v:
                 rows[name].update(gpu_kernel_ms=v["profile"].get("gpu_kernel_ms"), kernels_per_step=v["profile"].get("kernels_per_step"))
         section["configs"][key] = rows
         for name, v in rows.items():
-            cell = f"{1e3 * v['step_s']:.1f} | {v['speedup_vs_fp32']}x" if v["step_s"] else f"failed: {v['error']} |"
+            tflops = fmt(v["gflop_per_s"] / 1e3 if v.get("gflop_per_s") else None, ".1f")
+            cell = f"{1e3 * v['step_s']:.1f} | {v['speedup_vs_fp32']}x | {tflops}" if v["step_s"] else f"failed: {v['error']} | |"
             prof = f"{fmt(v.get('gpu_kernel_ms'), '.1f')} | {fmt(v.get('kernels_per_step'), 'd')}"
             lines.append(f"| {key} (batch {c['batch_size']}) | {name} | {cell} | {prof} |")
     return section, lines

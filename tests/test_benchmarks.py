@@ -30,6 +30,47 @@ def test_bench_train_profiles_each_variant(tmp_path, capsys):
     assert pr["steps"] == 1 and pr["wall_ms"] > 0 and pr["gpu_kernel_ms"] is None  # no GPU here
     assert pr["top_self_ms"] and all(ms >= 0 for ms in pr["top_self_ms"].values())
     assert "profiled:" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    config = report["configs"]["embedded"]
+    assert rec["gflop_per_s"] == pytest.approx(config["gflop_per_step"] / rec["step_s"], rel=0.01)
+    assert rec["of_matmul_rate"] == pytest.approx(rec["gflop_per_s"] / report["matmul_gflop_per_s"]["float32"], rel=0.01)
+
+
+def test_step_flops_counts_forward_and_backward(monkeypatch):
+    """A depthwise strided convolution, a dense one and a linear layer, counted by hand."""
+    import bench_train
+    import torch
+    from torch import nn
+
+    class Lit(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dw = nn.Conv2d(4, 4, 5, stride=2, padding=2, groups=4)  # (2, 4, 8, 8) -> (2, 4, 4, 4)
+            self.conv = nn.Conv2d(4, 6, 3, padding=1)                      # -> (2, 6, 4, 4)
+            self.fc = nn.Linear(6 * 16, 3)
+
+        def forward(self, batch):
+            return self.fc(self.conv(self.dw(batch["x"])).flatten(1))
+
+    monkeypatch.setattr(bench_train, "build", lambda cfg, channels_last: Lit())
+    dw, conv, fc = 2 * (2 * 4 * 4 * 4) * 25, 2 * (2 * 6 * 4 * 4) * 4 * 9, 2 * (2 * 3) * 96
+    # the images need no gradient: the first layer's backward is its weight gradient only
+    assert bench_train.step_flops(None, {"x": torch.randn(2, 4, 8, 8)}) == 2 * dw + 3 * conv + 3 * fc
+
+
+def test_layer_flops_forward_agrees_with_torch_flop_counter():
+    """The forward count, where torch's counter is right, on the embedded model: an independent count."""
+    import bench_train
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = bench_train.compose_config(bench_train.CONFIGS["embedded"])
+    batch = bench_train.real_rig_batch(cfg, 1)
+    lit = bench_train.build(cfg, channels_last=False)
+    with FlopCounterMode(display=False) as counter:
+        lit(batch)
+    forward, step = bench_train.layer_flops(lit, batch)
+    assert forward == pytest.approx(counter.get_total_flops(), rel=1e-3)  # its extra: the geometry's tiny bmm
+    assert 2 * forward < step < 3 * forward  # the images' layer has no input gradient
 
 
 def test_bench_optimizer_alternates_the_default_and_fused_steps(tmp_path):

@@ -38,7 +38,7 @@ def _work_dir(tmp_path: Path, losses: list[float]) -> Path:
         "results": [{"size": "lss", "dtype": "float32", "rows": [row, dict(row, method="index_add_")]}],
         "targets": [{"target": "fused faster", "ratio": 1.3, "met": True}]}))
     (work / "bench_train_cuda.json").write_text(json.dumps({"configs": {"paper": {"batch_size": 4, "variants": {
-        "fp32": {"step_s": 0.05, "speedup_vs_fp32": 1.0, "profile": {"gpu_kernel_ms": 28.2, "kernels_per_step": 1496}},
+        "fp32": {"step_s": 0.05, "speedup_vs_fp32": 1.0, "gflop_per_s": 31000.0, "profile": {"gpu_kernel_ms": 28.2, "kernels_per_step": 1496}},
         "bf16": {"error": "RuntimeError: x"}}}}}))
     (work / "bench_train_cuda_b16.json").write_text(json.dumps({"configs": {"paper": {"batch_size": 16, "variants": {
         "fp32": {"step_s": 0.1, "speedup_vs_fp32": 1.0}, "channels_last+bf16": {"step_s": 0.05, "speedup_vs_fp32": 2.0}}}}}))
@@ -69,7 +69,7 @@ def test_report_of_a_finished_check(tmp_path, monkeypatch):
     assert (tmp_path / "results" / "bench_pool_cuda_some_gpu.json").exists()
     assert report["bench_train_b16"]["configs"]["paper"]["channels_last+bf16"]["speedup_vs_fp32"] == 2.0
     assert report["bench_train"]["configs"]["paper"]["fp32"]["kernels_per_step"] == 1496
-    assert "| paper (batch 4) | fp32 | 50.0 | 1.0x | 28.2 | 1496 |" in md
+    assert "| paper (batch 4) | fp32 | 50.0 | 1.0x | 31.0 | 28.2 | 1496 |" in md
     assert "| paper (batch 16) | channels_last+bf16 | 50.0 | 2.0x | - | - |" in md
     assert "overall: OK" in md
 
