@@ -14,7 +14,7 @@ NCHW, channels_last, bf16 autocast, both, torch.compile (fp32 NCHW), torch.compi
 channels_last + bf16, and on a GPU the latter with CUDA graphs: compiled (compile mode
 "reduce-overhead") and eager ("graph+channels_last+bf16": the whole step, forward to optimiser,
 captured once as one CUDA graph after warm-up steps on a side stream, then replayed after copying
-the batch into the graph's static inputs; no compilation).
+the batch into the graph's static inputs; no compilation; "graph" is the same in fp32 NCHW).
 Medians over --steps measured steps after --warmup steps (compile time is reported separately).
 The eager variants also get a per-part breakdown (camera encoder, geometry, splat, BEV encoder,
 loss, backward, optimiser). On --device cuda the forward is not
@@ -78,6 +78,7 @@ VARIANTS = {
     "compile+channels_last": (True, False, "default", False),
     "compile+channels_last+bf16": (True, True, "default", False),
     "cudagraphs+channels_last+bf16": (True, True, "reduce-overhead", False),
+    "graph": (False, False, None, True),
     "graph+channels_last+bf16": (True, True, None, True),
 }
 GRAPH_WARMUP = 3  # eager steps on a side stream before the capture: cuDNN autotuning, optimiser state

@@ -2,8 +2,9 @@
 # One command that proves bev.ops on a GPU machine (`make gpu-check`), in about 10 minutes:
 #   1. builds the extension in place for this device (TORCH_CUDA_ARCH_LIST from its capability) and
 #      checks that a C++ error inside it raises (where it crashes: rebuilds with the system's g++),
-#   2. runs the CUDA tests (tests/test_ops_cuda.py), the emulated ones (tests/test_ops_cuda_emulated.py)
-#      and the native kernels' value tests under compute-sanitizer memcheck,
+#   2. runs the CUDA tests (tests/test_ops_cuda.py; tests/test_train_cuda.py: a training step that never
+#      synchronises, and one captured as a CUDA graph that trains as the eager one), the emulated ones
+#      (tests/test_ops_cuda_emulated.py) and the native kernels' value tests under compute-sanitizer memcheck,
 #   3. runs the GPU benchmarks: the op (scripts/bench_pool.py --device cuda: bandwidth vs the
 #      device's peak, the BEVFusion-style baseline, fused vs materialised, fp32/fp16/bf16) and the
 #      training step at the LSS paper config (scripts/bench_train.py --device cuda: fp32 NCHW vs
@@ -179,7 +180,8 @@ say "2. CUDA tests + emulated CUDA kernels"
 stage_start
 # Two processes, so that a crash in one (a C++ exception thrown through a broken unwinder is a
 # segfault: seen with the H200 image's compiler, see benchmarks/results/gpu_nvidia_h200.md) keeps the other's report.
-logged tests "$PY" -X faulthandler -m pytest -q -p no:cacheprovider -m cuda tests/test_ops_cuda.py --junitxml="$LOGS/tests.xml"
+logged tests "$PY" -X faulthandler -m pytest -q -p no:cacheprovider -m cuda tests/test_ops_cuda.py tests/test_train_cuda.py \
+  --junitxml="$LOGS/tests.xml"
 logged tests_emulated "$PY" -X faulthandler -m pytest -q -p no:cacheprovider -m cuda_emulated tests/test_ops_cuda_emulated.py \
   --junitxml="$LOGS/tests_emulated.xml"
 # Out-of-bounds and misaligned accesses that a value check can miss: the native kernels' value tests
