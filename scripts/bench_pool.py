@@ -27,7 +27,9 @@ measured copy bandwidth and its theoretical peak (memory clock x bus width), per
 
 User level (--section user, LSS size): each method called as a training step calls it: fresh
 input tensors every call, the plan built in the call, out.sum().backward() (an expanded,
-stride-0 gradient); methods alternate within each round; medians of wall and CPU time.
+stride-0 gradient); methods alternate within each round; medians of wall and CPU time. Beside
+them, as a floor, a call that only moves the memory any implementation must (the rows read, the
+output and the rows' gradient written, once each): index_add_ over it is the most any could reach.
 
 The process keeps freed memory mapped (bev.utils.malloc.tune_malloc_in_process, as the CPU
 training entry does); BEV_MALLOC_TUNING=0 measures glibc's defaults (stored separately under
@@ -427,12 +429,30 @@ def bench_size(name, size, device, repeats, methods, baseline, dtype=torch.float
 # and out.sum().backward(), whose gradient is expanded (stride 0). Methods alternate within
 # each round (order reversed every other round) so load changes hit them alike.
 # ---------------------------------------------------------------------------------------------
+class _TrafficOnly(torch.autograd.Function):
+    """Not a pooling: the memory traffic a voxel_sum call cannot avoid and nothing else, as a floor to
+    compare with. Forward reads the rows once and writes a zero output once; backward writes the rows'
+    gradient once. No keys, no sort, no gathering."""
+
+    @staticmethod
+    def forward(ctx, points, out_shape):
+        ctx.rows = points.shape
+        points.sum()  # every row read once
+        return points.new_zeros(out_shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.new_empty(ctx.rows).fill_(1.0), None
+
+
+TRAFFIC_ONLY = "memory traffic only (floor)"
 USER_METHODS = {
     "native voxel_sum": METHODS["native voxel_sum"],
     "native bev_pool": METHODS["native bev_pool"],
     "torch voxel_sum": METHODS["reference voxel_sum"],
     "quickcumsum voxel_sum": METHODS["quickcumsum voxel_sum"],
     "index_add_": METHODS["index_add_"],
+    TRAFFIC_ONLY: dict(leaf="points", fn=lambda s: _TrafficOnly.apply(s["points"], (*s["grid"][:1], s["points"].shape[1], *s["grid"][1:]))),
 }
 
 
@@ -483,9 +503,12 @@ def user_level(name, size, device, rounds, skip=()):
 def user_level_ratios(result, key="fwd_bwd_ms"):
     """How many times faster native voxel_sum / bev_pool are than each other method (medians)."""
     by = {row["method"]: row[key] for row in result["rows"]}
-    return {f"{other} / {mine}": by[other] / by[mine]
-            for mine in ("native voxel_sum", "native bev_pool") if mine in by
-            for other in ("quickcumsum voxel_sum", "torch voxel_sum", "index_add_") if other in by}
+    ratios = {f"{other} / {mine}": by[other] / by[mine]
+              for mine in ("native voxel_sum", "native bev_pool") if mine in by
+              for other in ("quickcumsum voxel_sum", "torch voxel_sum", "index_add_") if other in by}
+    if TRAFFIC_ONLY in by and "index_add_" in by:  # the most any implementation could reach over index_add_
+        ratios[f"index_add_ / {TRAFFIC_ONLY}"] = by["index_add_"] / by[TRAFFIC_ONLY]
+    return ratios
 
 
 def user_level_targets(user, device):

@@ -154,3 +154,18 @@ def test_bench_fast_layers_alternates_training_steps_with_and_without(tmp_path):
     s = json.loads(out.read_text())["training_step"]
     assert set(s["step_s"]) == {"fp32 fast", "fp32 plain", "channels_last+bf16 fast", "channels_last+bf16 plain"}
     assert s["bf16_speedup_fast"] > 0 and s["fast_layers_speedup_fp32"] > 0
+
+
+def test_bench_pool_user_level_reports_the_memory_traffic_floor(tmp_path):
+    """The user-level section end to end (one round), in its own process: it tunes malloc process-wide."""
+    import subprocess
+
+    out = tmp_path / "pool.json"
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(repo / "scripts" / "bench_pool.py"), "--device", "cpu", "--section", "user", "--rounds", "1",
+           "--threads", "2", "--skip", "quickcumsum voxel_sum", "torch voxel_sum", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+    lss = json.loads(out.read_text())["user_level"]["malloc_tuned"]["lss"]
+    floor = next(r for r in lss["rows"] if r["method"] == "memory traffic only (floor)")
+    assert floor["fwd_bwd_ms"] > 0 and lss["ratios"]["index_add_ / memory traffic only (floor)"] > 0
+    assert {"index_add_ / native voxel_sum", "index_add_ / native bev_pool"} <= set(lss["ratios"])
