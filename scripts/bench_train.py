@@ -536,6 +536,9 @@ def parse_args(argv):
                         "inside a step): wall vs GPU kernel time, launches per step, the ops with the most self time")
     p.add_argument("--out", default=None, help="default benchmarks/results/bench_train_<device>.json")
     a = p.parse_args(argv)
+    graphed = [v for v in a.variants or [] if VARIANTS[v][3]]
+    if graphed and a.device != "cuda":
+        p.error(f"{', '.join(graphed)}: a CUDA graph needs a GPU; add --device cuda")
     a.out = a.out or str(REPO / f"benchmarks/results/bench_train_{a.device}.json")
     if a.quick:
         a.steps, a.warmup, a.compile = 2, 1, False

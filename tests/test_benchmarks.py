@@ -95,6 +95,8 @@ def test_cuda_graph_variants_are_only_a_default_on_a_gpu():
     eager = bench_train.variants_to_run(bench_train.parse_args(["--device", "cuda", "--no-compile"]))
     assert all(bench_train.VARIANTS[v][2] is None for vs in eager.values() for v in vs)
     assert all("graph+channels_last+bf16" in vs for vs in eager.values())  # the graphed step compiles nothing
+    with pytest.raises(SystemExit):
+        bench_train.parse_args(["--variants", "fp32", "graph"])  # on the CPU: refused, with the fix named
 
 
 def test_graphed_step_gets_a_capturable_fused_optimiser():
