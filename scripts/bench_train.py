@@ -204,7 +204,7 @@ class Variant:
         cache = not self.graphed
         self.autocast = (lambda: torch.autocast(DEVICE, dtype=torch.bfloat16, cache_enabled=cache)) if self.bf16 else nullcontext
         self.wait = True  # False while profiled: no clock may wait for the GPU inside a step
-        self.graph, self.static, self.eager_steps = None, None, 0
+        self.graph, self.static, self.side, self.eager_steps = None, None, None, 0
         self.graph_losses = []  # the loss of every replay, read at the end: proof that replays train
 
     def step(self) -> float:
@@ -254,17 +254,19 @@ class Variant:
             self.graph.replay()
             self.graph_losses.append(self.static_loss.detach().clone())
         elif self.eager_steps < GRAPH_WARMUP:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            # Warm-up and capture share one side stream: its library handles and workspaces exist before the capture.
+            self.side = self.side or torch.cuda.Stream()
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
                 self.whole_step(self.static)
                 self.opt.zero_grad(set_to_none=True)
-            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.current_stream().wait_stream(self.side)
             self.eager_steps += 1
         else:
             self.opt.zero_grad(set_to_none=True)  # the capture allocates the gradients the replays overwrite
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            self.side.wait_stream(torch.cuda.current_stream())  # the batch copied on the current stream
+            with torch.cuda.graph(graph, stream=self.side):
                 self.static_loss = self.whole_step(self.static)
             graph.replay()
             self.graph = graph
