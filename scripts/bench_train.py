@@ -194,7 +194,8 @@ class Variant:
         self.parts = None if self.compiled or DEVICE == "cuda" else PartTimer(self.net)
         if self.compiled:
             self.net.compile(mode=self.compiled)
-        self.opt = graph_optimizer(self.lit) if self.graphed else self.lit.make_optimizer()  # as configure_optimizers builds it
+        # As configure_optimizers builds it; a graphed step needs it capturable too.
+        self.opt = graph_optimizer(self.lit) if self.graphed else self.lit.make_optimizer()
         self.clip = cfg.trainer.get("gradient_clip_val")
         self.batch = batch
         self.times: list[float] = []

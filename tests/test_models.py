@@ -6,7 +6,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bev import ops
-
 from bev.geometry import Grid
 from bev.inference import ring_rig
 from bev.models import BackboneWeightsError, BevEncoder, CameraEncoder, LiftSplatShoot
