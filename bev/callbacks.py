@@ -40,6 +40,31 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             torch.save(checkpoint, f)
 
 
+class ModelCheckpoint(L.pytorch.callbacks.ModelCheckpoint):
+    """Lightning's, with `save_last` writing last.ckpt at every epoch end (or validation) it checkpoints at.
+
+    Lightning (2.6) writes last.ckpt only when a top-k checkpoint is saved at the same step: with
+    `monitor` set, a run resumed from last.ckpt lost every epoch since its best one. The class keeps
+    Lightning's name, so the checkpoints' callback state keys stay the same."""
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if self._should_save_on_train_epoch_end(trainer):
+            self._save_last_if_missed(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if not self._should_save_on_train_epoch_end(trainer):
+            self._save_last_if_missed(trainer)
+
+    def _save_last_if_missed(self, trainer: L.Trainer) -> None:
+        """last.ckpt now, where Lightning checkpointed this step's epoch but wrote no last.ckpt."""
+        if (self.save_last and self._last_global_step_saved != trainer.global_step
+                and not self._should_skip_saving_checkpoint(trainer)
+                and (trainer.current_epoch + 1) % max(self._every_n_epochs, 1) == 0):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
 class BevPngLogger(L.Callback):
     """Every `every_n_steps` optimiser steps, writes <dirpath>/step_NNNNNNN.png: the 6 cameras of the
     first training sample and its BEV prediction next to the target (bev.viz.save_sample_png)."""

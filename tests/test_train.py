@@ -169,6 +169,16 @@ def test_resume_from_last_continues_the_step_count(trained_run, synthetic_root, 
     assert first > 0 and rec["global_step"] == 2 * first and rec["epochs"] == 2
 
 
+def test_last_checkpoint_follows_every_epoch_not_only_the_best(synthetic_root, tmp_path, monkeypatch):
+    # val/iou_best never falls, so under mode=min only the first epoch is a top-k checkpoint.
+    args = [*TINY, "data.batch_size=1", "trainer.max_epochs=3", "callbacks.model_checkpoint.monitor=val/iou_best",
+            "callbacks.model_checkpoint.mode=min", f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
+    assert train_cli(args, monkeypatch) == 0
+    best = sorted(p.name for p in (tmp_path / "checkpoints").glob("epoch_*.ckpt"))
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert best == ["epoch_000.ckpt"] and last["global_step"] == 9 and last["epoch"] == 2
+
+
 def test_sweep_writes_a_sorted_summary(synthetic_root, tmp_path, monkeypatch):
     args = ["-m", *TINY, "model.optimizer.lr=1e-3,3e-3", "callbacks.bev_png.every_n_steps=0",
             f"data.dataroot={synthetic_root}", f"hydra.sweep.dir={tmp_path}"]
