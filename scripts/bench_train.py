@@ -23,7 +23,8 @@ GPU's work, the very overlap that decides a GPU step), and cuDNN autotuning is o
 trainer=gpu. With --loader it also times the configured data loader on a small synthetic set
 (scripts/bench_loader.py) to compare its samples/s with the model's. --batch-size replaces the
 configs' batch size. --profile N then profiles N more steps of each variant (torch.profiler, no
-clock inside a step). The optimiser is built as bev-train builds it (fused on CUDA). Writes JSON
+clock inside a step). The optimiser is built as bev-train builds it (fused on CUDA; for the graphed
+variants as with model.cuda_graph=true, whose bev.cuda_graph they run). Writes JSON
 to --out atomically.
 """
 from __future__ import annotations
@@ -81,7 +82,6 @@ VARIANTS = {
     "graph": (False, False, None, True),
     "graph+channels_last+bf16": (True, True, None, True),
 }
-GRAPH_WARMUP = 3  # eager steps on a side stream before the capture: cuDNN autotuning, optimiser state
 PARTS = ("camera_encoder", "geometry", "splat", "bev_encoder", "loss", "backward", "optimizer")
 
 
@@ -194,8 +194,9 @@ class Variant:
         self.parts = None if self.compiled or DEVICE == "cuda" else PartTimer(self.net)
         if self.compiled:
             self.net.compile(mode=self.compiled)
-        # As configure_optimizers builds it; a graphed step needs it capturable too.
-        self.opt = graph_optimizer(self.lit) if self.graphed else self.lit.make_optimizer()
+        # As configure_optimizers builds it (with model.cuda_graph=true for the graphed variants).
+        self.lit.cuda_graph = self.graphed
+        self.opt = self.lit.make_optimizer()
         self.clip = cfg.trainer.get("gradient_clip_val")
         self.batch = batch
         self.times: list[float] = []
@@ -205,7 +206,13 @@ class Variant:
         cache = not self.graphed
         self.autocast = (lambda: torch.autocast(DEVICE, dtype=torch.bfloat16, cache_enabled=cache)) if self.bf16 else nullcontext
         self.wait = True  # False while profiled: no clock may wait for the GPU inside a step
-        self.graph, self.static, self.side, self.eager_steps = None, None, None, 0
+        self.graph = None
+        if self.graphed:  # as bev-train's model.cuda_graph=true runs it (bev.cuda_graph)
+            from bev.cuda_graph import GraphOptimizer, StepGraph
+
+            self.graph_opt = GraphOptimizer(self.opt)
+            self.graph_opt.prepare()
+            self.graph = StepGraph(self.whole_step)
         self.graph_losses = []  # the loss of every replay, read at the end: proof that replays train
 
     def step(self) -> float:
@@ -242,50 +249,30 @@ class Variant:
         return t4 - t0
 
     def graph_step(self) -> float:
-        """One step of the graphed variant: the batch copied into the static inputs, then GRAPH_WARMUP eager
-        steps on a side stream, one capture (replayed at once: capturing records the work, runs none), replays."""
-        import torch
-
+        """One step of the graphed variant (bev.cuda_graph.StepGraph): a few eager steps on a side stream,
+        one capture (replayed at once), then replays after copying the batch into the captured one."""
         t0 = clock(self.wait)
-        if self.static is None:
-            self.static = {k: v.clone() for k, v in self.batch.items()}
-        for k, v in self.batch.items():
-            self.static[k].copy_(v, non_blocking=True)
-        if self.graph is not None:
-            self.graph.replay()
-            self.graph_losses.append(self.static_loss.detach().clone())
-        elif self.eager_steps < GRAPH_WARMUP:
-            # Warm-up and capture share one side stream: its library handles and workspaces exist before the capture.
-            self.side = self.side or torch.cuda.Stream()
-            self.side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.side):
-                self.whole_step(self.static)
-                self.opt.zero_grad(set_to_none=True)
-            torch.cuda.current_stream().wait_stream(self.side)
-            self.eager_steps += 1
-        else:
-            self.opt.zero_grad(set_to_none=True)  # the capture allocates the gradients the replays overwrite
-            graph = torch.cuda.CUDAGraph()
-            self.side.wait_stream(torch.cuda.current_stream())  # the batch copied on the current stream
-            with torch.cuda.graph(graph, stream=self.side):
-                self.static_loss = self.whole_step(self.static)
-            graph.replay()
-            self.graph = graph
+        self.graph_opt.sync()
+        replays = self.graph.replays
+        (loss,) = self.graph(self.batch)
+        if self.graph.replays > replays:
+            self.graph_losses.append(loss.clone())
         self.last_breakdown = {}
         return clock(self.wait) - t0
 
     def whole_step(self, batch: dict):
-        """Forward and loss under the variant's autocast, backward, clipping, optimiser step; no clock inside.
-        Returns the loss."""
+        """Gradients set to None, forward and loss under the variant's autocast, backward, clipping, optimiser
+        step; no clock inside. Returns (loss,)."""
         import torch
 
+        self.opt.zero_grad(set_to_none=True)
         with self.autocast():
             loss = self.lit.loss(self.lit(batch), batch["bev"])
         loss.backward()
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.lit.parameters(), self.clip)
         self.opt.step()
-        return loss
+        return (loss.detach(),)
 
     def profile(self, steps: int) -> dict:
         """torch.profiler over `steps` steps with no waiting inside them: wall and GPU kernel time per
@@ -317,17 +304,6 @@ class Variant:
                 "top_self_ms": {e.key: round(self_ms(e), 3) for e in top}}
 
 
-def graph_optimizer(lit):
-    """The optimiser bev-train builds on a GPU (fused Adam/AdamW), capturable where fused: its step counters
-    then live on the GPU, so that its step can be captured in a CUDA graph."""
-    from bev.lit import fused_default
-
-    kw = fused_default(lit.optimizer_factory, "cuda")
-    if kw:
-        kw["capturable"] = True
-    return lit.optimizer_factory(params=[p for p in lit.parameters() if p.requires_grad], **kw)
-
-
 def median(xs):
     """The median, or None for no values."""
     return statistics.median(xs) if xs else None
@@ -337,7 +313,7 @@ def start_variant(cfg, key: str, name: str, batch: dict, warmup: int) -> Variant
     """Build one variant and run its warm-up steps; a failure is kept in .error, not raised."""
     v = Variant(cfg, name, batch)
     if v.graphed:  # the capture belongs to the warm-up, not to the measured steps
-        warmup = max(warmup, GRAPH_WARMUP + 1)
+        warmup = max(warmup, v.graph.warmup + 1)
     try:
         v.first_step_s = v.step()  # includes compilation for the compiled variants
         for _ in range(warmup - 1):

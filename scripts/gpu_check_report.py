@@ -74,8 +74,9 @@ def train_bench_section(tb: dict, kept: Path) -> tuple[dict, list[str]]:
     return section, lines
 
 
-def train_section(train_run: Path) -> tuple[dict | None, list[str]]:
-    """Steps, mean loss of the first and last fifth of the logged steps, best val IoU; None without a log."""
+def train_section(train_run: Path, what: str = "training") -> tuple[dict | None, list[str]]:
+    """Steps, mean loss of the first and last fifth of the logged steps, best val IoU, s/step (training's
+    wall time, validations included); None without a log."""
     metrics = sorted(train_run.glob("csv/version_*/metrics.csv"))
     if not metrics:
         return None, []
@@ -88,9 +89,14 @@ def train_section(train_run: Path) -> tuple[dict | None, list[str]]:
     section = dict(run=os.path.relpath(train_run), steps=losses[-1][0] + 1, logged=len(losses),
                    loss_first_fifth=first, loss_last_fifth=last, loss_went_down=last < first)
     run_metrics = train_run / "metrics.json"
+    speed = ""
     if run_metrics.exists():
-        section["val_iou_best"] = json.loads(run_metrics.read_text())["metrics"].get("val/iou_best")
-    return section, ["", f"training: {section['steps']} steps, mean train/loss {first:.4f} (first fifth of the logged "
+        rec = json.loads(run_metrics.read_text())
+        section["val_iou_best"] = rec["metrics"].get("val/iou_best")
+        if rec.get("fit_wall_s") and rec.get("global_step"):
+            section["s_per_step"] = rec["fit_wall_s"] / rec["global_step"]
+            speed = f", {section['s_per_step'] * 1e3:.1f} ms/step with validations"
+    return section, ["", f"{what}: {section['steps']} steps{speed}, mean train/loss {first:.4f} (first fifth of the logged "
                          f"steps) -> {last:.4f} (last fifth): {'went down' if last < first else 'DID NOT go down'}"]
 
 
@@ -143,7 +149,14 @@ def main(argv=None) -> int:
     lines += benchmark_sections(a, report, a.results)
     report["train"], more = train_section(a.work / "train")
     lines += more
-    went_down = report["train"] is None or report["train"]["loss_went_down"]  # None: skipped (or failed, in `failed`)
+    report["train_graph"], more = train_section(a.work / "train_graph", "training as a CUDA graph (model.cuda_graph=true)")
+    lines += more
+    eager, graph = report["train"] or {}, report["train_graph"] or {}
+    if eager.get("s_per_step") and graph.get("s_per_step"):
+        report["train_graph"]["speedup_vs_eager"] = eager["s_per_step"] / graph["s_per_step"]
+        lines.append(f"captured step vs eager: {report['train_graph']['speedup_vs_eager']:.2f}x the training speed")
+    # None: skipped (or failed, in `failed`)
+    went_down = all(r is None or r["loss_went_down"] for r in (report["train"], report["train_graph"]))
     ok = report["ok"] = not failed and not pending and went_down
     lines += ["", f"stage seconds: {report['stage_seconds']}",
               f"overall: {'OK' if ok else 'NOT DONE' if pending and not failed else 'FAILED'}"

@@ -99,28 +99,6 @@ def test_cuda_graph_variants_are_only_a_default_on_a_gpu():
         bench_train.parse_args(["--variants", "fp32", "graph"])  # on the CPU: refused, with the fix named
 
 
-def test_graphed_step_gets_a_capturable_fused_optimiser():
-    import functools
-
-    import bench_train
-    import torch
-
-    class Lit(torch.nn.Module):
-        def __init__(self, factory):
-            super().__init__()
-            self.w, self.optimizer_factory = torch.nn.Parameter(torch.zeros(3)), factory
-
-        def make_optimizer(self):
-            return self.optimizer_factory(params=list(self.parameters()))
-
-    adam = bench_train.graph_optimizer(Lit(functools.partial(torch.optim.AdamW, lr=1e-3)))
-    assert adam.defaults["fused"] and adam.defaults["capturable"]
-    chosen = bench_train.graph_optimizer(Lit(functools.partial(torch.optim.AdamW, lr=1e-3, foreach=True)))
-    assert not chosen.defaults["capturable"]  # the config chose: left as configured (the capture will say so)
-    sgd = bench_train.graph_optimizer(Lit(functools.partial(torch.optim.SGD, lr=1e-3)))
-    assert isinstance(sgd, torch.optim.SGD)
-
-
 def test_bench_fast_layers_times_each_replaced_layer(tmp_path):
     import bench_fast_layers
 

@@ -20,7 +20,7 @@ def test_gpu_check_dry_run_composes_its_training_stage(tmp_path):
     r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run"], capture_output=True, text=True,
                        env=env, timeout=300)
     assert r.returncode == 0 and "dry run done" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "bev.train experiment=synthetic_cpu trainer=gpu" in r.stdout
+    assert "bev.train experiment=synthetic_cpu trainer=gpu" in r.stdout and "model.cuda_graph=true" in r.stdout
 
 
 def _work_dir(tmp_path: Path, losses: list[float]) -> Path:
@@ -42,9 +42,12 @@ def _work_dir(tmp_path: Path, losses: list[float]) -> Path:
         "bf16": {"error": "RuntimeError: x"}}}}}))
     (work / "bench_train_cuda_b16.json").write_text(json.dumps({"configs": {"paper": {"batch_size": 16, "variants": {
         "fp32": {"step_s": 0.1, "speedup_vs_fp32": 1.0}, "channels_last+bf16": {"step_s": 0.05, "speedup_vs_fp32": 2.0}}}}}))
-    run = work / "train" / "csv" / "version_0"
-    run.mkdir(parents=True)
-    (run / "metrics.csv").write_text("step,train/loss_step\n" + "".join(f"{i},{l}\n" for i, l in enumerate(losses)))
+    for name, wall in (("train", 20.0), ("train_graph", 8.0)):
+        run = work / name / "csv" / "version_0"
+        run.mkdir(parents=True)
+        (run / "metrics.csv").write_text("step,train/loss_step\n" + "".join(f"{i},{l}\n" for i, l in enumerate(losses)))
+        (work / name / "metrics.json").write_text(json.dumps({"metrics": {"val/iou_best": 0.2}, "fit_wall_s": wall,
+                                                             "global_step": len(losses)}))
     return work
 
 
@@ -66,6 +69,8 @@ def test_report_of_a_finished_check(tmp_path, monkeypatch):
     assert report["bench"]["headline"][0]["method"] == "native bev_pool"  # index_add_ is not a headline row
     assert report["bench_train"]["configs"]["paper"]["bf16"]["error"] == "RuntimeError: x"
     assert report["train"]["steps"] == 5 and report["train"]["loss_went_down"]
+    assert report["train_graph"]["loss_went_down"] and report["train_graph"]["speedup_vs_eager"] == 2.5
+    assert "captured step vs eager: 2.50x the training speed" in md and "1600.0 ms/step with validations" in md
     assert (tmp_path / "results" / "bench_pool_cuda_some_gpu.json").exists()
     assert report["bench_train_b16"]["configs"]["paper"]["channels_last+bf16"]["speedup_vs_fp32"] == 2.0
     assert report["bench_train"]["configs"]["paper"]["fp32"]["kernels_per_step"] == 1496

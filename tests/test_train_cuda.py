@@ -68,13 +68,27 @@ def test_graphed_step_trains_as_the_eager_step(bench):
     graphed = without_dropout(bench_train.Variant(cfg, "graph", batch))
     start = batch_loss(eager, batch)
     assert batch_loss(graphed, batch) == pytest.approx(start, rel=1e-4)  # same initial weights
-    steps = bench_train.GRAPH_WARMUP + 3  # warm-up steps, the capture (replayed once), two replays
+    steps = graphed.graph.warmup + 3  # warm-up steps, the capture (replayed once), two replays
     for _ in range(steps):
         eager.step()
         graphed.step()
-    assert graphed.graph is not None and len(graphed.graph_losses) == 2
+    assert graphed.graph.captured and graphed.graph.replays == 2 and len(graphed.graph_losses) == 2
     after = batch_loss(eager, batch)
     assert after < start  # it trains
     assert batch_loss(graphed, batch) == pytest.approx(after, rel=1e-3)
     # The replays' recorded losses (before each update) fall too.
     assert float(graphed.graph_losses[1]) < float(graphed.graph_losses[0]) < start
+
+
+@pytest.mark.parametrize("precision,rel", [("32-true", 2e-3), ("bf16-mixed", 3e-2)])
+def test_bev_train_with_a_captured_step_trains_as_eager(precision, rel, synthetic_root, tmp_path, monkeypatch):
+    """bev-train model.cuda_graph=true on the GPU (tiny model, 9 steps: 3 warm-up, the capture, 5 replays)
+    against the same run eager: the same training losses, step by step."""
+    pytest.importorskip("hydra", reason="bev-train needs hydra-core (gpu_check.sh: carry .whl/)")
+    from test_cuda_graph import GRAPH_RUN, run_losses
+
+    args = [*GRAPH_RUN, "trainer=gpu", f"trainer.precision={precision}", "callbacks.time_budget.budget=null"]
+    eager, rec = run_losses(args, synthetic_root, tmp_path / "eager", monkeypatch)
+    graphed, grec = run_losses([*args, "model.cuda_graph=true"], synthetic_root, tmp_path / "graph", monkeypatch)
+    assert len(graphed) == len(eager) == grec["global_step"] == 9
+    assert graphed == pytest.approx(eager, rel=rel)
