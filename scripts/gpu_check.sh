@@ -24,8 +24,11 @@
 # gpu-wheels` downloads them on a machine with an index): they
 # are installed with `pip install --no-index --no-deps --target` into a private directory.
 #
-# Usage: scripts/gpu_check.sh [--dry-run] [--steps N] [--skip-train] [--skip-bench]
+# Usage: scripts/gpu_check.sh [--dry-run] [--steps N] [--skip-train] [--skip-bench] [--step-only]
 #   --dry-run   check the machine and print the commands, run nothing (works without a GPU)
+#   --step-only the training step's checks alone, for a short lease: the build, tests/test_train_cuda.py,
+#               the paper-config step at batch 4 and both training runs (the op's tests, memcheck and
+#               benchmarks and the batch-16 step, all run on an H200 before, are left out)
 # Environment: PYTHON (default python3), GPU_CHECK_DIR (work dir, default outputs/gpu_check).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,13 +37,14 @@ PY=${PYTHON:-python3}
 WORK=${GPU_CHECK_DIR:-$REPO/outputs/gpu_check}
 RESULTS=$REPO/benchmarks/results
 STEPS=300
-DRY_RUN=0 SKIP_TRAIN=0 SKIP_BENCH=0
+DRY_RUN=0 SKIP_TRAIN=0 SKIP_BENCH=0 STEP_ONLY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
     --steps) STEPS=$2; shift ;;
     --skip-train) SKIP_TRAIN=1 ;;
     --skip-bench) SKIP_BENCH=1 ;;
+    --step-only) STEP_ONLY=1 ;;
     -h|--help) awk 'NR > 1 && /^#/ {print; next} NR > 1 {exit}' "$0"; exit 0 ;;  # the header above
     *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -182,18 +186,22 @@ say "2. CUDA tests + emulated CUDA kernels"
 stage_start
 # Two processes, so that a crash in one (a C++ exception thrown through a broken unwinder is a
 # segfault: seen with the H200 image's compiler, see benchmarks/results/gpu_nvidia_h200.md) keeps the other's report.
-logged tests "$PY" -X faulthandler -m pytest -q -p no:cacheprovider -m cuda tests/test_ops_cuda.py tests/test_train_cuda.py \
-  --junitxml="$LOGS/tests.xml"
-logged tests_emulated "$PY" -X faulthandler -m pytest -q -p no:cacheprovider -m cuda_emulated tests/test_ops_cuda_emulated.py \
-  --junitxml="$LOGS/tests_emulated.xml"
-# Out-of-bounds and misaligned accesses that a value check can miss: the native kernels' value tests
-# (fp32 and bf16) under compute-sanitizer's memcheck, where the toolkit has it (~40 s on an H200).
-SANITIZER=$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")
-if [ -x "$SANITIZER" ] || [ "$DRY_RUN" = 1 ]; then
-  logged memcheck "$SANITIZER" --tool memcheck --error-exitcode 9 "$PY" -m pytest -q -p no:cacheprovider -m cuda \
-    tests/test_ops_cuda.py -k "(native and (float32 or bfloat16)) or (adversarial and native)"
+if [ "$STEP_ONLY" = 1 ]; then
+  logged tests "$PY" -X faulthandler -m pytest -q -p no:cacheprovider -m cuda tests/test_train_cuda.py --junitxml="$LOGS/tests.xml"
 else
-  echo "no compute-sanitizer in $CUDA_HOME/bin: memcheck skipped"
+  logged tests "$PY" -X faulthandler -m pytest -q -p no:cacheprovider -m cuda tests/test_ops_cuda.py tests/test_train_cuda.py \
+    --junitxml="$LOGS/tests.xml"
+  logged tests_emulated "$PY" -X faulthandler -m pytest -q -p no:cacheprovider -m cuda_emulated tests/test_ops_cuda_emulated.py \
+    --junitxml="$LOGS/tests_emulated.xml"
+  # Out-of-bounds and misaligned accesses that a value check can miss: the native kernels' value tests
+  # (fp32 and bf16) under compute-sanitizer's memcheck, where the toolkit has it (~40 s on an H200).
+  SANITIZER=$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")
+  if [ -x "$SANITIZER" ] || [ "$DRY_RUN" = 1 ]; then
+    logged memcheck "$SANITIZER" --tool memcheck --error-exitcode 9 "$PY" -m pytest -q -p no:cacheprovider -m cuda \
+      tests/test_ops_cuda.py -k "(native and (float32 or bfloat16)) or (adversarial and native)"
+  else
+    echo "no compute-sanitizer in $CUDA_HOME/bin: memcheck skipped"
+  fi
 fi
 stage_end tests
 
@@ -203,10 +211,10 @@ TRAIN_BENCH_JSON=$WORK/bench_train_cuda.json
 if [ "$SKIP_BENCH" = 0 ]; then
   say "3. benchmark"
   stage_start
-  logged bench "$PY" scripts/bench_pool.py --device cuda --out "$BENCH_JSON"
+  [ "$STEP_ONLY" = 1 ] || logged bench "$PY" scripts/bench_pool.py --device cuda --out "$BENCH_JSON"
   logged bench_train "$PY" scripts/bench_train.py --device cuda --configs paper --no-compile --steps 10 --warmup 3 --profile 3 \
     --variants fp32 channels_last channels_last+bf16 graph+channels_last+bf16 --out "$TRAIN_BENCH_JSON"
-  logged bench_train_b16 "$PY" scripts/bench_train.py --device cuda --configs paper --batch-size 16 --steps 10 --warmup 3 \
+  [ "$STEP_ONLY" = 1 ] || logged bench_train_b16 "$PY" scripts/bench_train.py --device cuda --configs paper --batch-size 16 --steps 10 --warmup 3 \
     --variants fp32 channels_last channels_last+bf16 --out "${TRAIN_BENCH_JSON%.json}_b16.json"
   stage_end bench
 fi

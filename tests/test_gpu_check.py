@@ -21,6 +21,17 @@ def test_gpu_check_dry_run_composes_its_training_stage(tmp_path):
                        env=env, timeout=300)
     assert r.returncode == 0 and "dry run done" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     assert "bev.train experiment=synthetic_cpu trainer=gpu" in r.stdout and "model.cuda_graph=true" in r.stdout
+    assert "test_ops_cuda_emulated.py" in r.stdout and "bench_pool.py" in r.stdout
+
+
+def test_gpu_check_step_only_runs_the_training_step_checks(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_DIR": str(tmp_path)}
+    r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--step-only", "--skip-train"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    commands = [line for line in r.stdout.splitlines() if line.startswith("+ ")]
+    assert r.returncode == 0 and any("tests/test_train_cuda.py" in c for c in commands), r.stdout[-2000:] + r.stderr[-2000:]
+    assert any("bench_train.py" in c and "graph+channels_last+bf16" in c for c in commands)
+    assert not any(x in c for c in commands for x in ("test_ops_cuda", "memcheck", "bench_pool.py", "--batch-size 16", "bev.train"))
 
 
 def _work_dir(tmp_path: Path, losses: list[float]) -> Path:
