@@ -270,6 +270,8 @@ class BEVLitModule(L.LightningModule):
             problems.append("trainer.precision=16-mixed (its gradient scaler reads values back each step): use bf16-mixed")
         if trainer.accumulate_grad_batches != 1:
             problems.append("trainer.accumulate_grad_batches > 1: capture one batch per update")
+        if trainer.world_size > 1:
+            problems.append(f"{trainer.world_size} processes (DDP's gradient all-reduce is not captured): train on one GPU")
         if self.compile:
             problems.append("model.compile=true: choose one of the two")
         if problems:

@@ -206,3 +206,19 @@ def test_bench_train_graph_variant_trains_as_the_eager_one(stand_in, monkeypatch
         after = [float(v.lit.loss(v.lit(batch), batch["bev"])) for v in (eager, graphed)]
     assert after[1] == pytest.approx(after[0], rel=1e-4)
     assert float(graphed.graph_losses[1]) < float(graphed.graph_losses[0])
+
+
+def test_what_a_captured_step_cannot_do_is_named(stand_in):
+    from types import SimpleNamespace
+
+    from bev.lit import BEVLitModule
+
+    net = torch.nn.Linear(1, 1)
+    net.num_classes = 1
+    lit = BEVLitModule(net, functools.partial(torch.optim.Adam, lr=1e-3), cuda_graph=True, compile=True)
+    lit._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), precision="16-mixed",
+                                   accumulate_grad_batches=4, world_size=2)
+    with pytest.raises(ValueError) as e:
+        lit._check_graph_trainer()
+    for named in ("16-mixed", "accumulate_grad_batches", "2 processes", "model.compile", "model.cuda_graph=false"):
+        assert named in str(e.value)
