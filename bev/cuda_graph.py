@@ -14,6 +14,7 @@ with one launch. What a captured step must keep to:
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -111,8 +112,8 @@ def graph_optimizer_kwargs(factory: Callable[..., torch.optim.Optimizer]) -> dic
     cls = getattr(factory, "func", factory)
     given = getattr(factory, "keywords", {})
     try:
-        capturable = "capturable" in cls.__init__.__code__.co_varnames
-    except AttributeError:
+        capturable = "capturable" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):
         capturable = False
     if not capturable:
         raise ValueError(f"model.cuda_graph=true needs an optimiser with a capturable step (Adam, AdamW, ...); "
@@ -129,6 +130,10 @@ def _number(v: Any) -> Any:
     return v
 
 
+def _shown(v: Any) -> str:
+    return f"{v:.6g}" if isinstance(v, (int, float)) else repr(v)
+
+
 def plain_scheduler_state(state: dict) -> None:
     """A checkpoint's LR scheduler state with numbers for the tensor lrs it recorded (its `_last_lr`)."""
     for k, v in state.items():
@@ -140,10 +145,10 @@ class GraphOptimizer:
     """Makes an optimiser's step capturable and keeps the numbers a graph reads in GPU tensors.
 
     prepare(): capturable on (off: the single-tensor step, for a CPU stand-in), step counters on the
-    parameters' device, lr (and betas, unless fused) as tensors. sync(), before every step: a number a schedule wrote into a param group goes into its tensor;
-    any other number the step reads that changed since prepare() is refused. plain(state): a checkpoint's
-    optimiser state written as an eager run writes it (numbers, the config's flags), so that it resumes
-    anywhere, with or without a graph."""
+    parameters' device, lr (and betas, unless fused) as tensors. sync(), before every step: a number a
+    schedule wrote into a param group goes into its tensor; any other number the step reads that changed
+    since prepare() is refused. plain(state): a checkpoint's optimiser state written as an eager run
+    writes it (numbers, the config's flags), so that it resumes anywhere, with or without a graph."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.opt = optimizer
@@ -180,10 +185,10 @@ class GraphOptimizer:
                 group[key] = mine
             changed = {k: (v, group.get(k)) for k, v in frozen.items() if group.get(k) != v}
             if changed:
-                what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+                what = ", ".join(f"{k} {a:.6g} -> {_shown(b)}" for k, (a, b) in changed.items())
                 raise RuntimeError(f"model.cuda_graph: the optimiser's {what} changed after its step was captured, "
                                    f"and the graph would keep the old value; only {' and '.join(TENSOR_HYPERPARAMS)} may "
-                                   f"change (e.g. OneCycleLR with cycle_momentum on SGD changes momentum): "
+                                   f"change (e.g. OneCycleLR's cycle_momentum on RMSprop changes momentum): "
                                    f"change the schedule or set model.cuda_graph=false")
 
     def plain(self, state: dict) -> None:

@@ -122,6 +122,17 @@ def test_a_changed_number_the_graph_cannot_see_is_refused(stand_in):
         gopt.sync()
 
 
+def test_a_momentum_schedule_on_rmsprop_is_refused(stand_in):
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-2, momentum=0.9)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)  # cycles momentum
+    gopt = GraphOptimizer(opt)
+    gopt.prepare()
+    sched.step()
+    with pytest.raises(RuntimeError, match="momentum 0.95 -> 0.9"):
+        gopt.sync()
+
+
 def test_checkpoint_state_is_plain_and_the_live_optimiser_untouched(stand_in):
     model, opt, _ = toy()
     gopt = GraphOptimizer(opt)
