@@ -49,7 +49,9 @@ class CudaGraphBackend:
     def capture(self, fn: Callable[[], Any]) -> Any:
         self.graph = torch.cuda.CUDAGraph()
         self.side.wait_stream(torch.cuda.current_stream())  # the batch was copied on the current stream
-        with torch.cuda.graph(self.graph, stream=self.side):
+        # thread_local: the data loader's pin-memory thread allocates pinned buffers during the capture,
+        # which the default ("global") mode would turn into a failed capture and a dead loader.
+        with torch.cuda.graph(self.graph, stream=self.side, capture_error_mode="thread_local"):
             return fn()
 
     def replay(self) -> None:
