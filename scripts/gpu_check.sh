@@ -222,8 +222,9 @@ fi
 # ------------------------------------------------------------------------------ 4. training
 DATA=$WORK/synthetic
 # Pinned batches, as a GPU run would use: the capture must live beside the loader's pin-memory thread.
+# An hour's time budget never binds here; it measures s/step without validations and the first epoch.
 TRAIN_OVERRIDES=(experiment=synthetic_cpu trainer=gpu trainer.precision=bf16-mixed
-  ++trainer.max_steps="$STEPS" trainer.max_epochs=-1 callbacks.time_budget.budget=null trainer.log_every_n_steps=5
+  ++trainer.max_steps="$STEPS" trainer.max_epochs=-1 callbacks.time_budget.budget=3600 trainer.log_every_n_steps=5
   data.num_workers=4 data.pin_memory=true data.dataroot="$DATA" callbacks.bev_png.every_n_steps=1000000)
 GRAPH_OVERRIDES=(model.cuda_graph=true hydra.run.dir="$WORK/train_graph")
 if [ "$DRY_RUN" = 1 ] && [ "$SKIP_TRAIN" = 0 ]; then

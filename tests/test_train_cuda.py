@@ -88,7 +88,7 @@ def test_bev_train_with_a_captured_step_trains_as_eager(precision, rel, syntheti
     from test_cuda_graph import GRAPH_RUN, run_losses
 
     args = [*GRAPH_RUN, "trainer=gpu", f"trainer.precision={precision}", "callbacks.time_budget.budget=null"]
-    eager, rec = run_losses(args, synthetic_root, tmp_path / "eager", monkeypatch)
+    eager, _ = run_losses(args, synthetic_root, tmp_path / "eager", monkeypatch)
     graphed, grec = run_losses([*args, "model.cuda_graph=true"], synthetic_root, tmp_path / "graph", monkeypatch)
     assert len(graphed) == len(eager) == grec["global_step"] == 9
     assert graphed == pytest.approx(eager, rel=rel)
