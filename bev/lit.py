@@ -288,7 +288,11 @@ class BEVLitModule(L.LightningModule):
             warnings.filterwarnings("ignore", "To copy construct from a tensor", UserWarning, r"lightning\.pytorch\.callbacks")
             self.step_graph = StepGraph(self._whole_step)
         self.graph_optimizer.sync()  # a schedule's new lr and betas into the tensors the graph reads
+        captured = self.step_graph.captured
         loss, logits, depth_loss = self.step_graph(batch)
+        if not captured and self.step_graph.captured and self.trainer.is_global_zero:
+            print(f"model.cuda_graph: the training step was captured as one CUDA graph at step {self.global_step} "
+                  f"(after {self.step_graph.eager_steps} eager steps) and is replayed from now on", flush=True)
         return loss.clone(), logits, depth_loss  # the loss is logged, the next replay overwrites the captured one
 
     def _whole_step(self, batch: dict) -> tuple:

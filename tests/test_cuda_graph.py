@@ -182,11 +182,12 @@ def test_bev_train_graphed_trains_as_eager_and_resumes_either_way(stand_in, synt
         assert r["global_step"] == 15 and len(more) == 6 and all(x == x for x in more)
 
 
-def test_bev_train_graphed_under_bf16_autocast(stand_in, synthetic_root, tmp_path, monkeypatch):
+def test_bev_train_graphed_under_bf16_autocast(stand_in, synthetic_root, tmp_path, monkeypatch, capsys):
     args = [*GRAPH_RUN, "trainer.precision=bf16-mixed", "trainer.max_epochs=2"]
     eager, _ = run_losses(args, synthetic_root, tmp_path / "eager", monkeypatch)
     graphed, _ = run_losses([*args, "model.cuda_graph=true"], synthetic_root, tmp_path / "graph", monkeypatch)
     assert len(graphed) == 6 and graphed == pytest.approx(eager, rel=1e-3)
+    assert "captured as one CUDA graph at step 3 (after 3 eager steps)" in capsys.readouterr().out
 
 
 def test_bev_train_graphed_refuses_a_cpu_and_gradient_accumulation(synthetic_root, tmp_path, monkeypatch, capsys):
