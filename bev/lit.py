@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bev.cuda_graph import GraphOptimizer, StepGraph, graph_optimizer_kwargs, plain_scheduler_state
+from bev import cuda_graph as graphs  # model.cuda_graph
 from bev.geometry import CAMERA_GEOMETRY, Grid
 from bev.metrics import BevIoU, MapIoU
 
@@ -147,8 +147,8 @@ class BEVLitModule(L.LightningModule):
         self.scheduler_interval = scheduler_interval
         self.compile = compile
         self.cuda_graph = bool(cuda_graph)
-        self.step_graph: StepGraph | None = None  # built at the first graphed step, after any resume
-        self.graph_optimizer: GraphOptimizer | None = None
+        self.step_graph: graphs.StepGraph | None = None  # built at the first graphed step, after any resume
+        self.graph_optimizer: graphs.GraphOptimizer | None = None
         self.object_classes, self.map_classes = _class_names(net, object_classes, map_classes)
         self.class_names = self.object_classes + self.map_classes
         if loss not in LOSSES:
@@ -261,10 +261,8 @@ class BEVLitModule(L.LightningModule):
 
     def _check_graph_trainer(self) -> None:
         """Refuse what a captured step cannot do, naming the setting to change."""
-        from bev import cuda_graph
-
         trainer = self.trainer
-        cuda_graph.BACKEND.check(trainer.strategy.root_device)
+        graphs.BACKEND.check(trainer.strategy.root_device)
         problems = []
         if trainer.precision == "16-mixed":
             problems.append("trainer.precision=16-mixed (its gradient scaler reads values back each step): use bf16-mixed")
@@ -282,11 +280,11 @@ class BEVLitModule(L.LightningModule):
         """One step of the captured training step: warm-up, capture or replay (bev.cuda_graph.StepGraph)."""
         if self.step_graph is None:
             optimizer = self.optimizers().optimizer
-            self.graph_optimizer = GraphOptimizer(optimizer)
+            self.graph_optimizer = graphs.GraphOptimizer(optimizer)
             self.graph_optimizer.prepare()
             # LearningRateMonitor copies each lr with torch.tensor(), which warns for a tensor lr.
             warnings.filterwarnings("ignore", "To copy construct from a tensor", UserWarning, r"lightning\.pytorch\.callbacks")
-            self.step_graph = StepGraph(self._whole_step)
+            self.step_graph = graphs.StepGraph(self._whole_step)
         self.graph_optimizer.sync()  # a schedule's new lr and betas into the tensors the graph reads
         captured = self.step_graph.captured
         loss, logits, depth_loss = self.step_graph(batch)
@@ -356,7 +354,7 @@ class BEVLitModule(L.LightningModule):
         device_type = params[0].device.type if params else "cpu"
         precision = self._trainer.precision if self._trainer is not None else None
         if self.cuda_graph:
-            return self.optimizer_factory(params=params, **graph_optimizer_kwargs(self.optimizer_factory))
+            return self.optimizer_factory(params=params, **graphs.graph_optimizer_kwargs(self.optimizer_factory))
         return self.optimizer_factory(params=params, **fused_default(self.optimizer_factory, device_type, precision))
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
@@ -395,4 +393,4 @@ class BEVLitModule(L.LightningModule):
             for state in checkpoint.get("optimizer_states", []):
                 self.graph_optimizer.plain(state)
             for state in checkpoint.get("lr_schedulers", []):
-                plain_scheduler_state(state)
+                graphs.plain_scheduler_state(state)
