@@ -10,7 +10,10 @@ with one launch. What a captured step must keep to:
 - a capturable optimiser whose numbers a schedule changes are GPU tensors, filled in place: a
   number in a param group is frozen into the graph when it is captured, so the learning rate
   (and Adam's betas, which OneCycleLR cycles) become tensors, and any other number that changes
-  afterwards is refused with an error instead of being silently ignored.
+  afterwards is refused with an error instead of being silently ignored;
+- no bf16 weight cast made before the capture and reused inside it (it would stay stale on every
+  replay): Lightning enters autocast afresh for each training step, whose cache starts empty, and
+  the capturing step runs no forward before the capture, so the graph records every cast.
 """
 from __future__ import annotations
 

@@ -202,7 +202,8 @@ class Variant:
         self.times: list[float] = []
         self.breakdown: list[dict[str, float]] = []
         self.first_step_s: float | None = None
-        # A captured graph replays the casts it recorded: autocast's weight-cast cache must be off.
+        # Graphed: autocast's weight-cast cache off, so that no cast made outside the capture can be reused inside
+        # it (a fresh autocast per step already keeps it empty there, as in bev-train: bev.cuda_graph's docstring).
         cache = not self.graphed
         self.autocast = (lambda: torch.autocast(DEVICE, dtype=torch.bfloat16, cache_enabled=cache)) if self.bf16 else nullcontext
         self.wait = True  # False while profiled: no clock may wait for the GPU inside a step
