@@ -349,13 +349,16 @@ class BEVLitModule(L.LightningModule):
         self.log_dict({f"test/{k}": v for k, v in results.items()})
 
     def make_optimizer(self) -> torch.optim.Optimizer:
-        """model.optimizer over the trainable parameters (fused on CUDA unless the config says otherwise)."""
+        """model.optimizer over the trainable parameters (fused on CUDA unless the config says otherwise;
+        with model.cuda_graph, a step the graph can capture)."""
         params = [p for p in self.parameters() if p.requires_grad]
-        device_type = params[0].device.type if params else "cpu"
-        precision = self._trainer.precision if self._trainer is not None else None
         if self.cuda_graph:
-            return self.optimizer_factory(params=params, **graphs.graph_optimizer_kwargs(self.optimizer_factory))
-        return self.optimizer_factory(params=params, **fused_default(self.optimizer_factory, device_type, precision))
+            kwargs = graphs.graph_optimizer_kwargs(self.optimizer_factory)
+        else:
+            device_type = params[0].device.type if params else "cpu"
+            precision = self._trainer.precision if self._trainer is not None else None
+            kwargs = fused_default(self.optimizer_factory, device_type, precision)
+        return self.optimizer_factory(params=params, **kwargs)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clips a fused optimiser's gradients under bf16-mixed, which Lightning's mixed-precision plugin
