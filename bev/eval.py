@@ -48,7 +48,7 @@ def _test_metrics(cfg: DictConfig, loaded, data_cfg: DictConfig, datamodule) -> 
     """One trainer.test pass of the model over the data; returns its metrics without the "test/" prefix."""
     import lightning as L
 
-    from bev.utils.threads import threads_following_load
+    from bev.callbacks.threads import threads_following_load
 
     precision = cfg.get("precision") or OmegaConf.select(loaded.run_config, "trainer.precision", default="32-true")
     threads, accelerator = cfg.get("threads"), str(cfg.accelerator)

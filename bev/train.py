@@ -94,7 +94,7 @@ def _build_trainer(cfg: DictConfig):
 
 def _fit(cfg: DictConfig, trainer, model, datamodule, ckpt_path: str | None) -> float:
     """trainer.fit under the configured intra-op threads (bev.utils.threads); returns its wall time in seconds."""
-    from bev.utils.threads import threads_following_load
+    from bev.callbacks.threads import threads_following_load
 
     start = time.time()
     with threads_following_load(cfg.get("threads"), cfg.data.get("num_workers", 0),

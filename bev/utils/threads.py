@@ -99,17 +99,6 @@ def intra_op_threads(threads: int | str | None, num_workers: int, accelerator: s
         torch.set_num_threads(before)
 
 
-@contextmanager
-def threads_following_load(threads: int | str | None, num_workers: int, accelerator: str = "cpu",
-                           devices: int | str = 1) -> Iterator[list]:
-    """intra_op_threads for the block, yielding the Trainer callbacks that follow other processes' load:
-    [ThreadsFollowLoad] where `threads: auto` set n threads for one CPU process, else []."""
-    from bev.callbacks import ThreadsFollowLoad  # lazy: lightning
-
-    with intra_op_threads(threads, num_workers, accelerator, devices) as n:
-        yield [ThreadsFollowLoad(n)] if n and follows_load(threads, accelerator, devices) else []
-
-
 # ---------------------------------------------------------------------------------------------
 # Load of other processes on our CPUs (Linux /proc; None elsewhere)
 # ---------------------------------------------------------------------------------------------

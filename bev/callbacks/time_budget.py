@@ -1,126 +1,14 @@
-"""Training callbacks and plugins: atomic checkpoint writes, BEV PNG snapshots, a time budget, sweep summaries."""
+"""Fit training into a wall-clock budget by shortening it, with the LR schedule completing."""
 from __future__ import annotations
 
-import csv
 import datetime
-import json
 import logging
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
-from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities import rank_zero_only
-
-from bev.utils.io import atomic_open, explain_disk_full
 
 log = logging.getLogger(__name__)
-
-RUN_METRICS_FILE = "metrics.json"  # written by bev.train in every run directory
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """torch.save through bev.utils.io.atomic_open (same-directory temp file, fsync, os.replace).
-
-    Lightning's own save goes through an fsspec transaction whose temporary file lives in the
-    system temp dir; when that is another filesystem the final move is a copy, so a crash can
-    leave a truncated checkpoint. A same-directory rename is atomic on POSIX filesystems.
-    A full disk ends in one clear DiskFullError, not torch's "unexpected pos".
-    """
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError("AtomicCheckpointIO takes no storage_options")
-        # A full disk gives one DiskFullError naming the path and the free space. Inside atomic_open it is
-        # judged while the partial file still takes its space; outside, for the flush, fsync and rename.
-        with explain_disk_full(path), atomic_open(path, "wb") as f, explain_disk_full(path):
-            torch.save(checkpoint, f)
-
-
-class ModelCheckpoint(L.pytorch.callbacks.ModelCheckpoint):
-    """Lightning's, with `save_last` writing last.ckpt at every epoch end (or validation) it checkpoints at.
-
-    Lightning (2.6) writes last.ckpt only when a top-k checkpoint is saved at the same step: with
-    `monitor` set, a run resumed from last.ckpt lost every epoch since its best one. The class keeps
-    Lightning's name, so the checkpoints' callback state keys stay the same."""
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        super().on_train_epoch_end(trainer, pl_module)
-        if self._should_save_on_train_epoch_end(trainer):
-            self._save_last_if_missed(trainer)
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        super().on_validation_end(trainer, pl_module)
-        if not self._should_save_on_train_epoch_end(trainer):
-            self._save_last_if_missed(trainer)
-
-    def _save_last_if_missed(self, trainer: L.Trainer) -> None:
-        """last.ckpt now, where Lightning checkpointed this step's epoch but wrote no last.ckpt."""
-        if (self.save_last and self._last_global_step_saved != trainer.global_step
-                and not self._should_skip_saving_checkpoint(trainer)
-                and (trainer.current_epoch + 1) % max(self._every_n_epochs, 1) == 0):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-
-
-class BevPngLogger(L.Callback):
-    """Every `every_n_steps` optimiser steps, writes <dirpath>/step_NNNNNNN.png: the 6 cameras of the
-    first training sample and its BEV prediction next to the target (bev.viz.save_sample_png)."""
-
-    def __init__(self, dirpath: str, every_n_steps: int = 500):
-        self.dirpath = Path(dirpath)
-        self.every_n_steps = int(every_n_steps)
-
-    @rank_zero_only
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step
-        if self.every_n_steps <= 0 or (step % self.every_n_steps and step != 1):  # the first step, then every N
-            return
-        if not isinstance(outputs, dict) or "logits" not in outputs:
-            return
-        from bev.viz import save_sample_png
-
-        self.dirpath.mkdir(parents=True, exist_ok=True)
-        pred = outputs["logits"].float().sigmoid().cpu()
-        sample = {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in batch.items()}
-        save_sample_png(self.dirpath / f"step_{step:07d}.png", sample, pred=pred,
-                        class_names=getattr(pl_module, "class_names", None))
-
-
-class EpochSummary(L.Callback):
-    """One line per validation: epoch, step, mean train loss since the last line, val/loss, val/iou,
-    best, elapsed time and s/step (for logs without a progress bar)."""
-
-    def __init__(self) -> None:
-        self.start: float | None = None
-        self.loss_sum, self.loss_n = 0.0, 0
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        self.start = time.time()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if isinstance(outputs, dict) and "loss" in outputs:
-            # Summed where the loss is: float() here would wait for the GPU after every step.
-            self.loss_sum = self.loss_sum + outputs["loss"].detach().float()
-            self.loss_n += 1
-
-    @rank_zero_only
-    def on_validation_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or self.start is None:
-            return
-        m = trainer.callback_metrics
-
-        def fmt(key: str) -> str:
-            return f"{float(m[key]):.4f}" if key in m else "-"
-
-        train_loss = f"{float(self.loss_sum) / self.loss_n:.4f}" if self.loss_n else "-"
-        self.loss_sum, self.loss_n = 0.0, 0
-        elapsed = time.time() - self.start
-        print(f"epoch {trainer.current_epoch:3d} step {trainer.global_step:6d}  train/loss {train_loss}  "
-              f"val/loss {fmt('val/loss')}  val/iou {fmt('val/iou')}  val/iou_best {fmt('val/iou_best')}  "
-              f"{elapsed / 60:5.1f} min ({elapsed / max(trainer.global_step, 1):.2f} s/step incl. validation)", flush=True)
 
 
 def parse_duration(value: Any, name: str = "time_budget") -> float | None:
@@ -159,41 +47,6 @@ def parse_deadline(value: Any) -> float | None:
         raise ValueError(f"deadline must be a wall-clock time (Unix seconds), got {value!r}; for a duration use "
                          f"callbacks.time_budget.budget")
     return seconds
-
-
-class ThreadsFollowLoad(L.Callback):
-    """`threads: auto` on the CPU: at the start of training (or of testing) and of every epoch, torch's intra-op
-    threads become `max_threads` less one per CPU that other processes kept busy meanwhile
-    (bev.utils.threads.threads_for_load; a short probe before the first epoch). Each change is
-    printed. On an idle machine the count never changes."""
-
-    def __init__(self, max_threads: int, probe_s: float = 0.5):
-        self.max_threads, self.probe_s = int(max_threads), float(probe_s)
-        self.load = None
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        from bev.utils.threads import OtherLoad
-
-        self.load = OtherLoad()
-        time.sleep(self.probe_s)
-        self._follow("at the start")
-
-    def on_test_start(self, trainer, pl_module) -> None:  # bev-eval: one probe before its single pass
-        self.on_train_start(trainer, pl_module)
-
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        if self.load is not None and trainer.current_epoch > 0:
-            self._follow(f"in epoch {trainer.current_epoch - 1}")
-
-    def _follow(self, when: str) -> None:
-        from bev.utils.threads import threads_for_load
-
-        others = self.load.cpus_busy()
-        n = threads_for_load(self.max_threads, others)
-        if n != torch.get_num_threads():
-            torch.set_num_threads(n)
-            print(f"threads: {n} (other processes kept {others:.1f} of the CPUs busy {when})", flush=True)
-        self.load.mark()
 
 
 class TimeBudget(L.Callback):
@@ -434,76 +287,3 @@ def _fmt(seconds: float) -> str:
 def _announce(trainer, message: str) -> None:
     if trainer.is_global_zero:
         log.warning(message)  # Hydra shows it on the console and keeps it in <run>/train.log
-
-
-# ----------------------------------------------------------------------------- sweep summary
-def _scalar(v: Any) -> Any:
-    return None if v is None or (isinstance(v, float) and v != v) else v
-
-
-def summarize_sweep(sweep_dir: str | os.PathLike, sort_key: str = "val/iou_best") -> list[dict[str, Any]]:
-    """Collect <sweep_dir>/*/metrics.json into summary.csv and summary.md, best `sort_key` first.
-
-    Runs without a metrics file (crashed, killed) are listed with status "missing".
-    Returns the rows.
-    """
-    sweep_dir = Path(sweep_dir)
-    rows = []
-    for run in sorted((p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")), key=lambda p: p.name):
-        f = run / RUN_METRICS_FILE
-        if not f.is_file():
-            if (run / ".hydra").is_dir():
-                rows.append({"run": run.name, "status": "missing", "overrides": _overrides(run)})
-            continue
-        rec = json.loads(f.read_text())
-        row = {"run": run.name, "status": rec.get("status", "ok"), "overrides": " ".join(rec.get("overrides", []))}
-        row.update({k: _scalar(v) for k, v in rec.get("metrics", {}).items()})
-        row["best_ckpt"] = rec.get("best_ckpt")
-        rows.append(row)
-    rows.sort(key=lambda r: (r.get(sort_key) is None, -(r.get(sort_key) or 0.0)))
-    metric_cols = sorted({k for r in rows for k in r if "/" in k}, key=lambda k: (k != sort_key, k != "val/iou", k))
-    cols = ["run", "overrides", *metric_cols, "status", "best_ckpt"]
-    with open(sweep_dir / "summary.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    short = ["run", "overrides", *[c for c in metric_cols if c.startswith("val/")], "status"]
-
-    def cell(v: Any) -> str:
-        return f"{v:.4f}" if isinstance(v, float) else ("" if v is None else str(v).replace("|", "\\|"))
-
-    md = [f"# Sweep summary: {sweep_dir}", "", f"{len(rows)} runs, sorted by {sort_key} (best first).", ""]
-    md += ["| " + " | ".join(short) + " |", "|" + "---|" * len(short)]
-    md += ["| " + " | ".join(cell(r.get(c)) for c in short) + " |" for r in rows]
-    (sweep_dir / "summary.md").write_text("\n".join(md) + "\n")
-    return rows
-
-
-def _overrides(run: Path) -> str:
-    f = run / ".hydra" / "overrides.yaml"
-    if not f.is_file():
-        return ""
-    from omegaconf import OmegaConf
-
-    return " ".join(OmegaConf.load(f))
-
-
-try:  # Hydra is a dependency; the guard only keeps this module importable in odd environments
-    from hydra.experimental.callback import Callback as _HydraCallback
-except ImportError:  # pragma: no cover
-    _HydraCallback = object
-
-
-class SweepSummary(_HydraCallback):
-    """Hydra callback: at the end of `bev-train -m ...`, writes summary.csv / summary.md in the sweep dir."""
-
-    def __init__(self, sort_key: str = "val/iou_best"):
-        self.sort_key = sort_key
-
-    def on_multirun_end(self, config, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        if not sweep_dir.is_dir():
-            return
-        rows = summarize_sweep(sweep_dir, self.sort_key)
-        print(f"Sweep summary ({len(rows)} runs): {sweep_dir / 'summary.md'} and {sweep_dir / 'summary.csv'}")
-        print((sweep_dir / "summary.md").read_text())
