@@ -12,7 +12,7 @@ import torch
 
 from bev import cuda_graph
 from bev.cuda_graph import GraphOptimizer, StepGraph, graph_optimizer_kwargs
-from test_train import TINY, read_csv_metric, train_cli
+from helpers.cli import TINY, read_csv_metric, train_cli
 
 
 class EagerStandIn:

@@ -1,6 +1,6 @@
 """The nuScenes reader (NuScenesBEVDataset), its index cache, bad input and the DataModule.
 
-Two datasets: a tiny hand-made one (tests/tiny_nuscenes.py: boxes at known ego positions,
+Two datasets: a tiny hand-made one (tests/helpers/tiny_nuscenes.py: boxes at known ego positions,
 smooth textures) and the synthetic_root fixture (bev.synthetic, rendered scenes).
 Geometry is checked against the devkit's own projection path (NuScenes.get_sample_data and
 pyquaternion), which shares no code with the reader's index.
@@ -20,7 +20,7 @@ from bev.data import NuScenesBEVDataset, NuScenesDataModule
 from bev.data import nuscenes as reader
 from bev.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from bev.geometry import CAMERA_NAMES, Grid, ego_to_image
-from tiny_nuscenes import BOXES, ego_box, write_tiny
+from helpers.tiny_nuscenes import BOXES, ego_box, write_tiny
 
 HINT = "nuscenes.org/download"
 

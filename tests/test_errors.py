@@ -14,8 +14,8 @@ import torch
 from bev.callbacks import AtomicCheckpointIO
 from bev.data.nuscenes import load_index
 from bev.utils import io as bev_io
-from test_train import TINY, assert_one_paragraph, eval_cli, train_cli
-from tiny_nuscenes import write_tiny
+from helpers.cli import TINY, assert_one_paragraph, eval_cli, train_cli
+from helpers.tiny_nuscenes import write_tiny
 
 _Usage = namedtuple("_Usage", "total used free")
 UNEXPECTED_POS = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"

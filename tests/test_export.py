@@ -5,7 +5,7 @@ import torch
 import bev
 from bev import export as bev_export
 from test_inference import CLASSES, tiny_run, val_batch  # noqa: F401  (module-scoped fixture: one 2-step run)
-from test_train import assert_one_paragraph, run_cli
+from helpers.cli import assert_one_paragraph, run_cli
 
 
 

@@ -11,7 +11,7 @@ from PIL import Image
 import bev
 from bev import predict_cli
 from bev.data.nuscenes import class_names
-from test_train import TINY, assert_one_paragraph, run_cli, train_cli
+from helpers.cli import TINY, assert_one_paragraph, run_cli, train_cli
 
 # The embedded default (experiment=synthetic_cpu) predicts vehicles and BEVFusion's six map classes.
 CLASSES = list(class_names(["vehicle."], "bevfusion"))

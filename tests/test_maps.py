@@ -13,7 +13,7 @@ from bev.data import NuScenesBEVDataset
 from bev.data.maps import MAP_CLASSES, PRESETS, devkit_map_mask, load_map_geometry, normalize_map_layers, rasterize_map
 from bev.data.rasterize import box_footprints, lss_polygon_mask
 from bev.geometry import Grid
-from tiny_nuscenes import BOXES, LOCATION, ego_box, ego_pose, write_tiny
+from helpers.tiny_nuscenes import BOXES, LOCATION, ego_box, ego_pose, write_tiny
 
 LAYERS = ("drivable_area", "road_segment", "lane", "ped_crossing", "walkway", "stop_line", "carpark_area",
           "road_divider", "lane_divider")
@@ -184,7 +184,7 @@ def test_train_and_eval_with_map_layers(tiny_root, tmp_path, monkeypatch, capsys
     """bev-train (1 epoch, focal loss, per-class pos_weight) then bev-eval on the tiny map fixture."""
     import json
 
-    from test_train import TINY, eval_cli, read_csv_metric, train_cli
+    from helpers.cli import TINY, eval_cli, read_csv_metric, train_cli
 
     run = tmp_path / "run"
     args = [*TINY, f"data.dataroot={tiny_root}", "data.map_layers=bevfusion", "data.raster=lss",

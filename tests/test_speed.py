@@ -371,7 +371,7 @@ def test_rescale_schedule_keeps_the_past_and_ends_on_the_final_lr():
 def test_bev_train_records_precision_and_the_time_budget(synthetic_root, tmp_path, monkeypatch, capsys):
     import json
 
-    from test_train import TINY, train_cli
+    from helpers.cli import TINY, train_cli
 
     args = [*TINY, "trainer.max_epochs=3", "callbacks.time_budget.budget=0.001", "callbacks.bev_png.every_n_steps=0",
             f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]

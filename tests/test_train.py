@@ -11,50 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bev import eval as bev_eval
-from bev import train as bev_train
-
-# A tiny model on a coarse grid: seconds per run on 2 CPU cores.
-TINY = [
-    "experiment=synthetic_cpu",
-    "grid.xbound=[-24,24,2.0]",
-    "grid.ybound=[-24,24,2.0]",
-    "grid.dbound=[4,44,8.0]",
-    "data.final_dim=[32,96]",
-    "data.batch_size=2",
-    "data.num_workers=0",
-    "model.net.context_channels=8",
-    "model.net.camera.widths=[8,8,16,16,16]",
-    "model.net.camera.mid_channels=16",
-    "model.net.bev.widths=[8,16,16]",
-    "trainer.max_epochs=1",
-    "trainer.check_val_every_n_epoch=1",
-    "trainer.enable_progress_bar=false",
-    "trainer.log_every_n_steps=1",
-]
-
-
-def run_cli(main, args, monkeypatch) -> int:
-    """Run a hydra.main entry point in-process with `args` as its command line; returns the exit status."""
-    monkeypatch.setattr(sys, "argv", ["bev", *map(str, args)])
-    try:
-        main()
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    return 0
-
-
-def train_cli(args, monkeypatch):
-    return run_cli(bev_train._hydra_main, args, monkeypatch)
-
-
-def eval_cli(args, monkeypatch):
-    return run_cli(bev_eval._hydra_main, args, monkeypatch)
-
-
-def read_csv_metric(run: Path, key: str) -> list[float]:
-    (f,) = run.glob("csv/version_*/metrics.csv")
-    return [float(r[key]) for r in csv.DictReader(open(f)) if r.get(key)]
+from helpers.cli import TINY, assert_one_paragraph, eval_cli, read_csv_metric, train_cli
 
 
 @pytest.fixture(scope="module")
@@ -203,13 +160,6 @@ def test_ddp_on_two_cpu_processes(synthetic_root, tmp_path):
 
 
 # ----------------------------------------------------------------------------- bad input
-def assert_one_paragraph(err: str, *needles: str):
-    assert "Traceback" not in err
-    assert len(err.strip().splitlines()) <= 8, err
-    for n in needles:
-        assert n in err, err
-
-
 def test_unknown_config_option(tmp_path, monkeypatch, capsys):
     assert train_cli(["experiment=synthetic_cpu", "trainer.max_epoch=3", f"hydra.run.dir={tmp_path}"], monkeypatch) == 1
     assert_one_paragraph(capsys.readouterr().err, "trainer.max_epoch")

@@ -21,7 +21,7 @@ from bev.data.transforms import (
     sample_augmentation,
     warp_image,
 )
-from tiny_nuscenes import texture
+from helpers.tiny_nuscenes import texture
 
 H, W = 900, 1600
 
