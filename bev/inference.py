@@ -29,6 +29,9 @@ CAMERA_INPUTS: dict[str, str] = {
     "post_trans": "(B, N, 3) float32, image augmentation (zeros if none)",
 }
 
+# model.cuda_graph: the captured training step failed on its first GPU run and was removed.
+RETIRED_MODEL_KEYS = ("cuda_graph",)
+
 
 class Loaded(NamedTuple):
     """A model rebuilt from a checkpoint, with the configs it was built from."""
@@ -41,20 +44,24 @@ class Loaded(NamedTuple):
 
 
 def load_checkpoint(ckpt_path: str | Path, model_config: DictConfig | None = None, grid: Any = None,
-                    data: DictConfig | None = None) -> Loaded:
+                    data: DictConfig | None = None, trusted: bool = False) -> Loaded:
     """Rebuild the model a checkpoint was trained as, from the config bev-train stored in it.
 
     model_config overrides the stored model config (grid and image size still come from the
     checkpoint); for a checkpoint without a stored config, model_config, grid and data must all be
-    given. Raises bev.utils.checkpoint.CheckpointError (missing, corrupt, incompatible).
+    given. Raises bev.utils.checkpoint.CheckpointError (missing, corrupt, incompatible), and its
+    subclass bev.utils.trust.UntrustedCheckpointError, before anything is built, for a stored config
+    that names code the project's configs do not (unless `trusted`: see bev.utils.trust).
     """
     from hydra.utils import instantiate
 
     from bev.utils.checkpoint import CheckpointError, check_compatible, read_checkpoint, resolve_checkpoint
+    from bev.utils.trust import check_stored_config
 
     path = resolve_checkpoint(ckpt_path)
     ckpt = read_checkpoint(path)
     saved = ckpt.get("bev_config")
+    check_stored_config(saved, path, trusted)
     if saved is None and (model_config is None or grid is None or data is None):
         raise CheckpointError(f"{str(path)!r} carries no bev-train config; pass model=..., data=... and grid=... matching how it was trained.")
     run_cfg = OmegaConf.create(saved or {"grid": grid, "data": data, "model": model_config, "trainer": {}})
@@ -63,6 +70,8 @@ def load_checkpoint(ckpt_path: str | Path, model_config: DictConfig | None = Non
     given = model_config
     model_cfg = given if given is not None and "_target_" in given else OmegaConf.merge(run_cfg.model, given or {})
     model_cfg = OmegaConf.merge(model_cfg, {"net": {"grid": run_cfg.grid, "image_size": run_cfg.data.final_dim}})
+    for key in RETIRED_MODEL_KEYS:  # settings older checkpoints stored that no longer exist
+        model_cfg.pop(key, None)
     # The checkpoint holds the weights: do not download or read the pretrained backbone again.
     model_cfg.net.camera.weights = None
     model_cfg.net.camera.weights_path = None
@@ -82,12 +91,14 @@ def build_data_config(given: DictConfig, run_config: DictConfig) -> DictConfig:
     return OmegaConf.merge(base, {"grid": run_config.grid, "final_dim": run_config.data.final_dim, "augment": False})
 
 
-def load_model(ckpt_path: str | Path, device: str | torch.device = "cpu"):
+def load_model(ckpt_path: str | Path, device: str | torch.device = "cpu", trusted: bool = False):
     """The eval-mode BEVLitModule of a checkpoint this project wrote (a .ckpt, or a run directory).
 
     Attributes: .net (the LiftSplatShoot network), .grid, .image_size, .class_names, .run_config.
+    A checkpoint whose stored config names code outside the project's configs is refused unless
+    trusted=True (bev.utils.trust).
     """
-    return load_checkpoint(ckpt_path).model.to(device)
+    return load_checkpoint(ckpt_path, trusted=trusted).model.to(device)
 
 
 def _batched(batch: Mapping[str, Any]) -> dict[str, Any]:

@@ -3,7 +3,6 @@ target channels: object classes (vehicle, ...) then HD-map classes (drivable_are
 from __future__ import annotations
 
 import inspect
-import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import lightning as L
@@ -11,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bev import cuda_graph as graphs  # model.cuda_graph
 from bev.geometry import CAMERA_GEOMETRY, Grid
 from bev.metrics import BevIoU, MapIoU
 
@@ -119,8 +117,6 @@ class BEVLitModule(L.LightningModule):
     through the shared encoders is otherwise 1/K.
     depth_weight > 0 adds that times the cross-entropy of the camera depth logits against the
     lidar depth bins (data.depth_target=true; cells without a target are ignored), as BEVDepth.
-    cuda_graph: capture the whole training step (forward to optimiser update) as one CUDA graph after
-    a few eager steps and replay it (bev.cuda_graph); GPU only.
     """
 
     def __init__(
@@ -138,7 +134,6 @@ class BEVLitModule(L.LightningModule):
         focal_gamma: float = 2.0,
         class_weight: float | Sequence[float] | Mapping[str, float] | None = None,
         depth_weight: float = 0.0,
-        cuda_graph: bool = False,
     ):
         super().__init__()
         self.net = net
@@ -146,9 +141,6 @@ class BEVLitModule(L.LightningModule):
         self.scheduler_factory = scheduler
         self.scheduler_interval = scheduler_interval
         self.compile = compile
-        self.cuda_graph = bool(cuda_graph)
-        self.step_graph: graphs.StepGraph | None = None  # built at the first graphed step, after any resume
-        self.graph_optimizer: graphs.GraphOptimizer | None = None
         self.object_classes, self.map_classes = _class_names(net, object_classes, map_classes)
         self.class_names = self.object_classes + self.map_classes
         if loss not in LOSSES:
@@ -187,8 +179,6 @@ class BEVLitModule(L.LightningModule):
                              f"data.map_layers (the configs interpolate them with ${{bev.object_classes:...}} etc.)")
         if self.compile and stage == "fit":
             self.net.compile()  # in place: state_dict keys stay those of the plain model
-        if self.cuda_graph and stage == "fit":
-            self._check_graph_trainer()
 
     def on_train_start(self) -> None:
         # Resuming with more epochs than the run started with: stretch a fixed-length schedule
@@ -248,77 +238,11 @@ class BEVLitModule(L.LightningModule):
         return self.loss(logits, batch["bev"]) + self.depth_weight * depth_loss, logits, depth_loss
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
-        if self.cuda_graph:
-            loss, logits, depth_loss = self._graphed_step(batch)
-        else:
-            loss, logits, depth_loss = self.forward_loss(batch)
+        loss, logits, depth_loss = self.forward_loss(batch)
         if depth_loss is not None:
             self.log("train/depth_loss", depth_loss, on_step=True, on_epoch=True, batch_size=logits.shape[0])
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=logits.shape[0])
         return {"loss": loss, "logits": logits.detach()}
-
-    # --- model.cuda_graph: the step runs inside training_step; Lightning's backward, zero_grad and step stand aside.
-
-    def _check_graph_trainer(self) -> None:
-        """Refuse what a captured step cannot do, naming the setting to change."""
-        trainer = self.trainer
-        graphs.BACKEND.check(trainer.strategy.root_device)
-        problems = []
-        if trainer.precision == "16-mixed":
-            problems.append("trainer.precision=16-mixed (its gradient scaler reads values back each step): use bf16-mixed")
-        if trainer.accumulate_grad_batches != 1:
-            problems.append("trainer.accumulate_grad_batches > 1: capture one batch per update")
-        if trainer.world_size > 1:
-            problems.append(f"{trainer.world_size} processes (DDP's gradient all-reduce is not captured): train on one GPU")
-        if self.compile:
-            problems.append("model.compile=true: choose one of the two")
-        if problems:
-            raise ValueError("model.cuda_graph=true cannot be used with " + "; ".join(problems) +
-                             " (or set model.cuda_graph=false)")
-
-    def _graphed_step(self, batch: dict) -> tuple:
-        """One step of the captured training step: warm-up, capture or replay (bev.cuda_graph.StepGraph)."""
-        if self.step_graph is None:
-            optimizer = self.optimizers().optimizer
-            self.graph_optimizer = graphs.GraphOptimizer(optimizer)
-            self.graph_optimizer.prepare()
-            # LearningRateMonitor copies each lr with torch.tensor(), which warns for a tensor lr.
-            warnings.filterwarnings("ignore", "To copy construct from a tensor", UserWarning, r"lightning\.pytorch\.callbacks")
-            self.step_graph = graphs.StepGraph(self._whole_step)
-        self.graph_optimizer.sync()  # a schedule's new lr and betas into the tensors the graph reads
-        captured = self.step_graph.captured
-        loss, logits, depth_loss = self.step_graph(batch)
-        if not captured and self.step_graph.captured and self.trainer.is_global_zero:
-            print(f"model.cuda_graph: the training step was captured as one CUDA graph at step {self.global_step} "
-                  f"(after {self.step_graph.eager_steps} eager steps) and is replayed from now on", flush=True)
-        return loss.clone(), logits, depth_loss  # the loss is logged, the next replay overwrites the captured one
-
-    def _whole_step(self, batch: dict) -> tuple:
-        """Forward and loss (under the trainer's autocast), backward, clipping and the optimiser's update, with
-        no host work: what the graph captures. Returns detached (loss, logits, depth loss or None)."""
-        optimizer = self.graph_optimizer.opt
-        optimizer.zero_grad(set_to_none=True)  # the backward then writes its gradients (StepGraph)
-        loss, logits, depth_loss = self.forward_loss(batch)
-        with torch.autocast(self.device.type, enabled=False):
-            loss.backward()
-            clip = self.trainer.gradient_clip_val
-            if clip:
-                self.configure_gradient_clipping(optimizer, clip, self.trainer.gradient_clip_algorithm or "norm")
-            optimizer.step()
-        return loss.detach(), logits.detach(), None if depth_loss is None else depth_loss.detach()
-
-    def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
-        if not self.cuda_graph:  # graphed: the step ran its backward already
-            super().backward(loss, *args, **kwargs)
-
-    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer) -> None:
-        if not self.cuda_graph:  # graphed: the step sets them to None itself
-            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
-
-    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
-        if not self.cuda_graph:
-            return super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        optimizer_closure()  # training_step: the whole step, update included
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         logits = self(batch)
@@ -349,15 +273,11 @@ class BEVLitModule(L.LightningModule):
         self.log_dict({f"test/{k}": v for k, v in results.items()})
 
     def make_optimizer(self) -> torch.optim.Optimizer:
-        """model.optimizer over the trainable parameters (fused on CUDA unless the config says otherwise;
-        with model.cuda_graph, a step the graph can capture)."""
+        """model.optimizer over the trainable parameters (fused on CUDA unless the config says otherwise)."""
         params = [p for p in self.parameters() if p.requires_grad]
-        if self.cuda_graph:
-            kwargs = graphs.graph_optimizer_kwargs(self.optimizer_factory)
-        else:
-            device_type = params[0].device.type if params else "cpu"
-            precision = self._trainer.precision if self._trainer is not None else None
-            kwargs = fused_default(self.optimizer_factory, device_type, precision)
+        device_type = params[0].device.type if params else "cpu"
+        precision = self._trainer.precision if self._trainer is not None else None
+        kwargs = fused_default(self.optimizer_factory, device_type, precision)
         return self.optimizer_factory(params=params, **kwargs)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
@@ -392,8 +312,3 @@ class BEVLitModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.run_config is not None:
             checkpoint["bev_config"] = self.run_config
-        if self.graph_optimizer is not None:
-            for state in checkpoint.get("optimizer_states", []):
-                self.graph_optimizer.plain(state)
-            for state in checkpoint.get("lr_schedulers", []):
-                graphs.plain_scheduler_state(state)

@@ -53,7 +53,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--configs", nargs="+", choices=sorted(bt.CONFIGS), default=["embedded"])
-    p.add_argument("--variants", nargs="+", choices=[k for k, v in bt.VARIANTS.items() if not v[2] and not v[3]], default=["fp32"])
+    p.add_argument("--variants", nargs="+", choices=[k for k, v in bt.VARIANTS.items() if not v[2]], default=["fp32"])
     p.add_argument("--batch-size", type=int, default=None, help="replaces the configs' batch size")
     p.add_argument("--rounds", type=int, default=8, help="measured steps per optimiser and variant")
     p.add_argument("--threads", type=int, default=2)

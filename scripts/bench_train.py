@@ -11,10 +11,8 @@ nuScenes rig and the LSS validation crop (geometry decides how many points share
 
 Variants, alternated round-robin in one process with the same initial weights: fp32 eager
 NCHW, channels_last, bf16 autocast, both, torch.compile (fp32 NCHW), torch.compile with
-channels_last + bf16, and on a GPU the latter with CUDA graphs: compiled (compile mode
-"reduce-overhead") and eager ("graph+channels_last+bf16": the whole step, forward to optimiser,
-captured once as one CUDA graph after warm-up steps on a side stream, then replayed after copying
-the batch into the graph's static inputs; no compilation; "graph" is the same in fp32 NCHW).
+channels_last + bf16, and on a GPU the latter with torch.compile's CUDA graphs (compile mode
+"reduce-overhead").
 Medians over --steps measured steps after --warmup steps (compile time is reported separately).
 The eager variants also get a per-part breakdown (camera encoder, geometry, splat, BEV encoder,
 loss, backward, optimiser). On --device cuda the forward is not
@@ -23,8 +21,7 @@ GPU's work, the very overlap that decides a GPU step), and cuDNN autotuning is o
 trainer=gpu. With --loader it also times the configured data loader on a small synthetic set
 (scripts/bench_loader.py) to compare its samples/s with the model's. --batch-size replaces the
 configs' batch size. --profile N then profiles N more steps of each variant (torch.profiler, no
-clock inside a step). The optimiser is built as bev-train builds it (fused on CUDA; for the graphed
-variants as with model.cuda_graph=true, whose bev.cuda_graph they run). Writes JSON
+clock inside a step). The optimiser is built as bev-train builds it (fused on CUDA). Writes JSON
 to --out atomically.
 """
 from __future__ import annotations
@@ -66,21 +63,18 @@ def clock(wait: bool = True) -> float:
     return time.perf_counter()
 
 
-# name -> (channels_last, bf16 autocast, torch.compile mode or None for eager, whole-step CUDA graph).
-# "reduce-overhead" replays the compiled forward and backward as CUDA graphs; on a CPU it is the
-# same as "default". The graphed step needs no compiler. Both remove the host's ~1500 launches per
-# step, which bound the paper config's GPU step at batch 4.
+# name -> (channels_last, bf16 autocast, torch.compile mode or None for eager).
+# "reduce-overhead" replays the compiled forward and backward as CUDA graphs, which removes the host's
+# launches that bound the paper config's GPU step at batch 4.
 VARIANTS = {
-    "fp32": (False, False, None, False),
-    "channels_last": (True, False, None, False),
-    "bf16": (False, True, None, False),
-    "channels_last+bf16": (True, True, None, False),
-    "compile": (False, False, "default", False),
-    "compile+channels_last": (True, False, "default", False),
-    "compile+channels_last+bf16": (True, True, "default", False),
-    "cudagraphs+channels_last+bf16": (True, True, "reduce-overhead", False),
-    "graph": (False, False, None, True),
-    "graph+channels_last+bf16": (True, True, None, True),
+    "fp32": (False, False, None),
+    "channels_last": (True, False, None),
+    "bf16": (False, True, None),
+    "channels_last+bf16": (True, True, None),
+    "compile": (False, False, "default"),
+    "compile+channels_last": (True, False, "default"),
+    "compile+channels_last+bf16": (True, True, "default"),
+    "cudagraphs+channels_last+bf16": (True, True, "reduce-overhead"),
 }
 PARTS = ("camera_encoder", "geometry", "splat", "bev_encoder", "loss", "backward", "optimizer")
 
@@ -186,7 +180,7 @@ class Variant:
         """Build the model of cfg in the variant's layout and precision (compiled if asked) and its optimiser."""
         import torch
 
-        channels_last, self.bf16, self.compiled, self.graphed = VARIANTS[name]  # compiled: the compile mode or None
+        channels_last, self.bf16, self.compiled = VARIANTS[name]  # compiled: the compile mode or None
         self.name = name
         self.lit = build(cfg, channels_last).to(DEVICE)
         self.lit.train()
@@ -194,34 +188,19 @@ class Variant:
         self.parts = None if self.compiled or DEVICE == "cuda" else PartTimer(self.net)
         if self.compiled:
             self.net.compile(mode=self.compiled)
-        # As configure_optimizers builds it (with model.cuda_graph=true for the graphed variants).
-        self.lit.cuda_graph = self.graphed
         self.opt = self.lit.make_optimizer()
         self.clip = cfg.trainer.get("gradient_clip_val")
         self.batch = batch
         self.times: list[float] = []
         self.breakdown: list[dict[str, float]] = []
         self.first_step_s: float | None = None
-        # Graphed: autocast's weight-cast cache off, so that no cast made outside the capture can be reused inside
-        # it (a fresh autocast per step already keeps it empty there, as in bev-train: bev.cuda_graph's docstring).
-        cache = not self.graphed
-        self.autocast = (lambda: torch.autocast(DEVICE, dtype=torch.bfloat16, cache_enabled=cache)) if self.bf16 else nullcontext
+        self.autocast = (lambda: torch.autocast(DEVICE, dtype=torch.bfloat16)) if self.bf16 else nullcontext
         self.wait = True  # False while profiled: no clock may wait for the GPU inside a step
-        self.graph = None
-        if self.graphed:  # as bev-train's model.cuda_graph=true runs it (bev.cuda_graph)
-            from bev.cuda_graph import GraphOptimizer, StepGraph
-
-            self.graph_opt = GraphOptimizer(self.opt)
-            self.graph_opt.prepare()
-            self.graph = StepGraph(self.whole_step)
-        self.graph_losses = []  # the loss of every replay, read at the end: proof that replays train
 
     def step(self) -> float:
         """One training step as Lightning runs it (autocast around forward + loss); returns seconds."""
         import torch
 
-        if self.graphed:
-            return self.graph_step()
         t = {}
         if self.parts:
             self.parts.t.clear()
@@ -248,32 +227,6 @@ class Variant:
         t.update(loss=t2 - t1, backward=t3 - t2, optimizer=t4 - t3)
         self.last_breakdown = t
         return t4 - t0
-
-    def graph_step(self) -> float:
-        """One step of the graphed variant (bev.cuda_graph.StepGraph): a few eager steps on a side stream,
-        one capture (replayed at once), then replays after copying the batch into the captured one."""
-        t0 = clock(self.wait)
-        self.graph_opt.sync()
-        replays = self.graph.replays
-        (loss,) = self.graph(self.batch)
-        if self.graph.replays > replays:
-            self.graph_losses.append(loss.clone())
-        self.last_breakdown = {}
-        return clock(self.wait) - t0
-
-    def whole_step(self, batch: dict):
-        """Gradients set to None, forward and loss under the variant's autocast, backward, clipping, optimiser
-        step; no clock inside. Returns (loss,)."""
-        import torch
-
-        self.opt.zero_grad(set_to_none=True)
-        with self.autocast():
-            loss = self.lit.loss(self.lit(batch), batch["bev"])
-        loss.backward()
-        if self.clip:
-            torch.nn.utils.clip_grad_norm_(self.lit.parameters(), self.clip)
-        self.opt.step()
-        return (loss.detach(),)
 
     def profile(self, steps: int) -> dict:
         """torch.profiler over `steps` steps with no waiting inside them: wall and GPU kernel time per
@@ -313,8 +266,6 @@ def median(xs):
 def start_variant(cfg, key: str, name: str, batch: dict, warmup: int) -> Variant:
     """Build one variant and run its warm-up steps; a failure is kept in .error, not raised."""
     v = Variant(cfg, name, batch)
-    if v.graphed:  # the capture belongs to the warm-up, not to the measured steps
-        warmup = max(warmup, v.graph.warmup + 1)
     try:
         v.first_step_s = v.step()  # includes compilation for the compiled variants
         for _ in range(warmup - 1):
@@ -383,8 +334,6 @@ def variant_record(v: Variant, batch_size: int, base: float | None, flops: int) 
                gflop_per_s=round(flops / med / 1e9, 1))
     keys = [k for k in ("forward", *PARTS, "forward_other") if k in v.breakdown[0]]
     rec["breakdown_s"] = {k: round(median([b[k] for b in v.breakdown]), 4) for k in keys}
-    if v.graphed:  # the same batch every step: replays that train make its loss fall
-        rec["replay_losses"] = [round(float(x), 5) for x in v.graph_losses]
     return rec
 
 
@@ -482,8 +431,6 @@ def print_table(results: dict) -> None:
             rate = f"{v['gflop_per_s']:.1f} ({100 * v['of_matmul_rate']:.0f}%)" if "of_matmul_rate" in v else f"{v['gflop_per_s']:.1f}"
             print(f"  {name:28s} {v['step_s']:8.3f} {v['speedup_vs_fp32'] or 0:7.2f}x {rate:>14s} "
                   f"{v['first_step_s']:9.1f}  {parts}")
-            if v.get("replay_losses"):
-                print(f"    graph replays: loss {v['replay_losses'][0]:.4f} -> {v['replay_losses'][-1]:.4f} on the repeated batch")
             if "profile" in v:
                 print_profile(v["profile"])
     if "loader" in results:
@@ -516,9 +463,6 @@ def parse_args(argv):
                         "inside a step): wall vs GPU kernel time, launches per step, the ops with the most self time")
     p.add_argument("--out", default=None, help="default benchmarks/results/bench_train_<device>.json")
     a = p.parse_args(argv)
-    graphed = [v for v in a.variants or [] if VARIANTS[v][3]]
-    if graphed and a.device != "cuda":
-        p.error(f"{', '.join(graphed)}: a CUDA graph needs a GPU; add --device cuda")
     a.out = a.out or str(REPO / f"benchmarks/results/bench_train_{a.device}.json")
     if a.quick:
         a.steps, a.warmup, a.compile = 2, 1, False
@@ -527,7 +471,7 @@ def parse_args(argv):
 
 def gpu_only(variant: str) -> bool:
     """Whether the variant means something only on a GPU (CUDA graphs)."""
-    return VARIANTS[variant][2] == "reduce-overhead" or VARIANTS[variant][3]
+    return VARIANTS[variant][2] == "reduce-overhead"
 
 
 def variants_to_run(a) -> dict[str, list[str]]:

@@ -3,18 +3,16 @@
 #   1. builds the extension in place for this device (TORCH_CUDA_ARCH_LIST from its capability) and
 #      checks that a C++ error inside it raises (where it crashes: rebuilds with the system's g++),
 #   2. runs the CUDA tests (tests/test_ops_cuda.py; tests/test_train_cuda.py: a training step that never
-#      synchronises, and one captured as a CUDA graph, in the benchmark and in bev-train, that trains as
-#      the eager one), the emulated ones
+#      synchronises), the emulated ones
 #      (tests/test_ops_cuda_emulated.py) and the native kernels' value tests under compute-sanitizer memcheck,
 #   3. runs the GPU benchmarks: the op (scripts/bench_pool.py --device cuda: bandwidth vs the
 #      device's peak, the BEVFusion-style baseline, fused vs materialised, fp32/fp16/bf16) and the
 #      training step at the LSS paper config (scripts/bench_train.py --device cuda: fp32 NCHW vs
-#      channels_last / channels_last + bf16 / the latter as one captured CUDA graph, at the paper's
+#      channels_last / channels_last + bf16, at the paper's
 #      batch 4 (also profiled: GPU kernel time, launches), where bf16 did not pay on an H200, and at
 #      16, where channels_last + bf16 gave 1.70x there),
 #   4. trains the embedded experiment on the GPU for a few hundred steps (bf16-mixed) on a small
-#      synthetic set, eagerly and with the step captured as a CUDA graph (model.cuda_graph=true),
-#      and checks that the training loss went down in both (and compares their s/step),
+#      synthetic set, and checks that the training loss went down (and reports its s/step),
 # and after each stage writes benchmarks/results/gpu_<device>.json and gpu_<device>.md (a short
 # summary; scripts/gpu_check_report.py), so that a check cut short keeps what it finished.
 #
@@ -150,7 +148,7 @@ echo "device $DEVICE (sm_${ARCH/./}), torch $TORCH_VERSION (CUDA $TORCH_CUDA), n
 LOGS=$WORK/logs
 mkdir -p "$LOGS" "$RESULTS"
 # This script's own outputs of an earlier run, so that a failed stage cannot report stale results.
-[ "$DRY_RUN" = 1 ] || rm -rf "$LOGS"/* "$WORK/bench_pool_cuda.json" "$WORK"/bench_train_cuda*.json "$WORK/train" "$WORK/train_graph"
+[ "$DRY_RUN" = 1 ] || rm -rf "$LOGS"/* "$WORK/bench_pool_cuda.json" "$WORK"/bench_train_cuda*.json "$WORK/train"
 
 # ------------------------------------------------------------------------------ 1. build
 say "1. build for sm_${ARCH/./}"
@@ -213,7 +211,7 @@ if [ "$SKIP_BENCH" = 0 ]; then
   stage_start
   [ "$STEP_ONLY" = 1 ] || logged bench "$PY" scripts/bench_pool.py --device cuda --out "$BENCH_JSON"
   logged bench_train "$PY" scripts/bench_train.py --device cuda --configs paper --no-compile --steps 10 --warmup 3 --profile 3 \
-    --variants fp32 channels_last channels_last+bf16 graph+channels_last+bf16 --out "$TRAIN_BENCH_JSON"
+    --variants fp32 channels_last channels_last+bf16 --out "$TRAIN_BENCH_JSON"
   [ "$STEP_ONLY" = 1 ] || logged bench_train_b16 "$PY" scripts/bench_train.py --device cuda --configs paper --batch-size 16 --steps 10 --warmup 3 \
     --variants fp32 channels_last channels_last+bf16 --out "${TRAIN_BENCH_JSON%.json}_b16.json"
   stage_end bench
@@ -226,20 +224,18 @@ DATA=$WORK/synthetic
 TRAIN_OVERRIDES=(experiment=synthetic_cpu trainer=gpu trainer.precision=bf16-mixed
   ++trainer.max_steps="$STEPS" trainer.max_epochs=-1 callbacks.time_budget.budget=3600 trainer.log_every_n_steps=5
   data.num_workers=4 data.pin_memory=true data.dataroot="$DATA" callbacks.bev_png.every_n_steps=1000000)
-GRAPH_OVERRIDES=(model.cuda_graph=true hydra.run.dir="$WORK/train_graph")
 if [ "$DRY_RUN" = 1 ] && [ "$SKIP_TRAIN" = 0 ]; then
   # A dry run composes the training config, so that a stale override fails here, not on the GPU.
-  "$PY" -m bev.train "${TRAIN_OVERRIDES[@]}" "${GRAPH_OVERRIDES[@]}" --cfg job >/dev/null \
+  "$PY" -m bev.train "${TRAIN_OVERRIDES[@]}" hydra.run.dir="$WORK/train" --cfg job >/dev/null \
     || die "the training stage's overrides do not compose (above)"
 fi
 if [ "$SKIP_TRAIN" = 0 ]; then
-  say "4. training: experiment=synthetic_cpu on the GPU, bf16-mixed, $STEPS steps, eager and as a CUDA graph"
+  say "4. training: experiment=synthetic_cpu on the GPU, bf16-mixed, $STEPS steps"
   stage_start
   if [ ! -f "$DATA/v1.0-mini/scene.json" ]; then
     logged synthetic "$PY" -m bev.synthetic.writer --out "$DATA" --scenes 10 --samples-per-scene 12 --workers "$(nproc)"
   fi
   logged train "$PY" -m bev.train "${TRAIN_OVERRIDES[@]}" hydra.run.dir="$WORK/train"
-  logged train_graph "$PY" -m bev.train "${TRAIN_OVERRIDES[@]}" "${GRAPH_OVERRIDES[@]}"
   stage_end train
 fi
 

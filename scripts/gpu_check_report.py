@@ -154,14 +154,7 @@ def main(argv=None) -> int:
     lines += benchmark_sections(a, report, a.results)
     report["train"], more = train_section(a.work / "train")
     lines += more
-    report["train_graph"], more = train_section(a.work / "train_graph", "training as a CUDA graph (model.cuda_graph=true)")
-    lines += more
-    eager, graph = report["train"] or {}, report["train_graph"] or {}
-    if eager.get("s_per_step") and graph.get("s_per_step"):
-        report["train_graph"]["speedup_vs_eager"] = eager["s_per_step"] / graph["s_per_step"]
-        lines.append(f"captured step vs eager: {report['train_graph']['speedup_vs_eager']:.2f}x the training speed")
-    # None: skipped (or failed, in `failed`)
-    went_down = all(r is None or r["loss_went_down"] for r in (report["train"], report["train_graph"]))
+    went_down = report["train"] is None or report["train"]["loss_went_down"]  # None: skipped (or failed, in `failed`)
     ok = report["ok"] = not failed and not pending and went_down
     lines += ["", f"stage seconds: {report['stage_seconds']}",
               f"overall: {'OK' if ok else 'NOT DONE' if pending and not failed else 'FAILED'}"

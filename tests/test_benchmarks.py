@@ -88,15 +88,11 @@ def test_bench_optimizer_alternates_the_default_and_fused_steps(tmp_path):
 def test_cuda_graph_variants_are_only_a_default_on_a_gpu():
     import bench_train
 
-    graphs = {"cudagraphs+channels_last+bf16", "graph+channels_last+bf16"}
     cpu = bench_train.variants_to_run(bench_train.parse_args(["--device", "cpu", "--configs", "embedded"]))
     gpu = bench_train.variants_to_run(bench_train.parse_args(["--device", "cuda", "--configs", "embedded"]))
-    assert not graphs & set(cpu["embedded"]) and graphs <= set(gpu["embedded"])
+    assert "cudagraphs+channels_last+bf16" not in cpu["embedded"] and "cudagraphs+channels_last+bf16" in gpu["embedded"]
     eager = bench_train.variants_to_run(bench_train.parse_args(["--device", "cuda", "--no-compile"]))
     assert all(bench_train.VARIANTS[v][2] is None for vs in eager.values() for v in vs)
-    assert all("graph+channels_last+bf16" in vs for vs in eager.values())  # the graphed step compiles nothing
-    with pytest.raises(SystemExit):
-        bench_train.parse_args(["--variants", "fp32", "graph"])  # on the CPU: refused, with the fix named
 
 
 def test_bench_fast_layers_times_each_replaced_layer(tmp_path):
