@@ -28,7 +28,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
     if OmegaConf.is_missing(cfg, "ckpt_path"):
         raise ValueError("no checkpoint given: bev-eval ckpt_path=<a .ckpt file, or a run directory for its best checkpoint>")
-    loaded = load_checkpoint(cfg.ckpt_path, cfg.get("model"), cfg.grid, cfg.data)
+    loaded = load_checkpoint(cfg.ckpt_path, cfg.get("model"), cfg.grid, cfg.data, trusted=bool(cfg.get("trust_checkpoint")))
     with open_dict(cfg):
         cfg.grid = loaded.run_config.grid
     data_cfg = build_data_config(cfg.data, loaded.run_config)

@@ -24,7 +24,7 @@ def export(cfg: DictConfig) -> dict[str, Any]:
     from bev.inference import example_inputs, load_checkpoint
 
     out = _checked_out(cfg)
-    net = load_checkpoint(cfg.ckpt_path).model.net.eval()
+    net = load_checkpoint(cfg.ckpt_path, trusted=bool(cfg.get("trust_checkpoint"))).model.net.eval()
     example = example_inputs(net, int(cfg.num_cameras), int(cfg.batch_size))
     with torch.no_grad():
         expected = net(*example)

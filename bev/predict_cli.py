@@ -24,7 +24,7 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
     from bev.utils.io import atomic_write
 
     out = writable_dir(cfg.out, "out")
-    loaded = load_checkpoint(cfg.ckpt_path)
+    loaded = load_checkpoint(cfg.ckpt_path, trusted=bool(cfg.get("trust_checkpoint")))
     model = loaded.model.to(_device(cfg.device))
     data_cfg = build_data_config(cfg.data, loaded.run_config)
     dataset, indices, split = select_samples(data_cfg, cfg.split, cfg.scene)

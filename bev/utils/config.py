@@ -50,19 +50,28 @@ def _map_classes(map_layers=None) -> list[str]:
     return list(normalize_map_layers(map_layers))
 
 
+def _as_list(names: list[str]):
+    from omegaconf import OmegaConf
+
+    # ListConfig, not list: OmegaConf.resolve can only put a container in place of an interpolation.
+    return OmegaConf.create(names)
+
+
+# The project's resolvers (bev.utils.trust lets stored configs call these and no other of its own).
+RESOLVERS = {
+    "bev.num_classes": lambda cats, layers=None: len(_class_names(cats, layers)),
+    "bev.object_classes": lambda cats: _as_list(_class_names(cats)),
+    "bev.map_classes": lambda layers=None: _as_list(_map_classes(layers)),
+}
+
+
 def register_resolvers() -> None:
     """Config resolvers so the model's head follows data.categories + data.map_layers:
     ${bev.num_classes:${data.categories},${data.map_layers}}, ${bev.object_classes:${data.categories}},
     ${bev.map_classes:${data.map_layers}}."""
     from omegaconf import OmegaConf
 
-    resolvers = {
-        "bev.num_classes": lambda cats, layers=None: len(_class_names(cats, layers)),
-        # ListConfig, not list: OmegaConf.resolve can only put a container in place of an interpolation.
-        "bev.object_classes": lambda cats: OmegaConf.create(_class_names(cats)),
-        "bev.map_classes": lambda layers=None: OmegaConf.create(_map_classes(layers)),
-    }
-    for name, fn in resolvers.items():
+    for name, fn in RESOLVERS.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 
