@@ -1,0 +1,263 @@
+"""Temporal Lift-Splat (FIERY's half): past frames fused in the present ego frame, and the future.
+
+Per input frame the camera encoder and the splat of LiftSplatShoot give BEV features; the past
+frames' features are warped into the present frame with the cumulative ego motion (bilinear) and
+fused by a temporal block; the BEV encoder of the static model then feeds
+- the static head: the present frame's object + map logits (B, K, X, Y), as LiftSplatShoot, so
+  that present-frame IoUs compare with the static model's;
+- the future heads, time folded into channels (PowerBEV's deterministic future): for the present
+  and each of the F future frames `segmentation` (B, F+1, 1, X, Y) vehicle logits, `centerness`
+  (B, F+1, 1, X, Y), `offset` and `flow` (B, F+1, 2, X, Y) in grid cells, channel 0 along x.
+With `probabilistic=True`, FIERY's present / future Gaussian latents condition the future heads
+(the future distribution sees the future labels in training; KL between the two).
+
+Module names follow LiftSplatShoot (camera_encoder, bev_encoder with the same keys), so a static
+checkpoint's weights load into a temporal model by name (bev.lit_temporal, model.init_from).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bev.geometry import FEATURE_STRIDE, Grid
+from bev.models.bev_encoder import BevEncoder
+from bev.models.lss import LiftSplatShoot
+
+# Future head outputs and their channels per frame.
+HEADS = {"segmentation": 1, "centerness": 1, "offset": 2, "flow": 2}
+
+
+def planar(motion: torch.Tensor) -> torch.Tensor:
+    """(..., 4, 4) ego motions -> (..., 3, 3) 2D rigid transforms of their x, y translation and yaw."""
+    yaw = torch.atan2(motion[..., 1, 0], motion[..., 0, 0])
+    c, s = torch.cos(yaw), torch.sin(yaw)
+    zero, one = torch.zeros_like(c), torch.ones_like(c)
+    rows = [c, -s, motion[..., 0, 3], s, c, motion[..., 1, 3], zero, zero, one]
+    return torch.stack(rows, dim=-1).view(*motion.shape[:-2], 3, 3)
+
+
+def past_to_present(future_egomotion: torch.Tensor, past_frames: int) -> torch.Tensor:
+    """(B, T', 4, 4) motions t -> t+1 -> (B, P, 3, 3) planar transforms of each past frame t < P to the present P."""
+    steps = planar(future_egomotion[:, :past_frames].float())
+    out, acc = [], torch.eye(3, dtype=steps.dtype, device=steps.device).expand_as(steps[:, 0])
+    for t in range(past_frames - 1, -1, -1):  # present <- P-1 <- ... <- t
+        acc = acc @ steps[:, t]
+        out.append(acc)
+    return torch.stack(out[::-1], dim=1)
+
+
+def rigid_inverse(m: torch.Tensor) -> torch.Tensor:
+    """Inverse of (..., 3, 3) 2D rigid transforms [R t; 0 1] -> [R^T -R^T t; 0 1]."""
+    rt = m[..., :2, :2].transpose(-1, -2)
+    out = m.clone()
+    out[..., :2, :2] = rt
+    out[..., :2, 2] = -(rt @ m[..., :2, 2:]).squeeze(-1)
+    return out
+
+
+def warp_theta(present_to_past: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """(M, 3, 3) metric maps present -> past -> (M, 2, 3) affine_grid matrices (align_corners=False).
+
+    A BEV map is (C, X, Y): grid_sample's height is x, its width y, so its normalised coordinates
+    are (u_y, u_x), each u = (metres - centre) / half-extent (cell centres at (2i + 1) / n - 1).
+    """
+    (x0, x1, _), (y0, y1, _) = grid.xbound, grid.ybound
+    norm = present_to_past.new_tensor([[(x1 - x0) / 2, 0, (x0 + x1) / 2], [0, (y1 - y0) / 2, (y0 + y1) / 2], [0, 0, 1]])
+    swap = present_to_past.new_tensor([[0.0, 1, 0], [1, 0, 0], [0, 0, 1]])  # (x, y) <-> (y, x) order
+    a = torch.linalg.inv(norm) @ present_to_past @ norm  # normalised present (x, y) -> normalised past (x, y)
+    return (swap @ a @ swap)[:, :2]
+
+
+def warp_to_present(feats: torch.Tensor, future_egomotion: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """(B, P, C, X, Y) BEV features of past frames 0..P-1, each in its own ego frame -> the same in the
+    present frame P's (bilinear; cells that were outside a past grid get zeros)."""
+    B, P, C, X, Y = feats.shape
+    theta = warp_theta(rigid_inverse(past_to_present(future_egomotion, P)).flatten(0, 1), grid)
+    sample = F.affine_grid(theta, [B * P, C, X, Y], align_corners=False)
+    out = F.grid_sample(feats.flatten(0, 1).float(), sample, mode="bilinear", padding_mode="zeros", align_corners=False)
+    return out.to(feats.dtype).view(B, P, C, X, Y)
+
+
+class BevTrunk(BevEncoder):
+    """The static BEV encoder (same parameters and state_dict keys), also giving the features before
+    its 1x1 head: `up2[-1]` is the static head, the future heads read `features()`."""
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        size = x.shape[-2:]
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        x1 = self.layer1(self.stem(x))
+        x = self.up1(self.layer3(self.layer2(x1)), x1)
+        x = F.interpolate(x, size=size, mode="bilinear", align_corners=True)
+        return self.up2[:-1](x)
+
+    @property
+    def feature_channels(self) -> int:
+        return self.up2[-1].in_channels
+
+
+def conv_bn_relu(cin: int, cout: int, k: int = 3) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, k, padding=k // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+
+
+class TemporalFusion(nn.Module):
+    """Warped frames (B, T, C, X, Y) -> (B, C, X, Y): the present frame plus a residual from all T
+    frames' features concatenated (BEVDet4D's concat, 2D convs). The residual's last conv starts at
+    zero, so an untrained fusion passes the present frame through: a temporal model initialised from
+    a static checkpoint starts out as that static model."""
+
+    def __init__(self, channels: int, frames: int, hidden: int | None = None):
+        super().__init__()
+        hidden = hidden or channels
+        self.mix = nn.Sequential(conv_bn_relu(channels * frames, hidden), nn.Conv2d(hidden, channels, 1))
+        nn.init.zeros_(self.mix[-1].weight)
+        nn.init.zeros_(self.mix[-1].bias)
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        return frames[:, -1] + self.mix(frames.flatten(1, 2))
+
+
+class GaussianLatent(nn.Module):
+    """Features (B, C, X, Y) -> mean and log-variance (B, L) of a diagonal Gaussian (FIERY's distributions,
+    pooled globally to stay cheap)."""
+
+    def __init__(self, in_channels: int, latent_dim: int, hidden: int = 32):
+        super().__init__()
+        self.net = nn.Sequential(conv_bn_relu(in_channels, hidden), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(hidden, 2 * latent_dim))
+        self.latent_dim = latent_dim
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mu, log_var = self.net(x).float().chunk(2, dim=1)
+        return mu, log_var.clamp(-10.0, 10.0)
+
+
+class FutureHeads(nn.Module):
+    """BEV features (B, Cf, X, Y) -> per-frame heads, time folded into channels (PowerBEV): two branches,
+    segmentation + centreness and offset + flow, each an optional 3x3 conv then a 1x1 conv to
+    (F+1) x channels."""
+
+    def __init__(self, in_channels: int, frames: int, hidden: int = 0):
+        super().__init__()
+        self.frames = frames
+        self.groups = {"instance": ("segmentation", "centerness"), "motion": ("offset", "flow")}
+        self.branches = nn.ModuleDict()
+        for name, heads in self.groups.items():
+            out = frames * sum(HEADS[h] for h in heads)
+            pre = [conv_bn_relu(in_channels, hidden)] if hidden else []
+            self.branches[name] = nn.Sequential(*pre, nn.Conv2d(hidden or in_channels, out, 1))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        B, _, X, Y = x.shape
+        out = {}
+        for name, heads in self.groups.items():
+            y = self.branches[name](x)
+            sizes = [self.frames * HEADS[h] for h in heads]
+            for head, part in zip(heads, y.split(sizes, dim=1)):
+                out[head] = part.view(B, self.frames, HEADS[head], X, Y)
+        return out
+
+
+class TemporalLiftSplat(LiftSplatShoot):
+    """P+1 input frames of N cameras -> the present frame's static logits and F+1 frames of future heads.
+
+    forward(images (B, P+1, N, 3, H, W), intrinsics/rots/trans/post_rots/post_trans (B, P+1, N, ...),
+    future_egomotion (B, >= P, 4, 4): entry t maps frame t's ego coordinates to frame t+1's) ->
+    {"bev": (B, K, X, Y), "segmentation", "centerness", "offset", "flow"} (see the module docstring);
+    probabilistic models add "present_mu", "present_log_var" (and "future_*" given future labels).
+    past_no_grad runs the past frames' camera encoder and splat without gradient (BEVDet4D).
+    """
+
+    def __init__(
+        self,
+        grid: Grid | Mapping[str, Any] | None,
+        image_size: tuple[int, int] = (128, 352),
+        downsample: int = FEATURE_STRIDE,
+        context_channels: int = 64,
+        num_classes: int = 1,
+        camera: Mapping[str, Any] | None = None,
+        bev: Mapping[str, Any] | None = None,
+        splat: str = "bev_pool",
+        pool_backend: str = "auto",
+        past_frames: int = 2,
+        future_frames: int = 4,
+        fusion_channels: int | None = None,
+        head_channels: int = 0,
+        probabilistic: bool = False,
+        latent_dim: int = 16,
+    ):
+        super().__init__(grid, image_size, downsample, context_channels, num_classes, camera, bev, splat, pool_backend)
+        if past_frames < 0 or future_frames < 0:
+            raise ValueError(f"past_frames and future_frames must be >= 0, got {past_frames} and {future_frames}")
+        self.past_frames, self.future_frames = int(past_frames), int(future_frames)
+        self.probabilistic, self.latent_dim = bool(probabilistic), int(latent_dim) if probabilistic else 0
+        bev_in = context_channels * self.grid.nz
+        self.bev_encoder = BevTrunk(bev_in, num_classes, **dict(bev or {}))
+        self.fusion = TemporalFusion(bev_in, self.past_frames + 1, fusion_channels) if self.past_frames else None
+        cf = self.bev_encoder.feature_channels
+        if self.probabilistic:
+            frames = self.future_frames + 1
+            self.present_dist = GaussianLatent(cf, self.latent_dim)
+            self.future_dist = GaussianLatent(cf + frames * (1 + 2), self.latent_dim)  # + future segmentation and flow
+        self.future = FutureHeads(cf + self.latent_dim, self.future_frames + 1, head_channels)
+
+    def lift_splat(self, images, intrinsics, rots, trans, post_rots, post_trans) -> torch.Tensor:
+        """(M, N, 3, H, W) and (M, N, ...) cameras of M frames -> (M, C * Z, X, Y) BEV features."""
+        M, N = images.shape[:2]
+        x = self.camera_encoder(images.flatten(0, 1))
+        D, C = self.grid.depth_bins, self.context_channels
+        fH, fW = x.shape[-2:]
+        depth = x[:, :D].view(M, N, D, fH, fW).softmax(dim=2)
+        feats = x[:, D:].view(M, N, C, fH, fW).permute(0, 1, 3, 4, 2)
+        return self.splat(depth, feats, self.voxel_coords(intrinsics, rots, trans, post_rots, post_trans))
+
+    def frame_features(self, cams: tuple[torch.Tensor, ...], past_no_grad: bool) -> torch.Tensor:
+        """Camera inputs (B, T, N, ...) -> (B, T, C * Z, X, Y) BEV features of every frame in its own ego frame."""
+        B, T = cams[0].shape[:2]
+        if not past_no_grad or T == 1:
+            return self.lift_splat(*(c.flatten(0, 1) for c in cams)).unflatten(0, (B, T))
+        with torch.no_grad():
+            past = self.lift_splat(*(c[:, :-1].flatten(0, 1) for c in cams)).unflatten(0, (B, T - 1))
+        present = self.lift_splat(*(c[:, -1] for c in cams)).unsqueeze(1)
+        return torch.cat([past, present], dim=1)
+
+    def forward(self, images, intrinsics, rots, trans, post_rots, post_trans, future_egomotion,
+                past_no_grad: bool = False, future_labels: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        T, (H, W) = images.shape[1], images.shape[-2:]
+        if T != self.past_frames + 1:
+            raise ValueError(f"images have {T} frames but the model takes past_frames + 1 = {self.past_frames + 1}")
+        if (H, W) != self.image_size:
+            raise ValueError(f"images are {H}x{W} but the model was built for {self.image_size[0]}x{self.image_size[1]}")
+        feats = self.frame_features((images, intrinsics, rots, trans, post_rots, post_trans), past_no_grad)
+        if self.fusion is not None:
+            past = warp_to_present(feats[:, :-1], future_egomotion, self.grid)
+            feats = self.fusion(torch.cat([past, feats[:, -1:]], dim=1))
+        else:
+            feats = feats[:, 0]
+        x = self.bev_encoder.features(feats)
+        out = {"bev": self.bev_encoder.up2[-1](x).contiguous()}
+        if self.probabilistic:
+            x = self._with_latent(x, out, future_labels)
+        out.update(self.future(x))
+        return out
+
+    def _with_latent(self, x: torch.Tensor, out: dict, future_labels: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+        """FIERY's conditioning: a latent sampled from the future distribution (training, given the future
+        labels) or the present one's mean (inference), broadcast as extra channels."""
+        out["present_mu"], out["present_log_var"] = self.present_dist(x)
+        if future_labels is not None:
+            labels = torch.cat([_no_ignore(future_labels["segmentation"]), _no_ignore(future_labels["flow"]).flatten(1, 2)], 1)
+            mu, log_var = self.future_dist(torch.cat([x, labels.to(x.dtype)], dim=1))
+            out["future_mu"], out["future_log_var"] = mu, log_var
+            z = mu + torch.randn_like(mu) * (0.5 * log_var).exp() if self.training else mu
+        else:
+            z = out["present_mu"]
+        return torch.cat([x, z.to(x.dtype)[:, :, None, None].expand(-1, -1, *x.shape[-2:])], dim=1)
+
+
+def _no_ignore(t: torch.Tensor, ignore: float = 255.0) -> torch.Tensor:
+    """Vector labels with the ignore value replaced by zero (an input, not a target)."""
+    return torch.where(t == ignore, torch.zeros_like(t), t).float()
