@@ -1,0 +1,127 @@
+"""Losses of the temporal model (FIERY's, configurable), each over the present and the F future frames.
+
+Shapes: predictions (B, T, C, X, Y) with T = F + 1 (index 0 the present frame); targets as the data
+gives them: segmentation (B, T, X, Y) int64 0/1, centerness (B, T, 1, X, Y), offset and flow
+(B, T, 2, X, Y). IGNORE (255, FIERY's value) marks cells without a label; they never count.
+Frame t's loss is weighted by future_discount ** t. A term with no labelled cell is 0 (still part of
+the graph), not the NaN of a mean over nothing.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE = 255
+TERMS = ("segmentation", "centerness", "offset", "flow")
+
+
+def discounts(frames: int, future_discount: float, device=None) -> torch.Tensor:
+    """(T,) weights future_discount ** t, t = 0 (present) .. T - 1."""
+    return future_discount ** torch.arange(frames, dtype=torch.float32, device=device)
+
+
+def _masked_mean(per_cell: torch.Tensor, valid: torch.Tensor, future_discount: float) -> torch.Tensor:
+    """Mean over valid cells of (B, T, X, Y) losses, frame t weighted by future_discount ** t."""
+    w = discounts(per_cell.shape[1], future_discount, per_cell.device).view(1, -1, 1, 1)
+    return (per_cell * w * valid).sum() / valid.sum().clamp(min=1)  # no labelled cell: 0, and no host sync
+
+
+def segmentation_loss(logits: torch.Tensor, target: torch.Tensor, pos_weight: float = 2.0, top_k: float | None = None,
+                      future_discount: float = 0.95) -> torch.Tensor:
+    """BCE of (B, T, 1, X, Y) logits against (B, T, X, Y) 0/1 labels, positives weighted by pos_weight.
+
+    top_k in (0, 1]: FIERY's bootstrapping: per sample and frame only the top_k fraction of cells
+    with the largest loss count (FIERY keeps 25 %, with weights 1 and 2 on its two classes).
+    """
+    logits = logits.float().squeeze(2)
+    valid = target != IGNORE
+    y = torch.where(valid, target, torch.zeros_like(target)).float()
+    per_cell = F.binary_cross_entropy_with_logits(logits, y, pos_weight=logits.new_tensor(float(pos_weight)), reduction="none")
+    if top_k is None or top_k >= 1:
+        return _masked_mean(per_cell, valid, future_discount)
+    if not 0 < top_k:
+        raise ValueError(f"segmentation top_k must be in (0, 1], got {top_k}")
+    w = discounts(per_cell.shape[1], future_discount, per_cell.device).view(1, -1, 1)
+    flat = (per_cell * valid).flatten(2) * w  # ignored cells have loss 0, so they fall out of the top k
+    k = max(1, math.ceil(top_k * flat.shape[-1]))
+    return flat.topk(k, dim=-1).values.mean()
+
+
+def regression_loss(pred: torch.Tensor, target: torch.Tensor, norm: int = 1, future_discount: float = 0.95) -> torch.Tensor:
+    """L1 (norm=1) or squared L2 (norm=2) of (B, T, C, X, Y) vectors, summed over C, mean over labelled cells
+    (a cell is labelled when no channel is IGNORE)."""
+    pred, target = pred.float(), target.float()
+    valid = (target != IGNORE).all(dim=2)
+    diff = pred - torch.where(target == IGNORE, pred.detach(), target)
+    per_cell = diff.abs().sum(2) if norm == 1 else diff.pow(2).sum(2)
+    return _masked_mean(per_cell, valid, future_discount)
+
+
+def gaussian_kl(mu_q: torch.Tensor, log_var_q: torch.Tensor, mu_p: torch.Tensor, log_var_p: torch.Tensor) -> torch.Tensor:
+    """KL(q || p) of diagonal Gaussians (B, L), summed over L, mean over B (FIERY: q the future, p the present)."""
+    kl = 0.5 * (log_var_p - log_var_q + (log_var_q.exp() + (mu_q - mu_p) ** 2) / log_var_p.exp() - 1)
+    return kl.sum(-1).mean()
+
+
+class UncertaintyWeights(nn.Module):
+    """Kendall et al.'s task weighting, as FIERY: total = sum_i L_i / (2 exp(s_i)) + s_i / 2, with a
+    learned log-variance s_i per term (start 0: weight 1/2). The total can go negative."""
+
+    def __init__(self, names: tuple[str, ...]):
+        super().__init__()
+        self.log_vars = nn.ParameterDict({n: nn.Parameter(torch.zeros(())) for n in names})
+
+    def forward(self, terms: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        total = 0.0
+        for name, value in terms.items():
+            s = self.log_vars[name]
+            total = total + 0.5 * torch.exp(-s) * value + 0.5 * s
+        return total
+
+
+class TemporalLoss(nn.Module):
+    """The future heads' losses -> (total, {term: value}).
+
+    weights: a fixed multiplier per term (segmentation, centerness, offset, flow, and "bev" when the
+    caller adds the static head's loss, "kl" for the probabilistic model); uncertainty: learned
+    weighting on top (UncertaintyWeights; the KL term keeps its fixed weight, as FIERY's).
+    """
+
+    def __init__(self, weights: Mapping[str, float] | None = None, uncertainty: bool = True, future_discount: float = 0.95,
+                 seg_pos_weight: float = 2.0, seg_top_k: float | None = None, extra_terms: tuple[str, ...] = ("bev",)):
+        super().__init__()
+        names = TERMS + tuple(extra_terms)
+        self.weights = {n: 1.0 for n in (*names, "kl")}
+        unknown = [k for k in (weights or {}) if k not in self.weights]
+        if unknown:
+            raise ValueError(f"loss weights name unknown term(s) {unknown}; terms: {list(self.weights)}")
+        self.weights.update({k: float(v) for k, v in (weights or {}).items()})
+        self.future_discount, self.seg_pos_weight, self.seg_top_k = float(future_discount), float(seg_pos_weight), seg_top_k
+        self.uncertainty = UncertaintyWeights(names) if uncertainty else None
+
+    def terms(self, out: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each future head's unweighted loss."""
+        g = self.future_discount
+        return {
+            "segmentation": segmentation_loss(out["segmentation"], batch["segmentation"], self.seg_pos_weight, self.seg_top_k, g),
+            "centerness": regression_loss(out["centerness"], batch["centerness"], 2, g),
+            "offset": regression_loss(out["offset"], batch["offset"], 1, g),
+            "flow": regression_loss(out["flow"], batch["flow"], 1, g),
+        }
+
+    def forward(self, out: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor],
+                extra: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        terms = {**self.terms(out, batch), **dict(extra or {})}
+        kl = None
+        if "future_mu" in out:
+            kl = gaussian_kl(out["future_mu"], out["future_log_var"], out["present_mu"], out["present_log_var"])
+        weighted = {k: self.weights[k] * v for k, v in terms.items() if self.weights[k]}
+        total = self.uncertainty(weighted) if self.uncertainty is not None else sum(weighted.values())
+        if kl is not None:
+            terms["kl"] = kl
+            total = total + self.weights["kl"] * kl
+        return total, terms
