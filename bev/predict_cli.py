@@ -88,12 +88,14 @@ class _PredictionFiles:
     def add(self, batch, i: int, probs, scene, timestamp: int) -> dict[str, Any]:
         """Write sample i of the batch (probabilities probs[i]) as the next of `scene`; returns its record."""
         from bev.inference import save_prediction_npz
+        from bev.utils.io import safe_name
 
         if scene != self.scene:  # samples come in (scene, time) order: the previous scene is complete
             self.end_scene()
             self.scene, self.nth = str(scene), 0
         token = batch["sample_token"][i]
-        stem = self.out / self.scene / f"{self.nth:03d}_{token}"
+        # Names come from the dataset's tables: made safe so that every file stays inside out=.
+        stem = self.out / safe_name(self.scene) / f"{self.nth:03d}_{safe_name(token)}"
         title = f"{self.scene} #{self.nth}  {token}"
         self.nth += 1
         rec = {"scene": self.scene, "sample_token": token, "timestamp": timestamp,
@@ -121,9 +123,10 @@ class _PredictionFiles:
     def end_scene(self) -> None:
         """Write the current scene's GIF (when GIFs are on and it has frames) and start with no frames."""
         from bev.inference import save_gif
+        from bev.utils.io import safe_name
 
         if self.cfg.gif and self.frames:
-            self.gifs.append(str(save_gif(self.out / f"{self.scene}.gif", self.frames, float(self.cfg.gif_fps))))
+            self.gifs.append(str(save_gif(self.out / f"{safe_name(self.scene)}.gif", self.frames, float(self.cfg.gif_fps))))
         self.frames.clear()
 
 

@@ -153,6 +153,16 @@ def _table_signature(table_root: Path) -> dict[str, list[int]]:
     return sig
 
 
+def _relative_filename(sd: dict) -> str:
+    """sd["filename"], refused when it leaves the dataroot (absolute or through ..): files are read as dataroot/filename."""
+    name = sd["filename"]
+    if os.path.isabs(name) or ".." in Path(name).parts:
+        raise ValueError(f"sample_data {sd['token']}: filename {name!r} leaves the dataroot; nuScenes filenames are "
+                         f"relative to the dataroot (e.g. samples/CAM_FRONT/<name>.jpg): fix this table entry, or "
+                         f"re-download the tables")
+    return name
+
+
 def _pose(rec: dict) -> tuple[np.ndarray, np.ndarray]:
     return quaternion_to_matrix(rec["rotation"]), np.asarray(rec["translation"], dtype=np.float64)
 
@@ -226,7 +236,7 @@ def _add_sample(nusc, scene: dict, token: str, sample: dict, groups, vis_level: 
     lidar = nusc.get("sample_data", sample["data"]["LIDAR_TOP"])
     Re, te = _pose(nusc.get("ego_pose", lidar["ego_pose_token"]))
     Rl, tl = _pose(nusc.get("calibrated_sensor", lidar["calibrated_sensor_token"]))
-    _append(cols, lidar_path=lidar["filename"], lidar_rotation=Rl, lidar_translation=tl)
+    _append(cols, lidar_path=_relative_filename(lidar), lidar_rotation=Rl, lidar_translation=tl)
     for cam in CAMERA_NAMES:
         if cam not in sample["data"]:
             raise ValueError(f"{where} has no {cam} image")
@@ -245,7 +255,7 @@ def _add_camera(nusc, sd: dict, Re: np.ndarray, te: np.ndarray, cols: dict[str, 
     Rce, tce = _pose(nusc.get("ego_pose", sd["ego_pose_token"]))
     # camera -> ego(camera time) -> global -> ego(LIDAR_TOP time)
     _append(cols, rots=Re.T @ Rce @ Rc, trans=Re.T @ (Rce @ tc + tce - te),
-            intrinsics=np.asarray(calib["camera_intrinsic"]), image_path=sd["filename"],
+            intrinsics=np.asarray(calib["camera_intrinsic"]), image_path=_relative_filename(sd),
             image_hw=(sd["height"], sd["width"]))
 
 

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
 # torch's zip writer reports a failed file.write as "unexpected pos" and may drop the OSError; such a
 # failure counts as a full disk when less than this is left on the filesystem.
@@ -38,6 +41,21 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+_NAME_CHARS = re.compile(r"[^A-Za-z0-9._+-]")
+MAX_NAME_CHARS = 120  # leaves room for prefixes and suffixes within the usual 255-byte limit
+
+
+def safe_name(name: object) -> str:
+    """A file name made from data (a sample token, a scene name): one path component, never "." or "..",
+    never hidden, so out / safe_name(x) stays inside out. Letters, digits and ._+- are kept; a name that
+    had to change gets a short hash of the original, so distinct names stay distinct files."""
+    text = str(name)
+    safe = _NAME_CHARS.sub("_", text).lstrip(".")[:MAX_NAME_CHARS] or "_"
+    if safe == text:
+        return safe
+    return f"{safe}-{hashlib.sha1(text.encode('utf-8', 'surrogatepass')).hexdigest()[:8]}"
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
