@@ -1,0 +1,180 @@
+"""LightningModule of the temporal model (bev.models.temporal): present-frame static head + future heads.
+
+The static head's loss, optimiser, schedule, gradient clipping and present-frame IoUs (vehicle,
+map) are BEVLitModule's, so its numbers compare with the static model's; the future heads add
+bev.losses.TemporalLoss. Two-stage recipe (FIERY's from-scratch runs diverged for its users):
+model.init_from=<static checkpoint or run dir> loads the static model's matching weights before
+the first step.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from bev.lit import CAMERA_KEYS, BEVLitModule
+from bev.losses import TERMS, TemporalLoss
+
+SEQUENCE_KEYS = ("future_egomotion",) + TERMS[1:] + ("segmentation", "instance")
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss became NaN or infinite."""
+
+
+class TemporalLitModule(BEVLitModule):
+    """BEVLitModule for TemporalLiftSplat: batches of P+1 input frames, labels for the present and F future frames.
+
+    temporal_loss: keyword arguments of bev.losses.TemporalLoss (weights, uncertainty, future_discount,
+    seg_pos_weight, seg_top_k); its "bev" term is the static head's loss (BEVLitModule.loss).
+    past_no_grad: the past frames' camera encoder and splat run without gradient (BEVDet4D).
+    init_from: a static (or temporal) checkpoint, or a run / checkpoints directory (its best one):
+    its `net.*` tensors whose names and shapes match are loaded when training starts (not on resume).
+    Other arguments: BEVLitModule's.
+    """
+
+    def __init__(self, net: nn.Module, optimizer, temporal_loss: Mapping[str, Any] | None = None,
+                 past_no_grad: bool = False, init_from: str | None = None, **static: Any):
+        if static.get("depth_weight"):
+            raise ValueError("model.depth_weight > 0 is not supported by the temporal model: set model.depth_weight=0")
+        super().__init__(net, optimizer, **static)
+        # Plain containers only: checkpoints are read with torch.load(weights_only=True).
+        self.save_hyperparameters(plain({"temporal_loss": temporal_loss, "past_no_grad": past_no_grad,
+                                         "init_from": init_from, **static}))
+        self.temporal_loss = TemporalLoss(**dict(temporal_loss or {}))
+        self.past_no_grad = bool(past_no_grad)
+        self.init_from = init_from
+
+    # --- inputs and losses
+
+    def forward(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        check_sequence_batch(batch, self.net)
+        labels = batch if self.training and getattr(self.net, "probabilistic", False) else None
+        cams = (batch[k] for k in CAMERA_KEYS)
+        return self.net(*cams, batch["future_egomotion"], past_no_grad=self.past_no_grad, future_labels=labels)
+
+    def total_loss(self, out: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        """(weighted total, {term: unweighted value}) over the static head ("bev") and the future heads."""
+        return self.temporal_loss(out, batch, extra={"bev": self.loss(out["bev"], batch["bev"])})
+
+    def training_step(self, batch: dict, batch_idx: int) -> dict:
+        out = self(batch)
+        loss, terms = self.total_loss(out, batch)
+        check_finite(loss, terms, self.global_step, self.current_epoch, batch_idx)
+        B = out["bev"].shape[0]
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=B)
+        self.log_dict({f"train/loss_{k}": v for k, v in terms.items()}, on_step=True, on_epoch=False, batch_size=B)
+        return {"loss": loss}
+
+    def _eval_step(self, batch: dict, stage: str) -> dict[str, torch.Tensor]:
+        out = self(batch)
+        loss, _ = self.total_loss(out, batch)
+        self.log(f"{stage}/loss", loss, on_epoch=True, sync_dist=True, batch_size=out["bev"].shape[0])
+        iou, map_iou = (self.val_iou, self.val_map_iou) if stage == "val" else (self.test_iou, self.test_map_iou)
+        self._update_metrics(iou, map_iou, out["bev"], batch)
+        return out
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def predict_step(self, batch: dict, batch_idx: int = 0, dataloader_idx: int = 0) -> dict[str, torch.Tensor]:
+        """Probabilities of the static head ("bev", (B, K, X, Y)) and the future segmentation; centreness,
+        offset and flow as the heads give them (float32)."""
+        out = self(batch)
+        probs = {"bev": out["bev"].float().sigmoid(), "segmentation": out["segmentation"].float().sigmoid()}
+        return {**probs, **{k: out[k].float() for k in ("centerness", "offset", "flow")}}
+
+    # --- two-stage training
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        rank_zero = self.trainer.is_global_zero
+        if self.trainer.ckpt_path:
+            if self.init_from and rank_zero:
+                print(f"model.init_from not applied: resuming from {self.trainer.ckpt_path}", flush=True)
+            return
+        if not self.init_from:
+            if rank_zero:
+                print("model.init_from is not set: the temporal model starts from scratch (its two-stage recipe starts "
+                      "from a static checkpoint: model.init_from=<static run>/checkpoints)", flush=True)
+            return
+        report = load_matching(self, self.init_from)
+        if rank_zero:
+            print(report, flush=True)
+
+
+def plain(value: Any) -> Any:
+    """Config values (OmegaConf containers, tuples) as plain dicts, lists and scalars; objects by their repr."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)
+
+
+def check_sequence_batch(batch: Mapping[str, torch.Tensor], net: nn.Module) -> None:
+    """One clear error when a batch is not what the temporal model takes (e.g. static data)."""
+    images = batch.get("images")
+    frames = getattr(net, "past_frames", 0) + 1
+    if images is None or images.dim() != 6 or "future_egomotion" not in batch:
+        shape = None if images is None else tuple(images.shape)
+        raise ValueError(f"the temporal model takes windows of {frames} input frames (images (B, {frames}, N, 3, H, W) and "
+                         f"future_egomotion), got images {shape}: set data.past_frames and data.future_frames "
+                         f"(e.g. experiment=synthetic_temporal_cpu)")
+    if images.shape[1] != frames:
+        raise ValueError(f"the batch has {images.shape[1]} input frames, the model takes {frames}: "
+                         f"data.past_frames must equal model.net.past_frames")
+    seg = batch.get("segmentation")
+    want = getattr(net, "future_frames", 0) + 1
+    if seg is not None and seg.shape[1] != want:
+        raise ValueError(f"the batch has labels for {seg.shape[1]} frames, the model predicts {want}: "
+                         f"data.future_frames must equal model.net.future_frames")
+
+
+def check_finite(loss: torch.Tensor, terms: Mapping[str, torch.Tensor], step: int, epoch: int, batch_idx: int) -> None:
+    """Stop training at a NaN or infinite loss, naming the step and the terms that went bad."""
+    if bool(torch.isfinite(loss)):
+        return
+    bad = [k for k, v in terms.items() if not bool(torch.isfinite(v).all())]
+    raise NonFiniteLossError(
+        f"the training loss is {float(loss.detach())} at step {step} (epoch {epoch}, batch {batch_idx}); non-finite terms: "
+        f"{', '.join(bad) if bad else 'none (their weighting overflowed)'}. Start from a static checkpoint "
+        f"(model.init_from=<static run>/checkpoints), lower model.optimizer.lr, or keep trainer.gradient_clip_val set.")
+
+
+def load_matching(module: nn.Module, path: str) -> str:
+    """Load the `net.*` tensors of a checkpoint whose names and shapes match `module`'s (state_dict only,
+    torch.load(weights_only=True)); returns a summary of what was loaded, what is new and what was skipped."""
+    from bev.utils.checkpoint import read_checkpoint, resolve_checkpoint
+
+    file = resolve_checkpoint(path)
+    theirs = {k: v for k, v in read_checkpoint(file)["state_dict"].items() if k.startswith("net.")}
+    own = module.state_dict()
+    take = {k: v for k, v in theirs.items() if k in own and tuple(own[k].shape) == tuple(v.shape)}
+    if not take:
+        raise ValueError(f"model.init_from={path}: none of {file}'s network tensors fit this model "
+                         f"(a different camera, grid or BEV encoder config?)")
+    module.load_state_dict(take, strict=False)
+    new = [k for k in own if k.startswith("net.") and k not in take]
+    skipped = [k for k in theirs if k not in take]
+
+    def parts(keys) -> str:
+        counts = Counter(k.split(".")[1] for k in keys)
+        return ", ".join(f"{name} ({n})" for name, n in counts.items()) or "none"
+
+    lines = [f"model.init_from: loaded {len(take)} tensors from {file}: {parts(take)}",
+             f"  new (trained from scratch): {parts(new)}"]
+    if skipped:
+        lines.append(f"  skipped (not in this model or shaped differently): {', '.join(skipped[:8])}"
+                     + (f" and {len(skipped) - 8} more" if len(skipped) > 8 else ""))
+    return "\n".join(lines)

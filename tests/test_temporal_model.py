@@ -1,0 +1,270 @@
+"""The temporal model (bev.models.temporal), its losses (bev.losses) and its LightningModule (bev.lit_temporal)."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from bev.geometry import Grid
+from bev.inference import ring_rig
+from bev.lit import BEVLitModule
+from bev.lit_temporal import NonFiniteLossError, TemporalLitModule, load_matching
+from bev.losses import IGNORE, UncertaintyWeights, regression_loss, segmentation_loss
+from bev.models.lss import LiftSplatShoot
+from bev.models.temporal import TemporalLiftSplat, warp_to_present
+
+GRID = {"xbound": [-24.0, 24.0, 2.0], "ybound": [-24.0, 24.0, 2.0], "zbound": [-10.0, 10.0, 20.0], "dbound": [4.0, 44.0, 8.0]}
+SIZES = {"grid": GRID, "image_size": (32, 96), "context_channels": 8, "num_classes": 2,
+         "camera": {"backbone": "small", "widths": [8, 8, 16, 16, 16], "mid_channels": 16}, "bev": {"widths": [8, 16, 16]}}
+B, P, F, N = 2, 2, 3, 3
+X = Y = 24
+
+
+def motion(yaw: float, tx: float, ty: float) -> np.ndarray:
+    """4x4 ego motion (frame t -> t+1) of a yaw and an x, y translation."""
+    c, s = math.cos(yaw), math.sin(yaw)
+    m = np.eye(4)
+    m[:2, :2] = [[c, -s], [s, c]]
+    m[:2, 3] = [tx, ty]
+    return m
+
+
+def egomotion(steps: list[np.ndarray], frames: int = P + 1 + F) -> torch.Tensor:
+    """(B, frames, 4, 4): the given steps first, identity after."""
+    ms = [*steps, *[np.eye(4)] * (frames - len(steps))]
+    return torch.tensor(np.stack(ms), dtype=torch.float32).expand(B, -1, -1, -1).clone()
+
+
+def sequence_batch(seed: int = 0, ego: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """A random window: P+1 frames of N ring cameras, labels for F+1 frames (some cells 255)."""
+    g = torch.Generator().manual_seed(seed)
+    rig = ring_rig(N, SIZES["image_size"], B * (P + 1))
+    batch = {k: v.view(B, P + 1, *v.shape[1:]) for k, v in rig.items() if k != "images"}
+    batch["images"] = torch.randn(B, P + 1, N, 3, *SIZES["image_size"], generator=g)
+    batch["future_egomotion"] = egomotion([motion(0.1, 2.0, 0.5), motion(-0.05, 1.5, 0.0)]) if ego is None else ego
+    seg = (torch.rand(B, F + 1, X, Y, generator=g) > 0.8).long()
+    vec = torch.randn(B, F + 1, 2, X, Y, generator=g)
+    batch.update(segmentation=seg, instance=seg, centerness=torch.rand(B, F + 1, 1, X, Y, generator=g),
+                 offset=torch.where(seg.bool()[:, :, None], vec, torch.full_like(vec, IGNORE)),
+                 flow=torch.where(seg.bool()[:, :, None], -vec, torch.full_like(vec, IGNORE)),
+                 bev=(torch.rand(B, 2, X, Y, generator=g) > 0.7).float())
+    return batch
+
+
+def tiny_net(**kw) -> TemporalLiftSplat:
+    torch.manual_seed(0)
+    return TemporalLiftSplat(**SIZES, past_frames=P, future_frames=F, **kw)
+
+
+def tiny_module(**kw) -> TemporalLitModule:
+    return TemporalLitModule(tiny_net(**kw.pop("net", {})), torch.optim.Adam, object_classes=["vehicle"],
+                             map_classes=["drivable_area"], **kw)
+
+
+def cams(batch):
+    return [batch[k] for k in ("images", "intrinsics", "rots", "trans", "post_rots", "post_trans")]
+
+
+@pytest.mark.parametrize("probabilistic", [False, True])
+def test_heads_shapes_and_gradients(probabilistic):
+    net = tiny_net(probabilistic=probabilistic, head_channels=8)
+    batch = sequence_batch()
+    out = net(*cams(batch), batch["future_egomotion"], future_labels=batch if probabilistic else None)
+    want = {"bev": (B, 2, X, Y), "segmentation": (B, F + 1, 1, X, Y), "centerness": (B, F + 1, 1, X, Y),
+            "offset": (B, F + 1, 2, X, Y), "flow": (B, F + 1, 2, X, Y)}
+    assert {k: tuple(out[k].shape) for k in want} == want
+    sum(v.float().square().mean() for v in out.values()).backward()
+    missing = [n for n, p in net.named_parameters() if p.grad is None]
+    assert not missing, missing
+    for head in ("future.branches.instance", "future.branches.motion", "bev_encoder.up2.3", "camera_encoder.head"):
+        grads = [p.grad.abs().sum() for n, p in net.named_parameters() if n.startswith(head)]
+        assert grads and all(g > 0 for g in grads), head
+
+
+def test_warp_of_a_linear_field_matches_the_composed_ego_motion():
+    """A field linear in the past frame's metres, warped into the present frame, equals that field at each
+    present cell centre carried back by the inverse of the composed 4x4 motions (bilinear is exact on it)."""
+    grid = Grid(xbound=[-24.0, 24.0, 2.0], ybound=[-16.0, 20.0, 1.0])  # unequal steps, off-centre in y
+    nx, ny = grid.bev_shape
+    steps = [motion(0.3, 3.1, -1.7), motion(-0.2, 2.4, 0.9)]
+    centers = grid.cell_centers()  # (X, Y, 2) metres
+    a, b, c = 0.7, -0.4, 3.0
+    field = a * centers[..., 0] + b * centers[..., 1] + c
+    feats = torch.zeros(B, P, 1, nx, ny)
+    feats[:, 0, 0] = torch.tensor(field, dtype=torch.float32)
+    out = warp_to_present(feats, egomotion(steps), grid)[0, 0, 0].numpy()
+    to_past = np.linalg.inv(steps[1] @ steps[0])
+    homog = np.concatenate([centers, np.zeros((nx, ny, 1)), np.ones((nx, ny, 1))], axis=-1)
+    past = homog @ to_past.T
+    # Within the hull of the past grid's cell centres, where bilinear sampling needs no zero padding.
+    inside = (np.abs(past[..., 0]) < 23 - 1e-6) & (past[..., 1] > -15.5 + 1e-6) & (past[..., 1] < 19.5 - 1e-6)
+    assert inside.sum() > 300
+    expected = a * past[..., 0] + b * past[..., 1] + c
+    np.testing.assert_allclose(out[inside], expected[inside], atol=1e-4)
+
+
+@pytest.mark.parametrize("step", [motion(0.0, -4.0, 2.0), motion(math.pi / 2, 0.0, 0.0), motion(math.pi / 2, 6.0, -2.0)])
+def test_warp_moves_a_cell_to_where_the_motion_takes_its_centre(step):
+    """A one-hot feature of the frame just before the present lands (value 1) on the cell that contains
+    its centre moved by the ego motion (whole-cell translations and quarter turns keep it on a centre)."""
+    grid = Grid(**GRID)
+    i, j = 7, 15
+    feats = torch.zeros(B, P, 1, X, Y)
+    feats[:, 1, 0, i, j] = 1.0
+    out = warp_to_present(feats, egomotion([np.eye(4), step]), grid)[1, 1, 0]
+    centre = grid.cell_centers()[i, j]
+    moved = (step @ np.array([*centre, 0.0, 1.0]))[:2]
+    k, m = grid.xy_to_index(moved)
+    assert out[k, m].item() == pytest.approx(1.0, abs=1e-5)
+    assert out.sum().item() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_past_no_grad_keeps_the_outputs_and_drops_the_past_gradients():
+    net = tiny_net().eval()
+    batch = sequence_batch()
+    images = batch["images"].requires_grad_(True)
+    ego = batch["future_egomotion"]
+    with torch.no_grad():
+        plain = net(*cams(batch), ego)
+    out = net(*cams(batch), ego, past_no_grad=True)
+    for k in plain:
+        torch.testing.assert_close(out[k], plain[k], rtol=1e-4, atol=1e-4)
+    # The fusion's last conv starts at zero: give the past a path to the output to see its gradient.
+    torch.nn.init.normal_(net.fusion.mix[-1].weight)
+    for no_grad in (False, True):
+        images.grad = None
+        net(*cams(batch), ego, past_no_grad=no_grad)["segmentation"].sum().backward()
+        past = images.grad[:, :-1].abs().sum()
+        assert images.grad[:, -1].abs().sum() > 0
+        assert (past == 0) if no_grad else (past > 0)
+
+
+def test_frames_that_do_not_match_the_model_get_a_clear_error():
+    net = tiny_net()
+    batch = sequence_batch()
+    with pytest.raises(ValueError, match="past_frames"):
+        net(*(c[:, 1:] for c in cams(batch)), batch["future_egomotion"])
+    module = tiny_module()
+    static = {k: v[:, -1] for k, v in batch.items() if k in ("images", "intrinsics", "rots", "trans", "post_rots", "post_trans")}
+    with pytest.raises(ValueError, match="data.past_frames"):
+        module(static)
+
+
+def test_losses_ignore_255_and_discount_the_future():
+    g = torch.Generator().manual_seed(1)
+    pred = torch.randn(2, 3, 2, 5, 5, generator=g)
+    target = torch.randn(2, 3, 2, 5, 5, generator=g)
+    ignored = torch.rand(2, 3, 5, 5, generator=g) > 0.5
+    target[ignored.unsqueeze(2).expand_as(target)] = IGNORE
+    loss = regression_loss(pred, target, norm=1, future_discount=0.9)
+    # Independent: a loop over labelled cells.
+    total, count = 0.0, 0
+    for b, t, x, y in zip(*np.nonzero(~ignored.numpy())):
+        total += 0.9 ** t * float((pred[b, t, :, x, y] - target[b, t, :, x, y]).abs().sum())
+        count += 1
+    assert loss.item() == pytest.approx(total / count, rel=1e-5)
+    wild = pred.clone()
+    wild[ignored.unsqueeze(2).expand_as(pred)] = 1e6  # predictions on ignored cells never count
+    assert regression_loss(wild, target, norm=1, future_discount=0.9).item() == pytest.approx(loss.item(), rel=1e-6)
+    all_ignored = torch.full_like(target, IGNORE)
+    assert regression_loss(pred, all_ignored).item() == 0.0
+
+
+def test_segmentation_loss_ignores_255_and_top_k_keeps_the_hardest_cells():
+    logits = torch.tensor([[[[[3.0, -3.0], [0.0, 5.0]]]]])  # (1, 1, 1, 2, 2)
+    target = torch.tensor([[[[1, 255], [0, 0]]]])
+    per_cell = torch.nn.functional.binary_cross_entropy_with_logits(logits[0, 0, 0], torch.tensor([[1.0, 0.0], [0.0, 0.0]]),
+                                                                   pos_weight=torch.tensor(2.0), reduction="none")
+    expected = (per_cell[0, 0] + per_cell[1, 0] + per_cell[1, 1]) / 3
+    assert segmentation_loss(logits, target, pos_weight=2.0).item() == pytest.approx(expected.item(), rel=1e-6)
+    assert segmentation_loss(logits, target, pos_weight=2.0, top_k=0.25).item() == pytest.approx(per_cell[1, 1].item(), rel=1e-6)
+
+
+def test_uncertainty_weighting_is_kendalls_formula():
+    w = UncertaintyWeights(("a", "b"))
+    with torch.no_grad():
+        w.log_vars["a"].fill_(0.5)
+        w.log_vars["b"].fill_(-1.0)
+    total = w({"a": torch.tensor(2.0), "b": torch.tensor(3.0)})
+    expected = 2.0 / (2 * math.exp(0.5)) + 0.25 + 3.0 / (2 * math.exp(-1.0)) - 0.5
+    assert total.item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_nan_loss_stops_training_naming_the_step():
+    module = tiny_module()
+    batch = sequence_batch()
+    batch["centerness"][0, 0, 0, 0, 0] = float("nan")
+    with pytest.raises(NonFiniteLossError, match=r"at step 0 .*centerness"):
+        module.training_step(batch, 0)
+
+
+def test_init_from_loads_the_static_weights_and_starts_as_the_static_model(tmp_path, capsys):
+    torch.manual_seed(1)
+    static = BEVLitModule(LiftSplatShoot(**SIZES), torch.optim.Adam, object_classes=["vehicle"], map_classes=["drivable_area"])
+    for m in static.modules():  # non-default BN statistics, so that loading them is seen too
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.1, 0.1)
+    torch.save({"state_dict": static.state_dict()}, tmp_path / "static.ckpt")
+    module = tiny_module(init_from=str(tmp_path / "static.ckpt"))
+    module._trainer = SimpleNamespace(ckpt_path=None, is_global_zero=True)
+    module.on_fit_start()
+    said = capsys.readouterr().out
+    assert "camera_encoder" in said and "bev_encoder" in said and "new (trained from scratch): fusion" in said
+    own = module.state_dict()
+    for k, v in static.state_dict().items():
+        if k.startswith("net."):
+            torch.testing.assert_close(own[k], v, rtol=0, atol=0)
+    batch = sequence_batch()
+    module.eval(), static.eval()
+    with torch.no_grad():
+        present = static.net(*(c[:, -1] for c in cams(batch)))
+        torch.testing.assert_close(module(batch)["bev"], present, rtol=1e-4, atol=1e-4)
+
+
+def test_init_from_is_not_applied_on_resume_and_its_absence_is_said(capsys):
+    module = tiny_module(init_from="/nonexistent/static.ckpt")
+    module._trainer = SimpleNamespace(ckpt_path="last.ckpt", is_global_zero=True)
+    module.on_fit_start()
+    assert "not applied: resuming from last.ckpt" in capsys.readouterr().out
+    module = tiny_module()
+    module._trainer = SimpleNamespace(ckpt_path=None, is_global_zero=True)
+    module.on_fit_start()
+    assert "starts from scratch" in capsys.readouterr().out
+
+
+def test_init_from_refuses_a_checkpoint_that_fits_nothing(tmp_path):
+    torch.save({"state_dict": {"net.other.weight": torch.zeros(3)}}, tmp_path / "x.ckpt")
+    with pytest.raises(ValueError, match="none of"):
+        load_matching(tiny_module(), str(tmp_path / "x.ckpt"))
+
+
+def test_a_training_step_and_its_checkpoint_reads_with_weights_only(tmp_path):
+    """A config-built module (DictConfig arguments, as bev-train passes them) trains and saves a checkpoint
+    that torch.load(weights_only=True) reads, hyper-parameters included."""
+    import lightning as L
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from bev.utils.checkpoint import read_checkpoint
+
+    cfg = OmegaConf.create({
+        "_target_": "bev.lit_temporal.TemporalLitModule",
+        "net": {"_target_": "bev.models.temporal.TemporalLiftSplat", "_convert_": "all", **SIZES, "past_frames": P, "future_frames": F},
+        "optimizer": {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-3},
+        "object_classes": ["vehicle"], "map_classes": ["drivable_area"], "pos_weight": {"vehicle": 4.0, "drivable_area": 2.0},
+        "temporal_loss": {"seg_top_k": 0.25}, "past_no_grad": True})
+    module = instantiate(cfg)
+    batch = sequence_batch()
+    loader = torch.utils.data.DataLoader([{k: v[0] for k, v in batch.items()}] * 2, batch_size=2)
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    before = module.net.future.branches.motion[-1].weight.detach().clone()
+    trainer.fit(module, loader)
+    assert not torch.equal(before, module.net.future.branches.motion[-1].weight)
+    trainer.save_checkpoint(tmp_path / "t.ckpt")
+    ckpt = read_checkpoint(tmp_path / "t.ckpt")
+    assert ckpt["hyper_parameters"]["temporal_loss"] == {"seg_top_k": 0.25}
+    assert ckpt["hyper_parameters"]["past_no_grad"] is True
