@@ -65,15 +65,21 @@ def polygon_cells(poly: np.ndarray, grid: Grid) -> tuple[np.ndarray, np.ndarray]
     return ii[inside], jj[inside]
 
 
-def lss_polygon_mask(poly: np.ndarray, grid: Grid) -> np.ndarray:
-    """(X, Y) bool: the cells lift-splat-shoot fills for a polygon (corners rounded, cv2.fillPoly)."""
+def lss_fill(canvas: np.ndarray, poly: np.ndarray, value: int, grid: Grid) -> None:
+    """Set the cells lift-splat-shoot fills for a polygon (corners rounded, cv2.fillPoly) to `value`,
+    in place, on an (X, Y) canvas (uint8 or int32). Later fills overwrite earlier ones."""
     import cv2
 
     lo = np.array([grid.xbound[0], grid.ybound[0]])
     step = np.array([grid.xbound[2], grid.ybound[2]])
     pts = np.round((np.asarray(poly, dtype=np.float64) - lo) / step).astype(np.int32)
+    cv2.fillPoly(canvas, [np.ascontiguousarray(pts[:, ::-1])], int(value))  # cv2 (col, row) = (y_index, x_index)
+
+
+def lss_polygon_mask(poly: np.ndarray, grid: Grid) -> np.ndarray:
+    """(X, Y) bool: the cells lift-splat-shoot fills for a polygon (corners rounded, cv2.fillPoly)."""
     mask = np.zeros(grid.bev_shape, dtype=np.uint8)
-    cv2.fillPoly(mask, [np.ascontiguousarray(pts[:, ::-1])], 1)  # cv2 (col, row) = (y_index, x_index)
+    lss_fill(mask, poly, 1, grid)
     return mask.astype(bool)
 
 
