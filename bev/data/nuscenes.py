@@ -32,12 +32,14 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from bev.data import temporal
 from bev.data.depth import depth_targets, load_lidar
 from bev.data.maps import load_map_geometry, map_signature, normalize_map_layers, rasterize_map
 from bev.data.rasterize import box_footprints, check_raster, rasterize_boxes
 from bev.data.transforms import (
     LSS_BOT_PCT_LIM,
     LSS_ROT_LIM,
+    ImageAug,
     float_range,
     normalize_array,
     resize_range,
@@ -432,6 +434,20 @@ class NuScenesBEVDataset(Dataset):
     with augment=True and ncams < 6 a random subset of ncams cameras (kept in camera order).
     resize_lim, bot_pct_lim, rot_lim: None gives Lift-Splat-Shoot's ranges (bev.data.transforms);
     resize_lim is absolute, and None scales the LSS range to final_dim.
+
+    past_frames=P, future_frames=F (either > 0): ds[i] is window i, P + 1 + F consecutive key frames of
+    one scene (bev.data.temporal; scenes too short are skipped and counted on stderr), T = P + 1 + F:
+      sample_tokens list of T tokens, oldest first, the present at index P; images, intrinsics, rots,
+      trans, post_rots, post_trans (and depth) of the P + 1 input frames with a leading time axis
+      ((P + 1, Ncam, ...); in training each camera's augmentation is the same in every frame);
+      future_egomotion (T, 4, 4) float32, entry t maps frame t's ego coordinates into frame t+1's
+      (x, y, yaw only), the last the identity; labels of the present and F future frames in the
+      present frame's grid: instance (F + 1, X, Y) int64 (0 background, ids over the whole window),
+      segmentation (F + 1, X, Y) int64 (instance > 0), centerness (F + 1, 1, X, Y), offset and flow
+      (F + 1, 2, X, Y) float32 in cells, 255 where undefined (channel 0 along x, 1 along y);
+      cam_ids, bev, visibility, bev_bounds and sample_token of the present frame, as for P = F = 0.
+    Labels are FIERY's (bev.data.temporal): filter_invisible drops boxes of visibility level 1;
+    label_warp="fiery" reproduces FIERY's label warp, lateral sign error included.
     """
 
     use_draft = True  # decode JPEGs at 1/2, 1/4, 1/8 DCT scale when the output allows (exact geometry)
@@ -456,6 +472,10 @@ class NuScenesBEVDataset(Dataset):
         raster: str = "center",
         depth_target: bool = False,
         input_memo_mb: float = 0,
+        past_frames: int = 0,
+        future_frames: int = 0,
+        filter_invisible: bool = False,
+        label_warp: str = "exact",
     ) -> None:
         self.dataroot = str(Path(dataroot).expanduser())
         self.version, self.split = version, split
@@ -475,6 +495,7 @@ class NuScenesBEVDataset(Dataset):
         self.depth_target = bool(depth_target)
         self.index = load_index(self.dataroot, version, split, self.groups, cache_dir, verbose=verbose,
                                 map_layers=self.map_layers)
+        self._init_windows(past_frames, future_frames, filter_invisible, label_warp)
         # [[xlo, xhi, xstep], [ylo, yhi, ystep]] with every sample, so pictures need no grid plumbing.
         self._bounds = torch.tensor([self.grid.xbound, self.grid.ybound], dtype=torch.float64)
         self._memo: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # sample -> packed targets (targets())
@@ -526,7 +547,28 @@ class NuScenesBEVDataset(Dataset):
         return bev, vis
 
     def __len__(self) -> int:
-        return len(self.index["sample_token"])
+        return len(self.windows) if self.temporal else len(self.index["sample_token"])
+
+    def _init_windows(self, past_frames: int, future_frames: int, filter_invisible: bool, label_warp: str) -> None:
+        """The window index (bev.data.temporal) when past_frames or future_frames > 0; scenes too short are counted."""
+        self.past_frames, self.future_frames = temporal.check_frames(past_frames, future_frames)
+        self.filter_invisible = bool(filter_invisible)
+        self.label_warp = temporal.check_label_warp(label_warp)
+        self.temporal = self.past_frames + self.future_frames > 0
+        self.windows = np.zeros(0, np.int64)
+        if self.temporal:
+            self.windows, short = temporal.window_index(self.index["scene"], self.past_frames, self.future_frames)
+            if short:
+                print(f"{self.split}: skipped {len(short)} of {len(short) + len(set(self.index['scene'][self.windows]))} "
+                      f"scenes shorter than a window of {self.window_length} key frames", file=sys.stderr, flush=True)
+
+    @property
+    def window_length(self) -> int:
+        return self.past_frames + 1 + self.future_frames
+
+    def window_frames(self, w: int) -> np.ndarray:
+        """Sample (index row) numbers of window w, oldest first; the present is at position past_frames."""
+        return self.windows[w] + np.arange(self.window_length)
 
     def choose_cams(self) -> np.ndarray:
         n = len(CAMERA_NAMES)
@@ -558,23 +600,23 @@ class NuScenesBEVDataset(Dataset):
             self._inputs[key], self._inputs_bytes = value, self._inputs_bytes + size
         return value
 
-    def load_image(self, i: int, cam: int, train: bool) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    def load_image(self, i: int, cam: int, train: bool, aug: ImageAug | None = None
+                   ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
         if train:
-            pixels, post_rot, post_tran = self.decode_image(i, cam, train)
+            pixels, post_rot, post_tran = self.decode_image(i, cam, train, aug)
         else:
             pixels, post_rot, post_tran = self.remember_input(
                 ("image", i, cam), lambda: self.decode_image(i, cam, train), lambda v: v[0].nbytes)
         return normalize_array(pixels), post_rot.clone(), post_tran.clone()
 
-    def decode_image(self, i: int, cam: int, train: bool) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
-        """(H, W, 3) uint8 crop of sample i's camera `cam`, with its post_rot and post_tran."""
+    def decode_image(self, i: int, cam: int, train: bool, aug: ImageAug | None = None
+                     ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        """(H, W, 3) uint8 crop of sample i's camera `cam`, with its post_rot and post_tran (`aug`, or one drawn)."""
         path = self.image_path(i, cam)
         try:
             with Image.open(path) as img:
-                aug = sample_augmentation(
-                    (img.size[1], img.size[0]), self.final_dim, train, self.resize_lim, self.bot_pct_lim, self.rot_lim,
-                    self.rand_flip,
-                )
+                if aug is None:
+                    aug = self.draw_augmentation((img.size[1], img.size[0]), train)
                 pixels = np.asarray(warp_image(img, aug, self.use_draft))
         except FileNotFoundError:
             raise FileNotFoundError(f"camera image {path!r} is missing (listed in {self.version} sample_data). {_HOWTO}") from None
@@ -582,6 +624,11 @@ class NuScenesBEVDataset(Dataset):
             raise OSError(f"cannot decode camera image {path!r} ({e}); re-download or regenerate it") from e
         post_rot, post_tran = aug.post_rot_tran()
         return pixels, post_rot, post_tran
+
+    def draw_augmentation(self, raw_hw: tuple[int, int], train: bool) -> ImageAug:
+        """A random training augmentation (train) or the deterministic validation one, for a raw (H, W) image."""
+        return sample_augmentation(raw_hw, self.final_dim, train, self.resize_lim, self.bot_pct_lim, self.rot_lim,
+                                   self.rand_flip)
 
     def lidar_points(self, i: int) -> torch.Tensor:
         """(P, 3) LIDAR_TOP points of sample i in the ego frame."""
@@ -591,35 +638,52 @@ class NuScenesBEVDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         if not -len(self) <= i < len(self):
-            raise IndexError(f"sample index {i} out of range for {len(self)} samples")
+            raise IndexError(f"{'window' if self.temporal else 'sample'} index {i} out of range for {len(self)} "
+                             f"{'windows' if self.temporal else 'samples'}")
         i = i % len(self)
+        if self.temporal:
+            return temporal.window_item(self, i)
         cams = self.choose_cams()
-        imgs, post_rots, post_trans = [], [], []
-        for c in cams:
-            img, pr, pt = self.load_image(i, int(c), self.augment)
-            imgs.append(img)
-            post_rots.append(pr)
-            post_trans.append(pt)
+        inputs = self.frame_inputs(i, cams)
+        depth = inputs.pop("depth", None)
         bev, vis = self.targets(i)
         item = {
-            "images": torch.from_numpy(np.stack(imgs)),
-            "intrinsics": torch.from_numpy(self.index["intrinsics"][i, cams]),
-            "rots": torch.from_numpy(self.index["rots"][i, cams]),
-            "trans": torch.from_numpy(self.index["trans"][i, cams]),
-            "post_rots": torch.stack(post_rots),
-            "post_trans": torch.stack(post_trans),
+            **inputs,
             "cam_ids": torch.from_numpy(cams.astype(np.int64)),
             "bev": torch.from_numpy(bev),
             "visibility": torch.from_numpy(vis),
             "bev_bounds": self._bounds,
             "sample_token": str(self.index["sample_token"][i]),
         }
+        if depth is not None:
+            item["depth"] = depth
+        return item
+
+    def frame_inputs(self, i: int, cams: np.ndarray, augs: Sequence[ImageAug] | None = None) -> dict[str, torch.Tensor]:
+        """Sample i's images and CAMERA_GEOMETRY tensors of cameras `cams`, and depth with depth_target.
+
+        augs: one augmentation per camera (a training window uses the same ones for all its frames),
+        None to draw one per image."""
+        imgs, post_rots, post_trans = [], [], []
+        for k, c in enumerate(cams):
+            img, pr, pt = self.load_image(i, int(c), self.augment, None if augs is None else augs[k])
+            imgs.append(img)
+            post_rots.append(pr)
+            post_trans.append(pt)
+        out = {
+            "images": torch.from_numpy(np.stack(imgs)),
+            "intrinsics": torch.from_numpy(self.index["intrinsics"][i, cams]),
+            "rots": torch.from_numpy(self.index["rots"][i, cams]),
+            "trans": torch.from_numpy(self.index["trans"][i, cams]),
+            "post_rots": torch.stack(post_rots),
+            "post_trans": torch.stack(post_trans),
+        }
         if self.depth_target:
             def depth():
-                return depth_targets(self.lidar_points(i), *(item[k] for k in CAMERA_GEOMETRY), self.final_dim,
+                return depth_targets(self.lidar_points(i), *(out[k] for k in CAMERA_GEOMETRY), self.final_dim,
                                      FEATURE_STRIDE, self.grid, torch.from_numpy(self.index["image_hw"][i, cams]))
             if self.augment:
-                item["depth"] = depth()
+                out["depth"] = depth()
             else:  # all cameras, fixed crops: the same target every epoch
-                item["depth"] = self.remember_input(("depth", i, -1), depth, lambda t: t.numel() * t.element_size()).clone()
-        return item
+                out["depth"] = self.remember_input(("depth", i, -1), depth, lambda t: t.numel() * t.element_size()).clone()
+        return out

@@ -1,0 +1,316 @@
+"""Sequence windows and FIERY-style instance / future labels (the temporal extension of bev.data).
+
+Window: P + 1 + F consecutive key frames of one scene (P = past_frames, F = future_frames),
+oldest first, the present frame at position P. Windows never cross scenes; a scene with fewer
+than P + 1 + F key frames gives none. The split index (bev.data.nuscenes) already lists every
+scene's key frames in time order, so windows are runs of consecutive index rows: the cached
+index serves them and the devkit is never opened.
+
+Ego motion (`future_egomotion`, as FIERY): entry t is the 4x4 transform that maps a point from
+frame t's ego coordinates to frame t+1's, inv(pose_{t+1}) @ pose_t of the LIDAR_TOP ego poses,
+reduced to x, y and yaw: [[cos a, -sin a, 0, x], [sin a, cos a, 0, y], [0, 0, 1, 0], [0, 0, 0, 1]]
+(a = FIERY's rz = atan2(-M[0, 1], M[0, 0]); z, roll and pitch dropped); the last entry is the identity.
+
+Labels (present frame and the F future frames, all in the present frame's grid):
+- each frame's target boxes are rasterised in that frame's own yaw-only ("level") LIDAR_TOP ego
+  frame with the `lss` rule (bottom corners rounded to cells, cv2.fillPoly: FIERY's labels);
+  instance ids 1, 2, ... in order of first appearance over the whole window (past frames
+  included, boxes in annotation order), so an object keeps its id in every frame;
+- every future frame's instance map is moved into the present frame by a nearest-neighbour warp
+  with the cumulative ego motion (FIERY's cumulative_warp_features_reverse);
+- centerness, offset and flow are then computed on the warped maps, in present-frame cells:
+  centre = mean cell of an instance's mask, rounded (FIERY); centerness = max over instances of
+  exp(-d^2 / sigma^2), sigma = 3 cells; offset = rounded centre - cell on the instance's cells;
+  flow = centre(t+1) - centre(t) on the instance's cells at t (unrounded means: sub-cell motion;
+  FIERY rounds both centres). Ego motion needs no removal: both centres are in the present frame.
+  Offset and flow are 255 (FIERY's ignore value) off instances; flow also where the instance is
+  absent at t+1, and everywhere in the last frame. Channel 0 is along x (rows), 1 along y.
+
+Differences from FIERY, on purpose: FIERY computes centerness, offset and flow in each frame's
+own axes and then moves those maps with the nearest warp, so its vectors keep frame t's axes
+(not rotated by the ego yaw between t and the present) and its cells from outside the grid
+read 0; here every vector is in the present frame's axes. FIERY's warp (warp_features) also
+uses the cumulative translation (tx, ty) unrotated and with ty's sign flipped, so under lateral
+ego motion or turns its future labels land off the objects (a left shift of ty moves them right
+by ty): the default warp is the exact transform; `label_warp="fiery"` reproduces FIERY's for
+comparisons with its own labels.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import numpy as np
+import torch
+
+from bev.data.maps import ego_yaw
+from bev.data.rasterize import lss_fill
+from bev.geometry import Grid
+
+IGNORE_INDEX = 255  # FIERY's ignore value for offset and flow
+CENTER_SIGMA = 3.0  # cells (FIERY)
+# Beyond this many cells exp(-d^2 / sigma^2) is below float32's smallest subnormal, so a window of
+# this radius gives the same float32 centerness as FIERY's whole-grid Gaussian, at a tenth of the cost.
+CENTER_RADIUS = math.ceil(CENTER_SIGMA * math.sqrt(-math.log(np.finfo(np.float32).smallest_subnormal)))
+LABEL_WARPS = ("exact", "fiery")
+
+
+def check_frames(past_frames: Any, future_frames: Any) -> tuple[int, int]:
+    """(P, F) as ints; one clear error for negative or non-integer counts."""
+    out = []
+    for name, v in (("past_frames", past_frames), ("future_frames", future_frames)):
+        try:
+            n = operator.index(v)  # ints and NumPy ints, not 1.5 or "2"
+        except TypeError:
+            raise ValueError(f"data.{name} must be a whole number >= 0, got {v!r}") from None
+        if n < 0:
+            raise ValueError(f"data.{name} must be >= 0 (0 and 0 give single frames), got {n}")
+        out.append(int(n))
+    return out[0], out[1]
+
+
+def check_label_warp(label_warp: str) -> str:
+    if label_warp not in LABEL_WARPS:
+        raise ValueError(f"unknown data.label_warp {label_warp!r}; choose one of {', '.join(LABEL_WARPS)}")
+    return label_warp
+
+
+def window_index(scenes: np.ndarray, past: int, future: int) -> tuple[np.ndarray, list[str]]:
+    """(W,) int64 index row of the oldest frame of every window, and the scenes too short for one.
+
+    scenes: (N,) scene name of every index row; a scene's key frames are consecutive rows in time order.
+    Raises ValueError when no scene is long enough for a single window.
+    """
+    length = past + 1 + future
+    scenes = np.asarray(scenes)
+    cuts = np.flatnonzero(scenes[1:] != scenes[:-1]) + 1
+    starts, short, longest = [], [], 0
+    for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(scenes)]):
+        longest = max(longest, b - a)
+        if b - a < length:
+            short.append(str(scenes[a]))
+        else:
+            starts.extend(range(a, b - length + 1))
+    if not starts:
+        raise ValueError(
+            f"a window of past_frames={past} + 1 + future_frames={future} = {length} key frames is longer than "
+            f"every scene of the split (the longest has {longest}): lower data.past_frames or data.future_frames"
+        )
+    return np.asarray(starts, dtype=np.int64), short
+
+
+def _yaw_matrix(a: float) -> np.ndarray:
+    c, s = math.cos(a), math.sin(a)
+    return np.array([[c, -s, 0.0], [s, c, 0.0], [0.0, 0.0, 1.0]])
+
+
+def future_egomotion(rotations: np.ndarray, translations: np.ndarray) -> np.ndarray:
+    """(T, 4, 4) float32 ego motion t -> t+1 of T ego poses (ego -> global, (T, 3, 3) and (T, 3)); see module doc."""
+    out = np.tile(np.eye(4), (len(rotations), 1, 1))
+    for t in range(len(rotations) - 1):
+        R1 = np.asarray(rotations[t + 1], dtype=np.float64)
+        rot = R1.T @ rotations[t]
+        shift = R1.T @ (np.asarray(translations[t], dtype=np.float64) - translations[t + 1])
+        out[t, :3, :3] = _yaw_matrix(math.atan2(-rot[0, 1], rot[0, 0]))
+        out[t, :2, 3] = shift[:2]
+    return out.astype(np.float32)
+
+
+def present_to_frames(egomotion: np.ndarray, present: int) -> np.ndarray:
+    """(T - present, 3, 3) planar transforms taking present-frame (x, y, 1) to frame present + k's, k = 0, 1, ..."""
+    planar = np.asarray(egomotion, dtype=np.float64)[:, [0, 1, 3]][:, :, [0, 1, 3]]
+    out = [np.eye(3)]
+    for t in range(present, len(planar) - 1):
+        out.append(planar[t] @ out[-1])
+    return np.stack(out)
+
+
+def level_footprints(centers: np.ndarray, sizes: np.ndarray, rotations: np.ndarray,
+                     ego_rotation: np.ndarray) -> np.ndarray:
+    """(N, 4, 2) box bottom corners in the level (yaw-only) frame of an ego pose, as FIERY draws them.
+
+    centers (N, 3), rotations (N, 3, 3) box -> ego, in the ego frame of `ego_rotation` (ego -> global);
+    sizes (N, 3) nuScenes (w, l, h). The level frame shares the ego origin and heading, without roll/pitch.
+    """
+    sizes = np.asarray(sizes, dtype=np.float64).reshape(-1, 3)
+    w, l, h = sizes[:, 0], sizes[:, 1], sizes[:, 2]
+    sx, sy = np.array([1.0, -1.0, -1.0, 1.0]), np.array([1.0, 1.0, -1.0, -1.0])
+    local = np.stack([sx * l[:, None] / 2, sy * w[:, None] / 2, np.repeat(-h[:, None] / 2, 4, 1)], axis=-1)
+    ego = np.einsum("nij,nkj->nki", np.asarray(rotations, dtype=np.float64).reshape(-1, 3, 3), local)
+    ego += np.asarray(centers, dtype=np.float64).reshape(-1, 1, 3)
+    level = _yaw_matrix(ego_yaw(ego_rotation)).T @ np.asarray(ego_rotation, dtype=np.float64)
+    return (ego @ level.T)[..., :2]
+
+
+def frame_instances(footprints: np.ndarray, ids: np.ndarray, grid: Grid) -> np.ndarray:
+    """(X, Y) int64 instance map of one frame: each footprint filled with its id by the lss rule, in order."""
+    canvas = np.zeros(grid.bev_shape, dtype=np.int32)
+    for poly, k in zip(footprints, ids):
+        lss_fill(canvas, poly, int(k), grid)
+    return canvas.astype(np.int64)
+
+
+def warp_nearest(maps: np.ndarray, to_source: np.ndarray, grid: Grid, label_warp: str = "exact",
+                 fill: int = 0) -> np.ndarray:
+    """Resample (K, X, Y) maps drawn in K source frames onto the present frame's grid, nearest cell.
+
+    to_source (K, 3, 3): present (x, y, 1) -> source frame (present_to_frames). A present cell takes
+    the value of the source cell holding its centre's image (fill when that is off the grid).
+    label_warp="fiery" samples where FIERY's warp_features does instead (see the module doc).
+    """
+    centers = grid.cell_centers().reshape(-1, 2)
+    out = np.full(maps.shape, fill, dtype=maps.dtype)
+    for k, A in enumerate(np.asarray(to_source, dtype=np.float64)):
+        if check_label_warp(label_warp) == "fiery":
+            A = _fiery_sampling(A)
+        q = centers @ A[:2, :2].T + A[:2, 2]
+        ij = grid.xy_to_index(q)
+        ok = (ij[:, 0] >= 0) & (ij[:, 0] < grid.nx) & (ij[:, 1] >= 0) & (ij[:, 1] < grid.ny)
+        out[k].reshape(-1)[ok] = maps[k][ij[ok, 0], ij[ok, 1]]
+    return out
+
+
+def _fiery_sampling(present_to_source: np.ndarray) -> np.ndarray:
+    """Where FIERY's warp_features samples: rotation by -a but translation (-tx, +ty), unrotated, for the
+    source -> present transform (a, tx, ty) (its affine_grid theta read back in metres)."""
+    M = np.linalg.inv(present_to_source)
+    a = math.atan2(M[1, 0], M[0, 0])
+    c, s = math.cos(a), math.sin(a)
+    return np.array([[c, s, -M[0, 2]], [-s, c, M[1, 2]], [0.0, 0.0, 1.0]])
+
+
+def _centres(instance: np.ndarray, n_ids: int) -> tuple[np.ndarray, np.ndarray]:
+    """(n_ids + 1, 2) mean (x, y) cell of each id's mask in one (X, Y) map, and (n_ids + 1,) its cell count."""
+    flat = instance.reshape(-1)
+    ii, jj = np.indices(instance.shape).reshape(2, -1)
+    count = np.bincount(flat, minlength=n_ids + 1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.stack([np.bincount(flat, ii, n_ids + 1), np.bincount(flat, jj, n_ids + 1)], 1) / count[:, None]
+    return mean, count
+
+
+def _centerness(centres: np.ndarray, ids: np.ndarray, shape: tuple[int, int], sigma: float) -> np.ndarray:
+    """(X, Y) max over `ids` of exp(-d^2 / sigma^2) around their (integer) centres, within CENTER_RADIUS."""
+    out = np.zeros(shape, dtype=np.float64)
+    r = CENTER_RADIUS
+    for k in ids:
+        ci, cj = (int(v) for v in centres[k])
+        i0, i1, j0, j1 = max(ci - r, 0), min(ci + r + 1, shape[0]), max(cj - r, 0), min(cj + r + 1, shape[1])
+        if i0 >= i1 or j0 >= j1:
+            continue
+        di, dj = np.arange(i0, i1)[:, None] - ci, np.arange(j0, j1)[None, :] - cj
+        np.maximum(out[i0:i1, j0:j1], np.exp(-(di**2 + dj**2) / sigma**2), out=out[i0:i1, j0:j1])
+    return out
+
+
+def centre_targets(instance: np.ndarray, sigma: float = CENTER_SIGMA,
+                   ignore: int = IGNORE_INDEX) -> tuple[np.ndarray, np.ndarray]:
+    """centerness (T, 1, X, Y) and offset (T, 2, X, Y) float32 of (T, X, Y) instance maps (module doc)."""
+    T, X, Y = instance.shape
+    n_ids = int(instance.max(initial=0))
+    centerness = np.zeros((T, 1, X, Y), np.float32)
+    offset = np.full((T, 2, X, Y), ignore, np.float32)
+    cells = np.indices((X, Y)).astype(np.float64)
+    for t in range(T):
+        mean, count = _centres(instance[t], n_ids)
+        centre = np.round(mean)  # half to even, as torch.round in FIERY
+        centerness[t, 0] = _centerness(centre, np.flatnonzero(count[1:]) + 1, (X, Y), sigma)
+        on = instance[t] > 0
+        offset[t][:, on] = centre[instance[t][on]].T - cells[:, on]
+    return centerness, offset
+
+
+def flow_targets(instance: np.ndarray, centres: np.ndarray, ignore: int = IGNORE_INDEX) -> np.ndarray:
+    """flow (T, 2, X, Y) float32: on the cells of id k at frame t, centres[t + 1, k] - centres[t, k].
+
+    instance (T, X, Y) maps on one grid; centres (T, K, 2) the box centres of ids 0..K-1 in that grid's
+    cells, NaN where an id has no box. ignore where no instance, no box at t + 1, and in the last frame."""
+    T, X, Y = instance.shape
+    flow = np.full((T, 2, X, Y), ignore, np.float32)
+    for t in range(T - 1):
+        motion = centres[t + 1] - centres[t]
+        k = instance[t]
+        on = (k > 0) & np.isfinite(motion[k, 0])
+        flow[t][:, on] = motion[k[on]].T
+    return flow
+
+
+def _frame_boxes(index: dict[str, np.ndarray], i: int, filter_invisible: bool) -> np.ndarray:
+    """Index rows of sample i's target boxes (without visibility level 1 when filter_invisible)."""
+    rows = np.arange(index["box_offsets"][i], index["box_offsets"][i + 1])
+    return rows[index["box_visibility"][rows] != 1] if filter_invisible else rows
+
+
+def _present_cells(index: dict[str, np.ndarray], rows: np.ndarray, i: int, present: int, grid: Grid) -> np.ndarray:
+    """(N, 2) centres of sample i's boxes `rows` in the present level frame, in (fractional) cells from its origin."""
+    world = index["box_center"][rows] @ index["ego_rotation"][i].T + index["ego_translation"][i]
+    level = _yaw_matrix(ego_yaw(index["ego_rotation"][present]))[:2, :2]
+    xy = (world[:, :2] - index["ego_translation"][present][:2]) @ level  # rows: level^T (p - t)
+    return xy / np.array([grid.xbound[2], grid.ybound[2]])
+
+
+def window_labels(index: dict[str, np.ndarray], frames: np.ndarray, past: int, grid: Grid,
+                  filter_invisible: bool = False, label_warp: str = "exact") -> dict[str, np.ndarray]:
+    """The labels of one window (sample rows `frames`, oldest first, present at `past`) of a split index:
+    future_egomotion (T, 4, 4) and instance, segmentation, centerness, offset, flow over the present and
+    future frames (module doc). filter_invisible: drop boxes of visibility level 1 (FIERY's
+    FILTER_INVISIBLE_VEHICLES), before ids are given."""
+    frames = np.asarray(frames)
+    ego = future_egomotion(index["ego_rotation"][frames], index["ego_translation"][frames])
+    rows = [_frame_boxes(index, int(i), filter_invisible) for i in frames]
+    ids: dict[bytes, int] = {}
+    frame_ids = [np.asarray([ids.setdefault(tok, len(ids) + 1) for tok in index["box_instance"][r]], np.int64)
+                 for r in rows]
+    maps, centres = [], np.full((len(frames) - past, len(ids) + 1, 2), np.nan)
+    for t, (i, r, k) in enumerate(zip(frames[past:], rows[past:], frame_ids[past:])):
+        feet = level_footprints(index["box_center"][r], index["box_size"][r], index["box_rotation"][r],
+                                index["ego_rotation"][i])
+        maps.append(frame_instances(feet, k, grid))
+        centres[t, k] = _present_cells(index, r, int(i), int(frames[past]), grid)
+    instance = warp_nearest(np.stack(maps), present_to_frames(ego, past), grid, label_warp)
+    centerness, offset = centre_targets(instance)
+    return {"future_egomotion": ego, "instance": instance, "segmentation": (instance > 0).astype(np.int64),
+            "centerness": centerness, "offset": offset, "flow": flow_targets(instance, centres)}
+
+
+def window_item(ds, w: int) -> dict[str, Any]:
+    """Window w of a NuScenesBEVDataset with past_frames or future_frames > 0 (keys: its docstring).
+
+    Only the P + 1 input frames' images are decoded; the future frames give labels from boxes alone.
+    In training every camera draws one augmentation, shared by all the window's frames."""
+    frames = ds.window_frames(w)
+    past = ds.past_frames
+    present = int(frames[past])
+    cams = ds.choose_cams()
+    augs = None
+    if ds.augment:
+        augs = [ds.draw_augmentation(tuple(int(v) for v in ds.index["image_hw"][present, c]), True) for c in cams]
+    inputs = [ds.frame_inputs(int(i), cams, augs) for i in frames[: past + 1]]
+    item = {k: torch.stack([x[k] for x in inputs]) for k in inputs[0]}
+    depth = item.pop("depth", None)
+    bev, vis = ds.targets(present)
+    item.update({
+        "cam_ids": torch.from_numpy(cams.astype(np.int64)),
+        "bev": torch.from_numpy(bev),
+        "visibility": torch.from_numpy(vis),
+        "bev_bounds": ds._bounds,
+        "sample_token": str(ds.index["sample_token"][present]),
+        "sample_tokens": [str(t) for t in ds.index["sample_token"][frames]],
+    })
+    if depth is not None:
+        item["depth"] = depth
+    labels = window_labels(ds.index, frames, past, ds.grid, ds.filter_invisible, ds.label_warp)
+    item.update({k: torch.from_numpy(v) for k, v in labels.items()})
+    return item
+
+
+def collate(batch: list[dict[str, Any]]) -> dict[str, Any]:
+    """torch's default_collate (B leading), except that sample_tokens stays one list of tokens per item."""
+    from torch.utils.data import default_collate
+
+    if not batch or "sample_tokens" not in batch[0]:
+        return default_collate(batch)
+    out = default_collate([{k: v for k, v in b.items() if k != "sample_tokens"} for b in batch])
+    out["sample_tokens"] = [list(b["sample_tokens"]) for b in batch]
+    return out
