@@ -25,9 +25,10 @@ def discounts(frames: int, future_discount: float, device=None) -> torch.Tensor:
 
 
 def _masked_mean(per_cell: torch.Tensor, valid: torch.Tensor, future_discount: float) -> torch.Tensor:
-    """Mean over valid cells of (B, T, X, Y) losses, frame t weighted by future_discount ** t."""
-    w = discounts(per_cell.shape[1], future_discount, per_cell.device).view(1, -1, 1, 1)
-    return (per_cell * w * valid).sum() / valid.sum().clamp(min=1)  # no labelled cell: 0, and no host sync
+    """Mean over valid cells of (B, T, ...) losses, frame t weighted by future_discount ** t."""
+    per_frame = (per_cell * valid).flatten(2).sum((0, 2))  # (T,): one pass over the cells, then T weights
+    w = discounts(per_frame.shape[0], future_discount, per_frame.device)
+    return (per_frame * w).sum() / valid.sum().clamp(min=1)  # no labelled cell: 0, and no host sync
 
 
 def segmentation_loss(logits: torch.Tensor, target: torch.Tensor, pos_weight: float = 2.0, top_k: float | None = None,
@@ -54,10 +55,9 @@ def segmentation_loss(logits: torch.Tensor, target: torch.Tensor, pos_weight: fl
 def regression_loss(pred: torch.Tensor, target: torch.Tensor, norm: int = 1, future_discount: float = 0.95) -> torch.Tensor:
     """L1 (norm=1) or squared L2 (norm=2) of (B, T, C, X, Y) vectors, summed over C, mean over labelled cells
     (a cell is labelled when no channel is IGNORE)."""
-    pred, target = pred.float(), target.float()
-    valid = (target != IGNORE).all(dim=2)
-    diff = pred - torch.where(target == IGNORE, pred.detach(), target)
-    per_cell = diff.abs().sum(2) if norm == 1 else diff.pow(2).sum(2)
+    valid = (target != IGNORE).all(dim=2, keepdim=True)
+    diff = pred.float() - target.float()  # finite at ignored cells too (255 - x), where valid zeroes it
+    per_cell = diff.abs() if norm == 1 else diff.square()
     return _masked_mean(per_cell, valid, future_discount)
 
 

@@ -106,14 +106,14 @@ def conv_bn_relu(cin: int, cout: int, k: int = 3) -> nn.Sequential:
 
 class TemporalFusion(nn.Module):
     """Warped frames (B, T, C, X, Y) -> (B, C, X, Y): the present frame plus a residual from all T
-    frames' features concatenated (BEVDet4D's concat, 2D convs). The residual's last conv starts at
+    frames' features concatenated (BEVDet4D's concat; a kernel x kernel conv, then a 1x1). The residual's last conv starts at
     zero, so an untrained fusion passes the present frame through: a temporal model initialised from
     a static checkpoint starts out as that static model."""
 
-    def __init__(self, channels: int, frames: int, hidden: int | None = None):
+    def __init__(self, channels: int, frames: int, hidden: int | None = None, kernel: int = 3):
         super().__init__()
         hidden = hidden or channels
-        self.mix = nn.Sequential(conv_bn_relu(channels * frames, hidden), nn.Conv2d(hidden, channels, 1))
+        self.mix = nn.Sequential(conv_bn_relu(channels * frames, hidden, kernel), nn.Conv2d(hidden, channels, 1))
         nn.init.zeros_(self.mix[-1].weight)
         nn.init.zeros_(self.mix[-1].bias)
 
@@ -185,6 +185,7 @@ class TemporalLiftSplat(LiftSplatShoot):
         past_frames: int = 2,
         future_frames: int = 4,
         fusion_channels: int | None = None,
+        fusion_kernel: int = 3,
         head_channels: int = 0,
         probabilistic: bool = False,
         latent_dim: int = 16,
@@ -196,7 +197,7 @@ class TemporalLiftSplat(LiftSplatShoot):
         self.probabilistic, self.latent_dim = bool(probabilistic), int(latent_dim) if probabilistic else 0
         bev_in = context_channels * self.grid.nz
         self.bev_encoder = BevTrunk(bev_in, num_classes, **dict(bev or {}))
-        self.fusion = TemporalFusion(bev_in, self.past_frames + 1, fusion_channels) if self.past_frames else None
+        self.fusion = TemporalFusion(bev_in, self.past_frames + 1, fusion_channels, fusion_kernel) if self.past_frames else None
         cf = self.bev_encoder.feature_channels
         if self.probabilistic:
             frames = self.future_frames + 1
@@ -214,15 +215,16 @@ class TemporalLiftSplat(LiftSplatShoot):
         feats = x[:, D:].view(M, N, C, fH, fW).permute(0, 1, 3, 4, 2)
         return self.splat(depth, feats, self.voxel_coords(intrinsics, rots, trans, post_rots, post_trans))
 
-    def frame_features(self, cams: tuple[torch.Tensor, ...], past_no_grad: bool) -> torch.Tensor:
-        """Camera inputs (B, T, N, ...) -> (B, T, C * Z, X, Y) BEV features of every frame in its own ego frame."""
+    def frame_features(self, cams: tuple[torch.Tensor, ...], past_no_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Camera inputs (B, T, N, ...) -> BEV features, each frame in its own ego frame: the past frames'
+        (B, T-1, C * Z, X, Y) and the present's (B, C * Z, X, Y)."""
         B, T = cams[0].shape[:2]
         if not past_no_grad or T == 1:
-            return self.lift_splat(*(c.flatten(0, 1) for c in cams)).unflatten(0, (B, T))
-        with torch.no_grad():
+            feats = self.lift_splat(*(c.flatten(0, 1) for c in cams)).unflatten(0, (B, T))
+            return feats[:, :-1], feats[:, -1]
+        with torch.no_grad():  # kept apart from the present's: a slice of a joint tensor would carry gradients back
             past = self.lift_splat(*(c[:, :-1].flatten(0, 1) for c in cams)).unflatten(0, (B, T - 1))
-        present = self.lift_splat(*(c[:, -1] for c in cams)).unsqueeze(1)
-        return torch.cat([past, present], dim=1)
+        return past, self.lift_splat(*(c[:, -1] for c in cams))
 
     def forward(self, images, intrinsics, rots, trans, post_rots, post_trans, future_egomotion,
                 past_no_grad: bool = False, future_labels: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -231,12 +233,9 @@ class TemporalLiftSplat(LiftSplatShoot):
             raise ValueError(f"images have {T} frames but the model takes past_frames + 1 = {self.past_frames + 1}")
         if (H, W) != self.image_size:
             raise ValueError(f"images are {H}x{W} but the model was built for {self.image_size[0]}x{self.image_size[1]}")
-        feats = self.frame_features((images, intrinsics, rots, trans, post_rots, post_trans), past_no_grad)
+        past, feats = self.frame_features((images, intrinsics, rots, trans, post_rots, post_trans), past_no_grad)
         if self.fusion is not None:
-            past = warp_to_present(feats[:, :-1], future_egomotion, self.grid)
-            feats = self.fusion(torch.cat([past, feats[:, -1:]], dim=1))
-        else:
-            feats = feats[:, 0]
+            feats = self.fusion(torch.cat([warp_to_present(past, future_egomotion, self.grid), feats.unsqueeze(1)], dim=1))
         x = self.bev_encoder.features(feats)
         out = {"bev": self.bev_encoder.up2[-1](x).contiguous()}
         if self.probabilistic:
