@@ -21,3 +21,47 @@ def synthetic_root(tmp_path_factory) -> Path:
 
     return make_synthetic(tmp_path_factory.mktemp("synthetic") / "nuscenes", scenes=2, samples_per_scene=3, seed=0,
                           progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(synthetic_root, tmp_path_factory) -> Path:
+    """A 2-step bev-train run of the tiny model (2 epochs of one batch of 2) on `synthetic_root`.
+
+    Shared by the tests of what a trained run serves (load_model, bev-predict, bev-export): read-only.
+    Tests that use it run an entry point: mark them `e2e`.
+    """
+    import json
+
+    from helpers.cli import TINY, train_cli
+
+    run = tmp_path_factory.mktemp("run")
+    mp = pytest.MonkeyPatch()
+    try:
+        args = [*TINY, "trainer.max_epochs=2", "callbacks.bev_png.every_n_steps=0",
+                f"data.dataroot={synthetic_root}", f"hydra.run.dir={run}"]
+        assert train_cli(args, mp) == 0
+    finally:
+        mp.undo()
+    assert json.loads((run / "metrics.json").read_text())["global_step"] == 2
+    return run
+
+
+@pytest.fixture(scope="session")
+def emu(request):
+    """The CUDA kernels of bev.ops compiled for the CPU under the SIMT emulation (skips without a C++ compiler)."""
+    from helpers.cuda_emulation import load_emulation
+
+    return load_emulation(request.config)
+
+
+@pytest.fixture
+def fresh_compile_caches(monkeypatch):
+    """torch.compile from scratch: Dynamo reset, and no on-disk graphs traced against an older op schema."""
+    import torch
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    for config, name in ((inductor_config, "fx_graph_cache"), (functorch_config, "enable_autograd_cache")):
+        if hasattr(config, name):
+            monkeypatch.setattr(config, name, False)

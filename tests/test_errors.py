@@ -69,6 +69,7 @@ def test_writer_failure_with_free_space_is_not_called_a_full_disk(tmp_path, monk
         AtomicCheckpointIO().save_checkpoint({"state_dict": {}}, tmp_path / "last.ckpt")
 
 
+@pytest.mark.e2e
 def test_training_on_a_full_disk_ends_with_one_clear_message(synthetic_root, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch, "save", enospc_save)
     run = tmp_path / "run"
@@ -80,6 +81,7 @@ def test_training_on_a_full_disk_ends_with_one_clear_message(synthetic_root, tmp
     assert "unexpected pos" in (run / "error.txt").read_text()  # the full story stays in error.txt
 
 
+@pytest.mark.e2e
 def test_error_report_survives_a_full_disk(tmp_path, monkeypatch, capsys):
     """When even error.txt cannot be written, the one-line message still comes out."""
     from bev.utils import errors
@@ -93,6 +95,7 @@ def test_error_report_survives_a_full_disk(tmp_path, monkeypatch, capsys):
 
 
 # ----------------------------------------------------------------------------- unwritable run directory
+@pytest.mark.e2e
 @pytest.mark.parametrize("cli", [train_cli, eval_cli])
 def test_unwritable_run_dir(cli, tmp_path, monkeypatch, capsys):
     blocker = tmp_path / "file.txt"  # a directory cannot be made under a regular file, even by root
@@ -103,6 +106,7 @@ def test_unwritable_run_dir(cli, tmp_path, monkeypatch, capsys):
     assert_one_paragraph(capsys.readouterr().err, "error:", str(run), "hydra.run.dir=")
 
 
+@pytest.mark.e2e
 def test_read_only_run_dir(tmp_path, monkeypatch, capsys):
     """An existing directory that refuses new files (a read-only mount; root ignores chmod, so patched)."""
     import tempfile
@@ -121,6 +125,7 @@ def test_read_only_run_dir(tmp_path, monkeypatch, capsys):
     assert_one_paragraph(capsys.readouterr().err, "bev-train: error:", str(run), "Read-only", "hydra.run.dir=")
 
 
+@pytest.mark.e2e
 def test_unwritable_sweep_dir(tmp_path, monkeypatch, capsys):
     blocker = tmp_path / "file.txt"
     blocker.write_text("")
@@ -153,6 +158,7 @@ def test_read_only_index_cache_is_only_a_warning(tiny, tmp_path):
     assert len(index["sample_token"]) == 1
 
 
+@pytest.mark.e2e
 def test_eval_without_a_checkpoint(tmp_path, monkeypatch, capsys):
     assert eval_cli([f"hydra.run.dir={tmp_path}"], monkeypatch) == 1
     err = capsys.readouterr().err

@@ -1,12 +1,14 @@
-"""bev-export: ONNX (run by ONNX Runtime) and torch.export (.pt2) agree with PyTorch on real samples."""
+"""bev-export: ONNX (run by ONNX Runtime) and torch.export (.pt2) agree with PyTorch on real samples.
+
+The exported model is `tiny_run` (tests/conftest.py), a real bev-train run: the tests that use it
+are end-to-end (marker e2e)."""
 import pytest
 import torch
+from helpers.cli import assert_one_paragraph, run_cli
+from helpers.models import CLASSES, GRID, SIZE, TINY_NET, val_batch
 
 import bev
 from bev import export as bev_export
-from test_inference import CLASSES, tiny_run, val_batch  # noqa: F401  (module-scoped fixture: one 2-step run)
-from helpers.cli import assert_one_paragraph, run_cli
-
 
 
 def export_cli(args, monkeypatch):
@@ -19,6 +21,7 @@ def camera_inputs(batch):
     return tuple(batch[k] for k in CAMERA_INPUTS)
 
 
+@pytest.mark.e2e
 def test_onnx_runtime_matches_pytorch(tiny_run, synthetic_root, tmp_path, monkeypatch):
     ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install 'bev[export]')")
     import onnx
@@ -43,6 +46,7 @@ def test_onnx_runtime_matches_pytorch(tiny_run, synthetic_root, tmp_path, monkey
     assert expected.std() > 0  # a constant output would hide a broken splat
 
 
+@pytest.mark.e2e
 def test_torch_export_round_trip_keeps_the_custom_op(tiny_run, synthetic_root, tmp_path, monkeypatch):
     from bev import ops
 
@@ -64,9 +68,8 @@ def test_scatter_splat_equals_bev_pool():
     """The export-only splat sums the same points into the same cells as bev.ops (incl. out-of-grid ones)."""
     from bev.inference import example_inputs
     from bev.models import LiftSplatShoot
-    from test_models import GRID, SIZE, TINY
 
-    net = LiftSplatShoot(GRID, SIZE, pool_backend="torch", **TINY).eval()
+    net = LiftSplatShoot(GRID, SIZE, pool_backend="torch", **TINY_NET).eval()
     x = example_inputs(net, num_cameras=4, batch_size=2)
     with torch.no_grad():
         expected = net(*x)
@@ -75,6 +78,7 @@ def test_scatter_splat_equals_bev_pool():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", ["format", "checkpoint"])
 def test_bad_input(case, tiny_run, tmp_path, monkeypatch, capsys):
     args = {"ckpt_path": tiny_run, "out": tmp_path / "m.onnx", "hydra.run.dir": tmp_path / "run"}

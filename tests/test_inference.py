@@ -1,43 +1,18 @@
-"""Using a trained model: bev.load_model / bev.predict, bev-predict files and GIFs, bev-eval on
-the shared loader, and one clear message for each bad input."""
+"""Using a trained model: bev.load_model / bev.predict, bev-predict files and GIFs, and one clear
+message for each bad input. The model is `tiny_run` (tests/conftest.py), a real bev-train run: the
+tests that use it are end-to-end (marker e2e)."""
 import json
 import sys
 
 import numpy as np
 import pytest
 import torch
+from helpers.cli import assert_one_paragraph, run_cli
+from helpers.models import CLASSES, val_batch
 from PIL import Image
 
 import bev
 from bev import predict_cli
-from bev.data.nuscenes import class_names
-from helpers.cli import TINY, assert_one_paragraph, run_cli, train_cli
-
-# The embedded default (experiment=synthetic_cpu) predicts vehicles and BEVFusion's six map classes.
-CLASSES = list(class_names(["vehicle."], "bevfusion"))
-
-
-@pytest.fixture(scope="module")
-def tiny_run(synthetic_root, tmp_path_factory):
-    """A 2-step training run of the tiny model (2 epochs of one batch of 2)."""
-    run = tmp_path_factory.mktemp("run")
-    mp = pytest.MonkeyPatch()
-    try:
-        args = [*TINY, "trainer.max_epochs=2", "callbacks.bev_png.every_n_steps=0",
-                f"data.dataroot={synthetic_root}", f"hydra.run.dir={run}"]
-        assert train_cli(args, mp) == 0
-    finally:
-        mp.undo()
-    assert json.loads((run / "metrics.json").read_text())["global_step"] == 2
-    return run
-
-
-def val_batch(synthetic_root, model, n=2):
-    from bev.data import NuScenesBEVDataset
-
-    cfg = model.run_config["data"]
-    ds = NuScenesBEVDataset(synthetic_root, split="mini_val", grid=cfg["grid"], final_dim=cfg["final_dim"], verbose=False)
-    return torch.utils.data.default_collate([ds[i] for i in range(n)])
 
 
 def test_import_bev_is_cheap():
@@ -48,6 +23,7 @@ def test_import_bev_is_cheap():
     assert out.strip() == "bev.inference"
 
 
+@pytest.mark.e2e
 def test_load_model_round_trip(tiny_run, synthetic_root):
     ckpt_path = tiny_run / "checkpoints" / "last.ckpt"
     model = bev.load_model(ckpt_path)
@@ -77,13 +53,7 @@ def test_load_model_round_trip(tiny_run, synthetic_root):
     assert list(bev.load_model(tiny_run).class_names) == CLASSES
 
 
-def test_predict_step_matches_predict(tiny_run, synthetic_root):
-    model = bev.load_model(tiny_run / "checkpoints" / "last.ckpt")
-    batch = val_batch(synthetic_root, model)
-    with torch.no_grad():
-        torch.testing.assert_close(model.predict_step(batch, 0), bev.predict(model, batch))
-
-
+@pytest.mark.e2e
 def test_predict_batch_without_cameras_is_a_clear_error(tiny_run):
     model = bev.load_model(tiny_run / "checkpoints" / "last.ckpt")
     with pytest.raises(KeyError, match="batch lacks intrinsics"):
@@ -94,6 +64,7 @@ def predict_cli_run(args, monkeypatch):
     return run_cli(predict_cli._hydra_main, args, monkeypatch)
 
 
+@pytest.mark.e2e
 def test_bev_predict_writes_npz_png_and_a_gif_per_scene(tiny_run, synthetic_root, tmp_path, monkeypatch):
     out = tmp_path / "pred"
     args = [f"ckpt_path={tiny_run}", f"data.dataroot={synthetic_root}", f"out={out}", f"hydra.run.dir={tmp_path / 'run'}"]
@@ -123,6 +94,7 @@ def test_bev_predict_writes_npz_png_and_a_gif_per_scene(tiny_run, synthetic_root
     assert not list(out.rglob("*.tmp"))
 
 
+@pytest.mark.e2e
 def test_bev_predict_one_scene_of_the_train_split(tiny_run, synthetic_root, tmp_path, monkeypatch):
     out = tmp_path / "pred"
     args = [f"ckpt_path={tiny_run}", f"data.dataroot={synthetic_root}", "scene=scene-0061", "png=false", f"out={out}",
@@ -134,6 +106,7 @@ def test_bev_predict_one_scene_of_the_train_split(tiny_run, synthetic_root, tmp_
     assert sorted(p.name for p in out.iterdir()) == ["predictions.json", "scene-0061", "scene-0061.gif"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", ["missing_checkpoint", "unknown_scene", "unwritable_out"])
 def test_bev_predict_bad_input(case, tiny_run, synthetic_root, tmp_path, monkeypatch, capsys):
     blocker = tmp_path / "a_file"

@@ -180,6 +180,7 @@ def test_bad_map_file_names_the_file(tmp_path):
         NuScenesBEVDataset(root, split="mini_train", map_layers="lss", cache_dir=tmp_path / "c", verbose=False)
 
 
+@pytest.mark.e2e
 def test_train_and_eval_with_map_layers(tiny_root, tmp_path, monkeypatch, capsys):
     """bev-train (1 epoch, focal loss, per-class pos_weight) then bev-eval on the tiny map fixture."""
     import json

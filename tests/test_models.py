@@ -3,37 +3,16 @@ import urllib.error
 
 import pytest
 import torch
+from helpers.models import GRID, SIZE, TINY_NET, model_inputs, rig
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bev import ops
-from bev.geometry import Grid
-from bev.inference import ring_rig
 from bev.models import BackboneWeightsError, BevEncoder, CameraEncoder, LiftSplatShoot
-
-GRID = Grid(xbound=(-24, 24, 2.0), ybound=(-24, 24, 2.0), zbound=(-10, 10, 20), dbound=(4, 44, 8.0))
-SIZE = (32, 96)
-TINY = dict(
-    context_channels=8,
-    camera=dict(backbone="small", widths=(8, 8, 16, 16, 16), mid_channels=16),
-    bev=dict(widths=(8, 16, 16), blocks=1),
-)
-
-
-def rig(B: int, N: int = 6, size=SIZE):
-    """Six cameras at 1.5 m looking outwards every 60 degrees (camera: x right, y down, z forward)."""
-    return ring_rig(N, size, B)
-
-
-def model_inputs(B=2, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    cams = rig(B)
-    return (torch.randn(B, 6, 3, *SIZE, generator=g), cams["intrinsics"], cams["rots"], cams["trans"],
-            cams["post_rots"], cams["post_trans"])
 
 
 def test_output_shape_and_gradients_reach_both_encoders():
     torch.manual_seed(0)
-    net = LiftSplatShoot(GRID, SIZE, **TINY)
+    net = LiftSplatShoot(GRID, SIZE, **TINY_NET)
     out = net(*model_inputs())
     assert out.shape == (2, 1, *GRID.bev_shape)
     out.square().mean().backward()
@@ -44,8 +23,8 @@ def test_output_shape_and_gradients_reach_both_encoders():
 
 def test_bev_pool_and_voxel_sum_splats_agree():
     torch.manual_seed(0)
-    a = LiftSplatShoot(GRID, SIZE, splat="bev_pool", pool_backend="torch", **TINY).eval()
-    b = LiftSplatShoot(GRID, SIZE, splat="voxel_sum", pool_backend="torch", **TINY).eval()
+    a = LiftSplatShoot(GRID, SIZE, splat="bev_pool", pool_backend="torch", **TINY_NET).eval()
+    b = LiftSplatShoot(GRID, SIZE, splat="voxel_sum", pool_backend="torch", **TINY_NET).eval()
     b.load_state_dict(a.state_dict())
     x = model_inputs()
     with torch.no_grad():
@@ -54,7 +33,7 @@ def test_bev_pool_and_voxel_sum_splats_agree():
 
 def test_camera_features_land_in_front_of_the_camera():
     """Feeding one camera's frustum only, the splat must fill cells on that camera's side."""
-    net = LiftSplatShoot(GRID, SIZE, **TINY)
+    net = LiftSplatShoot(GRID, SIZE, **TINY_NET)
     cams = rig(1)
     coords = net.voxel_coords(cams["intrinsics"], cams["rots"], cams["trans"], cams["post_rots"], cams["post_trans"])
     front = coords[0, 0]  # camera 0 looks along +x
@@ -105,8 +84,8 @@ def test_bad_model_options_are_rejected():
     with pytest.raises(ValueError, match="unknown backbone"):
         CameraEncoder(4, 4, backbone="vgg")
     with pytest.raises(ValueError, match="unknown splat"):
-        LiftSplatShoot(GRID, SIZE, splat="scatter", **TINY)
-    net = LiftSplatShoot(GRID, SIZE, **TINY)
+        LiftSplatShoot(GRID, SIZE, splat="scatter", **TINY_NET)
+    net = LiftSplatShoot(GRID, SIZE, **TINY_NET)
     with pytest.raises(ValueError, match="built for 32x96"):
         x = list(model_inputs())
         x[0] = torch.randn(2, 6, 3, 48, 96)
@@ -117,8 +96,8 @@ def test_bad_model_options_are_rejected():
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_torch_compile_runs_a_training_step(backend):
     torch.manual_seed(0)
-    net = LiftSplatShoot(GRID, SIZE, **TINY)
-    ref = LiftSplatShoot(GRID, SIZE, **TINY)
+    net = LiftSplatShoot(GRID, SIZE, **TINY_NET)
+    ref = LiftSplatShoot(GRID, SIZE, **TINY_NET)
     ref.load_state_dict(net.state_dict())
     compiled = torch.compile(net, backend=backend)
     x = model_inputs()
@@ -132,7 +111,7 @@ def test_torch_compile_runs_a_training_step(backend):
 def test_mixed_precision_forward_backward(dtype):
     """Autocast (what 16-mixed / bf16-mixed use): geometry stays fp32, the splat accumulates in fp32."""
     torch.manual_seed(0)
-    net = LiftSplatShoot(GRID, SIZE, **TINY).eval()  # eval: BN uses running stats, so fp32 and mixed compare
+    net = LiftSplatShoot(GRID, SIZE, **TINY_NET).eval()  # eval: BN uses running stats, so fp32 and mixed compare
     x = model_inputs()
     with torch.no_grad():
         ref = net(*x)
@@ -149,8 +128,8 @@ class HostTraffic(TorchDispatchMode):
     (lift_fresh: a blocking host-to-device copy) and scalar reads (_local_scalar_dense: .item()) or
     data-dependent sizes (nonzero, masked_select, unique), which wait for the GPU."""
 
-    HOST = {"lift_fresh", "lift_fresh_copy", "_local_scalar_dense", "nonzero", "masked_select", "_unique2",
-            "unique_consecutive", "unique_dim"}
+    HOST = frozenset({"lift_fresh", "lift_fresh_copy", "_local_scalar_dense", "nonzero", "masked_select", "_unique2",
+                      "unique_consecutive", "unique_dim"})
 
     def __init__(self):
         super().__init__()
@@ -171,7 +150,7 @@ def test_training_step_never_waits_for_the_host(splat, loss):
     from bev.lit import BEVLitModule
 
     torch.manual_seed(0)
-    net = LiftSplatShoot(GRID, SIZE, splat=splat, pool_backend="native", **TINY)
+    net = LiftSplatShoot(GRID, SIZE, splat=splat, pool_backend="native", **TINY_NET)
     lit = BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], loss=loss, class_weight=1.0)
     x = model_inputs()
     target = (torch.rand(2, 1, *GRID.bev_shape) > 0.9).float()

@@ -1,5 +1,5 @@
 """bev.ops on a CUDA device: the same checks as test_ops.py plus stream, sync and 64-bit cases,
-and the GPU's results against the CPU emulation of the same kernels (test_ops_cuda_emulated.py).
+and the GPU's results against the CPU emulation of the same kernels (the `emu` fixture).
 
 Skipped without a GPU. On a GPU machine, `make gpu-check` (scripts/gpu_check.sh) builds for the
 device and runs these; by hand: build in place first, e.g.
@@ -9,25 +9,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import bev.ops as ops
-from test_ops_cuda_emulated import emu, emulated_bev_pool, emulated_voxel_sum  # noqa: F401 (emu: a fixture)
-from test_ops import (
+from helpers.cuda_emulation import emulated_bev_pool, emulated_voxel_sum
+from helpers.ops import (
     DTYPES,
     FRUSTUM_CASES,
     VOXEL_CASES,
     SplatModule,
-    _opcheck_inputs,
     assert_compiled_matches_eager,
-    fresh_compile_caches,
     assert_matches,
     backends_for,
     index_add_bev_pool,
     index_add_voxel_sum,
     native_check_in_subprocess,
+    opcheck_inputs,
     random_coords,
     random_frustum,
 )
+
+from bev import ops
 
 pytestmark = [
     pytest.mark.cuda,
@@ -115,13 +114,11 @@ def test_gradcheck_float64(backend):
 @requires_native_cuda
 @pytest.mark.parametrize("op_name", ["_sort_keys", "voxel_sum", "_voxel_sum_backward", "bev_pool", "_bev_pool_backward"])
 def test_opcheck(op_name):
-    torch.library.opcheck(getattr(torch.ops.bev, op_name).default, _opcheck_inputs(DEVICE)[op_name])
+    torch.library.opcheck(getattr(torch.ops.bev, op_name).default, opcheck_inputs(DEVICE)[op_name])
 
 
 @requires_native_cuda
-def test_module_runs_under_torch_compile_fullgraph(monkeypatch):
-    torch._dynamo.reset()
-    fresh_compile_caches(monkeypatch)
+def test_module_runs_under_torch_compile_fullgraph(fresh_compile_caches):
     grid = (2, 1, 8, 8)
     depth, feats, coords = random_frustum(2, 3, 5, 4, 6, 16, grid, device=DEVICE)
     assert_compiled_matches_eager(SplatModule(grid, 16).to(DEVICE), depth, feats, coords)

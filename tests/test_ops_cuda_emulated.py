@@ -4,25 +4,18 @@ tests/cuda_emulation/emu_ops.cpp compiles bev/ops/csrc/cuda/pool_kernels.cuh (th
 and pool_launchers.h (their host side: checks, tensor preparation, launch geometry) unchanged,
 with simt.h standing in for the GPU: every block of the grid, every thread of a block as a
 fiber, __syncthreads, per-block __shared__ memory and 32-lane warp shuffles. It is built once
-per source version (keyed by a hash of the sources) into the pytest cache.
+per source version (keyed by a hash of the sources) into the pytest cache: the `emu` fixture
+(tests/conftest.py, helpers/cuda_emulation.py).
 
 What the emulation cannot show: speed, memory-model races between blocks, and the stream /
 device-guard code of pool_cuda.cu (tests/test_ops_cuda.py covers those on a GPU).
 """
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
-
-import bev.ops as ops
-from bev.ops._plan import flat_keys, make_plan
-from test_ops import (
+from helpers.cuda_emulation import emulated_bev_pool, emulated_voxel_sum
+from helpers.ops import (
     DTYPES,
     FRUSTUM_CASES,
     VOXEL_CASES,
@@ -33,48 +26,13 @@ from test_ops import (
     random_frustum,
 )
 
+from bev import ops
+
 pytestmark = pytest.mark.cuda_emulated
-
-REPO = Path(__file__).resolve().parents[1]
-EMULATION = REPO / "tests" / "cuda_emulation"
-CSRC = REPO / "bev" / "ops" / "csrc"
-SOURCES = [EMULATION / "emu_ops.cpp"]
-HEADERS = [EMULATION / "simt.h", CSRC / "common.h", CSRC / "cuda" / "pool_kernels.cuh", CSRC / "cuda" / "pool_launchers.h"]
-
-
-def _build_dir(config, name: str) -> Path:
-    cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
-    if cache is not None:
-        return cache.mkdir(name)
-    path = Path(tempfile.gettempdir()) / name
-    path.mkdir(exist_ok=True)
-    return path
-
-
-@pytest.fixture(scope="module")
-def emu(request):
-    """The emulated ops module, built from the source tree as it stands (cached by content hash)."""
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        pytest.skip(f"no C++ compiler ({compiler}) to build the CUDA emulation")
-    from torch.utils.cpp_extension import load
-
-    digest = hashlib.sha256(torch.__version__.encode())
-    for path in SOURCES + HEADERS:
-        digest.update(path.read_bytes())
-    name = f"bev_simt_{digest.hexdigest()[:16]}"
-    return load(
-        name=name,
-        sources=[str(p) for p in SOURCES],
-        extra_include_paths=[str(EMULATION), str(CSRC)],
-        extra_cflags=["-O2"],
-        build_directory=str(_build_dir(request.config, name)),
-        verbose=False,
-    )
 
 
 # ---------------------------------------------------------------------------------------------
-# cases: those of the CPU kernels (test_ops.py) plus channel counts around a warp, partial
+# cases: those of the CPU kernels (helpers/ops.py) plus channel counts around a warp, partial
 # tiles (voxels per sample not a multiple of 32), B > 1 and Z > 1
 # ---------------------------------------------------------------------------------------------
 EMU_VOXEL_CASES = {
@@ -89,30 +47,6 @@ EMU_FRUSTUM_CASES = {
     "c32-z2": ((1, 3, 4, 2, 2, 32), (1, 2, 4, 5)),
     "c33-b2": ((2, 1, 3, 3, 2, 33), (2, 1, 6, 6)),
 }
-
-
-def voxel_plan(coords, grid, n):
-    return make_plan(flat_keys(coords[:, 0], coords[:, 1:], grid), grid, (n,), use_native=False)
-
-
-def frustum_plan(coords, grid):
-    B = coords.shape[0]
-    batch = torch.arange(B).view(B, 1, 1, 1, 1)
-    return make_plan(flat_keys(batch, coords, grid), grid, tuple(coords.shape[:5]), use_native=False)
-
-
-def emulated_voxel_sum(emu, feats, coords, grid, grad_out):
-    plan = voxel_plan(coords, grid, feats.shape[0])
-    out = emu.voxel_sum(feats, plan.keys, plan.order, plan.offsets, list(grid))
-    grad = emu.voxel_sum_backward(grad_out, plan.keys, plan.order, plan.offsets)
-    return out, grad
-
-
-def emulated_bev_pool(emu, depth, feats, coords, grid, grad_out):
-    plan = frustum_plan(coords, grid)
-    out = emu.bev_pool(depth, feats, plan.keys, plan.order, plan.offsets, list(grid))
-    grad_depth, grad_feats = emu.bev_pool_backward(grad_out, depth, feats, plan.keys, plan.offsets)
-    return out, grad_depth, grad_feats
 
 
 # ---------------------------------------------------------------------------------------------

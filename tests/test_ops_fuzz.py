@@ -14,15 +14,21 @@ import math
 
 import pytest
 import torch
+from helpers.ops import (
+    DTYPES,
+    backends_for,
+    frustum_to_points,
+    index_add_bev_pool,
+    index_add_voxel_sum,
+    random_coords,
+)
 
-import bev.ops as ops
+from bev import ops
 from bev.ops import _checks
 from bev.utils.profiling import peak_cpu_bytes
-from test_ops import frustum_to_points, index_add_bev_pool, index_add_voxel_sum, random_coords
 
 NATIVE = pytest.mark.skipif(not ops.native_available("cpu"), reason="native CPU kernels not built")
-BACKENDS = ["torch", "quickcumsum", pytest.param("native", marks=NATIVE)]
-DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+BACKENDS = backends_for("cpu")
 MODES = ["normal", "wide", "nonfinite"]
 # Exponent ranges (base 10) of "wide" values: inputs stay finite in their dtype, and sums and
 # products stay clear of overflow so non-finite outputs come from non-finite inputs only.

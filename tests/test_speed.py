@@ -368,6 +368,7 @@ def test_rescale_schedule_keeps_the_past_and_ends_on_the_final_lr():
     assert not rescale_schedule(torch.optim.lr_scheduler.StepLR(opt, 10), 100, pivot=0)
 
 
+@pytest.mark.e2e
 def test_bev_train_records_precision_and_the_time_budget(synthetic_root, tmp_path, monkeypatch, capsys):
     import json
 

@@ -13,6 +13,8 @@ import torch
 
 from helpers.cli import TINY, assert_one_paragraph, eval_cli, read_csv_metric, train_cli
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def trained_run(synthetic_root, tmp_path_factory):

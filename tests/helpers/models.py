@@ -1,0 +1,43 @@
+"""Small models and their inputs, shared by the model, inference and export tests."""
+from __future__ import annotations
+
+import torch
+
+from bev.data.nuscenes import class_names
+from bev.geometry import Grid
+from bev.inference import ring_rig
+
+# A tiny LiftSplatShoot on a 24 x 24 grid (pass TINY_NET as its keyword arguments).
+GRID = Grid(xbound=(-24, 24, 2.0), ybound=(-24, 24, 2.0), zbound=(-10, 10, 20), dbound=(4, 44, 8.0))
+SIZE = (32, 96)
+TINY_NET = {
+    "context_channels": 8,
+    "camera": {"backbone": "small", "widths": (8, 8, 16, 16, 16), "mid_channels": 16},
+    "bev": {"widths": (8, 16, 16), "blocks": 1},
+}
+
+# What a run of helpers.cli.TINY (the embedded experiment=synthetic_cpu) predicts: vehicles and
+# BEVFusion's six map classes.
+CLASSES = list(class_names(["vehicle."], "bevfusion"))
+
+
+def rig(B: int, N: int = 6, size=SIZE):
+    """Six cameras at 1.5 m looking outwards every 60 degrees (camera: x right, y down, z forward)."""
+    return ring_rig(N, size, B)
+
+
+def model_inputs(B=2, seed=0):
+    """LiftSplatShoot's positional inputs: random images of SIZE from the 6-camera ring rig."""
+    g = torch.Generator().manual_seed(seed)
+    cams = rig(B)
+    return (torch.randn(B, 6, 3, *SIZE, generator=g), cams["intrinsics"], cams["rots"], cams["trans"],
+            cams["post_rots"], cams["post_trans"])
+
+
+def val_batch(dataroot, model, n=2):
+    """The first `n` mini_val samples of `dataroot`, collated as the trained `model`'s run loaded them."""
+    from bev.data import NuScenesBEVDataset
+
+    cfg = model.run_config["data"]
+    ds = NuScenesBEVDataset(dataroot, split="mini_val", grid=cfg["grid"], final_dim=cfg["final_dim"], verbose=False)
+    return torch.utils.data.default_collate([ds[i] for i in range(n)])
