@@ -15,8 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from bev.instances import predict_instances
 from bev.lit import CAMERA_KEYS, BEVLitModule
-from bev.losses import TERMS, TemporalLoss
+from bev.losses import IGNORE, TERMS, TemporalLoss
+from bev.metrics import FIERY_RANGES, FutureIoU, PanopticQuality, crop_to_range
 
 SEQUENCE_KEYS = ("future_egomotion",) + TERMS[1:] + ("segmentation", "instance")
 
@@ -47,6 +49,10 @@ class TemporalLitModule(BEVLitModule):
         self.temporal_loss = TemporalLoss(**dict(temporal_loss or {}))
         self.past_no_grad = bool(past_no_grad)
         self.init_from = init_from
+        # FIERY's metrics at its two ranges: IoU pooled over the present and future frames, and VPQ.
+        self.future_iou = nn.ModuleDict({f"{s}_{r}": FutureIoU() for s in ("val", "test") for r in FIERY_RANGES})
+        self.vpq = nn.ModuleDict({f"{s}_{r}": PanopticQuality(temporally_consistent=True)
+                                  for s in ("val", "test") for r in FIERY_RANGES})
 
     # --- inputs and losses
 
@@ -75,7 +81,37 @@ class TemporalLitModule(BEVLitModule):
         self.log(f"{stage}/loss", loss, on_epoch=True, sync_dist=True, batch_size=out["bev"].shape[0])
         iou, map_iou = (self.val_iou, self.val_map_iou) if stage == "val" else (self.test_iou, self.test_map_iou)
         self._update_metrics(iou, map_iou, out["bev"], batch)
+        self._update_future_metrics(out, batch, stage)
         return out
+
+    def _update_future_metrics(self, out: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor], stage: str) -> None:
+        """Future IoU and VPQ of the present and future frames, at each of FIERY's ranges (instances are
+        decoded on the whole grid, then cropped, as FIERY does)."""
+        seg = out["segmentation"][:, :, 0].float().sigmoid() > 0.5
+        target = batch["segmentation"]
+        pred_instance = predict_instances(seg, out["centerness"], out["offset"], out["flow"])
+        for r, extent in FIERY_RANGES.items():
+            p, t, inst, gt_inst = crop_to_range(self.grid, extent, seg, target, pred_instance, batch["instance"])
+            self.future_iou[f"{stage}_{r}"].update(p, t == 1, t == IGNORE)
+            self.vpq[f"{stage}_{r}"].update(inst, gt_inst)
+
+    def _future_results(self, stage: str) -> dict[str, float]:
+        """{future_iou_long, future_iou_short, vpq_long, vpq_short} of the split; resets the metrics."""
+        results = {}
+        for r in FIERY_RANGES:
+            iou, vpq = self.future_iou[f"{stage}_{r}"], self.vpq[f"{stage}_{r}"]
+            results[f"future_iou_{r}"], results[f"vpq_{r}"] = iou.compute()["iou"], vpq.compute()["pq"]
+            iou.reset()
+            vpq.reset()
+        return results
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
+        self.log_dict({f"val/{k}": v for k, v in self._future_results("val").items()})
+
+    def on_test_epoch_end(self) -> None:
+        super().on_test_epoch_end()
+        self.log_dict({f"test/{k}": v for k, v in self._future_results("test").items()})
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._eval_step(batch, "val")

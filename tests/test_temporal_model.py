@@ -1,6 +1,7 @@
 """The temporal model (bev.models.temporal), its losses (bev.losses) and its LightningModule (bev.lit_temporal)."""
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -268,3 +269,18 @@ def test_a_training_step_and_its_checkpoint_reads_with_weights_only(tmp_path):
     ckpt = read_checkpoint(tmp_path / "t.ckpt")
     assert ckpt["hyper_parameters"]["temporal_loss"] == {"seg_top_k": 0.25}
     assert ckpt["hyper_parameters"]["past_no_grad"] is True
+
+
+def test_bev_train_runs_the_temporal_experiment(synthetic_root, tmp_path, monkeypatch, capsys):
+    """experiment=synthetic_temporal_cpu through bev-train on the synthetic fixture (3 key frames per scene:
+    windows of 2 input frames and 1 future frame), one fast_dev_run batch of training and validation."""
+    from helpers.cli import TINY, train_cli
+
+    args = ["experiment=synthetic_temporal_cpu", *TINY[1:], f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}",
+            "data.past_frames=1", "data.future_frames=1", "data.input_memo_mb=0", "+trainer.fast_dev_run=1"]
+    assert train_cli(args, monkeypatch) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "starts from scratch" in out
+    metrics = json.loads((tmp_path / "metrics.json").read_text())["metrics"]
+    for key in ("val/iou", "val/future_iou_long", "val/future_iou_short", "val/vpq_long", "val/vpq_short", "train/loss_flow"):
+        assert key in metrics, sorted(metrics)

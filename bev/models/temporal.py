@@ -196,7 +196,7 @@ class TemporalLiftSplat(LiftSplatShoot):
         self.past_frames, self.future_frames = int(past_frames), int(future_frames)
         self.probabilistic, self.latent_dim = bool(probabilistic), int(latent_dim) if probabilistic else 0
         bev_in = context_channels * self.grid.nz
-        self.bev_encoder = BevTrunk(bev_in, num_classes, **dict(bev or {}))
+        self.bev_encoder.__class__ = BevTrunk  # methods only: same parameters, same keys
         self.fusion = TemporalFusion(bev_in, self.past_frames + 1, fusion_channels, fusion_kernel) if self.past_frames else None
         cf = self.bev_encoder.feature_channels
         if self.probabilistic:
