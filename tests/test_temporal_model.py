@@ -284,3 +284,25 @@ def test_bev_train_runs_the_temporal_experiment(synthetic_root, tmp_path, monkey
     metrics = json.loads((tmp_path / "metrics.json").read_text())["metrics"]
     for key in ("val/iou", "val/future_iou_long", "val/future_iou_short", "val/vpq_long", "val/vpq_short", "train/loss_flow"):
         assert key in metrics, sorted(metrics)
+
+
+@pytest.mark.parametrize("static, temporal", [("synthetic_cpu", "synthetic_temporal_cpu"),
+                                              ("fiery_nuscenes_static", "fiery_nuscenes")])
+def test_every_weight_of_the_first_stage_fits_the_second(static, temporal):
+    """The two-stage experiments: the static run's network tensors all load into the temporal model."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from bev.utils.config import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfgs = [compose("train", overrides=[f"experiment={e}", "model.net.camera.weights=null"]) for e in (static, temporal)]
+    first, second = (instantiate(c.model).state_dict() for c in cfgs)
+    net = {k: v.shape for k, v in first.items() if k.startswith("net.")}
+    assert net and all(k in second and second[k].shape == s for k, s in net.items())
+    assert {"net.fusion.mix.1.weight", "net.future.branches.motion.0.weight"} <= set(second)
+    data = cfgs[1].data
+    assert (data.past_frames, data.future_frames) == (2, 4)
+    if temporal == "fiery_nuscenes":  # FIERY's baseline: 224x480, depth 2-50 m in 1 m bins, 200x200 at 0.5 m
+        assert list(data.final_dim) == [224, 480] and list(cfgs[1].grid.dbound) == [2.0, 50.0, 1.0]
+        assert list(cfgs[1].grid.xbound) == [-50.0, 50.0, 0.5] and list(cfgs[1].grid.ybound) == [-50.0, 50.0, 0.5]
