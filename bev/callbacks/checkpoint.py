@@ -29,25 +29,88 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class ModelCheckpoint(L.pytorch.callbacks.ModelCheckpoint):
-    """Lightning's, with `save_last` writing last.ckpt at every epoch end (or validation) it checkpoints at.
+    """Lightning's, with `save_last` writing last.ckpt after every training epoch and at the end of training.
 
-    Lightning (2.6) writes last.ckpt only when a top-k checkpoint is saved at the same step: with
-    `monitor` set, a run resumed from last.ckpt lost every epoch since its best one. The class keeps
-    Lightning's name, so the checkpoints' callback state keys stay the same."""
+    Lightning (2.6) writes last.ckpt only with a top-k checkpoint, and with check_val_every_n_epoch > 1
+    only at validations, so a run resumed from last.ckpt lost every epoch since (and a finished run's
+    last.ckpt missed its final epochs). Here last.ckpt holds the state after the last step of every
+    epoch, validated or not, and at the end of training. The class keeps Lightning's name, so the
+    checkpoints' callback state keys stay the same.
+
+    Its state also carries the process's RNG states (torch, CUDA, NumPy, Python) at the save, restored
+    when a single-process run resumes, so the resumed run draws the same batch order and augmentations
+    as the uninterrupted one (Lightning saves none; DDP ranks keep their own: DistributedSampler orders
+    by seed and epoch). Loader workers that persist across epochs are not covered."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "rng": _rng_states()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        # Now, on resume: Lightning restores callbacks before it first builds the train loader's iterator
+        # (a draw), as the uninterrupted run did after the save. No sanity check runs on a resume.
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if state_dict.get("rng") and not (distributed and torch.distributed.get_world_size() > 1):
+            _set_rng_states(state_dict["rng"])
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_epoch_end(trainer, pl_module)
-        if self._should_save_on_train_epoch_end(trainer):
-            self._save_last_if_missed(trainer)
+        # Also after a validation at this epoch's last step: a checkpoint saved there resumes into
+        # the finished epoch, and Lightning builds one more loader iterator (an RNG draw) than the
+        # uninterrupted run did; one saved here resumes at the next epoch's start, as that run went on.
+        if self.save_last and self._saving_allowed(trainer) and self._epoch_end_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            self._epoch_end_saved = trainer.global_step
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
-        if not self._should_save_on_train_epoch_end(trainer):
+        if not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:  # mid-epoch (val_check_interval < 1)
             self._save_last_if_missed(trainer)
 
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._save_last_if_missed(trainer)
+
+    _epoch_end_saved: int = -1  # the global step of the last last.ckpt written at an epoch end
+
+    @staticmethod
+    def _saving_allowed(trainer: L.Trainer) -> bool:
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        return not trainer.fast_dev_run and not trainer.sanity_checking and trainer.state.fn == TrainerFn.FITTING
+
     def _save_last_if_missed(self, trainer: L.Trainer) -> None:
-        """last.ckpt now, where Lightning checkpointed this step's epoch but wrote no last.ckpt."""
-        if (self.save_last and self._last_global_step_saved != trainer.global_step
-                and not self._should_skip_saving_checkpoint(trainer)
-                and (trainer.current_epoch + 1) % max(self._every_n_epochs, 1) == 0):
+        """last.ckpt now, unless this step is saved already (or nothing is to be saved: sanity check, fast_dev_run)."""
+        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+def _rng_states() -> dict[str, Any]:
+    """The RNG states as tensors and plain numbers (a checkpoint must load with weights_only=True)."""
+    import random
+
+    import numpy as np
+
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, words, gauss_next = random.getstate()
+    states = {"torch": torch.get_rng_state(),
+              "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+                        "gauss": float(gauss)},
+              "python": {"version": version, "words": torch.tensor(words, dtype=torch.int64), "gauss": gauss_next}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(states["torch"])
+    n = states["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    p = states["python"]
+    random.setstate((p["version"], tuple(p["words"].tolist()), p["gauss"]))
+    if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(states["cuda"])
