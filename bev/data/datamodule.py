@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 from bev.data.maps import normalize_map_layers
 from bev.data.nuscenes import NuScenesBEVDataset, normalize_categories, object_class_names
 from bev.data.rasterize import check_raster
+from bev.data.temporal import collate
 from bev.geometry import Grid
 
 
@@ -25,6 +26,8 @@ class NuScenesDataModule(L.LightningDataModule):
     None is LSS's, see NuScenesBEVDataset); val and test (the val split) always use the
     deterministic validation transform and all cameras.
     persistent_workers only applies when num_workers > 0.
+    past_frames / future_frames > 0: items are windows of consecutive key frames (NuScenesBEVDataset,
+    bev.data.temporal); batches stack them with B leading and keep sample_tokens as B lists of tokens.
     class_names / num_classes: the target channels (object classes, then map_layers classes); the
     model config reads the same count through the `bev.num_classes` config resolver.
     """
@@ -48,6 +51,10 @@ class NuScenesDataModule(L.LightningDataModule):
         raster: str = "center",
         depth_target: bool = False,
         input_memo_mb: float = 0,
+        past_frames: int = 0,
+        future_frames: int = 0,
+        filter_invisible: bool = False,
+        label_warp: str = "exact",
         batch_size: int = 4,
         num_workers: int = 2,
         pin_memory: bool = False,
@@ -75,6 +82,10 @@ class NuScenesDataModule(L.LightningDataModule):
             depth_target=bool(depth_target),
             input_memo_mb=input_memo_mb,
             cache_dir=cache_dir,
+            past_frames=past_frames,
+            future_frames=future_frames,
+            filter_invisible=bool(filter_invisible),
+            label_warp=label_warp,
         )
         self.augment = bool(augment)
         self.batch_size = int(batch_size)
@@ -119,6 +130,7 @@ class NuScenesDataModule(L.LightningDataModule):
             pin_memory=self.pin_memory,
             persistent_workers=self.persistent_workers,
             drop_last=shuffle and len(ds) >= self.batch_size,
+            collate_fn=collate,
         )
 
     def train_dataloader(self) -> DataLoader:
