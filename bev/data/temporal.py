@@ -159,15 +159,21 @@ def warp_nearest(maps: np.ndarray, to_source: np.ndarray, grid: Grid, label_warp
     the value of the source cell holding its centre's image (fill when that is off the grid).
     label_warp="fiery" samples where FIERY's warp_features does instead (see the module doc).
     """
-    centers = grid.cell_centers().reshape(-1, 2)
+    check_label_warp(label_warp)
+    (xlo, _, xs), (ylo, _, ys) = grid.xbound, grid.ybound
+    px = (xlo + (np.arange(grid.nx) + 0.5) * xs)[:, None]
+    py = (ylo + (np.arange(grid.ny) + 0.5) * ys)[None, :]
     out = np.full(maps.shape, fill, dtype=maps.dtype)
     for k, A in enumerate(np.asarray(to_source, dtype=np.float64)):
-        if check_label_warp(label_warp) == "fiery":
+        if np.array_equal(A, np.eye(3)):
+            out[k] = maps[k]
+            continue
+        if label_warp == "fiery":
             A = _fiery_sampling(A)
-        q = centers @ A[:2, :2].T + A[:2, 2]
-        ij = grid.xy_to_index(q)
-        ok = (ij[:, 0] >= 0) & (ij[:, 0] < grid.nx) & (ij[:, 1] >= 0) & (ij[:, 1] < grid.ny)
-        out[k].reshape(-1)[ok] = maps[k][ij[ok, 0], ij[ok, 1]]
+        i = np.floor((A[0, 0] * px + A[0, 1] * py + (A[0, 2] - xlo)) / xs)  # the source cell, by floor
+        j = np.floor((A[1, 0] * px + A[1, 1] * py + (A[1, 2] - ylo)) / ys)
+        ok = (i >= 0) & (i < grid.nx) & (j >= 0) & (j < grid.ny)
+        out[k][ok] = maps[k][i[ok].astype(np.intp), j[ok].astype(np.intp)]
     return out
 
 
@@ -190,17 +196,21 @@ def _centres(instance: np.ndarray, n_ids: int) -> tuple[np.ndarray, np.ndarray]:
     return mean, count
 
 
+def _gaussian(sigma: float) -> np.ndarray:
+    """exp(-d^2 / sigma^2) on the (2R + 1, 2R + 1) integer offsets d of CENTER_RADIUS R (centres are whole cells)."""
+    d = np.arange(-CENTER_RADIUS, CENTER_RADIUS + 1, dtype=np.float64)
+    return np.exp(-(d[:, None] ** 2 + d[None, :] ** 2) / sigma**2)
+
+
 def _centerness(centres: np.ndarray, ids: np.ndarray, shape: tuple[int, int], sigma: float) -> np.ndarray:
     """(X, Y) max over `ids` of exp(-d^2 / sigma^2) around their (integer) centres, within CENTER_RADIUS."""
     out = np.zeros(shape, dtype=np.float64)
-    r = CENTER_RADIUS
+    g, r = _gaussian(sigma), CENTER_RADIUS
     for k in ids:
         ci, cj = (int(v) for v in centres[k])
         i0, i1, j0, j1 = max(ci - r, 0), min(ci + r + 1, shape[0]), max(cj - r, 0), min(cj + r + 1, shape[1])
-        if i0 >= i1 or j0 >= j1:
-            continue
-        di, dj = np.arange(i0, i1)[:, None] - ci, np.arange(j0, j1)[None, :] - cj
-        np.maximum(out[i0:i1, j0:j1], np.exp(-(di**2 + dj**2) / sigma**2), out=out[i0:i1, j0:j1])
+        if i0 < i1 and j0 < j1:
+            np.maximum(out[i0:i1, j0:j1], g[i0 - ci + r:i1 - ci + r, j0 - cj + r:j1 - cj + r], out=out[i0:i1, j0:j1])
     return out
 
 
