@@ -1,12 +1,16 @@
 #!/usr/bin/env python
-"""Loader benchmark: samples/s of NuScenesBEVDataset through a DataLoader for 0, 2, 4 workers.
+"""Loader benchmark: samples/s of NuScenesBEVDataset through a DataLoader for 0, 2, 4 workers,
+and windows/s of its temporal windows (past_frames, future_frames).
 
-    .venv/bin/python scripts/bench_loader.py [--dataroot DIR] [--split mini_train]
+    .venv/bin/python scripts/bench_loader.py [--dataroot DIR] [--split mini_train] [--past-frames 2 --future-frames 4]
 
 Without --dataroot it writes a small synthetic nuScenes-format set to a temp folder. Each run
 times `--batches` batches after one warm-up batch (worker start-up is reported separately),
 with the training augmentation (6 full-HD JPEGs per sample). It also times single-process
-decoding with and without JPEG draft (DCT-scaled) decoding. Writes JSON to --out.
+decoding with and without JPEG draft (DCT-scaled) decoding. Windows (FIERY's baseline, 2 past
+and 4 future frames, by default) decode the 3 input frames' JPEGs with the training augmentation;
+their labels' share and validation windows served by the input memo are timed single-process.
+--windows-only skips the single-frame measurements. Writes JSON to --out.
 """
 from __future__ import annotations
 
@@ -22,15 +26,16 @@ import torch
 from torch.utils.data import DataLoader
 
 from bev.data import NuScenesBEVDataset
+from bev.data.temporal import collate, window_labels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when a test runs this file with runpy
 from bench_common import host_versions, write_report  # noqa: E402
 
 
-def time_loader(ds, workers: int, batch_size: int, batches: int) -> dict:
-    """samples/s over `batches` batches after the first (whose start-up time is reported apart)."""
+def time_loader(ds, workers: int, batch_size: int, batches: int, unit: str = "sample") -> dict:
+    """samples/s (or windows/s: unit) over `batches` batches after the first (whose start-up time is reported apart)."""
     dl = DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, drop_last=len(ds) >= batch_size,
-                    persistent_workers=workers > 0)
+                    persistent_workers=workers > 0, collate_fn=collate)
     t0 = time.perf_counter()
     it = iter(dl)
     n = 0
@@ -50,7 +55,7 @@ def time_loader(ds, workers: int, batch_size: int, batches: int) -> dict:
         n += 1
     dt = time.perf_counter() - t1
     del it, dl
-    return {"workers": workers, "samples": samples, "seconds": round(dt, 3), "samples_per_s": round(samples / dt, 2),
+    return {"workers": workers, f"{unit}s": samples, "seconds": round(dt, 3), f"{unit}s_per_s": round(samples / dt, 2),
             "first_batch_s": round(first, 3)}
 
 
@@ -115,6 +120,9 @@ def parse_args(argv):
     p.add_argument("--final-dim", type=int, nargs=2, default=[128, 352])
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads of the main process (collate runs there with 0 workers)")
+    p.add_argument("--past-frames", type=int, default=2, help="windows: input frames before the present")
+    p.add_argument("--future-frames", type=int, default=4, help="windows: label-only frames after it")
+    p.add_argument("--windows-only", action="store_true", help="time the temporal windows only")
     p.add_argument("--out", default="benchmarks/results/bench_loader_cpu.json")
     return p.parse_args(argv)
 
@@ -125,8 +133,9 @@ def synthetic_root() -> tuple[str, tempfile.TemporaryDirectory]:
 
     tmp = tempfile.TemporaryDirectory(prefix="bench_loader_")
     t = time.perf_counter()
-    dataroot = str(make_synthetic(Path(tmp.name) / "nuscenes", scenes=2, samples_per_scene=8, seed=0, progress=False))
-    print(f"synthetic dataset (2 scenes x 8 samples) written in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    # 3 scenes: mini_train gets 2 of 12 key frames, 12 windows of FIERY's 7 frames
+    dataroot = str(make_synthetic(Path(tmp.name) / "nuscenes", scenes=3, samples_per_scene=12, seed=0, progress=False))
+    print(f"synthetic dataset (3 scenes x 12 samples) written in {time.perf_counter() - t:.1f}s", file=sys.stderr)
     return dataroot, tmp
 
 
@@ -167,37 +176,81 @@ def time_loaders(ds, a) -> list[dict]:
     return results
 
 
+def time_windows(dataroot: str, a, cache_dir: str) -> dict:
+    """windows/s of the training-augmented temporal dataset (single process and DataLoaders), the labels'
+    ms per window, and validation windows/s on a first pass and from the input memo (second pass)."""
+    kw = {"version": a.version, "split": a.split, "final_dim": a.final_dim, "cache_dir": cache_dir, "verbose": False,
+          "past_frames": a.past_frames, "future_frames": a.future_frames}
+    try:
+        train = NuScenesBEVDataset(dataroot, augment=True, **kw)
+    except ValueError as e:  # no scene of the split is long enough
+        return {"skipped": str(e)}
+    torch.manual_seed(0)
+    out = {"past_frames": a.past_frames, "future_frames": a.future_frames, "windows_in_split": len(train),
+           "jpegs_per_window": (a.past_frames + 1) * 6, "train_single_process_windows_per_s": _rate(train)}
+    t = time.perf_counter()
+    n = min(len(train), 8)
+    for w in range(n):
+        window_labels(train.index, train.window_frames(w), a.past_frames, train.grid)
+    out["labels_ms_per_window"] = round(1000 * (time.perf_counter() - t) / n, 1)
+    val = NuScenesBEVDataset(dataroot, augment=False, input_memo_mb=1024, **kw)
+    out["val_single_process_windows_per_s"] = {"first_pass": _rate(val, len(val)), "from_memo": _rate(val, len(val))}
+    print(f"windows ({a.past_frames} + 1 + {a.future_frames}), single process: {out}", file=sys.stderr)
+    out["loader"] = []
+    for w in a.workers:
+        r = time_loader(train, w, a.batch_size, a.batches, unit="window")
+        print(f"workers={w}: {r['windows_per_s']:.2f} windows/s (first batch {r['first_batch_s']:.2f}s)", file=sys.stderr)
+        out["loader"].append(r)
+    return out
+
+
+def _rate(ds, n: int = 8) -> float:
+    """Items per second over ds[0 .. min(n, len(ds)) - 1], in this process."""
+    n = min(n, len(ds))
+    t = time.perf_counter()
+    for i in range(n):
+        ds[i]
+    return round(n / (time.perf_counter() - t), 2)
+
+
 def host() -> dict:
     """CPUs, the affinity mask's size, the load at the end, and versions."""
     return {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "load_average_1m_at_end": round(os.getloadavg()[0], 2), **host_versions()}
 
 
+def single_frame(dataroot: str, a, cache_dir: str) -> dict:
+    """The single-frame measurements: indexing, draft decoding, depth targets, a photo-like JPEG, loaders."""
+    ds, index_s, cached_s = build_dataset(dataroot, a, cache_dir)
+    decode = time_draft_decoding(ds)
+    depth = time_depth_target(ds)
+    print(f"single process, depth_target off / on: {depth}", file=sys.stderr)
+    photo = time_decode(a.final_dim)
+    print(f"photo-like JPEG: {photo}", file=sys.stderr)
+    return {
+        "samples_in_split": len(ds), "index_build_s": round(index_s, 3), "index_from_cache_s": round(cached_s, 3),
+        "single_process_samples_per_s": decode,
+        "depth_target_single_process_samples_per_s": depth,
+        "photo_like_jpeg_decode_plus_augment_ms_per_image": photo,
+        "loader": time_loaders(ds, a),
+    }
+
+
 def main(argv=None) -> int:
-    """Time indexing, decoding and the DataLoader settings, then write and print the report."""
+    """Time indexing, decoding, the DataLoader settings and the windows, then write and print the report."""
     a = parse_args(argv)
     if a.torch_threads:
         torch.set_num_threads(a.torch_threads)
     # Both temp folders must outlive the dataset, which reads from them: keep them until main returns.
     dataroot, tmp = synthetic_root() if a.dataroot is None else (a.dataroot, None)
     cache = tempfile.TemporaryDirectory(prefix="bench_cache_")
-    ds, index_s, cached_s = build_dataset(dataroot, a, cache.name)
-    decode = time_draft_decoding(ds)
-    depth = time_depth_target(ds)
-    print(f"single process, depth_target off / on: {depth}", file=sys.stderr)
-    photo = time_decode(a.final_dim)
-    print(f"photo-like JPEG: {photo}", file=sys.stderr)
-    results = time_loaders(ds, a)
     report = {
         "benchmark": "bev.data.NuScenesBEVDataset via torch DataLoader, training augmentation",
-        "dataset": "synthetic (bev.data.make_synthetic)" if tmp else dataroot,
-        "version": a.version, "split": a.split, "samples_in_split": len(ds), "batch_size": a.batch_size,
+        "dataset": "synthetic (bev.data.make_synthetic, 3 scenes x 12 samples)" if tmp else dataroot,
+        "version": a.version, "split": a.split, "batch_size": a.batch_size,
         "final_dim": list(a.final_dim), "cameras": 6, "raw_image": "1600x900 JPEG",
-        "index_build_s": round(index_s, 3), "index_from_cache_s": round(cached_s, 3),
-        "single_process_samples_per_s": decode,
-        "depth_target_single_process_samples_per_s": depth,
-        "photo_like_jpeg_decode_plus_augment_ms_per_image": photo,
-        "loader": results,
+        **({} if a.windows_only else single_frame(dataroot, a, cache.name)),
+        "windows": time_windows(dataroot, a, cache.name),
         "main_torch_threads": torch.get_num_threads(),
         "host": host(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

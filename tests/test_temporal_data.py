@@ -484,3 +484,18 @@ def test_windows_need_no_devkit_once_indexed(tiny_windows, tmp_path, monkeypatch
     monkeypatch.setattr(nuscenes.nuscenes, "NuScenes", None)  # any devkit use now fails
     ds = _ds(copy, past_frames=1, future_frames=1, cache_dir=tmp_path / "cache")
     assert len(ds) == 3 and ds[2]["sample_tokens"] == ["s0-2", "s0-3", "s0-4"]
+
+
+def test_bench_loader_reports_windows_per_second(tiny_windows, tmp_path):
+    import runpy
+
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "bench_loader.py"))
+    out = tmp_path / "bench.json"
+    assert bench["main"](["--dataroot", str(tiny_windows), "--windows-only", "--past-frames", "1", "--future-frames",
+                          "1", "--workers", "0", "--batches", "2", "--batch-size", "2", "--final-dim", "64", "176",
+                          "--out", str(out)]) == 0
+    r = json.loads(out.read_text())["windows"]
+    assert r["windows_in_split"] == 3 and r["jpegs_per_window"] == 12 and r["labels_ms_per_window"] > 0
+    assert [x["workers"] for x in r["loader"]] == [0] and r["loader"][0]["windows"] == 4
+    assert r["loader"][0]["windows_per_s"] > 0 and r["val_single_process_windows_per_s"]["from_memo"] > 0
+    assert "samples_in_split" not in json.loads(out.read_text())
