@@ -61,6 +61,9 @@ CARPARK_LEN, CARPARK_DEPTH = 44.2, 19.0  # 17 bays of 2.6 m; two 5.5 m rows and 
 CARPARKS = 4  # car parks per location, where blocks leave room (one was too rare to learn: absent from most drives)
 BAY_W, BAY_D = 2.6, 5.5
 DASH, GAP = 3.0, 6.0  # white dashed lane line
+# Map surfaces are snapped to this grid (metres). Unions of bands otherwise keep vertices 1e-14 m apart,
+# which GEOS clips (the renderer's tiles) into rings of fewer than 4 points, and the map file would repeat.
+SNAP = 1e-4
 
 
 # ----------------------------------------------------------------------------- paths
@@ -188,7 +191,12 @@ def _band(path: Path, l0: float, l1: float) -> Polygon:
     s = path.knots()
     a, _ = path.at(s, l0)
     b, _ = path.at(s, l1)
-    return shapely.make_valid(Polygon(np.concatenate([a, b[::-1]])))
+    return _snapped(Polygon(np.concatenate([a, b[::-1]])))
+
+
+def _snapped(geom):
+    """geom on the SNAP grid: valid, no repeated or nearly coincident vertices, no collapsed ring or sliver."""
+    return shapely.set_precision(shapely.make_valid(geom), SNAP)
 
 
 def _dashes(path: Path, l: float) -> list[LineString]:
@@ -446,9 +454,9 @@ def _build_layers(road: RoadMap, rng: np.random.Generator) -> None:
     # Surfaces: streets and junction squares.
     street_surf = [_band(st.path, -CURB, CURB) for st in road.streets]
     junction_surf = [_square(j.xy, road.dirs, CURB) for j in road.junctions]
-    walk_area = unary_union([_band(st.path, -SIDEWALK_END, SIDEWALK_END) for st in road.streets]
-                            + [_square(j.xy, road.dirs, SIDEWALK_END) for j in road.junctions])
-    roads = unary_union(street_surf + junction_surf)
+    walk_area = _snapped(unary_union([_band(st.path, -SIDEWALK_END, SIDEWALK_END) for st in road.streets]
+                                     + [_square(j.xy, road.dirs, SIDEWALK_END) for j in road.junctions]))
+    roads = _snapped(unary_union(street_surf + junction_surf))
 
     lots, driveways = _add_carparks(road, rng, walk_area)
     drivable = _add_drivable(road, roads, lots, driveways, walk_area)
@@ -503,10 +511,10 @@ def _add_bays(road: RoadMap, lot_path: Path, sd: int, h: float) -> None:
 
 def _add_drivable(road: RoadMap, roads, lots: list, driveways: list, walk_area):
     """The drivable_area and walkway layers and the kerb paint; returns the drivable area."""
-    drivable = unary_union([roads] + lots + driveways)
+    drivable = _snapped(unary_union([roads] + lots + driveways))
     shapely.prepare(drivable)  # fast point queries
     road.layers["drivable_area"].append({"geom": drivable})
-    walk = walk_area.difference(drivable)
+    walk = _snapped(walk_area.difference(drivable))
     for g in getattr(walk, "geoms", [walk]):
         if g.area > 1.0:
             road.layers["walkway"].append({"geom": g})
