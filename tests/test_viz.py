@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from bev.data.gallery import main as gallery_main
+from bev.gallery import main as gallery_main
 from bev.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from bev.geometry import Grid
 from bev.viz import (

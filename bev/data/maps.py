@@ -25,47 +25,18 @@ import inspect
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
+from bev.classes import LINE_LAYERS, MAP_CLASSES, POLYGON_LAYERS, PRESETS, normalize_map_layers  # noqa: F401
 from bev.geometry import Grid
 
-POLYGON_LAYERS = ("drivable_area", "road_segment", "road_block", "lane", "ped_crossing", "walkway",
-                  "stop_line", "carpark_area")
-LINE_LAYERS = ("road_divider", "lane_divider")
-MAP_CLASSES: dict[str, tuple[str, ...]] = {
-    **{name: (name,) for name in POLYGON_LAYERS + LINE_LAYERS},
-    "divider": ("road_divider", "lane_divider"),
-}
-PRESETS: dict[str, tuple[str, ...]] = {
-    "bevfusion": ("drivable_area", "ped_crossing", "walkway", "stop_line", "carpark_area", "divider"),
-    "lss": ("drivable_area", "divider"),
-}
 LINE_WIDTH_M = 1.0  # drawn width of divider lines: the devkit's 2 px at BEVFusion's 0.5 m cells
 MAP_DOWNLOAD = (
     "Download the map expansion pack (nuScenes-map-expansion-v1.3.zip, from https://www.nuscenes.org/download) "
     "and unpack it into DATAROOT/maps/ so that DATAROOT/maps/expansion/<location>.json exist"
 )
-
-
-def normalize_map_layers(spec: Any) -> tuple[str, ...]:
-    """data.map_layers -> tuple of map class names: a preset name, a class name, a list of class
-    names, or None / [] / "none" for no map channels."""
-    if spec is None or (isinstance(spec, str) and spec.lower() in ("", "none", "null")):
-        return ()
-    if isinstance(spec, str):
-        spec = PRESETS[spec] if spec in PRESETS else [spec]
-    names = tuple(str(s) for s in spec)
-    unknown = [n for n in names if n not in MAP_CLASSES]
-    if unknown:
-        raise ValueError(
-            f"unknown map layer(s) {unknown} in data.map_layers; valid names: {', '.join(MAP_CLASSES)}; "
-            f"presets: {', '.join(f'{k} = {list(v)}' for k, v in PRESETS.items())}; or null for none"
-        )
-    if len(set(names)) != len(names):
-        raise ValueError(f"data.map_layers lists a class twice: {list(names)}")
-    return names
 
 
 def map_file(dataroot: str | os.PathLike, location: str) -> Path:

@@ -34,7 +34,8 @@ from torch.utils.data import Dataset
 
 from bev.data import temporal
 from bev.data.depth import depth_targets, load_lidar
-from bev.data.maps import load_map_geometry, map_signature, normalize_map_layers, rasterize_map
+from bev.classes import class_names, normalize_categories, normalize_map_layers, object_class_names  # noqa: F401 (re-exported)
+from bev.data.maps import load_map_geometry, map_signature, rasterize_map
 from bev.data.rasterize import box_footprints, check_raster, rasterize_boxes
 from bev.data.transforms import (
     LSS_BOT_PCT_LIM,
@@ -69,37 +70,6 @@ def _split_scenes() -> dict[str, list[str]]:
     from nuscenes.utils.splits import create_splits_scenes
 
     return create_splits_scenes(verbose=False)
-
-
-def normalize_categories(categories: Any) -> tuple[tuple[str, ...], ...]:
-    """Category config -> one tuple of name prefixes per output class.
-
-    "vehicle." or ["vehicle."] or ["vehicle.car", "vehicle.truck"] -> one class (bev (1, X, Y));
-    [["vehicle."], ["human.pedestrian."]] -> K classes (bev (K, X, Y), channel k = group k).
-    """
-    if isinstance(categories, str):
-        return ((categories,),)
-    items = list(categories)
-    if not items:
-        raise ValueError("categories is empty: give prefixes such as ['vehicle.']")
-    if all(isinstance(c, str) for c in items):
-        return (tuple(items),)
-    if any(isinstance(c, str) for c in items):
-        raise ValueError(f"categories mixes prefixes and groups: {items}; use a list of prefixes or a list of lists")
-    groups = tuple(tuple(str(p) for p in g) for g in items)
-    if any(not g for g in groups):
-        raise ValueError(f"categories has an empty group: {items}")
-    return groups
-
-
-def object_class_names(groups: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
-    """One name per category group: ("vehicle.",) -> "vehicle", ("vehicle.car", "vehicle.bus") -> "vehicle_car+vehicle_bus"."""
-    return tuple("+".join(p.strip(".").replace(".", "_") for p in g) for g in groups)
-
-
-def class_names(categories: Any, map_layers: Any = None) -> tuple[str, ...]:
-    """Target channel names: object classes, then map classes."""
-    return object_class_names(normalize_categories(categories)) + normalize_map_layers(map_layers)
 
 
 def _label(name: str, groups: tuple[tuple[str, ...], ...]) -> int:

@@ -5,6 +5,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from bev.classes import class_names, normalize_map_layers
+
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 
 
@@ -39,14 +41,10 @@ def task_overrides() -> list[str]:
 
 
 def _class_names(categories, map_layers=None) -> list[str]:
-    from bev.data.nuscenes import class_names  # lazy: composing a config must not import torch
-
     return list(class_names(categories, map_layers))
 
 
 def _map_classes(map_layers=None) -> list[str]:
-    from bev.data.maps import normalize_map_layers
-
     return list(normalize_map_layers(map_layers))
 
 
