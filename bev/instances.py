@@ -24,6 +24,7 @@ Where FIERY's code (fiery/utils/instance.py) breaks on edge cases this module di
 - after a frame without instances, the next frame's instances get new ids (FIERY passes that
   frame's ids through unchanged, so they can collide with ids already used).
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,9 @@ def _head(t: torch.Tensor, name: str, channels: int) -> torch.Tensor:
     return t.detach().float()
 
 
-def find_centres(centreness: torch.Tensor, threshold: float = 0.1, nms_kernel: int = 3,
-                 max_instances: int = 100) -> torch.Tensor:
+def find_centres(
+    centreness: torch.Tensor, threshold: float = 0.1, nms_kernel: int = 3, max_instances: int = 100
+) -> torch.Tensor:
     """(1, X, Y) or (X, Y) centreness -> (N, 2) int64 (x, y) cells of the instance centres, raster order."""
     heat = _head(centreness, "centreness", channels=1)[0]
     if nms_kernel < 1 or nms_kernel % 2 == 0:
@@ -70,13 +72,20 @@ def _renumber(ids: torch.Tensor, n: int) -> torch.Tensor:
     return new[ids]
 
 
-def decode_instances(segmentation: torch.Tensor, centreness: torch.Tensor, offset: torch.Tensor,
-                     threshold: float = 0.1, nms_kernel: int = 3, max_instances: int = 100) -> torch.Tensor:
+def decode_instances(
+    segmentation: torch.Tensor,
+    centreness: torch.Tensor,
+    offset: torch.Tensor,
+    threshold: float = 0.1,
+    nms_kernel: int = 3,
+    max_instances: int = 100,
+) -> torch.Tensor:
     """One frame: (X, Y) bool foreground, (1, X, Y) centreness, (2, X, Y) offset -> (X, Y) int64 ids."""
     off = _head(offset, "offset", channels=2)
     if segmentation.shape != off.shape[1:]:
-        raise ValueError(f"segmentation {tuple(segmentation.shape)} must be (X, Y) = {tuple(off.shape[1:])}, "
-                         f"the offset's grid")
+        raise ValueError(
+            f"segmentation {tuple(segmentation.shape)} must be (X, Y) = {tuple(off.shape[1:])}, the offset's grid"
+        )
     centres = find_centres(centreness, threshold, nms_kernel, max_instances)
     out = torch.zeros(segmentation.shape, dtype=torch.int64, device=off.device)
     fg = segmentation.bool().to(off.device)
@@ -105,8 +114,9 @@ def instance_centres(instances: torch.Tensor, shift: torch.Tensor | None = None)
 
 def _relabel(frame: torch.Tensor, old: list[int], new: list[int]) -> torch.Tensor:
     lut = torch.zeros(int(frame.max()) + 1, dtype=torch.int64, device=frame.device)
-    lut[torch.as_tensor(old, dtype=torch.int64, device=frame.device)] = torch.as_tensor(new, dtype=torch.int64,
-                                                                                         device=frame.device)
+    lut[torch.as_tensor(old, dtype=torch.int64, device=frame.device)] = torch.as_tensor(
+        new, dtype=torch.int64, device=frame.device
+    )
     return lut[frame]
 
 
@@ -125,10 +135,14 @@ def _match(prev: torch.Tensor, flow: torch.Tensor, cur: torch.Tensor, threshold:
 
 
 def make_consistent(instances: torch.Tensor, flow: torch.Tensor, matching_threshold: float = 3.0) -> torch.Tensor:
-    """(T, X, Y) per-frame ids + (T, 2, X, Y) flow -> (T, X, Y) ids that persist over time."""
+    """(T, X, Y) per-frame ids + (T, 2, X, Y) flow -> (T, X, Y) ids that persist over time (B leading kept)."""
+    if instances.dim() == 4 and flow.dim() == 5:
+        return torch.stack([make_consistent(i, f, matching_threshold) for i, f in zip(instances, flow)])
     if instances.dim() != 3 or flow.shape != (instances.shape[0], 2, *instances.shape[1:]):
-        raise ValueError(f"instances must be (T, X, Y) and flow (T, 2, X, Y) on the same grid, got "
-                         f"{tuple(instances.shape)} and {tuple(flow.shape)}")
+        raise ValueError(
+            f"instances must be (T, X, Y) and flow (T, 2, X, Y) on the same grid, got "
+            f"{tuple(instances.shape)} and {tuple(flow.shape)}"
+        )
     frames = [instances[0].long()]
     next_id = int(frames[0].max()) + 1 if frames[0].numel() else 1
     for t in range(1, instances.shape[0]):
@@ -141,9 +155,16 @@ def make_consistent(instances: torch.Tensor, flow: torch.Tensor, matching_thresh
     return torch.stack(frames)
 
 
-def predict_instances(segmentation: torch.Tensor, centreness: torch.Tensor, offset: torch.Tensor,
-                      flow: torch.Tensor | None = None, threshold: float = 0.1, nms_kernel: int = 3,
-                      max_instances: int = 100, matching_threshold: float = 3.0) -> torch.Tensor:
+def predict_instances(
+    segmentation: torch.Tensor,
+    centreness: torch.Tensor,
+    offset: torch.Tensor,
+    flow: torch.Tensor | None = None,
+    threshold: float = 0.1,
+    nms_kernel: int = 3,
+    max_instances: int = 100,
+    matching_threshold: float = 3.0,
+) -> torch.Tensor:
     """Per-frame decoding, then ids made consistent over time by the flow.
 
     segmentation (T, X, Y) bool, centreness (T, 1, X, Y), offset (T, 2, X, Y), flow (T, 2, X, Y)
@@ -151,13 +172,28 @@ def predict_instances(segmentation: torch.Tensor, centreness: torch.Tensor, offs
     does the same when its model has no flow head).
     """
     if segmentation.dim() == 4:
-        return torch.stack([predict_instances(segmentation[b], centreness[b], offset[b],
-                                              None if flow is None else flow[b], threshold, nms_kernel,
-                                              max_instances, matching_threshold)
-                            for b in range(segmentation.shape[0])])
+        return torch.stack(
+            [
+                predict_instances(
+                    segmentation[b],
+                    centreness[b],
+                    offset[b],
+                    None if flow is None else flow[b],
+                    threshold,
+                    nms_kernel,
+                    max_instances,
+                    matching_threshold,
+                )
+                for b in range(segmentation.shape[0])
+            ]
+        )
     T, X, Y = _check_sequence(segmentation, centreness, offset, flow)
-    frames = torch.stack([decode_instances(segmentation[t], centreness[t], offset[t], threshold, nms_kernel,
-                                           max_instances) for t in range(T)])
+    frames = torch.stack(
+        [
+            decode_instances(segmentation[t], centreness[t], offset[t], threshold, nms_kernel, max_instances)
+            for t in range(T)
+        ]
+    )
     if flow is None:
         flow = torch.zeros(T, 2, X, Y, device=frames.device)
     return make_consistent(frames, flow, matching_threshold)
@@ -193,4 +229,3 @@ def instance_paths(instances: torch.Tensor, grid: Grid | None = None) -> dict[in
         step = torch.tensor([grid.xbound[2], grid.ybound[2]], dtype=torch.float64)
         paths = {i: lo + (p + 0.5) * step for i, p in paths.items()}
     return dict(sorted(paths.items()))
-

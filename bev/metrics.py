@@ -16,7 +16,12 @@ Map classes follow BEVFusion's protocol (MapIoU): TP/FP/FN of probability >= t a
 the whole split at each t in MAP_THRESHOLDS (0.35..0.65 step 0.05); a class's IoU is its best
 threshold's; miou_map is the mean over map classes (classes with neither targets nor
 predictions, NaN, are left out of the mean).
+
+Temporal metrics, FIERY's: FutureIoU is the vehicle IoU pooled over every cell of every frame
+(present and future); PanopticQuality is its video panoptic quality (VPQ); crop_to_range cuts
+both to its long (100 m x 100 m) and short (30 m x 30 m) ranges around the ego.
 """
+
 from __future__ import annotations
 
 import math
@@ -69,14 +74,19 @@ class BevIoU(Metric):
         self.class_names = tuple(class_names)
         self.register_buffer("masks", band_masks(Grid.from_any(grid)), persistent=False)
         # counts[k, f, r] = (tp, fp, fn), int64 so a trainval split cannot overflow or lose precision.
-        self.add_state("counts", default=torch.zeros(len(self.class_names), len(FILTERS), len(REGIONS), 3, dtype=torch.int64),
-                       dist_reduce_fx="sum")
+        self.add_state(
+            "counts",
+            default=torch.zeros(len(self.class_names), len(FILTERS), len(REGIONS), 3, dtype=torch.int64),
+            dist_reduce_fx="sum",
+        )
 
     def update(self, logits: torch.Tensor, target: torch.Tensor, visibility: torch.Tensor | None = None) -> None:
         K, XY = len(self.class_names), tuple(self.masks.shape[-2:])
         if logits.dim() != 4 or logits.shape != target.shape or logits.shape[1] != K or tuple(logits.shape[-2:]) != XY:
-            raise ValueError(f"prediction {tuple(logits.shape)} and target {tuple(target.shape)} must both be (B, {K}, *{XY}) "
-                             f"for classes {list(self.class_names)}")
+            raise ValueError(
+                f"prediction {tuple(logits.shape)} and target {tuple(target.shape)} must both be (B, {K}, *{XY}) "
+                f"for classes {list(self.class_names)}"
+            )
         pred = logits.detach().float().sigmoid() > self.threshold  # (B, K, X, Y)
         tgt = target > 0.5
         keep = torch.ones_like(tgt[:, :1])
@@ -84,7 +94,9 @@ class BevIoU(Metric):
             keep = (visibility != IGNORED_VISIBILITY).reshape(-1, 1, *XY)
         masks = self.masks.to(pred.device).to(torch.int64)  # (R, X, Y)
         for f, use in enumerate((torch.ones_like(keep), keep)):
-            per_cell = torch.stack([pred & tgt & use, pred & ~tgt & use, ~pred & tgt & use], dim=2).sum(0)  # (K, 3, X, Y)
+            per_cell = torch.stack([pred & tgt & use, pred & ~tgt & use, ~pred & tgt & use], dim=2).sum(
+                0
+            )  # (K, 3, X, Y)
             # (K, 3, 1, X, Y) * (R, X, Y) summed over cells -> (K, 3, R); no integer matmul (none on CUDA)
             counts = (per_cell.to(torch.int64).unsqueeze(2) * masks).sum((-1, -2))
             self.counts[:, f] += counts.transpose(1, 2)
@@ -115,14 +127,19 @@ class MapIoU(Metric):
         self.class_names = tuple(class_names)
         self.threshold_values = tuple(round(float(t), 4) for t in thresholds)
         self.register_buffer("thresholds", torch.tensor(self.threshold_values), persistent=False)
-        self.add_state("counts", default=torch.zeros(len(self.class_names), len(self.thresholds), 3, dtype=torch.int64),
-                       dist_reduce_fx="sum")
+        self.add_state(
+            "counts",
+            default=torch.zeros(len(self.class_names), len(self.thresholds), 3, dtype=torch.int64),
+            dist_reduce_fx="sum",
+        )
 
     def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
         C = len(self.class_names)
         if logits.dim() != 4 or logits.shape != target.shape or logits.shape[1] != C:
-            raise ValueError(f"map prediction {tuple(logits.shape)} and target {tuple(target.shape)} must both be "
-                             f"(B, {C}, X, Y) for map classes {list(self.class_names)}")
+            raise ValueError(
+                f"map prediction {tuple(logits.shape)} and target {tuple(target.shape)} must both be "
+                f"(B, {C}, X, Y) for map classes {list(self.class_names)}"
+            )
         prob = logits.detach().float().sigmoid().transpose(0, 1).reshape(C, -1)  # (C, N)
         tgt = (target > 0.5).transpose(0, 1).reshape(C, -1)
         for i, t in enumerate(self.thresholds.to(prob.device)):
@@ -147,21 +164,36 @@ class MapIoU(Metric):
         return out
 
 
-def format_table(results: dict[str, float], object_classes: Sequence[str] = ("vehicle",),
-                 map_classes: Sequence[str] = ()) -> str:
+def format_table(
+    results: dict[str, float], object_classes: Sequence[str] = ("vehicle",), map_classes: Sequence[str] = ()
+) -> str:
     """One row per class. Object classes: IoU at the threshold, with the visibility filter, and per
     distance band. Map classes: IoU at the best threshold (BEVFusion) and that threshold; then the mean."""
     bands = [r for r in REGIONS if r != "all"]
-    head = f"{'class':<16}{'IoU':>8}{'IoU (vis>1)':>13}" + "".join(f"{b.replace('_', '-'):>10}" for b in bands) + f"{'best thr':>10}"
+    head = (
+        f"{'class':<16}{'IoU':>8}{'IoU (vis>1)':>13}"
+        + "".join(f"{b.replace('_', '-'):>10}" for b in bands)
+        + f"{'best thr':>10}"
+    )
     lines = [head]
-    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) and not math.isnan(v) else ("nan" if isinstance(v, float) else "-")
+
+    def fmt(v):
+        return f"{v:.4f}" if isinstance(v, float) and not math.isnan(v) else ("nan" if isinstance(v, float) else "-")
+
     for name in object_classes:
         pre = f"iou_{name}" if f"iou_{name}" in results else "iou"
-        row = [results.get(pre, math.nan), results.get(pre + "_vis", math.nan)] + [results.get(f"{pre}_{b}", math.nan) for b in bands]
-        lines.append(f"{name:<16}{fmt(row[0]):>8}{fmt(row[1]):>13}" + "".join(f"{fmt(v):>10}" for v in row[2:]) + f"{'-':>10}")
+        row = [results.get(pre, math.nan), results.get(pre + "_vis", math.nan)] + [
+            results.get(f"{pre}_{b}", math.nan) for b in bands
+        ]
+        lines.append(
+            f"{name:<16}{fmt(row[0]):>8}{fmt(row[1]):>13}" + "".join(f"{fmt(v):>10}" for v in row[2:]) + f"{'-':>10}"
+        )
     for name in map_classes:
-        lines.append(f"{name:<16}{fmt(results.get(f'iou_{name}', math.nan)):>8}{'-':>13}" + "".join(f"{'-':>10}" for _ in bands)
-                     + f"{fmt(results.get(f'thr_{name}', math.nan))[:4]:>10}")
+        lines.append(
+            f"{name:<16}{fmt(results.get(f'iou_{name}', math.nan)):>8}{'-':>13}"
+            + "".join(f"{'-':>10}" for _ in bands)
+            + f"{fmt(results.get(f'thr_{name}', math.nan))[:4]:>10}"
+        )
     if map_classes:
         lines.append(f"{'map mean (mIoU)':<16}{fmt(results.get('miou_map', math.nan)):>8}")
     return "\n".join(lines)
@@ -184,8 +216,10 @@ def range_slices(grid: Grid, extent: float | tuple[float, float]) -> tuple[slice
         first = max(0, math.ceil((-side / 2 - lo) / step - 1e-6))
         last = min(n, math.floor((side / 2 - lo) / step + 1e-6))
         if last <= first:
-            raise ValueError(f"a {side} m range around the ego holds no whole {step} m cell of the grid along {axis} "
-                             f"({grid.xbound if axis == 'x' else grid.ybound}): use a larger range")
+            raise ValueError(
+                f"a {side} m range around the ego holds no whole {step} m cell of the grid along {axis} "
+                f"({grid.xbound if axis == 'x' else grid.ybound}): use a larger range"
+            )
         out.append(slice(first, last))
     return out[0], out[1]
 
@@ -203,8 +237,10 @@ def crop_to_range(grid: Grid, extent: float | tuple[float, float], *tensors: tor
 def _binary(name: str, t: torch.Tensor) -> torch.Tensor:
     if t.dtype != torch.bool:
         if t.is_floating_point() or t.is_complex() or not bool(((t == 0) | (t == 1)).all()):
-            raise ValueError(f"{name} must be bool or 0/1 integers; threshold probabilities first, and pass cells "
-                             f"labelled 255 (ignore) as the ignore mask")
+            raise ValueError(
+                f"{name} must be bool or 0/1 integers; threshold probabilities first, and pass cells "
+                f"labelled 255 (ignore) as the ignore mask"
+            )
         t = t.bool()
     return t
 
@@ -225,12 +261,15 @@ class FutureIoU(Metric):
 
     def update(self, pred: torch.Tensor, target: torch.Tensor, ignore: torch.Tensor | None = None) -> None:
         if pred.dim() != 4 or pred.shape != target.shape or (ignore is not None and ignore.shape != pred.shape):
-            raise ValueError(f"prediction {tuple(pred.shape)}, target {tuple(target.shape)} and ignore "
-                             f"{None if ignore is None else tuple(ignore.shape)} must all be (B, T, X, Y)")
+            raise ValueError(
+                f"prediction {tuple(pred.shape)}, target {tuple(target.shape)} and ignore "
+                f"{None if ignore is None else tuple(ignore.shape)} must all be (B, T, X, Y)"
+            )
         pred, target = _binary("prediction", pred.detach()), _binary("target", target)
         keep = torch.ones_like(pred) if ignore is None else ~ignore.bool()
-        self.counts += torch.stack([(pred & target & keep).sum(), (pred & ~target & keep).sum(),
-                                    (~pred & target & keep).sum()]).to(self.counts.device)
+        self.counts += torch.stack(
+            [(pred & target & keep).sum(), (pred & ~target & keep).sum(), (~pred & target & keep).sum()]
+        ).to(self.counts.device)
 
     def compute(self) -> dict[str, float]:
         tp, fp, fn = (int(c) for c in self.counts)
@@ -247,10 +286,16 @@ def _pair_counts(pred: torch.Tensor, gt: torch.Tensor, frame: torch.Tensor):
     kf, kg, kp = keys // (ng * np_), keys // np_ % ng, keys % np_
     g_keys, g_area = torch.unique(frame * ng + g, return_counts=True)
     p_keys, p_area = torch.unique(frame * np_ + p, return_counts=True)
-    return {"frame": kf, "gt": gt_ids[kg], "pred": pred_ids[kp], "inter": inter,
-            "gt_area": g_area[torch.searchsorted(g_keys, kf * ng + kg)],
-            "pred_area": p_area[torch.searchsorted(p_keys, kf * np_ + kp)],
-            "n_gt": int((gt_ids[g_keys % ng] > 0).sum()), "n_pred": int((pred_ids[p_keys % np_] > 0).sum())}
+    return {
+        "frame": kf,
+        "gt": gt_ids[kg],
+        "pred": pred_ids[kp],
+        "inter": inter,
+        "gt_area": g_area[torch.searchsorted(g_keys, kf * ng + kg)],
+        "pred_area": p_area[torch.searchsorted(p_keys, kf * np_ + kp)],
+        "n_gt": int((gt_ids[g_keys % ng] > 0).sum()),
+        "n_pred": int((pred_ids[p_keys % np_] > 0).sum()),
+    }
 
 
 def _id_switches(seq: torch.Tensor, t: torch.Tensor, gt: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
@@ -266,16 +311,22 @@ def _id_switches(seq: torch.Tensor, t: torch.Tensor, gt: torch.Tensor, pred: tor
     return out
 
 
-def panoptic_counts(pred_instance: torch.Tensor, gt_instance: torch.Tensor, temporally_consistent: bool = True,
-                    ignore_index: int | None = None) -> tuple[int, int, int, float]:
+def panoptic_counts(
+    pred_instance: torch.Tensor,
+    gt_instance: torch.Tensor,
+    temporally_consistent: bool = True,
+    ignore_index: int | None = None,
+) -> tuple[int, int, int, float]:
     """(tp, fp, fn, iou_sum) of (B, T, X, Y) instance maps; each b is one sequence. See PanopticQuality."""
     B, T = gt_instance.shape[:2]
     pred, gt = pred_instance.reshape(B * T, -1), gt_instance.reshape(B * T, -1).to(pred_instance.device)
     frame = torch.arange(B * T, device=pred.device)[:, None].expand_as(pred)
-    valid = gt != ignore_index if ignore_index is not None else torch.ones_like(gt, dtype=torch.bool)
-    if not valid.any():
+    cells = (gt > 0) | (pred > 0)  # background-only cells are in no instance's IoU
+    if ignore_index is not None:
+        cells &= gt != ignore_index
+    if not cells.any():
         return 0, 0, 0, 0.0
-    c = _pair_counts(pred[valid], gt[valid], frame[valid])
+    c = _pair_counts(pred[cells], gt[cells], frame[cells])
     union = c["gt_area"] + c["pred_area"] - c["inter"]
     match = (c["gt"] > 0) & (c["pred"] > 0) & (2 * c["inter"] > union)  # IoU > 0.5, exactly
     iou_m = c["inter"][match].double() / union[match].double()
@@ -321,18 +372,27 @@ class PanopticQuality(Metric):
             if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
                 raise ValueError(f"{name} must hold integer instance ids (0 = background), got {t.dtype}")
         if pred_instance.dim() != 4 or pred_instance.shape != gt_instance.shape:
-            raise ValueError(f"pred_instance {tuple(pred_instance.shape)} and gt_instance {tuple(gt_instance.shape)} "
-                             f"must both be (B, T, X, Y)")
+            raise ValueError(
+                f"pred_instance {tuple(pred_instance.shape)} and gt_instance {tuple(gt_instance.shape)} "
+                f"must both be (B, T, X, Y)"
+            )
         if pred_instance.numel() and (pred_instance.min() < 0 or gt_instance.min() < 0):
             raise ValueError("instance ids must be >= 0 (0 = background)")
-        tp, fp, fn, iou_sum = panoptic_counts(pred_instance.detach().long(), gt_instance.long(),
-                                              self.temporally_consistent, self.ignore_index)
+        tp, fp, fn, iou_sum = panoptic_counts(
+            pred_instance.detach().long(), gt_instance.long(), self.temporally_consistent, self.ignore_index
+        )
         self.counts += torch.tensor([tp, fp, fn], dtype=torch.int64, device=self.counts.device)
         self.iou_sum += iou_sum
 
     def compute(self) -> dict[str, float]:
         tp, fp, fn = (int(c) for c in self.counts)
         iou_sum, denom = float(self.iou_sum), tp + fp / 2 + fn / 2
-        return {"pq": iou_sum / denom if denom > 0 else math.nan, "sq": iou_sum / tp if tp > 0 else math.nan,
-                "rq": tp / denom if denom > 0 else math.nan, "tp": float(tp), "fp": float(fp), "fn": float(fn),
-                "iou_sum": iou_sum}
+        return {
+            "pq": iou_sum / denom if denom > 0 else math.nan,
+            "sq": iou_sum / tp if tp > 0 else math.nan,
+            "rq": tp / denom if denom > 0 else math.nan,
+            "tp": float(tp),
+            "fp": float(fp),
+            "fn": float(fn),
+            "iou_sum": iou_sum,
+        }

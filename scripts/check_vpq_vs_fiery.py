@@ -20,6 +20,7 @@ Decoding: random heads through bev.instances.predict_instances and FIERY's
 predict_instance_segmentation_and_trajectories; reported: the share of frames with identical ids.
 Writes JSON to --out atomically.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,9 +39,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bev.instances import predict_instances
-from bev.metrics import PanopticQuality
-from bev.utils.io import atomic_write
+from bev.instances import predict_instances  # noqa: E402
+from bev.metrics import PanopticQuality  # noqa: E402
+from bev.utils.io import atomic_write  # noqa: E402
 
 KEYS = ("pq", "sq", "rq")
 
@@ -68,14 +69,20 @@ def _stat_scores_multiple_classes(pred, target, num_classes):
 
 
 def _stub_lightning() -> dict:
-    names = ["pytorch_lightning", "pytorch_lightning.metrics", "pytorch_lightning.metrics.metric",
-             "pytorch_lightning.metrics.functional", "pytorch_lightning.metrics.functional.classification",
-             "pytorch_lightning.metrics.functional.reduction"]
+    names = [
+        "pytorch_lightning",
+        "pytorch_lightning.metrics",
+        "pytorch_lightning.metrics.metric",
+        "pytorch_lightning.metrics.functional",
+        "pytorch_lightning.metrics.functional.classification",
+        "pytorch_lightning.metrics.functional.reduction",
+    ]
     saved = {n: sys.modules.get(n) for n in names}
     mods = {n: types.ModuleType(n) for n in names}
     mods["pytorch_lightning.metrics.metric"].Metric = _Metric
-    mods["pytorch_lightning.metrics.functional.classification"].stat_scores_multiple_classes = \
-        _stat_scores_multiple_classes
+    mods[
+        "pytorch_lightning.metrics.functional.classification"
+    ].stat_scores_multiple_classes = _stat_scores_multiple_classes
     mods["pytorch_lightning.metrics.functional.reduction"].reduce = lambda x, reduction: x
     sys.modules.update(mods)
     return saved
@@ -112,18 +119,27 @@ def fiery_vpq(fm, pred, gt, consistent=True, ignore_index=None) -> dict:
             for t in range(gt.shape[1]):
                 void = gt[b, t] == ignore_index
                 g = torch.where(void, 0, gt[b, t])
-                r = m.panoptic_metrics((pred[b, t] > 0).long(), pred[b, t], torch.where(void, 2, (g > 0).long()), g,
-                                       mapping)
+                r = m.panoptic_metrics(
+                    (pred[b, t] > 0).long(), pred[b, t], torch.where(void, 2, (g > 0).long()), g, mapping
+                )
                 for key in m.keys:  # as its update accumulates
                     getattr(m, key).add_(r[key])
     r = m.compute()
-    return {"pq": float(r["pq"][1]), "sq": float(r["sq"][1]), "rq": float(r["rq"][1]),
-            "tp": float(m.true_positive[1]), "fp": float(m.false_positive[1]), "fn": float(m.false_negative[1])}
+    return {
+        "pq": float(r["pq"][1]),
+        "sq": float(r["sq"][1]),
+        "rq": float(r["rq"][1]),
+        "tp": float(m.true_positive[1]),
+        "fp": float(m.false_positive[1]),
+        "fn": float(m.false_negative[1]),
+        "iou_sum": float(m.iou[1]),
+    }
 
 
 # ---------------------------------------------------------------- cases
 def hand_made() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, pred, gt) with (B, T, X, Y) int64 maps on a 12 x 12 grid."""
+
     def seq(*frames):
         return torch.stack([torch.as_tensor(f, dtype=torch.int64) for f in frames])[None]
 
@@ -159,7 +175,7 @@ def hand_made() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
 def _paint(rng, frame, ident, x, y, h, w):
     X, Y = frame.shape
     x0, y0 = round(x), round(y)
-    frame[max(0, x0):max(0, min(X, x0 + h)), max(0, y0):max(0, min(Y, y0 + w))] = ident
+    frame[max(0, x0) : max(0, min(X, x0 + h)), max(0, y0) : max(0, min(Y, y0 + w))] = ident
 
 
 def random_gt(rng, B, T, X, Y, n_obj) -> np.ndarray:
@@ -204,8 +220,14 @@ def random_pred(rng, gt) -> np.ndarray:
                 ident = ids[k] if rng.random() > p_merge else ids[min(ids)]
                 pred[b, t][_jitter(rng, mask, strength)] = ident
             while rng.random() < p_fp:
-                _paint(rng, pred[b, t], int(rng.integers(1, 80)), rng.uniform(0, X), rng.uniform(0, Y),
-                       *rng.integers(1, 6, size=2))
+                _paint(
+                    rng,
+                    pred[b, t],
+                    int(rng.integers(1, 80)),
+                    rng.uniform(0, X),
+                    rng.uniform(0, Y),
+                    *rng.integers(1, 6, size=2),
+                )
     return pred
 
 
@@ -249,31 +271,50 @@ class Tally:
                 self.max_diff[k] = max(self.max_diff[k], abs(ours[k] - theirs[k]))
 
     def summary(self) -> dict:
-        return {"cases": self.cases, "max_abs_diff": self.max_diff, "count_mismatches": len(self.count_mismatches),
-                "count_mismatch_cases": self.count_mismatches[:20], "undefined_in_ours_zero_in_fiery": self.undefined,
-                "undefined_but_fiery_nonzero": self.undefined_not_zero[:20]}
+        return {
+            "cases": self.cases,
+            "max_abs_diff": self.max_diff,
+            "count_mismatches": len(self.count_mismatches),
+            "count_mismatch_cases": self.count_mismatches[:20],
+            "undefined_in_ours_zero_in_fiery": self.undefined,
+            "undefined_but_fiery_nonzero": self.undefined_not_zero[:20],
+        }
 
 
 def check_vpq(fm, n_cases: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     tally, void_tally = Tally(), Tally()
     pooled = {c: PanopticQuality(temporally_consistent=c) for c in (True, False)}
+    state_sums = {c: dict.fromkeys(("tp", "fp", "fn", "iou_sum"), 0.0) for c in (True, False)}
     everything = []
     cases = hand_made() + [(f"random_{i}", *random_case(rng)) for i in range(n_cases)]
     for name, pred, gt in cases:
         for consistent in (True, False):
-            tally.add(f"{name}/{consistent}", ours_vpq(pred, gt, consistent), fiery_vpq(fm, pred, gt, consistent))
+            theirs = fiery_vpq(fm, pred, gt, consistent)
+            tally.add(f"{name}/{consistent}", ours_vpq(pred, gt, consistent), theirs)
             pooled[consistent].update(pred, gt)
+            for k in state_sums[consistent]:
+                state_sums[consistent][k] += theirs[k]
         everything.append((pred, gt))
         if name.startswith("random") and gt.numel():
             void = torch.from_numpy(rng.random(gt.shape) < rng.uniform(0, 0.3))
             gt_v = torch.where(void, 255, gt)
             void_tally.add(name + "/void", ours_vpq(pred, gt_v, True, 255), fiery_vpq(fm, pred, gt_v, True, 255))
-    return {"per_case": tally.summary(), "void": void_tally.summary(),
-            "pooled": _pooled(fm, pooled, everything)}
+    return {
+        "per_case": tally.summary(),
+        "void": void_tally.summary(),
+        "pooled": _pooled(fm, pooled, state_sums, everything),
+    }
 
 
-def _pooled(fm, pooled, everything) -> dict:
+def _ratios(tp, fp, fn, iou_sum) -> dict:
+    denom = tp + fp / 2 + fn / 2
+    return {"pq": iou_sum / max(denom, 1), "sq": iou_sum / max(tp, 1), "rq": tp / max(denom, 1)}
+
+
+def _pooled(fm, pooled, state_sums, everything) -> dict:
+    """All cases through one metric each. FIERY keeps its states in float32, so its pooled IoU sum
+    drifts as it grows; its per-case states summed in float64 show what the drift is."""
     out = {}
     for consistent, metric in pooled.items():
         theirs = fm.PanopticMetric(n_classes=2, temporally_consistent=consistent)
@@ -281,12 +322,20 @@ def _pooled(fm, pooled, everything) -> dict:
             theirs.update(pred, gt)
         r = theirs.compute()
         ours = metric.compute()
+        fiery = {k: float(r[k][1]) for k in KEYS} | {
+            "tp": float(theirs.true_positive[1]),
+            "fp": float(theirs.false_positive[1]),
+            "fn": float(theirs.false_negative[1]),
+            "iou_sum": float(theirs.iou[1]),
+        }
+        f64 = _ratios(**state_sums[consistent]) | state_sums[consistent]
         out["consistent" if consistent else "per_frame"] = {
-            "ours": {k: ours[k] for k in KEYS + ("tp", "fp", "fn")},
-            "fiery": {k: float(r[k][1]) for k in KEYS} | {"tp": float(theirs.true_positive[1]),
-                                                          "fp": float(theirs.false_positive[1]),
-                                                          "fn": float(theirs.false_negative[1])},
-            "max_abs_diff": max(abs(ours[k] - float(r[k][1])) for k in KEYS)}
+            "ours": {k: ours[k] for k in KEYS + ("tp", "fp", "fn", "iou_sum")},
+            "fiery": fiery,
+            "fiery_case_states_summed_in_float64": f64,
+            "max_abs_diff": max(abs(ours[k] - fiery[k]) for k in KEYS),
+            "max_abs_diff_vs_float64_sum": max(abs(ours[k] - f64[k]) for k in KEYS),
+        }
     return out
 
 
@@ -319,15 +368,22 @@ def check_decoding(fi, n_cases: int, seed: int) -> dict:
         seg, heat, offset, flow = random_heads(rng, T, X, Y)
         theirs = fi.predict_instance_segmentation_and_trajectories(
             {"segmentation": seg, "instance_center": heat, "instance_offset": offset, "instance_flow": flow},
-            compute_matched_centers=False, make_consistent=True)[0]
+            compute_matched_centers=False,
+            make_consistent=True,
+        )[0]
         ours = predict_instances(seg[0].argmax(1) == 1, heat[0], offset[0], flow[0])
         if (ours.flatten(1).amax(1) == 0)[:-1].any():
             skipped += 1  # after a frame without instances FIERY reuses ids on purpose not reproduced
             continue
         frames += T
         same += int((ours == theirs).flatten(1).all(1).sum())
-    return {"sequences": n_cases - skipped, "frames": frames, "identical_frames": same,
-            "identical_share": same / max(frames, 1), "skipped_after_empty_frame": skipped}
+    return {
+        "sequences": n_cases - skipped,
+        "frames": frames,
+        "identical_frames": same,
+        "identical_share": same / max(frames, 1),
+        "skipped_after_empty_frame": skipped,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,15 +399,25 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     vpq = check_vpq(fm, args.cases, args.seed)
     decoding = check_decoding(fi, args.decoding_cases, args.seed + 1)
-    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seed": args.seed,
-              "fiery_metrics_sha256": hashlib.sha256((args.fiery / "fiery" / "metrics.py").read_bytes()).hexdigest(),
-              "fiery_instance_sha256": hashlib.sha256((args.fiery / "fiery" / "utils" / "instance.py").read_bytes())
-              .hexdigest(), "torch": torch.__version__, "seconds": round(time.time() - t0, 1),
-              "vpq": vpq, "decoding": decoding}
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "seed": args.seed,
+        "fiery_metrics_sha256": hashlib.sha256((args.fiery / "fiery" / "metrics.py").read_bytes()).hexdigest(),
+        "fiery_instance_sha256": hashlib.sha256(
+            (args.fiery / "fiery" / "utils" / "instance.py").read_bytes()
+        ).hexdigest(),
+        "torch": torch.__version__,
+        "seconds": round(time.time() - t0, 1),
+        "vpq": vpq,
+        "decoding": decoding,
+    }
     s = vpq["per_case"]
-    print(f"VPQ: {s['cases']} cases, max |diff| " + ", ".join(f"{k} {v:.2e}" for k, v in s["max_abs_diff"].items())
-          + f", count mismatches {s['count_mismatches']}; void cases {vpq['void']['cases']}, max |diff| "
-          + ", ".join(f"{k} {v:.2e}" for k, v in vpq["void"]["max_abs_diff"].items()))
+    print(
+        f"VPQ: {s['cases']} cases, max |diff| "
+        + ", ".join(f"{k} {v:.2e}" for k, v in s["max_abs_diff"].items())
+        + f", count mismatches {s['count_mismatches']}; void cases {vpq['void']['cases']}, max |diff| "
+        + ", ".join(f"{k} {v:.2e}" for k, v in vpq["void"]["max_abs_diff"].items())
+    )
     print(f"decoding: {decoding['identical_frames']}/{decoding['frames']} frames identical")
     atomic_write(args.out, json.dumps(result, indent=1))
     print(f"wrote {args.out}")

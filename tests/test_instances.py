@@ -1,4 +1,5 @@
 """Instance decoding (centres, offsets, flow-matched ids) recovers known instances from perfect heads."""
+
 import math
 
 import pytest
@@ -93,8 +94,9 @@ def test_a_frame_wholly_foreground_keeps_all_its_instances():
 
 def moving_scene(T: int, step: int) -> torch.Tensor:
     """Vehicle 1 drives +x, vehicle 2 drives -y, `step` cells per frame."""
-    return torch.stack([boxes((1, 1 + step * t, 4 + step * t, 2, 5), (2, 14, 17, 14 - step * t, 18 - step * t))
-                        for t in range(T)])
+    return torch.stack(
+        [boxes((1, 1 + step * t, 4 + step * t, 2, 5), (2, 14, 17, 14 - step * t, 18 - step * t)) for t in range(T)]
+    )
 
 
 def test_ids_follow_moving_vehicles_and_a_new_vehicle_gets_a_new_id():
@@ -131,6 +133,10 @@ def test_predict_instances_from_perfect_heads_batched():
         assert torch.equal(predict_instances(*h), truth)
     batched = predict_instances(*(torch.stack(parts) for parts in zip(*heads)))
     assert torch.equal(batched, torch.stack([first, second]))
+    flipped = torch.where(second > 0, 3 - second, 0)
+    per_frame = torch.stack([flipped[t] if t % 2 else second[t] for t in range(4)])  # ids exchanged at t = 1, 3
+    out = make_consistent(torch.stack([first, per_frame]), torch.stack([h[3] for h in heads]))
+    assert torch.equal(out, torch.stack([first, second]))
 
 
 def test_instance_paths_are_mean_cells_per_frame():

@@ -1,4 +1,5 @@
 """FIERY's temporal metrics: VPQ (PanopticQuality), FutureIoU pooled over frames, and the two ranges."""
+
 import math
 
 import numpy as np
@@ -216,8 +217,9 @@ def test_fiery_ranges_on_the_lss_grid():
     assert range_slices(Grid(), FIERY_RANGES["long"]) == (slice(0, 200), slice(0, 200))
 
 
-@pytest.mark.parametrize("grid", [Grid(xbound=(-50, 50, 1.0), ybound=(-50, 50, 1.0)),
-                                  Grid(xbound=(-20, 60, 0.5), ybound=(-30, 30, 0.25))])
+@pytest.mark.parametrize(
+    "grid", [Grid(xbound=(-50, 50, 1.0), ybound=(-50, 50, 1.0)), Grid(xbound=(-20, 60, 0.5), ybound=(-30, 30, 0.25))]
+)
 def test_range_is_the_cells_whose_centres_lie_inside(grid):
     centres = torch.as_tensor(grid.cell_centers())
     inside = (centres.abs() < 15).all(-1)
