@@ -274,3 +274,91 @@ def save_sample_png(path: str | os.PathLike, batch_or_sample: Mapping[str, Any],
         fig.savefig(f, format="png")
     path = os.fspath(path)
     return path
+
+
+# --------------------------------------------------------------------------- temporal windows: instances and futures
+INSTANCE_COLORS = ((230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180),
+                   (70, 240, 240), (240, 50, 230), (210, 245, 60), (250, 190, 212), (0, 128, 128), (220, 190, 255))
+
+
+def instance_color(i: int) -> tuple[int, int, int]:
+    """The colour of instance id i (> 0), the same in every panel and frame of a picture."""
+    return INSTANCE_COLORS[(int(i) - 1) % len(INSTANCE_COLORS)]
+
+
+def paint_instances(instances: Any, base: np.ndarray | None = None) -> np.ndarray:
+    """(X, Y) ids (0 background) -> (X, Y, 3) uint8, each id in its colour over `base` (default background)."""
+    ids = _np(instances).astype(np.int64)
+    img = np.empty(ids.shape + (3,), dtype=np.uint8) if base is None else base.copy()
+    if base is None:
+        img[:] = BACKGROUND
+    for i in np.unique(ids[ids > 0]):
+        img[ids == i] = instance_color(i)
+    return img
+
+
+def _draw_paths(ax, instances: Any, grid: Grid) -> None:
+    """Each instance's centre over the frames of `instances` (T, X, Y): a line from the present (dot) onwards."""
+    from bev.instances import instance_paths
+
+    for i, path in instance_paths(torch.as_tensor(_np(instances)).long(), grid).items():
+        pts = path[~torch.isnan(path[:, 0])].numpy()
+        if len(pts):
+            color = np.asarray(instance_color(i)) / 255
+            ax.plot(pts[:, 1], pts[:, 0], "-", color=color, lw=1.2)
+            ax.plot(pts[:1, 1], pts[:1, 0], "o", color=color, ms=2.5, mec="white", mew=0.4)
+    (xlo, xhi, _), (ylo, yhi, _) = grid.xbound, grid.ybound
+    ax.set_xlim(yhi, ylo)
+    ax.set_ylim(xlo, xhi)
+
+
+def _map_base(channels: np.ndarray | None, class_names, n_objects: int) -> np.ndarray | None:
+    """The map layers of (K, X, Y) channels (object channels left out) as an RGB picture, or None."""
+    if channels is None or class_names is None or len(class_names) <= n_objects:
+        return None
+    return compose_layers(channels[n_objects:], list(class_names)[n_objects:])
+
+
+def render_temporal_figure(window: Mapping[str, Any], pred: Mapping[str, Any], pred_instances: Any,
+                           grid: Grid | None = None, title: str | None = None, class_names=None,
+                           n_objects: int = 1) -> Figure:
+    """A temporal window's picture: the present frame's cameras on top; below, the target and the prediction,
+    each with map layers (when class_names has map classes), the present frame's vehicles in their instance
+    colours and each vehicle's path over the future frames, and the predicted occupancy of every frame.
+
+    window: one item (or a batch of one) with images (P+1, N, 3, H, W), instance (T, X, Y) and bev (K, X, Y);
+    pred: "bev" (K, X, Y) and "segmentation" (T, X, Y) probabilities; pred_instances (T, X, Y) ids."""
+    batched = _np(window["images"]).ndim == 6
+    s = {k: (v[0] if batched and isinstance(v, (torch.Tensor, np.ndarray, list)) else v) for k, v in window.items()}
+    present = s["images"][-1]
+    cams = camera_grid(present, s.get("cam_ids"))
+    gt_inst, pred_inst = _np(s["instance"]), _np(pred_instances)
+    while pred_inst.ndim > 3:
+        pred_inst = pred_inst[0]
+    g = _grid_for(gt_inst.shape[-2:], _sample_grid(s, grid))
+    seg = _np(pred["segmentation"]).reshape((-1,) + gt_inst.shape[-2:])
+    fig = Figure(figsize=(12, 4.2 + 3.4), dpi=100)
+    FigureCanvasAgg(fig)
+    gs = fig.add_gridspec(2, 3, height_ratios=[cams.shape[0] / cams.shape[1] * 3, 1.0])
+    _draw_cameras(fig.add_subplot(gs[0, :]), cams, {**s, "images": present}, title)
+    target_map = _map_base(_target_channels(s["bev"], class_names), class_names, n_objects) if "bev" in s else None
+    pred_map = _map_base(_pred_channels(pred["bev"]), class_names, n_objects) if pred.get("bev") is not None else None
+    for col, (inst, base, name) in enumerate(((gt_inst, target_map, "target"), (pred_inst, pred_map, "prediction"))):
+        ax = fig.add_subplot(gs[1, col])
+        _draw_bev(ax, paint_instances(inst[0], base), g, f"{name}: vehicles now and their paths ({inst.shape[0] - 1} future frames)")
+        _draw_paths(ax, inst, g)
+    ax = fig.add_subplot(gs[1, 2])
+    occupied = seg >= 0.5
+    first = np.where(occupied.any(axis=0), np.argmax(occupied, axis=0), np.nan)
+    im = _draw_bev(ax, first, g, "predicted occupancy: first frame occupied",
+                   cmap="plasma", vmin=0, vmax=max(seg.shape[0] - 1, 1))
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02, label="frame (0 = present)").ax.tick_params(labelsize=6)
+    fig.tight_layout()
+    return fig
+
+
+def render_temporal(window: Mapping[str, Any], pred: Mapping[str, Any], pred_instances: Any, **kw) -> np.ndarray:
+    """render_temporal_figure as an (H, W, 3) uint8 array (a GIF frame)."""
+    fig = render_temporal_figure(window, pred, pred_instances, **kw)
+    fig.canvas.draw()
+    return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()

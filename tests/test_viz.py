@@ -113,3 +113,27 @@ def test_map_layers_in_colour_under_the_vehicles(tmp_path):
     assert (np.abs(png.astype(int) - MAP_COLORS["drivable_area"]).sum(-1) == 0).sum() > 500
     with pytest.raises(ValueError, match="2 class names"):
         render_figure(s, class_names=names[:2])
+
+
+def test_temporal_picture_paints_instances_and_their_future_paths():
+    from bev.viz import BACKGROUND, instance_color, paint_instances, render_temporal_figure
+
+    grid = Grid(xbound=(-24, 24, 0.5), ybound=(-24, 24, 0.5))
+    T, X, Y = 5, 96, 96
+    inst = torch.zeros(T, X, Y, dtype=torch.long)
+    for t in range(T):  # vehicle 1 drives forward (+x), vehicle 2 to the left (+y)
+        inst[t, 40 + 3 * t : 46 + 3 * t, 30:34] = 1
+        inst[t, 60:64, 50 + 2 * t : 56 + 2 * t] = 2
+    painted = paint_instances(inst[0])
+    assert tuple(painted[42, 31]) == instance_color(1) and tuple(painted[61, 52]) == instance_color(2)
+    assert tuple(painted[0, 0]) == BACKGROUND and instance_color(1) != instance_color(2)
+    window = {"images": torch.zeros(1, 3, 6, 3, 32, 88), "instance": inst[None], "bev": torch.zeros(1, 3, X, Y)}
+    pred = {"bev": torch.rand(3, X, Y), "segmentation": (inst > 0).float()}
+    fig = render_temporal_figure(window, pred, inst, grid=grid, class_names=["vehicle", "drivable_area", "divider"])
+    target_ax, pred_ax = fig.axes[1], fig.axes[2]
+    for ax in (target_ax, pred_ax):  # one path per vehicle, from its centre now to its centre 4 frames on, in metres
+        lines = {tuple(np.round(line.get_color(), 3)): line for line in ax.get_lines() if line.get_linestyle() == "-"}
+        one = lines[tuple(np.round(np.asarray(instance_color(1)) / 255, 3))].get_xydata()
+        assert one[0] == pytest.approx([-8.0, -2.5]) and one[-1] == pytest.approx([-8.0, 3.5])  # (y, x): forward 6 m
+        two = lines[tuple(np.round(np.asarray(instance_color(2)) / 255, 3))].get_xydata()
+        assert two[0] == pytest.approx([2.5, 7.0]) and two[-1] == pytest.approx([6.5, 7.0])  # leftward 4 m
