@@ -234,6 +234,16 @@ def ego_to_image(
     return uvd[..., :2], depth
 
 
+def depth_bins_in_grid(grid: Grid, image_size: tuple[int, int], intrinsics: torch.Tensor, rots: torch.Tensor,
+                       trans: torch.Tensor, post_rots: torch.Tensor, post_trans: torch.Tensor,
+                       downsample: int = FEATURE_STRIDE) -> torch.Tensor:
+    """(D,) bool: whether depth bin d puts any frustum point of these cameras ((B, N, ...) tensors) inside the grid."""
+    frustum = make_frustum(image_size, downsample, grid)
+    idx = voxel_coords(frustum_to_ego(frustum, intrinsics, rots, trans, post_rots, post_trans), grid)
+    inside = ((idx >= 0) & (idx < torch.tensor([grid.nz, grid.nx, grid.ny]))).all(-1)  # (B, N, D, fH, fW)
+    return inside.transpose(0, 2).reshape(grid.depth_bins, -1).any(-1)
+
+
 def voxel_coords(points: torch.Tensor, grid: Grid) -> torch.Tensor:
     """Ego points (..., 3) -> int64 (..., 3) voxel indices in (z, x, y) order by floor.
 

@@ -68,7 +68,12 @@ def load_checkpoint(ckpt_path: str | Path, model_config: DictConfig | None = Non
     # model=<group> replaces the checkpoint's model config; +model.<key>=... overrides are applied on top of it
     # (check_compatible names any that no longer fit the weights).
     given = model_config
-    model_cfg = given if given is not None and "_target_" in given else OmegaConf.merge(run_cfg.model, given or {})
+    if given is not None and "_target_" in given:
+        # A whole model config: its ${grid}, ${data.*} and class-count interpolations mean the checkpoint's.
+        context = OmegaConf.create({**{k: run_cfg[k] for k in run_cfg if k != "model"}, "model": given})
+        model_cfg = OmegaConf.create(OmegaConf.to_container(context.model, resolve=True))
+    else:
+        model_cfg = OmegaConf.merge(run_cfg.model, given or {})
     model_cfg = OmegaConf.merge(model_cfg, {"net": {"grid": run_cfg.grid, "image_size": run_cfg.data.final_dim}})
     for key in RETIRED_MODEL_KEYS:  # settings older checkpoints stored that no longer exist
         model_cfg.pop(key, None)

@@ -23,6 +23,7 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
     from bev.inference import build_data_config, load_checkpoint, select_samples, writable_dir
     from bev.utils.io import atomic_write
 
+    _check_options(cfg)
     out = writable_dir(cfg.out, "out")
     loaded = load_checkpoint(cfg.ckpt_path, trusted=bool(cfg.get("trust_checkpoint")))
     model = loaded.model.to(_device(cfg.device))
@@ -38,6 +39,26 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
     print(f"Predicted {len(records)} samples of {split}{' ' + cfg.scene if cfg.scene else ''} with {loaded.path}: "
           f"{len(files.gifs)} GIF(s), files in {out}")
     return summary
+
+
+def _check_options(cfg: DictConfig) -> None:
+    """Refuse bad picture and batch options before any model is loaded or any sample predicted."""
+    _check_positive("gif_fps", cfg.gif_fps, "the GIFs' frames per second; nuScenes key frames are 2 Hz", whole=False)
+    _check_positive("gif_width", cfg.gif_width, "the GIFs' width in pixels, e.g. 800")
+    if cfg.batch_size is not None:
+        _check_positive("batch_size", cfg.batch_size, "samples per batch, or null for the checkpoint's")
+
+
+def _check_positive(key: str, value, what: str, whole: bool = True) -> None:
+    import math
+
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not (math.isfinite(number) and number > 0 and (not whole or number == int(number))):
+        kind = "a whole number >= 1" if whole else "a number > 0"
+        raise ValueError(f"{key}={value!r}: must be {kind} ({what}); pass {key}=<{kind}>")
 
 
 def _device(device: str) -> str:

@@ -26,6 +26,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     _seed_and_matmul_precision(cfg)
     _resolve_auto_precision(cfg)
     datamodule = instantiate(cfg.data)
+    _check_data_fits(cfg, datamodule)
     model = _build_model(cfg)
     ckpt_path = cfg.get("ckpt_path")
     _check_resume_checkpoint(model, ckpt_path)
@@ -58,6 +59,62 @@ def _resolve_auto_precision(cfg: DictConfig) -> None:
         cfg.trainer.precision = precision
         if rank_zero_only.rank == 0:
             print(f"precision: {precision} ({reason})", flush=True)
+
+
+def _check_data_fits(cfg: DictConfig, datamodule) -> None:
+    """Before any training process starts: every process gets a batch, and the depth bins reach the grid."""
+    if not hasattr(datamodule, "train_set"):  # another data module: nothing known to check
+        return
+    datamodule.setup("fit")  # idempotent: Lightning's own setup reuses the datasets
+    _check_batches_per_process(cfg.trainer, len(datamodule.train_set), datamodule.batch_size, datamodule.train_split)
+    if len(datamodule.val_set):
+        _check_depth_reach(datamodule.grid, datamodule.val_set[0], datamodule.val_split)
+
+
+def _check_batches_per_process(trainer_cfg: DictConfig, samples: int, batch_size: int, split: str) -> None:
+    """Refuse a world size that leaves each process less than one full batch (nothing to train: total_steps 0)."""
+    import math
+
+    from omegaconf import ListConfig
+
+    devices, nodes = trainer_cfg.get("devices", 1), int(trainer_cfg.get("num_nodes", 1) or 1)
+    if isinstance(devices, (list, ListConfig)):
+        per_node = len(devices)
+    elif str(devices).isdigit():
+        per_node = int(devices)
+    else:  # auto, -1: Lightning counts them
+        return
+    world = per_node * nodes
+    each = math.ceil(samples / max(world, 1))
+    if samples >= batch_size > each:  # the loader drops the last partial batch
+        raise ValueError(
+            f"trainer.devices={devices} x trainer.num_nodes={nodes} = {world} training processes share the {samples} "
+            f"samples of {split!r}: {each} each, less than data.batch_size={batch_size}, so no process gets a full "
+            f"batch and there is nothing to train. Use fewer processes (trainer.devices=1 on a CPU) or a smaller "
+            f"data.batch_size.")
+
+
+def _check_depth_reach(grid, sample: dict, split: str) -> None:
+    """Refuse depth bins that put no camera feature inside the grid; warn about bins that never do."""
+    import warnings
+
+    from bev.geometry import CAMERA_GEOMETRY, depth_bins_in_grid
+
+    n = sample["rots"].shape[-3]
+    # One batch of every camera (and frame, for temporal windows): (1, M, 3, 3) matrices, (1, M, 3) vectors.
+    cams = [sample[k].reshape(1, -1, *sample[k].shape[-1 if k.endswith("trans") else -2:]) for k in CAMERA_GEOMETRY]
+    reach = depth_bins_in_grid(grid, tuple(sample["images"].shape[-2:]), *cams)
+    depths = grid.depths()[: len(reach)]
+    where = (f"grid.dbound {list(grid.dbound)} with xbound {list(grid.xbound)}, ybound {list(grid.ybound)}, zbound "
+             f"{list(grid.zbound)} (the {n} cameras of the first {split!r} sample)")
+    if not reach.any():
+        raise ValueError(f"no depth bin puts a camera feature inside the BEV grid: {where}. The model would see nothing; "
+                         f"choose dbound within the grid's reach or widen the grid.")
+    if not reach.all():
+        lost, step = depths[~reach], grid.dbound[2]
+        warnings.warn(f"{len(lost)} of {len(reach)} depth bins ({float(lost.min()):g}-{float(lost.max()) + step:g} m) put no "
+                      f"camera feature inside the BEV grid: {where}. They cost compute and learn nothing; trim dbound.",
+                      stacklevel=2)
 
 
 def _build_model(cfg: DictConfig):

@@ -349,6 +349,8 @@ def _validate(scenes, samples_per_scene, seed, workers) -> list[str]:
             raise TypeError(f"{name} must be an integer, got {v!r}")
     if samples_per_scene < 1:
         raise ValueError(f"samples_per_scene must be >= 1, got {samples_per_scene}")
+    if seed < 0:  # NumPy seeds are non-negative
+        raise ValueError(f"seed must be >= 0, got {seed}")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     return scene_names(int(scenes))

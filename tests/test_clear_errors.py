@@ -1,0 +1,112 @@
+"""Bad settings end in one clear message before the work starts, not in a traceback late (or silence):
+more training processes than batches, GIF options, a negative synthetic seed, bev-eval model=<group>,
+depth bins that never reach the grid."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bev import predict_cli
+from bev.geometry import Grid, depth_bins_in_grid
+from helpers.cli import TINY, assert_one_paragraph, eval_cli, run_cli, train_cli
+
+
+@pytest.fixture(scope="module")
+def run(synthetic_root, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    mp = pytest.MonkeyPatch()
+    try:
+        args = [*TINY, "callbacks.bev_png.every_n_steps=0", f"data.dataroot={synthetic_root}", f"hydra.run.dir={out}"]
+        assert train_cli(args, mp) == 0
+    finally:
+        mp.undo()
+    return out
+
+
+def test_more_training_processes_than_batches_is_refused_once(synthetic_root, tmp_path):
+    # A subprocess: were the check missing, Lightning would launch the 4 processes by re-running the command.
+    args = [*TINY, "trainer.devices=4", f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
+    done = subprocess.run([sys.executable, "-m", "bev.train", *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    (error,) = [line for line in done.stderr.splitlines() if line.startswith("bev-train: error:")]
+    assert_one_paragraph(error, "trainer.devices=4", "4 training processes", "3 samples", "data.batch_size=2")
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("option,value,needle", [("gif_fps", 0, "gif_fps=0"), ("gif_fps", -2, "gif_fps=-2"),
+                                                 ("gif_fps", "nan", "gif_fps=nan"), ("gif_width", 0, "gif_width=0"),
+                                                 ("gif_width", 10.5, "gif_width=10.5"), ("batch_size", 0, "batch_size=0")])
+def test_bev_predict_options_are_checked_before_anything_runs(option, value, needle, tmp_path, monkeypatch, capsys):
+    # The checkpoint does not exist: a check made after loading would report that instead.
+    args = [f"ckpt_path={tmp_path / 'none.ckpt'}", f"out={tmp_path / 'pred'}", f"{option}={value}",
+            f"hydra.run.dir={tmp_path / 'run'}"]
+    assert run_cli(predict_cli._hydra_main, args, monkeypatch) == 1
+    err = capsys.readouterr().err
+    assert_one_paragraph(err, "bev-predict: error:", needle)
+    assert "does not exist" not in err
+
+
+def test_synthetic_writer_refuses_a_negative_seed(tmp_path, capsys):
+    from bev.synthetic.writer import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(tmp_path / "set"), "--seed", "-5"])
+    assert e.value.code == 2
+    assert_one_paragraph(capsys.readouterr().err, "seed must be >= 0, got -5")
+    assert not (tmp_path / "set").exists()
+
+
+def test_bev_eval_with_a_model_group_reads_the_checkpoints_grid_and_data(run, synthetic_root, tmp_path, monkeypatch):
+    base = [f"ckpt_path={run}", f"data.dataroot={synthetic_root}", "num_pngs=0"]
+    assert eval_cli([*base, f"hydra.run.dir={tmp_path / 'plain'}"], monkeypatch) == 0
+    model = ["model=lss_small", *(a for a in TINY if a.startswith("model."))]  # the group the run was trained with
+    assert eval_cli([*base, *model, f"hydra.run.dir={tmp_path / 'group'}"], monkeypatch) == 0
+    plain, group = (json.loads((tmp_path / d / "metrics.json").read_text())["metrics"] for d in ("plain", "group"))
+    # The same network and weights: the same predictions (the loss differs: the group has no class weights).
+    ious = [k for k in plain if k.startswith("iou")]
+    assert ious and all(math.isnan(plain[k]) and math.isnan(group[k]) or math.isclose(plain[k], group[k]) for k in ious)
+
+
+def test_bev_eval_with_a_model_group_that_does_not_fit_names_the_differences(run, synthetic_root, tmp_path, monkeypatch,
+                                                                             capsys):
+    args = [f"ckpt_path={run}", f"data.dataroot={synthetic_root}", "model=lss", f"hydra.run.dir={tmp_path}"]
+    assert eval_cli(args, monkeypatch) == 1
+    err = capsys.readouterr().err
+    assert_one_paragraph(err, "bev-eval: error:", "different model config", "model.net.camera.backbone")
+    assert "Interpolation" not in err
+
+
+def _forward_camera(depth_bins: tuple[float, float, float], xbound=(-10.0, 10.0, 1.0)) -> tuple[Grid, list]:
+    """A grid and one camera at the ego origin looking along +x (camera z), image 32 x 64, focal 32."""
+    grid = Grid(xbound=xbound, ybound=(-10.0, 10.0, 1.0), zbound=(-5.0, 5.0, 10.0), dbound=depth_bins)
+    K = torch.tensor([[32.0, 0, 32], [0, 32, 16], [0, 0, 1]])
+    R = torch.tensor([[0.0, 0, 1], [-1, 0, 0], [0, -1, 0]])  # camera x right -> ego -y, y down -> -z, z -> x
+    cams = [K, R, torch.zeros(3), torch.eye(3), torch.zeros(3)]
+    return grid, [c.expand(1, 1, *c.shape) for c in cams]
+
+
+def test_depth_bins_in_grid_against_the_camera_geometry():
+    grid, cams = _forward_camera((4.0, 30.0, 2.0))
+    reach = depth_bins_in_grid(grid, (32, 64), *cams)
+    # Along +x a point at depth d has x = d: the bins starting before the grid's end at x = 10 m reach it.
+    assert reach.tolist() == [d < 10.0 for d in grid.depths().tolist()]
+    far, cams = _forward_camera((12.0, 20.0, 2.0))
+    assert not depth_bins_in_grid(far, (32, 64), *cams).any()
+    assert math.isclose(float(grid.depths()[reach].max()), 8.0)
+
+
+def test_depth_bins_beyond_the_grid_are_refused_before_training(synthetic_root, tmp_path, monkeypatch, capsys):
+    args = [*TINY, "grid.dbound=[80,120,8.0]", f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
+    assert train_cli(args, monkeypatch) == 1
+    assert_one_paragraph(capsys.readouterr().err, "bev-train: error:", "no depth bin", "grid.dbound [80.0, 120.0, 8.0]")
+
+
+def test_depth_bins_partly_beyond_the_grid_are_named_in_a_warning(synthetic_root, tmp_path, monkeypatch):
+    # The grid's farthest corner is 34 m away: of bins starting at 4, 12, ..., 92 m, those from 36 m never reach it.
+    args = [*TINY, "grid.dbound=[4,100,8.0]", "+trainer.fast_dev_run=true", f"data.dataroot={synthetic_root}",
+            f"hydra.run.dir={tmp_path}"]
+    with pytest.warns(UserWarning, match=r"8 of 12 depth bins \(36-100 m\)"):
+        assert train_cli(args, monkeypatch) == 0
