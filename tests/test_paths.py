@@ -6,10 +6,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers.cli import TINY, assert_one_paragraph, run_cli, train_cli
 
 from bev import predict_cli
 from bev.utils.io import safe_name
+from helpers.cli import TINY, assert_one_paragraph, run_cli, train_cli
 
 HOSTILE = ["../../../escaped", "/tmp/abs", "..", ".", "", "a/b", "a\\b", ".hidden", "x" * 400, "nul\x00byte",
            "é-unicode", "../" * 40 + "deep"]

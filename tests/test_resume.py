@@ -3,6 +3,7 @@ also in epochs without a validation, and a run resumed from it ends at the steps
 weights of the same run left uninterrupted."""
 import pytest
 import torch
+
 from helpers.cli import TINY, train_cli
 
 EPOCHS, STEPS_PER_EPOCH = 3, 3  # 3 training samples at batch size 1

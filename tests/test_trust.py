@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.cli import TINY, assert_one_paragraph, eval_cli, run_cli, train_cli
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf, open_dict
@@ -15,6 +14,7 @@ from bev import export as bev_export
 from bev import predict_cli
 from bev.utils.config import CONFIG_DIR
 from bev.utils.trust import UntrustedCheckpointError, allowed_targets, first_untrusted
+from helpers.cli import TINY, assert_one_paragraph, eval_cli, run_cli, train_cli
 
 EXPERIMENTS = sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml"))
 
