@@ -56,7 +56,9 @@ def regression_loss(pred: torch.Tensor, target: torch.Tensor, norm: int = 1, fut
     """L1 (norm=1) or squared L2 (norm=2) of (B, T, C, X, Y) vectors, summed over C, mean over labelled cells
     (a cell is labelled when no channel is IGNORE)."""
     valid = (target != IGNORE).all(dim=2, keepdim=True)
-    diff = pred.float() - target.float()  # finite at ignored cells too (255 - x), where valid zeroes it
+    # Mixed-precision subtraction (a bf16 prediction is read as is, the result is fp32): half the passes of
+    # a .float() copy first. Finite at ignored cells too (255 - x), where valid zeroes it.
+    diff = pred - target.float()
     per_cell = diff.abs() if norm == 1 else diff.square()
     return _masked_mean(per_cell, valid, future_discount)
 

@@ -1,0 +1,180 @@
+#!/usr/bin/env python
+"""Temporal vs single-frame training step at the embedded config, in one run.
+
+    .venv/bin/python scripts/bench_temporal.py [--steps 5] [--warmup 2] [--threads 2]
+
+Variants, built from the Hydra configs as bev-train builds them and alternated round-robin:
+"static" (experiment=synthetic_cpu: one frame, its depth loss included), "temporal"
+(experiment=synthetic_temporal_cpu: 3 input frames, 5 frames of future heads) and
+"temporal+past_no_grad" (the past frames' camera encoder and splat without gradient), and the latter
+with a 1x1 temporal block (model.net.fusion_kernel=1). A step is
+forward + losses under the precision bev-train resolves here (bf16 autocast on native-bf16 CPUs),
+backward, gradient clipping and the optimiser's step. Inputs: random images with the real rig and
+the validation crop, ego motions of a car driving 2-5 m per frame, random labels. Reports the median
+and the fastest of the measured steps and each variant's ratios to "static" (on a machine shared with
+other work, contention only slows steps down: the fastest steps are the cleaner comparison); writes
+JSON to --out atomically.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_common import host_versions, malloc_env, reexec_with_malloc_env, write_report  # noqa: E402
+from bench_train import compose_config, real_rig_batch  # noqa: E402
+
+VARIANTS = {
+    "static": ["experiment=synthetic_cpu"],
+    "temporal": ["experiment=synthetic_temporal_cpu"],
+    "temporal+past_no_grad": ["experiment=synthetic_temporal_cpu", "model.past_no_grad=true"],
+    "temporal+past_no_grad+fusion1x1": ["experiment=synthetic_temporal_cpu", "model.past_no_grad=true",
+                                        "model.net.fusion_kernel=1"],
+}
+
+
+def sequence_batch(cfg, batch_size: int, seed: int = 0) -> dict:
+    """real_rig_batch for every input frame (B, T, ...), ego motions and labels for the present and future frames."""
+    import math
+
+    import torch
+
+    P, F = int(cfg.data.past_frames), int(cfg.data.future_frames)
+    T = P + 1
+    frames = real_rig_batch(cfg, batch_size * T, seed)
+    batch = {k: v.view(batch_size, T, *v.shape[1:]) for k, v in frames.items() if k != "bev"}
+    g = torch.Generator().manual_seed(seed)
+    X, Y = frames["bev"].shape[-2:]
+    ego = torch.eye(4).repeat(batch_size, T + F, 1, 1)
+    for t in range(T + F - 1):  # frame t -> t+1 of a car driving forward and turning slowly
+        yaw = 0.05 * (torch.rand(batch_size, generator=g) - 0.5)
+        ego[:, t, 0, 0], ego[:, t, 0, 1], ego[:, t, 1, 0], ego[:, t, 1, 1] = yaw.cos(), -yaw.sin(), yaw.sin(), yaw.cos()
+        ego[:, t, 0, 3] = -(2.0 + 3.0 * torch.rand(batch_size, generator=g))
+    seg = (torch.rand(batch_size, F + 1, X, Y, generator=g) < 0.05).long()
+    vec = torch.randn(batch_size, F + 1, 2, X, Y, generator=g)
+    vec = torch.where(seg.bool()[:, :, None], vec, torch.full_like(vec, 255.0))
+    batch.update(future_egomotion=ego, segmentation=seg, instance=seg, offset=vec, flow=vec * 0.5,
+                 centerness=torch.rand(batch_size, F + 1, 1, X, Y, generator=g) * math.e ** -1,
+                 bev=frames["bev"][::T])
+    return batch
+
+
+def depth_target(lit, batch: dict, seed: int = 0) -> dict:
+    """batch with random lidar depth bins per camera feature cell (-1 = none), for a static model with a depth loss."""
+    import torch
+
+    B, N, _, H, W = batch["images"].shape
+    g = torch.Generator().manual_seed(seed)
+    D = lit.net.grid.depth_bins
+    return {**batch, "depth": torch.randint(-1, D, (B, N, H // 16, W // 16), generator=g)}
+
+
+class Variant:
+    """A config's LightningModule, optimiser and batch; step() runs one timed training step."""
+
+    def __init__(self, name: str, overrides: list[str], batch_size: int | None):
+        import torch
+        from hydra.utils import instantiate
+
+        from bev.utils.precision import resolve_precision
+
+        self.name = name
+        cfg = compose_config(overrides)
+        B = int(batch_size or cfg.data.batch_size)
+        torch.manual_seed(0)
+        self.lit = instantiate(cfg.model).train()
+        self.temporal = "past_frames" in cfg.data and int(cfg.data.past_frames) > 0
+        self.batch = sequence_batch(cfg, B) if self.temporal else real_rig_batch(cfg, B)
+        if self.lit.depth_weight:
+            self.batch = depth_target(self.lit, self.batch)
+        self.opt = self.lit.make_optimizer()
+        self.clip = cfg.trainer.get("gradient_clip_val")
+        self.precision = resolve_precision(str(cfg.trainer.precision), "cpu")[0]
+        bf16 = self.precision.startswith("bf16")
+        self.autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else nullcontext
+        self.batch_size = B
+        self.times: list[float] = []
+
+    def step(self) -> float:
+        import torch
+
+        t0 = time.perf_counter()
+        with self.autocast():
+            if self.temporal:
+                loss, _ = self.lit.total_loss(self.lit(self.batch), self.batch)
+            else:
+                loss = self.lit.forward_loss(self.batch)[0]
+        loss.backward()
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.lit.parameters(), self.clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=5, help="measured steps per variant (medians)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=None, help="default: the configs' (4)")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bench_temporal_cpu.json"))
+    a = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(a.threads)
+    runs = [Variant(n, VARIANTS[n], a.batch_size) for n in a.variants]
+    for v in runs:
+        for _ in range(a.warmup):
+            v.step()
+    for _ in range(a.steps):  # round-robin: load changes hit every variant alike
+        for v in runs:
+            v.times.append(v.step())
+    static = next((v for v in runs if v.name == "static"), None)
+    results = {}
+    for v in runs:
+        med, best = statistics.median(v.times), min(v.times)
+        ratios = {}
+        if static is not None:
+            ratios = {"vs_static": round(med / statistics.median(static.times), 3), "vs_static_min": round(best / min(static.times), 3)}
+        results[v.name] = {"median_s": round(med, 4), "min_s": round(best, 4), "steps_s": [round(t, 4) for t in v.times],
+                           "batch_size": v.batch_size, "precision": v.precision, **ratios}
+        shown = f"  {ratios['vs_static']:.2f}x static (fastest steps: {ratios['vs_static_min']:.2f}x)" if ratios else ""
+        print(f"{v.name:32s} {med * 1e3:8.1f} ms/step median, {best * 1e3:8.1f} fastest (batch {v.batch_size}, {v.precision}){shown}")
+    report = {"script": "scripts/bench_temporal.py", "commit": _commit(), "threads": a.threads, "steps": a.steps, "warmup": a.warmup,
+              "host": {**host_versions(), "processor": _processor()}, "malloc_env": malloc_env(), "variants": results}
+    write_report(a.out, report)
+    print(f"wrote {a.out}")
+    return 0
+
+
+def _commit() -> str | None:
+    """The checkout's commit, "+dirty" with uncommitted changes to tracked files; None outside git."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "bev", "configs", "scripts"], cwd=REPO).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def _processor() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return ""
+
+
+if __name__ == "__main__":
+    reexec_with_malloc_env(__file__)
+    sys.exit(main())
