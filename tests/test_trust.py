@@ -142,3 +142,15 @@ def test_every_experiment_config_would_be_accepted(experiment, tmp_path):
     stored = OmegaConf.to_container(cfg, resolve=True)  # what bev-train puts into its checkpoints
     assert first_untrusted(stored) is None
     assert first_untrusted(copy.deepcopy(stored) | {"extra": {"_target_": "os.system"}})[0] == "extra._target_"
+
+
+def test_without_the_configs_folder_nothing_is_trusted(monkeypatch, tmp_path):
+    import bev.utils.config
+
+    monkeypatch.setattr(bev.utils.config, "CONFIG_DIR", str(tmp_path / "no_configs"))
+    allowed_targets.cache_clear()
+    try:
+        with pytest.raises(UntrustedCheckpointError, match="configs/ folder .* is missing"):
+            first_untrusted({"model": {"_target_": "bev.lit.BEVLitModule"}})
+    finally:
+        allowed_targets.cache_clear()

@@ -37,6 +37,9 @@ def _config_files() -> Iterator[Path]:
     from bev.utils.config import CONFIG_DIR
 
     root = Path(CONFIG_DIR)
+    if not root.is_dir():  # the allowlist is read from them: without them nothing could be checked
+        raise UntrustedCheckpointError(f"the project's configs/ folder {str(root)!r} is missing, so a checkpoint's "
+                                       f"stored config cannot be checked. {TRUST_HINT}")
     return (p for p in sorted(root.rglob("*.yaml")) if p.relative_to(root).parts[0] != "hydra")
 
 
