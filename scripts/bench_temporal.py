@@ -5,9 +5,9 @@
 
 Variants, built from the Hydra configs as bev-train builds them and alternated round-robin:
 "static" (experiment=synthetic_cpu: one frame, its depth loss included), "temporal"
-(experiment=synthetic_temporal_cpu: 3 input frames, 5 frames of future heads) and
-"temporal+past_no_grad" (the past frames' camera encoder and splat without gradient), and the latter
-with a 1x1 temporal block (model.net.fusion_kernel=1). A step is
+(experiment=synthetic_temporal_cpu with every frame trained: 3 input frames, 5 frames of future heads),
+"temporal+past_no_grad" (the experiment as configured: the past frames' camera encoder and splat
+without gradient) and the latter with a 3x3 temporal block (model.net.fusion_kernel=3). A step is
 forward + losses under the precision bev-train resolves here (bf16 autocast on native-bf16 CPUs),
 backward, gradient clipping and the optimiser's step. Inputs: random images with the real rig and
 the validation crop, ego motions of a car driving 2-5 m per frame, random labels. Reports the median
@@ -33,10 +33,10 @@ from bench_train import compose_config, real_rig_batch  # noqa: E402
 
 VARIANTS = {
     "static": ["experiment=synthetic_cpu"],
-    "temporal": ["experiment=synthetic_temporal_cpu"],
+    "temporal": ["experiment=synthetic_temporal_cpu", "model.past_no_grad=false"],
     "temporal+past_no_grad": ["experiment=synthetic_temporal_cpu", "model.past_no_grad=true"],
-    "temporal+past_no_grad+fusion1x1": ["experiment=synthetic_temporal_cpu", "model.past_no_grad=true",
-                                        "model.net.fusion_kernel=1"],
+    "temporal+past_no_grad+fusion3x3": ["experiment=synthetic_temporal_cpu", "model.past_no_grad=true",
+                                        "model.net.fusion_kernel=3"],
 }
 
 
