@@ -18,22 +18,25 @@ Labels (present frame and the F future frames, all in the present frame's grid):
   included, boxes in annotation order), so an object keeps its id in every frame;
 - every future frame's instance map is moved into the present frame by a nearest-neighbour warp
   with the cumulative ego motion (FIERY's cumulative_warp_features_reverse);
-- centerness, offset and flow are then computed on the warped maps, in present-frame cells:
-  centre = mean cell of an instance's mask, rounded (FIERY); centerness = max over instances of
+- centerness and offset are then computed on the warped maps, in present-frame cells: centre =
+  mean cell of an instance's mask, rounded (FIERY); centerness = max over instances of
   exp(-d^2 / sigma^2), sigma = 3 cells; offset = rounded centre - cell on the instance's cells;
-  flow = centre(t+1) - centre(t) on the instance's cells at t (unrounded means: sub-cell motion;
-  FIERY rounds both centres). Ego motion needs no removal: both centres are in the present frame.
-  Offset and flow are 255 (FIERY's ignore value) off instances; flow also where the instance is
-  absent at t+1, and everywhere in the last frame. Channel 0 is along x (rows), 1 along y.
+- flow = the annotated box centre's motion t -> t+1, both centres in the present frame's level
+  frame (so the ego motion is removed), in cells, on the instance's cells at t;
+- offset and flow are 255 (FIERY's ignore value) off instances; flow also where the object has no
+  box at t+1, and everywhere in the last frame. Channel 0 is along x (rows), 1 along y.
 
-Differences from FIERY, on purpose: FIERY computes centerness, offset and flow in each frame's
-own axes and then moves those maps with the nearest warp, so its vectors keep frame t's axes
-(not rotated by the ego yaw between t and the present) and its cells from outside the grid
-read 0; here every vector is in the present frame's axes. FIERY's warp (warp_features) also
-uses the cumulative translation (tx, ty) unrotated and with ty's sign flipped, so under lateral
-ego motion or turns its future labels land off the objects (a left shift of ty moves them right
-by ty): the default warp is the exact transform; `label_warp="fiery"` reproduces FIERY's for
-comparisons with its own labels.
+Differences from FIERY, on purpose:
+- FIERY computes centerness, offset and flow in each frame's own axes and then moves those maps
+  with the nearest warp: its vectors keep frame t's axes (not rotated by the ego yaw between t and
+  the present) and its cells from outside the grid read 0. Here every vector is in the present
+  frame's axes.
+- FIERY's flow is the motion of the rounded mask centre (whole cells; a mask clipped by the grid's
+  edge or changed by rounding moves its centre): here the annotated motion, to a fraction of a cell.
+- FIERY's warp (warp_features) takes the cumulative translation (tx, ty) unrotated and with ty's
+  sign flipped, so whenever the ego moves sideways between the present and a future frame (turns,
+  lane changes) FIERY's future labels land 2 ty off the objects. The default warp is the exact
+  transform; label_warp="fiery" reproduces FIERY's, for comparisons with its own labels.
 """
 from __future__ import annotations
 
