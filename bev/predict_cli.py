@@ -7,6 +7,7 @@ Python API function (bev.inference.predict).
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -35,10 +36,37 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
     summary = {"checkpoint": str(loaded.path), "split": split, "scene": cfg.scene, "class_names": model.class_names,
                "npz_format": "uint8 q per class, probability = q / 255 (arrays indexed [x_index, y_index]); _-prefixed keys are metadata",
                "grid": OmegaConf.to_container(loaded.run_config.grid), "gifs": files.gifs, "samples": records}
+    summary = _merged_with_earlier(out / "predictions.json", summary)
     atomic_write(out / "predictions.json", json.dumps(summary, indent=2))
     print(f"Predicted {len(records)} samples of {split}{' ' + cfg.scene if cfg.scene else ''} with {loaded.path}: "
           f"{len(files.gifs)} GIF(s), files in {out}")
     return summary
+
+
+def _merged_with_earlier(path, summary: dict[str, Any]) -> dict[str, Any]:
+    """summary plus the samples and GIFs of the scenes this run did not predict, from an earlier bev-predict
+    into the same out= with the same checkpoint, classes and grid (another one's index is replaced, with a warning)."""
+    import json
+    import warnings
+
+    if not path.is_file():
+        return summary
+    try:
+        earlier = json.loads(path.read_text())
+        same = all(earlier.get(k) == json.loads(json.dumps(summary[k])) for k in ("checkpoint", "class_names", "grid"))
+    except (OSError, ValueError, AttributeError):
+        same = False
+    if not same:
+        warnings.warn(f"{path} indexed predictions of another checkpoint, class list or grid (or was unreadable): "
+                      f"replaced by this run's; the files it listed stay in {path.parent}", stacklevel=2)
+        return summary
+    scenes = {s["scene"] for s in summary["samples"]}
+    kept = [s for s in earlier.get("samples", []) if s.get("scene") not in scenes]
+    samples = sorted(kept + summary["samples"], key=lambda s: (s["scene"], s["timestamp"]))
+    gifs = sorted(set(summary["gifs"]) | {g for g in earlier.get("gifs", []) if Path(g).is_file()})
+    merged = {s["scene"] for s in samples}
+    return {**summary, "split": summary["split"] if earlier.get("split") == summary["split"] or not kept else None,
+            "scene": summary["scene"] if len(merged) == 1 else None, "gifs": gifs, "samples": samples}
 
 
 def _check_options(cfg: DictConfig) -> None:

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from bev.utils.config import CONFIG_DIR, instantiate_list, task_overrides
 from bev.utils.errors import report_errors
-from bev.utils.io import write_run_metrics
+from bev.utils.io import remove_stale_temporaries, write_run_metrics
 from bev.utils.malloc import tune_malloc_in_process
 
 
@@ -25,6 +25,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     _seed_and_matmul_precision(cfg)
     _resolve_auto_precision(cfg)
+    if Path(cfg.paths.output_dir).is_dir():  # files of a killed earlier session (metrics.json, ...)
+        remove_stale_temporaries(cfg.paths.output_dir)
     datamodule = instantiate(cfg.data)
     _check_data_fits(cfg, datamodule)
     model = _build_model(cfg)

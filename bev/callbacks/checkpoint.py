@@ -1,13 +1,15 @@
 """Checkpoint writing: atomic saves, and last.ckpt after every epoch."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_info
 
-from bev.utils.io import atomic_open, explain_disk_full
+from bev.utils.io import atomic_open, explain_disk_full, remove_stale_temporaries
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -41,6 +43,12 @@ class ModelCheckpoint(L.pytorch.callbacks.ModelCheckpoint):
     when a single-process run resumes, so the resumed run draws the same batch order and augmentations
     as the uninterrupted one (Lightning saves none; DDP ranks keep their own: DistributedSampler orders
     by seed and epoch). Loader workers that persist across epochs are not covered."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit" and trainer.is_global_zero and self.dirpath and os.path.isdir(self.dirpath):
+            for tmp in remove_stale_temporaries(self.dirpath):  # saves killed in an earlier session
+                rank_zero_info(f"removed {tmp.name}, left in {self.dirpath} by a killed checkpoint save")
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "rng": _rng_states()}

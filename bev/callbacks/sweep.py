@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +81,9 @@ class SweepSummary(_HydraCallback):
         rows = summarize_sweep(sweep_dir, self.sort_key)
         print(f"Sweep summary ({len(rows)} runs): {sweep_dir / 'summary.md'} and {sweep_dir / 'summary.csv'}")
         print((sweep_dir / "summary.md").read_text())
+        failed = [r for r in rows if r["status"] != "ok"]
+        if failed:  # the sweep went on past them; its exit status still says so
+            runs = "; ".join(f"run {r['run']} ({r['overrides']}): {str(r['status'])[:120]}" for r in failed[:3])
+            print(f"bev-{config.task_name}: error: {len(failed)} of {len(rows)} sweep runs failed: {runs}. "
+                  f"Each run's error.txt has its traceback.", file=sys.stderr, flush=True)
+            sys.exit(1)

@@ -1,6 +1,7 @@
 """Reading checkpoints this project wrote, with one clear error for every way that can fail."""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -65,23 +66,43 @@ def check_compatible(module: nn.Module, ckpt: dict, path: str | Path, model_conf
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A .ckpt file as is; a run or checkpoints directory -> its best checkpoint by val/iou."""
+    """A .ckpt file as is; a run or checkpoints directory -> its best checkpoint by val/iou.
+
+    The best is the one last.ckpt names; when last.ckpt is unreadable (a corrupt file), the one the
+    newest readable epoch checkpoint names, with a warning."""
     path = Path(path).expanduser()
     if not path.is_dir():
         return path
     ckdir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    last = ckdir / "last.ckpt"
-    if last.is_file():
-        for key, state in read_checkpoint(last).get("callbacks", {}).items():
-            best = state.get("best_model_path") if key.startswith("ModelCheckpoint") else None
-            if best and (ckdir / Path(best).name).is_file():  # by name: the run dir may have moved
-                return ckdir / Path(best).name
-    epochs = sorted(ckdir.glob("epoch_*.ckpt"))
-    if len(epochs) == 1:
+    last, epochs = ckdir / "last.ckpt", sorted(ckdir.glob("epoch_*.ckpt"))
+    unreadable: list[str] = []
+    error: CheckpointError | None = None
+    for source in [last] * last.is_file() + epochs[::-1]:
+        try:
+            best = _best_named_in(source, ckdir)
+        except CheckpointError as e:
+            unreadable.append(source.name)
+            error = error or e
+            continue
+        if best is not None and best.name not in unreadable:
+            if unreadable:
+                warnings.warn(f"{', '.join(unreadable)} in {ckdir} cannot be read (corrupt: a killed save?); using "
+                              f"{best.name}, the best checkpoint {source.name} names", stacklevel=2)
+            return best
+    if len(epochs) == 1 and epochs[0].name not in unreadable:
         return epochs[0]
-    if last.is_file():
+    if last.is_file() and "last.ckpt" not in unreadable:
         return last
-    raise CheckpointError(f"no checkpoint found in {str(path)!r} (expected checkpoints/epoch_NNN.ckpt or last.ckpt).")
+    raise error or CheckpointError(f"no readable checkpoint found in {str(path)!r} (expected checkpoints/epoch_NNN.ckpt or last.ckpt).")
+
+
+def _best_named_in(source: Path, ckdir: Path) -> Path | None:
+    """The best checkpoint (by its ModelCheckpoint state) that `source` names, when it is in ckdir."""
+    for key, state in read_checkpoint(source).get("callbacks", {}).items():
+        best = state.get("best_model_path") if key.startswith("ModelCheckpoint") else None
+        if best and (ckdir / Path(best).name).is_file():  # by name: the run dir may have moved
+            return ckdir / Path(best).name
+    return None
 
 
 def logged_val_iou(ckpt: dict) -> float | None:

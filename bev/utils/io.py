@@ -58,6 +58,25 @@ def safe_name(name: object) -> str:
     return f"{safe}-{hashlib.sha1(text.encode('utf-8', 'surrogatepass')).hexdigest()[:8]}"
 
 
+STALE_TEMP_S = 300  # a live atomic_open keeps writing its temporary file; one untouched this long is a killed write's
+
+
+def remove_stale_temporaries(folder: str | os.PathLike, min_age_s: float = STALE_TEMP_S) -> list[Path]:
+    """Delete the temporary files of atomic_open left in `folder` by killed writes (".<name>.<random>.tmp",
+    untouched for min_age_s); returns them. A write still in progress is left alone."""
+    import time
+
+    removed = []
+    for tmp in Path(folder).glob(".*.tmp"):
+        try:
+            if tmp.is_file() and time.time() - tmp.stat().st_mtime >= min_age_s:
+                tmp.unlink()
+                removed.append(tmp)
+        except OSError:  # gone meanwhile, or not ours to delete: leave it
+            continue
+    return removed
+
+
 def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     """Write `data` (bytes or text) to `path` atomically; returns the path."""
     with atomic_open(path, "wb" if isinstance(data, bytes) else "w") as f:

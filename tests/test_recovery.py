@@ -1,0 +1,96 @@
+"""Runs recover from what earlier runs left: temporary files of killed saves are removed on the next start,
+a corrupt last.ckpt does not hide the best checkpoint, a sweep with a failed run exits non-zero, and a
+second bev-predict into the same out= keeps the first one's scenes."""
+import json
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+import bev
+from bev import predict_cli
+from bev.utils.io import STALE_TEMP_S, remove_stale_temporaries
+from helpers.cli import TINY, run_cli, train_cli
+
+
+@pytest.fixture(scope="module")
+def run(synthetic_root, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    mp = pytest.MonkeyPatch()
+    try:
+        args = [*TINY, "callbacks.bev_png.every_n_steps=0", f"data.dataroot={synthetic_root}", f"hydra.run.dir={out}"]
+        assert train_cli(args, mp) == 0
+    finally:
+        mp.undo()
+    return out
+
+
+def _litter(folder, name: str, age_s: float):
+    path = folder / name
+    path.write_bytes(b"half a checkpoint")
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+    return path
+
+
+def test_remove_stale_temporaries_keeps_live_writes_and_other_files(tmp_path):
+    old = _litter(tmp_path, ".last.ckpt.k3j4h.tmp", STALE_TEMP_S + 60)
+    live = _litter(tmp_path, ".epoch_001.ckpt.a8d7f.tmp", 1)
+    other = _litter(tmp_path, "notes.tmp", STALE_TEMP_S + 60)
+    assert remove_stale_temporaries(tmp_path) == [old]
+    assert not old.exists() and live.exists() and other.exists()
+
+
+def test_a_new_session_removes_the_litter_of_killed_saves(synthetic_root, tmp_path, monkeypatch):
+    (tmp_path / "checkpoints").mkdir()
+    old = [_litter(tmp_path / "checkpoints", ".last.ckpt.x1y2z3.tmp", 3600),
+           _litter(tmp_path, ".metrics.json.q9w8e7.tmp", 3600)]
+    live = _litter(tmp_path / "checkpoints", ".epoch_000.ckpt.r5t6y7.tmp", 0)  # another writer's save in progress
+    args = [*TINY, "callbacks.bev_png.every_n_steps=0", f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
+    assert train_cli(args, monkeypatch) == 0
+    assert not any(p.exists() for p in old) and live.exists()
+
+
+def test_load_model_of_a_run_with_a_corrupt_last_ckpt_uses_its_best_checkpoint(run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run / "checkpoints", copy / "checkpoints")
+    last = copy / "checkpoints" / "last.ckpt"
+    last.write_bytes(last.read_bytes()[:4000])  # a save killed half-way
+    with pytest.warns(UserWarning, match="last.ckpt .* cannot be read.*using epoch_000.ckpt"):
+        model = bev.load_model(copy)
+    best = torch.load(copy / "checkpoints" / "epoch_000.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    assert all(torch.equal(v, best[k]) for k, v in model.state_dict().items() if k in best)
+
+
+def test_a_sweep_with_a_failed_run_exits_non_zero(synthetic_root, tmp_path, monkeypatch, capsys):
+    args = ["-m", *TINY, "model.optimizer.lr=1e-3,-1.0", "callbacks.bev_png.every_n_steps=0",
+            f"data.dataroot={synthetic_root}", f"hydra.sweep.dir={tmp_path}"]
+    assert train_cli(args, monkeypatch) == 1
+    err = capsys.readouterr().err
+    assert "1 of 2 sweep runs failed" in err and "model.optimizer.lr=-1.0" in err
+    status = {json.loads((tmp_path / d / "metrics.json").read_text())["status"][:6] for d in ("0", "1")}
+    assert status == {"ok", "failed"}
+
+
+def _predict(ckpt, root, out, scene, monkeypatch, tmp_path):
+    args = [f"ckpt_path={ckpt}", f"data.dataroot={root}", f"out={out}", f"scene={scene}", "png=false",
+            f"hydra.run.dir={tmp_path / ('run_' + scene)}"]
+    assert run_cli(predict_cli._hydra_main, args, monkeypatch) == 0
+    return json.loads((out / "predictions.json").read_text())
+
+
+def test_a_second_bev_predict_into_the_same_out_keeps_the_first_scene(run, synthetic_root, tmp_path, monkeypatch):
+    out = tmp_path / "pred"
+    first = _predict(run, synthetic_root, out, "scene-0061", monkeypatch, tmp_path)
+    both = _predict(run, synthetic_root, out, "scene-0103", monkeypatch, tmp_path)
+    assert [s["scene"] for s in both["samples"]] == ["scene-0061"] * 3 + ["scene-0103"] * 3
+    assert both["samples"][:3] == first["samples"] and both["scene"] is None and both["split"] is None
+    assert sorted(os.path.basename(g) for g in both["gifs"]) == ["scene-0061.gif", "scene-0103.gif"]
+    again = _predict(run, synthetic_root, out, "scene-0103", monkeypatch, tmp_path)  # redone: replaced, not doubled
+    assert again["samples"] == both["samples"]
+    # Another checkpoint's predictions are not mixed into one index.
+    with pytest.warns(UserWarning, match="another checkpoint"):
+        other = _predict(run / "checkpoints" / "last.ckpt", synthetic_root, out, "scene-0061", monkeypatch, tmp_path)
+    assert {s["scene"] for s in other["samples"]} == {"scene-0061"}
