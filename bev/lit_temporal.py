@@ -8,7 +8,7 @@ the first step.
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,19 +33,29 @@ class TemporalLitModule(BEVLitModule):
     temporal_loss: keyword arguments of bev.losses.TemporalLoss (weights, uncertainty, future_discount,
     seg_pos_weight, seg_top_k); its "bev" term is the static head's loss (BEVLitModule.loss).
     past_no_grad: the past frames' camera encoder and splat run without gradient (BEVDet4D).
+    past_cache_mb > 0 (with past_no_grad): in training, the past frames' BEV features are taken from
+    what earlier steps computed for the same frames when there is one (PastFeatureCache), at most
+    past_cache_max_age optimiser steps old (null: any age).
     init_from: a static (or temporal) checkpoint, or a run / checkpoints directory (its best one):
     its `net.*` tensors whose names and shapes match are loaded when training starts (not on resume).
     Other arguments: BEVLitModule's.
     """
 
     def __init__(self, net: nn.Module, optimizer, temporal_loss: Mapping[str, Any] | None = None,
-                 past_no_grad: bool = False, init_from: str | None = None, **static: Any):
+                 past_no_grad: bool = False, past_cache_mb: float = 0, past_cache_max_age: int | None = None,
+                 init_from: str | None = None, **static: Any):
         if static.get("depth_weight"):
             raise ValueError("model.depth_weight > 0 is not supported by the temporal model: set model.depth_weight=0")
         super().__init__(net, optimizer, **static)
         # Plain containers only: checkpoints are read with torch.load(weights_only=True).
         self.save_hyperparameters(plain({"temporal_loss": temporal_loss, "past_no_grad": past_no_grad,
+                                         "past_cache_mb": past_cache_mb, "past_cache_max_age": past_cache_max_age,
                                          "init_from": init_from, **static}))
+        if past_cache_mb and not past_no_grad:
+            raise ValueError("model.past_cache_mb > 0 reuses past frames' features without gradient: it needs "
+                             "model.past_no_grad=true")
+        self.past_cache = PastFeatureCache(past_cache_mb, past_cache_max_age) if past_cache_mb else None
+        self.past_cache_hits: float | None = None  # the last training batch's share of past frames from the cache
         self.temporal_loss = TemporalLoss(**dict(temporal_loss or {}))
         self.past_no_grad = bool(past_no_grad)
         self.init_from = init_from
@@ -59,8 +69,31 @@ class TemporalLitModule(BEVLitModule):
     def forward(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         check_sequence_batch(batch, self.net)
         labels = batch if self.training and getattr(self.net, "probabilistic", False) else None
-        cams = (batch[k] for k in CAMERA_KEYS)
-        return self.net(*cams, batch["future_egomotion"], past_no_grad=self.past_no_grad, future_labels=labels)
+        cams = tuple(batch[k] for k in CAMERA_KEYS)
+        if self.past_cache is None or not self.training or not self.net.past_frames:
+            return self.net(*cams, batch["future_egomotion"], past_no_grad=self.past_no_grad, future_labels=labels)
+        keys = frame_keys(batch, self.net.past_frames)
+        past = self._cached_past(cams, keys)
+        out = self.net(*cams, batch["future_egomotion"], future_labels=labels, past_features=past, return_features=True)
+        for b, feats in enumerate(out.pop("present_features").detach()):
+            self.past_cache.put(keys[b][-1], feats.clone(), self.global_step)  # a copy: a view would keep the batch
+        return out
+
+    def _cached_past(self, cams: tuple[torch.Tensor, ...], keys: list[list]) -> torch.Tensor:
+        """(B, P, C * Z, X, Y) past-frame BEV features: from the cache where it has them, the rest computed
+        (in inference mode) and added to it."""
+        B, P, step = len(keys), self.net.past_frames, self.global_step
+        found = {(b, t): self.past_cache.get(keys[b][t], step) for b in range(B) for t in range(P)}
+        missing = [bt for bt, f in found.items() if f is None]
+        if missing:
+            bs, ts = (torch.tensor(i, device=cams[0].device) for i in zip(*missing))
+            with torch.inference_mode():
+                feats = self.net.lift_splat(*(c[bs, ts] for c in cams))
+                for (b, t), f in zip(missing, feats):
+                    found[(b, t)] = f.clone()
+                    self.past_cache.put(keys[b][t], found[(b, t)], step)
+        self.past_cache_hits = 1 - len(missing) / (B * P)  # logged by training_step
+        return torch.stack([torch.stack([found[(b, t)] for t in range(P)]) for b in range(B)])
 
     def total_loss(self, out: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
         """(weighted total, {term: unweighted value}) over the static head ("bev") and the future heads."""
@@ -73,6 +106,8 @@ class TemporalLitModule(BEVLitModule):
         B = out["bev"].shape[0]
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=B)
         self.log_dict({f"train/loss_{k}": v for k, v in terms.items()}, on_step=True, on_epoch=False, batch_size=B)
+        if self.past_cache_hits is not None:
+            self.log("train/past_cache_hits", self.past_cache_hits, on_step=False, on_epoch=True, batch_size=B)
         return {"loss": loss}
 
     def _eval_step(self, batch: dict, stage: str) -> dict[str, torch.Tensor]:
@@ -143,6 +178,51 @@ class TemporalLitModule(BEVLitModule):
         report = load_matching(self, self.init_from)
         if rank_zero:
             print(report, flush=True)
+
+
+class PastFeatureCache:
+    """BEV features of frames, each in its own ego frame, kept to serve as later windows' past frames.
+
+    With past_no_grad the past frames only feed features forward; a frame that an earlier step
+    already lifted (as a window's present or past frame) is taken from here instead of running the
+    camera encoder again: features of the weights of that step (as streaming video training reuses
+    its history). Keyed by sample token and image augmentation (post_rots, post_trans); the least
+    recently used entries go first past limit_mb; entries older than max_age steps are not used.
+    """
+
+    def __init__(self, limit_mb: float, max_age: int | None = None):
+        if limit_mb < 0 or (max_age is not None and max_age < 0):
+            raise ValueError(f"past_cache_mb and past_cache_max_age must be >= 0, got {limit_mb} and {max_age}")
+        self.limit, self.max_age = int(limit_mb * 2**20), max_age
+        self.entries: OrderedDict[Any, tuple[int, torch.Tensor]] = OrderedDict()
+        self.bytes = 0
+
+    def get(self, key: Any, step: int) -> torch.Tensor | None:
+        entry = self.entries.get(key)
+        if entry is None or (self.max_age is not None and step - entry[0] > self.max_age):
+            return None
+        self.entries.move_to_end(key)
+        return entry[1]
+
+    def put(self, key: Any, feats: torch.Tensor, step: int) -> None:
+        old = self.entries.pop(key, None)
+        if old is not None:
+            self.bytes -= old[1].nbytes
+        if feats.nbytes > self.limit:
+            return
+        while self.bytes + feats.nbytes > self.limit:
+            self.bytes -= self.entries.popitem(last=False)[1][1].nbytes
+        self.entries[key] = (step, feats)
+        self.bytes += feats.nbytes
+
+
+def frame_keys(batch: Mapping[str, Any], past_frames: int) -> list[list]:
+    """Per window, the PastFeatureCache keys of its P + 1 input frames: (sample token, augmentation bytes)."""
+    tokens = batch.get("sample_tokens")
+    if tokens is None:
+        raise ValueError("model.past_cache_mb > 0 needs the windows' sample_tokens in the batch (data.past_frames > 0)")
+    aug = torch.cat([batch["post_rots"].flatten(3), batch["post_trans"]], dim=-1).detach().cpu().numpy()  # (B, T, N, 12)
+    return [[(tokens[b][t], aug[b, t].tobytes()) for t in range(past_frames + 1)] for b in range(len(tokens))]
 
 
 def plain(value: Any) -> Any:

@@ -7,7 +7,9 @@ Variants, built from the Hydra configs as bev-train builds them and alternated r
 "static" (experiment=synthetic_cpu: one frame, its depth loss included), "temporal"
 (experiment=synthetic_temporal_cpu with every frame trained: 3 input frames, 5 frames of future heads),
 "temporal+past_no_grad" (the experiment as configured: the past frames' camera encoder and splat
-without gradient) and the latter with a 3x3 temporal block (model.net.fusion_kernel=3). A step is
+without gradient), the latter with a 3x3 temporal block (model.net.fusion_kernel=3), and with the past
+frames' features from the cache of earlier steps (model.past_cache_mb; the same batch every step, so
+every past frame is found after the first step: the step of a full cache). A step is
 forward + losses under the precision bev-train resolves here (bf16 autocast on native-bf16 CPUs),
 backward, gradient clipping and the optimiser's step. Inputs: random images with the real rig and
 the validation crop, ego motions of a car driving 2-5 m per frame, random labels. Reports the median
@@ -37,6 +39,8 @@ VARIANTS = {
     "temporal+past_no_grad": ["experiment=synthetic_temporal_cpu", "model.past_no_grad=true"],
     "temporal+past_no_grad+fusion3x3": ["experiment=synthetic_temporal_cpu", "model.past_no_grad=true",
                                         "model.net.fusion_kernel=3"],
+    "temporal+past_no_grad+past_cache": ["experiment=synthetic_temporal_cpu", "model.past_no_grad=true",
+                                         "model.past_cache_mb=256"],
 }
 
 
@@ -60,6 +64,7 @@ def sequence_batch(cfg, batch_size: int, seed: int = 0) -> dict:
     seg = (torch.rand(batch_size, F + 1, X, Y, generator=g) < 0.05).long()
     vec = torch.randn(batch_size, F + 1, 2, X, Y, generator=g)
     vec = torch.where(seg.bool()[:, :, None], vec, torch.full_like(vec, 255.0))
+    batch["sample_tokens"] = [[f"window{b}_frame{t}" for t in range(T + F)] for b in range(batch_size)]
     batch.update(future_egomotion=ego, segmentation=seg, instance=seg, offset=vec, flow=vec * 0.5,
                  centerness=torch.rand(batch_size, F + 1, 1, X, Y, generator=g) * math.e ** -1,
                  bev=frames["bev"][::T])

@@ -306,3 +306,67 @@ def test_every_weight_of_the_first_stage_fits_the_second(static, temporal):
     if temporal == "fiery_nuscenes":  # FIERY's baseline: 224x480, depth 2-50 m in 1 m bins, 200x200 at 0.5 m
         assert list(data.final_dim) == [224, 480] and list(cfgs[1].grid.dbound) == [2.0, 50.0, 1.0]
         assert list(cfgs[1].grid.xbound) == [-50.0, 50.0, 0.5] and list(cfgs[1].grid.ybound) == [-50.0, 50.0, 0.5]
+
+
+def scene_windows(starts: list[int], frames: int = 8, seed: int = 3) -> dict:
+    """Windows of one scene: window k holds frames k .. k + P (the same images for the same frame)."""
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randn(frames, N, 3, *SIZES["image_size"], generator=g)
+    batch = sequence_batch()
+    batch = {k: v[: len(starts)] for k, v in batch.items()}
+    batch["images"] = torch.stack([images[s: s + P + 1] for s in starts])
+    batch["sample_tokens"] = [[f"frame{s + t}" for t in range(P + 1 + F)] for s in starts]
+    return batch
+
+
+def frozen_bn(module):
+    """Training mode with every BatchNorm on its running statistics: outputs independent of batch composition."""
+    module.train()
+    for m in module.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.eval()
+    return module
+
+
+def test_past_cache_serves_frames_earlier_steps_computed():
+    cached = frozen_bn(tiny_module(past_no_grad=True, past_cache_mb=64))
+    torch.nn.init.normal_(cached.net.fusion.mix[-1].weight, std=0.1)  # the past reaches the outputs
+    plain = frozen_bn(tiny_module(past_no_grad=True))
+    plain.load_state_dict(cached.state_dict())
+    first, second = scene_windows([0, 1]), scene_windows([2, 3])  # frames 0..3, then 2..5
+    with torch.no_grad():
+        for batch, hits in ((first, 0.0), (second, 0.75)):  # second: frames 2, 3 (twice) cached, 4 not
+            out, want = cached(batch), plain(batch)
+            assert cached.past_cache_hits == hits
+            for k in want:
+                torch.testing.assert_close(out[k], want[k], rtol=1e-4, atol=1e-4)
+    with torch.no_grad():  # cached features are those of the weights that computed them
+        for p in cached.net.camera_encoder.parameters():
+            p.add_(0.05)
+        again = cached(second)
+    assert cached.past_cache_hits == 1.0
+    fresh = frozen_bn(tiny_module(past_no_grad=True))
+    fresh.load_state_dict(cached.state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(again["segmentation"], fresh(second)["segmentation"], atol=1e-4)
+
+
+def test_past_cache_keys_age_and_size():
+    from bev.lit_temporal import PastFeatureCache, frame_keys
+
+    batch = scene_windows([0, 1])
+    keys = frame_keys(batch, P)
+    assert keys[0][1] == keys[1][0]  # frame 1: past of window 0 and of window 1
+    batch["post_rots"] = batch["post_rots"].clone()
+    batch["post_rots"][1, 0, 0, 0, 0] += 0.1  # another augmentation of the same frame: another key
+    assert frame_keys(batch, P)[1][0] != keys[0][1]
+    cache = PastFeatureCache(limit_mb=0.75, max_age=5)  # room for three 256 KiB tensors
+    t = [torch.zeros(2**16) for _ in range(4)]  # 256 KiB each
+    for i in range(3):
+        cache.put(i, t[i], step=i)
+    assert cache.get(0, step=3) is t[0]  # now the most recently used
+    cache.put(3, t[3], step=3)  # evicts 1, the least recently used
+    assert cache.get(1, step=3) is None and cache.get(2, step=3) is t[2] and cache.get(0, step=3) is t[0]
+    assert cache.get(0, step=6) is None  # 6 steps old
+    with pytest.raises(ValueError, match="past_no_grad"):
+        tiny_module(past_cache_mb=8)

@@ -229,21 +229,34 @@ class TemporalLiftSplat(LiftSplatShoot):
         return past, self.lift_splat(*(c[:, -1] for c in cams))
 
     def forward(self, images, intrinsics, rots, trans, post_rots, post_trans, future_egomotion,
-                past_no_grad: bool = False, future_labels: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        T, (H, W) = images.shape[1], images.shape[-2:]
-        if T != self.past_frames + 1:
-            raise ValueError(f"images have {T} frames but the model takes past_frames + 1 = {self.past_frames + 1}")
-        if (H, W) != self.image_size:
-            raise ValueError(f"images are {H}x{W} but the model was built for {self.image_size[0]}x{self.image_size[1]}")
-        past, feats = self.frame_features((images, intrinsics, rots, trans, post_rots, post_trans), past_no_grad)
+                past_no_grad: bool = False, future_labels: Mapping[str, torch.Tensor] | None = None,
+                past_features: torch.Tensor | None = None, return_features: bool = False) -> dict[str, torch.Tensor]:
+        """past_features (B, P, C * Z, X, Y): the past frames' BEV features computed before (frame_features),
+        used instead of their cameras; return_features adds the present frame's as "present_features"."""
+        self._check_inputs(images)
+        cams = (images, intrinsics, rots, trans, post_rots, post_trans)
+        if past_features is None:
+            past, present = self.frame_features(cams, past_no_grad)
+        else:
+            past, present = past_features, self.lift_splat(*(c[:, -1] for c in cams))
+        feats = present
         if self.fusion is not None:
-            feats = self.fusion(torch.cat([warp_to_present(past, future_egomotion, self.grid), feats.unsqueeze(1)], dim=1))
+            feats = self.fusion(torch.cat([warp_to_present(past, future_egomotion, self.grid), present.unsqueeze(1)], dim=1))
         x = self.bev_encoder.features(feats)
         out = {"bev": self.bev_encoder.up2[-1](x).contiguous()}
         if self.probabilistic:
             x = self._with_latent(x, out, future_labels)
         out.update(self.future(x))
+        if return_features:
+            out["present_features"] = present
         return out
+
+    def _check_inputs(self, images: torch.Tensor) -> None:
+        T, (H, W) = images.shape[1], images.shape[-2:]
+        if T != self.past_frames + 1:
+            raise ValueError(f"images have {T} frames but the model takes past_frames + 1 = {self.past_frames + 1}")
+        if (H, W) != self.image_size:
+            raise ValueError(f"images are {H}x{W} but the model was built for {self.image_size[0]}x{self.image_size[1]}")
 
     def _with_latent(self, x: torch.Tensor, out: dict, future_labels: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
         """FIERY's conditioning: a latent sampled from the future distribution (training, given the future
