@@ -492,6 +492,7 @@ def test_refuses_a_dataset_it_did_not_write(tmp_path):
 
 
 def test_cli_read_only_out(tmp_path, capsys, monkeypatch):
+    import bev.utils.io
     from bev.synthetic import writer
 
     out = tmp_path / "ro"
@@ -500,7 +501,7 @@ def test_cli_read_only_out(tmp_path, capsys, monkeypatch):
     if os.geteuid() == 0:  # root writes through permission bits: make the first write fail as it would
         def denied(*args, dir=None, **kwargs):
             raise PermissionError(errno.EACCES, "Permission denied", str(dir))
-        monkeypatch.setattr(writer.tempfile, "mkstemp", denied)
+        monkeypatch.setattr(bev.utils.io, "_new_temporary", lambda path: denied(dir=path.parent))
         monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: denied(dir=self))
     try:
         assert writer.main(["--out", str(out), "--scenes", "1", "--samples-per-scene", "1", "--workers", "1"]) == 1

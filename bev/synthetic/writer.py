@@ -34,9 +34,7 @@ import hashlib
 import json
 import math
 import multiprocessing as mp
-import os
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from functools import lru_cache
@@ -48,12 +46,13 @@ import numpy as np
 from tqdm import tqdm
 
 from bev.data.rig import IMAGE_H, IMAGE_W, MINI_LOCATIONS, load_rig, mini_splits
+from bev.geometry import CAMERA_NAMES, quaternion_to_matrix, yaw_to_quaternion
 from bev.synthetic import raycast
 from bev.synthetic.mapjson import map_expansion
 from bev.synthetic.raycast import visibility_level
 from bev.synthetic.roads import fill, road_map
 from bev.synthetic.world import SAMPLE_DT, World, annotated_objects, build_world
-from bev.geometry import CAMERA_NAMES, quaternion_to_matrix, yaw_to_quaternion
+from bev.utils.io import atomic_write
 
 VERSION = "v1.0-mini"
 DEFAULT_SCENES = 10
@@ -258,15 +257,8 @@ def _render_task(task):
 # ----------------------------------------------------------------------------- tables
 
 def _write_atomic(path: Path, data: bytes | str) -> None:
-    """Write a file whole or not at all: a temporary file next to it, then os.replace."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write a file whole or not at all (bev.utils.io.atomic_write: the umask applies)."""
+    atomic_write(path, data.encode() if isinstance(data, str) else data)
 
 
 def _read_manifest(out: Path) -> dict:

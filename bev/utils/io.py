@@ -12,8 +12,9 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
-import tempfile
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -24,6 +25,18 @@ NEARLY_FULL_BYTES = 64 << 20
 RUN_DIR_FIX = "free some space there, or point paths.output_dir elsewhere (hydra.run.dir=<a directory on a disk with room>)"
 
 
+def _new_temporary(path: Path) -> tuple[int, Path]:
+    """A new ".<name>.<random>.tmp" beside `path`, created with mode 0o666 so that the umask applies
+    (tempfile.mkstemp makes every file 0o600)."""
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"no free temporary file name beside {path}")
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     """Open a temporary file next to `path` for writing ("wb" or "w"); on success it replaces `path`."""
@@ -31,12 +44,14 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
         raise ValueError(f"atomic_open writes whole files: mode must be 'wb' or 'w', got {mode!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _new_temporary(path)
     try:
         with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        with contextlib.suppress(FileNotFoundError):  # a replaced file keeps its mode
+            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
