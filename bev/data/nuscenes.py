@@ -135,6 +135,15 @@ def _relative_filename(sd: dict) -> str:
     return name
 
 
+def _check_image_size(size: tuple[int, int], table_hw, path: str) -> None:
+    """Refuse an image whose header size differs from its sample_data width/height before decoding it: the
+    devkit lifts PIL's decompression-bomb limit for the whole process, so a huge image would be decoded."""
+    (w, h), (th, tw) = size, (int(v) for v in table_hw)
+    if (w, h) != (tw, th):
+        raise ValueError(f"camera image {path!r} is {w}x{h} pixels but its sample_data lists {tw}x{th}: not decoded. "
+                         f"Replace the image, or fix width/height in the sample_data table")
+
+
 def _pose(rec: dict) -> tuple[np.ndarray, np.ndarray]:
     return quaternion_to_matrix(rec["rotation"]), np.asarray(rec["translation"], dtype=np.float64)
 
@@ -584,7 +593,8 @@ class NuScenesBEVDataset(Dataset):
         """(H, W, 3) uint8 crop of sample i's camera `cam`, with its post_rot and post_tran (`aug`, or one drawn)."""
         path = self.image_path(i, cam)
         try:
-            with Image.open(path) as img:
+            with Image.open(path) as img:  # reads the header only: the size is checked before any pixel is decoded
+                _check_image_size(img.size, self.index["image_hw"][i, cam], path)
                 if aug is None:
                     aug = self.draw_augmentation((img.size[1], img.size[0]), train)
                 pixels = np.asarray(warp_image(img, aug, self.use_draft))
