@@ -249,11 +249,14 @@ def test_cache_is_reused_without_the_devkit_and_rebuilt_when_stale(tiny_copy, mo
     batches = list(torch.utils.data.DataLoader(second, batch_size=1, num_workers=2))
     assert [b["sample_token"][0] for b in batches] == ["s0-0", "s0-1"]
 
-    # Touching a table (new mtime) makes the cache stale: rebuilt from the devkit.
+    # The key is the tables' content: a touched table (new mtime) keeps the cache, an edited one makes it stale.
     monkeypatch.setattr(devkit, "NuScenes", counting)
     table = tiny_copy / "v1.0-mini" / "sample_annotation.json"
     st = table.stat()
     os.utime(table, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    _ds(tiny_copy, split="mini_train")
+    assert len(calls) == 1
+    table.write_text(table.read_text().replace(", ", ",\n", 1))  # same size, same records, other bytes
     _ds(tiny_copy, split="mini_train")
     assert len(calls) == 2
     _ds(tiny_copy, split="mini_train")

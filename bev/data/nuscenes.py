@@ -18,6 +18,7 @@ locations (key: map classes + the map expansion files' sizes/mtimes).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -48,13 +49,13 @@ from bev.data.transforms import (
     warp_image,
 )
 from bev.geometry import CAMERA_GEOMETRY, CAMERA_NAMES, FEATURE_STRIDE, Grid, quaternion_to_matrix
-from bev.utils.io import atomic_open
+from bev.utils.io import atomic_open, atomic_write
 
 TABLES = (
     "attribute", "calibrated_sensor", "category", "ego_pose", "instance", "log", "map",
     "sample", "sample_annotation", "sample_data", "scene", "sensor", "visibility",
 )
-INDEX_FORMAT = 5
+INDEX_FORMAT = 6
 # Per process, for NuScenesBEVDataset.targets: the synthetic set needs ~15 MB, trainval at 200x200 would
 # need ~2 GB and keeps only its first samples.
 TARGET_MEMO_BYTES = 256 * 2**20
@@ -117,12 +118,44 @@ def _damaged_table(table_root: Path) -> ValueError | None:
     return None
 
 
-def _table_signature(table_root: Path) -> dict[str, list[int]]:
-    sig = {}
+def _table_signature(table_root: Path, memo_dir: Path) -> dict[str, str]:
+    """The content digest of every table. Sizes and mtimes survive cp -a, tar and edits that restore them, so
+    the key is the content; a digest is rehashed only when a file's size, mtime, ctime or inode changed
+    (memo in memo_dir/table_digests.json; the kernel sets ctime, no copy can carry it over)."""
+    memo_file = memo_dir / "table_digests.json"
+    try:
+        memo = json.loads(memo_file.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    sig, fresh = {}, {}
     for p in sorted(table_root.glob("*.json")):
         st = p.stat()
-        sig[p.name] = [st.st_size, st.st_mtime_ns]
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        known = memo.get(str(p.resolve()))
+        digest = known["digest"] if isinstance(known, dict) and known.get("stamp") == stamp else _file_digest(p)
+        sig[p.name], fresh[str(p.resolve())] = digest, {"stamp": stamp, "digest": digest}
+    if fresh != {k: memo.get(k) for k in fresh}:
+        with contextlib.suppress(OSError):  # a read-only mount: hashed again next time
+            atomic_write(memo_file, json.dumps({**memo, **fresh}))
     return sig
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _arrays_digest(index: dict) -> str:
+    """A checksum of the index arrays (names, dtypes, shapes, bytes): what a loaded cache must match."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(index):
+        a = np.ascontiguousarray(index[name])
+        h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
 
 
 def _relative_filename(sd: dict) -> str:
@@ -299,15 +332,20 @@ def _save_npz(index: dict, key: dict, path: Path) -> None:
     """Write the index atomically as .npz (no pickle: a cache file found in a downloaded dataroot
     must not be able to run code when loaded)."""
     with atomic_open(path, "wb") as f:
-        np.savez(f, __key__=np.asarray(json.dumps(key, sort_keys=True)), **index)
+        np.savez(f, __key__=np.asarray(json.dumps(key, sort_keys=True)), __digest__=np.asarray(_arrays_digest(index)),
+                 **index)
 
 
 def _load_npz(path: Path, key: dict) -> dict | None:
-    """The cached index, or None when its key differs (stale)."""
+    """The cached index, or None when its key differs (stale); ValueError when its arrays do not match
+    the checksum written with them (edited, damaged, an array missing)."""
     with np.load(path, allow_pickle=False) as z:
         if str(z["__key__"]) != json.dumps(key, sort_keys=True):
             return None
-        return {k: z[k] for k in z.files if k != "__key__"}
+        index = {k: z[k] for k in z.files if k not in ("__key__", "__digest__")}
+        if "__digest__" not in z.files or str(z["__digest__"]) != _arrays_digest(index):
+            raise ValueError("its arrays do not match the checksum written with them (edited or damaged)")
+        return index
 
 
 def load_index(
@@ -326,7 +364,7 @@ def load_index(
         raise ValueError(f"unknown nuScenes split {split!r}; choose one of {sorted(splits)} (mini_* for v1.0-mini)")
     groups = normalize_categories(categories)
     layers = normalize_map_layers(map_layers)
-    key = _cache_key(dataroot, table_root, version, split, groups, layers)
+    key = _cache_key(dataroot, table_root, version, split, groups, layers, _cache_root(dataroot, cache_dir))
     cache_file = _cache_file(dataroot, cache_dir, key)
     cached = _read_cache(cache_file, key)
     if cached is not None:
@@ -341,14 +379,14 @@ def load_index(
 
 
 def _cache_key(dataroot: str | os.PathLike, table_root: Path, version: str, split: str, groups,
-               layers: tuple[str, ...]) -> dict:
-    """What a cached index must match: format, split, classes and the sizes/mtimes of the files read."""
+               layers: tuple[str, ...], cache_root: Path) -> dict:
+    """What a cached index must match: format, split, classes, the tables' contents and the map files' sizes/mtimes."""
     key = {
         "format": INDEX_FORMAT,
         "version": version,
         "split": split,
         "categories": [list(g) for g in groups],
-        "tables": _table_signature(table_root),
+        "tables": _table_signature(table_root, cache_root),
     }
     if layers:
         key.update(map_layers=list(layers), maps=map_signature(dataroot))
@@ -359,8 +397,11 @@ def _cache_file(dataroot: str | os.PathLike, cache_dir: str | os.PathLike | None
     """Where the index of `key` is cached: one file per version, split and class list."""
     classes = [key["categories"], key.get("map_layers", [])]
     cat_hash = hashlib.sha1(json.dumps(classes).encode()).hexdigest()[:10]
-    cache_root = Path(cache_dir).expanduser() if cache_dir is not None else Path(dataroot) / ".bev_cache"
-    return cache_root / f"{key['version']}__{key['split']}__{cat_hash}.npz"
+    return _cache_root(dataroot, cache_dir) / f"{key['version']}__{key['split']}__{cat_hash}.npz"
+
+
+def _cache_root(dataroot: str | os.PathLike, cache_dir: str | os.PathLike | None) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir is not None else Path(dataroot) / ".bev_cache"
 
 
 def _read_cache(cache_file: Path, key: dict) -> dict | None:
@@ -370,7 +411,7 @@ def _read_cache(cache_file: Path, key: dict) -> dict | None:
     try:
         return _load_npz(cache_file, key)
     except Exception as e:  # a corrupt cache is rebuilt, never fatal
-        warnings.warn(f"ignoring unreadable index cache {cache_file}: {e}")
+        warnings.warn(f"ignoring unreadable index cache {cache_file} (rebuilt from the tables): {e}", stacklevel=2)
         return None
 
 
