@@ -48,6 +48,9 @@ def _checked_out(cfg: DictConfig) -> Path:
     if not 1 <= int(cfg.num_cameras) <= 12:
         raise ValueError(f"num_cameras must be in 1..12, got {cfg.num_cameras}")
     out = Path(cfg.out).expanduser()
+    if out.is_dir():  # found now, not after the whole export
+        suffix = ".onnx" if cfg.format == "onnx" else ".pt2"
+        raise IsADirectoryError(f"out={str(out)!r} is a folder; pass the file to write, e.g. out={out / ('model' + suffix)}")
     writable_dir(out.parent, "out (its folder)")
     if cfg.format == "onnx":
         try:

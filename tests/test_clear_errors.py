@@ -110,3 +110,12 @@ def test_depth_bins_partly_beyond_the_grid_are_named_in_a_warning(synthetic_root
             f"hydra.run.dir={tmp_path}"]
     with pytest.warns(UserWarning, match=r"8 of 12 depth bins \(36-100 m\)"):
         assert train_cli(args, monkeypatch) == 0
+
+
+def test_bev_export_into_a_folder_is_refused_before_the_export(tmp_path, monkeypatch, capsys):
+    from bev import export as bev_export
+
+    # The checkpoint does not exist: a check made after loading (or exporting) would report that instead.
+    args = [f"ckpt_path={tmp_path / 'none.ckpt'}", f"out={tmp_path}", "format=torch_export", f"hydra.run.dir={tmp_path}"]
+    assert run_cli(bev_export._hydra_main, args, monkeypatch) == 1
+    assert_one_paragraph(capsys.readouterr().err, "bev-export: error:", "is a folder", "model.pt2")
