@@ -1,6 +1,7 @@
 """Camera images are checked against their sample_data width/height before any pixel is decoded: a
 different size is one clear error, and a decompression bomb under a camera's name is never decoded
 (importing the devkit lifts PIL's own limit for the whole process)."""
+
 import json
 import shutil
 import struct
@@ -28,11 +29,14 @@ def _first_val_image(root):
 
 def _png_header(path, width: int, height: int) -> None:
     """A PNG whose header claims width x height RGB pixels, with a token of pixel data (not a valid image)."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
-                     + chunk(b"IEND", b""))
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    )
 
 
 def test_an_image_of_another_size_than_its_table_says_is_refused(synthetic_root, tmp_path):
@@ -57,6 +61,7 @@ def test_a_decompression_bomb_is_never_decoded(synthetic_root, tmp_path, monkeyp
         def load(self, *a, **k):
             assert self.size != (20000, 20000), "the bomb was decoded"
             return loads[cls](self, *a, **k)
+
         return load
 
     for cls in loads:  # the other cameras decode as usual

@@ -1,6 +1,7 @@
 """Bad settings end in one clear message before the work starts, not in a traceback late (or silence):
 more training processes than batches, GIF options, a negative synthetic seed, bev-eval model=<group>,
 depth bins that never reach the grid."""
+
 import json
 import math
 import subprocess
@@ -36,13 +37,25 @@ def test_more_training_processes_than_batches_is_refused_once(synthetic_root, tm
     assert not (tmp_path / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("option,value,needle", [("gif_fps", 0, "gif_fps=0"), ("gif_fps", -2, "gif_fps=-2"),
-                                                 ("gif_fps", "nan", "gif_fps=nan"), ("gif_width", 0, "gif_width=0"),
-                                                 ("gif_width", 10.5, "gif_width=10.5"), ("batch_size", 0, "batch_size=0")])
+@pytest.mark.parametrize(
+    "option,value,needle",
+    [
+        ("gif_fps", 0, "gif_fps=0"),
+        ("gif_fps", -2, "gif_fps=-2"),
+        ("gif_fps", "nan", "gif_fps=nan"),
+        ("gif_width", 0, "gif_width=0"),
+        ("gif_width", 10.5, "gif_width=10.5"),
+        ("batch_size", 0, "batch_size=0"),
+    ],
+)
 def test_bev_predict_options_are_checked_before_anything_runs(option, value, needle, tmp_path, monkeypatch, capsys):
     # The checkpoint does not exist: a check made after loading would report that instead.
-    args = [f"ckpt_path={tmp_path / 'none.ckpt'}", f"out={tmp_path / 'pred'}", f"{option}={value}",
-            f"hydra.run.dir={tmp_path / 'run'}"]
+    args = [
+        f"ckpt_path={tmp_path / 'none.ckpt'}",
+        f"out={tmp_path / 'pred'}",
+        f"{option}={value}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     assert run_cli(predict_cli._hydra_main, args, monkeypatch) == 1
     err = capsys.readouterr().err
     assert_one_paragraph(err, "bev-predict: error:", needle)
@@ -70,8 +83,9 @@ def test_bev_eval_with_a_model_group_reads_the_checkpoints_grid_and_data(run, sy
     assert ious and all(math.isnan(plain[k]) and math.isnan(group[k]) or math.isclose(plain[k], group[k]) for k in ious)
 
 
-def test_bev_eval_with_a_model_group_that_does_not_fit_names_the_differences(run, synthetic_root, tmp_path, monkeypatch,
-                                                                             capsys):
+def test_bev_eval_with_a_model_group_that_does_not_fit_names_the_differences(
+    run, synthetic_root, tmp_path, monkeypatch, capsys
+):
     args = [f"ckpt_path={run}", f"data.dataroot={synthetic_root}", "model=lss", f"hydra.run.dir={tmp_path}"]
     assert eval_cli(args, monkeypatch) == 1
     err = capsys.readouterr().err
@@ -106,8 +120,13 @@ def test_depth_bins_beyond_the_grid_are_refused_before_training(synthetic_root, 
 
 def test_depth_bins_partly_beyond_the_grid_are_named_in_a_warning(synthetic_root, tmp_path, monkeypatch):
     # The grid's farthest corner is 34 m away: of bins starting at 4, 12, ..., 92 m, those from 36 m never reach it.
-    args = [*TINY, "grid.dbound=[4,100,8.0]", "+trainer.fast_dev_run=true", f"data.dataroot={synthetic_root}",
-            f"hydra.run.dir={tmp_path}"]
+    args = [
+        *TINY,
+        "grid.dbound=[4,100,8.0]",
+        "+trainer.fast_dev_run=true",
+        f"data.dataroot={synthetic_root}",
+        f"hydra.run.dir={tmp_path}",
+    ]
     with pytest.warns(UserWarning, match=r"8 of 12 depth bins \(36-100 m\)"):
         assert train_cli(args, monkeypatch) == 0
 
@@ -116,6 +135,11 @@ def test_bev_export_into_a_folder_is_refused_before_the_export(tmp_path, monkeyp
     from bev import export as bev_export
 
     # The checkpoint does not exist: a check made after loading (or exporting) would report that instead.
-    args = [f"ckpt_path={tmp_path / 'none.ckpt'}", f"out={tmp_path}", "format=torch_export", f"hydra.run.dir={tmp_path}"]
+    args = [
+        f"ckpt_path={tmp_path / 'none.ckpt'}",
+        f"out={tmp_path}",
+        "format=torch_export",
+        f"hydra.run.dir={tmp_path}",
+    ]
     assert run_cli(bev_export._hydra_main, args, monkeypatch) == 1
     assert_one_paragraph(capsys.readouterr().err, "bev-export: error:", "is a folder", "model.pt2")

@@ -1,5 +1,6 @@
 """Files the project writes respect the umask (tempfile.mkstemp would make them all 0600), and a replaced
 file keeps its mode: metrics, checkpoints, predictions, exports and the synthetic set's tables."""
+
 import os
 import stat
 

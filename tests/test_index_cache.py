@@ -1,6 +1,7 @@
 """The split-index cache is keyed on the tables' content and checked when loaded: an edit that keeps a
 table's size and mtime makes it stale, a cache with zeroed or missing arrays is rebuilt with a warning,
 and a copied dataroot (cp -a: new ctime) reuses its cache after one rehash of the tables."""
+
 import json
 import os
 import shutil
@@ -38,14 +39,16 @@ def _rewrite(cache, change):
 def _no_devkit(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the index was rebuilt")
+
     monkeypatch.setattr(reader, "build_index", boom)
 
 
 def test_a_cache_with_zeroed_arrays_is_rebuilt(root):
     fresh = NuScenesBEVDataset(root, split="mini_val", verbose=False).index
     assert fresh["box_size"].any()
-    _rewrite(_cache(root), lambda a: a.update(box_size=np.zeros_like(a["box_size"]),
-                                              box_label=np.zeros_like(a["box_label"])))
+    _rewrite(
+        _cache(root), lambda a: a.update(box_size=np.zeros_like(a["box_size"]), box_label=np.zeros_like(a["box_label"]))
+    )
     with pytest.warns(UserWarning, match="do not match the checksum"):
         ds = NuScenesBEVDataset(root, split="mini_val", verbose=False)
     assert all(np.array_equal(ds.index[k], fresh[k]) for k in fresh)
@@ -69,9 +72,14 @@ def test_an_edit_that_keeps_size_and_mtime_makes_the_cache_stale(root):
     tables = {n: json.loads((root / "v1.0-mini" / f"{n}.json").read_text()) for n in ("instance", "category")}
     category = {c["token"]: c["name"] for c in tables["category"]}
     vehicles = {i["token"] for i in tables["instance"] if category[i["category_token"]].startswith("vehicle.")}
-    row = next(r for r in json.loads(text) if r["instance_token"] in vehicles
-               and r["sample_token"] in set(first["sample_token"]) and 1 <= r["size"][1] < 9
-               and text.count(json.dumps(r["size"][1])) == 1)
+    row = next(
+        r
+        for r in json.loads(text)
+        if r["instance_token"] in vehicles
+        and r["sample_token"] in set(first["sample_token"])
+        and 1 <= r["size"][1] < 9
+        and text.count(json.dumps(r["size"][1])) == 1
+    )
     old = json.dumps(row["size"][1])
     table.write_text(text.replace(old, str(int(old[0]) + 1) + old[1:]))
     os.utime(table, ns=(st.st_atime_ns, st.st_mtime_ns))

@@ -1,5 +1,6 @@
 """Paths built from data stay inside their folders: bev-predict writes only under out= whatever the
 tokens and scene names hold, and image / lidar filenames that leave the dataroot are refused."""
+
 import json
 import os
 import shutil
@@ -11,8 +12,20 @@ from bev import predict_cli
 from bev.utils.io import safe_name
 from helpers.cli import TINY, assert_one_paragraph, run_cli, train_cli
 
-HOSTILE = ["../../../escaped", "/tmp/abs", "..", ".", "", "a/b", "a\\b", ".hidden", "x" * 400, "nul\x00byte",
-           "é-unicode", "../" * 40 + "deep"]
+HOSTILE = [
+    "../../../escaped",
+    "/tmp/abs",
+    "..",
+    ".",
+    "",
+    "a/b",
+    "a\\b",
+    ".hidden",
+    "x" * 400,
+    "nul\x00byte",
+    "é-unicode",
+    "../" * 40 + "deep",
+]
 
 
 @pytest.mark.parametrize("name", HOSTILE)
@@ -76,21 +89,35 @@ def test_bev_predict_never_writes_outside_out(run, synthetic_root, tmp_path, mon
     args = [f"ckpt_path={run}", f"data.dataroot={root}", f"out={out}", f"hydra.run.dir={tmp_path / 'box' / 'run'}"]
     assert run_cli(predict_cli._hydra_main, args, monkeypatch) == 0
     new = _files_under(tmp_path) - before
-    outside = {p for p in new if not p.is_relative_to(out.resolve()) and not p.is_relative_to(root.resolve())
-               and not p.is_relative_to((tmp_path / "box" / "run").resolve())}
+    outside = {
+        p
+        for p in new
+        if not p.is_relative_to(out.resolve())
+        and not p.is_relative_to(root.resolve())
+        and not p.is_relative_to((tmp_path / "box" / "run").resolve())
+    }
     assert not outside
     rec = json.loads((out / "predictions.json").read_text())
-    assert sorted(s["sample_token"] for s in rec["samples"]) == sorted(evil.values())  # the record keeps the data's names
+    assert sorted(s["sample_token"] for s in rec["samples"]) == sorted(
+        evil.values()
+    )  # the record keeps the data's names
     assert len({s["npz"] for s in rec["samples"]}) == 3 and all(Path(s["npz"]).is_file() for s in rec["samples"])
 
 
-@pytest.mark.parametrize("sensor,bad", [("CAM_FRONT", "../outside.jpg"), ("CAM_BACK", "/etc/hostname"),
-                                        ("LIDAR_TOP", "samples/../../outside.bin")])
+@pytest.mark.parametrize(
+    "sensor,bad",
+    [("CAM_FRONT", "../outside.jpg"), ("CAM_BACK", "/etc/hostname"), ("LIDAR_TOP", "samples/../../outside.bin")],
+)
 def test_sample_data_paths_leaving_the_dataroot_are_refused(sensor, bad, synthetic_root, tmp_path):
     from bev.data import NuScenesBEVDataset
 
-    sd = next(s for s in _tables(synthetic_root, "sample_data")
-              if s["is_key_frame"] and f"/{sensor}/" in s["filename"] and s["sample_token"] in _val_sample_tokens(synthetic_root))
+    sd = next(
+        s
+        for s in _tables(synthetic_root, "sample_data")
+        if s["is_key_frame"]
+        and f"/{sensor}/" in s["filename"]
+        and s["sample_token"] in _val_sample_tokens(synthetic_root)
+    )
     root = _copy_with(synthetic_root, tmp_path / "data", {sd["filename"]: bad})
     with pytest.raises(ValueError) as e:
         NuScenesBEVDataset(root, split="mini_val", verbose=False)
@@ -100,9 +127,19 @@ def test_sample_data_paths_leaving_the_dataroot_are_refused(sensor, bad, synthet
 
 
 def test_bev_predict_names_the_refused_path(run, synthetic_root, tmp_path, monkeypatch, capsys):
-    sd = next(s for s in _tables(synthetic_root, "sample_data") if s["is_key_frame"] and "/CAM_FRONT/" in s["filename"]
-              and s["sample_token"] in _val_sample_tokens(synthetic_root))
+    sd = next(
+        s
+        for s in _tables(synthetic_root, "sample_data")
+        if s["is_key_frame"]
+        and "/CAM_FRONT/" in s["filename"]
+        and s["sample_token"] in _val_sample_tokens(synthetic_root)
+    )
     root = _copy_with(synthetic_root, tmp_path / "data", {sd["filename"]: "/etc/hostname"})
-    args = [f"ckpt_path={run}", f"data.dataroot={root}", f"out={tmp_path / 'pred'}", f"hydra.run.dir={tmp_path / 'run'}"]
+    args = [
+        f"ckpt_path={run}",
+        f"data.dataroot={root}",
+        f"out={tmp_path / 'pred'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     assert run_cli(predict_cli._hydra_main, args, monkeypatch) == 1
     assert_one_paragraph(capsys.readouterr().err, "bev-predict: error:", sd["token"], "'/etc/hostname'")

@@ -1,6 +1,7 @@
 """Runs recover from what earlier runs left: temporary files of killed saves are removed on the next start,
 a corrupt last.ckpt does not hide the best checkpoint, a sweep with a failed run exits non-zero, and a
 second bev-predict into the same out= keeps the first one's scenes."""
+
 import json
 import os
 import shutil
@@ -45,8 +46,10 @@ def test_remove_stale_temporaries_keeps_live_writes_and_other_files(tmp_path):
 
 def test_a_new_session_removes_the_litter_of_killed_saves(synthetic_root, tmp_path, monkeypatch):
     (tmp_path / "checkpoints").mkdir()
-    old = [_litter(tmp_path / "checkpoints", ".last.ckpt.x1y2z3.tmp", 3600),
-           _litter(tmp_path, ".metrics.json.q9w8e7.tmp", 3600)]
+    old = [
+        _litter(tmp_path / "checkpoints", ".last.ckpt.x1y2z3.tmp", 3600),
+        _litter(tmp_path, ".metrics.json.q9w8e7.tmp", 3600),
+    ]
     live = _litter(tmp_path / "checkpoints", ".epoch_000.ckpt.r5t6y7.tmp", 0)  # another writer's save in progress
     args = [*TINY, "callbacks.bev_png.every_n_steps=0", f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
     assert train_cli(args, monkeypatch) == 0
@@ -65,8 +68,14 @@ def test_load_model_of_a_run_with_a_corrupt_last_ckpt_uses_its_best_checkpoint(r
 
 
 def test_a_sweep_with_a_failed_run_exits_non_zero(synthetic_root, tmp_path, monkeypatch, capsys):
-    args = ["-m", *TINY, "model.optimizer.lr=1e-3,-1.0", "callbacks.bev_png.every_n_steps=0",
-            f"data.dataroot={synthetic_root}", f"hydra.sweep.dir={tmp_path}"]
+    args = [
+        "-m",
+        *TINY,
+        "model.optimizer.lr=1e-3,-1.0",
+        "callbacks.bev_png.every_n_steps=0",
+        f"data.dataroot={synthetic_root}",
+        f"hydra.sweep.dir={tmp_path}",
+    ]
     assert train_cli(args, monkeypatch) == 1
     err = capsys.readouterr().err
     assert "1 of 2 sweep runs failed" in err and "model.optimizer.lr=-1.0" in err
@@ -75,8 +84,14 @@ def test_a_sweep_with_a_failed_run_exits_non_zero(synthetic_root, tmp_path, monk
 
 
 def _predict(ckpt, root, out, scene, monkeypatch, tmp_path):
-    args = [f"ckpt_path={ckpt}", f"data.dataroot={root}", f"out={out}", f"scene={scene}", "png=false",
-            f"hydra.run.dir={tmp_path / ('run_' + scene)}"]
+    args = [
+        f"ckpt_path={ckpt}",
+        f"data.dataroot={root}",
+        f"out={out}",
+        f"scene={scene}",
+        "png=false",
+        f"hydra.run.dir={tmp_path / ('run_' + scene)}",
+    ]
     assert run_cli(predict_cli._hydra_main, args, monkeypatch) == 0
     return json.loads((out / "predictions.json").read_text())
 

@@ -1,6 +1,7 @@
 """No lost epochs: last.ckpt holds the state after the last step of every epoch and at the end of training,
 also in epochs without a validation, and a run resumed from it ends at the steps and (on the CPU) the
 weights of the same run left uninterrupted."""
+
 import pytest
 import torch
 
@@ -12,10 +13,20 @@ EPOCHS, STEPS_PER_EPOCH = 3, 3  # 3 training samples at batch size 1
 def args(root, run, *extra):
     # Validation every 2nd epoch: epochs 0 and 2 end without one. One intra-op thread: the same float
     # summation order in every run, whatever the machine's load (threads: auto would follow it).
-    return [*TINY, "data.batch_size=1", f"trainer.max_epochs={EPOCHS}", "trainer.check_val_every_n_epoch=2",
-            "threads=1", "seed=7", "callbacks.bev_png.every_n_steps=0", f"data.dataroot={root}", f"hydra.run.dir={run}",
-            "+callbacks.snapshot._target_=helpers.snapshots.SnapshotLast",
-            "+callbacks.snapshot.dirpath=${paths.output_dir}/checkpoints", *extra]
+    return [
+        *TINY,
+        "data.batch_size=1",
+        f"trainer.max_epochs={EPOCHS}",
+        "trainer.check_val_every_n_epoch=2",
+        "threads=1",
+        "seed=7",
+        "callbacks.bev_png.every_n_steps=0",
+        f"data.dataroot={root}",
+        f"hydra.run.dir={run}",
+        "+callbacks.snapshot._target_=helpers.snapshots.SnapshotLast",
+        "+callbacks.snapshot.dirpath=${paths.output_dir}/checkpoints",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +55,9 @@ def test_last_ckpt_after_every_epoch_and_at_the_end(uninterrupted):
 
 
 @pytest.mark.parametrize("epochs_done", [1, 2])
-def test_stop_and_resume_ends_where_the_whole_run_does(epochs_done, uninterrupted, synthetic_root, tmp_path, monkeypatch):
+def test_stop_and_resume_ends_where_the_whole_run_does(
+    epochs_done, uninterrupted, synthetic_root, tmp_path, monkeypatch
+):
     snap = uninterrupted / f"last_after_epoch_{epochs_done - 1:03d}.ckpt"
     assert train_cli(args(synthetic_root, tmp_path, f"ckpt_path={snap}"), monkeypatch) == 0
     whole, resumed = load(uninterrupted / "final_weights.pt"), load(tmp_path / "checkpoints" / "final_weights.pt")

@@ -1,6 +1,7 @@
 """The synthetic road map has no degenerate geometry for any seed: every polygon is valid, every ring has
 at least 3 distinct, well-separated vertices, the renderer's tile clipping works everywhere, and the map
 expansion file holds the same clean rings (a degenerate drivable area once crashed bev-make-synthetic)."""
+
 import numpy as np
 import pytest
 import shapely
@@ -64,8 +65,9 @@ def test_road_geometry_is_clean_for_every_seed(seed):
             for p in _polygons(geom):
                 if not p.is_valid:
                     problems.append(f"{location} {name}: {shapely.is_valid_reason(p)}")
-                problems += [f"{location} {name}: {why}" for r in (p.exterior, *p.interiors)
-                             if (why := _ring_problem(r.coords))]
+                problems += [
+                    f"{location} {name}: {why}" for r in (p.exterior, *p.interiors) if (why := _ring_problem(r.coords))
+                ]
         problems += [f"{location} {f}" for f in _tile_clip_failures(road)]
     assert not problems, f"{len(problems)} problems, e.g. {problems[:3]}"
 

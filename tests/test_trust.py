@@ -1,5 +1,6 @@
 """A checkpoint never runs code: a stored config naming anything but the project's own targets is refused
 by every loader (bev.load_model, bev-eval, bev-predict, bev-export) before anything is built."""
+
 import copy
 from pathlib import Path
 
@@ -38,8 +39,11 @@ def _touch(marker: Path) -> dict:
 
 def _deep_system(marker: Path) -> dict:
     """os.system three levels down, inside the _args_ of an allowed partial."""
-    return {"_target_": "torch.optim.Adam", "_partial_": True,
-            "_args_": [{"groups": [{"deep": {"_target_": "os.system", "_args_": [f"touch {marker}"]}}]}]}
+    return {
+        "_target_": "torch.optim.Adam",
+        "_partial_": True,
+        "_args_": [{"groups": [{"deep": {"_target_": "os.system", "_args_": [f"touch {marker}"]}}]}],
+    }
 
 
 ATTACKS = {  # name -> (where in the stored config, the node put there, the key path the refusal names)
@@ -92,7 +96,12 @@ def test_bev_eval_and_predict_refuse_and_run_nothing(attack, run, synthetic_root
 
 def test_bev_export_refuses_and_runs_nothing(run, tmp_path, monkeypatch, capsys):
     path, marker, key = crafted(run, tmp_path, "touch")
-    args = [f"ckpt_path={path}", f"out={tmp_path / 'm.pt2'}", "format=torch_export", f"hydra.run.dir={tmp_path / 'run'}"]
+    args = [
+        f"ckpt_path={path}",
+        f"out={tmp_path / 'm.pt2'}",
+        "format=torch_export",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     assert run_cli(bev_export._hydra_main, args, monkeypatch) == 1
     assert_one_paragraph(capsys.readouterr().err, "bev-export: error:", key)
     assert not marker.exists() and not (tmp_path / "m.pt2").exists()
@@ -104,30 +113,51 @@ def test_trusting_a_file_is_an_explicit_choice(run, tmp_path):
     assert marker.exists()
 
 
-@pytest.mark.parametrize("value", ["${oc.env:HOME}", "x${oc.env:HOME}", "${bev.num_classes:'${oc.env:USER}'}",
-                                   "${ oc.decode :'1'}"])
+@pytest.mark.parametrize(
+    "value", ["${oc.env:HOME}", "x${oc.env:HOME}", "${bev.num_classes:'${oc.env:USER}'}", "${ oc.decode :'1'}"]
+)
 def test_resolvers_other_than_the_projects_are_refused(value):
     key, what = first_untrusted({"data": {"dataroot": value}})
     assert key == "data.dataroot" and what.startswith("resolver 'oc.")
 
 
 def test_the_projects_resolvers_and_plain_interpolations_pass():
-    cfg = {"data": {"categories": ["vehicle."], "map_layers": None}, "grid": {"x": 1}, "model": {
-        "num_classes": "${bev.num_classes:${data.categories},${data.map_layers}}", "grid": "${grid}",
-        "names": "${bev.object_classes:${data.categories}}", "lr": "${oc.select:model.base_lr,0.1}"}}
+    cfg = {
+        "data": {"categories": ["vehicle."], "map_layers": None},
+        "grid": {"x": 1},
+        "model": {
+            "num_classes": "${bev.num_classes:${data.categories},${data.map_layers}}",
+            "grid": "${grid}",
+            "names": "${bev.object_classes:${data.categories}}",
+            "lr": "${oc.select:model.base_lr,0.1}",
+        },
+    }
     assert first_untrusted(cfg) is None
 
 
-@pytest.mark.parametrize("bad", [{"_target_": ["os", "system"]}, {"a": [[{"_target_": "builtins.eval"}]]},
-                                 {"_target_": "bev.utils.io.atomic_write"}, {"_target_": "torch.load"}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"_target_": ["os", "system"]},
+        {"a": [[{"_target_": "builtins.eval"}]]},
+        {"_target_": "bev.utils.io.atomic_write"},
+        {"_target_": "torch.load"},
+    ],
+)
 def test_odd_and_unlisted_targets_are_refused(bad):
     assert first_untrusted({"model": bad}) is not None
 
 
 def test_the_allowlist_comes_from_the_configs():
     targets = allowed_targets()
-    assert {"bev.lit.BEVLitModule", "bev.models.LiftSplatShoot", "bev.data.NuScenesDataModule",
-            "torch.optim.AdamW", "torch.optim.lr_scheduler.OneCycleLR", "torch.optim.SGD"} <= targets
+    assert {
+        "bev.lit.BEVLitModule",
+        "bev.models.LiftSplatShoot",
+        "bev.data.NuScenesDataModule",
+        "torch.optim.AdamW",
+        "torch.optim.lr_scheduler.OneCycleLR",
+        "torch.optim.SGD",
+    } <= targets
     assert not any(t.startswith(("hydra", "optuna", "os.", "builtins", "pathlib")) for t in targets)
 
 

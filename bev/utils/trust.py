@@ -13,6 +13,7 @@ is built, `check_stored_config` walks the whole stored config (every dict and li
 `_convert_` and `_recursive_` only choose container types and recursion: they run no code.
 A user who trusts a file passes trusted=True (Python) or trust_checkpoint=true (command line).
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,8 +24,10 @@ from typing import Any
 
 from bev.utils.checkpoint import CheckpointError
 
-TRUST_HINT = ("If you trust this file and its author, load it with trust_checkpoint=true on the command line "
-              "(Python: bev.load_model(path, trusted=True)); otherwise do not use it.")
+TRUST_HINT = (
+    "If you trust this file and its author, load it with trust_checkpoint=true on the command line "
+    "(Python: bev.load_model(path, trusted=True)); otherwise do not use it."
+)
 SAFE_RESOLVERS = ("oc.select",)  # besides the project's own (bev.*)
 _RESOLVER_CALL = re.compile(r"\$\{\s*([^\s:{}'\"]+)\s*:")
 
@@ -38,8 +41,10 @@ def _config_files() -> Iterator[Path]:
 
     root = Path(CONFIG_DIR)
     if not root.is_dir():  # the allowlist is read from them: without them nothing could be checked
-        raise UntrustedCheckpointError(f"the project's configs/ folder {str(root)!r} is missing, so a checkpoint's "
-                                       f"stored config cannot be checked. {TRUST_HINT}")
+        raise UntrustedCheckpointError(
+            f"the project's configs/ folder {str(root)!r} is missing, so a checkpoint's "
+            f"stored config cannot be checked. {TRUST_HINT}"
+        )
     return (p for p in sorted(root.rglob("*.yaml")) if p.relative_to(root).parts[0] != "hydra")
 
 
@@ -58,11 +63,17 @@ def _targets(node: Any) -> Iterator[str]:
 def _torch_optim_classes() -> set[str]:
     import torch
 
-    names = {f"torch.optim.{n}" for n, c in vars(torch.optim).items()
-             if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)}
+    names = {
+        f"torch.optim.{n}"
+        for n, c in vars(torch.optim).items()
+        if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
+    }
     sched = torch.optim.lr_scheduler
-    return names | {f"torch.optim.lr_scheduler.{n}" for n, c in vars(sched).items()
-                    if isinstance(c, type) and issubclass(c, sched.LRScheduler)}
+    return names | {
+        f"torch.optim.lr_scheduler.{n}"
+        for n, c in vars(sched).items()
+        if isinstance(c, type) and issubclass(c, sched.LRScheduler)
+    }
 
 
 @functools.cache
@@ -113,4 +124,5 @@ def check_stored_config(config: Any, source: str | Path, trusted: bool = False) 
         key, what = found
         raise UntrustedCheckpointError(
             f"checkpoint {str(source)!r} was refused: its stored config key {key} names {what}, which this project's "
-            f"configs do not use, and building the model would run it. {TRUST_HINT}")
+            f"configs do not use, and building the model would run it. {TRUST_HINT}"
+        )

@@ -1,4 +1,5 @@
 """A training callback for resume tests: keeps what a run killed at each epoch boundary would leave."""
+
 from __future__ import annotations
 
 import shutil
@@ -23,5 +24,7 @@ class SnapshotLast(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.dirpath.mkdir(parents=True, exist_ok=True)
-        torch.save({"global_step": trainer.global_step, "state_dict": pl_module.state_dict()},
-                   self.dirpath / "final_weights.pt")
+        torch.save(
+            {"global_step": trainer.global_step, "state_dict": pl_module.state_dict()},
+            self.dirpath / "final_weights.pt",
+        )
