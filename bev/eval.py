@@ -97,25 +97,26 @@ def _print_report(loaded, data_cfg: DictConfig, record: dict[str, Any], out: Pat
 
 
 def save_pngs(model, datamodule, out: Path, n: int) -> list[Path]:
-    """Cameras + prediction vs target for the first n validation samples."""
-    import torch
+    """Cameras + prediction vs target for the first n validation samples (a temporal model's: its windows,
+    with the vehicles' instances and future paths)."""
 
-    from bev.viz import batch_sample, save_sample_png
+    from bev.inference import predict
+    from bev.viz import batch_sample, save_sample_png, save_temporal_png
 
-    if n <= 0:
-        return []
-    model.eval()
-    device = model.device
     paths: list[Path] = []
-    with torch.no_grad():
-        for batch in datamodule.test_dataloader():
-            pred = model({k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}).float().sigmoid().cpu()
-            for i in range(pred.shape[0]):
-                if len(paths) >= n:
-                    return paths
-                path = out / f"sample_{len(paths):03d}.png"
-                save_sample_png(path, batch_sample(batch, i), pred=pred[i : i + 1], class_names=model.class_names)
-                paths.append(path)
+    for batch in datamodule.test_dataloader() if n > 0 else ():
+        pred = predict(model, batch)
+        for i in range(len(batch["sample_token"])):
+            if len(paths) >= n:
+                return paths
+            path = out / f"sample_{len(paths):03d}.png"
+            if isinstance(pred, dict):
+                item = {k: v[i].cpu() for k, v in pred.items()}
+                save_temporal_png(path, batch_sample(batch, i), item, item["instances"], class_names=model.class_names,
+                                  n_objects=len(model.object_classes))
+            else:
+                save_sample_png(path, batch_sample(batch, i), pred=pred[i : i + 1].cpu(), class_names=model.class_names)
+            paths.append(path)
     return paths
 
 

@@ -28,6 +28,7 @@ CAMERA_INPUTS: dict[str, str] = {
     "post_rots": "(B, N, 3, 3) float32, image augmentation (identity if none)",
     "post_trans": "(B, N, 3) float32, image augmentation (zeros if none)",
 }
+TEMPORAL_INPUT = "(B, P+1+F, 4, 4) float32, ego motion from each frame to the next (bev.data.temporal)"
 
 # model.cuda_graph: the captured training step failed on its first GPU run and was removed.
 RETIRED_MODEL_KEYS = ("cuda_graph",)
@@ -106,36 +107,58 @@ def load_model(ckpt_path: str | Path, device: str | torch.device = "cpu", truste
     return load_checkpoint(ckpt_path, trusted=trusted).model.to(device)
 
 
-def _batched(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """Check the camera inputs; add the batch dimension to a single sample."""
-    missing = [k for k in CAMERA_INPUTS if k not in batch]
+def is_temporal(model: nn.Module) -> bool:
+    """Whether `model` (a LightningModule or its network) takes windows of frames (bev.models.temporal)."""
+    return getattr(getattr(model, "net", model), "past_frames", None) is not None
+
+
+def _batched(batch: Mapping[str, Any], temporal: bool = False) -> dict[str, Any]:
+    """Check the camera inputs; add the batch dimension to a single sample (or window)."""
+    needed = {**CAMERA_INPUTS, **({"future_egomotion": TEMPORAL_INPUT} if temporal else {})}
+    missing = [k for k in needed if k not in batch]
     if missing:
-        want = "; ".join(f"{k} {v}" for k, v in CAMERA_INPUTS.items())
+        want = "; ".join(f"{k} {v}" for k, v in needed.items())
         raise KeyError(f"batch lacks {', '.join(missing)}; a batch needs {want}")
     out = dict(batch)
-    if torch.as_tensor(batch["images"]).dim() == 4:  # one sample (N, 3, H, W)
-        out.update({k: torch.as_tensor(batch[k]).unsqueeze(0) for k in CAMERA_INPUTS})
+    if torch.as_tensor(batch["images"]).dim() == (5 if temporal else 4):  # one sample (N, 3, H, W) or window
+        out.update({k: torch.as_tensor(batch[k]).unsqueeze(0) for k in needed})
     return out
 
 
 @torch.no_grad()
-def predict(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+def predict(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor | dict[str, torch.Tensor]:
     """Per-class probabilities (B, K, X, Y) float32, on the model's device.
 
     model: what load_model returns (or a bare LiftSplatShoot). batch: a dict with the camera
     inputs of CAMERA_INPUTS (extra keys are ignored); a single sample (no batch dimension) works too.
+    A temporal model (bev.models.temporal) takes windows (images (B, P+1, N, 3, H, W), the camera
+    tensors with the same time axis, and future_egomotion) and returns a dict: "bev" (B, K, X, Y) and
+    "segmentation" (B, T, 1, X, Y) probabilities, the heads' "centerness", "offset" and "flow", and
+    "instances" (B, T, X, Y) int64: vehicle ids decoded from them, consistent over the T = F + 1 frames
+    (bev.instances.predict_instances).
     """
-    batch = _batched(batch)
+    temporal = is_temporal(model)
+    batch = _batched(batch, temporal)
     device = next(model.parameters()).device
-    inputs = [torch.as_tensor(batch[k]).to(device) for k in CAMERA_INPUTS]
+    keys = list(CAMERA_INPUTS) + (["future_egomotion"] if temporal else [])
+    inputs = {k: torch.as_tensor(batch[k]).to(device) for k in keys}
     was_training = model.training
     model.eval()
     try:
+        if temporal:
+            return _with_instances(model.predict_step(inputs, 0))
         if hasattr(model, "predict_step"):
-            return model.predict_step(dict(zip(CAMERA_INPUTS, inputs)), 0)
-        return model(*inputs).float().sigmoid()
+            return model.predict_step(inputs, 0)
+        return model(*inputs.values()).float().sigmoid()
     finally:
         model.train(was_training)
+
+
+def _with_instances(out: dict[str, torch.Tensor], threshold: float = 0.5) -> dict[str, torch.Tensor]:
+    from bev.instances import predict_instances
+
+    seg = out["segmentation"][:, :, 0] >= threshold
+    return {**out, "instances": predict_instances(seg, out["centerness"], out["offset"], out["flow"])}
 
 
 def ring_rig(num_cameras: int, image_size: tuple[int, int], batch_size: int = 1) -> dict[str, torch.Tensor]:
@@ -172,9 +195,12 @@ def example_inputs(net: nn.Module, num_cameras: int = 6, batch_size: int = 1, se
 NPZ_SCALE = 255  # probabilities are stored as uint8 q = round(p * 255): p = q / 255, error <= 0.002
 
 
-def save_prediction_npz(path: str | Path, probs: torch.Tensor, names: list[str], **meta: Any) -> Path:
+def save_prediction_npz(path: str | Path, probs: torch.Tensor, names: list[str], future: Mapping[str, Any] | None = None,
+                        **meta: Any) -> Path:
     """One sample's (K, X, Y) probabilities as a compressed .npz: one uint8 (X, Y) array per class
-    name (p = q / 255, indexed [x_index, y_index]) plus `meta` under keys starting with "_"."""
+    name (p = q / 255, indexed [x_index, y_index]) plus `meta` under keys starting with "_".
+    A temporal model's window adds `future` (predict's dict of the item): "future_segmentation" (T, X, Y)
+    uint8 (p = q / 255) and "future_instances" (T, X, Y) int32 ids (0 background) of the present and future frames."""
     import numpy as np
 
     from bev.utils.io import atomic_open
@@ -183,6 +209,10 @@ def save_prediction_npz(path: str | Path, probs: torch.Tensor, names: list[str],
     if p.ndim != 3 or p.shape[0] != len(names):
         raise ValueError(f"probs must be (K={len(names)}, X, Y), got {tuple(p.shape)}")
     arrays = {name: np.rint(p[k] * NPZ_SCALE).astype(np.uint8) for k, name in enumerate(names)}
+    if future is not None:
+        seg = future["segmentation"].detach().float().cpu().clamp(0, 1).reshape((-1,) + p.shape[1:]).numpy()
+        arrays["future_segmentation"] = np.rint(seg * NPZ_SCALE).astype(np.uint8)
+        arrays["future_instances"] = future["instances"].cpu().numpy().astype(np.int32)
     arrays.update({f"_{k}": np.asarray(v) for k, v in meta.items()})
     arrays["_scale"] = np.asarray(1.0 / NPZ_SCALE, dtype=np.float32)
     with atomic_open(path, "wb") as f:
@@ -220,10 +250,11 @@ def writable_dir(path: str | Path, what: str = "out") -> Path:
 
 
 def select_samples(data_cfg: DictConfig, split: str | None = None, scene: str | None = None):
-    """(dataset, sample indices in (scene, time) order, split) for a split, or one scene of it.
+    """(dataset, item indices in (scene, time) order, split) for a split, or one scene of it.
 
     Without `split` a scene is looked up in data.val_split, then data.train_split; an unknown
-    scene raises ValueError listing the scenes there are.
+    scene raises ValueError listing the scenes there are. A temporal dataset's items are windows,
+    ordered by their present frames (present_rows).
     """
     import numpy as np
     from hydra.utils import instantiate
@@ -234,7 +265,8 @@ def select_samples(data_cfg: DictConfig, split: str | None = None, scene: str | 
         datamodule = instantiate(OmegaConf.merge(data_cfg, {"val_split": s}))
         datamodule.setup("predict")
         ds = datamodule.val_set
-        names, times = ds.index["scene"], ds.index["timestamp"]
+        rows = present_rows(ds)
+        names, times = ds.index["scene"][rows], ds.index["timestamp"][rows]
         order = np.lexsort((times, names))
         if scene is None:
             return ds, order, s
@@ -244,6 +276,15 @@ def select_samples(data_cfg: DictConfig, split: str | None = None, scene: str | 
         known[s] = sorted(set(names.tolist()))
     listed = "; ".join(f"{s}: {', '.join(v)}" for s, v in known.items())
     raise ValueError(f"unknown scene {scene!r}. Scenes found ({listed}); pass scene=<one of them> or split=<the split that has it>.")
+
+
+def present_rows(ds):
+    """The dataset index row of each item: the sample itself, or a window's present frame."""
+    import numpy as np
+
+    if getattr(ds, "temporal", False):
+        return ds.windows + ds.past_frames
+    return np.arange(len(ds.index["sample_token"]))
 
 
 # ------------------------------------------------------------------------------------------ export

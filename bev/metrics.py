@@ -196,6 +196,11 @@ def format_table(
         )
     if map_classes:
         lines.append(f"{'map mean (mIoU)':<16}{fmt(results.get('miou_map', math.nan)):>8}")
+    if "future_iou_long" in results:  # a temporal model: FIERY's scores over the present and future frames
+        lines += ["", f"{'present + future':<24}{'IoU':>8}{'VPQ':>8}"]
+        for r, extent in FIERY_RANGES.items():
+            name = f"{r} ({extent:g} m x {extent:g} m)"
+            lines.append(f"{name:<24}{fmt(results.get(f'future_iou_{r}', math.nan)):>8}{fmt(results.get(f'vpq_{r}', math.nan)):>8}")
     return "\n".join(lines)
 
 

@@ -2,7 +2,9 @@
 
 Writes per sample <out>/<scene>/NNN_<token>.npz (probabilities, bev.inference.save_prediction_npz)
 and .png (cameras + prediction over target), per scene <out>/<scene>.gif (the drive, 2 Hz),
-and <out>/predictions.json. The module is not bev/predict.py because `bev.predict` is the
+and <out>/predictions.json. With a temporal checkpoint each sample is the window ending at it (its
+present frame): the npz adds the future frames' segmentation and vehicle ids, and the pictures show
+the vehicles in their instance colours with their predicted paths (bev.viz.render_temporal). The module is not bev/predict.py because `bev.predict` is the
 Python API function (bev.inference.predict).
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
     """Predict the chosen split or scene, writing the files listed above; returns predictions.json's content."""
     import json
 
-    from bev.inference import build_data_config, load_checkpoint, select_samples, writable_dir
+    from bev.inference import build_data_config, load_checkpoint, present_rows, select_samples, writable_dir
     from bev.utils.io import atomic_write
 
     _check_options(cfg)
@@ -30,9 +32,10 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
     model = loaded.model.to(_device(cfg.device))
     data_cfg = build_data_config(cfg.data, loaded.run_config)
     dataset, indices, split = select_samples(data_cfg, cfg.split, cfg.scene)
-    files = _PredictionFiles(cfg, out, model.class_names)
+    files = _PredictionFiles(cfg, out, model.class_names, len(model.object_classes))
     desc = f"predicting {split}" + (f" {cfg.scene}" if cfg.scene else "")
-    records = _predict_samples(model, _loader(cfg, data_cfg, dataset, indices), indices, dataset.index, files, desc)
+    rows = present_rows(dataset)[indices]  # each item's row in the dataset index (a window's present frame)
+    records = _predict_samples(model, _loader(cfg, data_cfg, dataset, indices), rows, dataset.index, files, desc)
     summary = {"checkpoint": str(loaded.path), "split": split, "scene": cfg.scene, "class_names": model.class_names,
                "npz_format": "uint8 q per class, probability = q / 255 (arrays indexed [x_index, y_index]); _-prefixed keys are metadata",
                "grid": OmegaConf.to_container(loaded.run_config.grid), "gifs": files.gifs, "samples": records}
@@ -67,6 +70,11 @@ def _merged_with_earlier(path, summary: dict[str, Any]) -> dict[str, Any]:
     merged = {s["scene"] for s in samples}
     return {**summary, "split": summary["split"] if earlier.get("split") == summary["split"] or not kept else None,
             "scene": summary["scene"] if len(merged) == 1 else None, "gifs": gifs, "samples": samples}
+
+
+def _cpu(pred):
+    """predict's tensor, or a temporal model's dict of tensors, on the CPU."""
+    return {k: v.cpu() for k, v in pred.items()} if isinstance(pred, dict) else pred.cpu()
 
 
 def _check_options(cfg: DictConfig) -> None:
@@ -114,8 +122,8 @@ def _predict_samples(model, loader, indices, index, files: _PredictionFiles, des
     records, position = [], 0
     bar = tqdm(total=len(indices), desc=desc, unit="sample")
     for batch in loader:
-        probs = predict(model, batch).cpu()
-        for i in range(probs.shape[0]):
+        probs = _cpu(predict(model, batch))
+        for i in range(len(batch["sample_token"])):
             k = int(indices[position])  # the sample's row in the dataset index
             position += 1
             records.append(files.add(batch, i, probs, scenes[k], int(times[k])))
@@ -128,8 +136,8 @@ def _predict_samples(model, loader, indices, index, files: _PredictionFiles, des
 class _PredictionFiles:
     """Writes the files of one sample after another: npz (+ png) per sample, a GIF per scene, numbered per scene."""
 
-    def __init__(self, cfg: DictConfig, out, class_names: list[str]):
-        self.cfg, self.out, self.class_names = cfg, out, class_names
+    def __init__(self, cfg: DictConfig, out, class_names: list[str], n_objects: int = 1):
+        self.cfg, self.out, self.class_names, self.n_objects = cfg, out, class_names, n_objects
         self.scene, self.nth = None, 0  # the scene being written and the number of its next sample
         self.frames: list = []  # that scene's GIF frames so far
         self.gifs: list[str] = []
@@ -147,8 +155,10 @@ class _PredictionFiles:
         stem = self.out / safe_name(self.scene) / f"{self.nth:03d}_{safe_name(token)}"
         title = f"{self.scene} #{self.nth}  {token}"
         self.nth += 1
+        future = {k: v[i] for k, v in probs.items()} if isinstance(probs, dict) else None
+        present = future["bev"] if future else probs[i]
         rec = {"scene": self.scene, "sample_token": token, "timestamp": timestamp,
-               "npz": str(save_prediction_npz(stem.with_suffix(".npz"), probs[i], self.class_names, sample_token=token,
+               "npz": str(save_prediction_npz(stem.with_suffix(".npz"), present, self.class_names, future, sample_token=token,
                                               scene=self.scene, timestamp=timestamp, bev_bounds=batch["bev_bounds"][i].numpy()))}
         if self.cfg.png or self.cfg.gif:
             self._pictures(rec, stem, title, batch, i, probs)
@@ -159,9 +169,14 @@ class _PredictionFiles:
         from PIL import Image
 
         from bev.utils.io import atomic_open
-        from bev.viz import batch_sample, render_sample
+        from bev.viz import batch_sample, render_sample, render_temporal
 
-        img = render_sample(batch_sample(batch, i), pred=probs[i : i + 1], title=title, class_names=self.class_names)
+        if isinstance(probs, dict):
+            pred = {k: v[i] for k, v in probs.items()}
+            img = render_temporal(batch_sample(batch, i), pred, pred["instances"], title=title, class_names=self.class_names,
+                                  n_objects=self.n_objects)
+        else:
+            img = render_sample(batch_sample(batch, i), pred=probs[i : i + 1], title=title, class_names=self.class_names)
         if self.cfg.png:
             with atomic_open(stem.with_suffix(".png"), "wb") as f:
                 Image.fromarray(img).save(f, format="PNG")

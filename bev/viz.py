@@ -362,3 +362,12 @@ def render_temporal(window: Mapping[str, Any], pred: Mapping[str, Any], pred_ins
     fig = render_temporal_figure(window, pred, pred_instances, **kw)
     fig.canvas.draw()
     return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
+
+
+def save_temporal_png(path: str | os.PathLike, window: Mapping[str, Any], pred: Mapping[str, Any], pred_instances: Any,
+                      **kw: Any) -> str:
+    """Write render_temporal_figure's picture of a window as ONE PNG, atomically. Returns the path."""
+    fig = render_temporal_figure(window, pred, pred_instances, **kw)
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png")
+    return os.fspath(path)
