@@ -175,7 +175,9 @@ class TemporalLitModule(BEVLitModule):
                 print("model.init_from is not set: the temporal model starts from scratch (its two-stage recipe starts "
                       "from a static checkpoint: model.init_from=<static run>/checkpoints)", flush=True)
             return
-        report = load_matching(self, self.init_from)
+        loaded, report = load_matching(self, self.init_from)
+        if "net.bev_encoder.up2.3.weight" in loaded and self.net.init_future_from_static():
+            report += "\n  future segmentation head: every frame starts as the static head's vehicle logits"
         if rank_zero:
             print(report, flush=True)
 
@@ -268,9 +270,10 @@ def check_finite(loss: torch.Tensor, terms: Mapping[str, torch.Tensor], step: in
         f"(model.init_from=<static run>/checkpoints), lower model.optimizer.lr, or keep trainer.gradient_clip_val set.")
 
 
-def load_matching(module: nn.Module, path: str) -> str:
+def load_matching(module: nn.Module, path: str) -> tuple[set[str], str]:
     """Load the `net.*` tensors of a checkpoint whose names and shapes match `module`'s (state_dict only,
-    torch.load(weights_only=True)); returns a summary of what was loaded, what is new and what was skipped."""
+    torch.load(weights_only=True)); returns their names and a summary of what was loaded, what is new and
+    what was skipped."""
     from bev.utils.checkpoint import read_checkpoint, resolve_checkpoint
 
     file = resolve_checkpoint(path)
@@ -293,4 +296,4 @@ def load_matching(module: nn.Module, path: str) -> str:
     if skipped:
         lines.append(f"  skipped (not in this model or shaped differently): {', '.join(skipped[:8])}"
                      + (f" and {len(skipped) - 8} more" if len(skipped) > 8 else ""))
-    return "\n".join(lines)
+    return set(take), "\n".join(lines)

@@ -71,13 +71,27 @@ def gaussian_kl(mu_q: torch.Tensor, log_var_q: torch.Tensor, mu_p: torch.Tensor,
 
 class UncertaintyWeights(nn.Module):
     """Kendall et al.'s task weighting, as FIERY: total = sum_i L_i / (2 exp(s_i)) + s_i / 2, with a
-    learned log-variance s_i per term (start 0: weight 1/2). The total can go negative."""
+    learned log-variance s_i per term. The total can go negative.
 
-    def __init__(self, names: tuple[str, ...]):
+    init "zero": s_i start at 0 (weight 1/2, FIERY). init "loss": at the first training batch each s_i
+    is set to log L_i, the optimum of the weighting for that batch, so every term starts out
+    contributing alike (~1/2) instead of in proportion to its units (offsets of several cells against
+    a BCE of 0.1).
+    """
+
+    def __init__(self, names: tuple[str, ...], init: str = "zero"):
         super().__init__()
+        if init not in ("zero", "loss"):
+            raise ValueError(f"uncertainty init must be 'zero' or 'loss', got {init!r}")
         self.log_vars = nn.ParameterDict({n: nn.Parameter(torch.zeros(())) for n in names})
+        self.register_buffer("pending", torch.tensor(init == "loss"))  # saved: a resumed run does not start over
 
     def forward(self, terms: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if self.training and bool(self.pending):
+            with torch.no_grad():
+                for name, value in terms.items():
+                    self.log_vars[name].copy_(value.detach().float().clamp(min=1e-4).log())
+                self.pending.fill_(False)
         total = 0.0
         for name, value in terms.items():
             s = self.log_vars[name]
@@ -90,11 +104,13 @@ class TemporalLoss(nn.Module):
 
     weights: a fixed multiplier per term (segmentation, centerness, offset, flow, and "bev" when the
     caller adds the static head's loss, "kl" for the probabilistic model); uncertainty: learned
-    weighting on top (UncertaintyWeights; the KL term keeps its fixed weight, as FIERY's).
+    weighting on top (UncertaintyWeights, started as uncertainty_init says; the KL term keeps its
+    fixed weight, as FIERY's).
     """
 
     def __init__(self, weights: Mapping[str, float] | None = None, uncertainty: bool = True, future_discount: float = 0.95,
-                 seg_pos_weight: float = 2.0, seg_top_k: float | None = None, extra_terms: tuple[str, ...] = ("bev",)):
+                 seg_pos_weight: float = 2.0, seg_top_k: float | None = None, extra_terms: tuple[str, ...] = ("bev",),
+                 uncertainty_init: str = "zero"):
         super().__init__()
         names = TERMS + tuple(extra_terms)
         self.weights = {n: 1.0 for n in (*names, "kl")}
@@ -103,7 +119,7 @@ class TemporalLoss(nn.Module):
             raise ValueError(f"loss weights name unknown term(s) {unknown}; terms: {list(self.weights)}")
         self.weights.update({k: float(v) for k, v in (weights or {}).items()})
         self.future_discount, self.seg_pos_weight, self.seg_top_k = float(future_discount), float(seg_pos_weight), seg_top_k
-        self.uncertainty = UncertaintyWeights(names) if uncertainty else None
+        self.uncertainty = UncertaintyWeights(names, uncertainty_init) if uncertainty else None
 
     def terms(self, out: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each future head's unweighted loss."""

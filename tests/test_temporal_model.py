@@ -194,6 +194,19 @@ def test_uncertainty_weighting_is_kendalls_formula():
     assert total.item() == pytest.approx(expected, rel=1e-6)
 
 
+def test_uncertainty_init_loss_starts_every_term_alike_once():
+    w = UncertaintyWeights(("a", "b"), init="loss")
+    terms = {"a": torch.tensor(4.0), "b": torch.tensor(0.1)}
+    total = w(terms)  # training mode: the first batch sets s = log L
+    assert w.log_vars["a"].item() == pytest.approx(math.log(4.0)) and w.log_vars["b"].item() == pytest.approx(math.log(0.1))
+    assert total.item() == pytest.approx(0.5 + 0.5 * math.log(4.0) + 0.5 + 0.5 * math.log(0.1), rel=1e-5)
+    w({"a": torch.tensor(1.0), "b": torch.tensor(1.0)})  # only once (the flag is saved with the checkpoint)
+    assert w.log_vars["a"].item() == pytest.approx(math.log(4.0)) and "pending" in w.state_dict()
+    untouched = UncertaintyWeights(("a",), init="loss").eval()
+    untouched({"a": torch.tensor(4.0)})  # validation before training does not set it
+    assert untouched.log_vars["a"].item() == 0.0
+
+
 def test_a_nan_loss_stops_training_naming_the_step():
     module = tiny_module()
     batch = sequence_batch()
@@ -222,7 +235,11 @@ def test_init_from_loads_the_static_weights_and_starts_as_the_static_model(tmp_p
     module.eval(), static.eval()
     with torch.no_grad():
         present = static.net(*(c[:, -1] for c in cams(batch)))
-        torch.testing.assert_close(module(batch)["bev"], present, rtol=1e-4, atol=1e-4)
+        out = module(batch)
+    torch.testing.assert_close(out["bev"], present, rtol=1e-4, atol=1e-4)
+    assert "every frame starts as the static head's vehicle logits" in said
+    for t in range(F + 1):  # the future starts as the present vehicle prediction, copied
+        torch.testing.assert_close(out["segmentation"][:, t, 0], present[:, 0], rtol=1e-4, atol=1e-4)
 
 
 def test_init_from_is_not_applied_on_resume_and_its_absence_is_said(capsys):

@@ -205,6 +205,20 @@ class TemporalLiftSplat(LiftSplatShoot):
             self.future_dist = GaussianLatent(cf + frames * (1 + 2), self.latent_dim)  # + future segmentation and flow
         self.future = FutureHeads(cf + self.latent_dim, self.future_frames + 1, head_channels)
 
+    def init_future_from_static(self, object_class: int = 0) -> bool:
+        """Start every frame's segmentation logits as the static head's logits of one object class (vehicles):
+        the present prediction copied to every future frame, the baseline the future heads learn from.
+        False (nothing done) when a 3x3 head conv sits in between (head_channels > 0)."""
+        seg, static = self.future.branches["instance"][-1], self.bev_encoder.up2[-1]
+        if seg.in_channels != static.in_channels + self.latent_dim:
+            return False
+        frames, cf = self.future.frames, static.in_channels
+        with torch.no_grad():
+            seg.weight[:frames] = 0.0  # the latent's columns too
+            seg.weight[:frames, :cf] = static.weight[object_class]
+            seg.bias[:frames] = static.bias[object_class]
+        return True
+
     def lift_splat(self, images, intrinsics, rots, trans, post_rots, post_trans) -> torch.Tensor:
         """(M, N, 3, H, W) and (M, N, ...) cameras of M frames -> (M, C * Z, X, Y) BEV features."""
         M, N = images.shape[:2]
