@@ -17,10 +17,8 @@ from torch import nn
 
 from bev.instances import predict_instances
 from bev.lit import CAMERA_KEYS, BEVLitModule
-from bev.losses import IGNORE, TERMS, TemporalLoss
+from bev.losses import IGNORE, TemporalLoss
 from bev.metrics import FIERY_RANGES, FutureIoU, PanopticQuality, crop_to_range
-
-SEQUENCE_KEYS = ("future_egomotion",) + TERMS[1:] + ("segmentation", "instance")
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -30,14 +28,15 @@ class NonFiniteLossError(FloatingPointError):
 class TemporalLitModule(BEVLitModule):
     """BEVLitModule for TemporalLiftSplat: batches of P+1 input frames, labels for the present and F future frames.
 
-    temporal_loss: keyword arguments of bev.losses.TemporalLoss (weights, uncertainty, future_discount,
-    seg_pos_weight, seg_top_k); its "bev" term is the static head's loss (BEVLitModule.loss).
+    temporal_loss: keyword arguments of bev.losses.TemporalLoss (weights, uncertainty, uncertainty_init,
+    future_discount, seg_pos_weight, seg_top_k); its "bev" term is the static head's loss (BEVLitModule.loss).
     past_no_grad: the past frames' camera encoder and splat run without gradient (BEVDet4D).
     past_cache_mb > 0 (with past_no_grad): in training, the past frames' BEV features are taken from
     what earlier steps computed for the same frames when there is one (PastFeatureCache), at most
     past_cache_max_age optimiser steps old (null: any age).
     init_from: a static (or temporal) checkpoint, or a run / checkpoints directory (its best one):
-    its `net.*` tensors whose names and shapes match are loaded when training starts (not on resume).
+    its `net.*` tensors whose names and shapes match are loaded when training starts (not on resume), and
+    the future segmentation head starts as the static vehicle head (TemporalLiftSplat.init_future_from_static).
     Other arguments: BEVLitModule's.
     """
 
