@@ -387,3 +387,15 @@ def test_past_cache_keys_age_and_size():
     assert cache.get(0, step=6) is None  # 6 steps old
     with pytest.raises(ValueError, match="past_no_grad"):
         tiny_module(past_cache_mb=8)
+
+
+def test_the_probabilistic_future_adds_a_kl_term_that_trains_both_distributions():
+    module = tiny_module(net={"probabilistic": True}).train()
+    batch = sequence_batch()
+    loss, terms = module.total_loss(module(batch), batch)
+    assert "kl" in terms and terms["kl"].item() >= 0
+    loss.backward()
+    for dist in (module.net.present_dist, module.net.future_dist):
+        assert dist.net[-1].weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        assert "future_mu" not in module.eval()(batch)  # inference: the present distribution's mean
