@@ -68,3 +68,12 @@ def test_stop_and_resume_ends_where_the_whole_run_does(
     assert whole["state_dict"].keys() == resumed["state_dict"].keys()
     different = [k for k, v in whole["state_dict"].items() if not torch.equal(v, resumed["state_dict"][k])]
     assert not different, f"{len(different)} tensors differ, e.g. {different[0]}"
+
+
+def test_a_run_stopped_mid_epoch_before_any_validation_keeps_its_best_checkpoint(synthetic_root, tmp_path, monkeypatch):
+    # As a time budget shortens a run: it stops in epoch 1 (validation every 2nd epoch: none yet) with a
+    # validation; the best checkpoint by val/iou must be written at that validation.
+    extra = ["+callbacks.stop._target_=helpers.snapshots.StopMidEpoch", "+callbacks.stop.step=5"]
+    assert train_cli(args(synthetic_root, tmp_path, *extra), monkeypatch) == 0
+    assert (tmp_path / "checkpoints" / "epoch_001.ckpt").is_file()
+    assert load(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 5

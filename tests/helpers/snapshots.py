@@ -28,3 +28,15 @@ class SnapshotLast(L.Callback):
             {"global_step": trainer.global_step, "state_dict": pl_module.state_dict()},
             self.dirpath / "final_weights.pt",
         )
+
+
+class StopMidEpoch(L.Callback):
+    """Stops training at `step` with a validation, as bev.callbacks.TimeBudget ends a shortened run."""
+
+    def __init__(self, step: int):
+        self.step = int(step)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+            trainer.check_val_every_n_epoch = 1
