@@ -16,8 +16,8 @@ come from floor, never truncation toward zero. BEV arrays are indexed [x_index, 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -86,7 +86,7 @@ class Grid:
             )
 
     @classmethod
-    def from_any(cls, grid: "Grid | dict | None") -> "Grid":
+    def from_any(cls, grid: Grid | dict | None) -> Grid:
         """Accept a Grid, a mapping of bounds (e.g. a Hydra config node) or None (defaults)."""
         if grid is None:
             return cls()

@@ -12,8 +12,9 @@ bev-eval, bev-predict and bev-export all load checkpoints through `load_checkpoi
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf

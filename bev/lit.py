@@ -3,7 +3,8 @@ target channels: object classes (vehicle, ...) then HD-map classes (drivable_are
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import lightning as L
 import torch

@@ -12,7 +12,8 @@ a prediction is drawn the same way, each layer blended by its probability.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch

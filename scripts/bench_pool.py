@@ -724,9 +724,10 @@ def print_user_table(user_level):
 
 def print_table(results, checks):
     """The methods table, bandwidths, geometry per size, and the targets."""
-    header = f"| size | dtype | method | fwd ms | fwd+bwd ms | fwd peak MB | fwd+bwd peak MB | GB/s | % of peak |"
+    header = "| size | dtype | method | fwd ms | fwd+bwd ms | fwd peak MB | fwd+bwd peak MB | GB/s | % of peak |"
     print("\n" + header + "\n|---|---|---|---:|---:|---:|---:|---:|---:|")
-    fmt = lambda v, spec: format(v, spec) if v is not None else "-"
+    def fmt(v, spec):
+        return format(v, spec) if v is not None else "-"
     for r in results:
         for row in r["rows"]:
             peak = row.get("forward_fraction_of_peak")

@@ -1,11 +1,10 @@
 """Atomic checkpoint writes, the sweep summary and the epoch summary line (no training)."""
 import csv
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
-
-from types import SimpleNamespace
 
 from bev.callbacks import AtomicCheckpointIO, EpochSummary, summarize_sweep
 

@@ -17,7 +17,6 @@ import torch
 from PIL import Image
 
 from bev.data import NuScenesBEVDataset, NuScenesDataModule
-from bev.data import nuscenes as reader
 from bev.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from bev.geometry import CAMERA_NAMES, Grid, ego_to_image
 from helpers.tiny_nuscenes import BOXES, ego_box, write_tiny
@@ -503,9 +502,10 @@ def test_bench_loader_script(synthetic_root, tmp_path):
 def synthetic_renders(synthetic_root, nusc_syn):
     """The generator's own renders (image + instance ids) of the mini_val samples of synthetic_root,
     with the vehicle annotations as (object index, ego centre, visibility). Seed/size as in conftest."""
-    from bev.synthetic import raycast, world as world_model
-    from bev.synthetic.writer import scene_names
     from bev.geometry import quaternion_to_matrix
+    from bev.synthetic import raycast
+    from bev.synthetic import world as world_model
+    from bev.synthetic.writer import scene_names
 
     names = scene_names(2)
     (scene,) = [s for s in nusc_syn.scene if s["name"] == "scene-0103"]

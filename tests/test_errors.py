@@ -5,7 +5,6 @@ chmod cannot make a directory unwritable)."""
 from __future__ import annotations
 
 import errno
-import shutil
 from collections import namedtuple
 
 import pytest
@@ -27,7 +26,7 @@ def enospc_save(obj, f, *args, **kwargs):
     try:
         raise OSError(errno.ENOSPC, "No space left on device")
     except OSError:
-        raise RuntimeError(UNEXPECTED_POS)
+        raise RuntimeError(UNEXPECTED_POS) from None
 
 
 def bare_unexpected_pos(obj, f, *args, **kwargs):

@@ -4,11 +4,11 @@ The exported model is `tiny_run` (tests/conftest.py), a real bev-train run: the 
 are end-to-end (marker e2e)."""
 import pytest
 import torch
-from helpers.cli import assert_one_paragraph, run_cli
-from helpers.models import CLASSES, GRID, SIZE, TINY_NET, val_batch
 
 import bev
 from bev import export as bev_export
+from helpers.cli import assert_one_paragraph, run_cli
+from helpers.models import CLASSES, GRID, SIZE, TINY_NET, val_batch
 
 
 def export_cli(args, monkeypatch):

@@ -8,8 +8,15 @@ from torch import nn
 from torchvision.ops.misc import SqueezeExcitation
 
 from bev.models import CameraEncoder
-from bev.models.fast_layers import (FP32GradDepthwiseConv2d, GlobalAvgPool, _SpatialMean, fast_global_pools,
-                                    fp32_depthwise, slow_bf16_depthwise, spatial_mean)
+from bev.models.fast_layers import (
+    FP32GradDepthwiseConv2d,
+    GlobalAvgPool,
+    _SpatialMean,
+    fast_global_pools,
+    fp32_depthwise,
+    slow_bf16_depthwise,
+    spatial_mean,
+)
 from bev.utils import precision as P
 
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)

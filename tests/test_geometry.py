@@ -17,6 +17,7 @@ from bev.geometry import (
     voxel_coords,
 )
 
+
 def rig_tensors():
     rig = load_rig()
     cams = [rig["cameras"][n] for n in CAMERA_NAMES]

@@ -7,12 +7,12 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers.cli import assert_one_paragraph, run_cli
-from helpers.models import CLASSES, val_batch
 from PIL import Image
 
 import bev
 from bev import predict_cli
+from helpers.cli import assert_one_paragraph, run_cli
+from helpers.models import CLASSES, val_batch
 
 
 def test_import_bev_is_cheap():

@@ -95,7 +95,7 @@ def test_points_known_by_construction(maps):
         j = _four_way(road)
         arm, (street, d) = next(iter(j.arms.items()))
         u, left = road.dirs[arm], road.dirs[(arm + 1) % 4]
-        at = lambda dist, lat: j.xy + dist * u + lat * left  # noqa: E731
+        at = lambda dist, lat, j=j, u=u, left=left: j.xy + dist * u + lat * left  # noqa: E731
         centre = m.layers_on_point(*j.xy)
         assert centre["drivable_area"] and m.get("road_segment", centre["road_segment"])["is_intersection"]
         assert m.record_on_point(*at(sum(R.CROSSING) / 2, 0.3 * R.CURB), "ped_crossing")
@@ -167,6 +167,7 @@ def test_render_map_patch_draws_every_layer(maps, tmp_path):
     """The devkit's render_map_patch draws the written map: lines as they are, polygon layers through
     devkit_render_fix (descartes cannot read shapely 2 polygons, on any map)."""
     import matplotlib.pyplot as plt
+
     from bev.data.maps import devkit_render_fix
 
     m = maps["boston-seaport"]

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from bev.data import NuScenesBEVDataset
-from bev.data.maps import MAP_CLASSES, PRESETS, devkit_map_mask, load_map_geometry, normalize_map_layers, rasterize_map
+from bev.data.maps import PRESETS, devkit_map_mask, load_map_geometry, rasterize_map
 from bev.data.rasterize import box_footprints, lss_polygon_mask
 from bev.geometry import Grid
-from helpers.tiny_nuscenes import BOXES, LOCATION, ego_box, ego_pose, write_tiny
+from helpers.tiny_nuscenes import LOCATION, ego_box, ego_pose, write_tiny
 
 LAYERS = ("drivable_area", "road_segment", "lane", "ped_crossing", "walkway", "stop_line", "carpark_area",
           "road_divider", "lane_divider")

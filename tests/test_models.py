@@ -3,11 +3,11 @@ import urllib.error
 
 import pytest
 import torch
-from helpers.models import GRID, SIZE, TINY_NET, model_inputs, rig
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bev import ops
 from bev.models import BackboneWeightsError, BevEncoder, CameraEncoder, LiftSplatShoot
+from helpers.models import GRID, SIZE, TINY_NET, model_inputs, rig
 
 
 def test_output_shape_and_gradients_reach_both_encoders():

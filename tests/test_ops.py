@@ -12,6 +12,12 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bev import ops
+from bev.ops import _native
+from bev.ops._plan import flat_keys, sort_keys
 from helpers.ops import (
     DTYPES,
     FRUSTUM_CASES,
@@ -27,12 +33,6 @@ from helpers.ops import (
     random_coords,
     random_frustum,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from bev import ops
-from bev.ops import _native
-from bev.ops._plan import flat_keys, sort_keys
 
 requires_native = pytest.mark.skipif(not ops.native_available("cpu"), reason="native CPU kernels not built")
 

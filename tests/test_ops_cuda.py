@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from bev import ops
 from helpers.cuda_emulation import emulated_bev_pool, emulated_voxel_sum
 from helpers.ops import (
     DTYPES,
@@ -25,8 +27,6 @@ from helpers.ops import (
     random_coords,
     random_frustum,
 )
-
-from bev import ops
 
 pytestmark = [
     pytest.mark.cuda,

@@ -14,6 +14,10 @@ import math
 
 import pytest
 import torch
+
+from bev import ops
+from bev.ops import _checks
+from bev.utils.profiling import peak_cpu_bytes
 from helpers.ops import (
     DTYPES,
     backends_for,
@@ -22,10 +26,6 @@ from helpers.ops import (
     index_add_voxel_sum,
     random_coords,
 )
-
-from bev import ops
-from bev.ops import _checks
-from bev.utils.profiling import peak_cpu_bytes
 
 NATIVE = pytest.mark.skipif(not ops.native_available("cpu"), reason="native CPU kernels not built")
 BACKENDS = backends_for("cpu")

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from matplotlib.path import Path as MplPath
 
 from bev.data.rasterize import box_footprints, polygon_cells, rasterize_boxes
-from bev.geometry import Grid, yaw_to_quaternion, quaternion_to_matrix
+from bev.geometry import Grid, quaternion_to_matrix, yaw_to_quaternion
 
 
 def _rot(yaw: float) -> np.ndarray:

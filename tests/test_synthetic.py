@@ -15,9 +15,10 @@ import torch
 from PIL import Image
 
 from bev.data.rig import MINI_LOCATIONS, load_rig
-from bev.synthetic import raycast, world as world_model
-from bev.synthetic.writer import MANIFEST, TABLES, VERSION, make_synthetic, scene_names
 from bev.geometry import CAMERA_NAMES, ego_to_image, quaternion_to_matrix
+from bev.synthetic import raycast
+from bev.synthetic import world as world_model
+from bev.synthetic.writer import MANIFEST, TABLES, VERSION, make_synthetic, scene_names
 
 SEED, SCENES, SAMPLES = 0, 2, 3  # what the synthetic_root fixture writes
 
@@ -247,7 +248,7 @@ def test_vehicles_never_intersect_other_objects():
 
 def test_projected_boxes_land_on_their_rendered_pixels(nusc):
     checked_centres = visible_centres = own_centres = checked_boxes = 0
-    for name, (si, world, tokens) in _world_index(nusc).items():
+    for name, (_si, world, tokens) in _world_index(nusc).items():
         for k, tok in enumerate(tokens):
             sample = nusc.get("sample", tok)
             R, t = _ego_from_global(nusc, sample)  # global -> LIDAR_TOP ego frame
@@ -287,7 +288,7 @@ def test_projected_boxes_land_on_their_rendered_pixels(nusc):
 
 def test_visibility_matches_the_id_buffers(nusc):
     levels = defaultdict(int)
-    for name, (si, world, tokens) in _world_index(nusc).items():
+    for _name, (_si, world, tokens) in _world_index(nusc).items():
         for k, tok in enumerate(tokens):
             t = k * world_model.SAMPLE_DT
             renders, counts = raycast.render_sample(world, t)

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.tiny_nuscenes import BOXES, ego_pose, write_tiny
 from torch.utils.data import DataLoader, default_collate
 
 from bev.data import NuScenesBEVDataset, NuScenesDataModule, temporal
 from bev.data.rasterize import lss_polygon_mask
 from bev.geometry import Grid
+from helpers.tiny_nuscenes import BOXES, ego_pose, write_tiny
 
 GRID = Grid(xbound=(-25.0, 25.0, 0.5), ybound=(-25.0, 25.0, 0.5))
 DT = 0.5  # s between key frames

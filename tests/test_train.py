@@ -53,8 +53,9 @@ def test_a_fused_optimizer_is_clipped_under_bf16_mixed(synthetic_root, tmp_path,
 
 
 def test_training_sets_intra_op_threads_and_restores_them(synthetic_root, tmp_path, monkeypatch, capsys):
-    import bev.utils.threads as threads
     from lightning import Trainer
+
+    import bev.utils.threads as threads
 
     seen, fit = [], Trainer.fit
     monkeypatch.setattr(Trainer, "fit", lambda self, *a, **k: (seen.append(torch.get_num_threads()), fit(self, *a, **k))[1])

@@ -6,11 +6,19 @@ import pytest
 import torch
 from PIL import Image
 
-from bev.gallery import main as gallery_main
 from bev.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from bev.gallery import main as gallery_main
 from bev.geometry import Grid
 from bev.viz import (
-    FN_COLOR, FP_COLOR, TP_COLOR, bev_to_display, camera_grid, error_map, render_figure, render_sample, save_sample_png,
+    FN_COLOR,
+    FP_COLOR,
+    TP_COLOR,
+    bev_to_display,
+    camera_grid,
+    error_map,
+    render_figure,
+    render_sample,
+    save_sample_png,
 )
 
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 

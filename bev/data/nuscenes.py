@@ -25,17 +25,18 @@ import os
 import sys
 import warnings
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from bev.classes import class_names, normalize_categories, normalize_map_layers, object_class_names  # noqa: F401 (re-exported)
 from bev.data import temporal
 from bev.data.depth import depth_targets, load_lidar
-from bev.classes import class_names, normalize_categories, normalize_map_layers, object_class_names  # noqa: F401 (re-exported)
 from bev.data.maps import load_map_geometry, map_signature, rasterize_map
 from bev.data.rasterize import box_footprints, check_raster, rasterize_boxes
 from bev.data.transforms import (
@@ -374,7 +375,7 @@ def load_index(
     try:
         _save_npz(index, key, cache_file)
     except OSError as e:  # read-only dataset mounts still work, just without a cache
-        warnings.warn(f"could not write the index cache {cache_file} ({e}); pass cache_dir=<writable dir>")
+        warnings.warn(f"could not write the index cache {cache_file} ({e}); pass cache_dir=<writable dir>", stacklevel=2)
     return index
 
 

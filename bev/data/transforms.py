@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -132,7 +132,7 @@ def resize_range(resize_lim, final_dim, augment: bool, raw_hw=(IMAGE_H, IMAGE_W)
         warnings.warn(
             f"resize_lim {lim} is far from the validation scale {val:.4f} of final_dim {tuple(final_dim)}: "
             f"training crops would show a different field of view than validation. Scale resize_lim with "
-            f"final_dim, or pass resize_lim=None to scale the LSS range automatically."
+            f"final_dim, or pass resize_lim=None to scale the LSS range automatically.", stacklevel=2
         )
     return lim
 

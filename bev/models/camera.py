@@ -16,7 +16,6 @@ from torchvision.models.resnet import BasicBlock
 from bev.models.fast_layers import fast_global_pools, fp32_depthwise
 from bev.utils.precision import resolve_channels_last, resolve_depthwise_fp32
 
-
 BACKBONES = ("efficientnet_b0", "resnet18", "resnet50", "small")
 
 

@@ -3,7 +3,8 @@ with bev.ops, and decode the BEV map. Geometry conventions come from bev.geometr
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,7 +55,7 @@ class LiftSplatShoot(nn.Module):
         self._export_splat = False
 
     @contextlib.contextmanager
-    def exportable(self) -> Iterator["LiftSplatShoot"]:
+    def exportable(self) -> Iterator[LiftSplatShoot]:
         """Within this block forward() splats with scatter_splat (for torch.onnx.export)."""
         before, self._export_splat = self._export_splat, True
         try:

@@ -76,7 +76,7 @@ def check_backend(backend) -> str:
     return backend
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def memory_limit(device: torch.device) -> int | None:
     """Bytes a device can ever hold: RAM + swap on the CPU (Linux), total memory on a GPU."""
     if device.type == "cuda":

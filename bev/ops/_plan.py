@@ -43,7 +43,7 @@ class PoolPlan(NamedTuple):
     def device(self) -> torch.device:
         return self.keys.device
 
-    def to(self, device) -> "PoolPlan":
+    def to(self, device) -> PoolPlan:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return self._replace(keys=move(self.keys), order=move(self.order), offsets=move(self.offsets),
                              voxels=move(self.voxels), counts=move(self.counts))

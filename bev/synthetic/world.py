@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import shapely
 
-from bev.synthetic.roads import (CROSSING, CURB, LANES, PARKING_EDGE, SIDEWALK_END, Path, RoadMap, road_map)
+from bev.synthetic.roads import CROSSING, CURB, LANES, PARKING_EDGE, SIDEWALK_END, Path, RoadMap, road_map
 
 ANNOTATION_RANGE = 60.0  # objects within this ego distance (xy) are annotated
 RENDER_RANGE = 90.0  # objects farther than this are not drawn at all (they would be a few pixels)

@@ -7,8 +7,9 @@ import os
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig

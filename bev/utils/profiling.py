@@ -1,7 +1,7 @@
 """What a call allocates, for benchmarks and tests (timings stay in the benchmarks)."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 
 def peak_cpu_bytes(fn: Callable[[], object]) -> int:
