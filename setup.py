@@ -4,6 +4,7 @@ CPU kernels always; CUDA kernels too when nvcc and a CUDA build of torch are pre
 (set BEV_FORCE_CPU=1 to skip them). Without a compiler the package still installs and
 bev.ops falls back to the pure-torch reference with one warning.
 """
+
 import glob
 import os
 import shutil
@@ -44,7 +45,12 @@ if os.environ.get("BEV_NO_EXTENSION") != "1":
         )
     elif cpp:
         ext = cpp_extension.CppExtension(
-            "bev.ops._C", cpp, depends=headers, include_dirs=include_dirs, extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"]
+            "bev.ops._C",
+            cpp,
+            depends=headers,
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx},
+            extra_link_args=["-fopenmp"],
         )
     else:
         ext = None

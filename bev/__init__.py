@@ -5,6 +5,7 @@
 
 Names are imported lazily, so `import bev` stays cheap (no torch or lightning import).
 """
+
 from __future__ import annotations
 
 import importlib

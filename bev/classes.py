@@ -1,11 +1,20 @@
 """The one home of the target channels' names: object classes from `data.categories`, then map classes
 from `data.map_layers`. Plain Python (no torch, no numpy), so that composing a config can call it."""
+
 from __future__ import annotations
 
 from typing import Any
 
-POLYGON_LAYERS = ("drivable_area", "road_segment", "road_block", "lane", "ped_crossing", "walkway",
-                  "stop_line", "carpark_area")
+POLYGON_LAYERS = (
+    "drivable_area",
+    "road_segment",
+    "road_block",
+    "lane",
+    "ped_crossing",
+    "walkway",
+    "stop_line",
+    "carpark_area",
+)
 LINE_LAYERS = ("road_divider", "lane_divider")
 MAP_CLASSES: dict[str, tuple[str, ...]] = {
     **{name: (name,) for name in POLYGON_LAYERS + LINE_LAYERS},

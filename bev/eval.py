@@ -6,6 +6,7 @@ runs the deterministic validation transform (no augmentation, the fixed LSS crop
 IoU table (overall, visibility-filtered, distance bands), and writes <run>/metrics.json and
 PNGs of a few samples.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     from bev.inference import build_data_config, load_checkpoint
 
     if OmegaConf.is_missing(cfg, "ckpt_path"):
-        raise ValueError("no checkpoint given: bev-eval ckpt_path=<a .ckpt file, or a run directory for its best checkpoint>")
-    loaded = load_checkpoint(cfg.ckpt_path, cfg.get("model"), cfg.grid, cfg.data, trusted=bool(cfg.get("trust_checkpoint")))
+        raise ValueError(
+            "no checkpoint given: bev-eval ckpt_path=<a .ckpt file, or a run directory for its best checkpoint>"
+        )
+    loaded = load_checkpoint(
+        cfg.ckpt_path, cfg.get("model"), cfg.grid, cfg.data, trusted=bool(cfg.get("trust_checkpoint"))
+    )
     with open_dict(cfg):
         cfg.grid = loaded.run_config.grid
     data_cfg = build_data_config(cfg.data, loaded.run_config)
@@ -54,8 +59,16 @@ def _test_metrics(cfg: DictConfig, loaded, data_cfg: DictConfig, datamodule) -> 
     threads, accelerator = cfg.get("threads"), str(cfg.accelerator)
     # On a busy machine threads: auto gives way to the other processes.
     with threads_following_load(threads, data_cfg.get("num_workers", 0), accelerator) as follow:
-        trainer = L.Trainer(accelerator=cfg.accelerator, devices=1, precision=precision, logger=False, callbacks=follow,
-                            enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+        trainer = L.Trainer(
+            accelerator=cfg.accelerator,
+            devices=1,
+            precision=precision,
+            logger=False,
+            callbacks=follow,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            enable_progress_bar=False,
+        )
         trainer.test(loaded.model, datamodule=datamodule, verbose=False)
     return {k.removeprefix("test/"): float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
 
@@ -69,7 +82,9 @@ def _eval_record(loaded, data_cfg: DictConfig, metrics: dict[str, float]) -> dic
         "checkpoint": str(loaded.path),
         "epoch": ckpt.get("epoch"),
         "global_step": ckpt.get("global_step"),
-        "data": OmegaConf.to_container(OmegaConf.masked_copy(data_cfg, ["dataroot", "version", "val_split", "final_dim"]), resolve=True),
+        "data": OmegaConf.to_container(
+            OmegaConf.masked_copy(data_cfg, ["dataroot", "version", "val_split", "final_dim"]), resolve=True
+        ),
         "grid": OmegaConf.to_container(loaded.run_config.grid),
         "threshold": float(loaded.model_config.get("threshold", 0.5)),
         "visibility_filter": "iou_vis*: cells of vehicles with nuScenes visibility level 1 (0-40%) ignored",
@@ -77,7 +92,7 @@ def _eval_record(loaded, data_cfg: DictConfig, metrics: dict[str, float]) -> dic
         "object_classes": list(model.object_classes),
         "map_classes": list(model.map_classes),
         "map_protocol": "BEVFusion: IoU of p >= t over the split for t in 0.35..0.65 step 0.05; iou_<class> at the "
-                        "best t (thr_<class>); miou_map their mean",
+        "best t (thr_<class>); miou_map their mean",
         "metrics": metrics,
         "logged_val_iou": logged_val_iou(ckpt),
     }
@@ -88,8 +103,10 @@ def _print_report(loaded, data_cfg: DictConfig, record: dict[str, Any], out: Pat
     from bev.metrics import format_table
 
     ckpt, metrics, logged = loaded.checkpoint, record["metrics"], record["logged_val_iou"]
-    print(f"Checkpoint {loaded.path} (epoch {ckpt.get('epoch')}, step {ckpt.get('global_step')}) on "
-          f"{data_cfg.dataroot} {data_cfg.version}/{data_cfg.val_split}, threshold {record['threshold']}:")
+    print(
+        f"Checkpoint {loaded.path} (epoch {ckpt.get('epoch')}, step {ckpt.get('global_step')}) on "
+        f"{data_cfg.dataroot} {data_cfg.version}/{data_cfg.val_split}, threshold {record['threshold']}:"
+    )
     print(format_table(metrics, loaded.model.object_classes, loaded.model.map_classes))
     if logged is not None:
         print(f"val/iou logged by the run for this checkpoint: {logged:.4f} (this evaluation: {metrics['iou']:.4f})")
@@ -112,8 +129,14 @@ def save_pngs(model, datamodule, out: Path, n: int) -> list[Path]:
             path = out / f"sample_{len(paths):03d}.png"
             if isinstance(pred, dict):
                 item = {k: v[i].cpu() for k, v in pred.items()}
-                save_temporal_png(path, batch_sample(batch, i), item, item["instances"], class_names=model.class_names,
-                                  n_objects=len(model.object_classes))
+                save_temporal_png(
+                    path,
+                    batch_sample(batch, i),
+                    item,
+                    item["instances"],
+                    class_names=model.class_names,
+                    n_objects=len(model.object_classes),
+                )
             else:
                 save_sample_png(path, batch_sample(batch, i), pred=pred[i : i + 1].cpu(), class_names=model.class_names)
             paths.append(path)

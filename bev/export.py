@@ -5,6 +5,7 @@ torch_export: a .pt2 ExportedProgram keeping bev's voxel-pooling op as one node.
 the exported model is run on an example input (random images, a ring of cameras) and compared
 with PyTorch. The work is in bev.inference (export_onnx, export_program).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,9 +34,17 @@ def export(cfg: DictConfig) -> dict[str, Any]:
     diff = write(net, example, expected, out, cfg)
     if diff is not None:
         result["max_abs_diff"] = diff
-    print(f"Exported {cfg.format} to {out} ({out.stat().st_size / 1e6:.1f} MB) for {cfg.num_cameras} cameras of "
-          f"{net.image_size[0]}x{net.image_size[1]}; logits {tuple(expected.shape[1:])} per sample"
-          + (f"; max |logit - PyTorch| on an example: {diff:.2e}" if isinstance(diff, float) else f"; {diff}" if diff else ""))
+    print(
+        f"Exported {cfg.format} to {out} ({out.stat().st_size / 1e6:.1f} MB) for {cfg.num_cameras} cameras of "
+        f"{net.image_size[0]}x{net.image_size[1]}; logits {tuple(expected.shape[1:])} per sample"
+        + (
+            f"; max |logit - PyTorch| on an example: {diff:.2e}"
+            if isinstance(diff, float)
+            else f"; {diff}"
+            if diff
+            else ""
+        )
+    )
     return result
 
 
@@ -50,14 +59,18 @@ def _checked_out(cfg: DictConfig) -> Path:
     out = Path(cfg.out).expanduser()
     if out.is_dir():  # found now, not after the whole export
         suffix = ".onnx" if cfg.format == "onnx" else ".pt2"
-        raise IsADirectoryError(f"out={str(out)!r} is a folder; pass the file to write, e.g. out={out / ('model' + suffix)}")
+        raise IsADirectoryError(
+            f"out={str(out)!r} is a folder; pass the file to write, e.g. out={out / ('model' + suffix)}"
+        )
     writable_dir(out.parent, "out (its folder)")
     if cfg.format == "onnx":
         try:
             import onnx  # noqa: F401
             import onnxscript  # noqa: F401
         except ImportError as e:
-            raise ImportError(f"format=onnx needs the onnx and onnxscript packages ({e}); pip install 'bev[export]'") from None
+            raise ImportError(
+                f"format=onnx needs the onnx and onnxscript packages ({e}); pip install 'bev[export]'"
+            ) from None
     return out
 
 
@@ -82,8 +95,10 @@ def _write_program(net, example: tuple, expected, out: Path, cfg: DictConfig) ->
     from bev.inference import export_program
 
     if not ops.native_available("cpu"):
-        print("bev-export: warning: the native bev.ops build is not loaded; the program contains the pure-torch "
-              "reference pooling instead of the torch.ops.bev.bev_pool node")
+        print(
+            "bev-export: warning: the native bev.ops build is not loaded; the program contains the pure-torch "
+            "reference pooling instead of the torch.ops.bev.bev_pool node"
+        )
     export_program(net, example, out)
     if not cfg.check:
         return None

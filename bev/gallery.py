@@ -1,4 +1,5 @@
 """`bev-gallery`: write a PNG of one sample's 6 cameras and its BEV target."""
+
 from __future__ import annotations
 
 import argparse

@@ -13,6 +13,7 @@ Grid: bounds [lo, hi, step] per axis. Cell i covers [lo + i*step, lo + (i+1)*ste
 come from floor, never truncation toward zero. BEV arrays are indexed [x_index, y_index]
 (row = forward axis); voxel grids handed to bev.ops are (Z, X, Y).
 """
+
 from __future__ import annotations
 
 import math
@@ -95,7 +96,9 @@ class Grid:
         try:
             return cls(**{k: tuple(v) for k, v in dict(grid).items()})
         except TypeError as e:
-            raise ValueError(f"bad grid config {dict(grid)}: expected keys xbound, ybound, zbound, dbound ({e})") from None
+            raise ValueError(
+                f"bad grid config {dict(grid)}: expected keys xbound, ybound, zbound, dbound ({e})"
+            ) from None
 
     @property
     def nx(self) -> int:
@@ -186,11 +189,20 @@ def inverse_3x3(m: torch.Tensor) -> torch.Tensor:
     a, b, c = m[..., 0, 0], m[..., 0, 1], m[..., 0, 2]
     d, e, f = m[..., 1, 0], m[..., 1, 1], m[..., 1, 2]
     g, h, i = m[..., 2, 0], m[..., 2, 1], m[..., 2, 2]
-    cof = torch.stack([
-        e * i - f * h, c * h - b * i, b * f - c * e,
-        f * g - d * i, a * i - c * g, c * d - a * f,
-        d * h - e * g, b * g - a * h, a * e - b * d,
-    ], dim=-1).reshape(*m.shape)
+    cof = torch.stack(
+        [
+            e * i - f * h,
+            c * h - b * i,
+            b * f - c * e,
+            f * g - d * i,
+            a * i - c * g,
+            c * d - a * f,
+            d * h - e * g,
+            b * g - a * h,
+            a * e - b * d,
+        ],
+        dim=-1,
+    ).reshape(*m.shape)
     det = a * cof[..., 0, 0] + b * cof[..., 1, 0] + c * cof[..., 2, 0]
     return cof / det[..., None, None]
 
@@ -234,9 +246,16 @@ def ego_to_image(
     return uvd[..., :2], depth
 
 
-def depth_bins_in_grid(grid: Grid, image_size: tuple[int, int], intrinsics: torch.Tensor, rots: torch.Tensor,
-                       trans: torch.Tensor, post_rots: torch.Tensor, post_trans: torch.Tensor,
-                       downsample: int = FEATURE_STRIDE) -> torch.Tensor:
+def depth_bins_in_grid(
+    grid: Grid,
+    image_size: tuple[int, int],
+    intrinsics: torch.Tensor,
+    rots: torch.Tensor,
+    trans: torch.Tensor,
+    post_rots: torch.Tensor,
+    post_trans: torch.Tensor,
+    downsample: int = FEATURE_STRIDE,
+) -> torch.Tensor:
     """(D,) bool: whether depth bin d puts any frustum point of these cameras ((B, N, ...) tensors) inside the grid."""
     frustum = make_frustum(image_size, downsample, grid)
     idx = voxel_coords(frustum_to_ego(frustum, intrinsics, rots, trans, post_rots, post_trans), grid)

@@ -9,6 +9,7 @@ predict_step, the run config (`run_config`, the resolved config bev-train stored
 checkpoint) and works with `lightning.Trainer.predict`; the network itself is `model.net`.
 bev-eval, bev-predict and bev-export all load checkpoints through `load_checkpoint` here.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,8 +46,13 @@ class Loaded(NamedTuple):
     path: Path  # the checkpoint file (a run directory resolves to its best checkpoint)
 
 
-def load_checkpoint(ckpt_path: str | Path, model_config: DictConfig | None = None, grid: Any = None,
-                    data: DictConfig | None = None, trusted: bool = False) -> Loaded:
+def load_checkpoint(
+    ckpt_path: str | Path,
+    model_config: DictConfig | None = None,
+    grid: Any = None,
+    data: DictConfig | None = None,
+    trusted: bool = False,
+) -> Loaded:
     """Rebuild the model a checkpoint was trained as, from the config bev-train stored in it.
 
     model_config overrides the stored model config (grid and image size still come from the
@@ -65,7 +71,9 @@ def load_checkpoint(ckpt_path: str | Path, model_config: DictConfig | None = Non
     saved = ckpt.get("bev_config")
     check_stored_config(saved, path, trusted)
     if saved is None and (model_config is None or grid is None or data is None):
-        raise CheckpointError(f"{str(path)!r} carries no bev-train config; pass model=..., data=... and grid=... matching how it was trained.")
+        raise CheckpointError(
+            f"{str(path)!r} carries no bev-train config; pass model=..., data=... and grid=... matching how it was trained."
+        )
     run_cfg = OmegaConf.create(saved or {"grid": grid, "data": data, "model": model_config, "trainer": {}})
     # model=<group> replaces the checkpoint's model config; +model.<key>=... overrides are applied on top of it
     # (check_compatible names any that no longer fit the weights).
@@ -183,7 +191,9 @@ def ring_rig(num_cameras: int, image_size: tuple[int, int], batch_size: int = 1)
     }
 
 
-def example_inputs(net: nn.Module, num_cameras: int = 6, batch_size: int = 1, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def example_inputs(
+    net: nn.Module, num_cameras: int = 6, batch_size: int = 1, seed: int = 0
+) -> tuple[torch.Tensor, ...]:
     """Random images + a ring rig: inputs of the right shapes for tracing / exporting / timing `net`."""
     H, W = net.image_size
     g = torch.Generator().manual_seed(seed)
@@ -196,8 +206,9 @@ def example_inputs(net: nn.Module, num_cameras: int = 6, batch_size: int = 1, se
 NPZ_SCALE = 255  # probabilities are stored as uint8 q = round(p * 255): p = q / 255, error <= 0.002
 
 
-def save_prediction_npz(path: str | Path, probs: torch.Tensor, names: list[str], future: Mapping[str, Any] | None = None,
-                        **meta: Any) -> Path:
+def save_prediction_npz(
+    path: str | Path, probs: torch.Tensor, names: list[str], future: Mapping[str, Any] | None = None, **meta: Any
+) -> Path:
     """One sample's (K, X, Y) probabilities as a compressed .npz: one uint8 (X, Y) array per class
     name (p = q / 255, indexed [x_index, y_index]) plus `meta` under keys starting with "_".
     A temporal model's window adds `future` (predict's dict of the item): "future_segmentation" (T, X, Y)
@@ -231,7 +242,9 @@ def save_gif(path: str | Path, frames: list, fps: float = 2.0) -> Path:
         raise ValueError("a GIF needs at least one frame")
     images = [Image.fromarray(f).convert("P", palette=Image.Palette.ADAPTIVE, colors=255) for f in frames]
     with atomic_open(path, "wb") as f:
-        images[0].save(f, format="GIF", save_all=True, append_images=images[1:], duration=int(round(1000 / fps)), loop=0)
+        images[0].save(
+            f, format="GIF", save_all=True, append_images=images[1:], duration=int(round(1000 / fps)), loop=0
+        )
     return Path(path)
 
 
@@ -245,8 +258,10 @@ def writable_dir(path: str | Path, what: str = "out") -> Path:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
-        raise OSError(f"{what}={str(path)!r} is not a writable folder ({type(e).__name__}: {e.strerror or e}); "
-                      f"pass {what}=<a folder you can write to>.") from None
+        raise OSError(
+            f"{what}={str(path)!r} is not a writable folder ({type(e).__name__}: {e.strerror or e}); "
+            f"pass {what}=<a folder you can write to>."
+        ) from None
     return path
 
 
@@ -276,7 +291,9 @@ def select_samples(data_cfg: DictConfig, split: str | None = None, scene: str | 
             return ds, chosen, s
         known[s] = sorted(set(names.tolist()))
     listed = "; ".join(f"{s}: {', '.join(v)}" for s, v in known.items())
-    raise ValueError(f"unknown scene {scene!r}. Scenes found ({listed}); pass scene=<one of them> or split=<the split that has it>.")
+    raise ValueError(
+        f"unknown scene {scene!r}. Scenes found ({listed}); pass scene=<one of them> or split=<the split that has it>."
+    )
 
 
 def present_rows(ds):
@@ -307,9 +324,16 @@ def export_onnx(net: nn.Module, example: tuple[torch.Tensor, ...], path: str | P
         example = tuple(torch.cat([t, t]) for t in example)
     batch = torch.export.Dim("batch", min=1, max=1024)
     with torch.no_grad(), net.exportable():
-        program = torch.onnx.export(net.eval(), example, dynamo=True, opset_version=int(opset), verbose=False,
-                                    input_names=list(CAMERA_INPUTS), output_names=["logits"],
-                                    dynamic_shapes=tuple({0: batch} for _ in example))
+        program = torch.onnx.export(
+            net.eval(),
+            example,
+            dynamo=True,
+            opset_version=int(opset),
+            verbose=False,
+            input_names=list(CAMERA_INPUTS),
+            output_names=["logits"],
+            dynamic_shapes=tuple({0: batch} for _ in example),
+        )
     with atomic_open(path, "wb") as f:  # bytes, not onnx.save_model: that reads f.name, an fd number here
         f.write(program.model_proto.SerializeToString())
     return Path(path)

@@ -1,5 +1,6 @@
 """LightningModule: Lift-Splat-Shoot trained with BCE-with-logits (or sigmoid focal loss) on the BEV
 target channels: object classes (vehicle, ...) then HD-map classes (drivable_area, ...)."""
+
 from __future__ import annotations
 
 import inspect
@@ -29,12 +30,16 @@ def _class_names(net: nn.Module, object_classes, map_classes) -> tuple[tuple[str
     if not object_classes:
         raise ValueError("model.object_classes is empty: the first channels must be object classes (data.categories)")
     if head is not None and head != len(object_classes) + len(map_classes):
-        raise ValueError(f"net.num_classes={head} but object_classes {list(object_classes)} + map_classes "
-                         f"{list(map_classes)} name {len(object_classes) + len(map_classes)} channels")
+        raise ValueError(
+            f"net.num_classes={head} but object_classes {list(object_classes)} + map_classes "
+            f"{list(map_classes)} name {len(object_classes) + len(map_classes)} channels"
+        )
     return object_classes, map_classes
 
 
-def fused_default(factory: Callable[..., torch.optim.Optimizer], device_type: str, precision: str | None = None) -> dict:
+def fused_default(
+    factory: Callable[..., torch.optim.Optimizer], device_type: str, precision: str | None = None
+) -> dict:
     """{"fused": True} for Adam or AdamW on CUDA parameters when the config chose neither fused nor foreach.
 
     On a GPU the default multi-tensor step still loops over every parameter tensor in Python (two
@@ -87,7 +92,9 @@ def rescale_schedule(sched: Any, total_steps: int, pivot: int) -> bool:
     """
     if isinstance(sched, torch.optim.lr_scheduler.OneCycleLR):
         if total_steps - 1 <= pivot:
-            raise ValueError(f"cannot end a schedule at step {total_steps} from step {pivot}: it needs at least one more step")
+            raise ValueError(
+                f"cannot end a schedule at step {total_steps} from step {pivot}: it needs at least one more step"
+            )
         scale = (total_steps - 1 - pivot) / (sched.total_steps - 1 - pivot)
         for phase in sched._schedule_phases:
             phase["end_step"] = pivot + (phase["end_step"] - pivot) * scale
@@ -175,9 +182,11 @@ class BEVLitModule(L.LightningModule):
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         names = tuple(getattr(dm, "class_names", None) or ())
         if names and names != self.class_names:
-            raise ValueError(f"the data's target channels {list(names)} differ from the model's {list(self.class_names)}: "
-                             f"model.object_classes/map_classes and net.num_classes must follow data.categories and "
-                             f"data.map_layers (the configs interpolate them with ${{bev.object_classes:...}} etc.)")
+            raise ValueError(
+                f"the data's target channels {list(names)} differ from the model's {list(self.class_names)}: "
+                f"model.object_classes/map_classes and net.num_classes must follow data.categories and "
+                f"data.map_layers (the configs interpolate them with ${{bev.object_classes:...}} etc.)"
+            )
         if self.compile and stage == "fit":
             self.net.compile()  # in place: state_dict keys stay those of the plain model
 
@@ -233,7 +242,9 @@ class BEVLitModule(L.LightningModule):
             logits = self(batch)
             return self.loss(logits, batch["bev"]), logits, None
         if "depth" not in batch:
-            raise ValueError("model.depth_weight > 0 needs lidar depth targets in the batch: set data.depth_target=true")
+            raise ValueError(
+                "model.depth_weight > 0 needs lidar depth targets in the batch: set data.depth_target=true"
+            )
         logits, depth_logits = self.net(*(batch[k] for k in CAMERA_KEYS), return_depth=True)
         depth_loss = self.depth_loss(depth_logits, batch["depth"])
         return self.loss(logits, batch["bev"]) + self.depth_weight * depth_loss, logits, depth_loss
@@ -262,7 +273,9 @@ class BEVLitModule(L.LightningModule):
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
         logits = self(batch)
-        self.log("test/loss", self.loss(logits, batch["bev"]), on_epoch=True, sync_dist=True, batch_size=logits.shape[0])
+        self.log(
+            "test/loss", self.loss(logits, batch["bev"]), on_epoch=True, sync_dist=True, batch_size=logits.shape[0]
+        )
         self._update_metrics(self.test_iou, self.test_map_iou, logits, batch)
 
     def predict_step(self, batch: dict, batch_idx: int = 0, dataloader_idx: int = 0) -> torch.Tensor:
@@ -285,7 +298,11 @@ class BEVLitModule(L.LightningModule):
         """Clips a fused optimiser's gradients under bf16-mixed, which Lightning's mixed-precision plugin
         refuses for any optimiser that unscales inside its step: only fp16's GradScaler leaves them
         scaled at this point, so without one they are the true gradients, clipped as the plugin would."""
-        if gradient_clip_val and getattr(optimizer, "_step_supports_amp_scaling", False) and self.trainer.precision != "16-mixed":
+        if (
+            gradient_clip_val
+            and getattr(optimizer, "_step_supports_amp_scaling", False)
+            and self.trainer.precision != "16-mixed"
+        ):
             params = [p for group in optimizer.param_groups for p in group["params"]]
             if gradient_clip_algorithm == "value":
                 torch.nn.utils.clip_grad_value_(params, gradient_clip_val)

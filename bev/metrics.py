@@ -200,7 +200,9 @@ def format_table(
         lines += ["", f"{'present + future':<24}{'IoU':>8}{'VPQ':>8}"]
         for r, extent in FIERY_RANGES.items():
             name = f"{r} ({extent:g} m x {extent:g} m)"
-            lines.append(f"{name:<24}{fmt(results.get(f'future_iou_{r}', math.nan)):>8}{fmt(results.get(f'vpq_{r}', math.nan)):>8}")
+            lines.append(
+                f"{name:<24}{fmt(results.get(f'future_iou_{r}', math.nan)):>8}{fmt(results.get(f'vpq_{r}', math.nan)):>8}"
+            )
     return "\n".join(lines)
 
 

@@ -7,6 +7,7 @@ present frame): the npz adds the future frames' segmentation and vehicle ids, an
 the vehicles in their instance colours with their predicted paths (bev.viz.render_temporal). The module is not bev/predict.py because `bev.predict` is the
 Python API function (bev.inference.predict).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -36,13 +37,22 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
     desc = f"predicting {split}" + (f" {cfg.scene}" if cfg.scene else "")
     rows = present_rows(dataset)[indices]  # each item's row in the dataset index (a window's present frame)
     records = _predict_samples(model, _loader(cfg, data_cfg, dataset, indices), rows, dataset.index, files, desc)
-    summary = {"checkpoint": str(loaded.path), "split": split, "scene": cfg.scene, "class_names": model.class_names,
-               "npz_format": "uint8 q per class, probability = q / 255 (arrays indexed [x_index, y_index]); _-prefixed keys are metadata",
-               "grid": OmegaConf.to_container(loaded.run_config.grid), "gifs": files.gifs, "samples": records}
+    summary = {
+        "checkpoint": str(loaded.path),
+        "split": split,
+        "scene": cfg.scene,
+        "class_names": model.class_names,
+        "npz_format": "uint8 q per class, probability = q / 255 (arrays indexed [x_index, y_index]); _-prefixed keys are metadata",
+        "grid": OmegaConf.to_container(loaded.run_config.grid),
+        "gifs": files.gifs,
+        "samples": records,
+    }
     summary = _merged_with_earlier(out / "predictions.json", summary)
     atomic_write(out / "predictions.json", json.dumps(summary, indent=2))
-    print(f"Predicted {len(records)} samples of {split}{' ' + cfg.scene if cfg.scene else ''} with {loaded.path}: "
-          f"{len(files.gifs)} GIF(s), files in {out}")
+    print(
+        f"Predicted {len(records)} samples of {split}{' ' + cfg.scene if cfg.scene else ''} with {loaded.path}: "
+        f"{len(files.gifs)} GIF(s), files in {out}"
+    )
     return summary
 
 
@@ -60,16 +70,24 @@ def _merged_with_earlier(path, summary: dict[str, Any]) -> dict[str, Any]:
     except (OSError, ValueError, AttributeError):
         same = False
     if not same:
-        warnings.warn(f"{path} indexed predictions of another checkpoint, class list or grid (or was unreadable): "
-                      f"replaced by this run's; the files it listed stay in {path.parent}", stacklevel=2)
+        warnings.warn(
+            f"{path} indexed predictions of another checkpoint, class list or grid (or was unreadable): "
+            f"replaced by this run's; the files it listed stay in {path.parent}",
+            stacklevel=2,
+        )
         return summary
     scenes = {s["scene"] for s in summary["samples"]}
     kept = [s for s in earlier.get("samples", []) if s.get("scene") not in scenes]
     samples = sorted(kept + summary["samples"], key=lambda s: (s["scene"], s["timestamp"]))
     gifs = sorted(set(summary["gifs"]) | {g for g in earlier.get("gifs", []) if Path(g).is_file()})
     merged = {s["scene"] for s in samples}
-    return {**summary, "split": summary["split"] if earlier.get("split") == summary["split"] or not kept else None,
-            "scene": summary["scene"] if len(merged) == 1 else None, "gifs": gifs, "samples": samples}
+    return {
+        **summary,
+        "split": summary["split"] if earlier.get("split") == summary["split"] or not kept else None,
+        "scene": summary["scene"] if len(merged) == 1 else None,
+        "gifs": gifs,
+        "samples": samples,
+    }
 
 
 def _cpu(pred):
@@ -108,8 +126,12 @@ def _loader(cfg: DictConfig, data_cfg: DictConfig, dataset, indices):
     """A DataLoader over the selected samples, in their (scene, time) order."""
     from torch.utils.data import DataLoader, Subset
 
-    return DataLoader(Subset(dataset, indices.tolist()), batch_size=int(cfg.batch_size or data_cfg.batch_size),
-                      num_workers=int(data_cfg.num_workers), shuffle=False)
+    return DataLoader(
+        Subset(dataset, indices.tolist()),
+        batch_size=int(cfg.batch_size or data_cfg.batch_size),
+        num_workers=int(data_cfg.num_workers),
+        shuffle=False,
+    )
 
 
 def _predict_samples(model, loader, indices, index, files: _PredictionFiles, desc: str) -> list[dict[str, Any]]:
@@ -157,9 +179,23 @@ class _PredictionFiles:
         self.nth += 1
         future = {k: v[i] for k, v in probs.items()} if isinstance(probs, dict) else None
         present = future["bev"] if future else probs[i]
-        rec = {"scene": self.scene, "sample_token": token, "timestamp": timestamp,
-               "npz": str(save_prediction_npz(stem.with_suffix(".npz"), present, self.class_names, future, sample_token=token,
-                                              scene=self.scene, timestamp=timestamp, bev_bounds=batch["bev_bounds"][i].numpy()))}
+        rec = {
+            "scene": self.scene,
+            "sample_token": token,
+            "timestamp": timestamp,
+            "npz": str(
+                save_prediction_npz(
+                    stem.with_suffix(".npz"),
+                    present,
+                    self.class_names,
+                    future,
+                    sample_token=token,
+                    scene=self.scene,
+                    timestamp=timestamp,
+                    bev_bounds=batch["bev_bounds"][i].numpy(),
+                )
+            ),
+        }
         if self.cfg.png or self.cfg.gif:
             self._pictures(rec, stem, title, batch, i, probs)
         return rec
@@ -173,10 +209,18 @@ class _PredictionFiles:
 
         if isinstance(probs, dict):
             pred = {k: v[i] for k, v in probs.items()}
-            img = render_temporal(batch_sample(batch, i), pred, pred["instances"], title=title, class_names=self.class_names,
-                                  n_objects=self.n_objects)
+            img = render_temporal(
+                batch_sample(batch, i),
+                pred,
+                pred["instances"],
+                title=title,
+                class_names=self.class_names,
+                n_objects=self.n_objects,
+            )
         else:
-            img = render_sample(batch_sample(batch, i), pred=probs[i : i + 1], title=title, class_names=self.class_names)
+            img = render_sample(
+                batch_sample(batch, i), pred=probs[i : i + 1], title=title, class_names=self.class_names
+            )
         if self.cfg.png:
             with atomic_open(stem.with_suffix(".png"), "wb") as f:
                 Image.fromarray(img).save(f, format="PNG")
@@ -190,7 +234,9 @@ class _PredictionFiles:
         from bev.utils.io import safe_name
 
         if self.cfg.gif and self.frames:
-            self.gifs.append(str(save_gif(self.out / f"{safe_name(self.scene)}.gif", self.frames, float(self.cfg.gif_fps))))
+            self.gifs.append(
+                str(save_gif(self.out / f"{safe_name(self.scene)}.gif", self.frames, float(self.cfg.gif_fps)))
+            )
         self.frames.clear()
 
 

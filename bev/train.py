@@ -4,6 +4,7 @@ Thin entry point in the lightning-hydra-template style: compose configs/train.ya
 data, model, callbacks, loggers and trainer, fit (resuming from `ckpt_path` when given), and
 write <run>/metrics.json (read by the sweep summary). `bev-train -m a=1,2` sweeps.
 """
+
 from __future__ import annotations
 
 import time
@@ -93,7 +94,8 @@ def _check_batches_per_process(trainer_cfg: DictConfig, samples: int, batch_size
             f"trainer.devices={devices} x trainer.num_nodes={nodes} = {world} training processes share the {samples} "
             f"samples of {split!r}: {each} each, less than data.batch_size={batch_size}, so no process gets a full "
             f"batch and there is nothing to train. Use fewer processes (trainer.devices=1 on a CPU) or a smaller "
-            f"data.batch_size.")
+            f"data.batch_size."
+        )
 
 
 def _check_depth_reach(grid, sample: dict, split: str) -> None:
@@ -104,19 +106,25 @@ def _check_depth_reach(grid, sample: dict, split: str) -> None:
 
     n = sample["rots"].shape[-3]
     # One batch of every camera (and frame, for temporal windows): (1, M, 3, 3) matrices, (1, M, 3) vectors.
-    cams = [sample[k].reshape(1, -1, *sample[k].shape[-1 if k.endswith("trans") else -2:]) for k in CAMERA_GEOMETRY]
+    cams = [sample[k].reshape(1, -1, *sample[k].shape[-1 if k.endswith("trans") else -2 :]) for k in CAMERA_GEOMETRY]
     reach = depth_bins_in_grid(grid, tuple(sample["images"].shape[-2:]), *cams)
     depths = grid.depths()[: len(reach)]
-    where = (f"grid.dbound {list(grid.dbound)} with xbound {list(grid.xbound)}, ybound {list(grid.ybound)}, zbound "
-             f"{list(grid.zbound)} (the {n} cameras of the first {split!r} sample)")
+    where = (
+        f"grid.dbound {list(grid.dbound)} with xbound {list(grid.xbound)}, ybound {list(grid.ybound)}, zbound "
+        f"{list(grid.zbound)} (the {n} cameras of the first {split!r} sample)"
+    )
     if not reach.any():
-        raise ValueError(f"no depth bin puts a camera feature inside the BEV grid: {where}. The model would see nothing; "
-                         f"choose dbound within the grid's reach or widen the grid.")
+        raise ValueError(
+            f"no depth bin puts a camera feature inside the BEV grid: {where}. The model would see nothing; "
+            f"choose dbound within the grid's reach or widen the grid."
+        )
     if not reach.all():
         lost, step = depths[~reach], grid.dbound[2]
-        warnings.warn(f"{len(lost)} of {len(reach)} depth bins ({float(lost.min()):g}-{float(lost.max()) + step:g} m) put no "
-                      f"camera feature inside the BEV grid: {where}. They cost compute and learn nothing; trim dbound.",
-                      stacklevel=2)
+        warnings.warn(
+            f"{len(lost)} of {len(reach)} depth bins ({float(lost.min()):g}-{float(lost.max()) + step:g} m) put no "
+            f"camera feature inside the BEV grid: {where}. They cost compute and learn nothing; trim dbound.",
+            stacklevel=2,
+        )
 
 
 def _build_model(cfg: DictConfig):
@@ -156,8 +164,12 @@ def _fit(cfg: DictConfig, trainer, model, datamodule, ckpt_path: str | None) -> 
     from bev.callbacks.threads import threads_following_load
 
     start = time.time()
-    with threads_following_load(cfg.get("threads"), cfg.data.get("num_workers", 0),
-                                str(cfg.trainer.get("accelerator", "cpu")), cfg.trainer.get("devices", 1)) as follow:
+    with threads_following_load(
+        cfg.get("threads"),
+        cfg.data.get("num_workers", 0),
+        str(cfg.trainer.get("accelerator", "cpu")),
+        cfg.trainer.get("devices", 1),
+    ) as follow:
         trainer.callbacks.extend(follow)
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     return time.time() - start
@@ -179,14 +191,17 @@ def _finish(cfg: DictConfig, trainer, metrics: dict[str, float], out: Path, wall
     if not trainer.is_global_zero:
         return
     write_run_metrics(out, _run_record(cfg, trainer, metrics, wall, budget, best))
-    print(f"Training done in {wall / 60:.1f} min, {trainer.global_step} steps: val/iou_best={metrics['val/iou_best']:.4f}. "
-          f"Best checkpoint: {best or '(none)'}; run dir: {out}")
+    print(
+        f"Training done in {wall / 60:.1f} min, {trainer.global_step} steps: val/iou_best={metrics['val/iou_best']:.4f}. "
+        f"Best checkpoint: {best or '(none)'}; run dir: {out}"
+    )
     if budget and budget["message"]:
         print(budget["message"])
 
 
-def _run_record(cfg: DictConfig, trainer, metrics: dict[str, float], wall: float, budget: dict | None,
-                best: str) -> dict[str, Any]:
+def _run_record(
+    cfg: DictConfig, trainer, metrics: dict[str, float], wall: float, budget: dict | None, best: str
+) -> dict[str, Any]:
     """The metrics.json record of a finished run (read by the sweep summary)."""
     return {
         "status": "ok",

@@ -9,6 +9,7 @@ With class_names (object classes then map classes, as the dataset's/model's), ma
 drawn in colour under the objects (a fixed colour per map class, MAP_COLORS, with a legend);
 a prediction is drawn the same way, each layer blended by its probability.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,10 +30,17 @@ from bev.utils.io import atomic_open
 TP_COLOR, FP_COLOR, FN_COLOR = (0, 200, 0), (230, 40, 40), (40, 110, 255)
 # Layer colours, drawn in this order (later on top); objects go over every map layer.
 MAP_COLORS: dict[str, tuple[int, int, int]] = {
-    "drivable_area": (95, 95, 110), "road_segment": (80, 80, 100), "road_block": (70, 90, 100),
-    "lane": (110, 100, 130), "carpark_area": (150, 120, 60), "walkway": (60, 140, 90),
-    "ped_crossing": (200, 200, 200), "stop_line": (230, 50, 50), "divider": (250, 210, 40),
-    "road_divider": (250, 210, 40), "lane_divider": (240, 240, 120),
+    "drivable_area": (95, 95, 110),
+    "road_segment": (80, 80, 100),
+    "road_block": (70, 90, 100),
+    "lane": (110, 100, 130),
+    "carpark_area": (150, 120, 60),
+    "walkway": (60, 140, 90),
+    "ped_crossing": (200, 200, 200),
+    "stop_line": (230, 50, 50),
+    "divider": (250, 210, 40),
+    "road_divider": (250, 210, 40),
+    "lane_divider": (240, 240, 120),
 }
 OBJECT_COLORS = ((60, 160, 255), (255, 120, 200), (255, 150, 40), (160, 255, 160))
 BACKGROUND = (20, 20, 24)
@@ -102,7 +110,10 @@ def compose_layers(channels: np.ndarray, class_names) -> np.ndarray:
     """(K, X, Y) values in [0, 1] -> (X, Y, 3) uint8: map layers in MAP_COLORS order, objects on top,
     each blended over what is below by its value (a target's 0/1, a prediction's probability)."""
     colors = layer_colors(class_names)
-    order = sorted(range(len(colors)), key=lambda k: list(MAP_COLORS).index(colors[k][0]) if colors[k][0] in MAP_COLORS else len(MAP_COLORS) + k)
+    order = sorted(
+        range(len(colors)),
+        key=lambda k: list(MAP_COLORS).index(colors[k][0]) if colors[k][0] in MAP_COLORS else len(MAP_COLORS) + k,
+    )
     img = np.empty(channels.shape[1:] + (3,), dtype=np.float32)
     img[:] = BACKGROUND
     for k in order:
@@ -117,7 +128,9 @@ def batch_sample(batch: Mapping[str, Any], i: int) -> dict:
 
 
 def _unbatch(sample: Mapping[str, Any]) -> tuple[dict, bool]:
-    batched = sample["images"].dim() == 5 if isinstance(sample["images"], torch.Tensor) else np.ndim(sample["images"]) == 5
+    batched = (
+        sample["images"].dim() == 5 if isinstance(sample["images"], torch.Tensor) else np.ndim(sample["images"]) == 5
+    )
     if not batched:
         return dict(sample), False
     out = {}
@@ -158,8 +171,9 @@ def _grid_for(shape: tuple[int, int], grid: Grid | None) -> Grid:
     return Grid(xbound=(-shape[0] / 2, shape[0] / 2, 1.0), ybound=(-shape[1] / 2, shape[1] / 2, 1.0))
 
 
-def render_figure(sample: Mapping[str, Any], pred: Any = None, grid: Grid | None = None, title: str | None = None,
-                  class_names=None) -> Figure:
+def render_figure(
+    sample: Mapping[str, Any], pred: Any = None, grid: Grid | None = None, title: str | None = None, class_names=None
+) -> Figure:
     """A matplotlib Figure: the cameras on top; BEV target (+ prediction and TP/FP/FN map) below.
 
     class_names (one per bev channel) turns on the coloured layer view; the TP/FP/FN map is always
@@ -167,7 +181,9 @@ def render_figure(sample: Mapping[str, Any], pred: Any = None, grid: Grid | None
     s, _ = _unbatch(sample)
     cams = camera_grid(s["images"], s.get("cam_ids"))
     channels = _target_channels(s["bev"], class_names)
-    layers = class_names if class_names is not None and len(class_names) > 1 else None  # one class: the grey/viridis view
+    layers = (
+        class_names if class_names is not None and len(class_names) > 1 else None
+    )  # one class: the grey/viridis view
     target = channels[0] if layers is not None else channels.max(axis=0)
     g = _grid_for(target.shape, _sample_grid(s, grid))
     fig = Figure(figsize=(12, 4.2 + 3.2), dpi=100)
@@ -196,7 +212,9 @@ def _target_channels(bev: Any, class_names) -> np.ndarray:
     channels = _np(bev)
     channels = channels[None] if channels.ndim == 2 else channels
     if class_names is not None and len(class_names) != channels.shape[0]:
-        raise ValueError(f"{len(class_names)} class names {list(class_names)} for a target of {channels.shape[0]} channels")
+        raise ValueError(
+            f"{len(class_names)} class names {list(class_names)} for a target of {channels.shape[0]} channels"
+        )
     return channels
 
 
@@ -219,14 +237,22 @@ def _draw_cameras(ax, cams: np.ndarray, s: Mapping[str, Any], title: str | None)
     for c in range(max(ids) + 1):  # cam_ids follow CAMERA_NAMES (nuScenes); a rig without them is numbered
         name = CAMERA_NAMES[c] if s.get("cam_ids") is not None and c < len(CAMERA_NAMES) else f"camera {c}"
         r, col = divmod(c, cols)
-        ax.text(col * W + 4, r * H + 4, name, color="white", fontsize=7, va="top",
-                bbox=dict(facecolor="black", alpha=0.5, pad=1, lw=0))
+        ax.text(
+            col * W + 4,
+            r * H + 4,
+            name,
+            color="white",
+            fontsize=7,
+            va="top",
+            bbox=dict(facecolor="black", alpha=0.5, pad=1, lw=0),
+        )
     ax.set_axis_off()
     ax.set_title(title or f"sample {s.get('sample_token', '')}", fontsize=9)
 
 
-def _draw_prediction(fig: Figure, cell, probs: np.ndarray, prob: np.ndarray, channels: np.ndarray, grid: Grid,
-                     layers) -> None:
+def _draw_prediction(
+    fig: Figure, cell, probs: np.ndarray, prob: np.ndarray, channels: np.ndarray, grid: Grid, layers
+) -> None:
     """The prediction panel: every layer blended by its probability (layers given), else P(vehicle) with a colorbar."""
     if layers is not None:
         if probs.shape != channels.shape:
@@ -250,21 +276,30 @@ def _add_legend(fig: Figure, class_names) -> None:
     """A legend of the layer colours along the bottom of the figure."""
     from matplotlib.patches import Patch
 
-    handles = [Patch(facecolor=np.asarray(c) / 255, edgecolor="black", lw=0.5, label=n) for n, c in layer_colors(class_names)]
+    handles = [
+        Patch(facecolor=np.asarray(c) / 255, edgecolor="black", lw=0.5, label=n) for n, c in layer_colors(class_names)
+    ]
     fig.subplots_adjust(bottom=0.1)
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 8), fontsize=7, frameon=False)
 
 
-def render_sample(sample: Mapping[str, Any], pred: Any = None, grid: Grid | None = None, title: str | None = None,
-                  class_names=None) -> np.ndarray:
+def render_sample(
+    sample: Mapping[str, Any], pred: Any = None, grid: Grid | None = None, title: str | None = None, class_names=None
+) -> np.ndarray:
     """The figure of `render_figure` as an (H, W, 3) uint8 array (for image loggers)."""
     fig = render_figure(sample, pred, grid, title, class_names)
     fig.canvas.draw()
     return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
 
 
-def save_sample_png(path: str | os.PathLike, batch_or_sample: Mapping[str, Any], pred: Any = None,
-                    grid: Grid | None = None, title: str | None = None, class_names=None) -> str:
+def save_sample_png(
+    path: str | os.PathLike,
+    batch_or_sample: Mapping[str, Any],
+    pred: Any = None,
+    grid: Grid | None = None,
+    title: str | None = None,
+    class_names=None,
+) -> str:
     """Write ONE PNG: the cameras + BEV target (+ prediction vs target when pred is given).
 
     A batch (images (B, Ncam, 3, H, W)) shows its first sample. pred: (1, X, Y) probability (or
@@ -278,8 +313,20 @@ def save_sample_png(path: str | os.PathLike, batch_or_sample: Mapping[str, Any],
 
 
 # --------------------------------------------------------------------------- temporal windows: instances and futures
-INSTANCE_COLORS = ((230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180),
-                   (70, 240, 240), (240, 50, 230), (210, 245, 60), (250, 190, 212), (0, 128, 128), (220, 190, 255))
+INSTANCE_COLORS = (
+    (230, 25, 75),
+    (60, 180, 75),
+    (255, 225, 25),
+    (0, 130, 200),
+    (245, 130, 48),
+    (145, 30, 180),
+    (70, 240, 240),
+    (240, 50, 230),
+    (210, 245, 60),
+    (250, 190, 212),
+    (0, 128, 128),
+    (220, 190, 255),
+)
 
 
 def instance_color(i: int) -> tuple[int, int, int]:
@@ -320,9 +367,15 @@ def _map_base(channels: np.ndarray | None, class_names, n_objects: int) -> np.nd
     return compose_layers(channels[n_objects:], list(class_names)[n_objects:])
 
 
-def render_temporal_figure(window: Mapping[str, Any], pred: Mapping[str, Any], pred_instances: Any,
-                           grid: Grid | None = None, title: str | None = None, class_names=None,
-                           n_objects: int = 1) -> Figure:
+def render_temporal_figure(
+    window: Mapping[str, Any],
+    pred: Mapping[str, Any],
+    pred_instances: Any,
+    grid: Grid | None = None,
+    title: str | None = None,
+    class_names=None,
+    n_objects: int = 1,
+) -> Figure:
     """A temporal window's picture: the present frame's cameras on top; below, the target and the prediction,
     each with map layers (when class_names has map classes), the present frame's vehicles in their instance
     colours and each vehicle's path over the future frames, and the predicted occupancy of every frame.
@@ -346,13 +399,19 @@ def render_temporal_figure(window: Mapping[str, Any], pred: Mapping[str, Any], p
     pred_map = _map_base(_pred_channels(pred["bev"]), class_names, n_objects) if pred.get("bev") is not None else None
     for col, (inst, base, name) in enumerate(((gt_inst, target_map, "target"), (pred_inst, pred_map, "prediction"))):
         ax = fig.add_subplot(gs[1, col])
-        _draw_bev(ax, paint_instances(inst[0], base), g, f"{name}: vehicles now and their paths ({inst.shape[0] - 1} future frames)")
+        _draw_bev(
+            ax,
+            paint_instances(inst[0], base),
+            g,
+            f"{name}: vehicles now and their paths ({inst.shape[0] - 1} future frames)",
+        )
         _draw_paths(ax, inst, g)
     ax = fig.add_subplot(gs[1, 2])
     occupied = seg >= 0.5
     first = np.where(occupied.any(axis=0), np.argmax(occupied, axis=0), np.nan)
-    im = _draw_bev(ax, first, g, "predicted occupancy: first frame occupied",
-                   cmap="plasma", vmin=0, vmax=max(seg.shape[0] - 1, 1))
+    im = _draw_bev(
+        ax, first, g, "predicted occupancy: first frame occupied", cmap="plasma", vmin=0, vmax=max(seg.shape[0] - 1, 1)
+    )
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02, label="frame (0 = present)").ax.tick_params(labelsize=6)
     fig.tight_layout()
     return fig
@@ -365,8 +424,9 @@ def render_temporal(window: Mapping[str, Any], pred: Mapping[str, Any], pred_ins
     return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
 
 
-def save_temporal_png(path: str | os.PathLike, window: Mapping[str, Any], pred: Mapping[str, Any], pred_instances: Any,
-                      **kw: Any) -> str:
+def save_temporal_png(
+    path: str | os.PathLike, window: Mapping[str, Any], pred: Mapping[str, Any], pred_instances: Any, **kw: Any
+) -> str:
     """Write render_temporal_figure's picture of a window as ONE PNG, atomically. Returns the path."""
     fig = render_temporal_figure(window, pred, pred_instances, **kw)
     with atomic_open(path, "wb") as f:

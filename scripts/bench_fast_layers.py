@@ -13,6 +13,7 @@
    fp32 with and without them.
 Writes JSON to --out atomically (default benchmarks/results/bench_fast_layers_cpu.json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,13 +50,17 @@ def trunk_layers(cfg) -> list[tuple[str, object, tuple]]:
     from bev.models.fast_layers import slow_bf16_depthwise
 
     trunk = bt.build(cfg, channels_last=False).net.camera_encoder.trunk
-    picked = {n: m for n, m in trunk.named_modules()
-              if isinstance(m, SqueezeExcitation) or (isinstance(m, torch.nn.Conv2d) and m.groups > 1)}
+    picked = {
+        n: m
+        for n, m in trunk.named_modules()
+        if isinstance(m, SqueezeExcitation) or (isinstance(m, torch.nn.Conv2d) and m.groups > 1)
+    }
     shapes = {}
 
     def record(name):
         def hook(module, args):
             shapes.setdefault(name, tuple(args[0].shape))  # returns None: the input is left as it is
+
         return hook
 
     hooks = [m.register_forward_pre_hook(record(n)) for n, m in picked.items()]
@@ -64,7 +69,9 @@ def trunk_layers(cfg) -> list[tuple[str, object, tuple]]:
         trunk(torch.randn(int(cfg.data.batch_size) * 6, 3, H, W))
     for h in hooks:
         h.remove()
-    return [(n, m, shapes[n]) for n, m in picked.items() if not isinstance(m, torch.nn.Conv2d) or slow_bf16_depthwise(m)]
+    return [
+        (n, m, shapes[n]) for n, m in picked.items() if not isinstance(m, torch.nn.Conv2d) or slow_bf16_depthwise(m)
+    ]
 
 
 def time_pair(plain, fast, shape, bf16: bool, rounds: int) -> dict:
@@ -86,7 +93,11 @@ def time_pair(plain, fast, shape, bf16: bool, rounds: int) -> dict:
             x.grad = None
             m.zero_grad(set_to_none=True)
     med = {k: statistics.median(t) * 1e3 for k, t in times.items()}
-    return {"plain_ms": round(med["plain"], 2), "fast_ms": round(med["fast"], 2), "speedup": round(med["plain"] / med["fast"], 2)}
+    return {
+        "plain_ms": round(med["plain"], 2),
+        "fast_ms": round(med["fast"], 2),
+        "speedup": round(med["plain"] / med["fast"], 2),
+    }
 
 
 def bench_layers(cfg, rounds: int) -> list[dict]:
@@ -106,11 +117,19 @@ def bench_layers(cfg, rounds: int) -> list[dict]:
             kind, modes = "squeeze-excitation", [True, False]
         plain = plain_layers(copy.deepcopy(m))
         for bf16 in modes:
-            r = {"layer": name, "kind": kind, "input": list(shape), "mode": "channels_last+bf16" if bf16 else "fp32",
-                 **time_pair(plain, fast, shape, bf16, rounds)}
+            r = {
+                "layer": name,
+                "kind": kind,
+                "input": list(shape),
+                "mode": "channels_last+bf16" if bf16 else "fp32",
+                **time_pair(plain, fast, shape, bf16, rounds),
+            }
             rows.append(r)
-            print(f"  {name:28s} {kind:24s} {str(shape):22s} {r['mode']:19s} plain {r['plain_ms']:7.2f} ms  "
-                  f"fast {r['fast_ms']:7.2f} ms  {r['speedup']:.2f}x", flush=True)
+            print(
+                f"  {name:28s} {kind:24s} {str(shape):22s} {r['mode']:19s} plain {r['plain_ms']:7.2f} ms  "
+                f"fast {r['fast_ms']:7.2f} ms  {r['speedup']:.2f}x",
+                flush=True,
+            )
     return rows
 
 
@@ -131,7 +150,10 @@ def bench_steps(cfg, steps: int) -> dict:
             times[k].append(v.step())
         print(f"  step {i + 1}/{steps}: " + ", ".join(f"{k} {t[-1]:.2f} s" for k, t in times.items()), flush=True)
     med = {k: statistics.median(t) for k, t in times.items()}
-    res = {"step_s": {k: round(s, 3) for k, s in med.items()}, "steps_s": {k: [round(s, 3) for s in t] for k, t in times.items()}}
+    res = {
+        "step_s": {k: round(s, 3) for k, s in med.items()},
+        "steps_s": {k: [round(s, 3) for s in t] for k, t in times.items()},
+    }
     for layers in ("fast", "plain"):
         res[f"bf16_speedup_{layers}"] = round(med[f"fp32 {layers}"] / med[f"channels_last+bf16 {layers}"], 3)
     for name in ("fp32", "channels_last+bf16"):
@@ -160,18 +182,31 @@ def main(argv=None) -> int:
     load0 = os.getloadavg()[0]
     torch.set_num_threads(a.threads)
     # depthwise_fp32=true: the fast layers are measured whatever `auto` chooses on this CPU (off on AMX)
-    cfg = bt.compose_config([*bt.CONFIGS["paper"], "model.net.camera.depthwise_fp32=true",
-                             *([f"data.batch_size={a.batch_size}"] if a.batch_size else [])])
-    report = {"benchmark": "camera trunk fast layers vs the layers they replace (forward + backward; training step)",
-              "batch_size": int(cfg.data.batch_size), "cpu_bf16": cpu_bf16_support(), "threads": a.threads, "rounds": a.rounds, "steps": a.steps}
+    cfg = bt.compose_config(
+        [
+            *bt.CONFIGS["paper"],
+            "model.net.camera.depthwise_fp32=true",
+            *([f"data.batch_size={a.batch_size}"] if a.batch_size else []),
+        ]
+    )
+    report = {
+        "benchmark": "camera trunk fast layers vs the layers they replace (forward + backward; training step)",
+        "batch_size": int(cfg.data.batch_size),
+        "cpu_bf16": cpu_bf16_support(),
+        "threads": a.threads,
+        "rounds": a.rounds,
+        "steps": a.steps,
+    }
     print("layers (forward + backward, medians):")
     report["layers"] = bench_layers(cfg, a.rounds)
     if a.steps:
         print("training steps at the paper config, alternated:")
         report["training_step"] = s = bench_steps(cfg, a.steps)
-        print(f"bf16 + channels_last vs fp32: {s['bf16_speedup_fast']:.2f}x with the fast layers, "
-              f"{s['bf16_speedup_plain']:.2f}x without; fast layers: {s['fast_layers_speedup_channels_last+bf16']:.2f}x "
-              f"(bf16), {s['fast_layers_speedup_fp32']:.2f}x (fp32)")
+        print(
+            f"bf16 + channels_last vs fp32: {s['bf16_speedup_fast']:.2f}x with the fast layers, "
+            f"{s['bf16_speedup_plain']:.2f}x without; fast layers: {s['fast_layers_speedup_channels_last+bf16']:.2f}x "
+            f"(bf16), {s['fast_layers_speedup_fp32']:.2f}x (fp32)"
+        )
     report["host"] = bt.host(load0)
     report["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     write_report(a.out, report)

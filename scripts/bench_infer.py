@@ -13,6 +13,7 @@ Variants, all on the same inputs (random images, a ring of 6 cameras):
 After warm-up, every round runs each variant once, in alternating order; the report gives the
 median (and min / max) ms per forward. Writes JSON to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,7 +51,9 @@ def default_net() -> torch.nn.Module:
 def parse_args(argv):
     """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", default=None, help="a checkpoint or run dir (default: synthetic_cpu model, random weights)")
+    p.add_argument(
+        "--ckpt", default=None, help="a checkpoint or run dir (default: synthetic_cpu model, random weights)"
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--cameras", type=int, default=6)
     p.add_argument("--rounds", type=int, default=15)
@@ -92,6 +95,7 @@ def build_variants(net, x, skip: list[str], folder: Path) -> tuple[dict, dict]:
         """Eager, with the export splat (scatter-add)."""
         with net.exportable():
             return net(*x)
+
     variants["eager_scatter"] = scatter
     if "compile" not in skip:
         variants["compile"] = compile_variant(net, x, setup_s)
@@ -111,7 +115,7 @@ def time_rounds(variants: dict, warmup: int, rounds: int) -> tuple[dict, float]:
     names = list(variants)
     load_start = os.getloadavg()[0]
     for r in range(rounds):
-        for k in (names if r % 2 == 0 else names[::-1]):  # alternate the order: drift hits all alike
+        for k in names if r % 2 == 0 else names[::-1]:  # alternate the order: drift hits all alike
             t = time.perf_counter()
             variants[k]()
             times[k].append(1000 * (time.perf_counter() - t))
@@ -120,11 +124,16 @@ def time_rounds(variants: dict, warmup: int, rounds: int) -> tuple[dict, float]:
 
 def host(load_start: float) -> dict:
     """CPUs, threads, allocator and OpenMP settings, load at start and end, versions."""
-    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "malloc_env": malloc_env(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-            "load_average_1m_at_start": round(load_start, 2), "load_average_1m_at_end": round(os.getloadavg()[0], 2),
-            **host_versions(),
-            "onnxruntime": sys.modules["onnxruntime"].__version__ if "onnxruntime" in sys.modules else None}
+    return {
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "malloc_env": malloc_env(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "load_average_1m_at_start": round(load_start, 2),
+        "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+        **host_versions(),
+        "onnxruntime": sys.modules["onnxruntime"].__version__ if "onnxruntime" in sys.modules else None,
+    }
 
 
 def make_report(a, net, times: dict, max_diff: dict, setup_s: dict, load_start: float) -> dict:
@@ -132,11 +141,24 @@ def make_report(a, net, times: dict, max_diff: dict, setup_s: dict, load_start: 
     grid = net.grid
     return {
         "what": "ms per forward (no grad), median over rounds; each round runs every variant once, order alternating",
-        "model": {"checkpoint": a.ckpt or "synthetic_cpu config, random weights", "cameras": a.cameras, "batch": a.batch,
-                  "image_size": list(net.image_size), "grid_xy": list(grid.bev_shape), "depth_bins": grid.depth_bins,
-                  "params_M": round(sum(p.numel() for p in net.parameters()) / 1e6, 3)},
-        "results": {k: {"median_ms": round(statistics.median(v), 2), "min_ms": round(min(v), 2), "max_ms": round(max(v), 2),
-                        "max_abs_logit_diff_vs_eager": max_diff[k]} for k, v in times.items()},
+        "model": {
+            "checkpoint": a.ckpt or "synthetic_cpu config, random weights",
+            "cameras": a.cameras,
+            "batch": a.batch,
+            "image_size": list(net.image_size),
+            "grid_xy": list(grid.bev_shape),
+            "depth_bins": grid.depth_bins,
+            "params_M": round(sum(p.numel() for p in net.parameters()) / 1e6, 3),
+        },
+        "results": {
+            k: {
+                "median_ms": round(statistics.median(v), 2),
+                "min_ms": round(min(v), 2),
+                "max_ms": round(max(v), 2),
+                "max_abs_logit_diff_vs_eager": max_diff[k],
+            }
+            for k, v in times.items()
+        },
         "setup_s": setup_s,
         "rounds": a.rounds,
         "host": host(load_start),

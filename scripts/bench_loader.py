@@ -12,6 +12,7 @@ and 4 future frames, by default) decode the 3 input frames' JPEGs with the train
 their labels' share and validation windows served by the input memo are timed single-process.
 --windows-only skips the single-frame measurements. Writes JSON to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,15 @@ from bench_common import host_versions, write_report  # noqa: E402
 
 def time_loader(ds, workers: int, batch_size: int, batches: int, unit: str = "sample") -> dict:
     """samples/s (or windows/s: unit) over `batches` batches after the first (whose start-up time is reported apart)."""
-    dl = DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, drop_last=len(ds) >= batch_size,
-                    persistent_workers=workers > 0, collate_fn=collate)
+    dl = DataLoader(
+        ds,
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=workers,
+        drop_last=len(ds) >= batch_size,
+        persistent_workers=workers > 0,
+        collate_fn=collate,
+    )
     t0 = time.perf_counter()
     it = iter(dl)
     n = 0
@@ -55,8 +63,13 @@ def time_loader(ds, workers: int, batch_size: int, batches: int, unit: str = "sa
         n += 1
     dt = time.perf_counter() - t1
     del it, dl
-    return {"workers": workers, f"{unit}s": samples, "seconds": round(dt, 3), f"{unit}s_per_s": round(samples / dt, 2),
-            "first_batch_s": round(first, 3)}
+    return {
+        "workers": workers,
+        f"{unit}s": samples,
+        "seconds": round(dt, 3),
+        f"{unit}s_per_s": round(samples / dt, 2),
+        "first_batch_s": round(first, 3),
+    }
 
 
 def time_decode(final_dim, reps: int = 20) -> dict:
@@ -118,8 +131,12 @@ def parse_args(argv):
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--batches", type=int, default=10, help="timed batches per setting")
     p.add_argument("--final-dim", type=int, nargs=2, default=[128, 352])
-    p.add_argument("--torch-threads", type=int, default=None,
-                   help="torch intra-op threads of the main process (collate runs there with 0 workers)")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads of the main process (collate runs there with 0 workers)",
+    )
     p.add_argument("--past-frames", type=int, default=2, help="windows: input frames before the present")
     p.add_argument("--future-frames", type=int, default=4, help="windows: label-only frames after it")
     p.add_argument("--windows-only", action="store_true", help="time the temporal windows only")
@@ -142,8 +159,15 @@ def synthetic_root() -> tuple[str, tempfile.TemporaryDirectory]:
 def build_dataset(dataroot: str, a, cache_dir: str) -> tuple[NuScenesBEVDataset, float, float]:
     """The training-augmented dataset, with the seconds to build its index and to read it back from the cache."""
     t = time.perf_counter()
-    ds = NuScenesBEVDataset(dataroot, version=a.version, split=a.split, final_dim=a.final_dim, augment=True,
-                            resize_lim=None, cache_dir=cache_dir)
+    ds = NuScenesBEVDataset(
+        dataroot,
+        version=a.version,
+        split=a.split,
+        final_dim=a.final_dim,
+        augment=True,
+        resize_lim=None,
+        cache_dir=cache_dir,
+    )
     index_s = time.perf_counter() - t
     t = time.perf_counter()
     NuScenesBEVDataset(dataroot, version=a.version, split=a.split, cache_dir=cache_dir, verbose=False)
@@ -171,7 +195,9 @@ def time_loaders(ds, a) -> list[dict]:
     results = []
     for w in a.workers:
         r = time_loader(ds, w, a.batch_size, a.batches)
-        print(f"workers={w}: {r['samples_per_s']:.2f} samples/s (first batch {r['first_batch_s']:.2f}s)", file=sys.stderr)
+        print(
+            f"workers={w}: {r['samples_per_s']:.2f} samples/s (first batch {r['first_batch_s']:.2f}s)", file=sys.stderr
+        )
         results.append(r)
     return results
 
@@ -179,15 +205,27 @@ def time_loaders(ds, a) -> list[dict]:
 def time_windows(dataroot: str, a, cache_dir: str) -> dict:
     """windows/s of the training-augmented temporal dataset (single process and DataLoaders), the labels'
     ms per window, and validation windows/s on a first pass and from the input memo (second pass)."""
-    kw = {"version": a.version, "split": a.split, "final_dim": a.final_dim, "cache_dir": cache_dir, "verbose": False,
-          "past_frames": a.past_frames, "future_frames": a.future_frames}
+    kw = {
+        "version": a.version,
+        "split": a.split,
+        "final_dim": a.final_dim,
+        "cache_dir": cache_dir,
+        "verbose": False,
+        "past_frames": a.past_frames,
+        "future_frames": a.future_frames,
+    }
     try:
         train = NuScenesBEVDataset(dataroot, augment=True, **kw)
     except ValueError as e:  # no scene of the split is long enough
         return {"skipped": str(e)}
     torch.manual_seed(0)
-    out = {"past_frames": a.past_frames, "future_frames": a.future_frames, "windows_in_split": len(train),
-           "jpegs_per_window": (a.past_frames + 1) * 6, "train_single_process_windows_per_s": _rate(train)}
+    out = {
+        "past_frames": a.past_frames,
+        "future_frames": a.future_frames,
+        "windows_in_split": len(train),
+        "jpegs_per_window": (a.past_frames + 1) * 6,
+        "train_single_process_windows_per_s": _rate(train),
+    }
     t = time.perf_counter()
     n = min(len(train), 8)
     for w in range(n):
@@ -199,7 +237,9 @@ def time_windows(dataroot: str, a, cache_dir: str) -> dict:
     out["loader"] = []
     for w in a.workers:
         r = time_loader(train, w, a.batch_size, a.batches, unit="window")
-        print(f"workers={w}: {r['windows_per_s']:.2f} windows/s (first batch {r['first_batch_s']:.2f}s)", file=sys.stderr)
+        print(
+            f"workers={w}: {r['windows_per_s']:.2f} windows/s (first batch {r['first_batch_s']:.2f}s)", file=sys.stderr
+        )
         out["loader"].append(r)
     return out
 
@@ -215,8 +255,12 @@ def _rate(ds, n: int = 8) -> float:
 
 def host() -> dict:
     """CPUs, the affinity mask's size, the load at the end, and versions."""
-    return {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "load_average_1m_at_end": round(os.getloadavg()[0], 2), **host_versions()}
+    return {
+        "cpus": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+        **host_versions(),
+    }
 
 
 def single_frame(dataroot: str, a, cache_dir: str) -> dict:
@@ -228,7 +272,9 @@ def single_frame(dataroot: str, a, cache_dir: str) -> dict:
     photo = time_decode(a.final_dim)
     print(f"photo-like JPEG: {photo}", file=sys.stderr)
     return {
-        "samples_in_split": len(ds), "index_build_s": round(index_s, 3), "index_from_cache_s": round(cached_s, 3),
+        "samples_in_split": len(ds),
+        "index_build_s": round(index_s, 3),
+        "index_from_cache_s": round(cached_s, 3),
         "single_process_samples_per_s": decode,
         "depth_target_single_process_samples_per_s": depth,
         "photo_like_jpeg_decode_plus_augment_ms_per_image": photo,
@@ -247,8 +293,12 @@ def main(argv=None) -> int:
     report = {
         "benchmark": "bev.data.NuScenesBEVDataset via torch DataLoader, training augmentation",
         "dataset": "synthetic (bev.data.make_synthetic, 3 scenes x 12 samples)" if tmp else dataroot,
-        "version": a.version, "split": a.split, "batch_size": a.batch_size,
-        "final_dim": list(a.final_dim), "cameras": 6, "raw_image": "1600x900 JPEG",
+        "version": a.version,
+        "split": a.split,
+        "batch_size": a.batch_size,
+        "final_dim": list(a.final_dim),
+        "cameras": 6,
+        "raw_image": "1600x900 JPEG",
         **({} if a.windows_only else single_frame(dataroot, a, cache.name)),
         "windows": time_windows(dataroot, a, cache.name),
         "main_torch_threads": torch.get_num_threads(),

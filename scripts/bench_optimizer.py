@@ -9,6 +9,7 @@ decides where bev.lit.fused_default turns `fused=True` on: measured on an H200, 
 loops over all 272 parameter tensors of the paper model in Python, host time a launch-bound GPU
 step cannot hide. Writes JSON to --out atomically.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,10 @@ def compare(cfg, name: str, batch: dict, rounds: int) -> dict:
     """One variant's model stepped with the default and the fused optimiser in turn."""
     v = bt.Variant(cfg, name, batch)
     params = [p for p in v.lit.parameters() if p.requires_grad]
-    opts = {"default": v.lit.optimizer_factory(params=params),
-            "fused": v.lit.optimizer_factory(params=params, fused=True)}
+    opts = {
+        "default": v.lit.optimizer_factory(params=params),
+        "fused": v.lit.optimizer_factory(params=params, fused=True),
+    }
     t0 = time.perf_counter()
     v.step()  # cuDNN autotuning or oneDNN's first primitives, with the variant's own optimiser
     first = time.perf_counter() - t0
@@ -41,11 +44,13 @@ def compare(cfg, name: str, batch: dict, rounds: int) -> dict:
             v.opt = opt
             times[k].append(v.step())
     ratios = [a / b for a, b in zip(times["default"], times["fused"])]
-    return {"first_step_s": round(first, 2),
-            **{f"{k}_step_ms": round(statistics.median(t) * 1e3, 2) for k, t in times.items()},
-            "fused_speedup_median_of_rounds": round(statistics.median(ratios), 3),
-            "fused_faster_rounds": sum(r > 1 for r in ratios),
-            "steps_ms": {k: [round(x * 1e3, 2) for x in t] for k, t in times.items()}}
+    return {
+        "first_step_s": round(first, 2),
+        **{f"{k}_step_ms": round(statistics.median(t) * 1e3, 2) for k, t in times.items()},
+        "fused_speedup_median_of_rounds": round(statistics.median(ratios), 3),
+        "fused_faster_rounds": sum(r > 1 for r in ratios),
+        "steps_ms": {k: [round(x * 1e3, 2) for x in t] for k, t in times.items()},
+    }
 
 
 def parse_args(argv):
@@ -71,9 +76,13 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     torch.backends.cudnn.benchmark = a.device == "cuda"  # as trainer=gpu
     out = a.out or os.path.join("benchmarks", "results", f"bench_optimizer_{a.device}.json")  # rename per machine
-    report = {"benchmark": "training step: default vs fused optimiser step, alternated on one model",
-              "device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or platform.machine(),
-              "threads": a.threads, "rounds": a.rounds, "configs": {}}
+    report = {
+        "benchmark": "training step: default vs fused optimiser step, alternated on one model",
+        "device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or platform.machine(),
+        "threads": a.threads,
+        "rounds": a.rounds,
+        "configs": {},
+    }
     for key in a.configs:
         cfg = bt.compose_config([*bt.CONFIGS[key], *([f"data.batch_size={a.batch_size}"] if a.batch_size else [])])
         bs = int(cfg.data.batch_size)
@@ -81,9 +90,12 @@ def main(argv=None) -> int:
         res = report["configs"][key] = {"batch_size": bs, "optimizer": cfg.model.optimizer._target_, "variants": {}}
         for name in a.variants:
             r = res["variants"][name] = compare(cfg, name, batch, a.rounds)
-            print(f"{key} (batch {bs}) {name}: default {r['default_step_ms']:.1f} ms, fused {r['fused_step_ms']:.1f} ms, "
-                  f"fused {r['fused_speedup_median_of_rounds']:.2f}x (median of rounds; faster in "
-                  f"{r['fused_faster_rounds']}/{a.rounds})", flush=True)
+            print(
+                f"{key} (batch {bs}) {name}: default {r['default_step_ms']:.1f} ms, fused {r['fused_step_ms']:.1f} ms, "
+                f"fused {r['fused_speedup_median_of_rounds']:.2f}x (median of rounds; faster in "
+                f"{r['fused_faster_rounds']}/{a.rounds})",
+                flush=True,
+            )
     report["host"] = bt.host(load0)
     report["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     write_report(out, report)

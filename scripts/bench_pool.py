@@ -41,6 +41,7 @@ Usage: python scripts/bench_pool.py [--section all|methods|user] [--sizes lss be
 Writes benchmarks/results/bench_pool_<device>.json (a single section updates its part) and
 prints tables.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,16 +77,24 @@ REPO = Path(__file__).resolve().parents[1]
 # Sizes from the issue: LSS (paper config) and BEVDet/BEVFusion.
 SIZES = {
     "lss": dict(
-        batch=4, image=(128, 352), downsample=16, channels=64,
+        batch=4,
+        image=(128, 352),
+        downsample=16,
+        channels=64,
         grid=Grid(xbound=(-50, 50, 0.5), ybound=(-50, 50, 0.5), zbound=(-10, 10, 20), dbound=(4, 45, 1)),
         # LSS val augmentation: resize 0.22 (1600x900 -> 352x198), crop the top 48 rows... as post_rot/post_tran
-        resize=0.22, crop_top=48,
+        resize=0.22,
+        crop_top=48,
     ),
     "bevdet": dict(
-        batch=1, image=(256, 704), downsample=8, channels=80,
+        batch=1,
+        image=(256, 704),
+        downsample=8,
+        channels=80,
         grid=Grid(xbound=(-51.2, 51.2, 0.4), ybound=(-51.2, 51.2, 0.4), zbound=(-10, 10, 20), dbound=(1, 60, 0.5)),
         # BEVDet test augmentation: resize 0.44 (1600x900 -> 704x396), crop 140 rows off the top
-        resize=0.44, crop_top=140,
+        resize=0.44,
+        crop_top=140,
     ),
 }
 
@@ -103,8 +112,12 @@ def real_rig_coords(size: dict, device) -> tuple[torch.Tensor, tuple[int, int, i
     B, N = size["batch"], len(cams)
     frustum = make_frustum(size["image"], size["downsample"], grid).double()
     points = frustum_to_ego(
-        frustum, intrinsics.expand(B, N, 3, 3), rots.expand(B, N, 3, 3), trans.expand(B, N, 3),
-        post_rot.expand(B, N, 3, 3), post_tran.expand(B, N, 3),
+        frustum,
+        intrinsics.expand(B, N, 3, 3),
+        rots.expand(B, N, 3, 3),
+        trans.expand(B, N, 3),
+        post_rot.expand(B, N, 3, 3),
+        post_tran.expand(B, N, 3),
     )
     coords = voxel_coords(points, grid)
     return coords.to(device), (B, *grid.voxel_shape)
@@ -139,14 +152,30 @@ def index_add_pool(points, coords4, grid):
 
 
 METHODS = {
-    "reference voxel_sum": dict(leaf="points", fn=lambda s: ops.voxel_sum(s["points"], s["coords4"], s["grid"], backend="torch")),
-    "quickcumsum voxel_sum": dict(leaf="points", fn=lambda s: ops.voxel_sum(s["points"], s["coords4"], s["grid"], backend="quickcumsum")),
+    "reference voxel_sum": dict(
+        leaf="points", fn=lambda s: ops.voxel_sum(s["points"], s["coords4"], s["grid"], backend="torch")
+    ),
+    "quickcumsum voxel_sum": dict(
+        leaf="points", fn=lambda s: ops.voxel_sum(s["points"], s["coords4"], s["grid"], backend="quickcumsum")
+    ),
     "index_add_": dict(leaf="points", fn=lambda s: index_add_pool(s["points"], s["coords4"], s["grid"])),
-    "native voxel_sum": dict(leaf="points", fn=lambda s: ops.voxel_sum(s["points"], s["coords4"], s["grid"], backend="native")),
-    "materialise+reference": dict(leaf="frustum", fn=lambda s: ops.voxel_sum(materialise(s["depth"], s["feats"]), s["coords4"], s["grid"], backend="torch")),
-    "materialise+native vs": dict(leaf="frustum", fn=lambda s: ops.voxel_sum(materialise(s["depth"], s["feats"]), s["coords4"], s["grid"], backend="native")),
-    "native bev_pool": dict(leaf="frustum", fn=lambda s: ops.bev_pool(s["depth"], s["feats"], s["coords"], s["grid"], backend="native")),
-    "native bev_pool (plan)": dict(leaf="frustum", fn=lambda s: ops.bev_pool(s["depth"], s["feats"], plan=s["plan"], backend="native")),
+    "native voxel_sum": dict(
+        leaf="points", fn=lambda s: ops.voxel_sum(s["points"], s["coords4"], s["grid"], backend="native")
+    ),
+    "materialise+reference": dict(
+        leaf="frustum",
+        fn=lambda s: ops.voxel_sum(materialise(s["depth"], s["feats"]), s["coords4"], s["grid"], backend="torch"),
+    ),
+    "materialise+native vs": dict(
+        leaf="frustum",
+        fn=lambda s: ops.voxel_sum(materialise(s["depth"], s["feats"]), s["coords4"], s["grid"], backend="native"),
+    ),
+    "native bev_pool": dict(
+        leaf="frustum", fn=lambda s: ops.bev_pool(s["depth"], s["feats"], s["coords"], s["grid"], backend="native")
+    ),
+    "native bev_pool (plan)": dict(
+        leaf="frustum", fn=lambda s: ops.bev_pool(s["depth"], s["feats"], plan=s["plan"], backend="native")
+    ),
 }
 
 
@@ -192,9 +221,12 @@ def load_baseline():
     from torch.utils.cpp_extension import load_inline
 
     return load_inline(
-        name="bev_bench_interval_baseline", cpp_sources="torch::Tensor interval_pool(torch::Tensor sorted_points, "
+        name="bev_bench_interval_baseline",
+        cpp_sources="torch::Tensor interval_pool(torch::Tensor sorted_points, "
         "torch::Tensor starts, torch::Tensor lengths, torch::Tensor voxel_of_interval, int64_t B, int64_t S);",
-        cuda_sources=BASELINE_CUDA, functions=["interval_pool"], verbose=False,
+        cuda_sources=BASELINE_CUDA,
+        functions=["interval_pool"],
+        verbose=False,
     )
 
 
@@ -204,7 +236,9 @@ def add_baseline_methods(state, baseline):
     counts = plan.offsets[1:] - plan.offsets[:-1]
     occupied = torch.nonzero(counts).squeeze(1)
     state["intervals"] = (
-        plan.offsets[:-1][occupied].int().contiguous(), counts[occupied].int().contiguous(), occupied.int().contiguous()
+        plan.offsets[:-1][occupied].int().contiguous(),
+        counts[occupied].int().contiguous(),
+        occupied.int().contiguous(),
     )
     B, Z, X, Y = state["grid"]
     S = Z * X * Y
@@ -314,8 +348,13 @@ def fused_forward_bytes(depth, feats, grid):
     """Unique bytes a fused forward must move: depth, feats, plan (order + offsets), output."""
     B, Z, X, Y = grid
     V = B * Z * X * Y
-    return (depth.numel() * depth.element_size() + feats.numel() * feats.element_size()
-            + depth.numel() * 8 + (V + 1) * 8 + V * feats.shape[-1] * feats.element_size())
+    return (
+        depth.numel() * depth.element_size()
+        + feats.numel() * feats.element_size()
+        + depth.numel() * 8
+        + (V + 1) * 8
+        + V * feats.shape[-1] * feats.element_size()
+    )
 
 
 def copy_bandwidth(device):
@@ -358,8 +397,12 @@ def geometry_info(depth, feats, coords, grid, plan) -> dict:
     inside = ((coords >= 0) & (coords < torch.tensor(grid[1:], device=coords.device))).all(-1)
     occupied = int(((plan.offsets[1:] - plan.offsets[:-1]) > 0).sum())
     return dict(
-        points=int(depth.numel()), channels=feats.shape[-1], grid_shape=list(grid), inside_fraction=float(inside.float().mean()),
-        occupied_voxels=occupied, points_per_occupied_voxel=float(inside.sum()) / max(occupied, 1),
+        points=int(depth.numel()),
+        channels=feats.shape[-1],
+        grid_shape=list(grid),
+        inside_fraction=float(inside.float().mean()),
+        occupied_voxels=occupied,
+        points_per_occupied_voxel=float(inside.sum()) / max(occupied, 1),
         product_mb=product_bytes(depth, feats) / 2**20,
     )
 
@@ -389,9 +432,11 @@ def measure(method, state, grad_out, repeats, device) -> dict:
 
 def print_method_row(name, label, row):
     """One method's progress line."""
-    print(f"  {name:7s} {label:24s} fwd {row['forward_ms']:9.2f} ms  fwd+bwd "
-          f"{row.get('fwd_bwd_ms', float('nan')):9.2f} ms  peak fwd+bwd {row.get('fwd_bwd_peak_mb', float('nan')):8.1f} MB",
-          flush=True)
+    print(
+        f"  {name:7s} {label:24s} fwd {row['forward_ms']:9.2f} ms  fwd+bwd "
+        f"{row.get('fwd_bwd_ms', float('nan')):9.2f} ms  peak fwd+bwd {row.get('fwd_bwd_peak_mb', float('nan')):8.1f} MB",
+        flush=True,
+    )
 
 
 def bench_size(name, size, device, repeats, methods, baseline, dtype=torch.float32):
@@ -452,7 +497,10 @@ USER_METHODS = {
     "torch voxel_sum": METHODS["reference voxel_sum"],
     "quickcumsum voxel_sum": METHODS["quickcumsum voxel_sum"],
     "index_add_": METHODS["index_add_"],
-    TRAFFIC_ONLY: dict(leaf="points", fn=lambda s: _TrafficOnly.apply(s["points"], (*s["grid"][:1], s["points"].shape[1], *s["grid"][1:]))),
+    TRAFFIC_ONLY: dict(
+        leaf="points",
+        fn=lambda s: _TrafficOnly.apply(s["points"], (*s["grid"][:1], s["points"].shape[1], *s["grid"][1:])),
+    ),
 }
 
 
@@ -471,8 +519,14 @@ def user_level(name, size, device, rounds, skip=()):
     gen = torch.Generator(device="cpu").manual_seed(0)
     depth = torch.randn(B, Nc, D, fH, fW, generator=gen).softmax(2).to(device)
     feats = torch.randn(B, Nc, fH, fW, size["channels"], generator=gen).to(device)
-    base = dict(grid=grid, coords=coords, coords4=flat_coords(coords), depth=depth, feats=feats,
-                points=materialise(depth, feats))
+    base = dict(
+        grid=grid,
+        coords=coords,
+        coords4=flat_coords(coords),
+        depth=depth,
+        feats=feats,
+        points=materialise(depth, feats),
+    )
     methods = {k: v for k, v in USER_METHODS.items() if k not in skip}
     times = {label: [] for label in methods}
     cpu_times = {label: [] for label in methods}
@@ -491,21 +545,34 @@ def user_level(name, size, device, rounds, skip=()):
             del out, state
     # CPU time (all threads of the process) is less sensitive than wall time to other jobs
     # taking the cores of a shared machine; both are medians over the same calls.
-    rows = [dict(method=label, fwd_bwd_ms=1e3 * statistics.median(t), fwd_bwd_ms_min=1e3 * min(t),
-                 fwd_bwd_cpu_ms=1e3 * statistics.median(cpu_times[label]), runs=len(t))
-            for label, t in times.items()]
+    rows = [
+        dict(
+            method=label,
+            fwd_bwd_ms=1e3 * statistics.median(t),
+            fwd_bwd_ms_min=1e3 * min(t),
+            fwd_bwd_cpu_ms=1e3 * statistics.median(cpu_times[label]),
+            runs=len(t),
+        )
+        for label, t in times.items()
+    ]
     for row in rows:
-        print(f"  {name:7s} user level {row['method']:24s} fwd+bwd {row['fwd_bwd_ms']:8.2f} ms (min {row['fwd_bwd_ms_min']:.2f})",
-              flush=True)
+        print(
+            f"  {name:7s} user level {row['method']:24s} fwd+bwd {row['fwd_bwd_ms']:8.2f} ms (min {row['fwd_bwd_ms_min']:.2f})",
+            flush=True,
+        )
     return dict(size=name, rows=rows)
 
 
 def user_level_ratios(result, key="fwd_bwd_ms"):
     """How many times faster native voxel_sum / bev_pool are than each other method (medians)."""
     by = {row["method"]: row[key] for row in result["rows"]}
-    ratios = {f"{other} / {mine}": by[other] / by[mine]
-              for mine in ("native voxel_sum", "native bev_pool") if mine in by
-              for other in ("quickcumsum voxel_sum", "torch voxel_sum", "index_add_") if other in by}
+    ratios = {
+        f"{other} / {mine}": by[other] / by[mine]
+        for mine in ("native voxel_sum", "native bev_pool")
+        if mine in by
+        for other in ("quickcumsum voxel_sum", "torch voxel_sum", "index_add_")
+        if other in by
+    }
     if TRAFFIC_ONLY in by and "index_add_" in by:  # the most any implementation could reach over index_add_
         ratios[f"index_add_ / {TRAFFIC_ONLY}"] = by["index_add_"] / by[TRAFFIC_ONLY]
     return ratios
@@ -519,8 +586,13 @@ def user_level_targets(user, device):
         for other, goal in (("quickcumsum voxel_sum", 10), ("index_add_", 3)):
             key = f"{other} / native voxel_sum"
             if key in ratios:
-                checks.append(dict(target=f"LSS user level: native voxel_sum fwd+bwd >= {goal}x faster than {other}",
-                                   ratio=ratios[key], met=ratios[key] >= goal))
+                checks.append(
+                    dict(
+                        target=f"LSS user level: native voxel_sum fwd+bwd >= {goal}x faster than {other}",
+                        ratio=ratios[key],
+                        met=ratios[key] >= goal,
+                    )
+                )
     return checks
 
 
@@ -543,22 +615,58 @@ def _targets(results, device):
         m = by["lss"]
         ref, iadd = m["quickcumsum voxel_sum"]["fwd_bwd_ms"], m["index_add_"]["fwd_bwd_ms"]
         nvs = m["native voxel_sum"]["fwd_bwd_ms"]
-        checks.append(dict(target="LSS: native voxel_sum fwd+bwd >= 10x faster than the QuickCumsum reference", ratio=ref / nvs, met=ref / nvs >= 10))
-        checks.append(dict(target="LSS: native voxel_sum fwd+bwd >= 2x faster than index_add_", ratio=iadd / nvs, met=iadd / nvs >= 2))
+        checks.append(
+            dict(
+                target="LSS: native voxel_sum fwd+bwd >= 10x faster than the QuickCumsum reference",
+                ratio=ref / nvs,
+                met=ref / nvs >= 10,
+            )
+        )
+        checks.append(
+            dict(
+                target="LSS: native voxel_sum fwd+bwd >= 2x faster than index_add_",
+                ratio=iadd / nvs,
+                met=iadd / nvs >= 2,
+            )
+        )
         unfused, fused = m["materialise+native vs"]["fwd_bwd_ms"], m["native bev_pool"]["fwd_bwd_ms"]
-        checks.append(dict(target="LSS: fused bev_pool fwd+bwd faster than materialise + native voxel_sum", ratio=unfused / fused, met=fused < unfused))
+        checks.append(
+            dict(
+                target="LSS: fused bev_pool fwd+bwd faster than materialise + native voxel_sum",
+                ratio=unfused / fused,
+                met=fused < unfused,
+            )
+        )
     if "bevdet" in by:
         m = by["bevdet"]
         unfused, fused = m["materialise+native vs"]["fwd_bwd_peak_mb"], m["native bev_pool"]["fwd_bwd_peak_mb"]
-        checks.append(dict(target="BEVDet: fused bev_pool fwd+bwd peak memory >= 5x below materialise + voxel_sum", ratio=unfused / fused, met=unfused / fused >= 5))
+        checks.append(
+            dict(
+                target="BEVDet: fused bev_pool fwd+bwd peak memory >= 5x below materialise + voxel_sum",
+                ratio=unfused / fused,
+                met=unfused / fused >= 5,
+            )
+        )
         if device.type == "cuda":
             info = next(r for r in results if r["size"] == "bevdet")
             bound_ms = info["fused_forward_bytes"] / info["copy_bandwidth_gb_per_s"] / 1e6
             fused_ms = m["native bev_pool (plan)"]["forward_ms"]
-            checks.append(dict(target="GPU BEVDet: fused bev_pool forward within 2x of the bandwidth bound", ratio=fused_ms / bound_ms, met=fused_ms <= 2 * bound_ms))
+            checks.append(
+                dict(
+                    target="GPU BEVDet: fused bev_pool forward within 2x of the bandwidth bound",
+                    ratio=fused_ms / bound_ms,
+                    met=fused_ms <= 2 * bound_ms,
+                )
+            )
             if "bevfusion-style (plan)" in m:
                 base = m["bevfusion-style (plan)"]["forward_ms"]
-                checks.append(dict(target="GPU BEVDet: fused bev_pool forward faster than bevfusion-style", ratio=base / fused_ms, met=fused_ms < base))
+                checks.append(
+                    dict(
+                        target="GPU BEVDet: fused bev_pool forward faster than bevfusion-style",
+                        ratio=base / fused_ms,
+                        met=fused_ms < base,
+                    )
+                )
     return checks
 
 
@@ -567,21 +675,30 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--section", choices=["all", "methods", "user"], default="all",
-                        help="methods: each method's forward / fwd+bwd time and peak memory; user: the user-level "
-                             "fwd+bwd (LSS size only). A single section updates just its part of the JSON")
+    parser.add_argument(
+        "--section",
+        choices=["all", "methods", "user"],
+        default="all",
+        help="methods: each method's forward / fwd+bwd time and peak memory; user: the user-level "
+        "fwd+bwd (LSS size only). A single section updates just its part of the JSON",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (median)")
     parser.add_argument("--rounds", type=int, default=15, help="user level: alternating rounds (median)")
     parser.add_argument("--skip", nargs="*", default=[], help="method labels to skip")
-    parser.add_argument("--dtypes", nargs="+", default=None, choices=list(DTYPES),
-                        help="input dtypes (default: float32 on the CPU; float32, float16, bfloat16 on a GPU)")
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=None,
+        choices=list(DTYPES),
+        help="input dtypes (default: float32 on the CPU; float32, float16, bfloat16 on a GPU)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--out", default=None)
     return parser.parse_args(argv)
 
 
 def malloc_mode(malloc_tuning: dict) -> str:
-    """"malloc_tuned" when freed memory stays mapped (tuned here or by the environment), else "malloc_default"."""
+    """ "malloc_tuned" when freed memory stays mapped (tuned here or by the environment), else "malloc_default"."""
     return "malloc_tuned" if malloc_tuning or all(k in os.environ for k in MALLOC_ENV) else "malloc_default"
 
 
@@ -598,8 +715,13 @@ def load_report(out: Path, section: str) -> dict:
 def host_fields(device, device_name) -> dict:
     """The report's device and software fields, refreshed by every run."""
     return dict(
-        device=str(device), device_name=device_name, torch=torch.__version__, threads=torch.get_num_threads(),
-        cpu_count=os.cpu_count(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), python=platform.python_version(),
+        device=str(device),
+        device_name=device_name,
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        cpu_count=os.cpu_count(),
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+        python=platform.python_version(),
     )
 
 
@@ -636,13 +758,21 @@ def methods_section(args, device, repeats, baseline, malloc_tuning, report):
     results = bench_all_sizes(args, device, repeats, baseline)
     checks = targets(results, device)
     report.update(
-        malloc=malloc_settings(malloc_tuning), malloc_mode=malloc_mode(malloc_tuning),
-        load_average_at_start=load_at_start, load_average_at_end=os.getloadavg(), repeats=repeats,
+        malloc=malloc_settings(malloc_tuning),
+        malloc_mode=malloc_mode(malloc_tuning),
+        load_average_at_start=load_at_start,
+        load_average_at_end=os.getloadavg(),
+        repeats=repeats,
         statistic=f"median of repeats, of 3 where they passed {MEASURE_BUDGET_S} s (min also recorded; a shared CPU machine adds other jobs load)",
-        memory_method=("torch.cuda.max_memory_allocated above the pre-call allocation" if device.type == "cuda" else
-                       "peak of torch allocations during the call, replayed from torch.profiler(profile_memory=True) "
-                       "events (inputs excluded)"),
-        date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), results=results, targets=checks,
+        memory_method=(
+            "torch.cuda.max_memory_allocated above the pre-call allocation"
+            if device.type == "cuda"
+            else "peak of torch allocations during the call, replayed from torch.profiler(profile_memory=True) "
+            "events (inputs excluded)"
+        ),
+        date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        results=results,
+        targets=checks,
     )
     report.pop("malloc_env", None)  # older key, now "malloc"
     print_table(results, checks)
@@ -655,8 +785,9 @@ def user_section(args, device, malloc_tuning, report):
     user = report.setdefault("user_level", {}).setdefault(malloc_mode(malloc_tuning), {})
     user.update(
         how="fresh inputs each call (made outside the timed region), plan built in the call, out.sum().backward(); "
-            "methods alternate within each round; median of the rounds after one warm-up round",
-        rounds=args.rounds, malloc=malloc_settings(malloc_tuning),
+        "methods alternate within each round; median of the rounds after one warm-up round",
+        rounds=args.rounds,
+        malloc=malloc_settings(malloc_tuning),
         date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     )
     result = user_level("lss", SIZES["lss"], device, args.rounds, args.skip)
@@ -680,8 +811,11 @@ def main(argv=None):
         sys.exit(f"native kernels are not available for {device}: build the extension first")
     baseline = load_baseline() if device.type == "cuda" and args.section != "user" else None
     device_name = describe_device(device)
-    print(f"bench_pool on {device_name} ({device}), torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"{malloc_mode(malloc_tuning)}, median of {repeats} (user level: {args.rounds} rounds)", flush=True)
+    print(
+        f"bench_pool on {device_name} ({device}), torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"{malloc_mode(malloc_tuning)}, median of {repeats} (user level: {args.rounds} rounds)",
+        flush=True,
+    )
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"bench_pool_{device.type}.json"
     report = load_report(out, args.section)
     report.update(host_fields(device, device_name))
@@ -715,7 +849,9 @@ def print_user_table(user_level):
         print(f"\nLSS user level, {mode} (load average {load:.1f} at start, median of {user['rounds']} rounds)")
         print("| method | fwd+bwd ms | min ms | CPU ms |\n|---|---:|---:|---:|")
         for row in user["lss"]["rows"]:
-            print(f"| {row['method']} | {row['fwd_bwd_ms']:.2f} | {row['fwd_bwd_ms_min']:.2f} | {row['fwd_bwd_cpu_ms']:.2f} |")
+            print(
+                f"| {row['method']} | {row['fwd_bwd_ms']:.2f} | {row['fwd_bwd_ms_min']:.2f} | {row['fwd_bwd_cpu_ms']:.2f} |"
+            )
         for key, ratio in user["lss"]["ratios"].items():
             print(f"  {key}: {ratio:.2f}x wall, {user['lss']['cpu_time_ratios'][key]:.2f}x CPU time")
         for c in user.get("targets", []):
@@ -726,22 +862,30 @@ def print_table(results, checks):
     """The methods table, bandwidths, geometry per size, and the targets."""
     header = "| size | dtype | method | fwd ms | fwd+bwd ms | fwd peak MB | fwd+bwd peak MB | GB/s | % of peak |"
     print("\n" + header + "\n|---|---|---|---:|---:|---:|---:|---:|---:|")
+
     def fmt(v, spec):
         return format(v, spec) if v is not None else "-"
+
     for r in results:
         for row in r["rows"]:
             peak = row.get("forward_fraction_of_peak")
-            print(f"| {r['size']} | {r.get('dtype', 'float32')} | {row['method']} | {fmt(row['forward_ms'], '.2f')} | "
-                  f"{fmt(row.get('fwd_bwd_ms'), '.2f')} | {fmt(row['forward_peak_mb'], '.1f')} | "
-                  f"{fmt(row.get('fwd_bwd_peak_mb'), '.1f')} | {fmt(row.get('forward_gb_per_s'), '.0f')} | "
-                  f"{fmt(100 * peak if peak else None, '.0f')} |")
+            print(
+                f"| {r['size']} | {r.get('dtype', 'float32')} | {row['method']} | {fmt(row['forward_ms'], '.2f')} | "
+                f"{fmt(row.get('fwd_bwd_ms'), '.2f')} | {fmt(row['forward_peak_mb'], '.1f')} | "
+                f"{fmt(row.get('fwd_bwd_peak_mb'), '.1f')} | {fmt(row.get('forward_gb_per_s'), '.0f')} | "
+                f"{fmt(100 * peak if peak else None, '.0f')} |"
+            )
     for r in results:
         if r.get("copy_bandwidth_gb_per_s"):
-            print(f"{r['size']} {r['dtype']}: device copy bandwidth {r['copy_bandwidth_gb_per_s']:.0f} GB/s, "
-                  f"theoretical peak {fmt(r.get('peak_bandwidth_gb_per_s'), '.0f')} GB/s")
+            print(
+                f"{r['size']} {r['dtype']}: device copy bandwidth {r['copy_bandwidth_gb_per_s']:.0f} GB/s, "
+                f"theoretical peak {fmt(r.get('peak_bandwidth_gb_per_s'), '.0f')} GB/s"
+            )
     for r in results:
-        print(f"{r['size']}: {r['points']} points, {r['inside_fraction']:.1%} inside, {r['occupied_voxels']} occupied voxels, "
-              f"{r['points_per_occupied_voxel']:.1f} points per occupied voxel, product {r['product_mb']:.0f} MB")
+        print(
+            f"{r['size']}: {r['points']} points, {r['inside_fraction']:.1%} inside, {r['occupied_voxels']} occupied voxels, "
+            f"{r['points_per_occupied_voxel']:.1f} points per occupied voxel, product {r['product_mb']:.0f} MB"
+        )
     for c in checks:
         print(f"[{'MET' if c['met'] else 'MISSED'}] {c['target']}: {c['ratio']:.2f}x")
 

@@ -24,6 +24,7 @@ configs' batch size. --profile N then profiles N more steps of each variant (tor
 clock inside a step). The optimiser is built as bev-train builds it (fused on CUDA). Writes JSON
 to --out atomically.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -164,12 +165,14 @@ class PartTimer:
 
     def _wrap(self, name, fn):
         """`fn`, timed as the part `name`."""
+
         def timed(*args, **kwargs):
             """The wrapped call between _begin and _end."""
             self._begin(name)
             out = fn(*args, **kwargs)
             self._end(name)
             return out
+
         return timed
 
 
@@ -252,10 +255,13 @@ class Variant:
             return us / steps / 1e3
 
         top = sorted(prof.key_averages(), key=self_ms, reverse=True)[:10]
-        return {"wall_ms": round(wall * 1e3, 2), "steps": steps,
-                "gpu_kernel_ms": round(sum(e.device_time for e in kernels) / steps / 1e3, 2) if kernels else None,
-                "kernels_per_step": round(len(kernels) / steps) if kernels else None,
-                "top_self_ms": {e.key: round(self_ms(e), 3) for e in top}}
+        return {
+            "wall_ms": round(wall * 1e3, 2),
+            "steps": steps,
+            "gpu_kernel_ms": round(sum(e.device_time for e in kernels) / steps / 1e3, 2) if kernels else None,
+            "kernels_per_step": round(len(kernels) / steps) if kernels else None,
+            "top_self_ms": {e.key: round(self_ms(e), 3) for e in top},
+        }
 
 
 def median(xs):
@@ -329,16 +335,22 @@ def variant_record(v: Variant, batch_size: int, base: float | None, flops: int) 
     if v.error:
         return {"error": v.error}
     med = median(v.times)
-    rec = dict(step_s=round(med, 4), steps_s=[round(x, 4) for x in v.times], samples_per_s=round(batch_size / med, 2),
-               speedup_vs_fp32=round(base / med, 2) if base else None, first_step_s=round(v.first_step_s, 2),
-               gflop_per_s=round(flops / med / 1e9, 1))
+    rec = dict(
+        step_s=round(med, 4),
+        steps_s=[round(x, 4) for x in v.times],
+        samples_per_s=round(batch_size / med, 2),
+        speedup_vs_fp32=round(base / med, 2) if base else None,
+        first_step_s=round(v.first_step_s, 2),
+        gflop_per_s=round(flops / med / 1e9, 1),
+    )
     keys = [k for k in ("forward", *PARTS, "forward_other") if k in v.breakdown[0]]
     rec["breakdown_s"] = {k: round(median([b[k] for b in v.breakdown]), 4) for k in keys}
     return rec
 
 
-def bench_config(key: str, variants: list[str], steps: int, warmup: int, progress, extra: list[str] = (),
-                 profile: int = 0) -> dict:
+def bench_config(
+    key: str, variants: list[str], steps: int, warmup: int, progress, extra: list[str] = (), profile: int = 0
+) -> dict:
     """Every variant of one config (plus `extra` overrides) on the same batch: its shape and each variant's
     record (with `profile` > 0, also a torch.profiler summary over that many steps)."""
     import torch
@@ -401,66 +413,114 @@ def bench_loader(cfg_key: str, batches: int) -> dict:
             n += b["images"].shape[0]
             done += 1
         dt = time.perf_counter() - t
-        return {"num_workers": int(cfg.data.num_workers), "batch_size": int(cfg.data.batch_size),
-                "samples": n, "samples_per_s": round(n / dt, 2)}
+        return {
+            "num_workers": int(cfg.data.num_workers),
+            "batch_size": int(cfg.data.batch_size),
+            "samples": n,
+            "samples_per_s": round(n / dt, 2),
+        }
 
 
 def print_profile(pr: dict) -> None:
     """A variant's profile: wall vs kernel time per step, launches, the top ops."""
-    gpu = f", GPU kernels {pr['gpu_kernel_ms']:.1f} ms ({pr['kernels_per_step']} launches)" if pr["gpu_kernel_ms"] else ""
-    print(f"    profiled: {pr['wall_ms']:.1f} ms per step{gpu}; most self time: "
-          + ", ".join(f"{k} {ms:.1f}" for k, ms in list(pr["top_self_ms"].items())[:5]))
+    gpu = (
+        f", GPU kernels {pr['gpu_kernel_ms']:.1f} ms ({pr['kernels_per_step']} launches)" if pr["gpu_kernel_ms"] else ""
+    )
+    print(
+        f"    profiled: {pr['wall_ms']:.1f} ms per step{gpu}; most self time: "
+        + ", ".join(f"{k} {ms:.1f}" for k, ms in list(pr["top_self_ms"].items())[:5])
+    )
 
 
 def print_table(results: dict) -> None:
     """Per config: one line per variant with its step time, speed-up and part breakdown; then the loader."""
     if "matmul_gflop_per_s" in results:
-        print("matrix products on this device, GFLOP/s (the % after a variant's rate): "
-              + ", ".join(f"{k} {v:.0f}" for k, v in results["matmul_gflop_per_s"].items()))
+        print(
+            "matrix products on this device, GFLOP/s (the % after a variant's rate): "
+            + ", ".join(f"{k} {v:.0f}" for k, v in results["matmul_gflop_per_s"].items())
+        )
     for key, r in results["configs"].items():
-        print(f"\n{key}: {' '.join(r['overrides'])}  (batch {r['batch_size']}, {r['final_dim'][0]}x{r['final_dim'][1]}, "
-              f"{r['parameters'] / 1e6:.1f} M parameters, {r['gflop_per_step']:.0f} GFLOP per step)")
+        print(
+            f"\n{key}: {' '.join(r['overrides'])}  (batch {r['batch_size']}, {r['final_dim'][0]}x{r['final_dim'][1]}, "
+            f"{r['parameters'] / 1e6:.1f} M parameters, {r['gflop_per_step']:.0f} GFLOP per step)"
+        )
         cols = ["camera_encoder", "geometry", "splat", "bev_encoder", "backward", "optimizer"]
-        print(f"  {'variant':28s} {'step s':>8s} {'speedup':>8s} {'GFLOP/s':>14s} {'1st step':>9s}  "
-              + " ".join(f"{c[:10]:>10s}" for c in cols))
+        print(
+            f"  {'variant':28s} {'step s':>8s} {'speedup':>8s} {'GFLOP/s':>14s} {'1st step':>9s}  "
+            + " ".join(f"{c[:10]:>10s}" for c in cols)
+        )
         for name, v in r["variants"].items():
             if "error" in v:
                 print(f"  {name:28s} failed: {v['error']}")
                 continue
             parts = " ".join(f"{v['breakdown_s'].get(c, float('nan')):10.3f}" for c in cols)
-            rate = f"{v['gflop_per_s']:.1f} ({100 * v['of_matmul_rate']:.0f}%)" if "of_matmul_rate" in v else f"{v['gflop_per_s']:.1f}"
-            print(f"  {name:28s} {v['step_s']:8.3f} {v['speedup_vs_fp32'] or 0:7.2f}x {rate:>14s} "
-                  f"{v['first_step_s']:9.1f}  {parts}")
+            rate = (
+                f"{v['gflop_per_s']:.1f} ({100 * v['of_matmul_rate']:.0f}%)"
+                if "of_matmul_rate" in v
+                else f"{v['gflop_per_s']:.1f}"
+            )
+            print(
+                f"  {name:28s} {v['step_s']:8.3f} {v['speedup_vs_fp32'] or 0:7.2f}x {rate:>14s} "
+                f"{v['first_step_s']:9.1f}  {parts}"
+            )
             if "profile" in v:
                 print_profile(v["profile"])
     if "loader" in results:
         ld = results["loader"]
-        print(f"\nloader ({ld['num_workers']} workers): {ld['samples_per_s']:.1f} samples/s;  model at the embedded default: "
-              f"{ld.get('model_samples_per_s')} samples/s -> {'loader keeps up' if ld.get('keeps_up') else 'LOADER IS THE BOTTLENECK'}")
-    print(f"\nload average (1 min) at start {results['host']['load_average_1m_start']}, at end {results['host']['load_average_1m_end']}")
+        print(
+            f"\nloader ({ld['num_workers']} workers): {ld['samples_per_s']:.1f} samples/s;  model at the embedded default: "
+            f"{ld.get('model_samples_per_s')} samples/s -> {'loader keeps up' if ld.get('keeps_up') else 'LOADER IS THE BOTTLENECK'}"
+        )
+    print(
+        f"\nload average (1 min) at start {results['host']['load_average_1m_start']}, at end {results['host']['load_average_1m_end']}"
+    )
 
 
 def parse_args(argv):
     """The command line (see the module docstring); --quick sets --steps, --warmup and --no-compile."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=None,
-                   help="default: all; at the paper config the bf16 ones only on CPUs with native bf16 "
-                        "(emulated they take minutes per step; the embedded config still shows them)")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS),
+        default=None,
+        help="default: all; at the paper config the bf16 ones only on CPUs with native bf16 "
+        "(emulated they take minutes per step; the embedded config still shows them)",
+    )
     p.add_argument("--steps", type=int, default=3, help="measured steps per variant (medians)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps per variant (the first compiles)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="include the torch.compile variants")
+    p.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=True, help="include the torch.compile variants"
+    )
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="instead of the configs' batch size (4): e.g. to see where bf16 starts to pay on a GPU")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="instead of the configs' batch size (4): e.g. to see where bf16 starts to pay on a GPU",
+    )
     p.add_argument("--quick", action="store_true", help="2 measured steps, 1 warm-up, no compiled variants")
-    p.add_argument("--loader", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time the embedded config's data loader")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cuda: the same variants on the GPU (bf16 autocast on the GPU; --threads is ignored)")
-    p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="after the measurement, profile N more steps of each variant (torch.profiler, no clock "
-                        "inside a step): wall vs GPU kernel time, launches per step, the ops with the most self time")
+    p.add_argument(
+        "--loader",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the embedded config's data loader",
+    )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: the same variants on the GPU (bf16 autocast on the GPU; --threads is ignored)",
+    )
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the measurement, profile N more steps of each variant (torch.profiler, no clock "
+        "inside a step): wall vs GPU kernel time, launches per step, the ops with the most self time",
+    )
     p.add_argument("--out", default=None, help="default benchmarks/results/bench_train_<device>.json")
     a = p.parse_args(argv)
     a.out = a.out or str(REPO / f"benchmarks/results/bench_train_{a.device}.json")
@@ -478,7 +538,9 @@ def variants_to_run(a) -> dict[str, list[str]]:
     """Each config's variants: --variants or all, less emulated bf16 at the paper size and compiled ones with --no-compile."""
     from bev.utils.precision import cpu_bf16_support
 
-    variants = {key: list(a.variants or [v for v in VARIANTS if a.device == "cuda" or not gpu_only(v)]) for key in a.configs}
+    variants = {
+        key: list(a.variants or [v for v in VARIANTS if a.device == "cuda" or not gpu_only(v)]) for key in a.configs
+    }
     if a.variants is None and "paper" in variants and a.device == "cpu" and not cpu_bf16_support():
         variants["paper"] = [v for v in variants["paper"] if not VARIANTS[v][1]]
     if not a.compile:
@@ -495,8 +557,15 @@ def bench_configs(a, variants: dict[str, list[str]]) -> dict:
         for key in a.configs:
             extra = [f"data.batch_size={a.batch_size}"] if a.batch_size else []
             configs[key] = bench_config(key, variants[key], a.steps, a.warmup, bar, extra, a.profile)
-            skipped = {v: "--no-compile" if VARIANTS[v][2] and not a.compile else "CUDA graphs: GPU only" if gpu_only(v)
-                       else "no native bf16 on this CPU" for v in VARIANTS if v not in variants[key] and a.variants is None}
+            skipped = {
+                v: "--no-compile"
+                if VARIANTS[v][2] and not a.compile
+                else "CUDA graphs: GPU only"
+                if gpu_only(v)
+                else "no native bf16 on this CPU"
+                for v in VARIANTS
+                if v not in variants[key] and a.variants is None
+            }
             if skipped:
                 configs[key]["skipped"] = skipped
     return configs
@@ -507,8 +576,13 @@ def embedded_default_variant() -> str:
     from bev.utils.precision import resolve_channels_last, resolve_precision
 
     cfg = compose_config(CONFIGS["embedded"])
-    return "+".join(["channels_last"] * resolve_channels_last(cfg.model.net.camera.channels_last)
-                    + ["bf16"] * resolve_precision("auto", "cpu")[0].startswith("bf16")) or "fp32"
+    return (
+        "+".join(
+            ["channels_last"] * resolve_channels_last(cfg.model.net.camera.channels_last)
+            + ["bf16"] * resolve_precision("auto", "cpu")[0].startswith("bf16")
+        )
+        or "fp32"
+    )
 
 
 def loader_vs_model(embedded: dict) -> dict:
@@ -558,9 +632,13 @@ def host(load0: float) -> dict:
     from bev.utils.precision import cpu_bf16_support
 
     return {
-        "cpus": os.cpu_count(), "cpu_bf16": cpu_bf16_support(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "load_average_1m_start": round(load0, 2), "load_average_1m_end": round(os.getloadavg()[0], 2),
-        "malloc_env": malloc_env(), **host_versions(),
+        "cpus": os.cpu_count(),
+        "cpu_bf16": cpu_bf16_support(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "load_average_1m_start": round(load0, 2),
+        "load_average_1m_end": round(os.getloadavg()[0], 2),
+        "malloc_env": malloc_env(),
+        **host_versions(),
     }
 
 
@@ -577,10 +655,15 @@ def main(argv=None) -> int:
     torch.backends.cudnn.benchmark = a.device == "cuda"  # as trainer=gpu
     load0 = os.getloadavg()[0]
     rates = matmul_rates()
-    results = {"benchmark": f"training step (forward, loss, backward, clip, optimiser step), {a.device}",
-               "device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or platform.machine(),
-               "steps": a.steps, "warmup": a.warmup, "threads": a.threads, "matmul_gflop_per_s": rates,
-               "configs": bench_configs(a, variants)}
+    results = {
+        "benchmark": f"training step (forward, loss, backward, clip, optimiser step), {a.device}",
+        "device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or platform.machine(),
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "threads": a.threads,
+        "matmul_gflop_per_s": rates,
+        "configs": bench_configs(a, variants),
+    }
     add_matmul_fractions(results)
     if a.loader and "embedded" in a.configs and a.device == "cpu":
         results["loader"] = loader_vs_model(results["configs"]["embedded"]["variants"])

@@ -363,14 +363,20 @@ def windows(w: dict | None) -> list[str]:
     """bench_loader's temporal windows (when measured): windows/s per DataLoader and in one process."""
     if not w or "loader" not in w:
         return []
-    rows = [[f"DataLoader, {x['workers']} worker{'' if x['workers'] == 1 else 's'}", num(x["windows_per_s"])]
-            for x in w["loader"]]
+    rows = [
+        [f"DataLoader, {x['workers']} worker{'' if x['workers'] == 1 else 's'}", num(x["windows_per_s"])]
+        for x in w["loader"]
+    ]
     rows += [["one process, training augmentation", num(w["train_single_process_windows_per_s"])]]
-    rows += [[f"one process, validation, {k.replace('_', ' ')}", num(v)]
-             for k, v in w["val_single_process_windows_per_s"].items()]
-    what = (f"Windows of {w['past_frames']} past + 1 + {w['future_frames']} future key frames "
-            f"({w['windows_in_split']} in the split, {w['jpegs_per_window']} JPEGs each, labels "
-            f"{num(w['labels_ms_per_window'])} ms):")
+    rows += [
+        [f"one process, validation, {k.replace('_', ' ')}", num(v)]
+        for k, v in w["val_single_process_windows_per_s"].items()
+    ]
+    what = (
+        f"Windows of {w['past_frames']} past + 1 + {w['future_frames']} future key frames "
+        f"({w['windows_in_split']} in the split, {w['jpegs_per_window']} JPEGs each, labels "
+        f"{num(w['labels_ms_per_window'])} ms):"
+    )
     return [what, ""] + table(["setting", "windows/s"], rows, "lr")
 
 

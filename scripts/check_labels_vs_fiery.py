@@ -22,6 +22,7 @@ with FIERY's visibility filter on (its default) and off, the same in both loader
   frames, axes and units) and for FIERY's (rounded mask centres, vectors in frame t's axes, its warp).
 Without --dataroot a synthetic set (bev-make-synthetic) is written to a temp folder first.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,12 @@ from bev.data.maps import ego_yaw
 from bev.utils.io import atomic_write
 
 PAST, FUTURE = 2, 4  # FIERY's baseline: TIME_RECEPTIVE_FIELD=3, N_FUTURE_FRAMES=4
-BOUNDS = {"X_BOUND": [-50.0, 50.0, 0.5], "Y_BOUND": [-50.0, 50.0, 0.5], "Z_BOUND": [-10.0, 10.0, 20.0],
-          "D_BOUND": [2.0, 50.0, 1.0]}
+BOUNDS = {
+    "X_BOUND": [-50.0, 50.0, 0.5],
+    "Y_BOUND": [-50.0, 50.0, 0.5],
+    "Z_BOUND": [-10.0, 10.0, 20.0],
+    "D_BOUND": [2.0, 50.0, 1.0],
+}
 
 
 def _ns(**kw) -> types.SimpleNamespace:
@@ -61,13 +66,21 @@ def fiery_dataset(fiery_src: Path, nusc, is_train: bool, filter_invisible: bool)
         sys.path[:0] = [str(fiery_src), str(stub)]
     from fiery.data import FuturePredictionDataset
 
-    FuturePredictionDataset.get_input_data = lambda self, rec: (torch.zeros(1, 1, 1), torch.zeros(1, 1, 1),
-                                                                torch.zeros(1, 1, 1))
-    cfg = _ns(TIME_RECEPTIVE_FIELD=PAST + 1, N_FUTURE_FRAMES=FUTURE,
-              IMAGE=_ns(FINAL_DIM=(224, 480), RESIZE_SCALE=0.3, TOP_CROP=46, ORIGINAL_HEIGHT=900,
-                        ORIGINAL_WIDTH=1600, NAMES=[]),
-              LIFT=_ns(**BOUNDS), DATASET=_ns(FILTER_INVISIBLE_VEHICLES=filter_invisible, IGNORE_INDEX=255),
-              MODEL=_ns(SUBSAMPLE=False))
+    FuturePredictionDataset.get_input_data = lambda self, rec: (
+        torch.zeros(1, 1, 1),
+        torch.zeros(1, 1, 1),
+        torch.zeros(1, 1, 1),
+    )
+    cfg = _ns(
+        TIME_RECEPTIVE_FIELD=PAST + 1,
+        N_FUTURE_FRAMES=FUTURE,
+        IMAGE=_ns(
+            FINAL_DIM=(224, 480), RESIZE_SCALE=0.3, TOP_CROP=46, ORIGINAL_HEIGHT=900, ORIGINAL_WIDTH=1600, NAMES=[]
+        ),
+        LIFT=_ns(**BOUNDS),
+        DATASET=_ns(FILTER_INVISIBLE_VEHICLES=filter_invisible, IGNORE_INDEX=255),
+        MODEL=_ns(SUBSAMPLE=False),
+    )
     return FuturePredictionDataset(nusc, is_train, cfg)
 
 
@@ -130,8 +143,15 @@ def window_ids(ds: NuScenesBEVDataset, frames: np.ndarray) -> dict[bytes, int]:
 
 def compare(a: argparse.Namespace, nusc, cache_dir: str, filter_invisible: bool) -> dict:
     """The report's numbers for one setting of the visibility filter (both loaders the same)."""
-    kw = {"version": a.version, "split": a.split, "past_frames": PAST, "future_frames": FUTURE,
-          "filter_invisible": filter_invisible, "cache_dir": cache_dir, "verbose": False}
+    kw = {
+        "version": a.version,
+        "split": a.split,
+        "past_frames": PAST,
+        "future_frames": FUTURE,
+        "filter_invisible": filter_invisible,
+        "cache_dir": cache_dir,
+        "verbose": False,
+    }
     ours = {w: NuScenesBEVDataset(nusc.dataroot, label_warp=w, **kw) for w in ("fiery", "exact")}
     fiery = fiery_dataset(Path(a.fiery_src), nusc, a.split.endswith("train"), filter_invisible)
     ds = ours["exact"]
@@ -159,9 +179,12 @@ def compare(a: argparse.Namespace, nusc, cache_dir: str, filter_invisible: bool)
         errs["fiery"] += flow_errors(ref["instance"], ref["flow"], ids, motion)
         n += 1
     return {
-        "windows": n, "windows_ours": len(ds), "windows_fiery": len(fiery),
+        "windows": n,
+        "windows_ours": len(ds),
+        "windows_fiery": len(fiery),
         "instance_iou": {k: round(inter[k] / max(union[k], 1), 5) for k in inter},
-        "present_centerness_max_abs_diff": round(cen_diff, 6), "present_offset_max_abs_diff": round(off_diff, 6),
+        "present_centerness_max_abs_diff": round(cen_diff, 6),
+        "present_offset_max_abs_diff": round(off_diff, 6),
         "flow_error_cells": {k: _summary(v) for k, v in errs.items()},
     }
 
@@ -182,8 +205,12 @@ def _own_frames(ds: NuScenesBEVDataset, frames: np.ndarray) -> np.ndarray:
         rows = rows[np.isin(ds.index["box_instance"][rows], list(ids))]  # without the boxes filtered out
         if ds.filter_invisible:
             rows = rows[ds.index["box_visibility"][rows] != 1]
-        feet = level_footprints(ds.index["box_center"][rows], ds.index["box_size"][rows],
-                                ds.index["box_rotation"][rows], ds.index["ego_rotation"][i])
+        feet = level_footprints(
+            ds.index["box_center"][rows],
+            ds.index["box_size"][rows],
+            ds.index["box_rotation"][rows],
+            ds.index["ego_rotation"][i],
+        )
         out.append(frame_instances(feet, [ids[t] for t in ds.index["box_instance"][rows]], ds.grid))
     return np.stack(out)
 
@@ -192,8 +219,12 @@ def _summary(errs: list[float]) -> dict:
     e = np.asarray(errs)
     if not len(e):
         return {"pairs": 0}
-    return {"pairs": len(e), "median": round(float(np.median(e)), 4), "p90": round(float(np.percentile(e, 90)), 4),
-            "max": round(float(e.max()), 4)}
+    return {
+        "pairs": len(e),
+        "median": round(float(np.median(e)), 4),
+        "p90": round(float(np.percentile(e, 90)), 4),
+        "max": round(float(e.max()), 4),
+    }
 
 
 def parse_args(argv):
@@ -216,22 +247,34 @@ def main(argv=None) -> int:
     if dataroot is None:
         from bev.data import make_synthetic
 
-        dataroot = str(make_synthetic(Path(tmp.name) / "nuscenes", scenes=a.scenes, samples_per_scene=a.samples,
-                                      seed=0, progress=False))
+        dataroot = str(
+            make_synthetic(
+                Path(tmp.name) / "nuscenes", scenes=a.scenes, samples_per_scene=a.samples, seed=0, progress=False
+            )
+        )
     from nuscenes.nuscenes import NuScenes
 
     t = time.perf_counter()
     nusc = NuScenes(version=a.version, dataroot=dataroot, verbose=False)
     # FIERY's default drops visibility-1 boxes (FILTER_INVISIBLE_VEHICLES); both settings, both loaders alike
-    report = {f"filter_invisible_{f}".lower(): compare(a, nusc, str(Path(tmp.name) / "cache"), f) for f in (True, False)}
-    report.update({
-        "what": "bev.data.temporal labels vs FIERY's FuturePredictionDataset + cumulative_warp_features_reverse",
-        "dataset": "synthetic (bev.data.make_synthetic, "
-                   f"{a.scenes} scenes x {a.samples} key frames, seed 0)" if a.dataroot is None else dataroot,
-        "version": a.version, "split": a.split, "past_frames": PAST, "future_frames": FUTURE,
-        "grid_xy": BOUNDS["X_BOUND"],
-        "seconds": round(time.perf_counter() - t, 1), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    })
+    report = {
+        f"filter_invisible_{f}".lower(): compare(a, nusc, str(Path(tmp.name) / "cache"), f) for f in (True, False)
+    }
+    report.update(
+        {
+            "what": "bev.data.temporal labels vs FIERY's FuturePredictionDataset + cumulative_warp_features_reverse",
+            "dataset": f"synthetic (bev.data.make_synthetic, {a.scenes} scenes x {a.samples} key frames, seed 0)"
+            if a.dataroot is None
+            else dataroot,
+            "version": a.version,
+            "split": a.split,
+            "past_frames": PAST,
+            "future_frames": FUTURE,
+            "grid_xy": BOUNDS["X_BOUND"],
+            "seconds": round(time.perf_counter() - t, 1),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+    )
     atomic_write(Path(a.out), json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     return 0

@@ -11,6 +11,7 @@ Grids: "lss" is BEVFusion's 0.5 m grid, where the devkit's 2-pixel lines are the
 divider width; "embedded" is synthetic_cpu's 1 m grid, where dividers stay 1 m wide but the
 devkit draws 2 pixels (2 m), so only its polygon classes are expected to agree.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,9 @@ def compare(dataroot: str, split: str, grid: Grid, samples: int, version: str = 
     """{class: {"iou", "ours_cells", "devkit_cells"}} summed over `samples` evenly spaced samples."""
     from nuscenes.map_expansion.map_api import NuScenesMap
 
-    ds = NuScenesBEVDataset(dataroot, version, split, grid=grid, map_layers="bevfusion", verbose=False, cache_dir=cache_dir)
+    ds = NuScenesBEVDataset(
+        dataroot, version, split, grid=grid, map_layers="bevfusion", verbose=False, cache_dir=cache_dir
+    )
     maps, k0 = {}, ds.num_object_classes
     inter, union = np.zeros(len(ds.map_layers)), np.zeros(len(ds.map_layers))
     ours_n, ref_n = np.zeros(len(ds.map_layers)), np.zeros(len(ds.map_layers))
@@ -44,13 +47,21 @@ def compare(dataroot: str, split: str, grid: Grid, samples: int, version: str = 
         loc = str(ds.index["location"][i])
         nmap = maps.setdefault(loc, NuScenesMap(dataroot, loc))
         ours = ds.targets(int(i))[0][k0:].astype(bool)
-        ref = devkit_map_mask(nmap, ds.index["ego_translation"][i], ego_yaw(ds.index["ego_rotation"][i]), ds.map_layers, grid)
+        ref = devkit_map_mask(
+            nmap, ds.index["ego_translation"][i], ego_yaw(ds.index["ego_rotation"][i]), ds.map_layers, grid
+        )
         inter += (ours & ref).sum((1, 2))
         union += (ours | ref).sum((1, 2))
         ours_n += ours.sum((1, 2))
         ref_n += ref.sum((1, 2))
-    return {name: {"iou": round(float(inter[k] / union[k]), 4) if union[k] else None,
-                   "ours_cells": int(ours_n[k]), "devkit_cells": int(ref_n[k])} for k, name in enumerate(ds.map_layers)}
+    return {
+        name: {
+            "iou": round(float(inter[k] / union[k]), 4) if union[k] else None,
+            "ours_cells": int(ours_n[k]),
+            "devkit_cells": int(ref_n[k]),
+        }
+        for k, name in enumerate(ds.map_layers)
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,8 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grids", nargs="+", choices=list(GRIDS), default=list(GRIDS))
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "map_targets_vs_devkit.json"))
     args = p.parse_args(argv)
-    result = {"dataroot": args.dataroot, "split": args.split, "samples": args.samples,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "grids": {}}
+    result = {
+        "dataroot": args.dataroot,
+        "split": args.split,
+        "samples": args.samples,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "grids": {},
+    }
     for name in args.grids:
         grid = GRIDS[name]
         per_class = compare(args.dataroot, args.split, grid, args.samples, args.version, args.cache_dir)

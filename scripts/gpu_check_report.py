@@ -7,6 +7,7 @@ work dir's junit files, benchmark JSON (copied to benchmarks/results/ under the 
 and the training run's metrics. Exits 1 unless every stage ran, none failed and the training
 loss went down.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,14 +43,29 @@ def pool_section(bench: dict, kept: Path) -> tuple[dict, list[str]]:
     for r in bench["results"]:
         for row in r["rows"]:
             if row["method"].startswith(("native bev_pool", "materialise+native", "bevfusion")):
-                item = {k: row.get(k) for k in ("method", "forward_ms", "fwd_bwd_ms", "forward_gb_per_s",
-                                                "forward_fraction_of_peak", "fwd_bwd_peak_mb")}
+                item = {
+                    k: row.get(k)
+                    for k in (
+                        "method",
+                        "forward_ms",
+                        "fwd_bwd_ms",
+                        "forward_gb_per_s",
+                        "forward_fraction_of_peak",
+                        "fwd_bwd_peak_mb",
+                    )
+                }
                 section["headline"].append(dict(size=r["size"], dtype=r.get("dtype"), **item))
-    lines = ["", "| size | dtype | method | fwd ms | fwd+bwd ms | GB/s | % of peak |", "|---|---|---|---:|---:|---:|---:|"]
+    lines = [
+        "",
+        "| size | dtype | method | fwd ms | fwd+bwd ms | GB/s | % of peak |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
     for h in section["headline"]:
         frac = h["forward_fraction_of_peak"]
-        lines.append(f"| {h['size']} | {h['dtype']} | {h['method']} | {fmt(h['forward_ms'], '.3f')} | "
-                     f"{fmt(h['fwd_bwd_ms'], '.3f')} | {fmt(h['forward_gb_per_s'], '.0f')} | {fmt(frac and 100 * frac, '.0f')} |")
+        lines.append(
+            f"| {h['size']} | {h['dtype']} | {h['method']} | {fmt(h['forward_ms'], '.3f')} | "
+            f"{fmt(h['fwd_bwd_ms'], '.3f')} | {fmt(h['forward_gb_per_s'], '.0f')} | {fmt(frac and 100 * frac, '.0f')} |"
+        )
     lines += [f"[{'MET' if c['met'] else 'MISSED'}] {c['target']}: {c['ratio']:.2f}x" for c in bench["targets"]]
     return section, lines
 
@@ -58,17 +74,30 @@ def train_bench_section(tb: dict, kept: Path) -> tuple[dict, list[str]]:
     """Each config's training-step variants: median step, speed-up over fp32, arithmetic rate and, where
     profiled, the GPU kernel time and launches per step."""
     section = {"file": os.path.relpath(kept), "configs": {}}
-    lines = ["", "| training step | variant | step ms | vs fp32 | TFLOP/s | GPU kernels ms | launches |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "",
+        "| training step | variant | step ms | vs fp32 | TFLOP/s | GPU kernels ms | launches |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for key, c in tb["configs"].items():
-        rows = {name: {k: v.get(k) for k in ("step_s", "speedup_vs_fp32", "gflop_per_s", "error")} for name, v in c["variants"].items()}
+        rows = {
+            name: {k: v.get(k) for k in ("step_s", "speedup_vs_fp32", "gflop_per_s", "error")}
+            for name, v in c["variants"].items()
+        }
         for name, v in c["variants"].items():
             if "profile" in v:
-                rows[name].update(gpu_kernel_ms=v["profile"].get("gpu_kernel_ms"), kernels_per_step=v["profile"].get("kernels_per_step"))
+                rows[name].update(
+                    gpu_kernel_ms=v["profile"].get("gpu_kernel_ms"),
+                    kernels_per_step=v["profile"].get("kernels_per_step"),
+                )
         section["configs"][key] = rows
         for name, v in rows.items():
             tflops = fmt(v["gflop_per_s"] / 1e3 if v.get("gflop_per_s") else None, ".1f")
-            cell = f"{1e3 * v['step_s']:.1f} | {v['speedup_vs_fp32']}x | {tflops}" if v["step_s"] else f"failed: {v['error']} | |"
+            cell = (
+                f"{1e3 * v['step_s']:.1f} | {v['speedup_vs_fp32']}x | {tflops}"
+                if v["step_s"]
+                else f"failed: {v['error']} | |"
+            )
             prof = f"{fmt(v.get('gpu_kernel_ms'), '.1f')} | {fmt(v.get('kernels_per_step'), 'd')}"
             lines.append(f"| {key} (batch {c['batch_size']}) | {name} | {cell} | {prof} |")
     return section, lines
@@ -87,8 +116,14 @@ def train_section(train_run: Path, what: str = "training") -> tuple[dict | None,
         return None, []
     k = max(1, len(losses) // 5)
     first, last = statistics.mean(l for _, l in losses[:k]), statistics.mean(l for _, l in losses[-k:])
-    section = dict(run=os.path.relpath(train_run), steps=losses[-1][0] + 1, logged=len(losses),
-                   loss_first_fifth=first, loss_last_fifth=last, loss_went_down=last < first)
+    section = dict(
+        run=os.path.relpath(train_run),
+        steps=losses[-1][0] + 1,
+        logged=len(losses),
+        loss_first_fifth=first,
+        loss_last_fifth=last,
+        loss_went_down=last < first,
+    )
     run_metrics = train_run / "metrics.json"
     speed = ""
     if run_metrics.exists():
@@ -101,13 +136,19 @@ def train_section(train_run: Path, what: str = "training") -> tuple[dict | None,
         elif rec.get("fit_wall_s") and rec.get("global_step"):
             section["s_per_step"] = rec["fit_wall_s"] / rec["global_step"]
             speed = f", {section['s_per_step'] * 1e3:.1f} ms/step with validations"
-    return section, ["", f"{what}: {section['steps']} steps{speed}, mean train/loss {first:.4f} (first fifth of the logged "
-                         f"steps) -> {last:.4f} (last fifth): {'went down' if last < first else 'DID NOT go down'}"]
+    return section, [
+        "",
+        f"{what}: {section['steps']} steps{speed}, mean train/loss {first:.4f} (first fifth of the logged "
+        f"steps) -> {last:.4f} (last fifth): {'went down' if last < first else 'DID NOT go down'}",
+    ]
 
 
 # work-dir file -> (report key, section builder); bench_train_cuda_b16 is the paper config at batch 16.
-BENCHMARKS = {"bench_pool_cuda": ("bench", pool_section), "bench_train_cuda": ("bench_train", train_bench_section),
-              "bench_train_cuda_b16": ("bench_train_b16", train_bench_section)}
+BENCHMARKS = {
+    "bench_pool_cuda": ("bench", pool_section),
+    "bench_train_cuda": ("bench_train", train_bench_section),
+    "bench_train_cuda_b16": ("bench_train_b16", train_bench_section),
+}
 
 
 def benchmark_sections(a, report: dict, results: Path) -> list[str]:
@@ -140,10 +181,20 @@ def main(argv=None) -> int:
     import torch
 
     failed, pending = a.failed.split(), a.pending.split()
-    report = dict(device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
-                  torch=torch.__version__, cuda=torch.version.cuda, date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                  stage_seconds=json.loads(a.times), failed_stages=failed, pending_stages=pending)
-    lines = [f"# GPU check on {report['device']} (sm_{''.join(map(str, report['capability']))}), torch {report['torch']}", ""]
+    report = dict(
+        device=torch.cuda.get_device_name(),
+        capability=list(torch.cuda.get_device_capability()),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        stage_seconds=json.loads(a.times),
+        failed_stages=failed,
+        pending_stages=pending,
+    )
+    lines = [
+        f"# GPU check on {report['device']} (sm_{''.join(map(str, report['capability']))}), torch {report['torch']}",
+        "",
+    ]
     for key in ("tests", "tests_emulated"):
         if (a.work / "logs" / f"{key}.log").exists():
             report[key] = junit_counts(a.work / "logs" / f"{key}.xml")
@@ -156,10 +207,13 @@ def main(argv=None) -> int:
     lines += more
     went_down = report["train"] is None or report["train"]["loss_went_down"]  # None: skipped (or failed, in `failed`)
     ok = report["ok"] = not failed and not pending and went_down
-    lines += ["", f"stage seconds: {report['stage_seconds']}",
-              f"overall: {'OK' if ok else 'NOT DONE' if pending and not failed else 'FAILED'}"
-              + (f" (failed stages: {' '.join(failed)}; logs in the work dir)" if failed else "")
-              + (f" (still to run: {' '.join(pending)})" if pending else "")]
+    lines += [
+        "",
+        f"stage seconds: {report['stage_seconds']}",
+        f"overall: {'OK' if ok else 'NOT DONE' if pending and not failed else 'FAILED'}"
+        + (f" (failed stages: {' '.join(failed)}; logs in the work dir)" if failed else "")
+        + (f" (still to run: {' '.join(pending)})" if pending else ""),
+    ]
     out = a.results / f"gpu_{a.device}.json"
     write(out, json.dumps(report, indent=2) + "\n")
     write(out.with_suffix(".md"), "\n".join(lines) + "\n")

@@ -4,6 +4,7 @@
 
 All csv/version_* logs of the run are merged in numeric order, one value per step (bev.utils.metrics_log).
 """
+
 import argparse
 from pathlib import Path
 

@@ -1,7 +1,8 @@
 """Re-write summary.csv / summary.md for a sweep directory (bev-train -m does this itself at the end).
 
-    python scripts/summarize_sweep.py logs/train/multiruns/2026-01-01_12-00-00
+python scripts/summarize_sweep.py logs/train/multiruns/2026-01-01_12-00-00
 """
+
 import argparse
 
 from bev.callbacks import summarize_sweep

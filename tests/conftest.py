@@ -1,4 +1,5 @@
 """Shared fixtures."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,8 +20,9 @@ def synthetic_root(tmp_path_factory) -> Path:
     """
     from bev.synthetic.writer import make_synthetic
 
-    return make_synthetic(tmp_path_factory.mktemp("synthetic") / "nuscenes", scenes=2, samples_per_scene=3, seed=0,
-                          progress=False)
+    return make_synthetic(
+        tmp_path_factory.mktemp("synthetic") / "nuscenes", scenes=2, samples_per_scene=3, seed=0, progress=False
+    )
 
 
 @pytest.fixture(scope="session")
@@ -37,8 +39,13 @@ def tiny_run(synthetic_root, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("run")
     mp = pytest.MonkeyPatch()
     try:
-        args = [*TINY, "trainer.max_epochs=2", "callbacks.bev_png.every_n_steps=0",
-                f"data.dataroot={synthetic_root}", f"hydra.run.dir={run}"]
+        args = [
+            *TINY,
+            "trainer.max_epochs=2",
+            "callbacks.bev_png.every_n_steps=0",
+            f"data.dataroot={synthetic_root}",
+            f"hydra.run.dir={run}",
+        ]
         assert train_cli(args, mp) == 0
     finally:
         mp.undo()

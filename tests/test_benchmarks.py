@@ -1,4 +1,5 @@
 """The training-step benchmarks run end to end on the embedded config (one step each: no timings checked)."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,26 @@ def test_bench_train_profiles_each_variant(tmp_path, capsys):
     import bench_train
 
     out = tmp_path / "train.json"
-    assert bench_train.main(["--configs", "embedded", "--variants", "fp32", "--steps", "1", "--warmup", "1",
-                             "--no-loader", "--profile", "1", "--out", str(out)]) == 0
+    assert (
+        bench_train.main(
+            [
+                "--configs",
+                "embedded",
+                "--variants",
+                "fp32",
+                "--steps",
+                "1",
+                "--warmup",
+                "1",
+                "--no-loader",
+                "--profile",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rec = json.loads(out.read_text())["configs"]["embedded"]["variants"]["fp32"]
     pr = rec["profile"]
     assert pr["steps"] == 1 and pr["wall_ms"] > 0 and pr["gpu_kernel_ms"] is None  # no GPU here
@@ -33,7 +52,9 @@ def test_bench_train_profiles_each_variant(tmp_path, capsys):
     report = json.loads(out.read_text())
     config = report["configs"]["embedded"]
     assert rec["gflop_per_s"] == pytest.approx(config["gflop_per_step"] / rec["step_s"], rel=0.01)
-    assert rec["of_matmul_rate"] == pytest.approx(rec["gflop_per_s"] / report["matmul_gflop_per_s"]["float32"], rel=0.01)
+    assert rec["of_matmul_rate"] == pytest.approx(
+        rec["gflop_per_s"] / report["matmul_gflop_per_s"]["float32"], rel=0.01
+    )
 
 
 def test_step_flops_counts_forward_and_backward(monkeypatch):
@@ -46,7 +67,7 @@ def test_step_flops_counts_forward_and_backward(monkeypatch):
         def __init__(self):
             super().__init__()
             self.dw = nn.Conv2d(4, 4, 5, stride=2, padding=2, groups=4)  # (2, 4, 8, 8) -> (2, 4, 4, 4)
-            self.conv = nn.Conv2d(4, 6, 3, padding=1)                      # -> (2, 6, 4, 4)
+            self.conv = nn.Conv2d(4, 6, 3, padding=1)  # -> (2, 6, 4, 4)
             self.fc = nn.Linear(6 * 16, 3)
 
         def forward(self, batch):
@@ -118,7 +139,9 @@ def test_plain_layers_undoes_the_fast_layers():
     assert any(isinstance(m, (FP32GradDepthwiseConv2d, GlobalAvgPool)) for m in enc.modules())
     bench_fast_layers.plain_layers(enc)
     assert not any(isinstance(m, (FP32GradDepthwiseConv2d, GlobalAvgPool)) for m in enc.modules())
-    assert sum(isinstance(m, torch.nn.AdaptiveAvgPool2d) for m in enc.modules()) == 16 and enc.state_dict().keys() == keys
+    assert (
+        sum(isinstance(m, torch.nn.AdaptiveAvgPool2d) for m in enc.modules()) == 16 and enc.state_dict().keys() == keys
+    )
 
 
 @pytest.mark.slow  # four paper-config models; bf16 steps are emulated (minutes) on CPUs without native bf16
@@ -138,8 +161,23 @@ def test_bench_pool_user_level_reports_the_memory_traffic_floor(tmp_path):
 
     out = tmp_path / "pool.json"
     repo = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, str(repo / "scripts" / "bench_pool.py"), "--device", "cpu", "--section", "user", "--rounds", "1",
-           "--threads", "2", "--skip", "quickcumsum voxel_sum", "torch voxel_sum", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(repo / "scripts" / "bench_pool.py"),
+        "--device",
+        "cpu",
+        "--section",
+        "user",
+        "--rounds",
+        "1",
+        "--threads",
+        "2",
+        "--skip",
+        "quickcumsum voxel_sum",
+        "torch voxel_sum",
+        "--out",
+        str(out),
+    ]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
     lss = json.loads(out.read_text())["user_level"]["malloc_tuned"]["lss"]
     floor = next(r for r in lss["rows"] if r["method"] == "memory traffic only (floor)")

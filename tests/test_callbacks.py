@@ -1,4 +1,5 @@
 """Atomic checkpoint writes, the sweep summary and the epoch summary line (no training)."""
+
 import csv
 import json
 from types import SimpleNamespace
@@ -32,7 +33,11 @@ def write_run(d, num, iou, status="ok"):
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "overrides.yaml").write_text(f"- model.optimizer.lr={num}\n")
     if iou is not None:
-        rec = {"status": status, "metrics": {"val/iou_best": iou, "val/iou": iou - 0.01}, "overrides": [f"model.optimizer.lr={num}"]}
+        rec = {
+            "status": status,
+            "metrics": {"val/iou_best": iou, "val/iou": iou - 0.01},
+            "overrides": [f"model.optimizer.lr={num}"],
+        }
         (run / "metrics.json").write_text(json.dumps(rec))
 
 
@@ -56,8 +61,12 @@ def test_epoch_summary_sums_the_train_loss_without_reading_it_every_step(capsys)
     for loss in (0.5, 1.5):
         cb.on_train_batch_end(None, None, {"loss": torch.tensor(loss)}, None, 0)
     assert torch.is_tensor(cb.loss_sum)  # a float() per step would wait for the GPU after every step
-    trainer = SimpleNamespace(sanity_checking=False, current_epoch=0, global_step=2,
-                              callback_metrics={"val/loss": torch.tensor(0.25), "val/iou": torch.tensor(0.5)})
+    trainer = SimpleNamespace(
+        sanity_checking=False,
+        current_epoch=0,
+        global_step=2,
+        callback_metrics={"val/loss": torch.tensor(0.25), "val/iou": torch.tensor(0.5)},
+    )
     cb.on_validation_end(trainer, None)
     line = capsys.readouterr().out
     assert "train/loss 1.0000" in line and "val/loss 0.2500" in line and "val/iou_best -" in line

@@ -1,4 +1,5 @@
 """Every config composes; every experiment instantiates its model and datamodule (no training)."""
+
 from pathlib import Path
 
 import pytest
@@ -101,8 +102,15 @@ def test_make_train_time_budget_overrides_compose(tmp_path):
     # What `make train` passes: no budget, a deadline in Unix seconds (see the Makefile).
     from bev.callbacks import TimeBudget
 
-    cfg = compose_train(tmp_path, ["experiment=synthetic_cpu", "callbacks.time_budget.budget=null",
-                                   "callbacks.time_budget.deadline=1800000000", "callbacks.time_budget.reserve_validations=2"])
+    cfg = compose_train(
+        tmp_path,
+        [
+            "experiment=synthetic_cpu",
+            "callbacks.time_budget.budget=null",
+            "callbacks.time_budget.deadline=1800000000",
+            "callbacks.time_budget.reserve_validations=2",
+        ],
+    )
     callback = instantiate(cfg.callbacks.time_budget)
     assert isinstance(callback, TimeBudget) and callback.budget is None and callback.deadline == 1.8e9
     assert callback.reserve_validations == 2 and callback.skip_epochs == 1  # the experiment's own setting survives

@@ -5,6 +5,7 @@ smooth textures) and the synthetic_root fixture (bev.synthetic, rendered scenes)
 Geometry is checked against the devkit's own projection path (NuScenes.get_sample_data and
 pyquaternion), which shares no code with the reader's index.
 """
+
 from __future__ import annotations
 
 import os
@@ -58,9 +59,16 @@ def test_shapes_and_dtypes(tiny_root, augment):
     s = ds[0]
     shapes = {k: tuple(v.shape) for k, v in s.items() if isinstance(v, torch.Tensor)}
     assert shapes == {
-        "images": (6, 3, 128, 352), "intrinsics": (6, 3, 3), "rots": (6, 3, 3), "trans": (6, 3),
-        "post_rots": (6, 3, 3), "post_trans": (6, 3), "cam_ids": (6,), "bev": (1, 200, 200),
-        "visibility": (200, 200), "bev_bounds": (2, 3),
+        "images": (6, 3, 128, 352),
+        "intrinsics": (6, 3, 3),
+        "rots": (6, 3, 3),
+        "trans": (6, 3),
+        "post_rots": (6, 3, 3),
+        "post_trans": (6, 3),
+        "cam_ids": (6,),
+        "bev": (1, 200, 200),
+        "visibility": (200, 200),
+        "bev_bounds": (2, 3),
     }
     for k in ("images", "intrinsics", "rots", "trans", "post_rots", "post_trans", "bev"):
         assert s[k].dtype == torch.float32, k
@@ -192,8 +200,14 @@ def _check_projection(ds, nusc, i, aug_tol_px=0.05):
         for (cam, _inst), (centre, uv_raw) in proj.items():
             if cam != CAMERA_NAMES[c]:
                 continue
-            uv, depth = ego_to_image(torch.tensor(centre, dtype=torch.float32)[None], s["intrinsics"][n], s["rots"][n],
-                                     s["trans"][n], s["post_rots"][n], s["post_trans"][n])
+            uv, depth = ego_to_image(
+                torch.tensor(centre, dtype=torch.float32)[None],
+                s["intrinsics"][n],
+                s["rots"][n],
+                s["trans"][n],
+                s["post_rots"][n],
+                s["post_trans"][n],
+            )
             expect = s["post_rots"][n, :2, :2] @ torch.tensor(uv_raw, dtype=torch.float32) + s["post_trans"][n, :2]
             assert depth.item() > 0
             torch.testing.assert_close(uv[0], expect, atol=aug_tol_px, rtol=0)
@@ -347,12 +361,20 @@ def test_datamodule_from_hydra_config(tiny_root, tmp_path):
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.create({
-        "_target_": "bev.data.NuScenesDataModule", "dataroot": str(tiny_root), "final_dim": [64, 176],
-        "resize_lim": [0.0965, 0.1125], "grid": {"xbound": [-20, 20, 0.5], "ybound": [-20, 20, 0.5],
-                                                   "zbound": [-10, 10, 20], "dbound": [4, 45, 1]},
-        "categories": ["vehicle."], "batch_size": 2, "num_workers": 2, "ncams": 5, "cache_dir": str(tmp_path),
-    })
+    cfg = OmegaConf.create(
+        {
+            "_target_": "bev.data.NuScenesDataModule",
+            "dataroot": str(tiny_root),
+            "final_dim": [64, 176],
+            "resize_lim": [0.0965, 0.1125],
+            "grid": {"xbound": [-20, 20, 0.5], "ybound": [-20, 20, 0.5], "zbound": [-10, 10, 20], "dbound": [4, 45, 1]},
+            "categories": ["vehicle."],
+            "batch_size": 2,
+            "num_workers": 2,
+            "ncams": 5,
+            "cache_dir": str(tmp_path),
+        }
+    )
     dm = instantiate(cfg)
     assert isinstance(dm, NuScenesDataModule) and dm.persistent_workers
     dm.prepare_data()
@@ -368,10 +390,25 @@ def test_datamodule_from_hydra_config(tiny_root, tmp_path):
 
 
 def test_datamodule_with_map_layers(tiny_root, tmp_path):
-    dm = NuScenesDataModule(tiny_root, categories=[["vehicle."], ["human."]], map_layers="bevfusion", raster="lss",
-                            num_workers=0, batch_size=2, cache_dir=tmp_path)
-    assert dm.class_names == ("vehicle", "human", "drivable_area", "ped_crossing", "walkway", "stop_line",
-                              "carpark_area", "divider")
+    dm = NuScenesDataModule(
+        tiny_root,
+        categories=[["vehicle."], ["human."]],
+        map_layers="bevfusion",
+        raster="lss",
+        num_workers=0,
+        batch_size=2,
+        cache_dir=tmp_path,
+    )
+    assert dm.class_names == (
+        "vehicle",
+        "human",
+        "drivable_area",
+        "ped_crossing",
+        "walkway",
+        "stop_line",
+        "carpark_area",
+        "divider",
+    )
     assert dm.num_object_classes == 2 and dm.num_classes == 8
     batch = next(iter(dm.train_dataloader()))
     assert batch["bev"].shape == (2, 8, 200, 200)
@@ -490,8 +527,24 @@ def test_bench_loader_script(synthetic_root, tmp_path):
     bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "bench_loader.py"))
     out = tmp_path / "bench.json"
     caches_before = sorted((synthetic_root / ".bev_cache").glob("*"))  # other tests may have cached there
-    assert bench["main"](["--dataroot", str(synthetic_root), "--workers", "0", "2", "--batches", "2",
-                          "--batch-size", "2", "--out", str(out)]) == 0
+    assert (
+        bench["main"](
+            [
+                "--dataroot",
+                str(synthetic_root),
+                "--workers",
+                "0",
+                "2",
+                "--batches",
+                "2",
+                "--batch-size",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())
     assert [x["workers"] for x in r["loader"]] == [0, 2]
     assert all(x["samples"] == 4 and x["samples_per_s"] > 0 for x in r["loader"])
@@ -509,7 +562,9 @@ def synthetic_renders(synthetic_root, nusc_syn):
 
     names = scene_names(2)
     (scene,) = [s for s in nusc_syn.scene if s["name"] == "scene-0103"]
-    world = world_model.build_world(0, names.index(scene["name"]), 3, nusc_syn.get("log", scene["log_token"])["location"])
+    world = world_model.build_world(
+        0, names.index(scene["name"]), 3, nusc_syn.get("log", scene["log_token"])["location"]
+    )
     out, tok, k = [], scene["first_sample_token"], 0
     while tok:
         sample = nusc_syn.get("sample", tok)
@@ -521,7 +576,9 @@ def synthetic_renders(synthetic_root, nusc_syn):
         for a in sample["anns"]:
             ann = nusc_syn.get("sample_annotation", a)
             if ann["category_name"].startswith("vehicle."):
-                anns.append((by_centre[tuple(np.round(ann["translation"], 6))], (np.array(ann["translation"]) - tr) @ R))
+                anns.append(
+                    (by_centre[tuple(np.round(ann["translation"], 6))], (np.array(ann["translation"]) - tr) @ R)
+                )
         cams = {name: (raycast.make_camera(name), raycast.render_camera(world, t, name)) for name in CAMERA_NAMES}
         out.append((tok, anns, cams))
         tok, k = sample["next"], k + 1
@@ -558,8 +615,14 @@ def test_synthetic_boxes_land_on_their_rendered_pixels(synthetic_root, synthetic
                 ids, patch = r.ids[row - 4 : row + 5, col - 4 : col + 5], r.image[row - 4 : row + 5, col - 4 : col + 5]
                 if not (ids == obj + 1).all() or np.ptp(patch.reshape(-1, 3), axis=0).max() > 0.05:
                     continue
-                uv, d = ego_to_image(torch.tensor(centre, dtype=torch.float32)[None], s["intrinsics"][n], s["rots"][n],
-                                     s["trans"][n], s["post_rots"][n], s["post_trans"][n])
+                uv, d = ego_to_image(
+                    torch.tensor(centre, dtype=torch.float32)[None],
+                    s["intrinsics"][n],
+                    s["rots"][n],
+                    s["trans"][n],
+                    s["post_rots"][n],
+                    s["post_trans"][n],
+                )
                 u, v = uv[0].tolist()
                 if not (0 <= u < Wf - 40 and 0 <= v < Hf):
                     continue
@@ -568,4 +631,6 @@ def test_synthetic_boxes_land_on_their_rendered_pixels(synthetic_root, synthetic
                 agree_shifted.append(np.abs(imgs[n, int(v), int(u) + 40] - want).mean() < 12)
     assert len(agree) >= 20, len(agree)
     assert np.mean(agree) >= 0.95, np.mean(agree)
-    assert np.mean(agree_shifted) < np.mean(agree) - 0.2  # 40 px off (about 180 raw pixels) is visibly worse: the check can fail
+    assert (
+        np.mean(agree_shifted) < np.mean(agree) - 0.2
+    )  # 40 px off (about 180 raw pixels) is visibly worse: the check can fail

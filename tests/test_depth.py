@@ -4,6 +4,7 @@ The reader's targets are checked against the devkit's own lidar-to-image project
 (NuScenesExplorer.map_pointcloud_to_image: lidar -> ego -> global -> ego at camera time ->
 camera), which shares no code with bev.geometry.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,16 +28,18 @@ def _camera(n=1):
 
 def test_hand_computed_targets():
     # Ego (x fwd, y left, z up). A point 10 m ahead on the optical axis hits pixel (80, 32): cell (2, 5).
-    pts = torch.tensor([
-        [10.0, 0.0, 0.0],    # cell (2, 5), depth 10 -> bin 6
-        [20.0, 0.0, 0.0],    # same cell, farther: the nearest point wins
-        [60.0, -6.0, 0.0],   # u = 80 + 100*6/60 = 90: cell (2, 5) again, farther still
-        [12.0, 3.0, 0.0],    # u = 80 - 100*3/12 = 55: cell (2, 3); depth 12 -> bin 8
-        [-5.0, 0.0, 0.0],    # behind the camera: ignored
-        [50.0, 30.0, 0.0],   # u = 20: cell (2, 1); depth 50 beyond the last bin (44 m): no target
-        [3.7, 0.0, -0.6],    # v = 32 + 100*0.6/3.7 = 48.2: cell (3, 5); 3.7 m is nearest to the 4 m bin 0
-        [2.0, -0.5, 0.0],    # u = 105: cell (2, 6); 2 m is nearer than any bin's half-width: no target
-    ])
+    pts = torch.tensor(
+        [
+            [10.0, 0.0, 0.0],  # cell (2, 5), depth 10 -> bin 6
+            [20.0, 0.0, 0.0],  # same cell, farther: the nearest point wins
+            [60.0, -6.0, 0.0],  # u = 80 + 100*6/60 = 90: cell (2, 5) again, farther still
+            [12.0, 3.0, 0.0],  # u = 80 - 100*3/12 = 55: cell (2, 3); depth 12 -> bin 8
+            [-5.0, 0.0, 0.0],  # behind the camera: ignored
+            [50.0, 30.0, 0.0],  # u = 20: cell (2, 1); depth 50 beyond the last bin (44 m): no target
+            [3.7, 0.0, -0.6],  # v = 32 + 100*0.6/3.7 = 48.2: cell (3, 5); 3.7 m is nearest to the 4 m bin 0
+            [2.0, -0.5, 0.0],  # u = 105: cell (2, 6); 2 m is nearer than any bin's half-width: no target
+        ]
+    )
     out = depth_targets(pts, *_camera(), (64, 160), FEATURE_STRIDE, GRID)
     assert out.shape == (1, 4, 10) and out.dtype == torch.long
     expected = torch.full((4, 10), -1)
@@ -62,22 +65,36 @@ def test_depth_targets_match_the_devkit_projection(synthetic_root, tmp_path):
     explorer = NuScenesExplorer(nusc)
     torch.manual_seed(0)
     for augment in (False, True):
-        ds = NuScenesBEVDataset(synthetic_root, split="mini_val", grid=GRID, depth_target=True, augment=augment,
-                                cache_dir=tmp_path, verbose=False)
+        ds = NuScenesBEVDataset(
+            synthetic_root,
+            split="mini_val",
+            grid=GRID,
+            depth_target=True,
+            augment=augment,
+            cache_dir=tmp_path,
+            verbose=False,
+        )
         compared = 0
         for i in range(len(ds)):
             s = ds[i]
             H, W = s["images"].shape[-2:]
             sample = nusc.get("sample", s["sample_token"])
             for n, c in enumerate(s["cam_ids"].tolist()):
-                uv_raw, depth, _ = explorer.map_pointcloud_to_image(sample["data"]["LIDAR_TOP"],
-                                                                    sample["data"][CAMERA_NAMES[c]], min_dist=1e-3)
-                uv = s["post_rots"][n, :2, :2].double() @ torch.from_numpy(uv_raw[:2]) + s["post_trans"][n, :2, None].double()
+                uv_raw, depth, _ = explorer.map_pointcloud_to_image(
+                    sample["data"]["LIDAR_TOP"], sample["data"][CAMERA_NAMES[c]], min_dist=1e-3
+                )
+                uv = (
+                    s["post_rots"][n, :2, :2].double() @ torch.from_numpy(uv_raw[:2])
+                    + s["post_trans"][n, :2, None].double()
+                )
                 u, v = uv.numpy()
                 keep = (u >= 0) & (u < W) & (v >= 0) & (v < H)
                 expected = np.full((H // FEATURE_STRIDE, W // FEATURE_STRIDE), np.inf)
-                np.minimum.at(expected, ((v[keep] // FEATURE_STRIDE).astype(int), (u[keep] // FEATURE_STRIDE).astype(int)),
-                              depth[keep])
+                np.minimum.at(
+                    expected,
+                    ((v[keep] // FEATURE_STRIDE).astype(int), (u[keep] // FEATURE_STRIDE).astype(int)),
+                    depth[keep],
+                )
                 bins = np.round((expected - GRID.dbound[0]) / GRID.dbound[2])
                 bins = np.where(np.isfinite(bins) & (bins >= 0) & (bins < GRID.depth_bins), bins, -1)
                 got = s["depth"][n].numpy()
@@ -101,15 +118,27 @@ def _tiny_lss():
     from bev.models import LiftSplatShoot
 
     grid = dict(xbound=[-8.0, 8.0, 1.0], ybound=[-8.0, 8.0, 1.0], zbound=[-10.0, 10.0, 20.0], dbound=[4.0, 12.0, 2.0])
-    return LiftSplatShoot(grid, image_size=(32, 64), context_channels=4, num_classes=1,
-                          camera=dict(backbone="small", widths=[4, 4, 4, 4, 4], mid_channels=8), bev=dict(widths=[4, 4, 4], blocks=1))
+    return LiftSplatShoot(
+        grid,
+        image_size=(32, 64),
+        context_channels=4,
+        num_classes=1,
+        camera=dict(backbone="small", widths=[4, 4, 4, 4, 4], mid_channels=8),
+        bev=dict(widths=[4, 4, 4], blocks=1),
+    )
 
 
 def _batch(B=1, N=2, with_depth=True):
     K, R, t, pr, pt = _camera(N)
-    batch = dict(images=torch.randn(B, N, 3, 32, 64), intrinsics=K.expand(B, N, 3, 3), rots=R.expand(B, N, 3, 3),
-                 trans=t.expand(B, N, 3), post_rots=pr.expand(B, N, 3, 3), post_trans=pt.expand(B, N, 3),
-                 bev=(torch.rand(B, 1, 16, 16) > 0.8).float())
+    batch = dict(
+        images=torch.randn(B, N, 3, 32, 64),
+        intrinsics=K.expand(B, N, 3, 3),
+        rots=R.expand(B, N, 3, 3),
+        trans=t.expand(B, N, 3),
+        post_rots=pr.expand(B, N, 3, 3),
+        post_trans=pt.expand(B, N, 3),
+        bev=(torch.rand(B, 1, 16, 16) > 0.8).float(),
+    )
     if with_depth:
         batch["depth"] = torch.randint(-1, 4, (B, N, 2, 4))
     return batch

@@ -2,6 +2,7 @@
 checkpoint, an unwritable run directory, a truncated nuScenes table. Faults are injected (monkeypatched
 writers, a path under a regular file), never produced for real (no disk filling; tests run as root, so
 chmod cannot make a directory unwritable)."""
+
 from __future__ import annotations
 
 import errno
@@ -75,7 +76,7 @@ def test_training_on_a_full_disk_ends_with_one_clear_message(synthetic_root, tmp
     args = [*TINY, "callbacks.bev_png.every_n_steps=0", f"data.dataroot={synthetic_root}", f"hydra.run.dir={run}"]
     assert train_cli(args, monkeypatch) == 1
     err = capsys.readouterr().err
-    err = err[err.find("bev-train: error:"):]  # after the indexing progress of the first use of the dataset
+    err = err[err.find("bev-train: error:") :]  # after the indexing progress of the first use of the dataset
     assert_one_paragraph(err, "bev-train: error:", "No space left", str(run / "checkpoints"), "paths.output_dir")
     assert "unexpected pos" in (run / "error.txt").read_text()  # the full story stays in error.txt
 
@@ -89,7 +90,12 @@ def test_error_report_survives_a_full_disk(tmp_path, monkeypatch, capsys):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     monkeypatch.setattr(errors, "atomic_write", no_space)
-    assert train_cli(["experiment=synthetic_cpu", f"data.dataroot={tmp_path}/none", f"hydra.run.dir={tmp_path}"], monkeypatch) == 1
+    assert (
+        train_cli(
+            ["experiment=synthetic_cpu", f"data.dataroot={tmp_path}/none", f"hydra.run.dir={tmp_path}"], monkeypatch
+        )
+        == 1
+    )
     assert_one_paragraph(capsys.readouterr().err, "bev-train: error:", f"{tmp_path}/none", "error.txt")
 
 
@@ -128,7 +134,9 @@ def test_read_only_run_dir(tmp_path, monkeypatch, capsys):
 def test_unwritable_sweep_dir(tmp_path, monkeypatch, capsys):
     blocker = tmp_path / "file.txt"
     blocker.write_text("")
-    assert train_cli(["-m", "experiment=synthetic_cpu", "seed=1,2", f"hydra.sweep.dir={blocker}/sweep"], monkeypatch) == 1
+    assert (
+        train_cli(["-m", "experiment=synthetic_cpu", "seed=1,2", f"hydra.sweep.dir={blocker}/sweep"], monkeypatch) == 1
+    )
     assert_one_paragraph(capsys.readouterr().err, str(blocker / "sweep"), "hydra.sweep.dir=")
 
 

@@ -2,6 +2,7 @@
 
 The exported model is `tiny_run` (tests/conftest.py), a real bev-train run: the tests that use it
 are end-to-end (marker e2e)."""
+
 import pytest
 import torch
 
@@ -53,7 +54,13 @@ def test_torch_export_round_trip_keeps_the_custom_op(tiny_run, synthetic_root, t
     if not ops.native_available("cpu"):
         pytest.skip("the native bev.ops build is not loaded")
     path = tmp_path / "model.pt2"
-    args = [f"ckpt_path={tiny_run}", f"out={path}", "format=torch_export", "batch_size=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    args = [
+        f"ckpt_path={tiny_run}",
+        f"out={path}",
+        "format=torch_export",
+        "batch_size=2",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     assert export_cli(args, monkeypatch) == 0
     program = torch.export.load(path)
     targets = [n.target for n in program.graph.nodes if n.op == "call_function"]

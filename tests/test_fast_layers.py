@@ -1,4 +1,5 @@
 """bev.models.fast_layers: the CPU-bf16 replacements compute what the layers they replace compute."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,15 +23,18 @@ from bev.utils import precision as P
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("conv, slow", [
-    (nn.Conv2d(8, 8, 5, groups=8), True),
-    (nn.Conv2d(8, 8, 3, stride=2, groups=8), True),
-    (nn.Conv2d(8, 8, 3, groups=8), False),  # oneDNN has a bf16 depthwise backward kernel for 3x3 stride 1
-    (nn.Conv2d(8, 8, 5, groups=4), False),  # grouped, not depthwise
-    (nn.Conv2d(8, 16, 5, groups=8), False),  # depth multiplier 2
-    (nn.Conv2d(8, 8, 5), False),
-    (nn.Linear(8, 8), False),
-])
+@pytest.mark.parametrize(
+    "conv, slow",
+    [
+        (nn.Conv2d(8, 8, 5, groups=8), True),
+        (nn.Conv2d(8, 8, 3, stride=2, groups=8), True),
+        (nn.Conv2d(8, 8, 3, groups=8), False),  # oneDNN has a bf16 depthwise backward kernel for 3x3 stride 1
+        (nn.Conv2d(8, 8, 5, groups=4), False),  # grouped, not depthwise
+        (nn.Conv2d(8, 16, 5, groups=8), False),  # depth multiplier 2
+        (nn.Conv2d(8, 8, 5), False),
+        (nn.Linear(8, 8), False),
+    ],
+)
 def test_which_depthwise_convolutions_get_fp32_gradients(conv, slow):
     assert slow_bf16_depthwise(conv) is slow
 
@@ -86,8 +90,8 @@ def test_spatial_mean_matches_a_float64_mean(channels_last):
     assert got.dtype == torch.bfloat16 and got.shape == (3, 20, 1, 1)
     # fp32 accumulation, the sum rounded to bf16, divided in fp32, rounded again: two bf16 roundings
     # (unit roundoff 2^-8 each) from the exact mean, where ATen's bf16 mean rounds once
-    assert ((got.double() - want).abs() <= want.abs() * 2 * 2 ** -8).all()
-    assert ((xb.mean((2, 3), keepdim=True).double() - want).abs() <= want.abs() * 2 ** -8).all()
+    assert ((got.double() - want).abs() <= want.abs() * 2 * 2**-8).all()
+    assert ((xb.mean((2, 3), keepdim=True).double() - want).abs() <= want.abs() * 2**-8).all()
 
 
 def test_global_pool_gradient_is_the_mean_gradient():
@@ -120,7 +124,7 @@ def test_squeeze_excitation_with_the_fast_pool_is_unchanged(channels_last):
     xb = x.bfloat16().requires_grad_()
     with torch.autocast(**BF16):
         out, want = se(xb), ref(xb)
-    torch.testing.assert_close(out.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+    torch.testing.assert_close(out.float(), want.float(), rtol=2**-7, atol=1e-3)
     out.float().sum().backward()
     assert xb.grad.shape == x.shape and torch.isfinite(xb.grad.float()).all()
 
@@ -140,7 +144,9 @@ def test_efficientnet_camera_encoder_keeps_its_parameters_and_function(monkeypat
     torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("flags, expected", [({"avx512_bf16"}, True), ({"avx2"}, True), ({"avx512_bf16", "amx_bf16"}, False)])
+@pytest.mark.parametrize(
+    "flags, expected", [({"avx512_bf16"}, True), ({"avx2"}, True), ({"avx512_bf16", "amx_bf16"}, False)]
+)
 def test_auto_depthwise_fp32_is_off_on_amx_cpus(flags, expected, monkeypatch):
     monkeypatch.setattr(P, "_cpu_flags", lambda: flags)
     assert P.resolve_depthwise_fp32("auto") is expected

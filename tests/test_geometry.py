@@ -40,7 +40,9 @@ def test_quaternion_matches_pyquaternion(seed):
 def test_grid_defaults_and_validation():
     g = Grid()
     assert g.bev_shape == (200, 200) and g.voxel_shape == (1, 200, 200) and g.depth_bins == 41
-    assert Grid.from_any({"xbound": [-10, 10, 1], "ybound": [-5, 5, 0.5], "zbound": [-2, 2, 4], "dbound": [1, 5, 1]}).voxel_shape == (1, 20, 20)
+    assert Grid.from_any(
+        {"xbound": [-10, 10, 1], "ybound": [-5, 5, 0.5], "zbound": [-2, 2, 4], "dbound": [1, 5, 1]}
+    ).voxel_shape == (1, 20, 20)
     with pytest.raises(ValueError, match="xbound step"):
         Grid(xbound=(-1, 1, 0))
     with pytest.raises(ValueError, match="ybound needs hi > lo"):
@@ -84,7 +86,9 @@ def test_front_camera_sees_forward():
     K, R, t = rig_tensors()
     i = CAMERA_NAMES.index("CAM_FRONT")
     p = torch.tensor([[20.0, t[i, 1].item(), t[i, 2].item()]], dtype=torch.float64)
-    uv, depth = ego_to_image(p, K[i], R[i], t[i], torch.eye(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64))
+    uv, depth = ego_to_image(
+        p, K[i], R[i], t[i], torch.eye(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    )
     assert abs(depth.item() - (20.0 - t[i, 0].item())) < 0.2
     assert abs(uv[0, 0].item() - K[i, 0, 2].item()) < 25 and abs(uv[0, 1].item() - K[i, 1, 2].item()) < 25
 
@@ -100,7 +104,9 @@ def test_frustum_roundtrip_with_augmentation():
     for n in range(6):
         a, s = rng.uniform(-0.1, 0.1), rng.uniform(0.19, 0.23)
         flip = -1.0 if n % 2 else 1.0
-        post_rots[0, n, :2, :2] = torch.tensor([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]]) @ torch.tensor([[s * flip, 0], [0, s]])
+        post_rots[0, n, :2, :2] = torch.tensor(
+            [[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]]
+        ) @ torch.tensor([[s * flip, 0], [0, s]])
         post_rots[0, n, 2, 2] = 1
         post_trans[0, n, :2] = torch.tensor(rng.uniform(-60, 60, size=2))
     pts = frustum_to_ego(f, K[None], R[None], t[None], post_rots, post_trans)

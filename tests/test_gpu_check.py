@@ -1,4 +1,5 @@
 """scripts/gpu_check.sh without a GPU: its dry run, and its report from a work dir's outputs."""
+
 import json
 import os
 import subprocess
@@ -17,8 +18,13 @@ def test_gpu_check_dry_run_composes_its_training_stage(tmp_path):
     # The dry run composes the GPU training stage's overrides, so a stale one fails here (a removed
     # trainer.max_time once reached the GPU machine before it failed).
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_DIR": str(tmp_path)}
-    r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run"], capture_output=True, text=True,
-                       env=env, timeout=300)
+    r = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0 and "dry run done" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     assert "bev.train experiment=synthetic_cpu trainer=gpu" in r.stdout
     assert "test_ops_cuda_emulated.py" in r.stdout and "bench_pool.py" in r.stdout
@@ -26,12 +32,21 @@ def test_gpu_check_dry_run_composes_its_training_stage(tmp_path):
 
 def test_gpu_check_step_only_runs_the_training_step_checks(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_DIR": str(tmp_path)}
-    r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--step-only", "--skip-train"],
-                       capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--step-only", "--skip-train"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     commands = [line for line in r.stdout.splitlines() if line.startswith("+ ")]
-    assert r.returncode == 0 and any("tests/test_train_cuda.py" in c for c in commands), r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.returncode == 0 and any("tests/test_train_cuda.py" in c for c in commands), (
+        r.stdout[-2000:] + r.stderr[-2000:]
+    )
     assert any("bench_train.py" in c and "channels_last+bf16" in c for c in commands)
-    assert not any(x in c for c in commands for x in ("test_ops_cuda", "memcheck", "bench_pool.py", "--batch-size 16", "bev.train"))
+    assert not any(
+        x in c for c in commands for x in ("test_ops_cuda", "memcheck", "bench_pool.py", "--batch-size 16", "bev.train")
+    )
 
 
 def _work_dir(tmp_path: Path, losses: list[float]) -> Path:
@@ -42,22 +57,72 @@ def _work_dir(tmp_path: Path, losses: list[float]) -> Path:
     for name, failures in (("tests", 0), ("tests_emulated", 1)):
         (work / "logs" / f"{name}.log").write_text("")
         (work / "logs" / f"{name}.xml").write_text(
-            f'<testsuites><testsuite tests="5" failures="{failures}" errors="0" skipped="1"/></testsuites>')
-    row = dict(method="native bev_pool", forward_ms=0.2, fwd_bwd_ms=0.3, forward_gb_per_s=100.0,
-               forward_fraction_of_peak=0.02, fwd_bwd_peak_mb=80.0)
-    (work / "bench_pool_cuda.json").write_text(json.dumps({
-        "results": [{"size": "lss", "dtype": "float32", "rows": [row, dict(row, method="index_add_")]}],
-        "targets": [{"target": "fused faster", "ratio": 1.3, "met": True}]}))
-    (work / "bench_train_cuda.json").write_text(json.dumps({"configs": {"paper": {"batch_size": 4, "variants": {
-        "fp32": {"step_s": 0.05, "speedup_vs_fp32": 1.0, "gflop_per_s": 31000.0, "profile": {"gpu_kernel_ms": 28.2, "kernels_per_step": 1496}},
-        "bf16": {"error": "RuntimeError: x"}}}}}))
-    (work / "bench_train_cuda_b16.json").write_text(json.dumps({"configs": {"paper": {"batch_size": 16, "variants": {
-        "fp32": {"step_s": 0.1, "speedup_vs_fp32": 1.0}, "channels_last+bf16": {"step_s": 0.05, "speedup_vs_fp32": 2.0}}}}}))
+            f'<testsuites><testsuite tests="5" failures="{failures}" errors="0" skipped="1"/></testsuites>'
+        )
+    row = dict(
+        method="native bev_pool",
+        forward_ms=0.2,
+        fwd_bwd_ms=0.3,
+        forward_gb_per_s=100.0,
+        forward_fraction_of_peak=0.02,
+        fwd_bwd_peak_mb=80.0,
+    )
+    (work / "bench_pool_cuda.json").write_text(
+        json.dumps(
+            {
+                "results": [{"size": "lss", "dtype": "float32", "rows": [row, dict(row, method="index_add_")]}],
+                "targets": [{"target": "fused faster", "ratio": 1.3, "met": True}],
+            }
+        )
+    )
+    (work / "bench_train_cuda.json").write_text(
+        json.dumps(
+            {
+                "configs": {
+                    "paper": {
+                        "batch_size": 4,
+                        "variants": {
+                            "fp32": {
+                                "step_s": 0.05,
+                                "speedup_vs_fp32": 1.0,
+                                "gflop_per_s": 31000.0,
+                                "profile": {"gpu_kernel_ms": 28.2, "kernels_per_step": 1496},
+                            },
+                            "bf16": {"error": "RuntimeError: x"},
+                        },
+                    }
+                }
+            }
+        )
+    )
+    (work / "bench_train_cuda_b16.json").write_text(
+        json.dumps(
+            {
+                "configs": {
+                    "paper": {
+                        "batch_size": 16,
+                        "variants": {
+                            "fp32": {"step_s": 0.1, "speedup_vs_fp32": 1.0},
+                            "channels_last+bf16": {"step_s": 0.05, "speedup_vs_fp32": 2.0},
+                        },
+                    }
+                }
+            }
+        )
+    )
     run = work / "train" / "csv" / "version_0"
     run.mkdir(parents=True)
     (run / "metrics.csv").write_text("step,train/loss_step\n" + "".join(f"{i},{l}\n" for i, l in enumerate(losses)))
-    (work / "train" / "metrics.json").write_text(json.dumps({"metrics": {"val/iou_best": 0.2}, "fit_wall_s": 20.0,
-                                                            "global_step": len(losses), "time_budget": {"s_per_step": 0.03}}))
+    (work / "train" / "metrics.json").write_text(
+        json.dumps(
+            {
+                "metrics": {"val/iou_best": 0.2},
+                "fit_wall_s": 20.0,
+                "global_step": len(losses),
+                "time_budget": {"s_per_step": 0.03},
+            }
+        )
+    )
     return work
 
 

@@ -1,6 +1,7 @@
 """Using a trained model: bev.load_model / bev.predict, bev-predict files and GIFs, and one clear
 message for each bad input. The model is `tiny_run` (tests/conftest.py), a real bev-train run: the
 tests that use it are end-to-end (marker e2e)."""
+
 import json
 import sys
 
@@ -67,7 +68,12 @@ def predict_cli_run(args, monkeypatch):
 @pytest.mark.e2e
 def test_bev_predict_writes_npz_png_and_a_gif_per_scene(tiny_run, synthetic_root, tmp_path, monkeypatch):
     out = tmp_path / "pred"
-    args = [f"ckpt_path={tiny_run}", f"data.dataroot={synthetic_root}", f"out={out}", f"hydra.run.dir={tmp_path / 'run'}"]
+    args = [
+        f"ckpt_path={tiny_run}",
+        f"data.dataroot={synthetic_root}",
+        f"out={out}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     assert predict_cli_run(args, monkeypatch) == 0
     rec = json.loads((out / "predictions.json").read_text())
     assert rec["split"] == "mini_val" and rec["class_names"] == CLASSES
@@ -83,8 +89,12 @@ def test_bev_predict_writes_npz_png_and_a_gif_per_scene(tiny_run, synthetic_root
     model = bev.load_model(tiny_run)
     from bev.data import NuScenesBEVDataset
 
-    ds = NuScenesBEVDataset(synthetic_root, split="mini_val", grid=model.run_config["grid"], final_dim=(32, 96), verbose=False)
-    first = torch.utils.data.default_collate([ds[i] for i in range(len(ds)) if ds.index["sample_token"][i] == rec["samples"][0]["sample_token"]])
+    ds = NuScenesBEVDataset(
+        synthetic_root, split="mini_val", grid=model.run_config["grid"], final_dim=(32, 96), verbose=False
+    )
+    first = torch.utils.data.default_collate(
+        [ds[i] for i in range(len(ds)) if ds.index["sample_token"][i] == rec["samples"][0]["sample_token"]]
+    )
     expect = bev.predict(model, first)[0].numpy()
     z = np.load(rec["samples"][0]["npz"])
     got = np.stack([z[c] for c in CLASSES]) / 255.0
@@ -97,8 +107,14 @@ def test_bev_predict_writes_npz_png_and_a_gif_per_scene(tiny_run, synthetic_root
 @pytest.mark.e2e
 def test_bev_predict_one_scene_of_the_train_split(tiny_run, synthetic_root, tmp_path, monkeypatch):
     out = tmp_path / "pred"
-    args = [f"ckpt_path={tiny_run}", f"data.dataroot={synthetic_root}", "scene=scene-0061", "png=false", f"out={out}",
-            f"hydra.run.dir={tmp_path / 'run'}"]
+    args = [
+        f"ckpt_path={tiny_run}",
+        f"data.dataroot={synthetic_root}",
+        "scene=scene-0061",
+        "png=false",
+        f"out={out}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     assert predict_cli_run(args, monkeypatch) == 0
     rec = json.loads((out / "predictions.json").read_text())
     assert rec["split"] == "mini_train" and len(rec["samples"]) == 3 and "png" not in rec["samples"][0]
@@ -111,7 +127,12 @@ def test_bev_predict_one_scene_of_the_train_split(tiny_run, synthetic_root, tmp_
 def test_bev_predict_bad_input(case, tiny_run, synthetic_root, tmp_path, monkeypatch, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    args = {"ckpt_path": tiny_run, "data.dataroot": synthetic_root, "out": tmp_path / "pred", "hydra.run.dir": tmp_path / "run"}
+    args = {
+        "ckpt_path": tiny_run,
+        "data.dataroot": synthetic_root,
+        "out": tmp_path / "pred",
+        "hydra.run.dir": tmp_path / "run",
+    }
     needles = {
         "missing_checkpoint": ("does not exist", "nope.ckpt"),
         "unknown_scene": ("unknown scene 'scene-9999'", "scene-0103", "scene-0061"),

@@ -1,5 +1,6 @@
 """The habits `make test` checks: the import layers of pyproject.toml's [tool.importlinter] (no import
 cycles, utils below everything that uses it) and ruff's lint and format rules."""
+
 import shutil
 import subprocess
 import sys

@@ -5,6 +5,7 @@ here independently (point-in-polygon / distance-to-line at pixel centres), never
 devkit or the writer's cv2 rasteriser; points known by construction come from the road
 cross-section constants.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,27 @@ from bev.synthetic.world import SAMPLE_DT, World, build_world, ego_route, scene_
 from bev.synthetic.writer import scene_names
 
 SEED = 0  # as in conftest's synthetic_root
-SCHEMA = {"version", "canvas_edge", "polygon", "line", "node", "drivable_area", "road_segment", "road_block", "lane",
-          "ped_crossing", "walkway", "stop_line", "carpark_area", "road_divider", "lane_divider", "traffic_light",
-          "lane_connector", "arcline_path_3", "connectivity"}
+SCHEMA = {
+    "version",
+    "canvas_edge",
+    "polygon",
+    "line",
+    "node",
+    "drivable_area",
+    "road_segment",
+    "road_block",
+    "lane",
+    "ped_crossing",
+    "walkway",
+    "stop_line",
+    "carpark_area",
+    "road_divider",
+    "lane_divider",
+    "traffic_light",
+    "lane_connector",
+    "arcline_path_3",
+    "connectivity",
+}
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +63,14 @@ def test_schema_and_links(synthetic_root, maps):
         for layer in m.non_geometric_layers + ["lane_connector"]:
             assert len(getattr(m, layer)) > 0, (loc, layer)
         lane = m.lane[0]
-        assert set(lane) >= {"polygon_token", "lane_type", "from_edge_line_token", "to_edge_line_token",
-                             "left_lane_divider_segments", "right_lane_divider_segments"}
+        assert set(lane) >= {
+            "polygon_token",
+            "lane_type",
+            "from_edge_line_token",
+            "to_edge_line_token",
+            "left_lane_divider_segments",
+            "right_lane_divider_segments",
+        }
         for rec in m.stop_line:  # every token the devkit resolves exists
             assert m.get("road_block", rec["road_block_token"]) and rec["cue"]
         for rec in m.lane + m.lane_connector:
@@ -72,8 +97,11 @@ def test_map_mask_around_a_junction_matches_the_generator(maps):
         c = np.arange(n) * res - size / 2
         X, Y = np.meshgrid(j.xy[0] + c, j.xy[1] + c)
         for k, name in enumerate(layers):
-            geom = shapely.clip_by_rect(shapely.union_all([r["geom"] for r in road.layers[name]]),
-                                        *(j.xy - size / 2 - 1), *(j.xy + size / 2 + 1))
+            geom = shapely.clip_by_rect(
+                shapely.union_all([r["geom"] for r in road.layers[name]]),
+                *(j.xy - size / 2 - 1),
+                *(j.xy + size / 2 + 1),
+            )
             if name.endswith("divider"):
                 want = shapely.dwithin(geom, shapely.points(X, Y), res)
                 assert want.sum() > 100 and got[k].sum() > 100, (loc, name)
@@ -133,8 +161,11 @@ def test_carpark_and_parked_cars(maps):
         if np.min(np.linalg.norm(xy[:, None] - bays[None], axis=2)) < 40.0:
             break
     world = build_world(SEED, scene, 12, loc)
-    cars = [o for o in world.objects if o.category == "vehicle.car" and o.path is None
-            and np.min(np.linalg.norm(bays - o.xy, axis=1)) < 1e-6]
+    cars = [
+        o
+        for o in world.objects
+        if o.category == "vehicle.car" and o.path is None and np.min(np.linalg.norm(bays - o.xy, axis=1)) < 1e-6
+    ]
     assert cars, "no parked car in the car park"
     for o in cars:
         assert m.record_on_point(*o.xy, "carpark_area") in {r["token"] for r in m.carpark_area}
@@ -147,11 +178,14 @@ def test_log_location_matches_its_map(synthetic_root, maps):
     nusc = NuScenes("v1.0-mini", str(synthetic_root), verbose=False)
     for scene in nusc.scene:
         loc = nusc.get("log", scene["log_token"])["location"]
-        assert loc == MINI_LOCATIONS[scene["name"]] and (synthetic_root / "maps" / "expansion" / f"{loc}.json").is_file()
+        assert (
+            loc == MINI_LOCATIONS[scene["name"]] and (synthetic_root / "maps" / "expansion" / f"{loc}.json").is_file()
+        )
         sample = nusc.get("sample", scene["first_sample_token"])
         pose = nusc.get("ego_pose", nusc.get("sample_data", sample["data"]["LIDAR_TOP"])["ego_pose_token"])
-        assert maps[loc].record_on_point(pose["translation"][0], pose["translation"][1], "lane") or \
-            maps[loc].record_on_point(pose["translation"][0], pose["translation"][1], "road_segment")
+        assert maps[loc].record_on_point(pose["translation"][0], pose["translation"][1], "lane") or maps[
+            loc
+        ].record_on_point(pose["translation"][0], pose["translation"][1], "road_segment")
     # The semantic_prior PNG (what NuScenes.map masks read) is the map's drivable area.
     for rec in nusc.map:
         loc = nusc.get("log", rec["log_tokens"][0])["location"]
@@ -183,8 +217,9 @@ def test_render_map_patch_draws_every_layer(maps, tmp_path):
     fig.savefig(tmp_path / "polygons.png")
     # the 4-way junction's own crossings, stop areas and walkways are each drawn as a patch
     assert len(ax.patches) >= 12, len(ax.patches)
-    assert {p.get_facecolor()[:3] for p in ax.patches} >= {tuple(plt.matplotlib.colors.to_rgb(m.explorer.color_map[k]))
-                                                             for k in ("ped_crossing", "walkway", "stop_line")}
+    assert {p.get_facecolor()[:3] for p in ax.patches} >= {
+        tuple(plt.matplotlib.colors.to_rgb(m.explorer.color_map[k])) for k in ("ped_crossing", "walkway", "stop_line")
+    }
     plt.close(fig)
 
 

@@ -1,5 +1,6 @@
 """HD-map targets: layer names and presets, the rasteriser against the devkit's get_map_mask,
 map and boxes in one frame, the index cache key, and bad input (missing map expansion)."""
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,17 @@ from bev.data.rasterize import box_footprints, lss_polygon_mask
 from bev.geometry import Grid
 from helpers.tiny_nuscenes import LOCATION, ego_box, ego_pose, write_tiny
 
-LAYERS = ("drivable_area", "road_segment", "lane", "ped_crossing", "walkway", "stop_line", "carpark_area",
-          "road_divider", "lane_divider")
+LAYERS = (
+    "drivable_area",
+    "road_segment",
+    "lane",
+    "ped_crossing",
+    "walkway",
+    "stop_line",
+    "carpark_area",
+    "road_divider",
+    "lane_divider",
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +52,9 @@ def _rot(yaw: float) -> np.ndarray:
 
 
 POSES = [  # (translation, yaw): the fixture's ego poses, and yawed poses in the intersection
-    (*ego_pose(0, 0),), (*ego_pose(0, 1),), (*ego_pose(1, 0),),
+    (*ego_pose(0, 0),),
+    (*ego_pose(0, 1),),
+    (*ego_pose(1, 0),),
     (np.array([110.0, 205.0, 0.0]), math.radians(37.0)),
     (np.array([108.0, 203.0, 0.0]), math.radians(-121.0)),
 ]
@@ -70,8 +82,12 @@ def test_synthetic_map_targets_match_the_devkit(synthetic_root, tmp_path):
 
     check = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "check_map_targets.py"))
     out = tmp_path / "check.json"
-    assert check["main"](["--dataroot", str(synthetic_root), "--grids", "lss", "--cache-dir", str(tmp_path),
-                          "--out", str(out)]) == 0
+    assert (
+        check["main"](
+            ["--dataroot", str(synthetic_root), "--grids", "lss", "--cache-dir", str(tmp_path), "--out", str(out)]
+        )
+        == 0
+    )
     classes = json.loads(out.read_text())["grids"]["lss"]["classes"]
     assert set(classes) == set(PRESETS["bevfusion"])
     in_view = {k: r for k, r in classes.items() if r["devkit_cells"] > 0}
@@ -105,14 +121,26 @@ def test_line_width(geometry):
     # (LINE_WIDTH_M at 0.5 m) covers cells 99..101 across an axis-aligned line, for its whole length.
     assert [np.flatnonzero(div[i]).tolist() for i in (70, 120, 180)] == [[99, 100, 101]] * 3
     assert not div[:55].any() and div[60:186, 99:102].all()  # the line starts at global x 40 (cell 60)
-    coarse = rasterize_map(geometry, LOCATION, _rot(0.0), np.array([60.0, 205.0, 0.0]), Grid(xbound=(-50, 50, 1.0),
-                           ybound=(-50, 50, 1.0)), len(LAYERS))[LAYERS.index("road_divider")]
+    coarse = rasterize_map(
+        geometry,
+        LOCATION,
+        _rot(0.0),
+        np.array([60.0, 205.0, 0.0]),
+        Grid(xbound=(-50, 50, 1.0), ybound=(-50, 50, 1.0)),
+        len(LAYERS),
+    )[LAYERS.index("road_divider")]
     assert np.flatnonzero(coarse[40]).tolist() == [50]  # 1 m cells: thickness 1
 
 
 def test_dataset_map_channels_share_the_box_frame(tiny_root, tmp_path):
-    ds = NuScenesBEVDataset(tiny_root, split="mini_train", map_layers=["carpark_area", "drivable_area"], raster="lss",
-                            cache_dir=tmp_path, verbose=False)
+    ds = NuScenesBEVDataset(
+        tiny_root,
+        split="mini_train",
+        map_layers=["carpark_area", "drivable_area"],
+        raster="lss",
+        cache_dir=tmp_path,
+        verbose=False,
+    )
     assert ds.class_names == ("vehicle", "carpark_area", "drivable_area") and ds.num_classes == 3
     s = ds[0]
     assert s["bev"].shape == (3, 200, 200)
@@ -128,8 +156,12 @@ def test_dataset_map_channels_share_the_box_frame(tiny_root, tmp_path):
     assert np.array_equal(truck & vehicle, truck)
     # With the default centre rule the truck's cells lie in the spot (the map's rounded rule grows it
     # by about a cell; cv2's slanted-edge decisions may leave out a corner cell or two).
-    centre = NuScenesBEVDataset(tiny_root, split="mini_train", map_layers=["carpark_area"], cache_dir=tmp_path,
-                                verbose=False)[0]["bev"].numpy() > 0
+    centre = (
+        NuScenesBEVDataset(
+            tiny_root, split="mini_train", map_layers=["carpark_area"], cache_dir=tmp_path, verbose=False
+        )[0]["bev"].numpy()
+        > 0
+    )
     assert centre[0][near].sum() > 60 and (centre[0] & near & ~centre[1]).sum() <= 2
     assert (centre[1] & near).sum() > centre[0][near].sum()
     # The map follows the ego: in the next sample (moved and turned) it matches the devkit there.
@@ -164,7 +196,9 @@ def test_index_caches_map_geometry_keyed_by_layers_and_map_file(tiny_root, tmp_p
 
 def test_missing_map_expansion_is_a_clear_error(tmp_path):
     root = write_tiny(tmp_path / "nomap", samples=1, with_map=False)
-    with pytest.raises(FileNotFoundError, match=r"nuScenes-map-expansion-v1.3.zip.*maps/expansion/<location>.json") as e:
+    with pytest.raises(
+        FileNotFoundError, match=r"nuScenes-map-expansion-v1.3.zip.*maps/expansion/<location>.json"
+    ) as e:
         NuScenesBEVDataset(root, split="mini_train", map_layers="bevfusion", cache_dir=tmp_path / "c", verbose=False)
     assert str(root / "maps" / "expansion" / f"{LOCATION}.json") in str(e.value)
     with pytest.raises(ValueError, match="unknown map layer"):
@@ -188,16 +222,27 @@ def test_train_and_eval_with_map_layers(tiny_root, tmp_path, monkeypatch, capsys
     from helpers.cli import TINY, eval_cli, read_csv_metric, train_cli
 
     run = tmp_path / "run"
-    args = [*TINY, f"data.dataroot={tiny_root}", "data.map_layers=bevfusion", "data.raster=lss",
-            f"data.cache_dir={tmp_path / 'cache'}", "model.loss=focal", "model.pos_weight={vehicle:2.13,divider:3.0}",
-            "callbacks.bev_png.every_n_steps=1", f"hydra.run.dir={run}"]
+    args = [
+        *TINY,
+        f"data.dataroot={tiny_root}",
+        "data.map_layers=bevfusion",
+        "data.raster=lss",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "model.loss=focal",
+        "model.pos_weight={vehicle:2.13,divider:3.0}",
+        "callbacks.bev_png.every_n_steps=1",
+        f"hydra.run.dir={run}",
+    ]
     assert train_cli(args, monkeypatch) == 0
     names = ["vehicle", "drivable_area", "ped_crossing", "walkway", "stop_line", "carpark_area", "divider"]
     assert read_csv_metric(run, "val/iou") and read_csv_metric(run, "val/miou_map")
     assert all(read_csv_metric(run, f"val/iou_{n}") is not None for n in names)
     assert list(run.glob("bev_png/*.png")) or list(run.rglob("step_*.png"))
     out = tmp_path / "eval"
-    assert eval_cli([f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={out}", "num_pngs=1"], monkeypatch) == 0
+    assert (
+        eval_cli([f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={out}", "num_pngs=1"], monkeypatch)
+        == 0
+    )
     printed = capsys.readouterr().out
     assert all(n in printed for n in names) and "mIoU" in printed
     rec = json.loads((out / "metrics.json").read_text())
@@ -244,12 +289,18 @@ def test_class_weight_weighs_each_channel_mean_loss():
 
     net = nn.Conv2d(1, 3, 1)
     net.num_classes = 3
-    kw = dict(net=net, optimizer=None, object_classes=["vehicle"], map_classes=["drivable_area", "divider"], pos_weight=2.0)
+    kw = dict(
+        net=net, optimizer=None, object_classes=["vehicle"], map_classes=["drivable_area", "divider"], pos_weight=2.0
+    )
     logits, target = torch.randn(2, 3, 4, 5), (torch.rand(2, 3, 4, 5) > 0.7).float()
-    per_class = [F.binary_cross_entropy_with_logits(logits[:, k], target[:, k], pos_weight=torch.tensor(2.0)) for k in range(3)]
+    per_class = [
+        F.binary_cross_entropy_with_logits(logits[:, k], target[:, k], pos_weight=torch.tensor(2.0)) for k in range(3)
+    ]
     got = BEVLitModule(**kw, class_weight={"vehicle": 4.0}).loss(logits, target)
     torch.testing.assert_close(got, (4 * per_class[0] + per_class[1] + per_class[2]) / 6)
-    torch.testing.assert_close(BEVLitModule(**kw, class_weight=1.0).loss(logits, target), BEVLitModule(**kw).loss(logits, target))
+    torch.testing.assert_close(
+        BEVLitModule(**kw, class_weight=1.0).loss(logits, target), BEVLitModule(**kw).loss(logits, target)
+    )
     focal = BEVLitModule(**kw, loss="focal", focal_gamma=0.0, class_weight=[0, 1, 0]).loss(logits, target)
     torch.testing.assert_close(focal, per_class[1])
     with pytest.raises(ValueError, match="class_weight names unknown class.*'car'"):
@@ -277,10 +328,12 @@ def test_reading_maps_leaves_the_matplotlib_style_alone():
     import subprocess
     import sys
 
-    code = ("import matplotlib; before = dict(matplotlib.rcParams)\n"
-            "from bev.data.maps import _map_api\n"
-            "assert _map_api().NuScenesMap.__module__ == 'nuscenes.map_expansion.map_api'\n"
-            "changed = sorted(k for k, v in matplotlib.rcParams.items() if before[k] != v)\n"
-            "assert not changed, changed\n")
+    code = (
+        "import matplotlib; before = dict(matplotlib.rcParams)\n"
+        "from bev.data.maps import _map_api\n"
+        "assert _map_api().NuScenesMap.__module__ == 'nuscenes.map_expansion.map_api'\n"
+        "changed = sorted(k for k, v in matplotlib.rcParams.items() if before[k] != v)\n"
+        "assert not changed, changed\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

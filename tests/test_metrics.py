@@ -1,4 +1,5 @@
 """IoU metric: global TP/FP/FN accumulation, visibility filter, distance bands."""
+
 import math
 
 import pytest

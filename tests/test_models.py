@@ -1,4 +1,5 @@
 """Model: shapes, splat variants agree, gradients, pretrained-weight errors, torch.compile."""
+
 import urllib.error
 
 import pytest
@@ -128,8 +129,18 @@ class HostTraffic(TorchDispatchMode):
     (lift_fresh: a blocking host-to-device copy) and scalar reads (_local_scalar_dense: .item()) or
     data-dependent sizes (nonzero, masked_select, unique), which wait for the GPU."""
 
-    HOST = frozenset({"lift_fresh", "lift_fresh_copy", "_local_scalar_dense", "nonzero", "masked_select", "_unique2",
-                      "unique_consecutive", "unique_dim"})
+    HOST = frozenset(
+        {
+            "lift_fresh",
+            "lift_fresh_copy",
+            "_local_scalar_dense",
+            "nonzero",
+            "masked_select",
+            "_unique2",
+            "unique_consecutive",
+            "unique_dim",
+        }
+    )
 
     def __init__(self):
         super().__init__()

@@ -3,6 +3,7 @@
 The reference, the input generators and the case tables live in tests/helpers/ops.py, shared with the
 CUDA (test_ops_cuda.py), emulated CUDA (test_ops_cuda_emulated.py) and fuzz (test_ops_fuzz.py) tests.
 """
+
 from __future__ import annotations
 
 import os
@@ -206,7 +207,13 @@ def test_bev_pool_adversarial_cases(backend):
         torch.testing.assert_close(depth.grad, d64.grad, msg=name)
         torch.testing.assert_close(feats.grad, f64.grad, msg=name)
     # Empty frustum (H = 0).
-    out = ops.bev_pool(torch.zeros(B, Nc, D, 0, W), torch.zeros(B, Nc, 0, W, C), torch.zeros(B, Nc, D, 0, W, 3, dtype=torch.long), grid, backend=backend)
+    out = ops.bev_pool(
+        torch.zeros(B, Nc, D, 0, W),
+        torch.zeros(B, Nc, 0, W, C),
+        torch.zeros(B, Nc, D, 0, W, 3, dtype=torch.long),
+        grid,
+        backend=backend,
+    )
     assert out.shape == (B, C, 2, 3, 3) and out.abs().sum() == 0
 
 
@@ -276,8 +283,10 @@ def test_native_backward_reads_strided_gradients_without_copying_them():
     }
     for name, grad in layouts.items():
         dense = grad.contiguous()
-        assert torch.equal(torch.ops.bev._voxel_sum_backward(grad, plan.keys, plan.order, plan.offsets),
-                           torch.ops.bev._voxel_sum_backward(dense, plan.keys, plan.order, plan.offsets)), name
+        assert torch.equal(
+            torch.ops.bev._voxel_sum_backward(grad, plan.keys, plan.order, plan.offsets),
+            torch.ops.bev._voxel_sum_backward(dense, plan.keys, plan.order, plan.offsets),
+        ), name
         got = torch.ops.bev._bev_pool_backward(grad, depth, feats, plan.keys, plan.offsets)
         want = torch.ops.bev._bev_pool_backward(dense, depth, feats, plan.keys, plan.offsets)
         assert all(torch.equal(g, w) for g, w in zip(got, want)), name
@@ -307,7 +316,9 @@ def test_gradcheck_float64(backend):
 
 
 @requires_native
-@pytest.mark.parametrize("op_name", ["_voxel_keys", "_sort_keys", "voxel_sum", "_voxel_sum_backward", "bev_pool", "_bev_pool_backward"])
+@pytest.mark.parametrize(
+    "op_name", ["_voxel_keys", "_sort_keys", "voxel_sum", "_voxel_sum_backward", "bev_pool", "_bev_pool_backward"]
+)
 def test_opcheck(op_name):
     args = opcheck_inputs()[op_name]
     torch.library.opcheck(getattr(torch.ops.bev, op_name).default, args)
@@ -364,8 +375,9 @@ def test_property_voxel_sum(problem, backend):
 def test_property_bev_pool_plan_and_values(shape, channels, grid, seed, backend):
     B, Nc, D, H, W = shape
     grid = (B, *grid)
-    depth, feats, coords = random_frustum(B, Nc, D, H, W, channels, grid, torch.float64,
-                                          torch.Generator().manual_seed(seed))
+    depth, feats, coords = random_frustum(
+        B, Nc, D, H, W, channels, grid, torch.float64, torch.Generator().manual_seed(seed)
+    )
     plan = ops.bev_pool_plan(coords, grid, backend=backend)
     # The plan is a stable sort of the keys with consistent runs.
     N, V = depth.numel(), B * grid[1] * grid[2] * grid[3]
@@ -476,8 +488,12 @@ def _bad_frustum_cases():
         ("no coords and no plan", {"coords": None}, ValueError, "plan"),
         ("plan and coords", {"plan": ops.bev_pool_plan(coords, grid)}, ValueError, "plan"),
         ("plan wrong type", {"coords": None, "grid_shape": None, "plan": (1, 2)}, TypeError, "plan"),
-        ("plan for other shape", {"coords": None, "grid_shape": None,
-                                  "plan": ops.bev_pool_plan(coords[:, :, :2], grid)}, ValueError, "plan"),
+        (
+            "plan for other shape",
+            {"coords": None, "grid_shape": None, "plan": ops.bev_pool_plan(coords[:, :, :2], grid)},
+            ValueError,
+            "plan",
+        ),
         ("meta device feats", {"feats": feats.to("meta")}, ValueError, "device"),
     ]
 
@@ -516,7 +532,11 @@ def test_a_native_check_raises_instead_of_crashing():
     # In a subprocess: on one GPU machine's image the throw itself killed the process (SIGSEGV,
     # benchmarks/results/gpu_nvidia_h200.md); tests/test_ops_cuda.py checks the CUDA launcher alike.
     r = native_check_in_subprocess("cpu")
-    assert r.returncode == 0 and "RuntimeError: feats must be (N, C)" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert r.returncode == 0 and "RuntimeError: feats must be (N, C)" in r.stdout, (
+        r.returncode,
+        r.stdout,
+        r.stderr[-2000:],
+    )
 
 
 @requires_native
@@ -584,6 +604,12 @@ def test_import_survives_a_missing_extension():
         "assert len(w) == 1 and 'did not load' in str(w[0].message), [str(x.message) for x in w]\n"
         "print('ok')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONWARNINGS": "default"})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "default"},
+    )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -5,6 +5,7 @@ Skipped without a GPU. On a GPU machine, `make gpu-check` (scripts/gpu_check.sh)
 device and runs these; by hand: build in place first, e.g.
   TORCH_CUDA_ARCH_LIST=9.0 python setup.py build_ext --inplace && pytest -m cuda tests/test_ops_cuda.py
 """
+
 from __future__ import annotations
 
 import pytest
@@ -112,7 +113,9 @@ def test_gradcheck_float64(backend):
 
 
 @requires_native_cuda
-@pytest.mark.parametrize("op_name", ["_sort_keys", "voxel_sum", "_voxel_sum_backward", "bev_pool", "_bev_pool_backward"])
+@pytest.mark.parametrize(
+    "op_name", ["_sort_keys", "voxel_sum", "_voxel_sum_backward", "bev_pool", "_bev_pool_backward"]
+)
 def test_opcheck(op_name):
     torch.library.opcheck(getattr(torch.ops.bev, op_name).default, opcheck_inputs(DEVICE)[op_name])
 
@@ -241,4 +244,8 @@ def test_gpu_matches_the_emulation_of_its_kernels(emu, dtype):
 def test_a_native_cuda_check_raises_instead_of_crashing():
     # Failed on the H200 image of 2026-11-26 (SIGSEGV in the throw; benchmarks/results/gpu_nvidia_h200.md).
     r = native_check_in_subprocess("cuda")
-    assert r.returncode == 0 and "RuntimeError: feats must be (N, C)" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert r.returncode == 0 and "RuntimeError: feats must be (N, C)" in r.stdout, (
+        r.returncode,
+        r.stdout,
+        r.stderr[-2000:],
+    )

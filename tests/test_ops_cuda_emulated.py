@@ -10,6 +10,7 @@ per source version (keyed by a hash of the sources) into the pytest cache: the `
 What the emulation cannot show: speed, memory-model races between blocks, and the stream /
 device-guard code of pool_cuda.cu (tests/test_ops_cuda.py covers those on a GPU).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -122,7 +123,11 @@ def test_adversarial_voxel_sum(emu, name):
 @pytest.mark.parametrize("name", ["empty", "all-outside", "one-hot-voxel"])
 def test_adversarial_bev_pool(emu, name):
     grid = (2, 1, 3, 3)
-    B, Nc, D, H, W, C = {"empty": (2, 1, 0, 2, 2, 5), "all-outside": (2, 2, 3, 2, 2, 5), "one-hot-voxel": (2, 2, 4, 3, 3, 33)}[name]
+    B, Nc, D, H, W, C = {
+        "empty": (2, 1, 0, 2, 2, 5),
+        "all-outside": (2, 2, 3, 2, 2, 5),
+        "one-hot-voxel": (2, 2, 4, 3, 3, 33),
+    }[name]
     gen = torch.Generator().manual_seed(4)
     depth, feats, coords = random_frustum(B, Nc, D, H, W, C, grid, torch.float64, gen)
     if name == "all-outside":

@@ -8,6 +8,7 @@ sequential sum, n * u * sum(|x|), plus one rounding to the output dtype. "quickc
 differences one prefix sum over all points, so it is held to the bound of that prefix on
 well-conditioned cases, and its failures on the others are asserted as known limitations.
 """
+
 from __future__ import annotations
 
 import math
@@ -95,8 +96,11 @@ def voxel_oracle(feats, coords, grid):
     """float64 sums, sums of |x| and points per voxel (broadcast over channels)."""
     x = feats.to(torch.float64)
     ones = torch.ones(x.shape[0], 1, dtype=torch.float64)
-    return (index_add_voxel_sum(x, coords, grid), index_add_voxel_sum(x.abs(), coords, grid),
-            index_add_voxel_sum(ones, coords, grid))
+    return (
+        index_add_voxel_sum(x, coords, grid),
+        index_add_voxel_sum(x.abs(), coords, grid),
+        index_add_voxel_sum(ones, coords, grid),
+    )
 
 
 def check_voxel_case(backend, seed):
@@ -108,7 +112,9 @@ def check_voxel_case(backend, seed):
     if backend == "quickcumsum":
         # Differencing a float64 prefix over all N points: error up to N * u64 * sum of all |x|.
         total = magnitude.sum(dim=(0, 2, 3, 4), keepdim=True)
-        assert_within_bound(out, expected, total, 0, dtype, what, extra_u=2 * feats.shape[0] * unit_roundoff(torch.float64))
+        assert_within_bound(
+            out, expected, total, 0, dtype, what, extra_u=2 * feats.shape[0] * unit_roundoff(torch.float64)
+        )
     else:
         assert_within_bound(out, expected, magnitude, counts, dtype, what)
     # The backward is a gather: every point gets exactly its voxel's gradient (zero outside).
@@ -120,8 +126,14 @@ def check_voxel_case(backend, seed):
         out.backward(grad_out)
     reference = feats.detach().to(torch.float64).requires_grad_()
     index_add_voxel_sum(reference, coords, grid).backward(grad_out.to(torch.float64))
-    torch.testing.assert_close(feats.grad.to(torch.float64), reference.grad, rtol=0, atol=0, equal_nan=True,
-                               msg=lambda m: f"{what}: gradient {m}")
+    torch.testing.assert_close(
+        feats.grad.to(torch.float64),
+        reference.grad,
+        rtol=0,
+        atol=0,
+        equal_nan=True,
+        msg=lambda m: f"{what}: gradient {m}",
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -178,8 +190,9 @@ def check_frustum_case(backend, seed):
     u_in = unit_roundoff(dtype)  # the references round each product to dtype
     extra = 2 * depth.numel() * unit_roundoff(torch.float64) if backend == "quickcumsum" else 0.0
     scale = magnitude.detach().sum(dim=(0, 2, 3, 4), keepdim=True) if backend == "quickcumsum" else magnitude.detach()
-    assert_within_bound(out, expected.detach(), scale, counts if backend != "quickcumsum" else 0, dtype, what,
-                        extra_u=u_in + extra)
+    assert_within_bound(
+        out, expected.detach(), scale, counts if backend != "quickcumsum" else 0, dtype, what, extra_u=u_in + extra
+    )
     # grad_depth: a dot product over C channels; grad_feats: a sum over the D depth bins.
     assert_within_bound(depth.grad, d64.grad, da.grad, feats.shape[-1], dtype, what + " grad_depth", extra_u=u_in)
     assert_within_bound(feats.grad, f64.grad, fa.grad, depth.shape[2], dtype, what + " grad_feats", extra_u=u_in)

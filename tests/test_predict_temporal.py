@@ -1,5 +1,6 @@
 """A temporal checkpoint through the user's commands: bev-eval's future metrics, bev.predict's instances,
 bev-predict's npz with the future frames and its GIF of vehicles and their paths."""
+
 import json
 
 import numpy as np
@@ -14,8 +15,16 @@ pytestmark = pytest.mark.e2e
 def temporal_run(synthetic_root, tmp_path_factory):
     """Two training steps of a tiny temporal model (windows of 2 input frames and 1 future frame)."""
     run = tmp_path_factory.mktemp("temporal_run")
-    args = ["experiment=synthetic_temporal_cpu", *TINY[1:], f"data.dataroot={synthetic_root}", f"hydra.run.dir={run}",
-            "data.past_frames=1", "data.future_frames=1", "++trainer.max_steps=2", "trainer.max_epochs=2"]
+    args = [
+        "experiment=synthetic_temporal_cpu",
+        *TINY[1:],
+        f"data.dataroot={synthetic_root}",
+        f"hydra.run.dir={run}",
+        "data.past_frames=1",
+        "data.future_frames=1",
+        "++trainer.max_steps=2",
+        "trainer.max_epochs=2",
+    ]
     mp = pytest.MonkeyPatch()
     try:
         assert train_cli(args, mp) == 0
@@ -24,7 +33,9 @@ def temporal_run(synthetic_root, tmp_path_factory):
     return run
 
 
-def test_bev_eval_scores_the_future_of_a_temporal_checkpoint(temporal_run, synthetic_root, tmp_path, monkeypatch, capsys):
+def test_bev_eval_scores_the_future_of_a_temporal_checkpoint(
+    temporal_run, synthetic_root, tmp_path, monkeypatch, capsys
+):
     args = [f"ckpt_path={temporal_run / 'checkpoints'}", f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
     assert eval_cli(args, monkeypatch) == 0, capsys.readouterr().err
     metrics = json.loads((tmp_path / "metrics.json").read_text())["metrics"]
@@ -41,8 +52,13 @@ def test_bev_predict_writes_future_instances_and_a_gif(temporal_run, synthetic_r
     from bev.inference import build_data_config, load_model, predict, select_samples
 
     out = tmp_path / "pred"
-    args = [f"ckpt_path={temporal_run / 'checkpoints'}", f"data.dataroot={synthetic_root}", f"out={out}",
-            f"hydra.run.dir={tmp_path}", "gif_width=300"]
+    args = [
+        f"ckpt_path={temporal_run / 'checkpoints'}",
+        f"data.dataroot={synthetic_root}",
+        f"out={out}",
+        f"hydra.run.dir={tmp_path}",
+        "gif_width=300",
+    ]
     assert run_cli(predict_cli._hydra_main, args, monkeypatch) == 0
     summary = json.loads((out / "predictions.json").read_text())
     assert summary["samples"] and summary["gifs"]
@@ -51,7 +67,9 @@ def test_bev_predict_writes_future_instances_and_a_gif(temporal_run, synthetic_r
     assert z["future_segmentation"].shape == (2, X, Y) and z["future_instances"].shape == (2, X, Y)
     assert z["future_instances"].dtype == np.int32 and (z["future_instances"] >= 0).all()
     model = load_model(temporal_run / "checkpoints")
-    data_cfg = build_data_config(OmegaConf.create({"dataroot": str(synthetic_root)}), OmegaConf.create(model.run_config))
+    data_cfg = build_data_config(
+        OmegaConf.create({"dataroot": str(synthetic_root)}), OmegaConf.create(model.run_config)
+    )
     dataset, order, _ = select_samples(data_cfg)
     pred = predict(model, dataset[int(order[0])])  # one window, no batch axis
     assert pred["instances"].shape == (1, 2, X, Y) and pred["bev"].shape[-2:] == (X, Y)

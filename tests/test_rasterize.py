@@ -1,4 +1,5 @@
 """BEV rasterisation: a cell is filled iff its centre lies in the (closed) box footprint."""
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,11 @@ def test_rotation_turns_length_onto_y():
 
 @settings(max_examples=60, deadline=None)
 @given(
-    cx=st.floats(-60, 60), cy=st.floats(-60, 60), yaw=st.floats(-math.pi, math.pi),
-    w=st.floats(0.3, 4.0), l=st.floats(0.3, 15.0),
+    cx=st.floats(-60, 60),
+    cy=st.floats(-60, 60),
+    yaw=st.floats(-math.pi, math.pi),
+    w=st.floats(0.3, 4.0),
+    l=st.floats(0.3, 15.0),
 )
 def test_matches_independent_point_in_polygon(cx, cy, yaw, w, l):
     grid = Grid()
@@ -105,7 +109,9 @@ def test_lss_raster_matches_a_hand_computed_lss_target():
     g1 = Grid(xbound=(-50, 50, 1.0), ybound=(-50, 50, 1.0))
     fp = box_footprints([[1.5, 0.0, 0.0]], [[2.0, 2.0, 1.0]], [_rot(0.0)])  # x in [0.5, 2.5] -> 50.5, 52.5
     bev, _ = rasterize_boxes(fp, [0], [1], g1, raster="lss")
-    assert sorted(set(np.nonzero(bev[0])[0].tolist())) == [50, 51, 52] and sorted(set(np.nonzero(bev[0])[1].tolist())) == [49, 50, 51]
+    assert sorted(set(np.nonzero(bev[0])[0].tolist())) == [50, 51, 52] and sorted(
+        set(np.nonzero(bev[0])[1].tolist())
+    ) == [49, 50, 51]
 
 
 def test_lss_raster_of_a_rotated_box_against_lss_formula():

@@ -1,5 +1,6 @@
 """Any camera rig: the model, a custom in-memory dataset, training, prediction and pictures work with
 1 to 12 cameras of any (stride-16) image size, with no nuScenes camera names anywhere."""
+
 import lightning as L
 import numpy as np
 import pytest
@@ -14,8 +15,11 @@ from bev.models import LiftSplatShoot
 from bev.viz import camera_grid, camera_layout, render_sample
 
 GRID = Grid(xbound=(-16, 16, 2.0), ybound=(-16, 16, 2.0), zbound=(-10, 10, 20), dbound=(2, 18, 4.0))
-TINY = dict(context_channels=8, camera=dict(backbone="small", widths=(8, 8, 8, 16, 16), mid_channels=16),
-            bev=dict(widths=(8, 8, 16), blocks=1))
+TINY = dict(
+    context_channels=8,
+    camera=dict(backbone="small", widths=(8, 8, 8, 16, 16), mid_channels=16),
+    bev=dict(widths=(8, 8, 16), blocks=1),
+)
 
 
 class ToyRig(Dataset):
@@ -36,8 +40,13 @@ class ToyRig(Dataset):
         images[0, :, H // 2 - 4 : H // 2 + 4, W // 2 - 8 : W // 2 + 8] += 2.0  # "a vehicle" straight ahead of camera 0
         bev_target = torch.zeros(1, *GRID.bev_shape)
         bev_target[0, 11:13, 7:9] = 1.0  # x 6..10 m ahead, y -2..2 m
-        return {**self.cams, "images": images, "bev": bev_target,
-                "bev_bounds": torch.tensor([GRID.xbound, GRID.ybound], dtype=torch.float64), "sample_token": f"toy-{i}"}
+        return {
+            **self.cams,
+            "images": images,
+            "bev": bev_target,
+            "bev_bounds": torch.tensor([GRID.xbound, GRID.ybound], dtype=torch.float64),
+            "sample_token": f"toy-{i}",
+        }
 
 
 @pytest.mark.parametrize("num_cameras", [1, 3])
@@ -47,13 +56,23 @@ def test_custom_rig_trains_predicts_and_draws(num_cameras, tmp_path):
     model = BEVLitModule(net, optimizer=lambda params: torch.optim.Adam(params, lr=1e-2))
     ds = ToyRig(num_cameras)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(model, DataLoader(ds, batch_size=2), DataLoader(ds, batch_size=2))
     assert trainer.global_step == 3 and torch.isfinite(trainer.callback_metrics["train/loss_step"])
     changed = [k for k, v in model.state_dict().items() if v.dtype.is_floating_point and not torch.equal(v, before[k])]
-    assert any(k.startswith("net.camera_encoder") for k in changed) and any(k.startswith("net.bev_encoder") for k in changed)
+    assert any(k.startswith("net.camera_encoder") for k in changed) and any(
+        k.startswith("net.bev_encoder") for k in changed
+    )
 
     batch = torch.utils.data.default_collate([ds[0], ds[1]])
     probs = bev.predict(model, batch)

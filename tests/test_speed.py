@@ -1,4 +1,5 @@
 """Speed settings: precision "auto", channels_last encoders, and the time budget (fake clock)."""
+
 from __future__ import annotations
 
 from functools import partial
@@ -16,13 +17,16 @@ from bev.utils import precision as P
 
 
 # ----------------------------------------------------------------------------- precision
-@pytest.mark.parametrize("flags, expected", [
-    ({"avx2", "avx512f", "avx512_bf16"}, ("bf16-mixed", "AVX512-BF16")),
-    ({"avx512_bf16", "amx_bf16", "amx_tile"}, ("bf16-mixed", "AMX-BF16")),
-    ({"fp", "asimd", "bf16"}, ("bf16-mixed", "Arm BF16")),
-    ({"avx", "avx2", "fma"}, ("32-true", "no native bf16")),
-    (set(), ("32-true", "no native bf16")),
-])
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ({"avx2", "avx512f", "avx512_bf16"}, ("bf16-mixed", "AVX512-BF16")),
+        ({"avx512_bf16", "amx_bf16", "amx_tile"}, ("bf16-mixed", "AMX-BF16")),
+        ({"fp", "asimd", "bf16"}, ("bf16-mixed", "Arm BF16")),
+        ({"avx", "avx2", "fma"}, ("32-true", "no native bf16")),
+        (set(), ("32-true", "no native bf16")),
+    ],
+)
 def test_auto_precision_on_cpu(flags, expected, monkeypatch):
     monkeypatch.setattr(P, "_cpu_flags", lambda: flags)
     precision, reason = P.resolve_precision("auto", "cpu")
@@ -46,7 +50,9 @@ def test_explicit_precision_is_kept(monkeypatch):
 
 def test_cpu_flags_are_read_from_proc_cpuinfo(tmp_path, monkeypatch):
     info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n\nprocessor\t: 1\nflags\t\t: fpu avx2 avx512_bf16\n")
+    info.write_text(
+        "processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n\nprocessor\t: 1\nflags\t\t: fpu avx2 avx512_bf16\n"
+    )
     real_open = open
     monkeypatch.setattr("builtins.open", lambda p, *a, **k: real_open(info if p == "/proc/cpuinfo" else p, *a, **k))
     assert P._cpu_flags() == {"fpu", "avx2", "avx512_bf16"}
@@ -54,9 +60,15 @@ def test_cpu_flags_are_read_from_proc_cpuinfo(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- channels_last
-@pytest.mark.parametrize("flags, cuda, expected", [
-    ({"avx512_bf16"}, False, True), ({"amx_bf16"}, False, True), ({"avx2"}, False, False), (set(), True, True),
-])
+@pytest.mark.parametrize(
+    "flags, cuda, expected",
+    [
+        ({"avx512_bf16"}, False, True),
+        ({"amx_bf16"}, False, True),
+        ({"avx2"}, False, False),
+        (set(), True, True),
+    ],
+)
 def test_auto_channels_last_follows_the_hardware(flags, cuda, expected, monkeypatch):
     monkeypatch.setattr(P, "_cpu_flags", lambda: flags)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
@@ -75,13 +87,22 @@ def test_auto_channels_last_keeps_nchw_for_narrow_strided_1x1_convolutions(monke
     # or is wrong on x86 CPUs (uxlfoundation/oneDNN#6035): such encoders keep NCHW under "auto".
     monkeypatch.setattr(P, "_cpu_flags", lambda: {"avx512_bf16"})
     assert BevEncoder(8, 2, widths=(16, 16, 32), blocks=1, channels_last="auto").channels_last is True
-    assert CameraEncoder(5, 7, backbone="small", widths=(16, 32, 48, 64, 96), mid_channels=16, channels_last="auto").channels_last
+    assert CameraEncoder(
+        5, 7, backbone="small", widths=(16, 32, 48, 64, 96), mid_channels=16, channels_last="auto"
+    ).channels_last
     with pytest.warns(UserWarning, match="keeps NCHW.*oneDNN#6035") as record:
         narrow = CameraEncoder(5, 7, backbone="small", widths=(8, 8, 16, 16, 16), mid_channels=16, channels_last="auto")
-    assert narrow.channels_last is False and not narrow.trunk.stem[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert narrow.channels_last is False and not narrow.trunk.stem[0].weight.is_contiguous(
+        memory_format=torch.channels_last
+    )
     assert "trunk." in str(record[0].message)  # names the layer
-    assert P.nhwc_hazards(BevEncoder(8, 2, widths=(8, 8, 16), blocks=1)) == ["layer2.0.downsample.0", "layer3.0.downsample.0"]
-    with pytest.warns(UserWarning, match="channels_last=true as configured"):  # an explicit choice is kept, with the warning
+    assert P.nhwc_hazards(BevEncoder(8, 2, widths=(8, 8, 16), blocks=1)) == [
+        "layer2.0.downsample.0",
+        "layer3.0.downsample.0",
+    ]
+    with pytest.warns(
+        UserWarning, match="channels_last=true as configured"
+    ):  # an explicit choice is kept, with the warning
         assert BevEncoder(8, 2, widths=(8, 8, 16), blocks=1, channels_last=True).channels_last is True
 
 
@@ -106,16 +127,19 @@ def test_channels_last_encoders_compute_the_same_function():
 
 
 # ----------------------------------------------------------------------------- optimiser
-@pytest.mark.parametrize("factory, device, expected", [
-    (partial(torch.optim.Adam, lr=1e-3), "cuda", {"fused": True}),
-    (partial(torch.optim.AdamW, lr=1e-3, weight_decay=1e-2), "cuda", {"fused": True}),
-    (partial(torch.optim.Adam, lr=1e-3), "cpu", {}),  # CPU runs stay as measured (fused: 1.00-1.04x there)
-    (partial(torch.optim.Adam, lr=1e-3, fused=False), "cuda", {}),  # the config's choice wins
-    (partial(torch.optim.Adam, lr=1e-3, foreach=True), "cuda", {}),
-    (partial(torch.optim.LBFGS, lr=1.0), "cuda", {}),  # no fused kernel
-    (partial(torch.optim.Adagrad, lr=0.1), "cuda", {}),  # its fused kernel is CPU-only
-    (lambda params: torch.optim.SGD(params, lr=0.1), "cuda", {}),  # not a class: its keywords are unknown
-])
+@pytest.mark.parametrize(
+    "factory, device, expected",
+    [
+        (partial(torch.optim.Adam, lr=1e-3), "cuda", {"fused": True}),
+        (partial(torch.optim.AdamW, lr=1e-3, weight_decay=1e-2), "cuda", {"fused": True}),
+        (partial(torch.optim.Adam, lr=1e-3), "cpu", {}),  # CPU runs stay as measured (fused: 1.00-1.04x there)
+        (partial(torch.optim.Adam, lr=1e-3, fused=False), "cuda", {}),  # the config's choice wins
+        (partial(torch.optim.Adam, lr=1e-3, foreach=True), "cuda", {}),
+        (partial(torch.optim.LBFGS, lr=1.0), "cuda", {}),  # no fused kernel
+        (partial(torch.optim.Adagrad, lr=0.1), "cuda", {}),  # its fused kernel is CPU-only
+        (lambda params: torch.optim.SGD(params, lr=0.1), "cuda", {}),  # not a class: its keywords are unknown
+    ],
+)
 def test_optimizers_on_cuda_are_fused_unless_configured(factory, device, expected):
     assert fused_default(factory, device) == expected
     assert fused_default(factory, device, "bf16-mixed") == expected
@@ -127,7 +151,9 @@ def test_configure_optimizers_builds_the_configured_optimizer_on_cpu():
 
     net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 1, 1))
     net.num_classes = 1
-    opt = BEVLitModule(net, optimizer=partial(torch.optim.Adam, lr=2e-3), object_classes=["vehicle"]).configure_optimizers()
+    opt = BEVLitModule(
+        net, optimizer=partial(torch.optim.Adam, lr=2e-3), object_classes=["vehicle"]
+    ).configure_optimizers()
     assert isinstance(opt, torch.optim.Adam) and opt.param_groups[0]["lr"] == 2e-3
     assert not opt.param_groups[0]["fused"] and len(opt.param_groups[0]["params"]) == 4
 
@@ -155,7 +181,9 @@ class FakeClock:
 class Tiny(L.LightningModule):
     """A linear regression whose every training step costs `step_s` and validation batch `val_s` fake seconds."""
 
-    def __init__(self, clock: FakeClock, step_s: float = 1.0, val_s: float = 0.25, first_epoch_step_s: float | None = None):
+    def __init__(
+        self, clock: FakeClock, step_s: float = 1.0, val_s: float = 0.25, first_epoch_step_s: float | None = None
+    ):
         super().__init__()
         self.layer = nn.Linear(4, 1)
         self.clock, self.step_s, self.val_s = clock, step_s, val_s
@@ -179,7 +207,9 @@ class Tiny(L.LightningModule):
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=int(self.trainer.estimated_stepping_batches), pct_start=0.1)
+        sched = torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=1e-2, total_steps=int(self.trainer.estimated_stepping_batches), pct_start=0.1
+        )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
@@ -187,7 +217,9 @@ def loaders():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(80, 4, generator=g)
     ds = TensorDataset(x, x.sum(1, keepdim=True))
-    return DataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1)), DataLoader(ds, batch_size=8)
+    return DataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1)), DataLoader(
+        ds, batch_size=8
+    )
 
 
 def fit(budget=None, epochs=5, step_s=1.0, ckpt_path=None, callback=None, val_every=1, first_epoch_step_s=None, **kw):
@@ -201,8 +233,17 @@ def fit(budget=None, epochs=5, step_s=1.0, ckpt_path=None, callback=None, val_ev
     if callback is not None:
         callback.clock = clock
         callbacks.append(callback)
-    trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks, check_val_every_n_epoch=val_every)
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        check_val_every_n_epoch=val_every,
+    )
     train, val = loaders()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a 4-wide linear layer: more threads only wait on each other
@@ -238,7 +279,7 @@ def test_a_binding_budget_shortens_the_run_and_completes_the_schedule():
     assert len(model.lrs) == cb.limit
     assert model.lrs[-1] == pytest.approx(1e-2 / 25 / 1e4, rel=1e-6)
     peak = max(range(len(model.lrs)), key=model.lrs.__getitem__)
-    assert all(a >= b for a, b in zip(model.lrs[peak:], model.lrs[peak + 1:]))
+    assert all(a >= b for a, b in zip(model.lrs[peak:], model.lrs[peak + 1 :]))
     assert f"of {s['planned_steps']} planned steps" in s["message"] and "compressed" in s["message"]
 
 
@@ -374,8 +415,14 @@ def test_bev_train_records_precision_and_the_time_budget(synthetic_root, tmp_pat
 
     from helpers.cli import TINY, train_cli
 
-    args = [*TINY, "trainer.max_epochs=3", "callbacks.time_budget.budget=0.001", "callbacks.bev_png.every_n_steps=0",
-            f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
+    args = [
+        *TINY,
+        "trainer.max_epochs=3",
+        "callbacks.time_budget.budget=0.001",
+        "callbacks.bev_png.every_n_steps=0",
+        f"data.dataroot={synthetic_root}",
+        f"hydra.run.dir={tmp_path}",
+    ]
     assert train_cli(args, monkeypatch) == 0
     rec = json.loads((tmp_path / "metrics.json").read_text())
     assert rec["precision"] in ("32-true", "bf16-mixed")  # "auto", resolved for this CPU

@@ -1,4 +1,5 @@
 """The synthetic nuScenes-format dataset: devkit compatibility, links, splits, geometry, visibility, errors."""
+
 from __future__ import annotations
 
 import errno
@@ -46,8 +47,9 @@ def _box_corners(ann) -> np.ndarray:
 def _project(cam: raycast.Camera, pts_ego: np.ndarray):
     """Render-resolution (u, v) and depth through bev.geometry.ego_to_image with the rig calibration."""
     d = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
-    uv, depth = ego_to_image(d(pts_ego), d(cam.intrinsic), d(cam.rotation), d(cam.translation),
-                             cam.post_rot.double(), cam.post_tran.double())
+    uv, depth = ego_to_image(
+        d(pts_ego), d(cam.intrinsic), d(cam.rotation), d(cam.translation), cam.post_rot.double(), cam.post_tran.double()
+    )
     return uv.numpy(), depth.numpy()
 
 
@@ -67,16 +69,29 @@ def _world_index(nusc):
 
 # ----------------------------------------------------------------------------- format and links
 
+
 def test_devkit_loads_all_tables(nusc, synthetic_root):
     for name in TABLES:
         on_disk = json.loads((synthetic_root / VERSION / f"{name}.json").read_text())
         assert len(getattr(nusc, name)) == len(on_disk) > 0, name
     assert len(nusc.scene) == SCENES and len(nusc.sample) == SCENES * SAMPLES
     assert len(nusc.sample_data) == len(nusc.ego_pose) == SCENES * SAMPLES * 7
-    assert {v["token"]: v["level"] for v in nusc.visibility} == {"1": "v0-40", "2": "v40-60", "3": "v60-80", "4": "v80-100"}
-    assert {c["name"] for c in nusc.category} >= {"vehicle.car", "vehicle.truck", "vehicle.bus.rigid", "vehicle.trailer",
-                                                  "vehicle.motorcycle", "human.pedestrian.adult",
-                                                  "movable_object.barrier", "movable_object.trafficcone"}
+    assert {v["token"]: v["level"] for v in nusc.visibility} == {
+        "1": "v0-40",
+        "2": "v40-60",
+        "3": "v60-80",
+        "4": "v80-100",
+    }
+    assert {c["name"] for c in nusc.category} >= {
+        "vehicle.car",
+        "vehicle.truck",
+        "vehicle.bus.rigid",
+        "vehicle.trailer",
+        "vehicle.motorcycle",
+        "human.pedestrian.adult",
+        "movable_object.barrier",
+        "movable_object.trafficcone",
+    }
     cats = {a["category_name"] for a in nusc.sample_annotation}
     assert any(c.startswith("vehicle.") for c in cats) and any(not c.startswith("vehicle.") for c in cats)
 
@@ -148,7 +163,10 @@ def test_tokens_link(nusc):
     moving = nusc.getind("attribute", "cb5118da1ab342aa947717dc53544259")
     for a in nusc.sample_annotation:
         if a["next"] and nusc.attribute[moving]["token"] in a["attribute_tokens"]:
-            assert np.linalg.norm(np.subtract(nusc.get("sample_annotation", a["next"])["translation"], a["translation"])) > 0.5
+            assert (
+                np.linalg.norm(np.subtract(nusc.get("sample_annotation", a["next"])["translation"], a["translation"]))
+                > 0.5
+            )
 
 
 def test_lidar_points_match_num_lidar_pts(nusc, synthetic_root):
@@ -174,6 +192,7 @@ def test_lidar_points_match_num_lidar_pts(nusc, synthetic_root):
 
 # ----------------------------------------------------------------------------- splits and names
 
+
 def test_mini_splits_have_the_expected_scenes(nusc):
     from nuscenes.utils.splits import create_splits_scenes
 
@@ -197,6 +216,7 @@ def test_scene_name_rule():
 
 
 # ----------------------------------------------------------------------------- geometry and visibility
+
 
 def test_object_centres_lie_inside_their_rendered_shapes():
     # Why: the projection tests below rely on an annotation's centre being on the object's surface path.
@@ -227,11 +247,16 @@ def test_vehicles_never_intersect_other_objects():
     from shapely.geometry import Polygon
 
     for seed in range(3):
-        world = world_model.build_world(seed, 0, 20, ("singapore-onenorth", "boston-seaport", "singapore-queenstown")[seed])
+        world = world_model.build_world(
+            seed, 0, 20, ("singapore-onenorth", "boston-seaport", "singapore-queenstown")[seed]
+        )
         for t in (0.0, 4.5, 9.5):
             ego_xy, ego_yaw = world.ego_pose(t)
-            boxes = [(o.category, world.object_global(o, t), o.size) for o in world.objects
-                     if o.category and not o.category.startswith("human.")]
+            boxes = [
+                (o.category, world.object_global(o, t), o.size)
+                for o in world.objects
+                if o.category and not o.category.startswith("human.")
+            ]
             boxes.append(("ego", (ego_xy, ego_yaw), (1.9, 4.6, 1.7)))
 
             def footprint(c, yaw, w, l):
@@ -382,7 +407,11 @@ def test_image_shows_vehicles_in_colour(nusc, synthetic_root):
 
     (si, world, tokens) = _world_index(nusc)["scene-0061"]
     r = raycast.render_camera(world, 0.0, "CAM_FRONT")
-    img = np.asarray(Image.open(synthetic_root / nusc.get("sample_data", nusc.get("sample", tokens[0])["data"]["CAM_FRONT"])["filename"]))
+    img = np.asarray(
+        Image.open(
+            synthetic_root / nusc.get("sample_data", nusc.get("sample", tokens[0])["data"]["CAM_FRONT"])["filename"]
+        )
+    )
     small = img[::2, ::2].astype(np.float64) / 255.0  # render resolution, close enough for statistics
     sat = small.max(-1) - small.min(-1)
     vehicle = np.isin(r.ids - 1, [i for i, o in enumerate(world.objects) if o.category.startswith("vehicle.")])
@@ -394,14 +423,23 @@ def test_image_shows_vehicles_in_colour(nusc, synthetic_root):
 
 # ----------------------------------------------------------------------------- determinism and errors
 
+
 def _tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_deterministic_per_seed(tmp_path):
     # numpy integers are accepted like ints (e.g. from a config or a sweep)
-    a = _tree(make_synthetic(tmp_path / "a", scenes=np.int64(1), samples_per_scene=np.int64(2), seed=np.int64(3),
-                             progress=False, workers=2))
+    a = _tree(
+        make_synthetic(
+            tmp_path / "a",
+            scenes=np.int64(1),
+            samples_per_scene=np.int64(2),
+            seed=np.int64(3),
+            progress=False,
+            workers=2,
+        )
+    )
     b = _tree(make_synthetic(tmp_path / "b", scenes=1, samples_per_scene=2, seed=3, progress=False, workers=1))
     assert a.keys() == b.keys() and all(a[k] == b[k] for k in a)
     c = _tree(make_synthetic(tmp_path / "c", scenes=1, samples_per_scene=2, seed=4, progress=False, workers=1))
@@ -419,7 +457,9 @@ def test_render_scale_changes_detail_not_content(tmp_path):
         if k.endswith(".json") and not k.endswith("sample_annotation.json"):
             assert a[k] == b[k], k
     ann_a, ann_b = (json.loads(t[f"{VERSION}/sample_annotation.json"]) for t in (a, b))
-    assert [(r["token"], r["translation"], r["size"]) for r in ann_a] == [(r["token"], r["translation"], r["size"]) for r in ann_b]
+    assert [(r["token"], r["translation"], r["size"]) for r in ann_a] == [
+        (r["token"], r["translation"], r["size"]) for r in ann_b
+    ]
     pts_a, pts_b = (np.array([r["num_lidar_pts"] for r in ann]) for ann in (ann_a, ann_b))
     assert ((pts_a > 0) == (pts_b > 0)).mean() > 0.9 and abs(pts_b.sum() / pts_a.sum() - 1) < 0.05
     jpgs = [k for k in a if k.endswith(".jpg")]
@@ -428,17 +468,22 @@ def test_render_scale_changes_detail_not_content(tmp_path):
         ia, ib = (np.asarray(Image.open(io.BytesIO(t[k])).convert("L"), np.float32) for t in (a, b))
         assert ia.shape == ib.shape == (900, 1600)
         diffs.append(np.abs(ia - ib).mean())
-    assert max(diffs) < 2.5, diffs  # grey levels (measured <= 1.7; an 8-pixel shift gives 3.2): edges blur, nothing moves
+    assert max(diffs) < 2.5, (
+        diffs
+    )  # grey levels (measured <= 1.7; an 8-pixel shift gives 3.2): edges blur, nothing moves
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"scenes": 0}, ValueError, "scenes must be in 1..10"),
-    ({"scenes": 11}, ValueError, "samples_per_scene"),
-    ({"samples_per_scene": 0}, ValueError, "samples_per_scene must be >= 1"),
-    ({"scenes": 1.5}, TypeError, "scenes must be an integer"),
-    ({"workers": 0}, ValueError, "workers must be >= 1"),
-    ({"render_scale": 3}, ValueError, "render_scale must be one of 1, 2, 4"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"scenes": 0}, ValueError, "scenes must be in 1..10"),
+        ({"scenes": 11}, ValueError, "samples_per_scene"),
+        ({"samples_per_scene": 0}, ValueError, "samples_per_scene must be >= 1"),
+        ({"scenes": 1.5}, TypeError, "scenes must be an integer"),
+        ({"workers": 0}, ValueError, "workers must be >= 1"),
+        ({"render_scale": 3}, ValueError, "render_scale must be one of 1, 2, 4"),
+    ],
+)
 def test_bad_arguments(tmp_path, kwargs, error, match):
     with pytest.raises(error, match=match):
         make_synthetic(tmp_path / "out", **kwargs)
@@ -500,8 +545,10 @@ def test_cli_read_only_out(tmp_path, capsys, monkeypatch):
     out.mkdir()
     out.chmod(0o555)
     if os.geteuid() == 0:  # root writes through permission bits: make the first write fail as it would
+
         def denied(*args, dir=None, **kwargs):
             raise PermissionError(errno.EACCES, "Permission denied", str(dir))
+
         monkeypatch.setattr(bev.utils.io, "_new_temporary", lambda path: denied(dir=path.parent))
         monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: denied(dir=self))
     try:

@@ -6,6 +6,7 @@ directly in the present frame's level (yaw-only) frame and filled by the LSS rul
 Dataset checks use a tiny nuScenes-format set (tests/helpers/tiny_nuscenes.py), whose boxes stand
 at fixed ego positions while the ego drives and turns, so every box moves and turns in the world.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,18 @@ def make_index(poses: list[tuple], frames: list[list[tuple]]) -> dict[str, np.nd
 
     poses: per frame (x, y, yaw[, pitch, roll]) of the ego in the world; frames: per frame a list of boxes
     (token, x, y, yaw, (w, l, h), visibility) in the world, standing on the ground (z = 0)."""
-    idx = {k: [] for k in ("ego_rotation", "ego_translation", "box_center", "box_size", "box_rotation",
-                           "box_visibility", "box_instance")}
+    idx = {
+        k: []
+        for k in (
+            "ego_rotation",
+            "ego_translation",
+            "box_center",
+            "box_size",
+            "box_rotation",
+            "box_visibility",
+            "box_instance",
+        )
+    }
     offsets = [0]
     for pose, boxes in zip(poses, frames):
         R, t = rot(*pose[2:]), np.array([pose[0], pose[1], 0.0])
@@ -55,8 +66,11 @@ def make_index(poses: list[tuple], frames: list[list[tuple]]) -> dict[str, np.nd
             idx["box_visibility"].append(vis)
             idx["box_instance"].append(tok.encode())
         offsets.append(len(idx["box_instance"]))
-    out = {k: np.asarray(v, dtype=np.float64).reshape(-1, *np.shape(v)[1:]) for k, v in idx.items()
-           if k not in ("box_visibility", "box_instance")}
+    out = {
+        k: np.asarray(v, dtype=np.float64).reshape(-1, *np.shape(v)[1:])
+        for k, v in idx.items()
+        if k not in ("box_visibility", "box_instance")
+    }
     out["box_center"], out["box_size"] = out["box_center"].reshape(-1, 3), out["box_size"].reshape(-1, 3)
     out["box_rotation"] = out["box_rotation"].reshape(-1, 3, 3)
     out["box_visibility"] = np.asarray(idx["box_visibility"], dtype=np.uint8)
@@ -82,8 +96,10 @@ def direct_mask(box: tuple, pose: tuple, grid: Grid = GRID) -> np.ndarray:
 def boundary_distance(box: tuple, pose: tuple, cells: np.ndarray, grid: Grid = GRID) -> np.ndarray:
     """Distance (cells) from the centres of `cells` (K, 2) to the box outline in the pose's level frame."""
     poly = level_corners(box, pose)
-    p = np.stack([grid.xbound[0] + (cells[:, 0] + 0.5) * grid.xbound[2],
-                  grid.ybound[0] + (cells[:, 1] + 0.5) * grid.ybound[2]], 1)
+    p = np.stack(
+        [grid.xbound[0] + (cells[:, 0] + 0.5) * grid.xbound[2], grid.ybound[0] + (cells[:, 1] + 0.5) * grid.ybound[2]],
+        1,
+    )
     d = np.full(len(p), np.inf)
     for a, b in zip(poly, np.roll(poly, -1, 0)):
         u = np.clip(((p - a) @ (b - a)) / ((b - a) @ (b - a)), 0, 1)
@@ -95,7 +111,7 @@ def boundary_distance(box: tuple, pose: tuple, cells: np.ndarray, grid: Grid = G
 
 
 def brute_windows(scenes: list[str], length: int) -> list[int]:
-    return [s for s in range(len(scenes) - length + 1) if len(set(scenes[s:s + length])) == 1]
+    return [s for s in range(len(scenes) - length + 1) if len(set(scenes[s : s + length])) == 1]
 
 
 @pytest.mark.parametrize("past,future", [(0, 1), (1, 1), (2, 4), (3, 0)])
@@ -108,10 +124,16 @@ def test_windows_never_cross_scenes_and_skip_short_ones(past, future):
 
 
 def test_window_longer_than_every_scene_and_negative_counts_are_one_clear_error():
-    with pytest.raises(ValueError, match=r"= 8 key frames is longer than every scene of the split \(the longest has 7\)"):
+    with pytest.raises(
+        ValueError, match=r"= 8 key frames is longer than every scene of the split \(the longest has 7\)"
+    ):
         temporal.window_index(np.asarray(["a"] * 7 + ["b"] * 3), 3, 4)
-    for past, future, what in [(-1, 0, "past_frames"), (0, -2, "future_frames"), (1.5, 0, "past_frames"),
-                               (0, "2", "future_frames")]:
+    for past, future, what in [
+        (-1, 0, "past_frames"),
+        (0, -2, "future_frames"),
+        (1.5, 0, "past_frames"),
+        (0, "2", "future_frames"),
+    ]:
         with pytest.raises(ValueError, match=f"data.{what} must be"):
             temporal.check_frames(past, future)
     assert temporal.check_frames(np.int64(2), 4) == (2, 4)
@@ -142,7 +164,8 @@ def test_future_egomotion_keeps_x_y_yaw_only():
     t = np.array([[0.0, 0.0, 0.0], [4.0, 1.0, 0.3]])
     e = temporal.future_egomotion(R, t)[0].astype(np.float64)
     M = np.linalg.inv(np.block([[R[1], t[1][:, None]], [np.zeros((1, 3)), 1]])) @ np.block(
-        [[R[0], t[0][:, None]], [np.zeros((1, 3)), 1]])
+        [[R[0], t[0][:, None]], [np.zeros((1, 3)), 1]]
+    )
     a = math.atan2(-M[0, 1], M[0, 0])  # FIERY's rz
     expected = np.eye(4)
     expected[:2, :2] = [[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]]
@@ -212,8 +235,12 @@ def test_ids_follow_first_appearance_over_the_window_and_the_visibility_filter()
         return tok, x, 0.0, 0.0, (2.0, 4.0, 1.5), vis
 
     pose = [(0.0, 0.0, 0.0)] * 4
-    frames = [[car("old", -10)], [car("hid", 10, 1), car("b", 0)], [car("b", 0), car("hid", 10, 3)],
-              [car("hid", 10), car("c", -18)]]
+    frames = [
+        [car("old", -10)],
+        [car("hid", 10, 1), car("b", 0)],
+        [car("b", 0), car("hid", 10, 3)],
+        [car("hid", 10), car("c", -18)],
+    ]
     index = make_index(pose, frames)
 
     def ids(labels):
@@ -266,8 +293,10 @@ def test_a_straight_line_movers_flow_is_its_velocity_times_half_a_second():
     frames = []
     for k in range(5):
         x, y = start + v * DT * k
-        frames.append([("mover", x, y, math.atan2(v[1], v[0]), (2.0, 4.5, 1.6), 4), STATIC[1]] +
-                      ([("leaver", 95.0, 48.0, 0.0, (2.0, 4.0, 1.5), 4)] if k < 2 else []))
+        frames.append(
+            [("mover", x, y, math.atan2(v[1], v[0]), (2.0, 4.5, 1.6), 4), STATIC[1]]
+            + ([("leaver", 95.0, 48.0, 0.0, (2.0, 4.0, 1.5), 4)] if k < 2 else [])
+        )
     labels = temporal.window_labels(make_index(poses, frames), np.arange(5), 1, GRID)
     inst, flow = labels["instance"], labels["flow"]
     assert flow.shape == (4, 2, 100, 100) and flow.dtype == np.float32
@@ -294,7 +323,9 @@ def tiny_windows(tmp_path_factory) -> Path:
     scenes = json.loads((tables / "scene.json").read_text())
     scenes[1].update(name="scene-0553", nbr_samples=2, last_sample_token="s1-1")
     (tables / "scene.json").write_text(json.dumps(scenes))
-    samples = [s for s in json.loads((tables / "sample.json").read_text()) if s["token"] not in ("s1-2", "s1-3", "s1-4")]
+    samples = [
+        s for s in json.loads((tables / "sample.json").read_text()) if s["token"] not in ("s1-2", "s1-3", "s1-4")
+    ]
     next(s for s in samples if s["token"] == "s1-1")["next"] = ""
     (tables / "sample.json").write_text(json.dumps(samples))
     for name in ("sample_data", "sample_annotation"):
@@ -326,12 +357,29 @@ def test_dataset_windows_stay_in_their_scene_and_count_the_skipped(tiny_windows,
 
 
 def test_zero_frames_keep_single_frame_items(tiny_windows, tmp_path):
-    default, zero = _ds(tiny_windows, cache_dir=tmp_path), _ds(tiny_windows, past_frames=0, future_frames=0,
-                                                               cache_dir=tmp_path)
+    default, zero = (
+        _ds(tiny_windows, cache_dir=tmp_path),
+        _ds(tiny_windows, past_frames=0, future_frames=0, cache_dir=tmp_path),
+    )
     assert len(default) == len(zero) == 7 and not zero.temporal
     a, b = default[6], zero[6]
-    assert list(a) == ["images", "intrinsics", "rots", "trans", "post_rots", "post_trans", "cam_ids", "bev",
-                       "visibility", "bev_bounds", "sample_token"] == list(b)
+    assert (
+        list(a)
+        == [
+            "images",
+            "intrinsics",
+            "rots",
+            "trans",
+            "post_rots",
+            "post_trans",
+            "cam_ids",
+            "bev",
+            "visibility",
+            "bev_bounds",
+            "sample_token",
+        ]
+        == list(b)
+    )
     assert all(torch.equal(a[k], b[k]) for k in a if k != "sample_token") and a["sample_token"] == "s1-1"
 
 
@@ -341,14 +389,23 @@ def test_dataset_window_keys_shapes_and_dtypes(tiny_windows, tmp_path):
     X, Y = GRID.bev_shape
     shapes = {k: (tuple(v.shape), v.dtype) for k, v in item.items() if isinstance(v, torch.Tensor)}
     assert shapes == {
-        "images": ((2, 6, 3, 64, 176), torch.float32), "intrinsics": ((2, 6, 3, 3), torch.float32),
-        "rots": ((2, 6, 3, 3), torch.float32), "trans": ((2, 6, 3), torch.float32),
-        "post_rots": ((2, 6, 3, 3), torch.float32), "post_trans": ((2, 6, 3), torch.float32),
-        "depth": ((2, 6, 4, 11), torch.int64), "cam_ids": ((6,), torch.int64), "bev": ((1, X, Y), torch.float32),
-        "visibility": ((X, Y), torch.uint8), "bev_bounds": ((2, 3), torch.float64),
-        "future_egomotion": ((4, 4, 4), torch.float32), "instance": ((3, X, Y), torch.int64),
-        "segmentation": ((3, X, Y), torch.int64), "centerness": ((3, 1, X, Y), torch.float32),
-        "offset": ((3, 2, X, Y), torch.float32), "flow": ((3, 2, X, Y), torch.float32),
+        "images": ((2, 6, 3, 64, 176), torch.float32),
+        "intrinsics": ((2, 6, 3, 3), torch.float32),
+        "rots": ((2, 6, 3, 3), torch.float32),
+        "trans": ((2, 6, 3), torch.float32),
+        "post_rots": ((2, 6, 3, 3), torch.float32),
+        "post_trans": ((2, 6, 3), torch.float32),
+        "depth": ((2, 6, 4, 11), torch.int64),
+        "cam_ids": ((6,), torch.int64),
+        "bev": ((1, X, Y), torch.float32),
+        "visibility": ((X, Y), torch.uint8),
+        "bev_bounds": ((2, 3), torch.float64),
+        "future_egomotion": ((4, 4, 4), torch.float32),
+        "instance": ((3, X, Y), torch.int64),
+        "segmentation": ((3, X, Y), torch.int64),
+        "centerness": ((3, 1, X, Y), torch.float32),
+        "offset": ((3, 2, X, Y), torch.float32),
+        "flow": ((3, 2, X, Y), torch.float32),
     }
     assert item["sample_tokens"] == ["s0-1", "s0-2", "s0-3", "s0-4"] and item["sample_token"] == "s0-2"
 
@@ -382,8 +439,10 @@ def test_dataset_labels_follow_the_moving_boxes(tiny_windows, tmp_path):
     inst, flow, present = item["instance"].numpy(), item["flow"].numpy(), poses[1]
     ego = item["future_egomotion"].numpy().astype(np.float64)
     for k in range(3):
-        expected = (np.linalg.inv(np.c_[np.r_[rot(poses[k + 1][2]), [[0, 0, 0]]], [*poses[k + 1][:2], 0, 1]])
-                    @ np.c_[np.r_[rot(poses[k][2]), [[0, 0, 0]]], [*poses[k][:2], 0, 1]])
+        expected = (
+            np.linalg.inv(np.c_[np.r_[rot(poses[k + 1][2]), [[0, 0, 0]]], [*poses[k + 1][:2], 0, 1]])
+            @ np.c_[np.r_[rot(poses[k][2]), [[0, 0, 0]]], [*poses[k][:2], 0, 1]]
+        )
         np.testing.assert_allclose(ego[k], expected, atol=1e-5)
     for j, b in enumerate(vehicles, start=1):  # ids in annotation order (the first frame holds every box)
         for t in range(4):
@@ -438,9 +497,19 @@ def test_collate_stacks_windows_and_keeps_token_lists(tiny_windows, tmp_path):
 
 
 def test_datamodule_passes_the_frame_counts_and_collates(tiny_windows, tmp_path):
-    dm = NuScenesDataModule(tiny_windows, train_split="mini_train", val_split="mini_train", grid=GRID,
-                            final_dim=(64, 176), past_frames=1, future_frames=1, filter_invisible=True,
-                            batch_size=2, num_workers=0, cache_dir=tmp_path)
+    dm = NuScenesDataModule(
+        tiny_windows,
+        train_split="mini_train",
+        val_split="mini_train",
+        grid=GRID,
+        final_dim=(64, 176),
+        past_frames=1,
+        future_frames=1,
+        filter_invisible=True,
+        batch_size=2,
+        num_workers=0,
+        cache_dir=tmp_path,
+    )
     batch = next(iter(dm.train_dataloader()))
     assert batch["images"].shape[:3] == (2, 2, 6) and batch["instance"].shape == (2, 2, 100, 100)
     assert all(len(t) == 3 for t in batch["sample_tokens"])
@@ -463,16 +532,18 @@ def test_data_config_states_the_frame_defaults_once():
 
 
 def test_synthetic_set_windows(synthetic_root, tmp_path):
-    ds = NuScenesBEVDataset(synthetic_root, split="mini_val", past_frames=1, future_frames=1, cache_dir=tmp_path,
-                            verbose=False)
+    ds = NuScenesBEVDataset(
+        synthetic_root, split="mini_val", past_frames=1, future_frames=1, cache_dir=tmp_path, verbose=False
+    )
     assert len(ds) == 1
     item = ds[0]
     assert item["instance"].shape == (2, 200, 200) and (item["instance"][0] > 0).any()
     defined, on = item["flow"][0, 0] != 255, item["instance"][0] > 0
     assert not (defined & ~on).any() and defined.sum() > 0.5 * on.sum()  # off the vehicles: never
     with pytest.raises(ValueError, match="longer than every scene"):
-        NuScenesBEVDataset(synthetic_root, split="mini_val", past_frames=2, future_frames=1, cache_dir=tmp_path,
-                           verbose=False)
+        NuScenesBEVDataset(
+            synthetic_root, split="mini_val", past_frames=2, future_frames=1, cache_dir=tmp_path, verbose=False
+        )
 
 
 def test_windows_need_no_devkit_once_indexed(tiny_windows, tmp_path, monkeypatch):
@@ -491,9 +562,31 @@ def test_bench_loader_reports_windows_per_second(tiny_windows, tmp_path):
 
     bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "bench_loader.py"))
     out = tmp_path / "bench.json"
-    assert bench["main"](["--dataroot", str(tiny_windows), "--windows-only", "--past-frames", "1", "--future-frames",
-                          "1", "--workers", "0", "--batches", "2", "--batch-size", "2", "--final-dim", "64", "176",
-                          "--out", str(out)]) == 0
+    assert (
+        bench["main"](
+            [
+                "--dataroot",
+                str(tiny_windows),
+                "--windows-only",
+                "--past-frames",
+                "1",
+                "--future-frames",
+                "1",
+                "--workers",
+                "0",
+                "--batches",
+                "2",
+                "--batch-size",
+                "2",
+                "--final-dim",
+                "64",
+                "176",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())["windows"]
     assert r["windows_in_split"] == 3 and r["jpegs_per_window"] == 12 and r["labels_ms_per_window"] > 0
     assert [x["workers"] for x in r["loader"]] == [0] and r["loader"][0]["windows"] == 4

@@ -1,5 +1,6 @@
 """End to end through the real entry points (hydra.main), on the tiny synthetic fixture:
 fast_dev_run, train -> eval agreement, resume, sweep summary, DDP on CPU, bad-input messages."""
+
 import csv
 import json
 import os
@@ -22,7 +23,13 @@ def trained_run(synthetic_root, tmp_path_factory):
     run = tmp_path_factory.mktemp("run")
     mp = pytest.MonkeyPatch()
     try:
-        assert train_cli([*TINY, "callbacks.bev_png.every_n_steps=1", f"data.dataroot={synthetic_root}", f"hydra.run.dir={run}"], mp) == 0
+        assert (
+            train_cli(
+                [*TINY, "callbacks.bev_png.every_n_steps=1", f"data.dataroot={synthetic_root}", f"hydra.run.dir={run}"],
+                mp,
+            )
+            == 0
+        )
     finally:
         mp.undo()
     return run
@@ -30,7 +37,13 @@ def trained_run(synthetic_root, tmp_path_factory):
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])  # 16-mixed is GPU-only (bf16 on CPU)
 def test_fast_dev_run(precision, synthetic_root, tmp_path, monkeypatch):
-    args = [*TINY, "debug=fdr", f"trainer.precision={precision}", f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
+    args = [
+        *TINY,
+        "debug=fdr",
+        f"trainer.precision={precision}",
+        f"data.dataroot={synthetic_root}",
+        f"hydra.run.dir={tmp_path}",
+    ]
     assert train_cli(args, monkeypatch) == 0
     rec = json.loads((tmp_path / "metrics.json").read_text())
     assert rec["status"] == "ok" and rec["global_step"] == 1
@@ -46,8 +59,15 @@ def test_a_fused_optimizer_is_clipped_under_bf16_mixed(synthetic_root, tmp_path,
         return clip(params, max_norm, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
-    args = [*TINY, "debug=fdr", "trainer.precision=bf16-mixed", "+model.optimizer.fused=true", "trainer.gradient_clip_val=0.5",
-            f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
+    args = [
+        *TINY,
+        "debug=fdr",
+        "trainer.precision=bf16-mixed",
+        "+model.optimizer.fused=true",
+        "trainer.gradient_clip_val=0.5",
+        f"data.dataroot={synthetic_root}",
+        f"hydra.run.dir={tmp_path}",
+    ]
     assert train_cli(args, monkeypatch) == 0
     assert json.loads((tmp_path / "metrics.json").read_text())["status"] == "ok" and clipped == [0.5]
 
@@ -58,7 +78,9 @@ def test_training_sets_intra_op_threads_and_restores_them(synthetic_root, tmp_pa
     import bev.utils.threads as threads
 
     seen, fit = [], Trainer.fit
-    monkeypatch.setattr(Trainer, "fit", lambda self, *a, **k: (seen.append(torch.get_num_threads()), fit(self, *a, **k))[1])
+    monkeypatch.setattr(
+        Trainer, "fit", lambda self, *a, **k: (seen.append(torch.get_num_threads()), fit(self, *a, **k))[1]
+    )
     before = torch.get_num_threads()
     cpus = before + 2  # so that the expected count (cpus less one worker) differs from torch's
     monkeypatch.setattr(threads, "available_cpus", lambda: cpus)
@@ -80,11 +102,15 @@ def two_of_four_cpus_busy(monkeypatch) -> list[int]:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads.OtherLoad, "cpus_busy", lambda self: 2.0)
     seen, follow = [], ThreadsFollowLoad._follow
-    monkeypatch.setattr(ThreadsFollowLoad, "_follow", lambda self, when: (follow(self, when), seen.append(torch.get_num_threads())))
+    monkeypatch.setattr(
+        ThreadsFollowLoad, "_follow", lambda self, when: (follow(self, when), seen.append(torch.get_num_threads()))
+    )
     return seen
 
 
-def test_training_threads_give_way_to_other_processes(synthetic_root, tmp_path, monkeypatch, capsys, two_of_four_cpus_busy):
+def test_training_threads_give_way_to_other_processes(
+    synthetic_root, tmp_path, monkeypatch, capsys, two_of_four_cpus_busy
+):
     seen = two_of_four_cpus_busy
     before = torch.get_num_threads()
     args = [*TINY, "debug=fdr", "data.num_workers=0", f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
@@ -107,7 +133,10 @@ def test_run_writes_checkpoints_logs_and_pictures(trained_run):
 
 def test_eval_reproduces_the_logged_validation(trained_run, synthetic_root, tmp_path, monkeypatch, capsys):
     out = tmp_path / "eval"
-    assert eval_cli([f"ckpt_path={trained_run}", f"data.dataroot={synthetic_root}", f"hydra.run.dir={out}"], monkeypatch) == 0
+    assert (
+        eval_cli([f"ckpt_path={trained_run}", f"data.dataroot={synthetic_root}", f"hydra.run.dir={out}"], monkeypatch)
+        == 0
+    )
     rec = json.loads((out / "metrics.json").read_text())
     run = json.loads((trained_run / "metrics.json").read_text())["metrics"]
     assert rec["checkpoint"].endswith("epoch_000.ckpt")  # a run directory resolves to its best checkpoint
@@ -122,8 +151,13 @@ def test_eval_reproduces_the_logged_validation(trained_run, synthetic_root, tmp_
 
 def test_resume_from_last_continues_the_step_count(trained_run, synthetic_root, tmp_path, monkeypatch):
     first = json.loads((trained_run / "metrics.json").read_text())["global_step"]
-    args = [*TINY, "trainer.max_epochs=2", f"ckpt_path={trained_run}/checkpoints/last.ckpt",
-            f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
+    args = [
+        *TINY,
+        "trainer.max_epochs=2",
+        f"ckpt_path={trained_run}/checkpoints/last.ckpt",
+        f"data.dataroot={synthetic_root}",
+        f"hydra.run.dir={tmp_path}",
+    ]
     assert train_cli(args, monkeypatch) == 0
     rec = json.loads((tmp_path / "metrics.json").read_text())
     assert first > 0 and rec["global_step"] == 2 * first and rec["epochs"] == 2
@@ -131,8 +165,15 @@ def test_resume_from_last_continues_the_step_count(trained_run, synthetic_root, 
 
 def test_last_checkpoint_follows_every_epoch_not_only_the_best(synthetic_root, tmp_path, monkeypatch):
     # val/iou_best never falls, so under mode=min only the first epoch is a top-k checkpoint.
-    args = [*TINY, "data.batch_size=1", "trainer.max_epochs=3", "callbacks.model_checkpoint.monitor=val/iou_best",
-            "callbacks.model_checkpoint.mode=min", f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
+    args = [
+        *TINY,
+        "data.batch_size=1",
+        "trainer.max_epochs=3",
+        "callbacks.model_checkpoint.monitor=val/iou_best",
+        "callbacks.model_checkpoint.mode=min",
+        f"data.dataroot={synthetic_root}",
+        f"hydra.run.dir={tmp_path}",
+    ]
     assert train_cli(args, monkeypatch) == 0
     best = sorted(p.name for p in (tmp_path / "checkpoints").glob("epoch_*.ckpt"))
     last = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
@@ -140,8 +181,14 @@ def test_last_checkpoint_follows_every_epoch_not_only_the_best(synthetic_root, t
 
 
 def test_sweep_writes_a_sorted_summary(synthetic_root, tmp_path, monkeypatch):
-    args = ["-m", *TINY, "model.optimizer.lr=1e-3,3e-3", "callbacks.bev_png.every_n_steps=0",
-            f"data.dataroot={synthetic_root}", f"hydra.sweep.dir={tmp_path}"]
+    args = [
+        "-m",
+        *TINY,
+        "model.optimizer.lr=1e-3,3e-3",
+        "callbacks.bev_png.every_n_steps=0",
+        f"data.dataroot={synthetic_root}",
+        f"hydra.sweep.dir={tmp_path}",
+    ]
     assert train_cli(args, monkeypatch) == 0
     rows = list(csv.DictReader(open(tmp_path / "summary.csv")))
     assert len(rows) == 2 and {float(r["overrides"].split("lr=")[1].split()[0]) for r in rows} == {1e-3, 3e-3}
@@ -151,10 +198,18 @@ def test_sweep_writes_a_sorted_summary(synthetic_root, tmp_path, monkeypatch):
 
 
 def test_ddp_on_two_cpu_processes(synthetic_root, tmp_path):
-    args = [*TINY, "trainer=ddp_cpu", "trainer.max_epochs=2", "callbacks.bev_png.every_n_steps=0",
-            f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
+    args = [
+        *TINY,
+        "trainer=ddp_cpu",
+        "trainer.max_epochs=2",
+        "callbacks.bev_png.every_n_steps=0",
+        f"data.dataroot={synthetic_root}",
+        f"hydra.run.dir={tmp_path}",
+    ]
     env = {**os.environ, "BEV_MALLOC_TUNING": "0", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "bev.train", *args], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bev.train", *args], capture_output=True, text=True, env=env, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = json.loads((tmp_path / "metrics.json").read_text())
     # 3 train samples, 2 processes, batch 2: one step per epoch on each process.
@@ -188,23 +243,36 @@ def test_corrupt_checkpoint(trained_run, tmp_path, monkeypatch, capsys):
 
 
 def test_checkpoint_from_an_incompatible_model(trained_run, synthetic_root, tmp_path, monkeypatch, capsys):
-    args = [*TINY, "model.net.bev.widths=[8,16,32]", f"ckpt_path={trained_run}/checkpoints/last.ckpt",
-            f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
+    args = [
+        *TINY,
+        "model.net.bev.widths=[8,16,32]",
+        f"ckpt_path={trained_run}/checkpoints/last.ckpt",
+        f"data.dataroot={synthetic_root}",
+        f"hydra.run.dir={tmp_path}",
+    ]
     assert train_cli(args, monkeypatch) == 1
     assert_one_paragraph(capsys.readouterr().err, "different model config", "model.net.bev.widths")
 
 
-def test_eval_threads_give_way_to_other_processes(trained_run, synthetic_root, tmp_path, monkeypatch, capsys,
-                                                two_of_four_cpus_busy):
+def test_eval_threads_give_way_to_other_processes(
+    trained_run, synthetic_root, tmp_path, monkeypatch, capsys, two_of_four_cpus_busy
+):
     seen = two_of_four_cpus_busy
     before = torch.get_num_threads()
-    args = [f"ckpt_path={trained_run}", f"data.dataroot={synthetic_root}", "data.num_workers=0", f"hydra.run.dir={tmp_path}"]
+    args = [
+        f"ckpt_path={trained_run}",
+        f"data.dataroot={synthetic_root}",
+        "data.num_workers=0",
+        f"hydra.run.dir={tmp_path}",
+    ]
     assert eval_cli(args, monkeypatch) == 0
     assert seen == [2] and torch.get_num_threads() == before  # one probe before the pass; restored after
     assert "threads: 2 (other processes kept 2.0 of the CPUs busy at the start)" in capsys.readouterr().out
 
 
-def test_eval_model_override_applies_to_the_checkpoint_config(trained_run, synthetic_root, tmp_path, monkeypatch, capsys):
+def test_eval_model_override_applies_to_the_checkpoint_config(
+    trained_run, synthetic_root, tmp_path, monkeypatch, capsys
+):
     base = [f"ckpt_path={trained_run}", f"data.dataroot={synthetic_root}", "num_pngs=0"]
     # A setting that does not change the weights is applied on top of the checkpoint's model config...
     assert eval_cli([*base, "+model.threshold=0.3", f"hydra.run.dir={tmp_path / 'a'}"], monkeypatch) == 0
@@ -227,8 +295,14 @@ def test_resume_in_the_run_dir_continues_its_metrics_log(trained_run, synthetic_
     redo = max(first[0]) + 1
     with open(log, "a", newline="") as f:
         csv.DictWriter(f, header).writerow({"step": redo, "epoch": 1, "train/loss_step": 999.0})
-    args = [*TINY, "trainer.max_epochs=2", "callbacks.bev_png.every_n_steps=0",
-            f"ckpt_path={run}/checkpoints/last.ckpt", f"data.dataroot={synthetic_root}", f"hydra.run.dir={run}"]
+    args = [
+        *TINY,
+        "trainer.max_epochs=2",
+        "callbacks.bev_png.every_n_steps=0",
+        f"ckpt_path={run}/checkpoints/last.ckpt",
+        f"data.dataroot={synthetic_root}",
+        f"hydra.run.dir={run}",
+    ]
     assert train_cli(args, monkeypatch) == 0
     assert list(run.glob("csv/version_*/metrics.csv")) == [log]  # no new version: the same log goes on
     steps, values = read_metrics_log(run)["train/loss_step"]
@@ -262,8 +336,16 @@ def test_metrics_log_merges_versions_in_numeric_order(tmp_path):
 def test_plot_learning_curve_script(tmp_path, monkeypatch, capsys):
     import runpy
 
-    write_log(tmp_path, 2, [{"step": s, "train/loss_step": 1.0 - s / 10} for s in range(4)] + [{"step": 3, "epoch": 0, "val/iou": 0.2}])
-    write_log(tmp_path, 10, [{"step": s, "train/loss_step": 0.5} for s in range(3, 6)] + [{"step": 5, "epoch": 1, "val/iou": 0.3}])
+    write_log(
+        tmp_path,
+        2,
+        [{"step": s, "train/loss_step": 1.0 - s / 10} for s in range(4)] + [{"step": 3, "epoch": 0, "val/iou": 0.2}],
+    )
+    write_log(
+        tmp_path,
+        10,
+        [{"step": s, "train/loss_step": 0.5} for s in range(3, 6)] + [{"step": 5, "epoch": 1, "val/iou": 0.3}],
+    )
     out = tmp_path / "curve.png"
     monkeypatch.setattr(sys, "argv", ["plot", str(tmp_path), "--out", str(out)])
     runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "plot_learning_curve.py"), run_name="__main__")

@@ -2,6 +2,7 @@
 
 Skipped without a GPU; `make gpu-check` (scripts/gpu_check.sh) runs these with test_ops_cuda.py.
 """
+
 from __future__ import annotations
 
 import sys

@@ -1,4 +1,5 @@
 """Image augmentation: exact post_rot/post_tran bookkeeping, checked against an independent warp."""
+
 from __future__ import annotations
 
 import io

@@ -1,4 +1,5 @@
 """bev.utils: the one atomic-write helper."""
+
 from __future__ import annotations
 
 import os
@@ -54,8 +55,13 @@ def test_tune_malloc_in_process_keeps_freed_buffers_mapped():
     )
     results = {}
     for mode in ("plain", "tuned"):
-        out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=120,
-                             env={k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")})
+        out = subprocess.run(
+            [sys.executable, "-c", code, mode],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")},
+        )
         assert out.returncode == 0, out.stderr
         results[mode] = [int(v) for v in out.stdout.split()]
     pages = (1 << 26) // os.sysconf("SC_PAGE_SIZE")

@@ -1,4 +1,5 @@
 """Pictures: BEV orientation, camera grid order, error map, atomic PNG writing, bev-gallery."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,7 +26,9 @@ from bev.viz import (
 def _sample(X=200, Y=200, ncam=6, H=32, W=88):
     images = torch.zeros(ncam, 3, H, W)
     for c in range(ncam):  # camera c is a flat grey of level 40 * (c + 1)
-        images[c] = ((40 * (c + 1) / 255.0) - torch.tensor(IMAGENET_MEAN).view(3, 1, 1)) / torch.tensor(IMAGENET_STD).view(3, 1, 1)
+        images[c] = ((40 * (c + 1) / 255.0) - torch.tensor(IMAGENET_MEAN).view(3, 1, 1)) / torch.tensor(
+            IMAGENET_STD
+        ).view(3, 1, 1)
     bev = torch.zeros(1, X, Y)
     bev[0, 150:160, 120:130] = 1  # x > 0 (front), y > 0 (left)
     return {"images": images, "bev": bev, "visibility": torch.zeros(X, Y, dtype=torch.uint8), "sample_token": "tok"}
@@ -34,11 +37,11 @@ def _sample(X=200, Y=200, ncam=6, H=32, W=88):
 def test_bev_display_orientation():
     grid = Grid()
     bev = np.zeros(grid.bev_shape)
-    (i, j), = grid.xy_to_index(np.array([[30.0, 20.0]]))  # 30 m ahead, 20 m to the left
+    ((i, j),) = grid.xy_to_index(np.array([[30.0, 20.0]]))  # 30 m ahead, 20 m to the left
     bev[i, j] = 1
     r, c = np.argwhere(bev_to_display(bev))[0]
     assert r < 100 and c < 100  # ahead = up, left = left: the top-left quadrant
-    (i, j), = grid.xy_to_index(np.array([[-30.0, -20.0]]))
+    ((i, j),) = grid.xy_to_index(np.array([[-30.0, -20.0]]))
     bev[:] = 0
     bev[i, j] = 1
     r, c = np.argwhere(bev_to_display(bev))[0]
@@ -72,7 +75,10 @@ def test_save_sample_png_with_and_without_prediction(tmp_path):
     for p in (p1, p2):
         with Image.open(p) as im:
             assert im.format == "PNG" and im.size[0] > 600
-    assert sorted(x.name for x in tmp_path.rglob("*") if x.is_file()) == ["pred.png", "sample.png"]  # no temp files left
+    assert sorted(x.name for x in tmp_path.rglob("*") if x.is_file()) == [
+        "pred.png",
+        "sample.png",
+    ]  # no temp files left
     # The prediction figure has more content (two extra panels) than the target-only one.
     a = render_sample(s)
     b = render_sample(s, pred=pred)
@@ -83,8 +89,23 @@ def test_save_sample_png_with_and_without_prediction(tmp_path):
 
 def test_gallery_cli(synthetic_root, tmp_path, capsys):
     out = tmp_path / "g.png"
-    assert gallery_main(["--dataroot", str(synthetic_root), "--split", "mini_val", "--index", "1", "--out", str(out),
-                         "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert (
+        gallery_main(
+            [
+                "--dataroot",
+                str(synthetic_root),
+                "--split",
+                "mini_val",
+                "--index",
+                "1",
+                "--out",
+                str(out),
+                "--cache-dir",
+                str(tmp_path / "cache"),
+            ]
+        )
+        == 0
+    )
     assert out.is_file() and capsys.readouterr().out.strip() == str(out)
     assert gallery_main(["--dataroot", str(tmp_path / "missing"), "--out", str(out)]) == 2
     assert "nuscenes.org/download" in capsys.readouterr().err

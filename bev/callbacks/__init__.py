@@ -1,4 +1,5 @@
 """Training callbacks and plugins, one module each."""
+
 from bev.callbacks.checkpoint import AtomicCheckpointIO, ModelCheckpoint
 from bev.callbacks.epoch_summary import EpochSummary
 from bev.callbacks.png_logger import BevPngLogger
@@ -7,6 +8,15 @@ from bev.callbacks.threads import ThreadsFollowLoad
 from bev.callbacks.time_budget import TimeBudget, parse_deadline, parse_duration
 
 __all__ = [
-    "AtomicCheckpointIO", "BevPngLogger", "EpochSummary", "ModelCheckpoint", "RUN_METRICS_FILE", "SweepSummary",
-    "ThreadsFollowLoad", "TimeBudget", "parse_deadline", "parse_duration", "summarize_sweep",
+    "AtomicCheckpointIO",
+    "BevPngLogger",
+    "EpochSummary",
+    "ModelCheckpoint",
+    "RUN_METRICS_FILE",
+    "SweepSummary",
+    "ThreadsFollowLoad",
+    "TimeBudget",
+    "parse_deadline",
+    "parse_duration",
+    "summarize_sweep",
 ]

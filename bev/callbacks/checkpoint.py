@@ -1,4 +1,5 @@
 """Checkpoint writing: atomic saves, and last.ckpt after every epoch."""
+
 from __future__ import annotations
 
 import os
@@ -101,10 +102,16 @@ def _rng_states() -> dict[str, Any]:
 
     _, keys, pos, has_gauss, gauss = np.random.get_state()
     version, words, gauss_next = random.getstate()
-    states = {"torch": torch.get_rng_state(),
-              "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
-                        "gauss": float(gauss)},
-              "python": {"version": version, "words": torch.tensor(words, dtype=torch.int64), "gauss": gauss_next}}
+    states = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
+        "python": {"version": version, "words": torch.tensor(words, dtype=torch.int64), "gauss": gauss_next},
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states

@@ -1,4 +1,5 @@
 """One printed line per validation, for logs without a progress bar."""
+
 from __future__ import annotations
 
 import time
@@ -36,6 +37,9 @@ class EpochSummary(L.Callback):
         train_loss = f"{float(self.loss_sum) / self.loss_n:.4f}" if self.loss_n else "-"
         self.loss_sum, self.loss_n = 0.0, 0
         elapsed = time.time() - self.start
-        print(f"epoch {trainer.current_epoch:3d} step {trainer.global_step:6d}  train/loss {train_loss}  "
-              f"val/loss {fmt('val/loss')}  val/iou {fmt('val/iou')}  val/iou_best {fmt('val/iou_best')}  "
-              f"{elapsed / 60:5.1f} min ({elapsed / max(trainer.global_step, 1):.2f} s/step incl. validation)", flush=True)
+        print(
+            f"epoch {trainer.current_epoch:3d} step {trainer.global_step:6d}  train/loss {train_loss}  "
+            f"val/loss {fmt('val/loss')}  val/iou {fmt('val/iou')}  val/iou_best {fmt('val/iou_best')}  "
+            f"{elapsed / 60:5.1f} min ({elapsed / max(trainer.global_step, 1):.2f} s/step incl. validation)",
+            flush=True,
+        )

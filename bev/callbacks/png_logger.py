@@ -1,4 +1,5 @@
 """BEV PNG snapshots of the training batch."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,5 +29,9 @@ class BevPngLogger(L.Callback):
         self.dirpath.mkdir(parents=True, exist_ok=True)
         pred = outputs["logits"].float().sigmoid().cpu()
         sample = {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in batch.items()}
-        save_sample_png(self.dirpath / f"step_{step:07d}.png", sample, pred=pred,
-                        class_names=getattr(pl_module, "class_names", None))
+        save_sample_png(
+            self.dirpath / f"step_{step:07d}.png",
+            sample,
+            pred=pred,
+            class_names=getattr(pl_module, "class_names", None),
+        )

@@ -1,4 +1,5 @@
 """Sweep summaries: <sweep_dir>/summary.csv and summary.md from each run's metrics.json."""
+
 from __future__ import annotations
 
 import csv
@@ -23,7 +24,9 @@ def summarize_sweep(sweep_dir: str | os.PathLike, sort_key: str = "val/iou_best"
     """
     sweep_dir = Path(sweep_dir)
     rows = []
-    for run in sorted((p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")), key=lambda p: p.name):
+    for run in sorted(
+        (p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")), key=lambda p: p.name
+    ):
         f = run / RUN_METRICS_FILE
         if not f.is_file():
             if (run / ".hydra").is_dir():
@@ -84,6 +87,10 @@ class SweepSummary(_HydraCallback):
         failed = [r for r in rows if r["status"] != "ok"]
         if failed:  # the sweep went on past them; its exit status still says so
             runs = "; ".join(f"run {r['run']} ({r['overrides']}): {str(r['status'])[:120]}" for r in failed[:3])
-            print(f"bev-{config.task_name}: error: {len(failed)} of {len(rows)} sweep runs failed: {runs}. "
-                  f"Each run's error.txt has its traceback.", file=sys.stderr, flush=True)
+            print(
+                f"bev-{config.task_name}: error: {len(failed)} of {len(rows)} sweep runs failed: {runs}. "
+                f"Each run's error.txt has its traceback.",
+                file=sys.stderr,
+                flush=True,
+            )
             sys.exit(1)

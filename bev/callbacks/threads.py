@@ -1,4 +1,5 @@
 """`threads: auto`: torch's intra-op threads follow the load other processes put on our CPUs."""
+
 from __future__ import annotations
 
 import time
@@ -43,8 +44,9 @@ class ThreadsFollowLoad(L.Callback):
 
 
 @contextmanager
-def threads_following_load(threads: int | str | None, num_workers: int, accelerator: str = "cpu",
-                           devices: int | str = 1) -> Iterator[list]:
+def threads_following_load(
+    threads: int | str | None, num_workers: int, accelerator: str = "cpu", devices: int | str = 1
+) -> Iterator[list]:
     """intra_op_threads for the block, yielding the Trainer callbacks that follow other processes' load:
     [ThreadsFollowLoad] where `threads: auto` set n threads for one CPU process, else []."""
     with intra_op_threads(threads, num_workers, accelerator, devices) as n:

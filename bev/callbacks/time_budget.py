@@ -1,4 +1,5 @@
 """Fit training into a wall-clock budget by shortening it, with the LR schedule completing."""
+
 from __future__ import annotations
 
 import datetime
@@ -24,7 +25,9 @@ def parse_duration(value: Any, name: str = "time_budget") -> float | None:
                 raise ValueError
             seconds = sum(p * m for p, m in zip(reversed(parts), (1, 60, 3600, 86400)))
         except ValueError:
-            raise ValueError(f"{name} must be a duration like \"00:16:00\" (HH:MM:SS), \"DD:HH:MM:SS\" or seconds, got {value!r}") from None
+            raise ValueError(
+                f'{name} must be a duration like "00:16:00" (HH:MM:SS), "DD:HH:MM:SS" or seconds, got {value!r}'
+            ) from None
     if seconds <= 0:
         raise ValueError(f"{name} must be positive, got {value!r}")
     return seconds
@@ -41,11 +44,15 @@ def parse_deadline(value: Any) -> float | None:
         try:
             seconds = datetime.datetime.fromisoformat(str(value).strip()).timestamp()
         except ValueError:
-            raise ValueError(f"deadline must be Unix seconds (e.g. $(date -d '+15 min' +%s)) or an ISO date and "
-                             f"time like \"2026-11-25T18:00:00\", got {value!r}") from None
+            raise ValueError(
+                f"deadline must be Unix seconds (e.g. $(date -d '+15 min' +%s)) or an ISO date and "
+                f'time like "2026-11-25T18:00:00", got {value!r}'
+            ) from None
     if seconds < 1e9:  # before 2001: a duration passed where a time was meant
-        raise ValueError(f"deadline must be a wall-clock time (Unix seconds), got {value!r}; for a duration use "
-                         f"callbacks.time_budget.budget")
+        raise ValueError(
+            f"deadline must be a wall-clock time (Unix seconds), got {value!r}; for a duration use "
+            f"callbacks.time_budget.budget"
+        )
     return seconds
 
 
@@ -71,9 +78,17 @@ class TimeBudget(L.Callback):
     stops when the budget (less that reserve) is spent.
     """
 
-    def __init__(self, budget: Any = None, measure_steps: int = 40, skip_steps: int = 5, margin: float = 0.03,
-                 val_cost_guess: float = 0.9, skip_epochs: int = 0, deadline: Any = None,
-                 reserve_validations: float = 0.0):
+    def __init__(
+        self,
+        budget: Any = None,
+        measure_steps: int = 40,
+        skip_steps: int = 5,
+        margin: float = 0.03,
+        val_cost_guess: float = 0.9,
+        skip_epochs: int = 0,
+        deadline: Any = None,
+        reserve_validations: float = 0.0,
+    ):
         self.budget = self.configured_budget = parse_duration(budget)
         self.deadline = parse_deadline(deadline)
         self.measure_steps, self.skip_steps = int(measure_steps), int(skip_steps)
@@ -99,8 +114,13 @@ class TimeBudget(L.Callback):
 
     # ------------------------------------------------------------------ state across resumes
     def state_dict(self) -> dict[str, Any]:
-        return {"elapsed": self.elapsed(), "planned_steps": self.planned_steps, "limit": self.limit,
-                "stopped_on_budget": self.stopped_on_budget, "message": self.message}
+        return {
+            "elapsed": self.elapsed(),
+            "planned_steps": self.planned_steps,
+            "limit": self.limit,
+            "stopped_on_budget": self.stopped_on_budget,
+            "message": self.message,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.elapsed_before = float(state.get("elapsed", 0.0))
@@ -117,10 +137,19 @@ class TimeBudget(L.Callback):
         if self.budget is None:
             return None
         deadline = {"deadline": _clock_time(self.deadline)} if self.deadline is not None else {}
-        return {"budget_s": round(self.budget, 3), **deadline, "reserved_after_s": round(self._reserve(), 1), "used_s": round(self.elapsed(), 1), "planned_steps": self.planned_steps,
-                "step_limit": self.limit, "shortened": self.limit is not None and self.limit < (self.planned_steps or 0), "stopped_on_budget": self.stopped_on_budget,
-                "s_per_step": self.s_per_step and round(self.s_per_step, 4), "s_per_validation": self.s_per_val and round(self.s_per_val, 2),
-                "message": self.message}
+        return {
+            "budget_s": round(self.budget, 3),
+            **deadline,
+            "reserved_after_s": round(self._reserve(), 1),
+            "used_s": round(self.elapsed(), 1),
+            "planned_steps": self.planned_steps,
+            "step_limit": self.limit,
+            "shortened": self.limit is not None and self.limit < (self.planned_steps or 0),
+            "stopped_on_budget": self.stopped_on_budget,
+            "s_per_step": self.s_per_step and round(self.s_per_step, 4),
+            "s_per_validation": self.s_per_val and round(self.s_per_val, 2),
+            "message": self.message,
+        }
 
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer, pl_module) -> None:
@@ -133,7 +162,9 @@ class TimeBudget(L.Callback):
         self._mark = None  # (time, validation seconds so far, step) once skip_steps are done
         self._early = None  # the same, in the epochs skip_epochs leaves unmeasured
         self._val_s, self._val_n, self._val_start = 0.0, 0, None
-        if self.limit is not None:  # resumed after the budget bound: keep the shortened run (runs before bev.lit's stretch)
+        if (
+            self.limit is not None
+        ):  # resumed after the budget bound: keep the shortened run (runs before bev.lit's stretch)
             trainer.fit_loop.epoch_loop.max_steps = self.limit
             trainer.fit_loop.min_epochs = 0
         else:
@@ -141,7 +172,9 @@ class TimeBudget(L.Callback):
         if self.deadline is not None and self.wall_clock() >= self.deadline:
             self._stop(trainer, f"the deadline {_clock_time(self.deadline)} passed before training started")
         elif self.elapsed() >= self.budget:
-            self._stop(trainer, f"time budget {_fmt(self.budget)} already spent ({_fmt(self.elapsed())} in earlier sessions)")
+            self._stop(
+                trainer, f"time budget {_fmt(self.budget)} already spent ({_fmt(self.elapsed())} in earlier sessions)"
+            )
 
     def _budget_from_deadline(self) -> None:
         """The budget becomes what earlier sessions used plus the time left until the deadline
@@ -176,8 +209,11 @@ class TimeBudget(L.Callback):
             trainer.should_stop = True  # stop here with a validation + checkpoint (max_steps alone skips them),
             trainer.check_val_every_n_epoch = 1  # also in an epoch that check_val_every_n_epoch would skip
         elif trainer.strategy.reduce_boolean_decision(self.elapsed() >= self.budget - self._reserve(), all=False):
-            self._stop(trainer, f"time budget {_fmt(self.budget)} spent at step {trainer.global_step} of "
-                                f"{self.limit or self.planned_steps}: stopped before the LR schedule finished")
+            self._stop(
+                trainer,
+                f"time budget {_fmt(self.budget)} spent at step {trainer.global_step} of "
+                f"{self.limit or self.planned_steps}: stopped before the LR schedule finished",
+            )
 
     def _watch_skipped_epochs(self, trainer, batch_idx: int) -> None:
         """Plan now, at the skipped epochs' pace, if those epochs alone would overrun the budget."""
@@ -216,7 +252,11 @@ class TimeBudget(L.Callback):
 
     def _steps_between_validations(self, trainer) -> float:
         batches = trainer.num_training_batches
-        every = trainer.val_check_batch if trainer.val_check_batch and trainer.val_check_batch < batches else batches * (trainer.check_val_every_n_epoch or 1)
+        every = (
+            trainer.val_check_batch
+            if trainer.val_check_batch and trainer.val_check_batch < batches
+            else batches * (trainer.check_val_every_n_epoch or 1)
+        )
         return max(float(every) / trainer.accumulate_grad_batches, 1.0)
 
     def _plan(self, trainer) -> None:
@@ -233,19 +273,28 @@ class TimeBudget(L.Callback):
             return
         from bev.lit import rescale_schedule
 
-        compressed = [rescale_schedule(c.scheduler, fits, pivot=c.scheduler.last_epoch)
-                      for c in trainer.lr_scheduler_configs if c.interval == "step"]
+        compressed = [
+            rescale_schedule(c.scheduler, fits, pivot=c.scheduler.last_epoch)
+            for c in trainer.lr_scheduler_configs
+            if c.interval == "step"
+        ]
         self.limit = fits
         trainer.fit_loop.epoch_loop.max_steps = fits
         trainer.fit_loop.min_epochs = 0  # so stopping inside the first epoch still validates and checkpoints
-        sched = ("the LR schedule was compressed to fit" if compressed and all(compressed) else
-                 "the LR schedule is not a fixed-length one (OneCycleLR, CosineAnnealingLR) and was left as is" if compressed else
-                 "no per-step LR schedule")
+        sched = (
+            "the LR schedule was compressed to fit"
+            if compressed and all(compressed)
+            else "the LR schedule is not a fixed-length one (OneCycleLR, CosineAnnealingLR) and was left as is"
+            if compressed
+            else "no per-step LR schedule"
+        )
         until = f" (until the deadline {_clock_time(self.deadline)})" if self.deadline is not None else ""
         if self.reserve_validations:
             until += f", {_fmt(self._reserve())} of it kept for after training"
-        self.message = (f"time budget {_fmt(self.budget)}{until}: measured {self.s_per_step:.2f} s/step and {self.s_per_val:.0f} s per "
-                        f"validation, training {fits} of {self.planned_steps} planned steps ({100 * fits / self.planned_steps:.0f}%); {sched}")
+        self.message = (
+            f"time budget {_fmt(self.budget)}{until}: measured {self.s_per_step:.2f} s/step and {self.s_per_val:.0f} s per "
+            f"validation, training {fits} of {self.planned_steps} planned steps ({100 * fits / self.planned_steps:.0f}%); {sched}"
+        )
         _announce(trainer, self.message)
 
     def _reserve(self) -> float:
@@ -269,7 +318,13 @@ def _val_batches(trainer) -> float:
     try:  # the loader the val loop will use (a new DataLoader object: no worker starts until iterated)
         source = trainer.fit_loop.epoch_loop.val_loop._data_source
         loaders = source.dataloader() if source.is_defined() else None
-        n = sum(len(d) for d in loaders) if isinstance(loaders, (list, tuple)) else len(loaders) if loaders is not None else 0
+        n = (
+            sum(len(d) for d in loaders)
+            if isinstance(loaders, (list, tuple))
+            else len(loaders)
+            if loaders is not None
+            else 0
+        )
     except (AttributeError, TypeError):  # another Lightning's internals, or an iterable without a length
         return 0.0
     limit = trainer.limit_val_batches

@@ -3,6 +3,7 @@
 Names are imported lazily, so `import bev.data` is cheap (no lightning import for a DataLoader
 worker or the gallery) and make_synthetic (bev.synthetic.writer) is only loaded when used.
 """
+
 from __future__ import annotations
 
 import importlib

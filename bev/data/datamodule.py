@@ -1,4 +1,5 @@
 """LightningDataModule over NuScenesBEVDataset (train / val; test = the val split)."""
+
 from __future__ import annotations
 
 import os

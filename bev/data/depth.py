@@ -6,6 +6,7 @@ frustum's cells, bev.geometry.make_frustum); its target is the depth bin nearest
 the closest point that lands in it (the first surface along the ray), -1 where no point lands or
 that depth lies outside dbound (ignored by the loss).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,17 +22,30 @@ def load_lidar(path: str) -> np.ndarray:
     try:
         raw = np.fromfile(path, dtype=np.float32)
     except FileNotFoundError:
-        raise FileNotFoundError(f"lidar file {path!r} is missing (listed in sample_data; needed by data.depth_target=true); "
-                                "re-download the sweep files or set data.depth_target=false") from None
+        raise FileNotFoundError(
+            f"lidar file {path!r} is missing (listed in sample_data; needed by data.depth_target=true); "
+            "re-download the sweep files or set data.depth_target=false"
+        ) from None
     if raw.size % LIDAR_COLUMNS:
-        raise ValueError(f"lidar file {path!r} has {raw.size} floats, not a multiple of {LIDAR_COLUMNS} "
-                         "(x, y, z, intensity, ring): the file is damaged")
+        raise ValueError(
+            f"lidar file {path!r} has {raw.size} floats, not a multiple of {LIDAR_COLUMNS} "
+            "(x, y, z, intensity, ring): the file is damaged"
+        )
     return raw.reshape(-1, LIDAR_COLUMNS)[:, :3]
 
 
-def depth_targets(points: torch.Tensor, intrinsics: torch.Tensor, rots: torch.Tensor, trans: torch.Tensor,
-                  post_rots: torch.Tensor, post_trans: torch.Tensor, image_size: tuple[int, int], stride: int,
-                  grid: Grid, raw_sizes: torch.Tensor | None = None) -> torch.Tensor:
+def depth_targets(
+    points: torch.Tensor,
+    intrinsics: torch.Tensor,
+    rots: torch.Tensor,
+    trans: torch.Tensor,
+    post_rots: torch.Tensor,
+    post_trans: torch.Tensor,
+    image_size: tuple[int, int],
+    stride: int,
+    grid: Grid,
+    raw_sizes: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Ego points (P, 3) and N cameras -> (N, H/stride, W/stride) int64 depth bins, -1 = no target.
 
     raw_sizes (N, 2): each camera's (height, width) before augmentation; points outside it are
@@ -41,8 +55,12 @@ def depth_targets(points: torch.Tensor, intrinsics: torch.Tensor, rots: torch.Te
     fH, fW = H // stride, W // stride
     N = intrinsics.shape[0]
     eye, zero = torch.eye(3).expand(N, 3, 3), torch.zeros(N, 3)
-    uv_raw, depth = ego_to_image(points.float().unsqueeze(0), intrinsics.float(), rots.float(), trans.float(), eye, zero)
-    uvd = torch.cat([uv_raw, depth.unsqueeze(-1)], -1) @ post_rots.float().transpose(-1, -2) + post_trans.float().unsqueeze(-2)
+    uv_raw, depth = ego_to_image(
+        points.float().unsqueeze(0), intrinsics.float(), rots.float(), trans.float(), eye, zero
+    )
+    uvd = torch.cat([uv_raw, depth.unsqueeze(-1)], -1) @ post_rots.float().transpose(
+        -1, -2
+    ) + post_trans.float().unsqueeze(-2)
     u, v = uvd[..., 0], uvd[..., 1]  # (N, P) in the augmented image
     seen = (depth > 1e-3) & (u >= 0) & (u < W) & (v >= 0) & (v < H)
     if raw_sizes is not None:

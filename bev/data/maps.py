@@ -19,6 +19,7 @@ BEVFusion uses), on the bev.geometry grid and in the same ego frame as the boxes
   - lines: vertices floored (the devkit truncates), drawn with cv2.polylines LINE_WIDTH_M wide
     (2 cells on the 0.5 m grid, as the devkit's thickness 2).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -52,14 +53,17 @@ def map_signature(dataroot: str | os.PathLike) -> dict[str, list[int]]:
 def check_map_files(dataroot: str | os.PathLike, locations: Sequence[str]) -> None:
     missing = [str(map_file(dataroot, loc)) for loc in locations if not map_file(dataroot, loc).is_file()]
     if missing:
-        raise FileNotFoundError(f"map layers were requested but the map expansion file(s) {missing} are missing. "
-                                f"{MAP_DOWNLOAD}, or set data.map_layers=null.")
+        raise FileNotFoundError(
+            f"map layers were requested but the map expansion file(s) {missing} are missing. "
+            f"{MAP_DOWNLOAD}, or set data.map_layers=null."
+        )
 
 
 def _vertices(nmap, node_tokens: Sequence[str]) -> np.ndarray:
     """(N, 2) float64 global x, y of map nodes."""
-    return np.array([(nmap.get("node", t)["x"], nmap.get("node", t)["y"]) for t in node_tokens],
-                    dtype=np.float64).reshape(-1, 2)
+    return np.array(
+        [(nmap.get("node", t)["x"], nmap.get("node", t)["y"]) for t in node_tokens], dtype=np.float64
+    ).reshape(-1, 2)
 
 
 def _rings_of_polygon(nmap, polygon_token: str) -> list[np.ndarray]:
@@ -70,8 +74,9 @@ def _rings_of_polygon(nmap, polygon_token: str) -> list[np.ndarray]:
     return rings
 
 
-def load_map_geometry(dataroot: str | os.PathLike, locations: Sequence[str], classes: Sequence[str],
-                      verbose: bool = True) -> dict[str, np.ndarray]:
+def load_map_geometry(
+    dataroot: str | os.PathLike, locations: Sequence[str], classes: Sequence[str], verbose: bool = True
+) -> dict[str, np.ndarray]:
     """Global-frame geometry of the map classes at `locations`, as flat arrays (no pickle, cacheable).
 
     A "shape" is one polygon (exterior ring + holes) or one polyline of one map class:
@@ -109,8 +114,10 @@ def _open_map(dataroot: str | os.PathLike, location: str):
     try:
         return _map_api().NuScenesMap(dataroot=str(dataroot), map_name=location)
     except Exception as e:  # outdated version, unknown location, missing layer: name the file
-        raise ValueError(f"cannot read the map expansion {str(map_file(dataroot, location))!r} with the nuScenes devkit "
-                         f"({type(e).__name__}: {e}). {MAP_DOWNLOAD} (v1.3).") from None
+        raise ValueError(
+            f"cannot read the map expansion {str(map_file(dataroot, location))!r} with the nuScenes devkit "
+            f"({type(e).__name__}: {e}). {MAP_DOWNLOAD} (v1.3)."
+        ) from None
 
 
 def _record_shapes(nmap, layer: str, rec: dict) -> list[list[np.ndarray]]:
@@ -167,8 +174,14 @@ def ego_yaw(rotation: np.ndarray) -> float:
     return float(np.arctan2(rotation[1, 0], rotation[0, 0]))
 
 
-def rasterize_map(geom: dict[str, np.ndarray], location: str, rotation: np.ndarray, translation: np.ndarray,
-                  grid: Grid, num_classes: int) -> np.ndarray:
+def rasterize_map(
+    geom: dict[str, np.ndarray],
+    location: str,
+    rotation: np.ndarray,
+    translation: np.ndarray,
+    grid: Grid,
+    num_classes: int,
+) -> np.ndarray:
     """(num_classes, X, Y) uint8 {0, 1} map target of one ego pose (rotation 3x3, translation 3, global)."""
     # Drawn on the devkit's canvas layout [y_index, x_index] (cv2 fills are not symmetric under a
     # transpose, so this keeps the devkit's cells) and returned transposed to [x_index, y_index].
@@ -205,8 +218,13 @@ def rasterize_map(geom: dict[str, np.ndarray], location: str, rotation: np.ndarr
 def _shapes_near(geom: dict[str, np.ndarray], li: int, g: np.ndarray) -> np.ndarray:
     """Indices of the shapes at location li whose bounding box meets the bounding box of the points g (N, 2)."""
     bb = geom["map_shape_bbox"]
-    near = ((geom["map_shape_location"] == li) & (bb[:, 0] <= g[:, 0].max()) & (bb[:, 2] >= g[:, 0].min())
-            & (bb[:, 1] <= g[:, 1].max()) & (bb[:, 3] >= g[:, 1].min()))
+    near = (
+        (geom["map_shape_location"] == li)
+        & (bb[:, 0] <= g[:, 0].max())
+        & (bb[:, 2] >= g[:, 0].min())
+        & (bb[:, 1] <= g[:, 1].max())
+        & (bb[:, 3] >= g[:, 1].min())
+    )
     return np.flatnonzero(near)
 
 
@@ -221,15 +239,18 @@ def _inside(rings: list[np.ndarray], nx: int, ny: int) -> bool:
     return all(r.min() >= 0 and r[:, 0].max() <= nx and r[:, 1].max() <= ny for r in rings)
 
 
-def _draw_parts(layer: np.ndarray, parts: list[list[np.ndarray]], is_line: bool, thickness: int,
-                scratch: np.ndarray) -> None:
+def _draw_parts(
+    layer: np.ndarray, parts: list[list[np.ndarray]], is_line: bool, thickness: int, scratch: np.ndarray
+) -> None:
     """Draw a shape's parts (lists of rings in cell coordinates) into its class's canvas, in place."""
     import cv2
 
     for part in parts:
         # Vertices rounded (lines: floored) after clipping, as the devkit; cv2 (col, row) = (x, y).
-        pts = [np.ascontiguousarray(np.floor(p) if is_line else np.round(p), dtype=np.int32).reshape(-1, 1, 2)
-               for p in part]
+        pts = [
+            np.ascontiguousarray(np.floor(p) if is_line else np.round(p), dtype=np.int32).reshape(-1, 1, 2)
+            for p in part
+        ]
         if is_line:
             cv2.polylines(layer, pts, False, 1, thickness)
         elif len(pts) == 1:
@@ -254,8 +275,9 @@ def devkit_map_mask(nusc_map, translation: np.ndarray, yaw: float, classes: Sequ
     centre = np.array([[c, -s], [s, c]]) @ np.array([(xlo + xhi) / 2, (ylo + yhi) / 2]) + np.asarray(translation)[:2]
     layers = sorted({layer for name in classes for layer in MAP_CLASSES[name]})
     with _devkit_multiline_fix():
-        m = nusc_map.get_map_mask((centre[0], centre[1], yhi - ylo, xhi - xlo), float(np.degrees(yaw)), layers,
-                                  canvas_size=(grid.ny, grid.nx)).astype(bool)
+        m = nusc_map.get_map_mask(
+            (centre[0], centre[1], yhi - ylo, xhi - xlo), float(np.degrees(yaw)), layers, canvas_size=(grid.ny, grid.nx)
+        ).astype(bool)
     per_layer = dict(zip(layers, m.transpose(0, 2, 1)))
     return np.stack([np.logical_or.reduce([per_layer[layer] for layer in MAP_CLASSES[name]]) for name in classes])
 
@@ -308,7 +330,9 @@ def _devkit_patch(centre, ph: float, pw: float, angle: float) -> tuple:
     from shapely.geometry import box
 
     cx, cy = float(centre[0]), float(centre[1])
-    rotated = affinity.rotate(box(cx - pw / 2, cy - ph / 2, cx + pw / 2, cy + ph / 2), angle, origin=(cx, cy), use_radians=False)
+    rotated = affinity.rotate(
+        box(cx - pw / 2, cy - ph / 2, cx + pw / 2, cy + ph / 2), angle, origin=(cx, cy), use_radians=False
+    )
     return cx, cy, ph, pw, angle, rotated, box(-pw / 2, -ph / 2, pw / 2, ph / 2)
 
 
@@ -323,10 +347,16 @@ def _devkit_clip_line(line: np.ndarray, patch: tuple, grid: Grid) -> list[list[n
     g = LineString(line).intersection(rotated)
     if g.is_empty:
         return []
-    g = affinity.affine_transform(affinity.rotate(g, -angle, origin=(cx, cy), use_radians=False), [1, 0, 0, 1, -cx, -cy])
+    g = affinity.affine_transform(
+        affinity.rotate(g, -angle, origin=(cx, cy), use_radians=False), [1, 0, 0, 1, -cx, -cy]
+    )
     g = g.intersection(local)
-    g = affinity.scale(affinity.affine_transform(g, [1, 0, 0, 1, pw / 2, ph / 2]), xfact=grid.nx / pw, yfact=grid.ny / ph,
-                       origin=(0, 0))
+    g = affinity.scale(
+        affinity.affine_transform(g, [1, 0, 0, 1, pw / 2, ph / 2]),
+        xfact=grid.nx / pw,
+        yfact=grid.ny / ph,
+        origin=(0, 0),
+    )
     return [[np.asarray(p.coords)] for p in getattr(g, "geoms", [g]) if p.geom_type == "LineString" and not p.is_empty]
 
 

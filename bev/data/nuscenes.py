@@ -16,6 +16,7 @@ normalize_categories) then the map classes of `map_layers` (bev.data.maps), all 
 grid and ego frame. With map layers the index also caches the map geometry of the split's
 locations (key: map classes + the map expansion files' sizes/mtimes).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,8 +54,19 @@ from bev.geometry import CAMERA_GEOMETRY, CAMERA_NAMES, FEATURE_STRIDE, Grid, qu
 from bev.utils.io import atomic_open, atomic_write
 
 TABLES = (
-    "attribute", "calibrated_sensor", "category", "ego_pose", "instance", "log", "map",
-    "sample", "sample_annotation", "sample_data", "scene", "sensor", "visibility",
+    "attribute",
+    "calibrated_sensor",
+    "category",
+    "ego_pose",
+    "instance",
+    "log",
+    "map",
+    "sample",
+    "sample_annotation",
+    "sample_data",
+    "scene",
+    "sensor",
+    "visibility",
 )
 INDEX_FORMAT = 6
 # Per process, for NuScenesBEVDataset.targets: the synthetic set needs ~15 MB, trainval at 200x200 would
@@ -66,6 +78,7 @@ _HOWTO = (
     "Download nuScenes (v1.0-mini is 4 GB) from https://www.nuscenes.org/download and unpack it "
     "into DATAROOT, or write a synthetic nuScenes-format set with `bev-make-synthetic --out DIR`."
 )
+
 
 def _split_scenes() -> dict[str, list[str]]:
     """Scene names per split: the devkit's own lists (mini_train, mini_val, train, val, test, ...)."""
@@ -163,9 +176,11 @@ def _relative_filename(sd: dict) -> str:
     """sd["filename"], refused when it leaves the dataroot (absolute or through ..): files are read as dataroot/filename."""
     name = sd["filename"]
     if os.path.isabs(name) or ".." in Path(name).parts:
-        raise ValueError(f"sample_data {sd['token']}: filename {name!r} leaves the dataroot; nuScenes filenames are "
-                         f"relative to the dataroot (e.g. samples/CAM_FRONT/<name>.jpg): fix this table entry, or "
-                         f"re-download the tables")
+        raise ValueError(
+            f"sample_data {sd['token']}: filename {name!r} leaves the dataroot; nuScenes filenames are "
+            f"relative to the dataroot (e.g. samples/CAM_FRONT/<name>.jpg): fix this table entry, or "
+            f"re-download the tables"
+        )
     return name
 
 
@@ -174,16 +189,24 @@ def _check_image_size(size: tuple[int, int], table_hw, path: str) -> None:
     devkit lifts PIL's decompression-bomb limit for the whole process, so a huge image would be decoded."""
     (w, h), (th, tw) = size, (int(v) for v in table_hw)
     if (w, h) != (tw, th):
-        raise ValueError(f"camera image {path!r} is {w}x{h} pixels but its sample_data lists {tw}x{th}: not decoded. "
-                         f"Replace the image, or fix width/height in the sample_data table")
+        raise ValueError(
+            f"camera image {path!r} is {w}x{h} pixels but its sample_data lists {tw}x{th}: not decoded. "
+            f"Replace the image, or fix width/height in the sample_data table"
+        )
 
 
 def _pose(rec: dict) -> tuple[np.ndarray, np.ndarray]:
     return quaternion_to_matrix(rec["rotation"]), np.asarray(rec["translation"], dtype=np.float64)
 
 
-def build_index(dataroot: str | os.PathLike, version: str, split: str, groups, verbose: bool = True,
-                map_layers: tuple[str, ...] = ()) -> dict:
+def build_index(
+    dataroot: str | os.PathLike,
+    version: str,
+    split: str,
+    groups,
+    verbose: bool = True,
+    map_layers: tuple[str, ...] = (),
+) -> dict:
     """Walk the devkit tables once and return the flat index of one split (see module doc)."""
     root = Path(dataroot)
     scenes_of_split = set(_split_scenes()[split])
@@ -201,8 +224,11 @@ def _open_tables(root: Path, version: str, split: str, verbose: bool):
     from nuscenes.nuscenes import NuScenes  # the heavy import only where it is needed
 
     if verbose:  # stderr: stdout belongs to the caller (bev-gallery prints the PNG path there)
-        print(f"loading nuScenes {version} tables from {root} to index split {split!r} (once, then cached)",
-              file=sys.stderr, flush=True)
+        print(
+            f"loading nuScenes {version} tables from {root} to index split {split!r} (once, then cached)",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         return NuScenes(version=version, dataroot=str(root), verbose=False)
     except ValueError as e:  # JSONDecodeError / UnicodeDecodeError: the devkit's message names no file
@@ -242,8 +268,9 @@ def _append(cols: dict[str, list], **values) -> None:
         cols[name].append(value)
 
 
-def _add_sample(nusc, scene: dict, token: str, sample: dict, groups, vis_level: dict[str, int],
-                cols: dict[str, list]) -> None:
+def _add_sample(
+    nusc, scene: dict, token: str, sample: dict, groups, vis_level: dict[str, int], cols: dict[str, list]
+) -> None:
     """Append one key frame: its LIDAR_TOP, its cameras and its target boxes, all in its ego frame."""
     where = f"sample {token} of {scene['name']}"
     if "LIDAR_TOP" not in sample["data"]:
@@ -259,8 +286,15 @@ def _add_sample(nusc, scene: dict, token: str, sample: dict, groups, vis_level: 
     for ann_token in sample["anns"]:
         _add_box(nusc.get("sample_annotation", ann_token), groups, vis_level, Re, te, cols)
     cols["box_offsets"].append(len(cols["box_label"]))
-    _append(cols, sample_token=token, scene=scene["name"], location=nusc.get("log", scene["log_token"])["location"],
-            timestamp=sample["timestamp"], ego_rotation=Re, ego_translation=te)
+    _append(
+        cols,
+        sample_token=token,
+        scene=scene["name"],
+        location=nusc.get("log", scene["log_token"])["location"],
+        timestamp=sample["timestamp"],
+        ego_rotation=Re,
+        ego_translation=te,
+    )
 
 
 def _add_camera(nusc, sd: dict, Re: np.ndarray, te: np.ndarray, cols: dict[str, list]) -> None:
@@ -269,21 +303,34 @@ def _add_camera(nusc, sd: dict, Re: np.ndarray, te: np.ndarray, cols: dict[str, 
     Rc, tc = _pose(calib)
     Rce, tce = _pose(nusc.get("ego_pose", sd["ego_pose_token"]))
     # camera -> ego(camera time) -> global -> ego(LIDAR_TOP time)
-    _append(cols, rots=Re.T @ Rce @ Rc, trans=Re.T @ (Rce @ tc + tce - te),
-            intrinsics=np.asarray(calib["camera_intrinsic"]), image_path=_relative_filename(sd),
-            image_hw=(sd["height"], sd["width"]))
+    _append(
+        cols,
+        rots=Re.T @ Rce @ Rc,
+        trans=Re.T @ (Rce @ tc + tce - te),
+        intrinsics=np.asarray(calib["camera_intrinsic"]),
+        image_path=_relative_filename(sd),
+        image_hw=(sd["height"], sd["width"]),
+    )
 
 
-def _add_box(ann: dict, groups, vis_level: dict[str, int], Re: np.ndarray, te: np.ndarray,
-             cols: dict[str, list]) -> None:
+def _add_box(
+    ann: dict, groups, vis_level: dict[str, int], Re: np.ndarray, te: np.ndarray, cols: dict[str, list]
+) -> None:
     """Append one annotation as a target box in the ego frame (Re, te), unless no category group has it."""
     k = _label(ann["category_name"], groups)
     if k < 0:
         return
     Rb, tb = _pose(ann)
-    _append(cols, box_center=Re.T @ (tb - te), box_rotation=Re.T @ Rb, box_size=ann["size"], box_label=k,
-            box_visibility=vis_level.get(ann["visibility_token"], 0), box_category=ann["category_name"],
-            box_instance=ann["instance_token"])
+    _append(
+        cols,
+        box_center=Re.T @ (tb - te),
+        box_rotation=Re.T @ Rb,
+        box_size=ann["size"],
+        box_label=k,
+        box_visibility=vis_level.get(ann["visibility_token"], 0),
+        box_category=ann["category_name"],
+        box_instance=ann["instance_token"],
+    )
 
 
 def _sample_arrays(cols: dict[str, list], n: int) -> dict[str, np.ndarray]:
@@ -333,8 +380,12 @@ def _save_npz(index: dict, key: dict, path: Path) -> None:
     """Write the index atomically as .npz (no pickle: a cache file found in a downloaded dataroot
     must not be able to run code when loaded)."""
     with atomic_open(path, "wb") as f:
-        np.savez(f, __key__=np.asarray(json.dumps(key, sort_keys=True)), __digest__=np.asarray(_arrays_digest(index)),
-                 **index)
+        np.savez(
+            f,
+            __key__=np.asarray(json.dumps(key, sort_keys=True)),
+            __digest__=np.asarray(_arrays_digest(index)),
+            **index,
+        )
 
 
 def _load_npz(path: Path, key: dict) -> dict | None:
@@ -375,12 +426,21 @@ def load_index(
     try:
         _save_npz(index, key, cache_file)
     except OSError as e:  # read-only dataset mounts still work, just without a cache
-        warnings.warn(f"could not write the index cache {cache_file} ({e}); pass cache_dir=<writable dir>", stacklevel=2)
+        warnings.warn(
+            f"could not write the index cache {cache_file} ({e}); pass cache_dir=<writable dir>", stacklevel=2
+        )
     return index
 
 
-def _cache_key(dataroot: str | os.PathLike, table_root: Path, version: str, split: str, groups,
-               layers: tuple[str, ...], cache_root: Path) -> dict:
+def _cache_key(
+    dataroot: str | os.PathLike,
+    table_root: Path,
+    version: str,
+    split: str,
+    groups,
+    layers: tuple[str, ...],
+    cache_root: Path,
+) -> dict:
     """What a cached index must match: format, split, classes, the tables' contents and the map files' sizes/mtimes."""
     key = {
         "format": INDEX_FORMAT,
@@ -416,8 +476,9 @@ def _read_cache(cache_file: Path, key: dict) -> dict | None:
         return None
 
 
-def _check_built(index: dict, dataroot: str | os.PathLike, table_root: Path, version: str, split: str,
-                 split_scenes: list[str]) -> None:
+def _check_built(
+    index: dict, dataroot: str | os.PathLike, table_root: Path, version: str, split: str, split_scenes: list[str]
+) -> None:
     """Refuse a fresh index with no samples or with camera images missing on disk (before it is cached)."""
     if len(index["sample_token"]) == 0:
         raise ValueError(
@@ -514,8 +575,9 @@ class NuScenesBEVDataset(Dataset):
         self.map_layers = normalize_map_layers(map_layers)
         self.raster = check_raster(raster)
         self.depth_target = bool(depth_target)
-        self.index = load_index(self.dataroot, version, split, self.groups, cache_dir, verbose=verbose,
-                                map_layers=self.map_layers)
+        self.index = load_index(
+            self.dataroot, version, split, self.groups, cache_dir, verbose=verbose, map_layers=self.map_layers
+        )
         self._init_windows(past_frames, future_frames, filter_invisible, label_warp)
         # [[xlo, xhi, xstep], [ylo, yhi, ystep]] with every sample, so pictures need no grid plumbing.
         self._bounds = torch.tensor([self.grid.xbound, self.grid.ybound], dtype=torch.float64)
@@ -542,8 +604,14 @@ class NuScenesBEVDataset(Dataset):
 
     def map_target(self, i: int) -> np.ndarray:
         """(len(map_layers), X, Y) uint8 map channels of sample i (bev.data.maps.rasterize_map)."""
-        return rasterize_map(self.index, str(self.index["location"][i]), self.index["ego_rotation"][i],
-                             self.index["ego_translation"][i], self.grid, len(self.map_layers))
+        return rasterize_map(
+            self.index,
+            str(self.index["location"][i]),
+            self.index["ego_rotation"][i],
+            self.index["ego_translation"][i],
+            self.grid,
+            len(self.map_layers),
+        )
 
     def targets(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """bev (K, X, Y) float32 and visibility (X, Y) uint8 of sample i.
@@ -557,8 +625,9 @@ class NuScenesBEVDataset(Dataset):
             bev = np.unpackbits(bits, count=self.num_classes * self.grid.nx * self.grid.ny)
             return bev.reshape(self.num_classes, self.grid.nx, self.grid.ny).astype(np.float32), vis.copy()
         box = self.boxes(i)
-        bev, vis = rasterize_boxes(box["footprint"], box["label"], box["visibility"], self.grid,
-                                   self.num_object_classes, self.raster)
+        bev, vis = rasterize_boxes(
+            box["footprint"], box["label"], box["visibility"], self.grid, self.num_object_classes, self.raster
+        )
         if self.map_layers:
             bev = np.concatenate([bev, self.map_target(i).astype(np.float32)])
         entry = (np.packbits(bev.astype(bool)), vis.copy())  # callers may write into what they get
@@ -580,8 +649,12 @@ class NuScenesBEVDataset(Dataset):
         if self.temporal:
             self.windows, short = temporal.window_index(self.index["scene"], self.past_frames, self.future_frames)
             if short:
-                print(f"{self.split}: skipped {len(short)} of {len(short) + len(set(self.index['scene'][self.windows]))} "
-                      f"scenes shorter than a window of {self.window_length} key frames", file=sys.stderr, flush=True)
+                print(
+                    f"{self.split}: skipped {len(short)} of {len(short) + len(set(self.index['scene'][self.windows]))} "
+                    f"scenes shorter than a window of {self.window_length} key frames",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     @property
     def window_length(self) -> int:
@@ -621,17 +694,20 @@ class NuScenesBEVDataset(Dataset):
             self._inputs[key], self._inputs_bytes = value, self._inputs_bytes + size
         return value
 
-    def load_image(self, i: int, cam: int, train: bool, aug: ImageAug | None = None
-                   ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    def load_image(
+        self, i: int, cam: int, train: bool, aug: ImageAug | None = None
+    ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
         if train:
             pixels, post_rot, post_tran = self.decode_image(i, cam, train, aug)
         else:
             pixels, post_rot, post_tran = self.remember_input(
-                ("image", i, cam), lambda: self.decode_image(i, cam, train), lambda v: v[0].nbytes)
+                ("image", i, cam), lambda: self.decode_image(i, cam, train), lambda v: v[0].nbytes
+            )
         return normalize_array(pixels), post_rot.clone(), post_tran.clone()
 
-    def decode_image(self, i: int, cam: int, train: bool, aug: ImageAug | None = None
-                     ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    def decode_image(
+        self, i: int, cam: int, train: bool, aug: ImageAug | None = None
+    ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
         """(H, W, 3) uint8 crop of sample i's camera `cam`, with its post_rot and post_tran (`aug`, or one drawn)."""
         path = self.image_path(i, cam)
         try:
@@ -641,7 +717,9 @@ class NuScenesBEVDataset(Dataset):
                     aug = self.draw_augmentation((img.size[1], img.size[0]), train)
                 pixels = np.asarray(warp_image(img, aug, self.use_draft))
         except FileNotFoundError:
-            raise FileNotFoundError(f"camera image {path!r} is missing (listed in {self.version} sample_data). {_HOWTO}") from None
+            raise FileNotFoundError(
+                f"camera image {path!r} is missing (listed in {self.version} sample_data). {_HOWTO}"
+            ) from None
         except OSError as e:  # truncated / corrupt JPEG: name the file
             raise OSError(f"cannot decode camera image {path!r} ({e}); re-download or regenerate it") from e
         post_rot, post_tran = aug.post_rot_tran()
@@ -649,8 +727,9 @@ class NuScenesBEVDataset(Dataset):
 
     def draw_augmentation(self, raw_hw: tuple[int, int], train: bool) -> ImageAug:
         """A random training augmentation (train) or the deterministic validation one, for a raw (H, W) image."""
-        return sample_augmentation(raw_hw, self.final_dim, train, self.resize_lim, self.bot_pct_lim, self.rot_lim,
-                                   self.rand_flip)
+        return sample_augmentation(
+            raw_hw, self.final_dim, train, self.resize_lim, self.bot_pct_lim, self.rot_lim, self.rand_flip
+        )
 
     def lidar_points(self, i: int) -> torch.Tensor:
         """(P, 3) LIDAR_TOP points of sample i in the ego frame."""
@@ -660,8 +739,10 @@ class NuScenesBEVDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         if not -len(self) <= i < len(self):
-            raise IndexError(f"{'window' if self.temporal else 'sample'} index {i} out of range for {len(self)} "
-                             f"{'windows' if self.temporal else 'samples'}")
+            raise IndexError(
+                f"{'window' if self.temporal else 'sample'} index {i} out of range for {len(self)} "
+                f"{'windows' if self.temporal else 'samples'}"
+            )
         i = i % len(self)
         if self.temporal:
             return temporal.window_item(self, i)
@@ -701,11 +782,21 @@ class NuScenesBEVDataset(Dataset):
             "post_trans": torch.stack(post_trans),
         }
         if self.depth_target:
+
             def depth():
-                return depth_targets(self.lidar_points(i), *(out[k] for k in CAMERA_GEOMETRY), self.final_dim,
-                                     FEATURE_STRIDE, self.grid, torch.from_numpy(self.index["image_hw"][i, cams]))
+                return depth_targets(
+                    self.lidar_points(i),
+                    *(out[k] for k in CAMERA_GEOMETRY),
+                    self.final_dim,
+                    FEATURE_STRIDE,
+                    self.grid,
+                    torch.from_numpy(self.index["image_hw"][i, cams]),
+                )
+
             if self.augment:
                 out["depth"] = depth()
             else:  # all cameras, fixed crops: the same target every epoch
-                out["depth"] = self.remember_input(("depth", i, -1), depth, lambda t: t.numel() * t.element_size()).clone()
+                out["depth"] = self.remember_input(
+                    ("depth", i, -1), depth, lambda t: t.numel() * t.element_size()
+                ).clone()
         return out

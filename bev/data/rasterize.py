@@ -12,6 +12,7 @@ corners go to continuous cell coordinates (p - lo) / step, are rounded to the ne
 (np.round, half to even) and the polygon is filled with cv2.fillPoly, boundary cells included.
 It grows a box by about one cell per axis; the nuScenes devkit rasterises map polygons the same way.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -109,7 +110,9 @@ def rasterize_boxes(
     for poly, k, v in zip(np.asarray(footprints), np.asarray(labels), np.asarray(visibility)):
         if not 0 <= int(k) < num_classes:
             continue
-        ii, jj = polygon_cells(poly, grid) if check_raster(raster) == "center" else np.nonzero(lss_polygon_mask(poly, grid))
+        ii, jj = (
+            polygon_cells(poly, grid) if check_raster(raster) == "center" else np.nonzero(lss_polygon_mask(poly, grid))
+        )
         bev[int(k), ii, jj] = 1.0
         vis[ii, jj] = np.maximum(vis[ii, jj], np.uint8(v))
     return bev, vis

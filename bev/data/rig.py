@@ -4,6 +4,7 @@ Cheap to import (json only): the op benchmark, the geometry tests and the data r
 without importing the synthetic renderer. The calibration itself lives in nuscenes_rig.json
 next to this file.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,10 +16,16 @@ IMAGE_W, IMAGE_H = 1600, 900  # every nuScenes camera image (the rig's image_siz
 # Location of each v1.0-mini scene in the real dataset (the log table's `location`, which is
 # also the map-expansion map name).
 MINI_LOCATIONS = {
-    "scene-0061": "singapore-onenorth", "scene-0103": "boston-seaport", "scene-0553": "boston-seaport",
-    "scene-0655": "boston-seaport", "scene-0757": "boston-seaport", "scene-0796": "singapore-queenstown",
-    "scene-0916": "singapore-queenstown", "scene-1077": "singapore-hollandvillage",
-    "scene-1094": "singapore-hollandvillage", "scene-1100": "singapore-hollandvillage",
+    "scene-0061": "singapore-onenorth",
+    "scene-0103": "boston-seaport",
+    "scene-0553": "boston-seaport",
+    "scene-0655": "boston-seaport",
+    "scene-0757": "boston-seaport",
+    "scene-0796": "singapore-queenstown",
+    "scene-0916": "singapore-queenstown",
+    "scene-1077": "singapore-hollandvillage",
+    "scene-1094": "singapore-hollandvillage",
+    "scene-1100": "singapore-hollandvillage",
 }
 
 

@@ -38,6 +38,7 @@ Differences from FIERY, on purpose:
   lane changes) FIERY's future labels land 2 ty off the objects. The default warp is the exact
   transform; label_warp="fiery" reproduces FIERY's, for comparisons with its own labels.
 """
+
 from __future__ import annotations
 
 import math
@@ -129,8 +130,9 @@ def present_to_frames(egomotion: np.ndarray, present: int) -> np.ndarray:
     return np.stack(out)
 
 
-def level_footprints(centers: np.ndarray, sizes: np.ndarray, rotations: np.ndarray,
-                     ego_rotation: np.ndarray) -> np.ndarray:
+def level_footprints(
+    centers: np.ndarray, sizes: np.ndarray, rotations: np.ndarray, ego_rotation: np.ndarray
+) -> np.ndarray:
     """(N, 4, 2) box bottom corners in the level (yaw-only) frame of an ego pose, as FIERY draws them.
 
     centers (N, 3), rotations (N, 3, 3) box -> ego, in the ego frame of `ego_rotation` (ego -> global);
@@ -154,8 +156,9 @@ def frame_instances(footprints: np.ndarray, ids: np.ndarray, grid: Grid) -> np.n
     return canvas.astype(np.int64)
 
 
-def warp_nearest(maps: np.ndarray, to_source: np.ndarray, grid: Grid, label_warp: str = "exact",
-                 fill: int = 0) -> np.ndarray:
+def warp_nearest(
+    maps: np.ndarray, to_source: np.ndarray, grid: Grid, label_warp: str = "exact", fill: int = 0
+) -> np.ndarray:
     """Resample (K, X, Y) maps drawn in K source frames onto the present frame's grid, nearest cell.
 
     to_source (K, 3, 3): present (x, y, 1) -> source frame (present_to_frames). A present cell takes
@@ -213,12 +216,15 @@ def _centerness(centres: np.ndarray, ids: np.ndarray, shape: tuple[int, int], si
         ci, cj = (int(v) for v in centres[k])
         i0, i1, j0, j1 = max(ci - r, 0), min(ci + r + 1, shape[0]), max(cj - r, 0), min(cj + r + 1, shape[1])
         if i0 < i1 and j0 < j1:
-            np.maximum(out[i0:i1, j0:j1], g[i0 - ci + r:i1 - ci + r, j0 - cj + r:j1 - cj + r], out=out[i0:i1, j0:j1])
+            np.maximum(
+                out[i0:i1, j0:j1], g[i0 - ci + r : i1 - ci + r, j0 - cj + r : j1 - cj + r], out=out[i0:i1, j0:j1]
+            )
     return out
 
 
-def centre_targets(instance: np.ndarray, sigma: float = CENTER_SIGMA,
-                   ignore: int = IGNORE_INDEX) -> tuple[np.ndarray, np.ndarray]:
+def centre_targets(
+    instance: np.ndarray, sigma: float = CENTER_SIGMA, ignore: int = IGNORE_INDEX
+) -> tuple[np.ndarray, np.ndarray]:
     """centerness (T, 1, X, Y) and offset (T, 2, X, Y) float32 of (T, X, Y) instance maps (module doc)."""
     T, X, Y = instance.shape
     n_ids = int(instance.max(initial=0))
@@ -263,8 +269,14 @@ def _present_cells(index: dict[str, np.ndarray], rows: np.ndarray, i: int, prese
     return xy / np.array([grid.xbound[2], grid.ybound[2]])
 
 
-def window_labels(index: dict[str, np.ndarray], frames: np.ndarray, past: int, grid: Grid,
-                  filter_invisible: bool = False, label_warp: str = "exact") -> dict[str, np.ndarray]:
+def window_labels(
+    index: dict[str, np.ndarray],
+    frames: np.ndarray,
+    past: int,
+    grid: Grid,
+    filter_invisible: bool = False,
+    label_warp: str = "exact",
+) -> dict[str, np.ndarray]:
     """The labels of one window (sample rows `frames`, oldest first, present at `past`) of a split index:
     future_egomotion (T, 4, 4) and instance, segmentation, centerness, offset, flow over the present and
     future frames (module doc). filter_invisible: drop boxes of visibility level 1 (FIERY's
@@ -273,18 +285,26 @@ def window_labels(index: dict[str, np.ndarray], frames: np.ndarray, past: int, g
     ego = future_egomotion(index["ego_rotation"][frames], index["ego_translation"][frames])
     rows = [_frame_boxes(index, int(i), filter_invisible) for i in frames]
     ids: dict[bytes, int] = {}
-    frame_ids = [np.asarray([ids.setdefault(tok, len(ids) + 1) for tok in index["box_instance"][r]], np.int64)
-                 for r in rows]
+    frame_ids = [
+        np.asarray([ids.setdefault(tok, len(ids) + 1) for tok in index["box_instance"][r]], np.int64) for r in rows
+    ]
     maps, centres = [], np.full((len(frames) - past, len(ids) + 1, 2), np.nan)
     for t, (i, r, k) in enumerate(zip(frames[past:], rows[past:], frame_ids[past:])):
-        feet = level_footprints(index["box_center"][r], index["box_size"][r], index["box_rotation"][r],
-                                index["ego_rotation"][i])
+        feet = level_footprints(
+            index["box_center"][r], index["box_size"][r], index["box_rotation"][r], index["ego_rotation"][i]
+        )
         maps.append(frame_instances(feet, k, grid))
         centres[t, k] = _present_cells(index, r, int(i), int(frames[past]), grid)
     instance = warp_nearest(np.stack(maps), present_to_frames(ego, past), grid, label_warp)
     centerness, offset = centre_targets(instance)
-    return {"future_egomotion": ego, "instance": instance, "segmentation": (instance > 0).astype(np.int64),
-            "centerness": centerness, "offset": offset, "flow": flow_targets(instance, centres)}
+    return {
+        "future_egomotion": ego,
+        "instance": instance,
+        "segmentation": (instance > 0).astype(np.int64),
+        "centerness": centerness,
+        "offset": offset,
+        "flow": flow_targets(instance, centres),
+    }
 
 
 def window_item(ds, w: int) -> dict[str, Any]:
@@ -303,14 +323,16 @@ def window_item(ds, w: int) -> dict[str, Any]:
     item = {k: torch.stack([x[k] for x in inputs]) for k in inputs[0]}
     depth = item.pop("depth", None)
     bev, vis = ds.targets(present)
-    item.update({
-        "cam_ids": torch.from_numpy(cams.astype(np.int64)),
-        "bev": torch.from_numpy(bev),
-        "visibility": torch.from_numpy(vis),
-        "bev_bounds": ds._bounds,
-        "sample_token": str(ds.index["sample_token"][present]),
-        "sample_tokens": [str(t) for t in ds.index["sample_token"][frames]],
-    })
+    item.update(
+        {
+            "cam_ids": torch.from_numpy(cams.astype(np.int64)),
+            "bev": torch.from_numpy(bev),
+            "visibility": torch.from_numpy(vis),
+            "bev_bounds": ds._bounds,
+            "sample_token": str(ds.index["sample_token"][present]),
+            "sample_tokens": [str(t) for t in ds.index["sample_token"][frames]],
+        }
+    )
     if depth is not None:
         item["depth"] = depth
     labels = window_labels(ds.index, frames, past, ds.grid, ds.filter_invisible, ds.label_warp)

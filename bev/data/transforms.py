@@ -15,6 +15,7 @@ JPEGs are decoded with libjpeg DCT scaling (``Image.draft``) at 1/2, 1/4 or 1/8 
 size when the final scale allows it; a draft pixel k covers raw pixels [f*k, f*(k+1)), which
 is folded into the warp exactly.
 """
+
 from __future__ import annotations
 
 import math
@@ -132,7 +133,8 @@ def resize_range(resize_lim, final_dim, augment: bool, raw_hw=(IMAGE_H, IMAGE_W)
         warnings.warn(
             f"resize_lim {lim} is far from the validation scale {val:.4f} of final_dim {tuple(final_dim)}: "
             f"training crops would show a different field of view than validation. Scale resize_lim with "
-            f"final_dim, or pass resize_lim=None to scale the LSS range automatically.", stacklevel=2
+            f"final_dim, or pass resize_lim=None to scale the LSS range automatically.",
+            stacklevel=2,
         )
     return lim
 

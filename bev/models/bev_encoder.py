@@ -1,4 +1,5 @@
 """BEV encoder: the LSS ResNet-18 trunk (conv1, layer1-3) with two up-sampling steps back to full size."""
+
 from __future__ import annotations
 
 import torch
@@ -17,13 +18,21 @@ class BevEncoder(nn.Module):
     bev.models.camera.CameraEncoder (NHWC convolutions, default-layout input and output).
     """
 
-    def __init__(self, in_channels: int, num_classes: int = 1, widths: tuple[int, int, int] = (64, 128, 256), blocks: int = 2,
-                 channels_last: bool | str = False):
+    def __init__(
+        self,
+        in_channels: int,
+        num_classes: int = 1,
+        widths: tuple[int, int, int] = (64, 128, 256),
+        blocks: int = 2,
+        channels_last: bool | str = False,
+    ):
         super().__init__()
         if len(widths) != 3:
             raise ValueError(f"BEV encoder needs 3 widths, got {list(widths)}")
         w0, w1, w2 = widths
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, w0, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(w0), nn.ReLU(inplace=True))
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, w0, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(w0), nn.ReLU(inplace=True)
+        )
         self.layer1 = resnet_stage(w0, w0, blocks, 1)
         self.layer2 = resnet_stage(w0, w1, blocks, 2)
         self.layer3 = resnet_stage(w1, w2, blocks, 2)

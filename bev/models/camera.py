@@ -3,6 +3,7 @@
 As in Lift-Splat-Shoot, the stride-32 features are upsampled and fused with the stride-16 ones
 before a 1x1 head, so every stride-16 cell sees a wide receptive field.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -46,7 +47,9 @@ def resnet_stage(in_channels: int, out_channels: int, blocks: int, stride: int) 
     """A torchvision-style ResNet stage of BasicBlocks with any width (the first block may stride)."""
     down = None
     if stride != 1 or in_channels != out_channels:
-        down = nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False), nn.BatchNorm2d(out_channels))
+        down = nn.Sequential(
+            nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False), nn.BatchNorm2d(out_channels)
+        )
     layers = [BasicBlock(in_channels, out_channels, stride=stride, downsample=down)]
     layers += [BasicBlock(out_channels, out_channels) for _ in range(blocks - 1)]
     return nn.Sequential(*layers)
@@ -60,7 +63,9 @@ class SmallTrunk(nn.Module):
         if len(widths) != 5:
             raise ValueError(f"small backbone needs 5 widths (strides 2..32), got {list(widths)}")
         w = list(widths)
-        self.stem = nn.Sequential(nn.Conv2d(3, w[0], 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(w[0]), nn.ReLU(inplace=True))
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, w[0], 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(w[0]), nn.ReLU(inplace=True)
+        )
         self.to16 = nn.Sequential(*[resnet_stage(w[i], w[i + 1], blocks, 2) for i in range(3)])
         self.to32 = resnet_stage(w[3], w[4], blocks, 2)
         self.channels = (w[3], w[4])

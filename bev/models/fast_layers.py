@@ -4,6 +4,7 @@ Swapped in place (same parameters, same state_dict), so pretrained weights and c
 as before; on GPUs and in fp32 they compute what the layers they replace compute.
 Measured with scripts/bench_fast_layers.py (EfficientNet-B0 at the LSS paper size, 2 threads).
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,15 @@ class _BF16ForwardFP32Backward(torch.autograd.Function):
         ctx.conv, ctx.has_bias = conv, bias is not None
         b = bias.to(torch.bfloat16) if bias is not None else None
         with torch.autocast("cpu", enabled=False):
-            return F.conv2d(x.to(torch.bfloat16), weight.to(torch.bfloat16), b, conv.stride, conv.padding,
-                            conv.dilation, conv.groups)
+            return F.conv2d(
+                x.to(torch.bfloat16),
+                weight.to(torch.bfloat16),
+                b,
+                conv.stride,
+                conv.padding,
+                conv.dilation,
+                conv.groups,
+            )
 
     @staticmethod
     def backward(ctx, grad):
@@ -46,8 +54,18 @@ class _BF16ForwardFP32Backward(torch.autograd.Function):
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
         w = weight.to(torch.bfloat16).float()  # the weight the forward used: the gradient of what was computed
         gx, gw, gb = torch.ops.aten.convolution_backward(
-            grad.float(), x.float(), w, [weight.shape[0]] if ctx.has_bias else None, c.stride, c.padding,
-            c.dilation, False, [0, 0], c.groups, mask)
+            grad.float(),
+            x.float(),
+            w,
+            [weight.shape[0]] if ctx.has_bias else None,
+            c.stride,
+            c.padding,
+            c.dilation,
+            False,
+            [0, 0],
+            c.groups,
+            mask,
+        )
         return (gx.to(x.dtype) if gx is not None else None), gw, gb, None
 
 
@@ -57,8 +75,12 @@ class FP32GradDepthwiseConv2d(nn.Conv2d):
     fast bf16 depthwise forward kernel); elsewhere, and without gradients, a plain Conv2d."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.device.type == "cpu" and torch.is_grad_enabled() and _cpu_bf16_autocast()
-                and not torch.compiler.is_compiling()):
+        if (
+            x.device.type == "cpu"
+            and torch.is_grad_enabled()
+            and _cpu_bf16_autocast()
+            and not torch.compiler.is_compiling()
+        ):
             return _BF16ForwardFP32Backward.apply(x, self.weight, self.bias, self)
         return super().forward(x)
 
@@ -113,8 +135,11 @@ class GlobalAvgPool(nn.Module):
 
 def fast_global_pools(module: nn.Module) -> int:
     """Replace the module's AdaptiveAvgPool2d(1) layers (no parameters) by GlobalAvgPool; returns how many."""
-    names = [name for name, m in module.named_modules()
-             if isinstance(m, nn.AdaptiveAvgPool2d) and m.output_size in (1, (1, 1))]
+    names = [
+        name
+        for name, m in module.named_modules()
+        if isinstance(m, nn.AdaptiveAvgPool2d) and m.output_size in (1, (1, 1))
+    ]
     for name in names:
         module.set_submodule(name, GlobalAvgPool())
     return len(names)

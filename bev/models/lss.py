@@ -1,5 +1,6 @@
 """Lift-Splat-Shoot: lift image features into a depth-weighted frustum, splat them into the BEV grid
 with bev.ops, and decode the BEV map. Geometry conventions come from bev.geometry only."""
+
 from __future__ import annotations
 
 import contextlib
@@ -41,7 +42,9 @@ class LiftSplatShoot(nn.Module):
         if splat not in SPLATS:
             raise ValueError(f"unknown splat {splat!r}; choose one of {', '.join(SPLATS)}")
         if downsample != FEATURE_STRIDE:
-            raise ValueError(f"the camera encoder gives stride-{FEATURE_STRIDE} features; downsample must be {FEATURE_STRIDE}, got {downsample}")
+            raise ValueError(
+                f"the camera encoder gives stride-{FEATURE_STRIDE} features; downsample must be {FEATURE_STRIDE}, got {downsample}"
+            )
         self.grid = Grid.from_any(grid)
         self.image_size = tuple(int(s) for s in image_size)
         self.context_channels = context_channels
@@ -84,7 +87,9 @@ class LiftSplatShoot(nn.Module):
             C = feats.shape[-1]
             points = (depth.unsqueeze(-1) * feats.unsqueeze(2)).reshape(-1, C)
             batch = torch.arange(B, device=coords.device).view(B, 1, 1, 1, 1, 1).expand(*coords.shape[:-1], 1)
-            out = ops.voxel_sum(points, torch.cat([batch, coords], dim=-1).reshape(-1, 4), grid_shape, backend=self.pool_backend)
+            out = ops.voxel_sum(
+                points, torch.cat([batch, coords], dim=-1).reshape(-1, 4), grid_shape, backend=self.pool_backend
+            )
         return out.flatten(1, 2)  # (B, C, Z, X, Y) -> (B, C*Z, X, Y): height slices become channels
 
     def scatter_splat(self, depth: torch.Tensor, feats: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
@@ -110,7 +115,9 @@ class LiftSplatShoot(nn.Module):
         """BEV logits (B, K, X, Y); with return_depth also the depth logits (B, N, D, fH, fW)."""
         B, N, _, H, W = images.shape
         if (H, W) != self.image_size:
-            raise ValueError(f"images are {H}x{W} but the model was built for {self.image_size[0]}x{self.image_size[1]}")
+            raise ValueError(
+                f"images are {H}x{W} but the model was built for {self.image_size[0]}x{self.image_size[1]}"
+            )
         x = self.camera_encoder(images.flatten(0, 1))
         D, C = self.grid.depth_bins, self.context_channels
         fH, fW = x.shape[-2:]

@@ -33,6 +33,7 @@ fixed order: bitwise-reproducible results without atomics. The backward passes a
 without atomics. Half types accumulate in float32; all indices are int64. For fixed
 calibration build the plan once with bev_pool_plan and pass plan=.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -119,7 +120,9 @@ def _dense(backend: str, native: bool) -> bool:
 def _check_output_memory(grid_shape, feats: torch.Tensor, backend: str, native: bool) -> None:
     """The output (B, C, Z, X, Y), plus the dense plan and quickcumsum's (V, C) sums where built."""
     out_bytes = feats.shape[-1] * feats.element_size()
-    per_voxel = out_bytes * (2 if backend == "quickcumsum" else 1) + (DENSE_PLAN_BYTES if _dense(backend, native) else 0)
+    per_voxel = out_bytes * (2 if backend == "quickcumsum" else 1) + (
+        DENSE_PLAN_BYTES if _dense(backend, native) else 0
+    )
     check_memory(grid_shape, per_voxel, "the output (B, C, Z, X, Y) and the plan", feats.device)
 
 
@@ -196,14 +199,18 @@ def _new_plan(depth: torch.Tensor, feats: torch.Tensor, coords, grid_shape, back
     return bev_pool_plan(coords, grid_shape, backend="native" if native else backend)
 
 
-def _given_plan(plan, depth: torch.Tensor, feats: torch.Tensor, coords, grid_shape, backend: str, native: bool) -> PoolPlan:
+def _given_plan(
+    plan, depth: torch.Tensor, feats: torch.Tensor, coords, grid_shape, backend: str, native: bool
+) -> PoolPlan:
     """A plan passed to bev_pool, checked against depth and the device's memory, in the form this backend needs."""
     if not isinstance(plan, PoolPlan):
         raise TypeError(f"plan must be a PoolPlan from bev_pool_plan, got {type(plan).__name__}")
     if coords is not None or grid_shape is not None:
         raise ValueError("pass either plan or (coords, grid_shape) to bev_pool, not both")
     if tuple(plan.points_shape) != tuple(depth.shape):
-        raise ValueError(f"plan was built for points of shape {tuple(plan.points_shape)} but depth has shape {tuple(depth.shape)}")
+        raise ValueError(
+            f"plan was built for points of shape {tuple(plan.points_shape)} but depth has shape {tuple(depth.shape)}"
+        )
     check_same_device(depth=depth, plan=plan.keys)
     _check_output_memory(plan.grid_shape, feats, backend, native)
     # A plan built for another backend gets the form of runs this one needs.

@@ -1,4 +1,5 @@
 """Input checks of the bev.ops entry points: one clear error naming the problem and the fix."""
+
 from __future__ import annotations
 
 import functools
@@ -32,7 +33,7 @@ def check_grid_shape(grid_shape) -> tuple[int, int, int, int]:
         if isinstance(voxels, int) and voxels > MAX_VOXELS:
             raise ValueError(
                 f"grid_shape={tuple(grid_shape)} is too large: {name}={size} takes the voxel count "
-                f"{'*'.join('BZXY'[:len(out)])} to {voxels}, over the limit of 2**62 (flat voxel keys are int64); "
+                f"{'*'.join('BZXY'[: len(out)])} to {voxels}, over the limit of 2**62 (flat voxel keys are int64); "
                 "use a coarser grid"
             )
     return tuple(out)  # type: ignore[return-value]

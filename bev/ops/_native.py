@@ -11,6 +11,7 @@ Operators (namespace `bev`; a leading underscore marks an internal step):
   _voxel_sum_backward(grad_out, keys, order, offsets) -> grad_feats
   _bev_pool_backward(grad_out, depth, feats, keys, offsets) -> (grad_depth, grad_feats)
 """
+
 from __future__ import annotations
 
 import torch
@@ -65,6 +66,7 @@ def _bev_pool_grad(ctx, grad_out):
 
 def _register_fakes() -> None:
     """Output shapes without computing them (torch.compile, export, meta tensors)."""
+
     @torch.library.register_fake("bev::_voxel_keys")
     def _voxel_keys_fake(coords, grid_shape, batch_column):
         n = coords.shape[0] if batch_column else coords.numel() // 3

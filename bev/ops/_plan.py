@@ -14,6 +14,7 @@ and the runs of points per voxel, in one of two forms:
                  (one host sync on the GPU).
 Either way each voxel sums its own run in a fixed order: deterministic, no atomics.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -45,8 +46,13 @@ class PoolPlan(NamedTuple):
 
     def to(self, device) -> PoolPlan:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return self._replace(keys=move(self.keys), order=move(self.order), offsets=move(self.offsets),
-                             voxels=move(self.voxels), counts=move(self.counts))
+        return self._replace(
+            keys=move(self.keys),
+            order=move(self.order),
+            offsets=move(self.offsets),
+            voxels=move(self.voxels),
+            counts=move(self.counts),
+        )
 
 
 def flat_keys(batch: torch.Tensor, zxy: torch.Tensor, grid_shape: tuple[int, int, int, int]) -> torch.Tensor:

@@ -19,6 +19,7 @@ from the dense plan (no data-dependent shape, no host sync; 8 bytes per voxel).
 
 Both backward passes are hand-written gathers: grad_feats[p] = grad_out[voxel of p].
 """
+
 from __future__ import annotations
 
 import torch

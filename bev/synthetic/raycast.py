@@ -10,6 +10,7 @@ part, most of them on a few hundred pixels).
 Geometry conventions (ego frame, camera->ego extrinsics, quaternions (w, x, y, z), pixel
 centres) are those of bev.geometry; projection and unprojection go through its functions.
 """
+
 from __future__ import annotations
 
 import math
@@ -84,7 +85,7 @@ class Camera:
             gx = C[0] + t[m] * self.rays[..., 0][m]
             gy = C[1] + t[m] * self.rays[..., 1][m]
             haze = np.clip((t[m] - 60.0) / 250.0, 0, 0.7)[:, None]
-            haze = haze[:np.flatnonzero(haze)[-1] + 1] if haze.any() else haze[:0]
+            haze = haze[: np.flatnonzero(haze)[-1] + 1] if haze.any() else haze[:0]
             edges = np.flatnonzero(np.diff(np.concatenate([[False], m.ravel(), [False]])))
             self._ground = (t, edges.reshape(-1, 2).tolist(), gx, gy, 1 - haze, HAZE * haze)
         return self._ground
@@ -96,8 +97,14 @@ class Camera:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # tiny matrices: thread start-up costs 100x the maths here
         try:
-            uv, depth = ego_to_image(t(pts.reshape(-1, 3)), t(self.intrinsic), t(self.rotation), t(self.translation),
-                                     self.post_rot.double(), self.post_tran.double())
+            uv, depth = ego_to_image(
+                t(pts.reshape(-1, 3)),
+                t(self.intrinsic),
+                t(self.rotation),
+                t(self.translation),
+                self.post_rot.double(),
+                self.post_tran.double(),
+            )
         finally:
             torch.set_num_threads(threads)
         return uv.numpy().reshape(*shape, 2), depth.numpy().reshape(shape)
@@ -139,10 +146,15 @@ def _hash(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 # (TEX_RES metres per texel) as they come into view; ground beyond TEX_RANGE is plain grass.
 TEX_RES, TILE, TEX_RANGE = 0.1, 512, 110.0
 # Ground classes in painting order (later ones paint over earlier ones): colour and noise amplitude.
-GROUND = {"grass": ((0.25, 0.41, 0.175), (0.06, 0.06, 0.03)), "walkway": ((0.6, 0.58, 0.55), (0.06,) * 3),
-          "asphalt": ((0.3, 0.3, 0.3), (0.05,) * 3), "carpark": ((0.4, 0.38, 0.42), (0.04,) * 3),
-          "kerb": ((0.78, 0.78, 0.76), (0.0,) * 3), "white": ((0.9, 0.9, 0.9), (0.0,) * 3),
-          "yellow": ((0.85, 0.7, 0.15), (0.0,) * 3)}
+GROUND = {
+    "grass": ((0.25, 0.41, 0.175), (0.06, 0.06, 0.03)),
+    "walkway": ((0.6, 0.58, 0.55), (0.06,) * 3),
+    "asphalt": ((0.3, 0.3, 0.3), (0.05,) * 3),
+    "carpark": ((0.4, 0.38, 0.42), (0.04,) * 3),
+    "kerb": ((0.78, 0.78, 0.76), (0.0,) * 3),
+    "white": ((0.9, 0.9, 0.9), (0.0,) * 3),
+    "yellow": ((0.85, 0.7, 0.15), (0.0,) * 3),
+}
 _CLASS = {name: i for i, name in enumerate(GROUND)}
 _PALETTE = np.array([c for c, _ in GROUND.values()], np.float32)
 _NOISE = np.array([a for _, a in GROUND.values()], np.float32)
@@ -207,7 +219,7 @@ def _mosaic(seed: int, location: str, t0x: int, t0y: int, n: int) -> np.ndarray:
     out = np.empty((n * TILE, n * TILE, 3), np.uint8)
     for j in range(n):
         for i in range(n):
-            out[j * TILE:(j + 1) * TILE, i * TILE:(i + 1) * TILE] = _tile(seed, location, t0x + i, t0y + j)
+            out[j * TILE : (j + 1) * TILE, i * TILE : (i + 1) * TILE] = _tile(seed, location, t0x + i, t0y + j)
     return out
 
 
@@ -231,7 +243,7 @@ def ground_colour(seed: int, location: str, x: np.ndarray, y: np.ndarray, centre
 
 def _sky_colour(elev: np.ndarray) -> np.ndarray:
     e = np.clip(elev, 0, 1)[..., None]
-    return (np.array([0.78, 0.85, 0.92], np.float32) * (1 - e) + np.array([0.35, 0.55, 0.85], np.float32) * e)
+    return np.array([0.78, 0.85, 0.92], np.float32) * (1 - e) + np.array([0.35, 0.55, 0.85], np.float32) * e
 
 
 class Parts(NamedTuple):
@@ -259,8 +271,10 @@ def _object_parts_ego(world: World, t: float, obj_indices) -> Parts:
     objs = [world.objects[i] for i in obj_indices]
     n = [len(o.parts) for o in objs]
     pose = [world.object_global(o, t) for o in objs]
-    R_obj = [((math.cos(a), -math.sin(a), 0), (math.sin(a), math.cos(a), 0), (0, 0, 1.0))
-             for a in (yaw - ego_yaw for _, yaw in pose)]
+    R_obj = [
+        ((math.cos(a), -math.sin(a), 0), (math.sin(a), math.cos(a), 0), (0, 0, 1.0))
+        for a in (yaw - ego_yaw for _, yaw in pose)
+    ]
     R = np.repeat(np.array(R_obj, np.float64).reshape(-1, 3, 3), n, axis=0)
     c_ego = np.repeat((np.array([p for p, _ in pose]).reshape(-1, 3) - ego_t) @ R_eg.T, n, axis=0)
     pc, half, rgb = (np.array([p[k] for o in objs for p in o.parts], np.float64).reshape(-1, 3) for k in range(3))
@@ -269,14 +283,19 @@ def _object_parts_ego(world: World, t: float, obj_indices) -> Parts:
     towards = np.einsum("pjk,j->pk", R, R_eg @ world.sun)
     lit = np.clip(np.stack([-towards, towards], -1).reshape(-1, 6), 0, None)
     shade = np.concatenate([0.45 + 0.55 * lit] * 2, 1)[..., None]
-    cols = np.concatenate([np.broadcast_to(rgb[:, None], (len(rgb), 6, 3)),
-                           np.broadcast_to(np.asarray(GLASS), (len(rgb), 6, 3))], 1) * shade
+    cols = (
+        np.concatenate(
+            [np.broadcast_to(rgb[:, None], (len(rgb), 6, 3)), np.broadcast_to(np.asarray(GLASS), (len(rgb), 6, 3))], 1
+        )
+        * shade
+    )
     cols[:, 6:] += 0.12 * lit[..., None]  # a glint on the glass
     label = np.repeat([i + 1 if o.category else 0 for i, o in zip(obj_indices, objs)], n).astype(np.int32)
     kind = np.array([p[3] for o in objs for p in o.parts], np.int64)
     corners = centre[:, None] + np.einsum("pcj,pij->pci", _SIGNS * half[:, None], R)
-    return Parts(label, np.repeat(np.asarray(obj_indices, np.int64), n), R, centre, half, cols.astype(np.float32),
-                 kind, corners)
+    return Parts(
+        label, np.repeat(np.asarray(obj_indices, np.int64), n), R, centre, half, cols.astype(np.float32), kind, corners
+    )
 
 
 _EDGES = np.array([(a, b) for a in range(8) for b in range(a + 1, 8) if np.sum(_SIGNS[a] != _SIGNS[b]) == 1])
@@ -368,7 +387,7 @@ def _rect_pixels(planes: np.ndarray, rects: np.ndarray) -> np.ndarray:
     n = (rects[:, 1] - rects[:, 0]) * (rects[:, 3] - rects[:, 2])
     out, s = np.empty((len(planes), int(n.sum())), planes.dtype), 0
     for (r0, r1, c0, c1), m in zip(rects.tolist(), n.tolist()):
-        out[:, s:s + m].reshape(len(planes), r1 - r0, c1 - c0)[...] = planes[:, r0:r1, c0:c1]
+        out[:, s : s + m].reshape(len(planes), r1 - r0, c1 - c0)[...] = planes[:, r0:r1, c0:c1]
         s += m
     return out
 
@@ -412,7 +431,7 @@ def _coverage(parts: Parts, rects: np.ndarray, hit: np.ndarray) -> dict:
     ends = np.cumsum((rects[:, 1] - rects[:, 0]) * (rects[:, 3] - rects[:, 2])).tolist()
     for j, i, (r0, r1, c0, c1) in zip(mine, parts.obj[mine].tolist(), rects[mine].tolist()):
         b, h, w = boxes[i], r1 - r0, c1 - c0
-        own[i][r0 - b[0]:r1 - b[0], c0 - b[2]:c1 - b[2]] |= hit[ends[j] - h * w:ends[j]].reshape(h, w)
+        own[i][r0 - b[0] : r1 - b[0], c0 - b[2] : c1 - b[2]] |= hit[ends[j] - h * w : ends[j]].reshape(h, w)
     return {i: int(np.count_nonzero(m)) for i, m in own.items()}
 
 
@@ -469,19 +488,25 @@ def _ground_render(world: World, t: float, cam: Camera) -> tuple[np.ndarray, np.
     x = ego_t[0] + cy * gx - sy * gy  # ego -> global (map) coordinates
     y = ego_t[1] + sy * gx + cy * gy
     colour = ground_colour(world.seed, world.location, x, y, ego_t)
-    colour[:len(clear)] = colour[:len(clear)] * clear + fog  # exact where there is no haze
+    colour[: len(clear)] = colour[: len(clear)] * clear + fog  # exact where there is no haze
     img, sky = np.empty_like(cam.sky), cam.sky.reshape(-1, 3)
     flat, done, used = img.reshape(-1, 3), 0, 0
     for start, stop in runs:
         flat[done:start] = sky[done:start]
-        flat[start:stop] = colour[used:used + stop - start]
+        flat[start:stop] = colour[used : used + stop - start]
         done, used = stop, used + stop - start
     flat[done:] = sky[done:]
     return img, t_ground.copy()
 
 
-def render_camera(world: World, t: float, camera: str | Camera, objects: list[int] | None = None,
-                  scale: int = RENDER_SCALE, parts: Parts | None = None) -> CameraRender:
+def render_camera(
+    world: World,
+    t: float,
+    camera: str | Camera,
+    objects: list[int] | None = None,
+    scale: int = RENDER_SCALE,
+    parts: Parts | None = None,
+) -> CameraRender:
     """Ray-cast one camera of the ego at time t (ego frame = the ego pose at t).
 
     Full-resolution pixel coordinates map to the render resolution with the camera's

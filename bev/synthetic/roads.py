@@ -20,6 +20,7 @@ The geometry lives here as shapely polygons and lines in the map (global) frame,
 `RoadMap.paint` the markings the renderer draws (bev.synthetic.raycast), and vehicles follow
 `Path`s through the same lanes: what the map says is what the cameras see.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,12 @@ from shapely.prepared import prep
 
 LOCATIONS = ("boston-seaport", "singapore-onenorth", "singapore-hollandvillage", "singapore-queenstown")
 # +1: traffic keeps to the right (Boston), -1: to the left (Singapore).
-TRAFFIC_SIDE = {"boston-seaport": 1, "singapore-onenorth": -1, "singapore-hollandvillage": -1,
-                "singapore-queenstown": -1}
+TRAFFIC_SIDE = {
+    "boston-seaport": 1,
+    "singapore-onenorth": -1,
+    "singapore-hollandvillage": -1,
+    "singapore-queenstown": -1,
+}
 
 # Cross-section, metres from the street centreline.
 LANE_W = 3.5
@@ -206,6 +211,7 @@ def _dashes(path: Path, l: float) -> list[LineString]:
 
 
 # ----------------------------------------------------------------------------- network
+
 
 @dataclass
 class Street:
@@ -384,8 +390,9 @@ def _network(nodes: dict, edges: set, pos: dict, dirs: np.ndarray) -> tuple[list
     return junctions, streets
 
 
-def _trace_street(n: tuple[int, int], d: int, edges: set, pos: dict, dirs: np.ndarray,
-                  jindex: dict) -> tuple[tuple[int, int], int, Path]:
+def _trace_street(
+    n: tuple[int, int], d: int, edges: set, pos: dict, dirs: np.ndarray, jindex: dict
+) -> tuple[tuple[int, int], int, Path]:
     """The street leaving junction node n in direction d: the junction node m it reaches, its arm there,
     and the centreline from kerb to kerb (a quarter circle at each bend)."""
     u = dirs[d]
@@ -408,6 +415,7 @@ def _trace_street(n: tuple[int, int], d: int, edges: set, pos: dict, dirs: np.nd
 
 
 # ----------------------------------------------------------------------------- map layers
+
 
 def _square(c: np.ndarray, dirs: np.ndarray, half: float) -> Polygon:
     e, n = dirs[0] * half, dirs[1] * half
@@ -434,8 +442,11 @@ def _carparks(road: RoadMap, rng: np.random.Generator, walk_area) -> list[tuple[
         if not path.straight(sc - CARPARK_LEN / 2 - 7, sc + CARPARK_LEN / 2 + 7):
             continue
         # The lot and 6 m around it (but on the street side) must be clear of everything placed so far.
-        room = _band(path.sub(sc - CARPARK_LEN / 2 - 6, sc + CARPARK_LEN / 2 + 6), sd * (SIDEWALK_END + 0.01),
-                     sd * (SIDEWALK_END + CARPARK_DEPTH + 6))
+        room = _band(
+            path.sub(sc - CARPARK_LEN / 2 - 6, sc + CARPARK_LEN / 2 + 6),
+            sd * (SIDEWALK_END + 0.01),
+            sd * (SIDEWALK_END + CARPARK_DEPTH + 6),
+        )
         if room.intersection(taken).area < 0.5:
             sites.append((i, sd, sc))
             taken = taken.union(room)
@@ -446,16 +457,34 @@ def _carparks(road: RoadMap, rng: np.random.Generator, walk_area) -> list[tuple[
 
 def _build_layers(road: RoadMap, rng: np.random.Generator) -> None:
     """Fill road.layers and road.paint from the network; car parks and buildings draw from rng."""
-    road.layers = {name: [] for name in (
-        "drivable_area", "road_segment", "road_block", "lane", "lane_connector", "ped_crossing", "walkway",
-        "stop_line", "carpark_area", "road_divider", "lane_divider", "traffic_light")}
+    road.layers = {
+        name: []
+        for name in (
+            "drivable_area",
+            "road_segment",
+            "road_block",
+            "lane",
+            "lane_connector",
+            "ped_crossing",
+            "walkway",
+            "stop_line",
+            "carpark_area",
+            "road_divider",
+            "lane_divider",
+            "traffic_light",
+        )
+    }
     road.paint = {"white": [], "dashes": [], "yellow": [], "zebra": [], "bays": []}
 
     # Surfaces: streets and junction squares.
     street_surf = [_band(st.path, -CURB, CURB) for st in road.streets]
     junction_surf = [_square(j.xy, road.dirs, CURB) for j in road.junctions]
-    walk_area = _snapped(unary_union([_band(st.path, -SIDEWALK_END, SIDEWALK_END) for st in road.streets]
-                                     + [_square(j.xy, road.dirs, SIDEWALK_END) for j in road.junctions]))
+    walk_area = _snapped(
+        unary_union(
+            [_band(st.path, -SIDEWALK_END, SIDEWALK_END) for st in road.streets]
+            + [_square(j.xy, road.dirs, SIDEWALK_END) for j in road.junctions]
+        )
+    )
     roads = _snapped(unary_union(street_surf + junction_surf))
 
     lots, driveways = _add_carparks(road, rng, walk_area)
@@ -487,15 +516,18 @@ def _add_carparks(road: RoadMap, rng: np.random.Generator, walk_area) -> tuple[l
         road.driveways.append((i, sd, sc - 3.0, sc + 3.0))
         h = float(lot_path.at(0.0)[1])
         _add_bays(road, lot_path, sd, h)
-        road.layers["carpark_area"].append({"geom": lots[-1], "orientation": float((h + sd * math.pi / 2) % (2 * math.pi)),
-                                            "block": None})
+        road.layers["carpark_area"].append(
+            {"geom": lots[-1], "orientation": float((h + sd * math.pi / 2) % (2 * math.pi)), "block": None}
+        )
     return lots, driveways
 
 
 def _add_bays(road: RoadMap, lot_path: Path, sd: int, h: float) -> None:
     """A car park's two rows of bays: separators painted, bay centres and yaws added to road.bays."""
-    rows = [(SIDEWALK_END + 0.5, SIDEWALK_END + 0.5 + BAY_D), (SIDEWALK_END + CARPARK_DEPTH - 0.5 - BAY_D,
-                                                               SIDEWALK_END + CARPARK_DEPTH - 0.5)]
+    rows = [
+        (SIDEWALK_END + 0.5, SIDEWALK_END + 0.5 + BAY_D),
+        (SIDEWALK_END + CARPARK_DEPTH - 0.5 - BAY_D, SIDEWALK_END + CARPARK_DEPTH - 0.5),
+    ]
     n_bays = int(CARPARK_LEN // BAY_W)
     for r, (l0, l1) in enumerate(rows):
         for b in range(n_bays + 1):  # bay separators
@@ -518,8 +550,7 @@ def _add_drivable(road: RoadMap, roads, lots: list, driveways: list, walk_area):
     for g in getattr(walk, "geoms", [walk]):
         if g.area > 1.0:
             road.layers["walkway"].append({"geom": g})
-    road.paint["kerb"] = (roads.boundary.difference(unary_union(driveways).buffer(0.3)) if driveways
-                          else roads.boundary)
+    road.paint["kerb"] = roads.boundary.difference(unary_union(driveways).buffer(0.3)) if driveways else roads.boundary
     return drivable
 
 
@@ -535,8 +566,15 @@ def _add_lanes(road: RoadMap, i: int, lane_index: dict) -> dict[int, int]:
         travel = p if dirn > 0 else p.reverse()
         half = _band(travel, 0.0, -side * CURB)
         blocks[dirn] = block = len(L["road_block"])
-        L["road_block"].append({"geom": half, "segment": i, "from_edge": _across(travel, 0.0, 0.0, -side * CURB),
-                                "to_edge": _across(travel, p.length, 0.0, -side * CURB), "key": (i, dirn)})
+        L["road_block"].append(
+            {
+                "geom": half,
+                "segment": i,
+                "from_edge": _across(travel, 0.0, 0.0, -side * CURB),
+                "to_edge": _across(travel, p.length, 0.0, -side * CURB),
+                "key": (i, dirn),
+            }
+        )
         for k in range(LANES):
             lane_index[i, dirn, k] = len(L["lane"])
             L["lane"].append(_lane(road, road.lane_path(i, dirn, k), k, block))
@@ -550,11 +588,16 @@ def _lane(road: RoadMap, lane: Path, k: int, block: int) -> dict:
     inner_kind, outer_kind = _LINE_KINDS[k], _LINE_KINDS[k + 1]
     # Left/right in the travel direction: the inner side is on the left when driving on the right.
     left, right = ((inner, inner_kind), (outer, outer_kind)) if side > 0 else ((outer, outer_kind), (inner, inner_kind))
-    return {"geom": _band(lane, -LANE_W / 2, LANE_W / 2), "path": lane, "block": block,
-            "from_edge": _across(lane, 0.0, -LANE_W / 2, LANE_W / 2),
-            "to_edge": _across(lane, lane.length, -LANE_W / 2, LANE_W / 2),
-            "left": (left[0].line(), left[1]), "right": (right[0].line(), right[1]),
-            "offset": road.lane_offset(k)}
+    return {
+        "geom": _band(lane, -LANE_W / 2, LANE_W / 2),
+        "path": lane,
+        "block": block,
+        "from_edge": _across(lane, 0.0, -LANE_W / 2, LANE_W / 2),
+        "to_edge": _across(lane, lane.length, -LANE_W / 2, LANE_W / 2),
+        "left": (left[0].line(), left[1]),
+        "right": (right[0].line(), right[1]),
+        "offset": road.lane_offset(k),
+    }
 
 
 def _add_street_lines(road: RoadMap, i: int) -> None:
@@ -601,11 +644,23 @@ def _add_street_end(road: RoadMap, i: int, end: int, blocks: dict[int, int]) -> 
     xy, h = p.at(s_tl, kerb_l)
     face = float(h) + (math.pi if dirn_in > 0 else 0.0)
     tl = len(L["traffic_light"])
-    L["traffic_light"].append({"geom": _across(p, s_tl, kerb_l - 0.2 * np.sign(kerb_l), kerb_l + 0.2 * np.sign(kerb_l)),
-                               "block": block, "pose": (float(xy[0]), float(xy[1]), 3.5, face)})
+    L["traffic_light"].append(
+        {
+            "geom": _across(p, s_tl, kerb_l - 0.2 * np.sign(kerb_l), kerb_l + 0.2 * np.sign(kerb_l)),
+            "block": block,
+            "pose": (float(xy[0]), float(xy[1]), 3.5, face),
+        }
+    )
     inc = -side * dirn_in * LANES * LANE_W
-    L["stop_line"].append({"geom": _band(span(*STOP_AREA), 0.0, inc), "type": "TRAFFIC_LIGHT", "ped_crossings": [pc],
-                           "traffic_lights": [tl], "block": block})
+    L["stop_line"].append(
+        {
+            "geom": _band(span(*STOP_AREA), 0.0, inc),
+            "type": "TRAFFIC_LIGHT",
+            "ped_crossings": [pc],
+            "traffic_lights": [tl],
+            "block": block,
+        }
+    )
     road.paint["white"].append(_band(span(*STOP_LINE), 0.0, inc))  # filled polygons are painted whole
 
 
@@ -622,8 +677,9 @@ def _add_lane_connectors(road: RoadMap, lane_index: dict) -> None:
                     path = road.connector(j, arm_in, arm_out, k)
                     a, b = lane_index[si, -di, k], lane_index[so, do, k]
                     c = len(L["lane_connector"])
-                    L["lane_connector"].append({"geom": _band(path, -LANE_W / 2, LANE_W / 2), "path": path,
-                                                "from": a, "to": b})
+                    L["lane_connector"].append(
+                        {"geom": _band(path, -LANE_W / 2, LANE_W / 2), "path": path, "from": a, "to": b}
+                    )
                     road.connectivity[f"lane{a}"]["outgoing"].append(f"connector{c}")
                     road.connectivity[f"lane{b}"]["incoming"].append(f"connector{c}")
                     road.connectivity[f"connector{c}"] = {"incoming": [f"lane{a}"], "outgoing": [f"lane{b}"]}
@@ -643,11 +699,15 @@ def _place_buildings(road: RoadMap, rng: np.random.Generator, keepout) -> None:
                 l = sd * (BUILDING_START + depth / 2 + rng.uniform(0, 3))
                 xy, h = st.path.at(s + length / 2, l)
                 c, sn = math.cos(h), math.sin(h)
-                corners = xy + np.array([[length, depth], [-length, depth], [-length, -depth], [length, -depth]]) / 2 @ np.array([[c, sn], [-sn, c]])
+                corners = xy + np.array(
+                    [[length, depth], [-length, depth], [-length, -depth], [length, -depth]]
+                ) / 2 @ np.array([[c, sn], [-sn, c]])
                 foot = Polygon(corners)
                 r = math.hypot(length, depth) / 2
                 near = np.linalg.norm(centres - xy, axis=1) < radii + r + 0.5 if len(placed) else np.zeros(0, bool)
-                if not keepout.intersects(foot) and not any(placed[n].buffer(0.5).intersects(foot) for n in np.flatnonzero(near)):
+                if not keepout.intersects(foot) and not any(
+                    placed[n].buffer(0.5).intersects(foot) for n in np.flatnonzero(near)
+                ):
                     placed.append(foot)
                     centres = np.vstack([centres, xy])
                     radii = np.append(radii, r)
@@ -659,7 +719,9 @@ def fill(mask: np.ndarray, geom, to_px, value: int = 1) -> np.ndarray:
     """Rasterise the polygons of `geom` into `mask` in place (holes left out); to_px maps (N, 2) xy to pixel (col, row)."""
     polys = [g for g in getattr(geom, "geoms", [geom]) if isinstance(g, Polygon) and not g.is_empty]
     for g in sorted(polys, key=lambda g: -g.area):  # each exterior, then its holes cut out (big polygons first)
-        cv2.fillPoly(mask, [np.round(to_px(np.asarray(g.exterior.coords)[:, :2]) * 16).astype(np.int32)], value, cv2.LINE_8, 4)
+        cv2.fillPoly(
+            mask, [np.round(to_px(np.asarray(g.exterior.coords)[:, :2]) * 16).astype(np.int32)], value, cv2.LINE_8, 4
+        )
         holes = [np.round(to_px(np.asarray(r.coords)[:, :2]) * 16).astype(np.int32) for r in g.interiors]
         if holes:
             cv2.fillPoly(mask, holes, 0, cv2.LINE_8, 4)
@@ -678,7 +740,9 @@ def stroke(mask: np.ndarray, geom, to_px, width_px: int, value: int = 1) -> np.n
             lines += list(g.geoms)
         else:
             lines.append(g)
-    pts = [np.round(to_px(np.asarray(line.coords)[:, :2]) * 16).astype(np.int32) for line in lines if len(line.coords) > 1]
+    pts = [
+        np.round(to_px(np.asarray(line.coords)[:, :2]) * 16).astype(np.int32) for line in lines if len(line.coords) > 1
+    ]
     if pts:
         cv2.polylines(mask, pts, False, value, max(1, int(width_px)), cv2.LINE_8, 4)
     return mask

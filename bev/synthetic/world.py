@@ -9,6 +9,7 @@ barrier / cone) footprints overlap at any key frame, the ego's included: candida
 would are dropped. Every object is a union of axis-aligned boxes ("parts") in its own frame,
 rendered by bev.synthetic.raycast. Flat world (ground z = 0); the global frame is the map frame.
 """
+
 from __future__ import annotations
 
 import math
@@ -172,6 +173,7 @@ def _shape(category: str, size, rng: np.random.Generator) -> list:
 # Each shape below takes the object's (w, l, h) and works in its frame: x forward, y left, z up
 # from z0 = -h / 2, the ground.
 
+
 def _car(w, l, h, rng: np.random.Generator) -> list:
     """Tyres, a painted body and a cabin with windows."""
     z0 = -h / 2
@@ -192,7 +194,16 @@ def _truck(w, l, h, rng: np.random.Generator) -> list:
     return [
         _box(0, 0, z0 + 0.3, 0.9 * w, 0.9 * l, 0.6, TYRE, DARK),
         _box(l / 2 - cab_l / 2, 0, z0 + 0.5 + 0.3 * (h - 0.5), w, cab_l, 0.6 * (h - 0.5), paint),
-        _box(l / 2 - cab_l / 2 - 0.1, 0, z0 + 0.5 + 0.6 * (h - 0.5) + 0.175 * (h - 0.5), 0.95 * w, cab_l - 0.2, 0.35 * (h - 0.5), paint, CABIN),
+        _box(
+            l / 2 - cab_l / 2 - 0.1,
+            0,
+            z0 + 0.5 + 0.6 * (h - 0.5) + 0.175 * (h - 0.5),
+            0.95 * w,
+            cab_l - 0.2,
+            0.35 * (h - 0.5),
+            paint,
+            CABIN,
+        ),
         _box(-cab_l / 2 - 0.15, 0, z0 + 0.6 + (h - 0.6) / 2, w, l - cab_l - 0.3, h - 0.6, cargo),
     ]
 
@@ -228,8 +239,10 @@ def _motorcycle(w, l, h, rng: np.random.Generator) -> list:
         _box(0, 0, z0 + 0.85, 0.6 * w, 0.7 * l, 0.4, paint),
     ]
     if h > 1.3:  # with a rider: torso and helmet
-        parts += [_box(-0.1 * l, 0, z0 + 1.25, 0.8 * w, 0.25 * l, h - 1.1 - 0.25, _vehicle_colour(rng)),
-                  _box(-0.05 * l, 0, z0 + h - 0.13, 0.3, 0.3, 0.26, paint)]
+        parts += [
+            _box(-0.1 * l, 0, z0 + 1.25, 0.8 * w, 0.25 * l, h - 1.1 - 0.25, _vehicle_colour(rng)),
+            _box(-0.05 * l, 0, z0 + h - 0.13, 0.3, 0.3, 0.26, paint),
+        ]
     return parts
 
 
@@ -248,22 +261,33 @@ def _pedestrian(w, l, h, rng: np.random.Generator) -> list:
 def _barrier(w, l, h, rng: np.random.Generator) -> list:
     """A grey foot under a white board."""
     z0 = -h / 2
-    return [_box(0, 0, z0 + 0.15, 0.6 * w, 0.9 * l, 0.3, (0.6, 0.6, 0.6)),
-            _box(0, 0, z0 + 0.3 + (h - 0.3) / 2, 0.4 * w, l, h - 0.3, (0.95, 0.95, 0.92))]
+    return [
+        _box(0, 0, z0 + 0.15, 0.6 * w, 0.9 * l, 0.3, (0.6, 0.6, 0.6)),
+        _box(0, 0, z0 + 0.3 + (h - 0.3) / 2, 0.4 * w, l, h - 0.3, (0.95, 0.95, 0.92)),
+    ]
 
 
 def _trafficcone(w, l, h, rng: np.random.Generator) -> list:
     """A black base, an orange cone and a white tip."""
     z0 = -h / 2
     orange = (1.0, 0.45, 0.05)
-    return [_box(0, 0, z0 + 0.02, w, l, 0.04, (0.1, 0.1, 0.1)),
-            _box(0, 0, z0 + 0.04 + 0.3 * (h - 0.04), 0.6 * w, 0.6 * l, 0.6 * (h - 0.04), orange),
-            _box(0, 0, z0 + 0.04 + 0.8 * (h - 0.04), 0.3 * w, 0.3 * l, 0.4 * (h - 0.04), (0.95, 0.95, 0.95))]
+    return [
+        _box(0, 0, z0 + 0.02, w, l, 0.04, (0.1, 0.1, 0.1)),
+        _box(0, 0, z0 + 0.04 + 0.3 * (h - 0.04), 0.6 * w, 0.6 * l, 0.6 * (h - 0.04), orange),
+        _box(0, 0, z0 + 0.04 + 0.8 * (h - 0.04), 0.3 * w, 0.3 * l, 0.4 * (h - 0.04), (0.95, 0.95, 0.95)),
+    ]
 
 
-_SHAPES = {"vehicle.car": _car, "vehicle.truck": _truck, "vehicle.bus.rigid": _bus, "vehicle.trailer": _trailer,
-           "vehicle.motorcycle": _motorcycle, "human.pedestrian.adult": _pedestrian,
-           "movable_object.barrier": _barrier, "movable_object.trafficcone": _trafficcone}
+_SHAPES = {
+    "vehicle.car": _car,
+    "vehicle.truck": _truck,
+    "vehicle.bus.rigid": _bus,
+    "vehicle.trailer": _trailer,
+    "vehicle.motorcycle": _motorcycle,
+    "human.pedestrian.adult": _pedestrian,
+    "movable_object.barrier": _barrier,
+    "movable_object.trafficcone": _trafficcone,
+}
 
 
 def _object(category: str, rng: np.random.Generator, attribute: str = "") -> Obj:
@@ -273,6 +297,7 @@ def _object(category: str, rng: np.random.Generator, attribute: str = "") -> Obj
 
 
 # ----------------------------------------------------------------------------- no overlaps
+
 
 def _corners(c: np.ndarray, yaw: np.ndarray, half: np.ndarray) -> np.ndarray:
     """(P, 4, 2) corners of rectangles with centres (P, 2), yaws (P,), half (length, width) (P, 2)."""
@@ -304,8 +329,12 @@ class _Fleet:
         if self.xy is not None:
             d2 = np.square(self.xy - xy).sum(2)  # (N, T)
             n, k = np.nonzero(d2 < np.square(np.linalg.norm(self.half, axis=1) + np.linalg.norm(half))[:, None])
-            if len(n) and rectangles_overlap(self.xy[n, k], self.yaw[n, k], self.half[n], xy[k], yaw[k],
-                                             np.broadcast_to(half, (len(k), 2))).any():
+            if (
+                len(n)
+                and rectangles_overlap(
+                    self.xy[n, k], self.yaw[n, k], self.half[n], xy[k], yaw[k], np.broadcast_to(half, (len(k), 2))
+                ).any()
+            ):
                 return False
             self.xy, self.yaw = np.concatenate([self.xy, xy[None]]), np.concatenate([self.yaw, yaw[None]])
             self.half = np.concatenate([self.half, half[None]])
@@ -315,6 +344,7 @@ class _Fleet:
 
 
 # ----------------------------------------------------------------------------- the scene
+
 
 def ego_route(road: RoadMap, rng: np.random.Generator, samples: int) -> tuple[Obj, tuple[float, float, float]]:
     """The ego's drive (a random route from a random lane position) and its lateral wobble."""
@@ -395,8 +425,11 @@ class _Placer:
 
     def streets_near(self) -> list[int]:
         """Streets that come within render range (plus a margin) of the ego."""
-        return [i for i, st in enumerate(self.world.road.streets)
-                if np.min(np.linalg.norm(st.path.xy[::20, None] - self.ego_xy[None], axis=2)) < RENDER_RANGE + 20.0]
+        return [
+            i
+            for i, st in enumerate(self.world.road.streets)
+            if np.min(np.linalg.norm(st.path.xy[::20, None] - self.ego_xy[None], axis=2)) < RENDER_RANGE + 20.0
+        ]
 
 
 @dataclass
@@ -411,7 +444,8 @@ class _Kerb:
     def clear(self, a: float, b: float) -> bool:
         """Whether arclengths [a, b] are straight and cross no driveway on this side."""
         return self.path.straight(a, b) and not any(
-            self.street == di and self.sd == ds and a < d1 and b > d0 for di, ds, d0, d1 in self.driveways)
+            self.street == di and self.sd == ds and a < d1 and b > d0 for di, ds, d0, d1 in self.driveways
+        )
 
 
 def _line_kerb(placer: _Placer, kerb: _Kerb) -> None:
@@ -493,7 +527,10 @@ def _drive_lane(placer: _Placer, i: int, dirn: int, k: int) -> None:
         sc = s + o.size[1] / 2
         s += o.size[1] + rng.uniform(6.0, 22.0)
         # Skip vehicles that cannot come into render range during the scene (at up to 11 m/s).
-        if sc >= lane.length or np.min(np.linalg.norm(lane.at(sc)[0] - ego_xy, axis=1)) > RENDER_RANGE + 11.0 * duration + 10.0:
+        if (
+            sc >= lane.length
+            or np.min(np.linalg.norm(lane.at(sc)[0] - ego_xy, axis=1)) > RENDER_RANGE + 11.0 * duration + 10.0
+        ):
             continue
         o.path, o.speed = road.route(rng, i, dirn, k, sc, v * duration + 5.0), v
         xy, yaw = o.pose(placer.times)
@@ -519,7 +556,10 @@ def _add_pedestrians(placer: _Placer, streets: list[int]) -> None:
                     xy, _ = p.at(s0, l)
                     _static(o, xy, rng.uniform(0, 2 * math.pi)).attribute = "pedestrian.standing"
                 xy, _ = o.pose(placer.times)
-                if placer.near(xy[0], RENDER_RANGE + 10.0 + 1.6 * duration) and not shapely.contains_xy(drivable, xy[:, 0], xy[:, 1]).any():
+                if (
+                    placer.near(xy[0], RENDER_RANGE + 10.0 + 1.6 * duration)
+                    and not shapely.contains_xy(drivable, xy[:, 0], xy[:, 1]).any()
+                ):
                     placer.world.objects.append(o)
 
 
@@ -533,6 +573,8 @@ def _add_scenery(placer: _Placer) -> None:
     for tl in road.layers["traffic_light"]:
         x, y, z, yaw = tl["pose"]
         if placer.near((x, y)):
-            parts = [_box(0, 0, 0, 0.15, 0.15, 4.0, (0.35, 0.36, 0.38)),
-                     _box(0.1, 0, 1.45, 0.35, 0.3, 0.9, (0.08, 0.08, 0.08), DARK)]
+            parts = [
+                _box(0, 0, 0, 0.15, 0.15, 4.0, (0.35, 0.36, 0.38)),
+                _box(0.1, 0, 1.45, 0.35, 0.3, 0.9, (0.08, 0.08, 0.08), DARK),
+            ]
             objects.append(_static(Obj("", (0.35, 0.4, 4.0), parts), (x, y), yaw))

@@ -27,6 +27,7 @@ the mini_val names (n >= 2); n = 10 is exactly the real mini split, n = 2 gives
 scene-0061 (train) + scene-0103 (val), n = 1 only scene-0061. More than 10 scenes is an
 error: v1.0-mini has 10 scene names, so ask for more samples per scene instead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,21 @@ VERSION = "v1.0-mini"
 DEFAULT_SCENES = 10
 DEFAULT_SAMPLES = 24
 JPEG_QUALITY = 90
-TABLES = ("attribute", "calibrated_sensor", "category", "ego_pose", "instance", "log", "map", "sample",
-          "sample_annotation", "sample_data", "scene", "sensor", "visibility")
+TABLES = (
+    "attribute",
+    "calibrated_sensor",
+    "category",
+    "ego_pose",
+    "instance",
+    "log",
+    "map",
+    "sample",
+    "sample_annotation",
+    "sample_data",
+    "scene",
+    "sensor",
+    "visibility",
+)
 CHANNELS = (*CAMERA_NAMES, "LIDAR_TOP")  # the sensors of every sample, in sensor/sample_data row order
 
 # Real nuScenes v1.0 tokens and names (facts of the public schema).
@@ -71,8 +85,14 @@ VISIBILITY = [
 ]
 ATTRIBUTES = {
     "vehicle.moving": ("cb5118da1ab342aa947717dc53544259", "Vehicle is moving."),
-    "vehicle.stopped": ("c3246a1e22a14fcb878aa61e69ae3329", "Vehicle, with a driver/rider in/on it, is currently stationary but has an intent to move."),
-    "vehicle.parked": ("58aa28b1c2a54dc88e169808c07331e3", "Vehicle is stationary (usually for longer duration) with no immediate intent to move."),
+    "vehicle.stopped": (
+        "c3246a1e22a14fcb878aa61e69ae3329",
+        "Vehicle, with a driver/rider in/on it, is currently stationary but has an intent to move.",
+    ),
+    "vehicle.parked": (
+        "58aa28b1c2a54dc88e169808c07331e3",
+        "Vehicle is stationary (usually for longer duration) with no immediate intent to move.",
+    ),
     "cycle.with_rider": ("a14936d865eb4216b396adae8cb3939c", "There is someone riding the bicycle or motorcycle."),
     "cycle.without_rider": ("5a655f9751944309a277276b8f473452", "There is NO rider on the bicycle or motorcycle."),
     "pedestrian.sitting_lying_down": ("03aa62109bf043afafdea7d875dd4f43", "The human is sitting or lying down."),
@@ -117,8 +137,10 @@ def scene_names(n: int) -> list[str]:
     splits = mini_splits()
     mini_train, mini_val = splits["mini_train"], splits["mini_val"]
     if n < 1 or n > len(mini_train) + len(mini_val):
-        raise ValueError(f"scenes must be in 1..{len(mini_train) + len(mini_val)} (the v1.0-mini scene names), got {n}; "
-                         "for more data raise samples_per_scene")
+        raise ValueError(
+            f"scenes must be in 1..{len(mini_train) + len(mini_val)} (the v1.0-mini scene names), got {n}; "
+            "for more data raise samples_per_scene"
+        )
     k = 0 if n == 1 else max(1, int(n / 5 + 0.5))
     return list(mini_train[: n - k]) + list(mini_val[:k])
 
@@ -138,6 +160,7 @@ def _log_info(name: str, index: int) -> tuple[str, str, int]:
 
 
 # ----------------------------------------------------------------------------- rendering worker
+
 
 @lru_cache(maxsize=16)
 def _world(seed: int, scene: int, samples: int, location: str) -> World:
@@ -167,8 +190,14 @@ def _worker_init() -> None:
     torch.set_num_threads(1)  # one process per core; torch threads would only contend
 
 
-def lidar_points(world: World, t: float, annotated: list[int], counts: dict, rng: np.random.Generator,
-                 scale: int = raycast.RENDER_SCALE):
+def lidar_points(
+    world: World,
+    t: float,
+    annotated: list[int],
+    counts: dict,
+    rng: np.random.Generator,
+    scale: int = raycast.RENDER_SCALE,
+):
     """A small LIDAR_TOP cloud (N, 5: x, y, z, intensity, ring) in the lidar frame, and points per object.
 
     Ground rings (minus the ground under objects) plus, for each annotated object, points
@@ -179,7 +208,7 @@ def lidar_points(world: World, t: float, annotated: list[int], counts: dict, rng
     boxes, pts = _object_points(world, t, annotated, counts, rng, scale)
     cloud = np.concatenate([ground] + pts)
     under, inside = _points_in_boxes(cloud, boxes)
-    under[len(ground):] = False  # only ground points are dropped: the lidar cannot see the ground under an object
+    under[len(ground) :] = False  # only ground points are dropped: the lidar cannot see the ground under an object
     per_obj = {i: int(np.count_nonzero(~under[idx])) for i, idx in inside}
     cloud = cloud[~under]
     R_l = quaternion_to_matrix(LIDAR_ROTATION)
@@ -190,14 +219,23 @@ def lidar_points(world: World, t: float, annotated: list[int], counts: dict, rng
 def _ground_rings() -> np.ndarray:
     """The ground points (N, 5) of the lidar's 32 rings in the ego frame, 64 azimuths each."""
     rings = np.arange(32)
-    r = 3.0 * 1.09 ** rings  # 3 m .. ~45 m
+    r = 3.0 * 1.09**rings  # 3 m .. ~45 m
     az = np.linspace(-math.pi, math.pi, 64, endpoint=False)
-    return np.stack([np.outer(r, np.cos(az)).ravel(), np.outer(r, np.sin(az)).ravel(), np.zeros(r.size * az.size),
-                     np.full(r.size * az.size, 10.0), np.repeat(rings, az.size).astype(np.float64)], -1)
+    return np.stack(
+        [
+            np.outer(r, np.cos(az)).ravel(),
+            np.outer(r, np.sin(az)).ravel(),
+            np.zeros(r.size * az.size),
+            np.full(r.size * az.size, 10.0),
+            np.repeat(rings, az.size).astype(np.float64),
+        ],
+        -1,
+    )
 
 
-def _object_points(world: World, t: float, annotated: list[int], counts: dict, rng: np.random.Generator,
-                   scale: int) -> tuple[list[tuple], list[np.ndarray]]:
+def _object_points(
+    world: World, t: float, annotated: list[int], counts: dict, rng: np.random.Generator, scale: int
+) -> tuple[list[tuple], list[np.ndarray]]:
     """Each annotated object's box in the ego frame (index, rotation object -> ego, centre, half size) and its
     points (n, 5), n in proportion to its visible pixels."""
     ego_t, ego_yaw = world.ego_pose(t)
@@ -226,7 +264,7 @@ def _points_in_boxes(cloud: np.ndarray, boxes: list[tuple]) -> tuple[np.ndarray,
     xs, under, inside = cloud[order, 0], np.zeros(len(cloud), bool), []
     for i, R, c_ego, half in boxes:
         reach = math.hypot(half[0], half[1]) + 0.1
-        near = order[np.searchsorted(xs, c_ego[0] - reach):np.searchsorted(xs, c_ego[0] + reach, "right")]
+        near = order[np.searchsorted(xs, c_ego[0] - reach) : np.searchsorted(xs, c_ego[0] + reach, "right")]
         local = np.abs((cloud[near, :3] - c_ego) @ R)  # rows: R^T (p - c)
         under[near[np.all(local <= half + 0.05, axis=1)]] = True
         inside.append((i, near[np.all(local <= half, axis=1)]))
@@ -256,6 +294,7 @@ def _render_task(task):
 
 # ----------------------------------------------------------------------------- tables
 
+
 def _write_atomic(path: Path, data: bytes | str) -> None:
     """Write a file whole or not at all (bev.utils.io.atomic_write: the umask applies)."""
     atomic_write(path, data.encode() if isinstance(data, str) else data)
@@ -268,13 +307,15 @@ def _read_manifest(out: Path) -> dict:
         m = json.loads(path.read_text())
         files, dirs = list(m["files"]), list(m["dirs"])
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} is not a bev-make-synthetic manifest ({e}); remove the dataset by hand or "
-                         "choose another --out") from None
+        raise ValueError(
+            f"{path} is not a bev-make-synthetic manifest ({e}); remove the dataset by hand or choose another --out"
+        ) from None
     root = out.resolve()
     for rel in files + dirs:
         if not isinstance(rel, str) or not (out / rel).resolve().is_relative_to(root) or (out / rel).resolve() == root:
-            raise ValueError(f"{path} lists {rel!r}, which is not inside {out}; remove the dataset by hand or "
-                             "choose another --out")
+            raise ValueError(
+                f"{path} lists {rel!r}, which is not inside {out}; remove the dataset by hand or choose another --out"
+            )
     return {"files": files, "dirs": dirs}
 
 
@@ -287,17 +328,23 @@ def _check_out(out: Path, overwrite: bool) -> None:
     if (out / MANIFEST).is_file():
         _read_manifest(out)
         if not overwrite:
-            raise FileExistsError(f"--out {out} exists and is not empty (a synthetic dataset); choose a new directory or "
-                                  "pass overwrite=True (--overwrite) to replace the dataset in it")
+            raise FileExistsError(
+                f"--out {out} exists and is not empty (a synthetic dataset); choose a new directory or "
+                "pass overwrite=True (--overwrite) to replace the dataset in it"
+            )
         return
     foreign = [name for name in (VERSION, "samples", "sweeps", "maps") if (out / name).exists()]
     if foreign:
-        raise FileExistsError(f"--out {out} holds a nuScenes dataset that bev-make-synthetic did not write "
-                              f"({', '.join(foreign)} but no {MANIFEST}); it never deletes what it did not write: "
-                              "choose another directory")
+        raise FileExistsError(
+            f"--out {out} holds a nuScenes dataset that bev-make-synthetic did not write "
+            f"({', '.join(foreign)} but no {MANIFEST}); it never deletes what it did not write: "
+            "choose another directory"
+        )
     if not overwrite:
-        raise FileExistsError(f"--out {out} exists and is not empty; choose a new directory or pass "
-                              "overwrite=True (--overwrite) to write the dataset next to the files in it")
+        raise FileExistsError(
+            f"--out {out} exists and is not empty; choose a new directory or pass "
+            "overwrite=True (--overwrite) to write the dataset next to the files in it"
+        )
 
 
 def _begin(out: Path, files: list[str]) -> None:
@@ -319,8 +366,10 @@ def _begin(out: Path, files: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for d in created:
         (out / d).mkdir(exist_ok=True)
-    _write_atomic(out / MANIFEST, json.dumps({"written_by": "bev-make-synthetic", "files": sorted(files),
-                                              "dirs": created}, indent=0))
+    _write_atomic(
+        out / MANIFEST,
+        json.dumps({"written_by": "bev-make-synthetic", "files": sorted(files), "dirs": created}, indent=0),
+    )
 
 
 RENDER_SCALES = (1, 2, 4)  # divisors of 1600x900 that keep whole pixels
@@ -329,8 +378,10 @@ RENDER_SCALES = (1, 2, 4)  # divisors of 1600x900 that keep whole pixels
 def _check_render_scale(scale) -> int:
     """`scale` as an int if it is one of RENDER_SCALES, else a ValueError."""
     if isinstance(scale, bool) or not isinstance(scale, (int, np.integer)) or int(scale) not in RENDER_SCALES:
-        raise ValueError(f"render_scale must be one of {', '.join(map(str, RENDER_SCALES))} "
-                         f"(ray-cast at 1600x900 / render_scale), got {scale!r}")
+        raise ValueError(
+            f"render_scale must be one of {', '.join(map(str, RENDER_SCALES))} "
+            f"(ray-cast at 1600x900 / render_scale), got {scale!r}"
+        )
     return int(scale)
 
 
@@ -348,9 +399,16 @@ def _validate(scenes, samples_per_scene, seed, workers) -> list[str]:
     return scene_names(int(scenes))
 
 
-def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = DEFAULT_SAMPLES, seed: int = 0,
-                   overwrite: bool = False, workers: int = 2, progress: bool = True,
-                   render_scale: int = raycast.RENDER_SCALE) -> Path:
+def make_synthetic(
+    out,
+    scenes: int = DEFAULT_SCENES,
+    samples_per_scene: int = DEFAULT_SAMPLES,
+    seed: int = 0,
+    overwrite: bool = False,
+    workers: int = 2,
+    progress: bool = True,
+    render_scale: int = raycast.RENDER_SCALE,
+) -> Path:
     """Write the synthetic nuScenes-format dataset to `out` and return its path (the dataroot).
 
     `out` must not exist or be empty unless overwrite=True, which first removes the files a
@@ -367,8 +425,9 @@ def make_synthetic(out, scenes: int = DEFAULT_SCENES, samples_per_scene: int = D
     _check_out(out, overwrite)
     rig = load_rig()
     T = _fixed_tables(seed)
-    scene_tasks = [_add_scene(T, rig, out, seed, si, name, samples_per_scene, render_scale)
-                   for si, name in enumerate(names)]
+    scene_tasks = [
+        _add_scene(T, rig, out, seed, si, name, samples_per_scene, render_scale) for si, name in enumerate(names)
+    ]
     tasks = [task for scene in scene_tasks for task in scene]
     map_tasks = _add_maps(T, out, seed, names)
     _begin(out, _dataset_files(tasks, T["map"], names))
@@ -386,34 +445,67 @@ def _fixed_tables(seed: int) -> dict[str, list[dict]]:
     T = {name: [] for name in TABLES}
     T["visibility"] = [dict(v) for v in VISIBILITY]
     T["attribute"] = [{"token": tok, "name": n, "description": d} for n, (tok, d) in ATTRIBUTES.items()]
-    T["category"] = [{"token": tok, "name": n, "description": f"nuScenes category {n}."} for n, tok in CATEGORIES.items()]
-    T["sensor"] = [{"token": _token(seed, "sensor", ch), "channel": ch, "modality": "lidar" if ch == "LIDAR_TOP" else "camera"}
-                   for ch in CHANNELS]
+    T["category"] = [
+        {"token": tok, "name": n, "description": f"nuScenes category {n}."} for n, tok in CATEGORIES.items()
+    ]
+    T["sensor"] = [
+        {"token": _token(seed, "sensor", ch), "channel": ch, "modality": "lidar" if ch == "LIDAR_TOP" else "camera"}
+        for ch in CHANNELS
+    ]
     return T
 
 
-def _add_scene(T: dict, rig: dict, out: Path, seed: int, si: int, name: str, samples: int,
-               render_scale: int) -> list[_RenderTask]:
+def _add_scene(
+    T: dict, rig: dict, out: Path, seed: int, si: int, name: str, samples: int, render_scale: int
+) -> list[_RenderTask]:
     """Append scene `si`'s log, calibrated_sensor, scene and per-sample rows; return its samples' render tasks."""
     location = MINI_LOCATIONS[name]
     world = _world(seed, si, samples, location)
     logfile, date, t0 = _log_info(name, si)
     log_tok, scene_tok = _token(seed, "log", si), _token(seed, "scene", si)
-    T["log"].append({"token": log_tok, "logfile": logfile, "vehicle": logfile[:4], "date_captured": date,
-                     "location": location})
+    T["log"].append(
+        {"token": log_tok, "logfile": logfile, "vehicle": logfile[:4], "date_captured": date, "location": location}
+    )
     _add_calibrated_sensors(T, rig, seed, si)
     sample_toks = [_token(seed, "sample", si, k) for k in range(samples)]
-    T["scene"].append({"token": scene_tok, "log_token": log_tok, "nbr_samples": samples,
-                       "first_sample_token": sample_toks[0], "last_sample_token": sample_toks[-1],
-                       "name": name, "description": "Synthetic: drive through a road network with junctions, traffic, parked cars, pedestrians."})
+    T["scene"].append(
+        {
+            "token": scene_tok,
+            "log_token": log_tok,
+            "nbr_samples": samples,
+            "first_sample_token": sample_toks[0],
+            "last_sample_token": sample_toks[-1],
+            "name": name,
+            "description": "Synthetic: drive through a road network with junctions, traffic, parked cars, pedestrians.",
+        }
+    )
     tasks = []
     for k, tok in enumerate(sample_toks):
         ts = t0 + int(round(k * SAMPLE_DT * 1e6))
-        T["sample"].append({"token": tok, "timestamp": ts, "prev": sample_toks[k - 1] if k else "",
-                            "next": sample_toks[k + 1] if k + 1 < samples else "", "scene_token": scene_tok})
+        T["sample"].append(
+            {
+                "token": tok,
+                "timestamp": ts,
+                "prev": sample_toks[k - 1] if k else "",
+                "next": sample_toks[k + 1] if k + 1 < samples else "",
+                "scene_token": scene_tok,
+            }
+        )
         files = _add_sample_data(T, world, seed, si, k, samples, tok, ts, logfile)
-        tasks.append(_RenderTask(out, seed, si, k, samples, location, {c: files[c] for c in CAMERA_NAMES},
-                                 files["LIDAR_TOP"], annotated_objects(world, k * SAMPLE_DT), render_scale))
+        tasks.append(
+            _RenderTask(
+                out,
+                seed,
+                si,
+                k,
+                samples,
+                location,
+                {c: files[c] for c in CAMERA_NAMES},
+                files["LIDAR_TOP"],
+                annotated_objects(world, k * SAMPLE_DT),
+                render_scale,
+            )
+        )
     return tasks
 
 
@@ -421,18 +513,29 @@ def _add_calibrated_sensors(T: dict, rig: dict, seed: int, si: int) -> None:
     """Append scene `si`'s calibrated_sensor rows: the rig's six cameras, then the lidar mount."""
     for ch in CAMERA_NAMES:
         cal = rig["cameras"][ch]
-        T["calibrated_sensor"].append({"token": _token(seed, "calibrated_sensor", si, ch),
-                                       "sensor_token": _token(seed, "sensor", ch),
-                                       "translation": cal["translation"], "rotation": cal["rotation"],
-                                       "camera_intrinsic": cal["camera_intrinsic"]})
-    T["calibrated_sensor"].append({"token": _token(seed, "calibrated_sensor", si, "LIDAR_TOP"),
-                                   "sensor_token": _token(seed, "sensor", "LIDAR_TOP"),
-                                   "translation": LIDAR_TRANSLATION, "rotation": LIDAR_ROTATION,
-                                   "camera_intrinsic": []})
+        T["calibrated_sensor"].append(
+            {
+                "token": _token(seed, "calibrated_sensor", si, ch),
+                "sensor_token": _token(seed, "sensor", ch),
+                "translation": cal["translation"],
+                "rotation": cal["rotation"],
+                "camera_intrinsic": cal["camera_intrinsic"],
+            }
+        )
+    T["calibrated_sensor"].append(
+        {
+            "token": _token(seed, "calibrated_sensor", si, "LIDAR_TOP"),
+            "sensor_token": _token(seed, "sensor", "LIDAR_TOP"),
+            "translation": LIDAR_TRANSLATION,
+            "rotation": LIDAR_ROTATION,
+            "camera_intrinsic": [],
+        }
+    )
 
 
-def _add_sample_data(T: dict, world: World, seed: int, si: int, k: int, samples: int, sample_tok: str, ts: int,
-                     logfile: str) -> dict[str, str]:
+def _add_sample_data(
+    T: dict, world: World, seed: int, si: int, k: int, samples: int, sample_tok: str, ts: int, logfile: str
+) -> dict[str, str]:
     """Append sample k's ego_pose and sample_data rows, one per channel; return channel -> file (relative to out)."""
     ego_t, ego_yaw = world.ego_pose(k * SAMPLE_DT)
     files = {}
@@ -441,15 +544,25 @@ def _add_sample_data(T: dict, world: World, seed: int, si: int, k: int, samples:
         sd_tok = _token(seed, "sample_data", si, k, ch)
         cam = ch != "LIDAR_TOP"
         files[ch] = f"samples/{ch}/{logfile}__{ch}__{ts}.{'jpg' if cam else 'pcd.bin'}"
-        T["ego_pose"].append({"token": sd_tok, "timestamp": ts, "rotation": yaw_to_quaternion(ego_yaw),
-                              "translation": ego_t.tolist()})
-        T["sample_data"].append({
-            "token": sd_tok, "sample_token": sample_tok, "ego_pose_token": sd_tok,
-            "calibrated_sensor_token": _token(seed, "calibrated_sensor", si, ch),
-            "timestamp": ts, "fileformat": "jpg" if cam else "pcd", "is_key_frame": True,
-            "height": IMAGE_H if cam else 0, "width": IMAGE_W if cam else 0, "filename": files[ch],
-            "prev": _token(seed, "sample_data", si, k - 1, ch) if k else "",
-            "next": _token(seed, "sample_data", si, k + 1, ch) if k + 1 < samples else ""})
+        T["ego_pose"].append(
+            {"token": sd_tok, "timestamp": ts, "rotation": yaw_to_quaternion(ego_yaw), "translation": ego_t.tolist()}
+        )
+        T["sample_data"].append(
+            {
+                "token": sd_tok,
+                "sample_token": sample_tok,
+                "ego_pose_token": sd_tok,
+                "calibrated_sensor_token": _token(seed, "calibrated_sensor", si, ch),
+                "timestamp": ts,
+                "fileformat": "jpg" if cam else "pcd",
+                "is_key_frame": True,
+                "height": IMAGE_H if cam else 0,
+                "width": IMAGE_W if cam else 0,
+                "filename": files[ch],
+                "prev": _token(seed, "sample_data", si, k - 1, ch) if k else "",
+                "next": _token(seed, "sample_data", si, k + 1, ch) if k + 1 < samples else "",
+            }
+        )
     return files
 
 
@@ -458,8 +571,14 @@ def _add_maps(T: dict, out: Path, seed: int, names: list[str]) -> list[tuple]:
     map_tasks = []
     for loc, scenes_here in _map_groups(names).items():
         tok = _token(seed, "map", loc)
-        T["map"].append({"category": "semantic_prior", "token": tok, "filename": f"maps/{tok}.png",
-                         "log_tokens": [T["log"][si]["token"] for si in scenes_here]})
+        T["map"].append(
+            {
+                "category": "semantic_prior",
+                "token": tok,
+                "filename": f"maps/{tok}.png",
+                "log_tokens": [T["log"][si]["token"] for si in scenes_here],
+            }
+        )
         map_tasks.append((out / "maps" / f"{tok}.png", seed, loc))
     return map_tasks
 
@@ -467,7 +586,9 @@ def _add_maps(T: dict, out: Path, seed: int, names: list[str]) -> list[tuple]:
 def _dataset_files(tasks: list[_RenderTask], maps: list[dict], names: list[str]) -> list[str]:
     """Every file of the dataset, relative to out (what the manifest records)."""
     files = [f for task in tasks for f in (*task.cam_files.values(), task.lidar_file)] + [m["filename"] for m in maps]
-    return files + [f"maps/expansion/{loc}.json" for loc in _map_groups(names)] + [f"{VERSION}/{n}.json" for n in TABLES]
+    return (
+        files + [f"maps/expansion/{loc}.json" for loc in _map_groups(names)] + [f"{VERSION}/{n}.json" for n in TABLES]
+    )
 
 
 def _write_map_expansions(out: Path, seed: int, names: list[str]) -> None:
@@ -476,8 +597,14 @@ def _write_map_expansions(out: Path, seed: int, names: list[str]) -> None:
         _write_atomic(out / "maps" / "expansion" / f"{loc}.json", json.dumps(map_expansion(road_map(seed, loc), seed)))
 
 
-def _render(tasks: list[_RenderTask], map_tasks: list[tuple], workers: int, render_scale: int, samples_per_scene: int,
-            progress: bool) -> dict:
+def _render(
+    tasks: list[_RenderTask],
+    map_tasks: list[tuple],
+    workers: int,
+    render_scale: int,
+    samples_per_scene: int,
+    progress: bool,
+) -> dict:
     """Write every sample's images and lidar cloud and the map PNGs; return (scene, sample) -> (visibility, lidar counts)."""
     for ch in CAMERA_NAMES:  # per-camera rays, computed once and inherited by forked workers
         raycast.make_camera(ch, render_scale)
@@ -519,10 +646,15 @@ def _add_annotations(T: dict, tasks: list[_RenderTask], results: dict) -> None:
         recs = tracks[i]
         for a, b in zip(recs, recs[1:]):
             a["next"], b["prev"] = b["token"], a["token"]
-        T["instance"].append({"token": recs[0]["instance_token"],
-                              "category_token": CATEGORIES[world.objects[i].category],
-                              "nbr_annotations": len(recs), "first_annotation_token": recs[0]["token"],
-                              "last_annotation_token": recs[-1]["token"]})
+        T["instance"].append(
+            {
+                "token": recs[0]["instance_token"],
+                "category_token": CATEGORIES[world.objects[i].category],
+                "nbr_annotations": len(recs),
+                "first_annotation_token": recs[0]["token"],
+                "last_annotation_token": recs[-1]["token"],
+            }
+        )
     T["sample_annotation"].extend(sorted((r for recs in tracks.values() for r in recs), key=lambda r: r["token"]))
 
 
@@ -531,11 +663,20 @@ def _annotation(world: World, task: _RenderTask, i: int, visibility: str, num_li
     seed, si, k = task.seed, task.scene, task.sample
     obj = world.objects[i]
     centre, yaw = world.object_global(obj, k * SAMPLE_DT)
-    return {"token": _token(seed, "sample_annotation", si, k, i), "sample_token": _token(seed, "sample", si, k),
-            "instance_token": _token(seed, "instance", si, i), "visibility_token": visibility,
-            "attribute_tokens": [ATTRIBUTES[obj.attribute][0]] if obj.attribute else [],
-            "translation": centre.tolist(), "size": list(obj.size), "rotation": yaw_to_quaternion(yaw),
-            "prev": "", "next": "", "num_lidar_pts": num_lidar_pts, "num_radar_pts": 0}
+    return {
+        "token": _token(seed, "sample_annotation", si, k, i),
+        "sample_token": _token(seed, "sample", si, k),
+        "instance_token": _token(seed, "instance", si, i),
+        "visibility_token": visibility,
+        "attribute_tokens": [ATTRIBUTES[obj.attribute][0]] if obj.attribute else [],
+        "translation": centre.tolist(),
+        "size": list(obj.size),
+        "rotation": yaw_to_quaternion(yaw),
+        "prev": "",
+        "next": "",
+        "num_lidar_pts": num_lidar_pts,
+        "num_radar_pts": 0,
+    }
 
 
 def _map_groups(names: list[str]) -> dict[str, list[int]]:
@@ -552,8 +693,12 @@ def _map_task(task) -> None:
     road = road_map(seed, location)
     w, h = (int(math.ceil(c / MAP_RES)) for c in road.canvas)
     # Map pixel (col, row) = (x / res, height - y / res), as nuscenes.utils.map_mask expects.
-    mask = fill(np.zeros((h, w), np.uint8), road.layers["drivable_area"][0]["geom"],
-                lambda xy: np.stack([xy[:, 0] / MAP_RES, h - xy[:, 1] / MAP_RES], -1), 255)
+    mask = fill(
+        np.zeros((h, w), np.uint8),
+        road.layers["drivable_area"][0]["geom"],
+        lambda xy: np.stack([xy[:, 0] / MAP_RES, h - xy[:, 1] / MAP_RES], -1),
+        255,
+    )
     if not cv2.imwrite(str(path), mask, [cv2.IMWRITE_PNG_COMPRESSION, 1]):
         raise RuntimeError(f"could not write map {path}")
 
@@ -563,13 +708,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bev-make-synthetic", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="dataroot to create (load it with NuScenes('v1.0-mini', dataroot=OUT))")
     p.add_argument("--scenes", type=int, default=DEFAULT_SCENES, help="1..10 (default %(default)s = the mini split)")
-    p.add_argument("--samples-per-scene", type=int, default=DEFAULT_SAMPLES, help="key frames per scene, 2 Hz (default %(default)s)")
+    p.add_argument(
+        "--samples-per-scene",
+        type=int,
+        default=DEFAULT_SAMPLES,
+        help="key frames per scene, 2 Hz (default %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=2, help="render processes (default %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
-    p.add_argument("--render-scale", type=int, default=raycast.RENDER_SCALE, choices=RENDER_SCALES,
-                   help="ray-cast at 1600x900 / this, then upscale (default %(default)s; 4 writes 3-4x faster, "
-                        "enough for inputs up to ~400x225)")
+    p.add_argument(
+        "--render-scale",
+        type=int,
+        default=raycast.RENDER_SCALE,
+        choices=RENDER_SCALES,
+        help="ray-cast at 1600x900 / this, then upscale (default %(default)s; 4 writes 3-4x faster, "
+        "enough for inputs up to ~400x225)",
+    )
     args = p.parse_args(argv)
     start = time.time()
     try:
@@ -578,13 +733,22 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileExistsError) as e:
         p.error(str(e))
     try:
-        out = make_synthetic(args.out, args.scenes, args.samples_per_scene, args.seed, overwrite=args.overwrite,
-                             workers=args.workers, render_scale=args.render_scale)
+        out = make_synthetic(
+            args.out,
+            args.scenes,
+            args.samples_per_scene,
+            args.seed,
+            overwrite=args.overwrite,
+            workers=args.workers,
+            render_scale=args.render_scale,
+        )
     except OSError as e:  # e.g. a read-only or full --out: one line, no traceback
         print(f"bev-make-synthetic: error: cannot write the dataset to {args.out}: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {args.scenes} scenes x {args.samples_per_scene} samples to {out} in {time.time() - start:.1f} s",
-          file=sys.stderr)
+    print(
+        f"wrote {args.scenes} scenes x {args.samples_per_scene} samples to {out} in {time.time() - start:.1f} s",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -1,4 +1,5 @@
 """Reading checkpoints this project wrote, with one clear error for every way that can fail."""
+
 from __future__ import annotations
 
 import warnings
@@ -58,7 +59,11 @@ def check_compatible(module: nn.Module, ckpt: dict, path: str | Path, model_conf
         a, b = _flat(saved), _flat(model_config)
         keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
         if keys:
-            diffs = " Differing model settings (checkpoint -> now): " + "; ".join(f"model.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys[:6]) + "."
+            diffs = (
+                " Differing model settings (checkpoint -> now): "
+                + "; ".join(f"model.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys[:6])
+                + "."
+            )
     raise CheckpointError(
         f"checkpoint {str(path)!r} was trained with a different model config: {detail}.{diffs} "
         "Use the experiment and model overrides the run was trained with."
@@ -86,14 +91,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
             continue
         if best is not None and best.name not in unreadable:
             if unreadable:
-                warnings.warn(f"{', '.join(unreadable)} in {ckdir} cannot be read (corrupt: a killed save?); using "
-                              f"{best.name}, the best checkpoint {source.name} names", stacklevel=2)
+                warnings.warn(
+                    f"{', '.join(unreadable)} in {ckdir} cannot be read (corrupt: a killed save?); using "
+                    f"{best.name}, the best checkpoint {source.name} names",
+                    stacklevel=2,
+                )
             return best
     if len(epochs) == 1 and epochs[0].name not in unreadable:
         return epochs[0]
     if last.is_file() and "last.ckpt" not in unreadable:
         return last
-    raise error or CheckpointError(f"no readable checkpoint found in {str(path)!r} (expected checkpoints/epoch_NNN.ckpt or last.ckpt).")
+    raise error or CheckpointError(
+        f"no readable checkpoint found in {str(path)!r} (expected checkpoints/epoch_NNN.ckpt or last.ckpt)."
+    )
 
 
 def _best_named_in(source: Path, ckdir: Path) -> Path | None:

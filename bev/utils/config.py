@@ -1,4 +1,5 @@
 """Hydra helpers: where the configs live, instantiating config groups, run-mode queries."""
+
 from __future__ import annotations
 
 from pathlib import Path

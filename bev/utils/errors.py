@@ -1,4 +1,5 @@
 """One clear line for a failed command; the full traceback goes to <run>/error.txt."""
+
 from __future__ import annotations
 
 import contextlib
@@ -70,7 +71,9 @@ def report_errors(prog: str) -> Callable:
                 if is_multirun():
                     if out is not None:
                         with contextlib.suppress(OSError):  # the disk may be full: the message above is what counts
-                            write_run_metrics(out, {"status": f"failed: {msg[:300]}", "metrics": {}, "overrides": task_overrides()})
+                            write_run_metrics(
+                                out, {"status": f"failed: {msg[:300]}", "metrics": {}, "overrides": task_overrides()}
+                            )
                     return float("nan")
                 sys.exit(1)
 
@@ -107,6 +110,10 @@ class RunDirCheck(HydraCallback):
         why = unwritable_dir(path) if path else None
         if why:
             what = "sweep" if "sweep" in key else "run"
-            print(f"bev-{config.task_name}: error: cannot write the {what} directory {path} ({why}). "
-                  f"Pass {key}=<a writable directory>.", file=sys.stderr, flush=True)
+            print(
+                f"bev-{config.task_name}: error: cannot write the {what} directory {path} ({why}). "
+                f"Pass {key}=<a writable directory>.",
+                file=sys.stderr,
+                flush=True,
+            )
             sys.exit(1)

@@ -4,6 +4,7 @@ A same-directory rename is atomic on POSIX filesystems, so a reader (or a crash)
 half-written file, and a failed write leaves the previous file in place. A write that fails because
 the disk is full can be turned into one DiskFullError naming the path, the free space and the fix.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +23,9 @@ from typing import IO, Any
 # torch's zip writer reports a failed file.write as "unexpected pos" and may drop the OSError; such a
 # failure counts as a full disk when less than this is left on the filesystem.
 NEARLY_FULL_BYTES = 64 << 20
-RUN_DIR_FIX = "free some space there, or point paths.output_dir elsewhere (hydra.run.dir=<a directory on a disk with room>)"
+RUN_DIR_FIX = (
+    "free some space there, or point paths.output_dir elsewhere (hydra.run.dir=<a directory on a disk with room>)"
+)
 
 
 def _new_temporary(path: Path) -> tuple[int, Path]:

@@ -10,6 +10,7 @@ bev.ops does not call it on import: it changes the whole process's allocator (me
 kept for reuse, not returned to the OS), a choice for the application (the training entry and
 the benchmarks make it), not for a library.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -4,6 +4,7 @@ A resumed run appends to the log it continues instead of starting version_N+1. A
 its last checkpoint has logged steps that the resumed run logs again, so readers keep the last
 record of each step; they merge every version in numeric order (version_2 before version_10).
 """
+
 from __future__ import annotations
 
 import csv
@@ -43,7 +44,9 @@ class ResumableCSVLogger(CSVLogger):
     """CSVLogger that, when `resume` is set (the checkpoint a run resumes from), continues the newest
     existing <save_dir>/<name>/version_N log of the run directory, appending to its metrics.csv."""
 
-    def __init__(self, save_dir: str, name: str = "csv", version: int | str | None = None, resume: str | None = None, **kwargs):
+    def __init__(
+        self, save_dir: str, name: str = "csv", version: int | str | None = None, resume: str | None = None, **kwargs
+    ):
         self._append = bool(resume)
         if self._append and version is None:
             existing = versions(Path(save_dir) / name)
@@ -86,7 +89,9 @@ def read_metrics_log(run_dir: str | os.PathLike, name: str = "csv") -> dict[str,
     """
     files = [v / METRICS_FILE for v in versions(Path(run_dir) / name) if (v / METRICS_FILE).is_file()]
     if not files:
-        raise FileNotFoundError(f"no {name}/version_*/{METRICS_FILE} under {run_dir} (is it a bev-train run directory?)")
+        raise FileNotFoundError(
+            f"no {name}/version_*/{METRICS_FILE} under {run_dir} (is it a bev-train run directory?)"
+        )
     merged: dict[str, dict[int, float]] = {}
     first_step: int | None = None
     for f in files:

@@ -8,6 +8,7 @@ bf16 autocast halves the cost of the convolutions only on CPUs with native bf16 
 older GPUs get fp16 mixed precision with loss scaling. The splat accumulates in fp32 and the
 geometry runs in fp32 under autocast (bev.models.lss), so only the encoders change precision.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -82,10 +83,13 @@ def resolve_channels_last(value: bool | str, module=None) -> bool:
     hazards = nhwc_hazards(module) if module is not None and value else []
     if hazards:
         choice = "keeps NCHW" if value == "auto" else "channels_last=true as configured"
-        warnings.warn(f"{type(module).__name__}: {choice}: {len(hazards)} convolution(s) ({hazards[0]}, ...) are 1x1 "
-                      f"with stride > 1 and fewer than {NHWC_MIN_CHANNELS} input channels, whose channels_last weight gradient "
-                      "oneDNN on x86 CPUs computes past its buffer (crashes, hangs or wrong gradients: "
-                      "uxlfoundation/oneDNN#6035); widen them or set channels_last=false", stacklevel=3)
+        warnings.warn(
+            f"{type(module).__name__}: {choice}: {len(hazards)} convolution(s) ({hazards[0]}, ...) are 1x1 "
+            f"with stride > 1 and fewer than {NHWC_MIN_CHANNELS} input channels, whose channels_last weight gradient "
+            "oneDNN on x86 CPUs computes past its buffer (crashes, hangs or wrong gradients: "
+            "uxlfoundation/oneDNN#6035); widen them or set channels_last=false",
+            stacklevel=3,
+        )
     if value != "auto":
         return bool(value)
     import torch
@@ -103,8 +107,14 @@ def nhwc_hazards(module) -> list[str]:
     """Names of the module's Conv2d layers that are 1x1, strided and narrower than NHWC_MIN_CHANNELS."""
     from torch import nn
 
-    return [name for name, m in module.named_modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (1, 1)
-            and max(m.stride) > 1 and m.in_channels < NHWC_MIN_CHANNELS]
+    return [
+        name
+        for name, m in module.named_modules()
+        if isinstance(m, nn.Conv2d)
+        and m.kernel_size == (1, 1)
+        and max(m.stride) > 1
+        and m.in_channels < NHWC_MIN_CHANNELS
+    ]
 
 
 def resolve_depthwise_fp32(value: bool | str) -> bool:

@@ -1,4 +1,5 @@
 """What a call allocates, for benchmarks and tests (timings stay in the benchmarks)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable

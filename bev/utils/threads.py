@@ -10,6 +10,7 @@ with three CPU-bound loops beside it, the embedded default ran at 1.35 s/step on
 every epoch (bev.callbacks.ThreadsFollowLoad), how many of its CPUs other processes kept busy
 (OtherLoad) and gives up a thread per busy CPU (threads_for_load).
 """
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,9 @@ def available_cpus() -> int:
     return len(cpu_set())
 
 
-def resolve_threads(threads: int | str | None, num_workers: int, accelerator: str = "cpu",
-                    devices: int | str = 1) -> tuple[int | None, str]:
+def resolve_threads(
+    threads: int | str | None, num_workers: int, accelerator: str = "cpu", devices: int | str = 1
+) -> tuple[int | None, str]:
     """(intra-op threads to set or None to leave torch's default, reason) for the `threads` config key.
 
     auto: on the CPU, each of `devices` processes gets an equal share of the available CPUs less
@@ -70,8 +72,9 @@ def follows_load(threads: int | str | None, accelerator: str = "cpu", devices: i
     return str(threads) == "auto" and one_process and resolve_threads(threads, 0, accelerator, devices)[0] is not None
 
 
-def apply_threads(threads: int | str | None, num_workers: int, accelerator: str = "cpu",
-                  devices: int | str = 1) -> tuple[int | None, str | None]:
+def apply_threads(
+    threads: int | str | None, num_workers: int, accelerator: str = "cpu", devices: int | str = 1
+) -> tuple[int | None, str | None]:
     """Set torch's intra-op threads per `threads` (resolve_threads); returns (count set or None, a line to print or None)."""
     import torch
 
@@ -83,8 +86,9 @@ def apply_threads(threads: int | str | None, num_workers: int, accelerator: str 
 
 
 @contextmanager
-def intra_op_threads(threads: int | str | None, num_workers: int, accelerator: str = "cpu",
-                     devices: int | str = 1) -> Iterator[int | None]:
+def intra_op_threads(
+    threads: int | str | None, num_workers: int, accelerator: str = "cpu", devices: int | str = 1
+) -> Iterator[int | None]:
     """apply_threads (printing what it set) for the duration of the block, then torch's previous count;
     yields the count set (None: torch's default kept)."""
     import torch

@@ -1,4 +1,5 @@
 """Running the entry points in-process, as a user's command line would, and reading what they wrote."""
+
 import csv
 import sys
 from pathlib import Path

@@ -1,6 +1,7 @@
 """The CUDA kernels of bev.ops built for the CPU under a SIMT emulation (tests/cuda_emulation), and
 calls of its ops with the plans bev.ops would build. Used by test_ops_cuda_emulated.py and, to compare
 a GPU with the emulation of its own kernels, by test_ops_cuda.py (through the `emu` fixture)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -18,7 +19,12 @@ REPO = Path(__file__).resolve().parents[2]
 EMULATION = REPO / "tests" / "cuda_emulation"
 CSRC = REPO / "bev" / "ops" / "csrc"
 SOURCES = [EMULATION / "emu_ops.cpp"]
-HEADERS = [EMULATION / "simt.h", CSRC / "common.h", CSRC / "cuda" / "pool_kernels.cuh", CSRC / "cuda" / "pool_launchers.h"]
+HEADERS = [
+    EMULATION / "simt.h",
+    CSRC / "common.h",
+    CSRC / "cuda" / "pool_kernels.cuh",
+    CSRC / "cuda" / "pool_launchers.h",
+]
 
 
 def _build_dir(config, name: str) -> Path:

@@ -1,4 +1,5 @@
 """Small models and their inputs, shared by the model, inference and export tests."""
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,14 @@ def model_inputs(B=2, seed=0):
     """LiftSplatShoot's positional inputs: random images of SIZE from the 6-camera ring rig."""
     g = torch.Generator().manual_seed(seed)
     cams = rig(B)
-    return (torch.randn(B, 6, 3, *SIZE, generator=g), cams["intrinsics"], cams["rots"], cams["trans"],
-            cams["post_rots"], cams["post_trans"])
+    return (
+        torch.randn(B, 6, 3, *SIZE, generator=g),
+        cams["intrinsics"],
+        cams["rots"],
+        cams["trans"],
+        cams["post_rots"],
+        cams["post_trans"],
+    )
 
 
 def val_batch(dataroot, model, n=2):

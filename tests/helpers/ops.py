@@ -1,6 +1,7 @@
 """The shared ground of the bev.ops tests (CPU, CUDA, emulated CUDA, fuzz): an independent float64
 index_add_ reference that shares no code with bev.ops, seeded input generators, dtype tolerances, the
 case tables every device runs, and the opcheck / torch.compile scaffolding."""
+
 from __future__ import annotations
 
 import subprocess
@@ -79,9 +80,7 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dt
 
 def backends_for(device: str) -> list:
     """Explicit backends to test on `device`; native is skipped (not silently dropped) if unbuilt."""
-    native_mark = pytest.mark.skipif(
-        not ops.native_available(device), reason=f"native kernels not built for {device}"
-    )
+    native_mark = pytest.mark.skipif(not ops.native_available(device), reason=f"native kernels not built for {device}")
     return ["torch", "quickcumsum", pytest.param("native", marks=native_mark)]
 
 

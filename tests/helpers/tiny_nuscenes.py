@@ -10,6 +10,7 @@ map expansion (v1.3 schema, readable by the devkit's NuScenesMap): an intersecti
 (110, 205) next to scene-0061's ego poses, a straight road under scene-0103's, and one parking
 spot (carpark_area) exactly under the truck (BOXES[1]) of scene-0061's first sample.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,12 @@ from PIL import Image
 from bev.geometry import CAMERA_NAMES, quaternion_to_matrix
 
 CAM_YAWS = {  # degrees, camera optical axis in the ego xy plane
-    "CAM_FRONT_LEFT": 55.0, "CAM_FRONT": 0.0, "CAM_FRONT_RIGHT": -55.0,
-    "CAM_BACK_LEFT": 110.0, "CAM_BACK": 180.0, "CAM_BACK_RIGHT": -110.0,
+    "CAM_FRONT_LEFT": 55.0,
+    "CAM_FRONT": 0.0,
+    "CAM_FRONT_RIGHT": -55.0,
+    "CAM_BACK_LEFT": 110.0,
+    "CAM_BACK": 180.0,
+    "CAM_BACK_RIGHT": -110.0,
 }
 W, H = 1600, 900
 K = [[1260.0, 0.0, 800.0], [0.0, 1260.0, 450.0], [0.0, 0.0, 1.0]]
@@ -114,16 +119,30 @@ MAP_POLYGONS = {
     "carpark_area": [(_rect(60, 80, 225, 240), [])],  # + parking_spot()
 }
 MAP_LINES = {
-    "road_divider": [[(40, 205), (103, 205)], [(117, 205), (180, 205)], [(110, 130), (110, 198)], [(440, 202), (570, 202)]],
+    "road_divider": [
+        [(40, 205), (103, 205)],
+        [(117, 205), (180, 205)],
+        [(110, 130), (110, 198)],
+        [(440, 202), (570, 202)],
+    ],
     "lane_divider": [[(40, 208.5), (103, 208.5)], [(120, 215), (160, 250)]],
 }
 
 
 def write_map(root: Path, location: str = LOCATION) -> Path:
     """maps/expansion/<location>.json in the nuScenes map expansion v1.3 schema."""
-    m: dict[str, Any] = {"version": "1.3", "canvas_edge": [3000.0, 3000.0], "node": [], "line": [], "polygon": [],
-                         "traffic_light": [], "arcline_path_3": {}, "connectivity": {}, "lane_connector": [],
-                         "road_block": []}
+    m: dict[str, Any] = {
+        "version": "1.3",
+        "canvas_edge": [3000.0, 3000.0],
+        "node": [],
+        "line": [],
+        "polygon": [],
+        "traffic_light": [],
+        "arcline_path_3": {},
+        "connectivity": {},
+        "lane_connector": [],
+        "road_block": [],
+    }
 
     def nodes(pts):
         toks = []
@@ -134,8 +153,9 @@ def write_map(root: Path, location: str = LOCATION) -> Path:
 
     def polygon(ext, holes):
         tok = f"p{len(m['polygon'])}"
-        m["polygon"].append({"token": tok, "exterior_node_tokens": nodes(ext),
-                             "holes": [{"node_tokens": nodes(h)} for h in holes]})
+        m["polygon"].append(
+            {"token": tok, "exterior_node_tokens": nodes(ext), "holes": [{"node_tokens": nodes(h)} for h in holes]}
+        )
         return tok
 
     polys = {k: list(v) for k, v in MAP_POLYGONS.items()}
@@ -147,15 +167,26 @@ def write_map(root: Path, location: str = LOCATION) -> Path:
         m[layer] = []
         for k, p in enumerate(items):
             rec = {"token": f"{layer}{k}", "polygon_token": polygon(*p)}
-            rec.update({
-                "road_segment": {"is_intersection": k == 0, "drivable_area_token": "da0"},
-                "lane": {"lane_type": "CAR", "from_edge_line_token": None, "to_edge_line_token": None,
-                         "left_lane_divider_segments": [], "right_lane_divider_segments": []},
-                "ped_crossing": {"road_segment_token": "road_segment0"},
-                "stop_line": {"stop_line_type": "STOP_SIGN", "ped_crossing_tokens": [], "traffic_light_tokens": [],
-                              "road_block_token": None},
-                "carpark_area": {"orientation": 0.0, "road_block_token": None},
-            }.get(layer, {}))
+            rec.update(
+                {
+                    "road_segment": {"is_intersection": k == 0, "drivable_area_token": "da0"},
+                    "lane": {
+                        "lane_type": "CAR",
+                        "from_edge_line_token": None,
+                        "to_edge_line_token": None,
+                        "left_lane_divider_segments": [],
+                        "right_lane_divider_segments": [],
+                    },
+                    "ped_crossing": {"road_segment_token": "road_segment0"},
+                    "stop_line": {
+                        "stop_line_type": "STOP_SIGN",
+                        "ped_crossing_tokens": [],
+                        "traffic_light_tokens": [],
+                        "road_block_token": None,
+                    },
+                    "carpark_area": {"orientation": 0.0, "road_block_token": None},
+                }.get(layer, {})
+            )
             m[layer].append(rec)
     for layer, items in MAP_LINES.items():
         m[layer] = []
@@ -163,8 +194,9 @@ def write_map(root: Path, location: str = LOCATION) -> Path:
             tok = f"l{len(m['line'])}"
             m["line"].append({"token": tok, "node_tokens": nodes(pts)})
             rec = {"token": f"{layer}{k}", "line_token": tok}
-            rec.update({"road_divider": {"road_segment_token": None},
-                        "lane_divider": {"lane_divider_segments": []}}[layer])
+            rec.update(
+                {"road_divider": {"road_segment_token": None}, "lane_divider": {"lane_divider_segments": []}}[layer]
+            )
             m[layer].append(rec)
     path = root / "maps" / "expansion" / f"{location}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -174,30 +206,55 @@ def write_map(root: Path, location: str = LOCATION) -> Path:
 
 def write_tiny(root: Path, samples: int = 2, with_map: bool = True) -> Path:
     root = Path(root)
-    tables: dict[str, list] = {t: [] for t in (
-        "attribute", "calibrated_sensor", "category", "ego_pose", "instance", "log", "map",
-        "sample", "sample_annotation", "sample_data", "scene", "sensor", "visibility")}
+    tables: dict[str, list] = {
+        t: []
+        for t in (
+            "attribute",
+            "calibrated_sensor",
+            "category",
+            "ego_pose",
+            "instance",
+            "log",
+            "map",
+            "sample",
+            "sample_annotation",
+            "sample_data",
+            "scene",
+            "sensor",
+            "visibility",
+        )
+    }
     for lvl, name in enumerate(["v0-40", "v40-60", "v60-80", "v80-100"], 1):
         tables["visibility"].append({"token": str(lvl), "level": name, "description": name})
     cats = sorted({b[0] for b in BOXES})
     for c in cats:
         tables["category"].append({"token": f"cat-{c}", "name": c, "description": c})
-    tables["log"].append({"token": "log0", "logfile": "log0", "vehicle": "v", "date_captured": "2018-07-18",
-                          "location": LOCATION})
-    tables["map"].append({"token": "map0", "log_tokens": ["log0"], "category": "semantic_prior",
-                          "filename": "maps/map0.png"})
+    tables["log"].append(
+        {"token": "log0", "logfile": "log0", "vehicle": "v", "date_captured": "2018-07-18", "location": LOCATION}
+    )
+    tables["map"].append(
+        {"token": "map0", "log_tokens": ["log0"], "category": "semantic_prior", "filename": "maps/map0.png"}
+    )
     (root / "maps").mkdir(parents=True, exist_ok=True)
     Image.new("L", (8, 8)).save(root / "maps" / "map0.png")
     channels = list(CAMERA_NAMES) + ["LIDAR_TOP"]
     for ch in channels:
-        tables["sensor"].append({"token": f"sensor-{ch}", "channel": ch,
-                                 "modality": "lidar" if ch == "LIDAR_TOP" else "camera"})
+        tables["sensor"].append(
+            {"token": f"sensor-{ch}", "channel": ch, "modality": "lidar" if ch == "LIDAR_TOP" else "camera"}
+        )
         if ch == "LIDAR_TOP":
             cs = {"translation": [0.9, 0.0, 1.8], "rotation": [1.0, 0, 0, 0], "camera_intrinsic": []}
         else:
             R = cam_to_ego_rotation(CAM_YAWS[ch])
-            cs = {"translation": [1.0 * math.cos(math.radians(CAM_YAWS[ch])), 0.5 * math.sin(math.radians(CAM_YAWS[ch])), 1.5],
-                  "rotation": _mat_to_quat(R), "camera_intrinsic": K}
+            cs = {
+                "translation": [
+                    1.0 * math.cos(math.radians(CAM_YAWS[ch])),
+                    0.5 * math.sin(math.radians(CAM_YAWS[ch])),
+                    1.5,
+                ],
+                "rotation": _mat_to_quat(R),
+                "camera_intrinsic": K,
+            }
         tables["calibrated_sensor"].append({"token": f"cs-{ch}", "sensor_token": f"sensor-{ch}", **cs})
     instances: dict[tuple, dict] = {}
     seed = 0
@@ -207,15 +264,24 @@ def write_tiny(root: Path, samples: int = 2, with_map: bool = True) -> Path:
         for k, stok in enumerate(sample_toks):
             t0 = 1_531_000_000_000_000 + si * 10**9 + k * 500_000
             ego_t, ego_yaw = ego_pose(si, k)
-            tables["sample"].append({"token": stok, "timestamp": t0, "scene_token": scene_tok,
-                                     "prev": sample_toks[k - 1] if k else "",
-                                     "next": sample_toks[k + 1] if k + 1 < samples else ""})
+            tables["sample"].append(
+                {
+                    "token": stok,
+                    "timestamp": t0,
+                    "scene_token": scene_tok,
+                    "prev": sample_toks[k - 1] if k else "",
+                    "next": sample_toks[k + 1] if k + 1 < samples else "",
+                }
+            )
             for ci, ch in enumerate(channels):
                 dt = 0 if ch == "LIDAR_TOP" else 10_000 * (ci + 1)
                 # Each camera has its own ego pose (the ego moved and turned since LIDAR_TOP).
-                ep = {"token": f"ep-{stok}-{ch}", "timestamp": t0 + dt,
-                      "translation": (ego_t + np.array([0.4 * dt / 1e4, 0.1 * dt / 1e4, 0.0])).tolist(),
-                      "rotation": _mat_to_quat(_rz(ego_yaw + 0.01 * dt / 1e4))}
+                ep = {
+                    "token": f"ep-{stok}-{ch}",
+                    "timestamp": t0 + dt,
+                    "translation": (ego_t + np.array([0.4 * dt / 1e4, 0.1 * dt / 1e4, 0.0])).tolist(),
+                    "rotation": _mat_to_quat(_rz(ego_yaw + 0.01 * dt / 1e4)),
+                }
                 tables["ego_pose"].append(ep)
                 if ch == "LIDAR_TOP":
                     fn, fmt, h, w = f"samples/LIDAR_TOP/{stok}.pcd.bin", "pcd", 0, 0
@@ -226,27 +292,66 @@ def write_tiny(root: Path, samples: int = 2, with_map: bool = True) -> Path:
                     (root / "samples" / ch).mkdir(parents=True, exist_ok=True)
                     Image.fromarray(texture(seed)).save(root / fn, quality=90)
                     seed += 1
-                tables["sample_data"].append({
-                    "token": f"sd-{stok}-{ch}", "sample_token": stok, "ego_pose_token": ep["token"],
-                    "calibrated_sensor_token": f"cs-{ch}", "timestamp": t0 + dt, "fileformat": fmt,
-                    "is_key_frame": True, "height": h, "width": w, "filename": fn, "prev": "", "next": ""})
+                tables["sample_data"].append(
+                    {
+                        "token": f"sd-{stok}-{ch}",
+                        "sample_token": stok,
+                        "ego_pose_token": ep["token"],
+                        "calibrated_sensor_token": f"cs-{ch}",
+                        "timestamp": t0 + dt,
+                        "fileformat": fmt,
+                        "is_key_frame": True,
+                        "height": h,
+                        "width": w,
+                        "filename": fn,
+                        "prev": "",
+                        "next": "",
+                    }
+                )
             Re = _rz(ego_yaw)
             for bi, (cat, ex, ey, yaw, size, vis) in enumerate(BOXES):
                 centre = Re @ np.array([ex, ey, size[2] / 2]) + ego_t
                 itok = f"inst{si}-{bi}"
                 atok = f"ann-{stok}-{bi}"
-                inst = instances.setdefault(itok, {"token": itok, "category_token": f"cat-{cat}", "nbr_annotations": 0,
-                                                   "first_annotation_token": atok, "last_annotation_token": atok})
+                inst = instances.setdefault(
+                    itok,
+                    {
+                        "token": itok,
+                        "category_token": f"cat-{cat}",
+                        "nbr_annotations": 0,
+                        "first_annotation_token": atok,
+                        "last_annotation_token": atok,
+                    },
+                )
                 inst["nbr_annotations"] += 1
                 inst["last_annotation_token"] = atok
-                tables["sample_annotation"].append({
-                    "token": atok, "sample_token": stok, "instance_token": itok, "visibility_token": vis,
-                    "attribute_tokens": [], "translation": centre.tolist(), "size": list(size),
-                    "rotation": _mat_to_quat(_rz(ego_yaw + yaw)), "prev": "", "next": "",
-                    "num_lidar_pts": 10, "num_radar_pts": 0})
-        tables["scene"].append({"token": scene_tok, "log_token": "log0", "nbr_samples": samples,
-                                "first_sample_token": sample_toks[0], "last_sample_token": sample_toks[-1],
-                                "name": scene_name, "description": "tiny"})
+                tables["sample_annotation"].append(
+                    {
+                        "token": atok,
+                        "sample_token": stok,
+                        "instance_token": itok,
+                        "visibility_token": vis,
+                        "attribute_tokens": [],
+                        "translation": centre.tolist(),
+                        "size": list(size),
+                        "rotation": _mat_to_quat(_rz(ego_yaw + yaw)),
+                        "prev": "",
+                        "next": "",
+                        "num_lidar_pts": 10,
+                        "num_radar_pts": 0,
+                    }
+                )
+        tables["scene"].append(
+            {
+                "token": scene_tok,
+                "log_token": "log0",
+                "nbr_samples": samples,
+                "first_sample_token": sample_toks[0],
+                "last_sample_token": sample_toks[-1],
+                "name": scene_name,
+                "description": "tiny",
+            }
+        )
     tables["instance"] = list(instances.values())
     (root / "samples" / "LIDAR_TOP").mkdir(parents=True, exist_ok=True)
     ver = root / "v1.0-mini"
