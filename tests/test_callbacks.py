@@ -4,6 +4,7 @@ import csv
 import json
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,3 +72,27 @@ def test_epoch_summary_sums_the_train_loss_without_reading_it_every_step(capsys)
     line = capsys.readouterr().out
     assert "train/loss 1.0000" in line and "val/loss 0.2500" in line and "val/iou_best -" in line
     assert cb.loss_n == 0 and float(cb.loss_sum) == 0.0
+
+
+def test_bev_png_logger_writes_the_png_and_logs_it_to_image_loggers(tmp_path):
+
+    from bev.callbacks.png_logger import IMAGE_TAG, BevPngLogger
+
+    calls = []
+    tensorboard = SimpleNamespace(experiment=SimpleNamespace(add_image=lambda *a, **k: calls.append(("tb", a, k))))
+    wandb = SimpleNamespace(log_image=lambda **k: calls.append(("wandb", (), k)))
+    csv_logger = SimpleNamespace(experiment=SimpleNamespace())  # takes no images: skipped
+    trainer = SimpleNamespace(global_step=1, loggers=[tensorboard, wandb, csv_logger])
+    batch = {"images": torch.zeros(2, 6, 3, 16, 44), "bev": torch.zeros(2, 1, 20, 20), "sample_token": ["a", "b"]}
+    outputs = {"logits": torch.zeros(2, 1, 20, 20)}
+    BevPngLogger(str(tmp_path), every_n_steps=5).on_train_batch_end(trainer, None, outputs, batch, 0)
+    png = tmp_path / "step_0000001.png"
+    assert png.is_file()
+    (kind, args, kw), (kind2, _, kw2) = calls
+    assert kind == "tb" and args[0] == IMAGE_TAG and args[2] == 1 and kw == {"dataformats": "HWC"}
+    img = args[1]
+    assert img.dtype == np.uint8 and img.ndim == 3 and img.shape[2] == 3
+    assert kind2 == "wandb" and kw2["key"] == IMAGE_TAG and kw2["step"] == 1 and kw2["images"][0] is img
+    trainer.global_step = 2  # not a logging step
+    BevPngLogger(str(tmp_path), every_n_steps=5).on_train_batch_end(trainer, None, outputs, batch, 0)
+    assert len(calls) == 2 and not (tmp_path / "step_0000002.png").exists()
