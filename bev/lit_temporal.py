@@ -6,6 +6,7 @@ bev.losses.TemporalLoss. Two-stage recipe (FIERY's from-scratch runs diverged fo
 model.init_from=<static checkpoint or run dir> loads the static model's matching weights before
 the first step.
 """
+
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
@@ -40,19 +41,38 @@ class TemporalLitModule(BEVLitModule):
     Other arguments: BEVLitModule's.
     """
 
-    def __init__(self, net: nn.Module, optimizer, temporal_loss: Mapping[str, Any] | None = None,
-                 past_no_grad: bool = False, past_cache_mb: float = 0, past_cache_max_age: int | None = None,
-                 init_from: str | None = None, **static: Any):
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer,
+        temporal_loss: Mapping[str, Any] | None = None,
+        past_no_grad: bool = False,
+        past_cache_mb: float = 0,
+        past_cache_max_age: int | None = None,
+        init_from: str | None = None,
+        **static: Any,
+    ):
         if static.get("depth_weight"):
             raise ValueError("model.depth_weight > 0 is not supported by the temporal model: set model.depth_weight=0")
         super().__init__(net, optimizer, **static)
         # Plain containers only: checkpoints are read with torch.load(weights_only=True).
-        self.save_hyperparameters(plain({"temporal_loss": temporal_loss, "past_no_grad": past_no_grad,
-                                         "past_cache_mb": past_cache_mb, "past_cache_max_age": past_cache_max_age,
-                                         "init_from": init_from, **static}))
+        self.save_hyperparameters(
+            plain(
+                {
+                    "temporal_loss": temporal_loss,
+                    "past_no_grad": past_no_grad,
+                    "past_cache_mb": past_cache_mb,
+                    "past_cache_max_age": past_cache_max_age,
+                    "init_from": init_from,
+                    **static,
+                }
+            )
+        )
         if past_cache_mb and not past_no_grad:
-            raise ValueError("model.past_cache_mb > 0 reuses past frames' features without gradient: it needs "
-                             "model.past_no_grad=true")
+            raise ValueError(
+                "model.past_cache_mb > 0 reuses past frames' features without gradient: it needs "
+                "model.past_no_grad=true"
+            )
         self.past_cache = PastFeatureCache(past_cache_mb, past_cache_max_age) if past_cache_mb else None
         self.past_cache_hits: float | None = None  # the last training batch's share of past frames from the cache
         self.temporal_loss = TemporalLoss(**dict(temporal_loss or {}))
@@ -60,8 +80,9 @@ class TemporalLitModule(BEVLitModule):
         self.init_from = init_from
         # FIERY's metrics at its two ranges: IoU pooled over the present and future frames, and VPQ.
         self.future_iou = nn.ModuleDict({f"{s}_{r}": FutureIoU() for s in ("val", "test") for r in FIERY_RANGES})
-        self.vpq = nn.ModuleDict({f"{s}_{r}": PanopticQuality(temporally_consistent=True)
-                                  for s in ("val", "test") for r in FIERY_RANGES})
+        self.vpq = nn.ModuleDict(
+            {f"{s}_{r}": PanopticQuality(temporally_consistent=True) for s in ("val", "test") for r in FIERY_RANGES}
+        )
 
     # --- inputs and losses
 
@@ -94,7 +115,9 @@ class TemporalLitModule(BEVLitModule):
         self.past_cache_hits = 1 - len(missing) / (B * P)  # logged by training_step
         return torch.stack([torch.stack([found[(b, t)] for t in range(P)]) for b in range(B)])
 
-    def total_loss(self, out: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    def total_loss(
+        self, out: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict]:
         """(weighted total, {term: unweighted value}) over the static head ("bev") and the future heads."""
         return self.temporal_loss(out, batch, extra={"bev": self.loss(out["bev"], batch["bev"])})
 
@@ -118,7 +141,9 @@ class TemporalLitModule(BEVLitModule):
         self._update_future_metrics(out, batch, stage)
         return out
 
-    def _update_future_metrics(self, out: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor], stage: str) -> None:
+    def _update_future_metrics(
+        self, out: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor], stage: str
+    ) -> None:
         """Future IoU and VPQ of the present and future frames, at each of FIERY's ranges (instances are
         decoded on the whole grid, then cropped, as FIERY does)."""
         seg = out["segmentation"][:, :, 0].float().sigmoid() > 0.5
@@ -171,8 +196,11 @@ class TemporalLitModule(BEVLitModule):
             return
         if not self.init_from:
             if rank_zero:
-                print("model.init_from is not set: the temporal model starts from scratch (its two-stage recipe starts "
-                      "from a static checkpoint: model.init_from=<static run>/checkpoints)", flush=True)
+                print(
+                    "model.init_from is not set: the temporal model starts from scratch (its two-stage recipe starts "
+                    "from a static checkpoint: model.init_from=<static run>/checkpoints)",
+                    flush=True,
+                )
             return
         loaded, report = load_matching(self, self.init_from)
         if "net.bev_encoder.up2.3.weight" in loaded and self.net.init_future_from_static():
@@ -222,7 +250,9 @@ def frame_keys(batch: Mapping[str, Any], past_frames: int) -> list[list]:
     tokens = batch.get("sample_tokens")
     if tokens is None:
         raise ValueError("model.past_cache_mb > 0 needs the windows' sample_tokens in the batch (data.past_frames > 0)")
-    aug = torch.cat([batch["post_rots"].flatten(3), batch["post_trans"]], dim=-1).detach().cpu().numpy()  # (B, T, N, 12)
+    aug = (
+        torch.cat([batch["post_rots"].flatten(3), batch["post_trans"]], dim=-1).detach().cpu().numpy()
+    )  # (B, T, N, 12)
     return [[(tokens[b][t], aug[b, t].tobytes()) for t in range(past_frames + 1)] for b in range(len(tokens))]
 
 
@@ -245,17 +275,23 @@ def check_sequence_batch(batch: Mapping[str, torch.Tensor], net: nn.Module) -> N
     frames = getattr(net, "past_frames", 0) + 1
     if images is None or images.dim() != 6 or "future_egomotion" not in batch:
         shape = None if images is None else tuple(images.shape)
-        raise ValueError(f"the temporal model takes windows of {frames} input frames (images (B, {frames}, N, 3, H, W) and "
-                         f"future_egomotion), got images {shape}: set data.past_frames and data.future_frames "
-                         f"(e.g. experiment=synthetic_temporal_cpu)")
+        raise ValueError(
+            f"the temporal model takes windows of {frames} input frames (images (B, {frames}, N, 3, H, W) and "
+            f"future_egomotion), got images {shape}: set data.past_frames and data.future_frames "
+            f"(e.g. experiment=synthetic_temporal_cpu)"
+        )
     if images.shape[1] != frames:
-        raise ValueError(f"the batch has {images.shape[1]} input frames, the model takes {frames}: "
-                         f"data.past_frames must equal model.net.past_frames")
+        raise ValueError(
+            f"the batch has {images.shape[1]} input frames, the model takes {frames}: "
+            f"data.past_frames must equal model.net.past_frames"
+        )
     seg = batch.get("segmentation")
     want = getattr(net, "future_frames", 0) + 1
     if seg is not None and seg.shape[1] != want:
-        raise ValueError(f"the batch has labels for {seg.shape[1]} frames, the model predicts {want}: "
-                         f"data.future_frames must equal model.net.future_frames")
+        raise ValueError(
+            f"the batch has labels for {seg.shape[1]} frames, the model predicts {want}: "
+            f"data.future_frames must equal model.net.future_frames"
+        )
 
 
 def check_finite(loss: torch.Tensor, terms: Mapping[str, torch.Tensor], step: int, epoch: int, batch_idx: int) -> None:
@@ -266,7 +302,8 @@ def check_finite(loss: torch.Tensor, terms: Mapping[str, torch.Tensor], step: in
     raise NonFiniteLossError(
         f"the training loss is {float(loss.detach())} at step {step} (epoch {epoch}, batch {batch_idx}); non-finite terms: "
         f"{', '.join(bad) if bad else 'none (their weighting overflowed)'}. Start from a static checkpoint "
-        f"(model.init_from=<static run>/checkpoints), lower model.optimizer.lr, or keep trainer.gradient_clip_val set.")
+        f"(model.init_from=<static run>/checkpoints), lower model.optimizer.lr, or keep trainer.gradient_clip_val set."
+    )
 
 
 def load_matching(module: nn.Module, path: str) -> tuple[set[str], str]:
@@ -280,8 +317,10 @@ def load_matching(module: nn.Module, path: str) -> tuple[set[str], str]:
     own = module.state_dict()
     take = {k: v for k, v in theirs.items() if k in own and tuple(own[k].shape) == tuple(v.shape)}
     if not take:
-        raise ValueError(f"model.init_from={path}: none of {file}'s network tensors fit this model "
-                         f"(a different camera, grid or BEV encoder config?)")
+        raise ValueError(
+            f"model.init_from={path}: none of {file}'s network tensors fit this model "
+            f"(a different camera, grid or BEV encoder config?)"
+        )
     module.load_state_dict(take, strict=False)
     new = [k for k in own if k.startswith("net.") and k not in take]
     skipped = [k for k in theirs if k not in take]
@@ -290,9 +329,13 @@ def load_matching(module: nn.Module, path: str) -> tuple[set[str], str]:
         counts = Counter(k.split(".")[1] for k in keys)
         return ", ".join(f"{name} ({n})" for name, n in counts.items()) or "none"
 
-    lines = [f"model.init_from: loaded {len(take)} tensors from {file}: {parts(take)}",
-             f"  new (trained from scratch): {parts(new)}"]
+    lines = [
+        f"model.init_from: loaded {len(take)} tensors from {file}: {parts(take)}",
+        f"  new (trained from scratch): {parts(new)}",
+    ]
     if skipped:
-        lines.append(f"  skipped (not in this model or shaped differently): {', '.join(skipped[:8])}"
-                     + (f" and {len(skipped) - 8} more" if len(skipped) > 8 else ""))
+        lines.append(
+            f"  skipped (not in this model or shaped differently): {', '.join(skipped[:8])}"
+            + (f" and {len(skipped) - 8} more" if len(skipped) > 8 else "")
+        )
     return set(take), "\n".join(lines)

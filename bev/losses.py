@@ -6,6 +6,7 @@ gives them: segmentation (B, T, X, Y) int64 0/1, centerness (B, T, 1, X, Y), off
 Frame t's loss is weighted by future_discount ** t. A term with no labelled cell is 0 (still part of
 the graph), not the NaN of a mean over nothing.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,13 @@ def _masked_mean(per_cell: torch.Tensor, valid: torch.Tensor, future_discount: f
     return (per_frame * w).sum() / valid.sum().clamp(min=1)  # no labelled cell: 0, and no host sync
 
 
-def segmentation_loss(logits: torch.Tensor, target: torch.Tensor, pos_weight: float = 2.0, top_k: float | None = None,
-                      future_discount: float = 0.95) -> torch.Tensor:
+def segmentation_loss(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    pos_weight: float = 2.0,
+    top_k: float | None = None,
+    future_discount: float = 0.95,
+) -> torch.Tensor:
     """BCE of (B, T, 1, X, Y) logits against (B, T, X, Y) 0/1 labels, positives weighted by pos_weight.
 
     top_k in (0, 1]: FIERY's bootstrapping: per sample and frame only the top_k fraction of cells
@@ -41,7 +47,9 @@ def segmentation_loss(logits: torch.Tensor, target: torch.Tensor, pos_weight: fl
     logits = logits.float().squeeze(2)
     valid = target != IGNORE
     y = torch.where(valid, target, torch.zeros_like(target)).float()
-    per_cell = F.binary_cross_entropy_with_logits(logits, y, pos_weight=logits.new_tensor(float(pos_weight)), reduction="none")
+    per_cell = F.binary_cross_entropy_with_logits(
+        logits, y, pos_weight=logits.new_tensor(float(pos_weight)), reduction="none"
+    )
     if top_k is None or top_k >= 1:
         return _masked_mean(per_cell, valid, future_discount)
     if not 0 < top_k:
@@ -52,7 +60,9 @@ def segmentation_loss(logits: torch.Tensor, target: torch.Tensor, pos_weight: fl
     return flat.topk(k, dim=-1).values.mean()
 
 
-def regression_loss(pred: torch.Tensor, target: torch.Tensor, norm: int = 1, future_discount: float = 0.95) -> torch.Tensor:
+def regression_loss(
+    pred: torch.Tensor, target: torch.Tensor, norm: int = 1, future_discount: float = 0.95
+) -> torch.Tensor:
     """L1 (norm=1) or squared L2 (norm=2) of (B, T, C, X, Y) vectors, summed over C, mean over labelled cells
     (a cell is labelled when no channel is IGNORE)."""
     valid = (target != IGNORE).all(dim=2, keepdim=True)
@@ -63,7 +73,9 @@ def regression_loss(pred: torch.Tensor, target: torch.Tensor, norm: int = 1, fut
     return _masked_mean(per_cell, valid, future_discount)
 
 
-def gaussian_kl(mu_q: torch.Tensor, log_var_q: torch.Tensor, mu_p: torch.Tensor, log_var_p: torch.Tensor) -> torch.Tensor:
+def gaussian_kl(
+    mu_q: torch.Tensor, log_var_q: torch.Tensor, mu_p: torch.Tensor, log_var_p: torch.Tensor
+) -> torch.Tensor:
     """KL(q || p) of diagonal Gaussians (B, L), summed over L, mean over B (FIERY: q the future, p the present)."""
     kl = 0.5 * (log_var_p - log_var_q + (log_var_q.exp() + (mu_q - mu_p) ** 2) / log_var_p.exp() - 1)
     return kl.sum(-1).mean()
@@ -108,9 +120,16 @@ class TemporalLoss(nn.Module):
     fixed weight, as FIERY's).
     """
 
-    def __init__(self, weights: Mapping[str, float] | None = None, uncertainty: bool = True, future_discount: float = 0.95,
-                 seg_pos_weight: float = 2.0, seg_top_k: float | None = None, extra_terms: tuple[str, ...] = ("bev",),
-                 uncertainty_init: str = "zero"):
+    def __init__(
+        self,
+        weights: Mapping[str, float] | None = None,
+        uncertainty: bool = True,
+        future_discount: float = 0.95,
+        seg_pos_weight: float = 2.0,
+        seg_top_k: float | None = None,
+        extra_terms: tuple[str, ...] = ("bev",),
+        uncertainty_init: str = "zero",
+    ):
         super().__init__()
         names = TERMS + tuple(extra_terms)
         self.weights = {n: 1.0 for n in (*names, "kl")}
@@ -118,21 +137,31 @@ class TemporalLoss(nn.Module):
         if unknown:
             raise ValueError(f"loss weights name unknown term(s) {unknown}; terms: {list(self.weights)}")
         self.weights.update({k: float(v) for k, v in (weights or {}).items()})
-        self.future_discount, self.seg_pos_weight, self.seg_top_k = float(future_discount), float(seg_pos_weight), seg_top_k
+        self.future_discount, self.seg_pos_weight, self.seg_top_k = (
+            float(future_discount),
+            float(seg_pos_weight),
+            seg_top_k,
+        )
         self.uncertainty = UncertaintyWeights(names, uncertainty_init) if uncertainty else None
 
     def terms(self, out: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each future head's unweighted loss."""
         g = self.future_discount
         return {
-            "segmentation": segmentation_loss(out["segmentation"], batch["segmentation"], self.seg_pos_weight, self.seg_top_k, g),
+            "segmentation": segmentation_loss(
+                out["segmentation"], batch["segmentation"], self.seg_pos_weight, self.seg_top_k, g
+            ),
             "centerness": regression_loss(out["centerness"], batch["centerness"], 2, g),
             "offset": regression_loss(out["offset"], batch["offset"], 1, g),
             "flow": regression_loss(out["flow"], batch["flow"], 1, g),
         }
 
-    def forward(self, out: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor],
-                extra: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward(
+        self,
+        out: Mapping[str, torch.Tensor],
+        batch: Mapping[str, torch.Tensor],
+        extra: Mapping[str, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         terms = {**self.terms(out, batch), **dict(extra or {})}
         kl = None
         if "future_mu" in out:

@@ -18,6 +18,7 @@ and the fastest of the measured steps and each variant's ratios to "static" (on 
 other work, contention only slows steps down: the fastest steps are the cleaner comparison); writes
 JSON to --out atomically.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,11 @@ VARIANTS = {
     "static": ["experiment=synthetic_cpu"],
     "temporal": ["experiment=synthetic_temporal_cpu", "model.past_no_grad=false", "model.past_cache_mb=0"],
     "temporal+past_no_grad": ["experiment=synthetic_temporal_cpu", "model.past_cache_mb=0"],
-    "temporal+past_no_grad+fusion3x3": ["experiment=synthetic_temporal_cpu", "model.past_cache_mb=0",
-                                        "model.net.fusion_kernel=3"],
+    "temporal+past_no_grad+fusion3x3": [
+        "experiment=synthetic_temporal_cpu",
+        "model.past_cache_mb=0",
+        "model.net.fusion_kernel=3",
+    ],
     "temporal+past_no_grad+past_cache": ["experiment=synthetic_temporal_cpu"],
 }
 
@@ -65,9 +69,15 @@ def sequence_batch(cfg, batch_size: int, seed: int = 0) -> dict:
     vec = torch.randn(batch_size, F + 1, 2, X, Y, generator=g)
     vec = torch.where(seg.bool()[:, :, None], vec, torch.full_like(vec, 255.0))
     batch["sample_tokens"] = [[f"window{b}_frame{t}" for t in range(T + F)] for b in range(batch_size)]
-    batch.update(future_egomotion=ego, segmentation=seg, instance=seg, offset=vec, flow=vec * 0.5,
-                 centerness=torch.rand(batch_size, F + 1, 1, X, Y, generator=g) * math.e ** -1,
-                 bev=frames["bev"][::T])
+    batch.update(
+        future_egomotion=ego,
+        segmentation=seg,
+        instance=seg,
+        offset=vec,
+        flow=vec * 0.5,
+        centerness=torch.rand(batch_size, F + 1, 1, X, Y, generator=g) * math.e**-1,
+        bev=frames["bev"][::T],
+    )
     return batch
 
 
@@ -149,13 +159,32 @@ def main(argv=None) -> int:
         med, best = statistics.median(v.times), min(v.times)
         ratios = {}
         if static is not None:
-            ratios = {"vs_static": round(med / statistics.median(static.times), 3), "vs_static_min": round(best / min(static.times), 3)}
-        results[v.name] = {"median_s": round(med, 4), "min_s": round(best, 4), "steps_s": [round(t, 4) for t in v.times],
-                           "batch_size": v.batch_size, "precision": v.precision, **ratios}
+            ratios = {
+                "vs_static": round(med / statistics.median(static.times), 3),
+                "vs_static_min": round(best / min(static.times), 3),
+            }
+        results[v.name] = {
+            "median_s": round(med, 4),
+            "min_s": round(best, 4),
+            "steps_s": [round(t, 4) for t in v.times],
+            "batch_size": v.batch_size,
+            "precision": v.precision,
+            **ratios,
+        }
         shown = f"  {ratios['vs_static']:.2f}x static (fastest steps: {ratios['vs_static_min']:.2f}x)" if ratios else ""
-        print(f"{v.name:32s} {med * 1e3:8.1f} ms/step median, {best * 1e3:8.1f} fastest (batch {v.batch_size}, {v.precision}){shown}")
-    report = {"script": "scripts/bench_temporal.py", "commit": _commit(), "threads": a.threads, "steps": a.steps, "warmup": a.warmup,
-              "host": {**host_versions(), "processor": _processor()}, "malloc_env": malloc_env(), "variants": results}
+        print(
+            f"{v.name:32s} {med * 1e3:8.1f} ms/step median, {best * 1e3:8.1f} fastest (batch {v.batch_size}, {v.precision}){shown}"
+        )
+    report = {
+        "script": "scripts/bench_temporal.py",
+        "commit": _commit(),
+        "threads": a.threads,
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "host": {**host_versions(), "processor": _processor()},
+        "malloc_env": malloc_env(),
+        "variants": results,
+    }
     write_report(a.out, report)
     print(f"wrote {a.out}")
     return 0
@@ -166,8 +195,13 @@ def _commit() -> str | None:
     import subprocess
 
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "bev", "configs", "scripts"], cwd=REPO).returncode != 0
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = (
+            subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "bev", "configs", "scripts"], cwd=REPO).returncode
+            != 0
+        )
     except (OSError, subprocess.CalledProcessError):
         return None
     return head + ("+dirty" if dirty else "")

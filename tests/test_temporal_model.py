@@ -1,4 +1,5 @@
 """The temporal model (bev.models.temporal), its losses (bev.losses) and its LightningModule (bev.lit_temporal)."""
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,20 @@ from bev.losses import IGNORE, UncertaintyWeights, regression_loss, segmentation
 from bev.models.lss import LiftSplatShoot
 from bev.models.temporal import TemporalLiftSplat, warp_to_present
 
-GRID = {"xbound": [-24.0, 24.0, 2.0], "ybound": [-24.0, 24.0, 2.0], "zbound": [-10.0, 10.0, 20.0], "dbound": [4.0, 44.0, 8.0]}
-SIZES = {"grid": GRID, "image_size": (32, 96), "context_channels": 8, "num_classes": 2,
-         "camera": {"backbone": "small", "widths": [8, 8, 16, 16, 16], "mid_channels": 16}, "bev": {"widths": [8, 16, 16]}}
+GRID = {
+    "xbound": [-24.0, 24.0, 2.0],
+    "ybound": [-24.0, 24.0, 2.0],
+    "zbound": [-10.0, 10.0, 20.0],
+    "dbound": [4.0, 44.0, 8.0],
+}
+SIZES = {
+    "grid": GRID,
+    "image_size": (32, 96),
+    "context_channels": 8,
+    "num_classes": 2,
+    "camera": {"backbone": "small", "widths": [8, 8, 16, 16, 16], "mid_channels": 16},
+    "bev": {"widths": [8, 16, 16]},
+}
 B, P, F, N = 2, 2, 3, 3
 X = Y = 24
 
@@ -48,10 +60,14 @@ def sequence_batch(seed: int = 0, ego: torch.Tensor | None = None) -> dict[str, 
     batch["future_egomotion"] = egomotion([motion(0.1, 2.0, 0.5), motion(-0.05, 1.5, 0.0)]) if ego is None else ego
     seg = (torch.rand(B, F + 1, X, Y, generator=g) > 0.8).long()
     vec = torch.randn(B, F + 1, 2, X, Y, generator=g)
-    batch.update(segmentation=seg, instance=seg, centerness=torch.rand(B, F + 1, 1, X, Y, generator=g),
-                 offset=torch.where(seg.bool()[:, :, None], vec, torch.full_like(vec, IGNORE)),
-                 flow=torch.where(seg.bool()[:, :, None], -vec, torch.full_like(vec, IGNORE)),
-                 bev=(torch.rand(B, 2, X, Y, generator=g) > 0.7).float())
+    batch.update(
+        segmentation=seg,
+        instance=seg,
+        centerness=torch.rand(B, F + 1, 1, X, Y, generator=g),
+        offset=torch.where(seg.bool()[:, :, None], vec, torch.full_like(vec, IGNORE)),
+        flow=torch.where(seg.bool()[:, :, None], -vec, torch.full_like(vec, IGNORE)),
+        bev=(torch.rand(B, 2, X, Y, generator=g) > 0.7).float(),
+    )
     return batch
 
 
@@ -61,8 +77,9 @@ def tiny_net(**kw) -> TemporalLiftSplat:
 
 
 def tiny_module(**kw) -> TemporalLitModule:
-    return TemporalLitModule(tiny_net(**kw.pop("net", {})), torch.optim.Adam, object_classes=["vehicle"],
-                             map_classes=["drivable_area"], **kw)
+    return TemporalLitModule(
+        tiny_net(**kw.pop("net", {})), torch.optim.Adam, object_classes=["vehicle"], map_classes=["drivable_area"], **kw
+    )
 
 
 def cams(batch):
@@ -74,8 +91,13 @@ def test_heads_shapes_and_gradients(probabilistic):
     net = tiny_net(probabilistic=probabilistic, head_channels=8)
     batch = sequence_batch()
     out = net(*cams(batch), batch["future_egomotion"], future_labels=batch if probabilistic else None)
-    want = {"bev": (B, 2, X, Y), "segmentation": (B, F + 1, 1, X, Y), "centerness": (B, F + 1, 1, X, Y),
-            "offset": (B, F + 1, 2, X, Y), "flow": (B, F + 1, 2, X, Y)}
+    want = {
+        "bev": (B, 2, X, Y),
+        "segmentation": (B, F + 1, 1, X, Y),
+        "centerness": (B, F + 1, 1, X, Y),
+        "offset": (B, F + 1, 2, X, Y),
+        "flow": (B, F + 1, 2, X, Y),
+    }
     assert {k: tuple(out[k].shape) for k in want} == want
     sum(v.float().square().mean() for v in out.values()).backward()
     missing = [n for n, p in net.named_parameters() if p.grad is None]
@@ -107,7 +129,9 @@ def test_warp_of_a_linear_field_matches_the_composed_ego_motion():
     np.testing.assert_allclose(out[inside], expected[inside], atol=1e-4)
 
 
-@pytest.mark.parametrize("step", [motion(0.0, -4.0, 2.0), motion(math.pi / 2, 0.0, 0.0), motion(math.pi / 2, 6.0, -2.0)])
+@pytest.mark.parametrize(
+    "step", [motion(0.0, -4.0, 2.0), motion(math.pi / 2, 0.0, 0.0), motion(math.pi / 2, 6.0, -2.0)]
+)
 def test_warp_moves_a_cell_to_where_the_motion_takes_its_centre(step):
     """A one-hot feature of the frame just before the present lands (value 1) on the cell that contains
     its centre moved by the ego motion (whole-cell translations and quarter turns keep it on a centre)."""
@@ -149,7 +173,11 @@ def test_frames_that_do_not_match_the_model_get_a_clear_error():
     with pytest.raises(ValueError, match="past_frames"):
         net(*(c[:, 1:] for c in cams(batch)), batch["future_egomotion"])
     module = tiny_module()
-    static = {k: v[:, -1] for k, v in batch.items() if k in ("images", "intrinsics", "rots", "trans", "post_rots", "post_trans")}
+    static = {
+        k: v[:, -1]
+        for k, v in batch.items()
+        if k in ("images", "intrinsics", "rots", "trans", "post_rots", "post_trans")
+    }
     with pytest.raises(ValueError, match="data.past_frames"):
         module(static)
 
@@ -164,7 +192,7 @@ def test_losses_ignore_255_and_discount_the_future():
     # Independent: a loop over labelled cells.
     total, count = 0.0, 0
     for b, t, x, y in zip(*np.nonzero(~ignored.numpy())):
-        total += 0.9 ** t * float((pred[b, t, :, x, y] - target[b, t, :, x, y]).abs().sum())
+        total += 0.9**t * float((pred[b, t, :, x, y] - target[b, t, :, x, y]).abs().sum())
         count += 1
     assert loss.item() == pytest.approx(total / count, rel=1e-5)
     wild = pred.clone()
@@ -177,11 +205,14 @@ def test_losses_ignore_255_and_discount_the_future():
 def test_segmentation_loss_ignores_255_and_top_k_keeps_the_hardest_cells():
     logits = torch.tensor([[[[[3.0, -3.0], [0.0, 5.0]]]]])  # (1, 1, 1, 2, 2)
     target = torch.tensor([[[[1, 255], [0, 0]]]])
-    per_cell = torch.nn.functional.binary_cross_entropy_with_logits(logits[0, 0, 0], torch.tensor([[1.0, 0.0], [0.0, 0.0]]),
-                                                                   pos_weight=torch.tensor(2.0), reduction="none")
+    per_cell = torch.nn.functional.binary_cross_entropy_with_logits(
+        logits[0, 0, 0], torch.tensor([[1.0, 0.0], [0.0, 0.0]]), pos_weight=torch.tensor(2.0), reduction="none"
+    )
     expected = (per_cell[0, 0] + per_cell[1, 0] + per_cell[1, 1]) / 3
     assert segmentation_loss(logits, target, pos_weight=2.0).item() == pytest.approx(expected.item(), rel=1e-6)
-    assert segmentation_loss(logits, target, pos_weight=2.0, top_k=0.25).item() == pytest.approx(per_cell[1, 1].item(), rel=1e-6)
+    assert segmentation_loss(logits, target, pos_weight=2.0, top_k=0.25).item() == pytest.approx(
+        per_cell[1, 1].item(), rel=1e-6
+    )
 
 
 def test_uncertainty_weighting_is_kendalls_formula():
@@ -198,7 +229,9 @@ def test_uncertainty_init_loss_starts_every_term_alike_once():
     w = UncertaintyWeights(("a", "b"), init="loss")
     terms = {"a": torch.tensor(4.0), "b": torch.tensor(0.1)}
     total = w(terms)  # training mode: the first batch sets s = log L
-    assert w.log_vars["a"].item() == pytest.approx(math.log(4.0)) and w.log_vars["b"].item() == pytest.approx(math.log(0.1))
+    assert w.log_vars["a"].item() == pytest.approx(math.log(4.0)) and w.log_vars["b"].item() == pytest.approx(
+        math.log(0.1)
+    )
     assert total.item() == pytest.approx(0.5 + 0.5 * math.log(4.0) + 0.5 + 0.5 * math.log(0.1), rel=1e-5)
     w({"a": torch.tensor(1.0), "b": torch.tensor(1.0)})  # only once (the flag is saved with the checkpoint)
     assert w.log_vars["a"].item() == pytest.approx(math.log(4.0)) and "pending" in w.state_dict()
@@ -217,7 +250,9 @@ def test_a_nan_loss_stops_training_naming_the_step():
 
 def test_init_from_loads_the_static_weights_and_starts_as_the_static_model(tmp_path, capsys):
     torch.manual_seed(1)
-    static = BEVLitModule(LiftSplatShoot(**SIZES), torch.optim.Adam, object_classes=["vehicle"], map_classes=["drivable_area"])
+    static = BEVLitModule(
+        LiftSplatShoot(**SIZES), torch.optim.Adam, object_classes=["vehicle"], map_classes=["drivable_area"]
+    )
     for m in static.modules():  # non-default BN statistics, so that loading them is seen too
         if isinstance(m, torch.nn.BatchNorm2d):
             m.running_mean.uniform_(-0.1, 0.1)
@@ -268,17 +303,35 @@ def test_a_training_step_and_its_checkpoint_reads_with_weights_only(tmp_path):
 
     from bev.utils.checkpoint import read_checkpoint
 
-    cfg = OmegaConf.create({
-        "_target_": "bev.lit_temporal.TemporalLitModule",
-        "net": {"_target_": "bev.models.temporal.TemporalLiftSplat", "_convert_": "all", **SIZES, "past_frames": P, "future_frames": F},
-        "optimizer": {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-3},
-        "object_classes": ["vehicle"], "map_classes": ["drivable_area"], "pos_weight": {"vehicle": 4.0, "drivable_area": 2.0},
-        "temporal_loss": {"seg_top_k": 0.25}, "past_no_grad": True})
+    cfg = OmegaConf.create(
+        {
+            "_target_": "bev.lit_temporal.TemporalLitModule",
+            "net": {
+                "_target_": "bev.models.temporal.TemporalLiftSplat",
+                "_convert_": "all",
+                **SIZES,
+                "past_frames": P,
+                "future_frames": F,
+            },
+            "optimizer": {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-3},
+            "object_classes": ["vehicle"],
+            "map_classes": ["drivable_area"],
+            "pos_weight": {"vehicle": 4.0, "drivable_area": 2.0},
+            "temporal_loss": {"seg_top_k": 0.25},
+            "past_no_grad": True,
+        }
+    )
     module = instantiate(cfg)
     batch = sequence_batch()
     loader = torch.utils.data.DataLoader([{k: v[0] for k, v in batch.items()}] * 2, batch_size=2)
-    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     before = module.net.future.branches.motion[-1].weight.detach().clone()
     trainer.fit(module, loader)
     assert not torch.equal(before, module.net.future.branches.motion[-1].weight)
@@ -293,18 +346,34 @@ def test_bev_train_runs_the_temporal_experiment(synthetic_root, tmp_path, monkey
     windows of 2 input frames and 1 future frame), one fast_dev_run batch of training and validation."""
     from helpers.cli import TINY, train_cli
 
-    args = ["experiment=synthetic_temporal_cpu", *TINY[1:], f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}",
-            "data.past_frames=1", "data.future_frames=1", "data.input_memo_mb=0", "+trainer.fast_dev_run=1"]
+    args = [
+        "experiment=synthetic_temporal_cpu",
+        *TINY[1:],
+        f"data.dataroot={synthetic_root}",
+        f"hydra.run.dir={tmp_path}",
+        "data.past_frames=1",
+        "data.future_frames=1",
+        "data.input_memo_mb=0",
+        "+trainer.fast_dev_run=1",
+    ]
     assert train_cli(args, monkeypatch) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "starts from scratch" in out
     metrics = json.loads((tmp_path / "metrics.json").read_text())["metrics"]
-    for key in ("val/iou", "val/future_iou_long", "val/future_iou_short", "val/vpq_long", "val/vpq_short", "train/loss_flow"):
+    for key in (
+        "val/iou",
+        "val/future_iou_long",
+        "val/future_iou_short",
+        "val/vpq_long",
+        "val/vpq_short",
+        "train/loss_flow",
+    ):
         assert key in metrics, sorted(metrics)
 
 
-@pytest.mark.parametrize("static, temporal", [("synthetic_cpu", "synthetic_temporal_cpu"),
-                                              ("fiery_nuscenes_static", "fiery_nuscenes")])
+@pytest.mark.parametrize(
+    "static, temporal", [("synthetic_cpu", "synthetic_temporal_cpu"), ("fiery_nuscenes_static", "fiery_nuscenes")]
+)
 def test_every_weight_of_the_first_stage_fits_the_second(static, temporal):
     """The two-stage experiments: the static run's network tensors all load into the temporal model."""
     from hydra import compose, initialize_config_dir
@@ -313,7 +382,9 @@ def test_every_weight_of_the_first_stage_fits_the_second(static, temporal):
     from bev.utils.config import CONFIG_DIR
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfgs = [compose("train", overrides=[f"experiment={e}", "model.net.camera.weights=null"]) for e in (static, temporal)]
+        cfgs = [
+            compose("train", overrides=[f"experiment={e}", "model.net.camera.weights=null"]) for e in (static, temporal)
+        ]
     first, second = (instantiate(c.model).state_dict() for c in cfgs)
     net = {k: v.shape for k, v in first.items() if k.startswith("net.")}
     assert net and all(k in second and second[k].shape == s for k, s in net.items())
@@ -331,7 +402,7 @@ def scene_windows(starts: list[int], frames: int = 8, seed: int = 3) -> dict:
     images = torch.randn(frames, N, 3, *SIZES["image_size"], generator=g)
     batch = sequence_batch()
     batch = {k: v[: len(starts)] for k, v in batch.items()}
-    batch["images"] = torch.stack([images[s: s + P + 1] for s in starts])
+    batch["images"] = torch.stack([images[s : s + P + 1] for s in starts])
     batch["sample_tokens"] = [[f"frame{s + t}" for t in range(P + 1 + F)] for s in starts]
     return batch
 

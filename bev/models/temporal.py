@@ -14,6 +14,7 @@ With `probabilistic=True`, FIERY's present / future Gaussian latents condition t
 Module names follow LiftSplatShoot (camera_encoder, bev_encoder with the same keys), so a static
 checkpoint's weights load into a temporal model by name (bev.lit_temporal, model.init_from).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -101,7 +102,9 @@ class BevTrunk(BevEncoder):
 
 
 def conv_bn_relu(cin: int, cout: int, k: int = 3) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(cin, cout, k, padding=k // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, k, padding=k // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)
+    )
 
 
 class TemporalFusion(nn.Module):
@@ -127,7 +130,9 @@ class GaussianLatent(nn.Module):
 
     def __init__(self, in_channels: int, latent_dim: int, hidden: int = 32):
         super().__init__()
-        self.net = nn.Sequential(conv_bn_relu(in_channels, hidden), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(hidden, 2 * latent_dim))
+        self.net = nn.Sequential(
+            conv_bn_relu(in_channels, hidden), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(hidden, 2 * latent_dim)
+        )
         self.latent_dim = latent_dim
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,7 +202,9 @@ class TemporalLiftSplat(LiftSplatShoot):
         self.probabilistic, self.latent_dim = bool(probabilistic), int(latent_dim) if probabilistic else 0
         bev_in = context_channels * self.grid.nz
         self.bev_encoder.__class__ = BevTrunk  # methods only: same parameters, same keys
-        self.fusion = TemporalFusion(bev_in, self.past_frames + 1, fusion_channels, fusion_kernel) if self.past_frames else None
+        self.fusion = (
+            TemporalFusion(bev_in, self.past_frames + 1, fusion_channels, fusion_kernel) if self.past_frames else None
+        )
         cf = self.bev_encoder.feature_channels
         if self.probabilistic:
             frames = self.future_frames + 1
@@ -242,9 +249,20 @@ class TemporalLiftSplat(LiftSplatShoot):
             past = self.lift_splat(*(c[:, :-1].flatten(0, 1) for c in cams)).unflatten(0, (B, T - 1))
         return past, self.lift_splat(*(c[:, -1] for c in cams))
 
-    def forward(self, images, intrinsics, rots, trans, post_rots, post_trans, future_egomotion,
-                past_no_grad: bool = False, future_labels: Mapping[str, torch.Tensor] | None = None,
-                past_features: torch.Tensor | None = None, return_features: bool = False) -> dict[str, torch.Tensor]:
+    def forward(
+        self,
+        images,
+        intrinsics,
+        rots,
+        trans,
+        post_rots,
+        post_trans,
+        future_egomotion,
+        past_no_grad: bool = False,
+        future_labels: Mapping[str, torch.Tensor] | None = None,
+        past_features: torch.Tensor | None = None,
+        return_features: bool = False,
+    ) -> dict[str, torch.Tensor]:
         """past_features (B, P, C * Z, X, Y): the past frames' BEV features computed before (frame_features),
         used instead of their cameras; return_features adds the present frame's as "present_features"."""
         self._check_inputs(images)
@@ -255,7 +273,9 @@ class TemporalLiftSplat(LiftSplatShoot):
             past, present = past_features, self.lift_splat(*(c[:, -1] for c in cams))
         feats = present
         if self.fusion is not None:
-            feats = self.fusion(torch.cat([warp_to_present(past, future_egomotion, self.grid), present.unsqueeze(1)], dim=1))
+            feats = self.fusion(
+                torch.cat([warp_to_present(past, future_egomotion, self.grid), present.unsqueeze(1)], dim=1)
+            )
         x = self.bev_encoder.features(feats)
         out = {"bev": self.bev_encoder.up2[-1](x).contiguous()}
         if self.probabilistic:
@@ -270,14 +290,20 @@ class TemporalLiftSplat(LiftSplatShoot):
         if T != self.past_frames + 1:
             raise ValueError(f"images have {T} frames but the model takes past_frames + 1 = {self.past_frames + 1}")
         if (H, W) != self.image_size:
-            raise ValueError(f"images are {H}x{W} but the model was built for {self.image_size[0]}x{self.image_size[1]}")
+            raise ValueError(
+                f"images are {H}x{W} but the model was built for {self.image_size[0]}x{self.image_size[1]}"
+            )
 
-    def _with_latent(self, x: torch.Tensor, out: dict, future_labels: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+    def _with_latent(
+        self, x: torch.Tensor, out: dict, future_labels: Mapping[str, torch.Tensor] | None
+    ) -> torch.Tensor:
         """FIERY's conditioning: a latent sampled from the future distribution (training, given the future
         labels) or the present one's mean (inference), broadcast as extra channels."""
         out["present_mu"], out["present_log_var"] = self.present_dist(x)
         if future_labels is not None:
-            labels = torch.cat([_no_ignore(future_labels["segmentation"]), _no_ignore(future_labels["flow"]).flatten(1, 2)], 1)
+            labels = torch.cat(
+                [_no_ignore(future_labels["segmentation"]), _no_ignore(future_labels["flow"]).flatten(1, 2)], 1
+            )
             mu, log_var = self.future_dist(torch.cat([x, labels.to(x.dtype)], dim=1))
             out["future_mu"], out["future_log_var"] = mu, log_var
             z = mu + torch.randn_like(mu) * (0.5 * log_var).exp() if self.training else mu
