@@ -129,6 +129,18 @@ def test_warp_of_a_linear_field_matches_the_composed_ego_motion():
     np.testing.assert_allclose(out[inside], expected[inside], atol=1e-4)
 
 
+def test_warp_under_bf16_autocast_keeps_the_geometry_in_fp32():
+    """Autocast (bf16-mixed training) must not compose the ego motions in bf16: 40 m of travel is off by
+    up to 0.25 m there (and CUDA's linalg.inv refuses bf16), so the warp equals the fp32 one."""
+    grid = Grid(**GRID)
+    feats = torch.randn(B, P, 2, X, Y)
+    ego = egomotion([motion(0.21, 17.3, -3.9), motion(-0.13, 23.1, 2.7)])
+    plain = warp_to_present(feats, ego, grid)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = warp_to_present(feats, ego, grid)
+    torch.testing.assert_close(mixed, plain, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "step", [motion(0.0, -4.0, 2.0), motion(math.pi / 2, 0.0, 0.0), motion(math.pi / 2, 6.0, -2.0)]
 )

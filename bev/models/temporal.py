@@ -77,9 +77,13 @@ def warp_to_present(feats: torch.Tensor, future_egomotion: torch.Tensor, grid: G
     """(B, P, C, X, Y) BEV features of past frames 0..P-1, each in its own ego frame -> the same in the
     present frame P's (bilinear; cells that were outside a past grid get zeros)."""
     B, P, C, X, Y = feats.shape
-    theta = warp_theta(rigid_inverse(past_to_present(future_egomotion, P)).flatten(0, 1), grid)
-    sample = F.affine_grid(theta, [B * P, C, X, Y], align_corners=False)
-    out = F.grid_sample(feats.flatten(0, 1).float(), sample, mode="bilinear", padding_mode="zeros", align_corners=False)
+    # fp32 under autocast: bf16 matmuls would move the motions by up to 0.25 m (CUDA linalg.inv refuses bf16)
+    with torch.autocast(feats.device.type, enabled=False):
+        theta = warp_theta(rigid_inverse(past_to_present(future_egomotion, P)).flatten(0, 1), grid)
+        sample = F.affine_grid(theta, [B * P, C, X, Y], align_corners=False)
+        out = F.grid_sample(
+            feats.flatten(0, 1).float(), sample, mode="bilinear", padding_mode="zeros", align_corners=False
+        )
     return out.to(feats.dtype).view(B, P, C, X, Y)
 
 
