@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Temporal vs single-frame training step at the embedded config, in one run.
+"""Temporal vs single-frame training step, in one run, on the CPU or a GPU.
 
-    .venv/bin/python scripts/bench_temporal.py [--steps 5] [--warmup 2] [--threads 2]
+    .venv/bin/python scripts/bench_temporal.py [--steps 5] [--warmup 2] [--threads 2] [--device cuda]
+    .venv/bin/python scripts/bench_temporal.py --variants fiery_static fiery     # FIERY's baseline setting
 
 Variants, built from the Hydra configs as bev-train builds them and alternated round-robin:
 "static" (experiment=synthetic_cpu: one frame, its depth loss included), "temporal"
@@ -10,8 +11,11 @@ Variants, built from the Hydra configs as bev-train builds them and alternated r
 a 3x3 temporal block (model.net.fusion_kernel=3), and "temporal+past_no_grad+past_cache" (the
 experiment as configured: the past frames' features also taken from the cache of earlier steps; the
 same batch every step, so every past frame is found after the first step: the step of a full cache,
-which an epoch of make train's data reaches from its second epoch on). A step is
-forward + losses under the precision bev-train resolves here (bf16 autocast on native-bf16 CPUs),
+which an epoch of make train's data reaches from its second epoch on). "fiery" and "fiery_static" are
+experiment=fiery_nuscenes and its single-frame first stage at batch 1 (3 frames x 6 cameras of 224x480,
+200x200 grid), left out unless named. A step is
+forward + losses under the precision bev-train resolves on the device (bf16 autocast on native-bf16
+CPUs and on GPUs that have bf16),
 backward, gradient clipping and the optimiser's step. Inputs: random images with the real rig and
 the validation crop, ego motions of a car driving 2-5 m per frame, random labels. Reports the median
 and the fastest of the measured steps and each variant's ratios to "static" (on a machine shared with
@@ -45,7 +49,16 @@ VARIANTS = {
         "model.net.fusion_kernel=3",
     ],
     "temporal+past_no_grad+past_cache": ["experiment=synthetic_temporal_cpu"],
+    # FIERY's baseline setting at batch 1 (random camera weights: the step costs the same)
+    "fiery_static": ["experiment=fiery_nuscenes_static", "data.batch_size=1", "model.net.camera.weights=null"],
+    "fiery": ["experiment=fiery_nuscenes", "data.batch_size=1", "model.net.camera.weights=null"],
 }
+EMBEDDED = [v for v in VARIANTS if not v.startswith("fiery")]
+
+
+def baseline_of(name: str) -> str:
+    """The single-frame variant a variant's ratios are taken to."""
+    return "fiery_static" if name.startswith("fiery") else "static"
 
 
 def sequence_batch(cfg, batch_size: int, seed: int = 0) -> dict:
@@ -94,7 +107,7 @@ def depth_target(lit, batch: dict, seed: int = 0) -> dict:
 class Variant:
     """A config's LightningModule, optimiser and batch; step() runs one timed training step."""
 
-    def __init__(self, name: str, overrides: list[str], batch_size: int | None):
+    def __init__(self, name: str, overrides: list[str], batch_size: int | None, device: str):
         import torch
         from hydra.utils import instantiate
 
@@ -104,22 +117,32 @@ class Variant:
         cfg = compose_config(overrides)
         B = int(batch_size or cfg.data.batch_size)
         torch.manual_seed(0)
-        self.lit = instantiate(cfg.model).train()
+        self.device = device
+        self.lit = instantiate(cfg.model).train().to(device)
         self.temporal = "past_frames" in cfg.data and int(cfg.data.past_frames) > 0
-        self.batch = sequence_batch(cfg, B) if self.temporal else real_rig_batch(cfg, B)
+        batch = sequence_batch(cfg, B) if self.temporal else real_rig_batch(cfg, B)
         if self.lit.depth_weight:
-            self.batch = depth_target(self.lit, self.batch)
+            batch = depth_target(self.lit, batch)
+        self.batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         self.opt = self.lit.make_optimizer()
         self.clip = cfg.trainer.get("gradient_clip_val")
-        self.precision = resolve_precision(str(cfg.trainer.precision), "cpu")[0]
-        bf16 = self.precision.startswith("bf16")
-        self.autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else nullcontext
+        # the precision bev-train resolves for this device (trainer.precision "auto": bf16 where native)
+        self.precision = resolve_precision(str(cfg.trainer.precision), device)[0]
+        half = {"bf16": torch.bfloat16, "16": torch.float16}.get(self.precision.split("-")[0])
+        self.autocast = (lambda: torch.autocast(device, dtype=half)) if half else nullcontext
         self.batch_size = B
         self.times: list[float] = []
+
+    def sync(self) -> None:
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
 
     def step(self) -> float:
         import torch
 
+        self.sync()
         t0 = time.perf_counter()
         with self.autocast():
             if self.temporal:
@@ -131,6 +154,7 @@ class Variant:
             torch.nn.utils.clip_grad_norm_(self.lit.parameters(), self.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        self.sync()
         return time.perf_counter() - t0
 
 
@@ -140,24 +164,28 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=None, help="default: the configs' (4)")
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bench_temporal_cpu.json"))
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=EMBEDDED)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--out", default=None, help="default: benchmarks/results/bench_temporal_<device>.json")
     a = p.parse_args(argv)
+    a.out = a.out or str(REPO / "benchmarks" / "results" / f"bench_temporal_{a.device}.json")
     import torch
 
     torch.set_num_threads(a.threads)
-    runs = [Variant(n, VARIANTS[n], a.batch_size) for n in a.variants]
+    torch.backends.cudnn.benchmark = a.device == "cuda"  # as trainer=gpu
+    runs = [Variant(n, VARIANTS[n], a.batch_size, a.device) for n in a.variants]
     for v in runs:
         for _ in range(a.warmup):
             v.step()
     for _ in range(a.steps):  # round-robin: load changes hit every variant alike
         for v in runs:
             v.times.append(v.step())
-    static = next((v for v in runs if v.name == "static"), None)
+    by_name = {v.name: v for v in runs}
     results = {}
     for v in runs:
         med, best = statistics.median(v.times), min(v.times)
         ratios = {}
+        static = by_name.get(baseline_of(v.name))
         if static is not None:
             ratios = {
                 "vs_static": round(med / statistics.median(static.times), 3),
@@ -171,13 +199,18 @@ def main(argv=None) -> int:
             "precision": v.precision,
             **ratios,
         }
-        shown = f"  {ratios['vs_static']:.2f}x static (fastest steps: {ratios['vs_static_min']:.2f}x)" if ratios else ""
+        shown = (
+            f"  {ratios['vs_static']:.2f}x {static.name} (fastest steps: {ratios['vs_static_min']:.2f}x)"
+            if ratios
+            else ""
+        )
         print(
             f"{v.name:32s} {med * 1e3:8.1f} ms/step median, {best * 1e3:8.1f} fastest (batch {v.batch_size}, {v.precision}){shown}"
         )
     report = {
         "script": "scripts/bench_temporal.py",
         "commit": _commit(),
+        "device": torch.cuda.get_device_name() if a.device == "cuda" else _processor(),
         "threads": a.threads,
         "steps": a.steps,
         "warmup": a.warmup,

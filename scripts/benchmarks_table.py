@@ -238,6 +238,28 @@ def train_step_rows(run: dict, scale: float) -> list[list]:
     return rows
 
 
+def temporal_step(r: dict) -> list[str]:
+    """bench_temporal: the temporal step's variants against their single-frame baseline, alternated."""
+    d = r["data"]
+    rows = [
+        [
+            name,
+            v["batch_size"],
+            v["precision"],
+            num(1e3 * v["median_s"], 1),
+            num(1e3 * v["min_s"], 1),
+            num(v.get("vs_static"), 2),
+            num(v.get("vs_static_min"), 2),
+        ]
+        for name, v in d["variants"].items()
+    ]
+    what = (
+        f"temporal training step ({d.get('threads')} threads)" if "cuda" not in r["name"] else "temporal training step"
+    )
+    header = ["variant", "batch", "precision", "median ms", "fastest ms", "vs single-frame", "fastest vs single-frame"]
+    return heading(r, what) + table(header, rows, "lrlrrrr")
+
+
 def optimizer(r: dict) -> list[str]:
     """bench_optimizer: the configured optimiser's default step against fused=True, alternated."""
     rows = []
@@ -526,6 +548,7 @@ RENDERERS = {
     "map_targets_vs_devkit": ("Data", map_targets),
     "bench_loader_": ("Data", loader),
     "bench_train_": ("Training step", train_step),
+    "bench_temporal_": ("Training step", temporal_step),
     "bench_fast_layers_": ("Training step", fast_layers),
     "bench_optimizer_": ("Training step", optimizer),
     "bench_pool_": ("Voxel pooling", pool),

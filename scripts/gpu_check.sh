@@ -25,7 +25,7 @@
 # Usage: scripts/gpu_check.sh [--dry-run] [--steps N] [--skip-train] [--skip-bench] [--step-only]
 #   --dry-run   check the machine and print the commands, run nothing (works without a GPU)
 #   --step-only the training step's checks alone, for a short lease: the build, tests/test_train_cuda.py,
-#               the paper-config step at batch 4 and both training runs (the op's tests, memcheck and
+#               the paper-config step at batch 4, the temporal step (scripts/bench_temporal.py) and the training run (the op's tests, memcheck and
 #               benchmarks and the batch-16 step, all run on an H200 before, are left out)
 # Environment: PYTHON (default python3), GPU_CHECK_DIR (work dir, default outputs/gpu_check).
 set -euo pipefail
@@ -148,7 +148,7 @@ echo "device $DEVICE (sm_${ARCH/./}), torch $TORCH_VERSION (CUDA $TORCH_CUDA), n
 LOGS=$WORK/logs
 mkdir -p "$LOGS" "$RESULTS"
 # This script's own outputs of an earlier run, so that a failed stage cannot report stale results.
-[ "$DRY_RUN" = 1 ] || rm -rf "$LOGS"/* "$WORK/bench_pool_cuda.json" "$WORK"/bench_train_cuda*.json "$WORK/train"
+[ "$DRY_RUN" = 1 ] || rm -rf "$LOGS"/* "$WORK/bench_pool_cuda.json" "$WORK"/bench_train_cuda*.json "$WORK/bench_temporal_cuda.json" "$WORK/train"
 
 # ------------------------------------------------------------------------------ 1. build
 say "1. build for sm_${ARCH/./}"
@@ -212,6 +212,9 @@ if [ "$SKIP_BENCH" = 0 ]; then
   [ "$STEP_ONLY" = 1 ] || logged bench "$PY" scripts/bench_pool.py --device cuda --out "$BENCH_JSON"
   logged bench_train "$PY" scripts/bench_train.py --device cuda --configs paper --no-compile --steps 10 --warmup 3 --profile 3 \
     --variants fp32 channels_last channels_last+bf16 --out "$TRAIN_BENCH_JSON"
+  logged bench_temporal "$PY" scripts/bench_temporal.py --device cuda --steps 20 --warmup 5 \
+    --variants static temporal temporal+past_no_grad temporal+past_no_grad+past_cache fiery_static fiery \
+    --out "$WORK/bench_temporal_cuda.json"
   [ "$STEP_ONLY" = 1 ] || logged bench_train_b16 "$PY" scripts/bench_train.py --device cuda --configs paper --batch-size 16 --steps 10 --warmup 3 \
     --variants fp32 channels_last channels_last+bf16 --out "${TRAIN_BENCH_JSON%.json}_b16.json"
   stage_end bench

@@ -103,6 +103,21 @@ def train_bench_section(tb: dict, kept: Path) -> tuple[dict, list[str]]:
     return section, lines
 
 
+def temporal_bench_section(tb: dict, kept: Path) -> tuple[dict, list[str]]:
+    """The temporal step vs its single-frame baseline (scripts/bench_temporal.py)."""
+    section = {"file": os.path.relpath(kept), "variants": tb["variants"]}
+    lines = [
+        "",
+        "| temporal step | batch | precision | step ms (median) | vs single-frame |",
+        "|---|---:|---|---:|---:|",
+    ]
+    for name, v in tb["variants"].items():
+        lines.append(
+            f"| {name} | {v['batch_size']} | {v['precision']} | {1e3 * v['median_s']:.1f} | {fmt(v.get('vs_static'), '.2f')} |"
+        )
+    return section, lines
+
+
 def train_section(train_run: Path, what: str = "training") -> tuple[dict | None, list[str]]:
     """Steps, mean loss of the first and last fifth of the logged steps, best val IoU, s/step (as the time
     budget measured it: validations and the first epoch left out; else the training's wall time per step);
@@ -148,6 +163,7 @@ BENCHMARKS = {
     "bench_pool_cuda": ("bench", pool_section),
     "bench_train_cuda": ("bench_train", train_bench_section),
     "bench_train_cuda_b16": ("bench_train_b16", train_bench_section),
+    "bench_temporal_cuda": ("bench_temporal", temporal_bench_section),
 }
 
 
