@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -90,12 +91,15 @@ def load_map_geometry(
     check_map_files(dataroot, locations)
     table = _ShapeTable()
     for li, loc in enumerate(tqdm(locations, desc="loading map expansion", unit="map", disable=not verbose)):
-        nmap = _open_map(dataroot, loc)
+        nmap, skipped = _open_map(dataroot, loc), []
         for c, name in enumerate(classes):
             for layer in MAP_CLASSES[name]:
                 for rec in getattr(nmap, layer):
-                    for rings in _record_shapes(nmap, layer, rec):
+                    for rings in _record_shapes(nmap, layer, rec, skipped):
                         table.add(rings, c, layer in LINE_LAYERS, li)
+        if skipped:
+            shown = "; ".join(skipped[:5]) + (f"; and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+            warnings.warn(f"map expansion {str(map_file(dataroot, loc))!r}: {len(skipped)} shape(s): {shown}", stacklevel=2)
     return table.arrays(locations)
 
 
@@ -120,20 +124,58 @@ def _open_map(dataroot: str | os.PathLike, location: str):
         ) from None
 
 
-def _record_shapes(nmap, layer: str, rec: dict) -> list[list[np.ndarray]]:
-    """The drawable shapes of one record of a devkit layer, each a list of rings (a line: one ring)."""
+def _record_shapes(nmap, layer: str, rec: dict, skipped: list[str]) -> list[list[np.ndarray]]:
+    """The drawable shapes of one record of a devkit layer, each a list of rings (a line: one ring).
+    What cannot be drawn is left out and named in `skipped`: lines of < 2 points, rings of < 3 distinct
+    points, non-finite nodes, and (as the devkit's get_map_mask) invalid polygons other than
+    drivable_area, whose self-intersecting polygons are repaired instead (shapely's make_valid)."""
+    if layer in LINE_LAYERS:
+        line = _vertices(nmap, nmap.get("line", rec["line_token"])["node_tokens"])
+        problem = "fewer than 2 points" if len(line) < 2 else None if np.isfinite(line).all() else "non-finite nodes"
+        if problem:
+            skipped.append(f"{layer} {rec['token']}: {problem}")
+            return []
+        return [[line]]
+    tokens = rec["polygon_tokens"] if layer == "drivable_area" else [rec["polygon_token"]]
+    shapes = []
+    for token in tokens:
+        rings, problem = _checked_rings(_rings_of_polygon(nmap, token))
+        if problem is None and not _polygon(rings).is_valid:
+            if layer != "drivable_area":
+                problem = "self-intersecting (not drawn, as the devkit does)"
+            else:
+                skipped.append(f"{layer} polygon {token}: self-intersecting, repaired")
+                shapes += _valid_parts(_polygon(rings))
+                continue
+        if problem:
+            skipped.append(f"{layer} polygon {token}: {problem}")
+        else:
+            shapes.append(rings)
+    return shapes
+
+
+def _checked_rings(rings: list[np.ndarray]) -> tuple[list[np.ndarray], str | None]:
+    """(rings without holes of < 3 distinct points, why the polygon cannot be drawn or None)."""
+    if not all(np.isfinite(r).all() for r in rings):
+        return rings, "non-finite nodes"
+    if len(np.unique(rings[0], axis=0)) < 3:
+        return rings, "fewer than 3 distinct points"
+    return [rings[0]] + [h for h in rings[1:] if len(np.unique(h, axis=0)) >= 3], None
+
+
+def _polygon(rings: list[np.ndarray]):
     from shapely.geometry import Polygon
 
-    if layer in LINE_LAYERS:
-        shapes = [[_vertices(nmap, nmap.get("line", rec["line_token"])["node_tokens"])]]
-    elif layer == "drivable_area":
-        shapes = [_rings_of_polygon(nmap, t) for t in rec["polygon_tokens"]]
-    else:
-        rings = _rings_of_polygon(nmap, rec["polygon_token"])
-        # As the devkit's get_map_mask: invalid non-drivable polygons are not drawn.
-        shapes = [rings] if len(rings[0]) >= 3 and Polygon(rings[0], rings[1:]).is_valid else []
-    min_vertices = 2 if layer in LINE_LAYERS else 3
-    return [rings for rings in shapes if len(rings[0]) >= min_vertices]
+    return Polygon(rings[0], rings[1:])
+
+
+def _valid_parts(polygon) -> list[list[np.ndarray]]:
+    """The polygons of shapely's make_valid of `polygon`, as lists of rings."""
+    from shapely.validation import make_valid
+
+    fixed = make_valid(polygon)
+    parts = [g for g in getattr(fixed, "geoms", [fixed]) if g.geom_type == "Polygon" and not g.is_empty]
+    return [[np.asarray(g.exterior.coords)[:, :2]] + [np.asarray(h.coords)[:, :2] for h in g.interiors] for g in parts]
 
 
 class _ShapeTable:

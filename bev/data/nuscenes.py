@@ -195,8 +195,33 @@ def _check_image_size(size: tuple[int, int], table_hw, path: str) -> None:
         )
 
 
-def _pose(rec: dict) -> tuple[np.ndarray, np.ndarray]:
+def _pose_problem(rec: dict) -> str | None:
+    """What makes a record's rotation (w, x, y, z) / translation unusable; None when it is fine."""
+    q = np.asarray(rec.get("rotation", ()), dtype=np.float64)
+    t = np.asarray(rec.get("translation", ()), dtype=np.float64)
+    if q.shape != (4,) or not np.isfinite(q).all() or np.linalg.norm(q) < 1e-6:
+        return f"rotation {rec.get('rotation')!r} is not a quaternion (w, x, y, z) of non-zero, finite norm"
+    if t.shape != (3,) or not np.isfinite(t).all():
+        return f"translation {rec.get('translation')!r} is not 3 finite numbers"
+    return None
+
+
+def _pose(nusc, table: str, token: str) -> tuple[np.ndarray, np.ndarray]:
+    """(rotation matrix, translation) of a pose record (ego_pose, calibrated_sensor); a broken one is an
+    error, not a skip: every sample that uses it would train on NaN geometry."""
+    rec = nusc.get(table, token)
+    problem = _pose_problem(rec)
+    if problem:
+        raise ValueError(f"{table} {token}: {problem}. Fix or re-export that record of {table}.json.")
     return quaternion_to_matrix(rec["rotation"]), np.asarray(rec["translation"], dtype=np.float64)
+
+
+def _box_problem(ann: dict) -> str | None:
+    """What makes an annotation's box unusable (then it is skipped, counted); None when it is fine."""
+    size = np.asarray(ann.get("size", ()), dtype=np.float64)
+    if size.shape != (3,) or not np.isfinite(size).all() or (size <= 0).any():
+        return "size not 3 positive numbers"
+    return _pose_problem(ann)
 
 
 def build_index(
@@ -213,10 +238,21 @@ def build_index(
     nusc = _open_tables(root, version, split, verbose)
     scenes = sorted((s for s in nusc.scene if s["name"] in scenes_of_split), key=lambda s: s["name"])
     cols = _walk_scenes(nusc, scenes, groups, f"indexing {version}/{split}", verbose)
+    _warn_skipped_boxes(cols.pop("skipped_boxes", []), split)
     n = len(cols["sample_token"])
     locations = sorted(set(cols["location"]))
     maps = load_map_geometry(root, locations, map_layers, verbose) if map_layers and n else {}
     return {**maps, **_sample_arrays(cols, n), **_box_arrays(cols)}
+
+
+def _warn_skipped_boxes(skipped: list[str], split: str) -> None:
+    if skipped:
+        shown = "; ".join(skipped[:5]) + (f"; and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+        warnings.warn(
+            f"split {split!r}: skipped {len(skipped)} sample_annotation box(es) that cannot be drawn: {shown}. "
+            "Their objects are missing from the targets; fix those records of sample_annotation.json.",
+            stacklevel=2,
+        )
 
 
 def _open_tables(root: Path, version: str, split: str, verbose: bool):
@@ -276,8 +312,8 @@ def _add_sample(
     if "LIDAR_TOP" not in sample["data"]:
         raise ValueError(f"{where} has no LIDAR_TOP sample_data (defines the ego frame)")
     lidar = nusc.get("sample_data", sample["data"]["LIDAR_TOP"])
-    Re, te = _pose(nusc.get("ego_pose", lidar["ego_pose_token"]))
-    Rl, tl = _pose(nusc.get("calibrated_sensor", lidar["calibrated_sensor_token"]))
+    Re, te = _pose(nusc, "ego_pose", lidar["ego_pose_token"])
+    Rl, tl = _pose(nusc, "calibrated_sensor", lidar["calibrated_sensor_token"])
     _append(cols, lidar_path=_relative_filename(lidar), lidar_rotation=Rl, lidar_translation=tl)
     for cam in CAMERA_NAMES:
         if cam not in sample["data"]:
@@ -300,8 +336,8 @@ def _add_sample(
 def _add_camera(nusc, sd: dict, Re: np.ndarray, te: np.ndarray, cols: dict[str, list]) -> None:
     """Append one camera image: its file, size, intrinsics and camera -> ego pose (Re, te)."""
     calib = nusc.get("calibrated_sensor", sd["calibrated_sensor_token"])
-    Rc, tc = _pose(calib)
-    Rce, tce = _pose(nusc.get("ego_pose", sd["ego_pose_token"]))
+    Rc, tc = _pose(nusc, "calibrated_sensor", sd["calibrated_sensor_token"])
+    Rce, tce = _pose(nusc, "ego_pose", sd["ego_pose_token"])
     # camera -> ego(camera time) -> global -> ego(LIDAR_TOP time)
     _append(
         cols,
@@ -320,7 +356,11 @@ def _add_box(
     k = _label(ann["category_name"], groups)
     if k < 0:
         return
-    Rb, tb = _pose(ann)
+    problem = _box_problem(ann)
+    if problem:  # one broken annotation should not stop a dataset: skipped, counted, named (build_index)
+        cols["skipped_boxes"].append(f"{ann['token']} ({problem})")
+        return
+    Rb, tb = quaternion_to_matrix(ann["rotation"]), np.asarray(ann["translation"], dtype=np.float64)
     _append(
         cols,
         box_center=Re.T @ (tb - te),
