@@ -1,10 +1,11 @@
 """The split-index cache is keyed on the tables' content and checked when loaded: an edit that keeps a
-table's size and mtime makes it stale, a cache with zeroed or missing arrays is rebuilt with a warning,
+table's (or a map file's) size and mtime makes it stale, a cache with zeroed or missing arrays is rebuilt with a warning,
 and a copied dataroot (cp -a: new ctime) reuses its cache after one rehash of the tables."""
 
 import json
 import os
 import shutil
+import warnings
 
 import numpy as np
 import pytest
@@ -95,3 +96,25 @@ def test_a_copied_dataroot_reuses_its_cache(root, tmp_path, monkeypatch):
     _no_devkit(monkeypatch)
     ds = NuScenesBEVDataset(copy, split="mini_val", verbose=False)
     assert len(ds) == 3
+
+
+def test_a_map_edit_that_keeps_size_and_mtime_makes_the_cache_stale(root):
+    locations = NuScenesBEVDataset(root, split="mini_val", verbose=False).index["location"]
+    path = root / "maps" / "expansion" / f"{locations[0]}.json"
+    m = json.loads(path.read_text())
+    path.write_text(json.dumps(m))  # one node per {"token": ..., "x": ...} text below
+    first = NuScenesBEVDataset(root, split="mini_val", map_layers="lss", verbose=False).index
+    # A drivable-area node moved by 1 m in as many bytes (its x's leading digit + 1), the mtime put back.
+    polygon = {q["token"]: q for q in m["polygon"]}[m["drivable_area"][0]["polygon_tokens"][0]]
+    node = next(n for n in m["node"] if n["token"] in polygon["exterior_node_tokens"] and str(n["x"])[0] in "12345678")
+    old = json.dumps({"token": node["token"], "x": node["x"]})[:-1]
+    new = old[: -len(str(node["x"]))] + str(int(str(node["x"])[0]) + 1) + str(node["x"])[1:]
+    st, text = path.stat(), path.read_text()
+    assert text.count(old) == 1
+    path.write_text(text.replace(old, new))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    with warnings.catch_warnings():  # the moved node may make its polygon self-intersect (then repaired)
+        warnings.simplefilter("ignore")
+        changed = NuScenesBEVDataset(root, split="mini_val", map_layers="lss", verbose=False).index
+    assert changed["map_xy"].shape != first["map_xy"].shape or not np.array_equal(changed["map_xy"], first["map_xy"])

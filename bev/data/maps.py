@@ -45,12 +45,6 @@ def map_file(dataroot: str | os.PathLike, location: str) -> Path:
     return Path(dataroot) / "maps" / "expansion" / f"{location}.json"
 
 
-def map_signature(dataroot: str | os.PathLike) -> dict[str, list[int]]:
-    """Sizes/mtimes of every map expansion JSON: part of the index cache key."""
-    folder = Path(dataroot) / "maps" / "expansion"
-    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(folder.glob("*.json"))}
-
-
 def check_map_files(dataroot: str | os.PathLike, locations: Sequence[str]) -> None:
     missing = [str(map_file(dataroot, loc)) for loc in locations if not map_file(dataroot, loc).is_file()]
     if missing:
@@ -99,7 +93,9 @@ def load_map_geometry(
                         table.add(rings, c, layer in LINE_LAYERS, li)
         if skipped:
             shown = "; ".join(skipped[:5]) + (f"; and {len(skipped) - 5} more" if len(skipped) > 5 else "")
-            warnings.warn(f"map expansion {str(map_file(dataroot, loc))!r}: {len(skipped)} shape(s): {shown}", stacklevel=2)
+            warnings.warn(
+                f"map expansion {str(map_file(dataroot, loc))!r}: {len(skipped)} shape(s): {shown}", stacklevel=2
+            )
     return table.arrays(locations)
 
 

@@ -38,7 +38,7 @@ from torch.utils.data import Dataset
 from bev.classes import class_names, normalize_categories, normalize_map_layers, object_class_names  # noqa: F401 (re-exported)
 from bev.data import temporal
 from bev.data.depth import depth_targets, load_lidar
-from bev.data.maps import load_map_geometry, map_signature, rasterize_map
+from bev.data.maps import load_map_geometry, rasterize_map
 from bev.data.rasterize import box_footprints, check_raster, rasterize_boxes
 from bev.data.transforms import (
     LSS_BOT_PCT_LIM,
@@ -68,7 +68,7 @@ TABLES = (
     "sensor",
     "visibility",
 )
-INDEX_FORMAT = 6
+INDEX_FORMAT = 7
 # Per process, for NuScenesBEVDataset.targets: the synthetic set needs ~15 MB, trainval at 200x200 would
 # need ~2 GB and keeps only its first samples.
 TARGET_MEMO_BYTES = 256 * 2**20
@@ -132,17 +132,17 @@ def _damaged_table(table_root: Path) -> ValueError | None:
     return None
 
 
-def _table_signature(table_root: Path, memo_dir: Path) -> dict[str, str]:
-    """The content digest of every table. Sizes and mtimes survive cp -a, tar and edits that restore them, so
-    the key is the content; a digest is rehashed only when a file's size, mtime, ctime or inode changed
-    (memo in memo_dir/table_digests.json; the kernel sets ctime, no copy can carry it over)."""
+def _content_signature(files: Sequence[Path], memo_dir: Path) -> dict[str, str]:
+    """The content digest of each file, by name. Sizes and mtimes survive cp -a, tar and edits that restore
+    them, so the key is the content; a digest is rehashed only when a file's size, mtime, ctime or inode
+    changed (memo in memo_dir/table_digests.json; the kernel sets ctime, no copy can carry it over)."""
     memo_file = memo_dir / "table_digests.json"
     try:
         memo = json.loads(memo_file.read_text())
     except (OSError, ValueError):
         memo = {}
     sig, fresh = {}, {}
-    for p in sorted(table_root.glob("*.json")):
+    for p in sorted(files):
         st = p.stat()
         stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
         known = memo.get(str(p.resolve()))
@@ -481,16 +481,17 @@ def _cache_key(
     layers: tuple[str, ...],
     cache_root: Path,
 ) -> dict:
-    """What a cached index must match: format, split, classes, the tables' contents and the map files' sizes/mtimes."""
+    """What a cached index must match: format, split, classes, the tables' and the map files' contents."""
     key = {
         "format": INDEX_FORMAT,
         "version": version,
         "split": split,
         "categories": [list(g) for g in groups],
-        "tables": _table_signature(table_root, cache_root),
+        "tables": _content_signature(list(table_root.glob("*.json")), cache_root),
     }
     if layers:
-        key.update(map_layers=list(layers), maps=map_signature(dataroot))
+        maps = list((Path(dataroot) / "maps" / "expansion").glob("*.json"))
+        key.update(map_layers=list(layers), maps=_content_signature(maps, cache_root))
     return key
 
 
