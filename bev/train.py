@@ -16,18 +16,29 @@ from omegaconf import DictConfig, OmegaConf
 
 from bev.utils.config import CONFIG_DIR, instantiate_list, task_overrides
 from bev.utils.errors import report_errors
-from bev.utils.io import remove_stale_temporaries, write_run_metrics
+from bev.utils.io import remove_stale_temporaries, run_dir_lock, write_run_metrics
 from bev.utils.malloc import tune_malloc_in_process
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """Fit the model described by `cfg`; returns the final metrics (val/iou, val/iou_best, ...)."""
+    """Fit the model described by `cfg`; returns the final metrics (val/iou, val/iou_best, ...). The run
+    directory is locked meanwhile: a second bev-train into it is refused."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if rank_zero_only.rank != 0:  # other processes of a multi-process run share rank 0's directory
+        return _train(cfg)
+    with run_dir_lock(cfg.paths.output_dir):
+        return _train(cfg)
+
+
+def _train(cfg: DictConfig) -> dict[str, Any]:
     from hydra.utils import instantiate
 
     _seed_and_matmul_precision(cfg)
     _resolve_auto_precision(cfg)
     if Path(cfg.paths.output_dir).is_dir():  # files of a killed earlier session (metrics.json, ...)
         remove_stale_temporaries(cfg.paths.output_dir)
+    _check_grid_fits_memory(cfg)
     datamodule = instantiate(cfg.data)
     _check_data_fits(cfg, datamodule)
     model = _build_model(cfg)
@@ -62,6 +73,34 @@ def _resolve_auto_precision(cfg: DictConfig) -> None:
         cfg.trainer.precision = precision
         if rank_zero_only.rank == 0:
             print(f"precision: {precision} ({reason})", flush=True)
+
+
+# The BEV encoder keeps several tensors the size of the splat's output for its backward pass.
+BEV_COPIES = 4
+
+
+def _check_grid_fits_memory(cfg: DictConfig) -> None:
+    """Before any target or feature map is allocated: one batch's splatted BEV features (B x frames x
+    channels x Z x X x Y, fp32, BEV_COPIES of them) must fit the memory of the training device."""
+    from bev.geometry import Grid
+    from bev.utils.precision import available_memory
+
+    if "grid" not in cfg:
+        return
+    grid = Grid.from_any(cfg.grid)
+    batch = int(cfg.data.get("batch_size") or 1)
+    frames = 1 + int(cfg.data.get("past_frames") or 0)
+    channels = int(OmegaConf.select(cfg, "model.net.context_channels", default=64) or 64)
+    need = 4 * BEV_COPIES * batch * frames * channels * grid.nz * grid.nx * grid.ny
+    have = available_memory(str(cfg.trainer.get("accelerator", "cpu")))
+    if have is not None and need > have:
+        raise ValueError(
+            f"the BEV grid of {grid.nx} x {grid.ny} x {grid.nz} cells (grid.xbound {list(grid.xbound)}, grid.ybound "
+            f"{list(grid.ybound)}, grid.zbound {list(grid.zbound)}) needs about {need / 2**30:.1f} GiB for one batch's "
+            f"BEV features ({batch} samples x {frames} frame(s) x {channels} channels, with the backward's copies), "
+            f"more than the {have / 2**30:.1f} GiB available: use larger steps or smaller ranges in grid.xbound / "
+            "grid.ybound, or a smaller data.batch_size"
+        )
 
 
 def _check_data_fits(cfg: DictConfig, datamodule) -> None:

@@ -131,6 +131,24 @@ def test_depth_bins_partly_beyond_the_grid_are_named_in_a_warning(synthetic_root
         assert train_cli(args, monkeypatch) == 0
 
 
+def test_a_grid_too_large_for_memory_is_refused_up_front_naming_the_grid_keys(
+    synthetic_root, tmp_path, monkeypatch, capsys
+):
+    # 20000 x 20000 cells x 8 channels x batch 2: ~51 GiB of BEV features; refused before any target is made.
+    fine = ["grid.xbound=[-50,50,0.005]", "grid.ybound=[-50,50,0.005]"]
+    args = [*TINY, *fine, f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
+    monkeypatch.setattr("bev.utils.precision.available_memory", lambda accelerator="cpu": 16 * 2**30)
+    assert train_cli(args, monkeypatch) == 1
+    assert_one_paragraph(
+        capsys.readouterr().err,
+        "bev-train: error:",
+        "20000 x 20000 x 1 cells",
+        "grid.xbound [-50.0, 50.0, 0.005]",
+        "more than the 16.0 GiB available",
+        "data.batch_size",
+    )
+
+
 def test_bev_export_into_a_folder_is_refused_before_the_export(tmp_path, monkeypatch, capsys):
     from bev import export as bev_export
 

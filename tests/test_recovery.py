@@ -1,6 +1,7 @@
 """Runs recover from what earlier runs left: temporary files of killed saves are removed on the next start,
-a corrupt last.ckpt does not hide the best checkpoint, a sweep with a failed run exits non-zero, and a
-second bev-predict into the same out= keeps the first one's scenes."""
+a corrupt last.ckpt does not hide the best checkpoint, a sweep with a failed run exits non-zero, a
+second bev-predict into the same out= keeps the first one's scenes, and a second bev-train into a run
+directory in use is refused."""
 
 import json
 import os
@@ -12,8 +13,8 @@ import torch
 
 import bev
 from bev import predict_cli
-from bev.utils.io import STALE_TEMP_S, remove_stale_temporaries
-from helpers.cli import TINY, run_cli, train_cli
+from bev.utils.io import STALE_TEMP_S, remove_stale_temporaries, run_dir_lock
+from helpers.cli import TINY, assert_one_paragraph, run_cli, train_cli
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +110,31 @@ def test_a_second_bev_predict_into_the_same_out_keeps_the_first_scene(run, synth
     with pytest.warns(UserWarning, match="another checkpoint"):
         other = _predict(run / "checkpoints" / "last.ckpt", synthetic_root, out, "scene-0061", monkeypatch, tmp_path)
     assert {s["scene"] for s in other["samples"]} == {"scene-0061"}
+
+
+def test_a_second_bev_train_into_a_run_dir_in_use_is_refused(synthetic_root, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    args = [*TINY, "+trainer.fast_dev_run=true", f"data.dataroot={synthetic_root}", f"hydra.run.dir={out}"]
+    with run_dir_lock(out):  # a run in progress
+        assert train_cli(args, monkeypatch) == 1
+        assert_one_paragraph(capsys.readouterr().err, "bev-train: error:", f"{str(out)!r} is in use by bev-train pid")
+        assert not (out / "checkpoints").exists()
+    assert train_cli(args, monkeypatch) == 0  # the lock goes with its holder
+
+
+def test_the_run_dir_lock_is_released_when_its_holder_is_killed(tmp_path):
+    import subprocess
+    import sys
+
+    code = f"from bev.utils.io import run_dir_lock\nwith run_dir_lock({str(tmp_path)!r}):\n    print('held', flush=True)\n    input()"
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RuntimeError, match=f"in use by bev-train pid {holder.pid}"):
+            with run_dir_lock(tmp_path):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with run_dir_lock(tmp_path):
+        pass

@@ -166,3 +166,35 @@ def explain_disk_full(path: str | os.PathLike, fix: str = RUN_DIR_FIX) -> Iterat
         if full is None:
             raise
         raise full from e
+
+
+LOCK_NAME = ".bev-train.lock"
+
+
+@contextlib.contextmanager
+def run_dir_lock(folder: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive lock on a run directory while training writes into it; a second process that
+    wants the same directory gets a clear error instead of mixing its files in. The OS drops the lock
+    when the process ends, however it ends, so a killed run leaves no stale lock behind."""
+    import fcntl
+
+    path = Path(folder) / LOCK_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise RuntimeError(
+                f"run directory {str(folder)!r} is in use by {holder}: wait for that run to end, or train into "
+                "another directory (hydra.run.dir=...)"
+            ) from None
+        except OSError as e:  # a file system without locks (some network mounts): train unlocked
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+        f.seek(0)
+        f.truncate()
+        f.write(f"bev-train pid {os.getpid()}")
+        f.flush()
+        yield

@@ -125,3 +125,17 @@ def resolve_depthwise_fp32(value: bool | str) -> bool:
     if value != "auto":
         return bool(value)
     return "amx_bf16" not in _cpu_flags()
+
+
+def available_memory(accelerator: str = "cpu") -> int | None:
+    """Bytes the training device can still give: the GPU's free memory, or the host's MemAvailable
+    (Linux); None where unknown."""
+    if _accelerator(accelerator) == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
