@@ -5,9 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.bev-installed
 DATA ?= data/synthetic
 RUN ?= outputs/synthetic_cpu
-# Key frames per synthetic scene for `make train` (10 scenes: 8 train, 2 val). Longer drives see more
-# of the road network: 192 (1536 training samples, ~2 min to write on 2 cores) beat 96 with the same
-# training time on every class (on the same 384 val frames: vehicle IoU 0.211 vs 0.198, mIoU 0.525 vs 0.484).
+# Key frames per synthetic scene for `make train` (10 scenes: 8 train, 2 val): longer drives see more
+# of the road network (docs/benchmarks.md).
 SYNTHETIC_SAMPLES ?= 192
 # The embedded default reads 352x128 crops of the LSS resize (~0.22 of 1600x900): a 400x225 ray-cast
 # (render scale 4) is enough and writes the set in about half the time of the 800x450 default.
