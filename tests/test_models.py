@@ -43,7 +43,7 @@ def test_camera_features_land_in_front_of_the_camera():
     assert inside.any() and (xs > 0).all()
 
 
-@pytest.mark.parametrize("backbone", ["resnet18", "efficientnet_b0"])
+@pytest.mark.parametrize("backbone", ["resnet18", "efficientnet_b0", "efficientnet_b4"])
 def test_torchvision_trunks_give_stride16_depth_and_context(backbone):
     enc = CameraEncoder(depth_bins=5, context_channels=7, backbone=backbone, mid_channels=16)
     out = enc(torch.randn(1, 3, 64, 96))

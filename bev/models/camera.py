@@ -17,7 +17,9 @@ from torchvision.models.resnet import BasicBlock
 from bev.models.fast_layers import fast_global_pools, fp32_depthwise
 from bev.utils.precision import resolve_channels_last, resolve_depthwise_fp32
 
-BACKBONES = ("efficientnet_b0", "resnet18", "resnet50", "small")
+BACKBONES = ("efficientnet_b0", "efficientnet_b4", "resnet18", "resnet50", "small")
+# EfficientNet: features[5] ends stride 16, features[7] stride 32 ([8] is the wide 1x1 head, unused)
+EFFICIENTNET_CHANNELS = {"efficientnet_b0": (112, 320), "efficientnet_b4": (160, 448)}
 
 
 class BackboneWeightsError(RuntimeError):
@@ -76,15 +78,14 @@ class SmallTrunk(nn.Module):
 
 
 class TorchvisionTrunk(nn.Module):
-    """EfficientNet-B0 / ResNet trunk from torchvision, cut at strides 16 and 32."""
+    """EfficientNet-B0 / B4 or ResNet trunk from torchvision, cut at strides 16 and 32."""
 
     def __init__(self, name: str, weights: str | None = None, weights_path: str | None = None):
         super().__init__()
         net = _load_torchvision(name, weights, weights_path)
-        if name == "efficientnet_b0":
-            # features[5] ends stride 16 (112 ch), features[7] ends stride 32 (320 ch); [8] is the 1280-ch head.
+        if name in EFFICIENTNET_CHANNELS:
             self.to16, self.to32 = net.features[:6], net.features[6:8]
-            self.channels = (112, 320)
+            self.channels = EFFICIENTNET_CHANNELS[name]
         else:
             self.to16 = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool, net.layer1, net.layer2, net.layer3)
             self.to32 = net.layer4
