@@ -260,6 +260,26 @@ def temporal_step(r: dict) -> list[str]:
     return heading(r, what) + table(header, rows, "lrlrrrr")
 
 
+def versus_fiery(r: dict) -> list[str]:
+    """bench_vs_fiery: FIERY's own model against ours at its baseline setting, alternated."""
+    d = r["data"]
+    rows = [
+        [name, v["precision"], num(v["median_s"], 2), num(v["min_s"], 2), num(v["speedup_vs_fiery"], 2)]
+        for name, v in d["variants"].items()
+    ]
+    what = f"training step at FIERY's baseline setting, batch 1 ({d.get('threads')} threads)"
+    return heading(r, what) + table(["model", "precision", "median s", "fastest s", "vs FIERY's"], rows, "llrrr")
+
+
+def future_decoder(r: dict) -> list[str]:
+    """temporal_future_decoder: the same temporal training with each future decoder, evaluated alike."""
+    d = r["data"]
+    keys = ("iou_vehicle", "miou_map", "future_iou_long", "future_iou_short", "vpq_long", "vpq_short")
+    rows = [[name, run["global_step"], *(num(run["metrics"][k]) for k in keys)] for name, run in d["runs"].items()]
+    header = ["future decoder", "steps", "vehicle IoU", "map mIoU", "future IoU long", "short", "VPQ long", "short"]
+    return heading(r, "temporal model") + [d["what"], ""] + table(header, rows, "lrrrrrrr")
+
+
 def optimizer(r: dict) -> list[str]:
     """bench_optimizer: the configured optimiser's default step against fused=True, alternated."""
     rows = []
@@ -545,10 +565,12 @@ def make_train_eval(r: dict) -> list[str]:
 RENDERERS = {
     "synthetic_cpu_metrics": ("The embedded default", make_train_eval),
     "precision_": ("The embedded default", precision),
+    "temporal_future_decoder": ("The embedded default", future_decoder),
     "map_targets_vs_devkit": ("Data", map_targets),
     "bench_loader_": ("Data", loader),
     "bench_train_": ("Training step", train_step),
     "bench_temporal_": ("Training step", temporal_step),
+    "bench_vs_fiery": ("Training step", versus_fiery),
     "bench_fast_layers_": ("Training step", fast_layers),
     "bench_optimizer_": ("Training step", optimizer),
     "bench_pool_": ("Voxel pooling", pool),
