@@ -79,9 +79,12 @@ class TemporalLitModule(BEVLitModule):
         self.past_no_grad = bool(past_no_grad)
         self.init_from = init_from
         # FIERY's metrics at its two ranges: IoU pooled over the present and future frames, and VPQ.
-        self.future_iou = nn.ModuleDict({f"{s}_{r}": FutureIoU() for s in ("val", "test") for r in FIERY_RANGES})
+        # "copied": in tests (bev-eval), also the present frame's heads copied to every future frame with zero
+        # flow, the baseline a learned future has to beat
+        stages = ("val", "test", "copied")
+        self.future_iou = nn.ModuleDict({f"{s}_{r}": FutureIoU() for s in stages for r in FIERY_RANGES})
         self.vpq = nn.ModuleDict(
-            {f"{s}_{r}": PanopticQuality(temporally_consistent=True) for s in ("val", "test") for r in FIERY_RANGES}
+            {f"{s}_{r}": PanopticQuality(temporally_consistent=True) for s in stages for r in FIERY_RANGES}
         )
 
     # --- inputs and losses
@@ -139,6 +142,8 @@ class TemporalLitModule(BEVLitModule):
         iou, map_iou = (self.val_iou, self.val_map_iou) if stage == "val" else (self.test_iou, self.test_map_iou)
         self._update_metrics(iou, map_iou, out["bev"], batch)
         self._update_future_metrics(out, batch, stage)
+        if stage == "test":
+            self._update_future_metrics(present_copied(out), batch, "copied")
         return out
 
     def _update_future_metrics(
@@ -171,6 +176,7 @@ class TemporalLitModule(BEVLitModule):
     def on_test_epoch_end(self) -> None:
         super().on_test_epoch_end()
         self.log_dict({f"test/{k}": v for k, v in self._future_results("test").items()})
+        self.log_dict({f"test/{k}_present_copied": v for k, v in self._future_results("copied").items()})
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._eval_step(batch, "val")
@@ -339,3 +345,11 @@ def load_matching(module: nn.Module, path: str) -> tuple[set[str], str]:
             + (f" and {len(skipped) - 8} more" if len(skipped) > 8 else "")
         )
     return set(take), "\n".join(lines)
+
+
+def present_copied(out: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The present frame's segmentation, centreness and offset copied to every future frame, with zero flow:
+    the future of a model that predicts none, decoded and scored like the learned one."""
+    frames = out["segmentation"].shape[1]
+    copy = {k: out[k][:, :1].expand(-1, frames, *out[k].shape[2:]) for k in ("segmentation", "centerness", "offset")}
+    return {**copy, "flow": torch.zeros_like(out["flow"])}

@@ -203,6 +203,11 @@ def format_table(
             lines.append(
                 f"{name:<24}{fmt(results.get(f'future_iou_{r}', math.nan)):>8}{fmt(results.get(f'vpq_{r}', math.nan)):>8}"
             )
+        if "future_iou_long_present_copied" in results:
+            lines += ["", f"{'present copied to future':<24}{'IoU':>8}{'VPQ':>8}"]
+            for r, extent in FIERY_RANGES.items():
+                iou, vpq = (results.get(f"{m}_{r}_present_copied", math.nan) for m in ("future_iou", "vpq"))
+                lines.append(f"{f'{r} ({extent:g} m x {extent:g} m)':<24}{fmt(iou):>8}{fmt(vpq):>8}")
     return "\n".join(lines)
 
 

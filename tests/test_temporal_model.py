@@ -13,7 +13,7 @@ import torch
 from bev.geometry import Grid
 from bev.inference import ring_rig
 from bev.lit import BEVLitModule
-from bev.lit_temporal import NonFiniteLossError, TemporalLitModule, load_matching
+from bev.lit_temporal import NonFiniteLossError, TemporalLitModule, load_matching, present_copied
 from bev.losses import IGNORE, UncertaintyWeights, regression_loss, segmentation_loss
 from bev.models.lss import LiftSplatShoot
 from bev.models.temporal import TemporalLiftSplat, warp_to_present
@@ -482,3 +482,16 @@ def test_the_probabilistic_future_adds_a_kl_term_that_trains_both_distributions(
         assert dist.net[-1].weight.grad.abs().sum() > 0
     with torch.no_grad():
         assert "future_mu" not in module.eval()(batch)  # inference: the present distribution's mean
+
+
+def test_present_copied_repeats_the_present_heads_with_zero_flow():
+    g = torch.Generator().manual_seed(0)
+    out = {
+        k: torch.randn(2, 5, c, 6, 7, generator=g)
+        for k, c in (("segmentation", 1), ("centerness", 1), ("offset", 2), ("flow", 2))
+    }
+    copied = present_copied(out)
+    for k in ("segmentation", "centerness", "offset"):
+        assert copied[k].shape == out[k].shape
+        assert torch.equal(copied[k], out[k][:, :1].expand_as(out[k]))
+    assert copied["flow"].shape == out["flow"].shape and not copied["flow"].any()
