@@ -144,7 +144,7 @@ def predict(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor | dict[s
     tensors with the same time axis, and future_egomotion) and returns a dict: "bev" (B, K, X, Y) and
     "segmentation" (B, T, 1, X, Y) probabilities, the heads' "centerness", "offset" and "flow", and
     "instances" (B, T, X, Y) int64: vehicle ids decoded from them, consistent over the T = F + 1 frames
-    (bev.instances.predict_instances).
+    (bev.instances.decode_sequence, by the model's instance_decoding).
     """
     temporal = is_temporal(model)
     batch = _batched(batch, temporal)
@@ -155,7 +155,7 @@ def predict(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor | dict[s
     model.eval()
     try:
         if temporal:
-            return _with_instances(model.predict_step(inputs, 0))
+            return _with_instances(model.predict_step(inputs, 0), getattr(model, "instance_decoding", "fiery"))
         if hasattr(model, "predict_step"):
             return model.predict_step(inputs, 0)
         return model(*inputs.values()).float().sigmoid()
@@ -163,11 +163,11 @@ def predict(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor | dict[s
         model.train(was_training)
 
 
-def _with_instances(out: dict[str, torch.Tensor], threshold: float = 0.5) -> dict[str, torch.Tensor]:
-    from bev.instances import predict_instances
+def _with_instances(out: dict[str, torch.Tensor], method: str, threshold: float = 0.5) -> dict[str, torch.Tensor]:
+    from bev.instances import decode_sequence
 
     seg = out["segmentation"][:, :, 0] >= threshold
-    return {**out, "instances": predict_instances(seg, out["centerness"], out["offset"], out["flow"])}
+    return {**out, "instances": decode_sequence(seg, out["centerness"], out["offset"], out["flow"], method)}
 
 
 def ring_rig(num_cameras: int, image_size: tuple[int, int], batch_size: int = 1) -> dict[str, torch.Tensor]:

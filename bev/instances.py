@@ -11,7 +11,10 @@ Per frame (decode_instances):
 - every foreground cell joins the centre nearest (Euclidean, in cells) to cell + offset, the first
   centre in raster order on ties; centres that get no cell are dropped and the rest numbered
   1..K in raster order.
-Over time (make_consistent): each instance of frame t is moved by the mean flow over its cells;
+Over time, two ways. propagate_instances (the default of the temporal model, as PowerBEV): frame 0's
+instances are carried forward, each future cell joining the instance of the frame before whose
+flow-moved centre is nearest to cell + offset. make_consistent (FIERY's; predict_instances): every
+frame decoded on its own, then each instance of frame t is moved by the mean flow over its cells;
 these moved centres are matched to the centres (mean cell) of frame t + 1's instances by the
 Hungarian algorithm on Euclidean distance; a pair closer than matching_threshold cells keeps
 frame t's id, every other instance of frame t + 1 gets a new id. Frame 0 keeps its own ids.
@@ -197,6 +200,65 @@ def predict_instances(
     if flow is None:
         flow = torch.zeros(T, 2, X, Y, device=frames.device)
     return make_consistent(frames, flow, matching_threshold)
+
+
+def propagate_instances(
+    segmentation: torch.Tensor,
+    centreness: torch.Tensor,
+    offset: torch.Tensor,
+    flow: torch.Tensor,
+    threshold: float = 0.1,
+    nms_kernel: int = 3,
+    max_instances: int = 100,
+    matching_threshold: float = 3.0,
+) -> torch.Tensor:
+    """The present frame's instances carried over the future frames by the flow (as PowerBEV): frame 0 is
+    decoded as decode_instances does; in frame t the centres are those of frame t - 1's instances, each
+    moved by its mean flow, and those of frame t's own centreness (find_centres) farther than
+    matching_threshold cells from all of them (a vehicle coming into view: a new id); each foreground
+    cell joins the centre nearest to cell + offset.
+    Shapes as predict_instances (B leading kept)."""
+    if segmentation.dim() == 4:
+        args = (threshold, nms_kernel, max_instances, matching_threshold)
+        return torch.stack(
+            [
+                propagate_instances(segmentation[b], centreness[b], offset[b], flow[b], *args)
+                for b in range(len(segmentation))
+            ]
+        )
+    T, X, Y = _check_sequence(segmentation, centreness, offset, flow)
+    frames = [decode_instances(segmentation[0], centreness[0], offset[0], threshold, nms_kernel, max_instances)]
+    next_id = int(frames[0].max()) + 1
+    for t in range(1, T):
+        ids, centres = instance_centres(frames[-1], flow[t - 1])
+        # centres this frame finds farther than matching_threshold from every carried one: new vehicles
+        found = find_centres(centreness[t], threshold, nms_kernel, max_instances).double()
+        if len(ids) and len(found):
+            found = found[torch.cdist(found, centres).min(1).values > matching_threshold]
+        new_ids = torch.arange(next_id, next_id + len(found), device=ids.device)
+        ids, centres = torch.cat([ids, new_ids]), torch.cat([centres, found.to(centres)])
+        out = torch.zeros(X, Y, dtype=torch.int64, device=frames[-1].device)
+        fg = segmentation[t].bool().to(out.device)
+        if len(ids) and fg.any():
+            votes = fg.nonzero().double() + _head(offset[t], "offset", channels=2).double()[:, fg].T
+            out[fg] = ids[torch.cdist(votes, centres).argmin(1)]
+        next_id += len(found)
+        frames.append(out)
+    return torch.stack(frames)
+
+
+DECODINGS = ("propagate", "fiery")
+
+
+def decode_sequence(
+    segmentation: torch.Tensor, centreness: torch.Tensor, offset: torch.Tensor, flow: torch.Tensor, method: str
+) -> torch.Tensor:
+    """Instances over the frames by `method`: "propagate" (propagate_instances) or "fiery" (predict_instances)."""
+    if method == "propagate":
+        return propagate_instances(segmentation, centreness, offset, flow)
+    if method == "fiery":
+        return predict_instances(segmentation, centreness, offset, flow)
+    raise ValueError(f"instance decoding must be one of {DECODINGS}, got {method!r}")
 
 
 def _check_sequence(segmentation, centreness, offset, flow) -> tuple[int, int, int]:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bev.instances import predict_instances
+from bev.instances import DECODINGS, decode_sequence
 from bev.lit import CAMERA_KEYS, BEVLitModule
 from bev.losses import IGNORE, TemporalLoss
 from bev.metrics import FIERY_RANGES, FutureIoU, PanopticQuality, crop_to_range
@@ -38,6 +38,8 @@ class TemporalLitModule(BEVLitModule):
     init_from: a static (or temporal) checkpoint, or a run / checkpoints directory (its best one):
     its `net.*` tensors whose names and shapes match are loaded when training starts (not on resume), and
     the future segmentation head starts as the static vehicle head (TemporalLiftSplat.init_future_from_static).
+    instance_decoding: how instances are decoded over the frames for the metrics and bev.predict
+    (bev.instances.decode_sequence): "propagate" (the present's instances carried by the flow) or "fiery".
     Other arguments: BEVLitModule's.
     """
 
@@ -50,6 +52,7 @@ class TemporalLitModule(BEVLitModule):
         past_cache_mb: float = 0,
         past_cache_max_age: int | None = None,
         init_from: str | None = None,
+        instance_decoding: str = "propagate",
         **static: Any,
     ):
         if static.get("depth_weight"):
@@ -64,6 +67,7 @@ class TemporalLitModule(BEVLitModule):
                     "past_cache_mb": past_cache_mb,
                     "past_cache_max_age": past_cache_max_age,
                     "init_from": init_from,
+                    "instance_decoding": instance_decoding,
                     **static,
                 }
             )
@@ -78,6 +82,9 @@ class TemporalLitModule(BEVLitModule):
         self.temporal_loss = TemporalLoss(**dict(temporal_loss or {}))
         self.past_no_grad = bool(past_no_grad)
         self.init_from = init_from
+        if instance_decoding not in DECODINGS:
+            raise ValueError(f"model.instance_decoding must be one of {DECODINGS}, got {instance_decoding!r}")
+        self.instance_decoding = instance_decoding
         # FIERY's metrics at its two ranges: IoU pooled over the present and future frames, and VPQ.
         # "copied": in tests (bev-eval), also the present frame's heads copied to every future frame with zero
         # flow, the baseline a learned future has to beat
@@ -153,7 +160,7 @@ class TemporalLitModule(BEVLitModule):
         decoded on the whole grid, then cropped, as FIERY does)."""
         seg = out["segmentation"][:, :, 0].float().sigmoid() > 0.5
         target = batch["segmentation"]
-        pred_instance = predict_instances(seg, out["centerness"], out["offset"], out["flow"])
+        pred_instance = decode_sequence(seg, out["centerness"], out["offset"], out["flow"], self.instance_decoding)
         for r, extent in FIERY_RANGES.items():
             p, t, inst, gt_inst = crop_to_range(self.grid, extent, seg, target, pred_instance, batch["instance"])
             self.future_iou[f"{stage}_{r}"].update(p, t == 1, t == IGNORE)

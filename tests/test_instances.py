@@ -8,10 +8,12 @@ import torch
 from bev.geometry import Grid
 from bev.instances import (
     decode_instances,
+    decode_sequence,
     find_centres,
     instance_paths,
     make_consistent,
     predict_instances,
+    propagate_instances,
 )
 
 X, Y = 24, 20
@@ -161,3 +163,24 @@ def test_bad_shapes_are_named():
         find_centres(heat[0], nms_kernel=2)
     with pytest.raises(ValueError, match=r"instances must be \(T, X, Y\)"):
         make_consistent(seg[0].long(), flow)
+
+
+def test_propagation_carries_the_present_ids_by_the_flow_even_far_and_touching():
+    first = moving_scene(4, 5)  # beyond FIERY's matching threshold per frame
+    second = torch.stack([boxes((1, 8 + t, 12 + t, 8, 12), (2, 12 + t, 16 + t, 8, 12)) for t in range(4)])  # touching
+    heads = [perfect_heads(s) for s in (first, second)]
+    batched = propagate_instances(*(torch.stack(parts) for parts in zip(*heads)))
+    assert torch.equal(batched, torch.stack([first, second]))
+    assert torch.equal(decode_sequence(*heads[0], method="propagate"), first)
+    assert torch.equal(decode_sequence(*heads[0], method="fiery"), predict_instances(*heads[0]))
+
+
+def test_propagation_gives_a_vehicle_coming_into_view_a_new_id():
+    truth = moving_scene(4, 1)
+    truth[2:] = torch.stack([boxes((3, 19, 22, 1, 4), base=f) for f in truth[2:]])  # appears at t = 2
+    assert torch.equal(propagate_instances(*perfect_heads(truth)), truth)
+
+
+def test_an_unknown_decoding_is_named():
+    with pytest.raises(ValueError, match="propagate"):
+        decode_sequence(*perfect_heads(moving_scene(2, 1)), method="hungarian")
