@@ -20,7 +20,7 @@ def _cpu_bf16_autocast() -> bool:
 def slow_bf16_depthwise(conv: nn.Module) -> bool:
     """Whether oneDNN lacks a bf16 depthwise backward kernel for this convolution: it has one for 3x3
     stride-1 filters only; the others (EfficientNet's 5x5 and strided ones) fall back to generic
-    grouped kernels, 1.7-8.5x slower than its fp32 depthwise ones on an AVX512-BF16 CPU."""
+    grouped kernels, slower than its fp32 depthwise ones (docs/training-speed.md)."""
     if not (isinstance(conv, nn.Conv2d) and 1 < conv.groups == conv.in_channels == conv.out_channels):
         return False
     if conv.padding_mode != "zeros" or isinstance(conv.padding, str):  # the backward takes numeric zero padding

@@ -75,8 +75,7 @@ def resolve_channels_last(value: bool | str, module=None) -> bool:
     """`channels_last` of the encoders: True/False as given; "auto": on GPUs and on CPUs with native bf16,
     unless `module` has a convolution oneDNN's NHWC backward gets wrong (nhwc_hazards).
 
-    NHWC convolutions were 1.17-1.26x faster per training step on an AVX512-BF16 CPU in fp32 and
-    bf16 alike, but slower on a CPU without it (scripts/bench_train.py, benchmarks/results/).
+    NHWC pays on those and not on CPUs without native bf16 (docs/training-speed.md).
     """
     if isinstance(value, str) and value != "auto":
         raise ValueError(f"channels_last must be true, false or auto, got {value!r}")

@@ -3,12 +3,10 @@ and to other processes that keep the machine's cores busy.
 
 torch uses every core by default. On a small machine its threads and the data loader's worker
 processes then contend for the same cores, and each parallel region of the model waits for its
-slowest thread: on 2 cores, 2 threads + 1 worker ran the embedded default at 0.232 s/step, 1
-thread + 1 worker at 0.204 s/step (same machine, same run length). Other processes do the same:
-with three CPU-bound loops beside it, the embedded default ran at 1.35 s/step on 2 threads and
-0.44 on 1, where an idle machine gives 0.125 and 0.21. So training re-checks, at the start and
-every epoch (bev.callbacks.ThreadsFollowLoad), how many of its CPUs other processes kept busy
-(OtherLoad) and gives up a thread per busy CPU (threads_for_load).
+slowest thread; other processes that keep cores busy do the same (the measurements:
+docs/training-speed.md). So training re-checks, at the start and every epoch
+(bev.callbacks.ThreadsFollowLoad), how many of its CPUs other processes kept busy (OtherLoad) and
+gives up a thread per busy CPU (threads_for_load).
 """
 
 from __future__ import annotations
