@@ -155,7 +155,7 @@ def predict(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor | dict[s
     model.eval()
     try:
         if temporal:
-            return _with_instances(model.predict_step(inputs, 0), getattr(model, "instance_decoding", "fiery"))
+            return _with_instances(model.predict_step(inputs, 0), getattr(model, "instance_decoding", "propagate"))
         if hasattr(model, "predict_step"):
             return model.predict_step(inputs, 0)
         return model(*inputs.values()).float().sigmoid()

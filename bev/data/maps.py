@@ -136,12 +136,13 @@ def _record_shapes(nmap, layer: str, rec: dict, skipped: list[str]) -> list[list
     shapes = []
     for token in tokens:
         rings, problem = _checked_rings(_rings_of_polygon(nmap, token))
-        if problem is None and not _polygon(rings).is_valid:
+        polygon = _polygon(rings) if problem is None else None
+        if polygon is not None and not polygon.is_valid:
             if layer != "drivable_area":
                 problem = "self-intersecting (not drawn, as the devkit does)"
             else:
                 skipped.append(f"{layer} polygon {token}: self-intersecting, repaired")
-                shapes += _valid_parts(_polygon(rings))
+                shapes += _valid_parts(polygon)
                 continue
         if problem:
             skipped.append(f"{layer} polygon {token}: {problem}")
