@@ -14,6 +14,7 @@ from torch import nn
 
 from bev.geometry import CAMERA_GEOMETRY, Grid
 from bev.metrics import BevIoU, MapIoU
+from bev.schedule import end_schedule_at, run_length, schedule_length, step_schedulers
 
 CAMERA_KEYS = ("images",) + CAMERA_GEOMETRY
 LOSSES = ("bce", "focal")
@@ -73,45 +74,12 @@ def _per_class(spec, names: tuple[str, ...], what: str = "pos_weight") -> torch.
     return torch.tensor(values)
 
 
-def schedule_length(sched: Any) -> int | None:
-    """The number of steps a fixed-length LR schedule (OneCycleLR, CosineAnnealingLR) runs for, else None."""
-    if isinstance(sched, torch.optim.lr_scheduler.OneCycleLR):
-        return int(sched.total_steps)
-    if isinstance(sched, torch.optim.lr_scheduler.CosineAnnealingLR):
-        return int(sched.T_max)
-    return None
-
-
-def rescale_schedule(sched: Any, total_steps: int, pivot: int) -> bool:
-    """Stretch or compress a fixed-length LR schedule to end at `total_steps`; False if it is not one.
-
-    OneCycleLR: its phase ends (fixed at construction) move linearly about step `pivot`, so the
-    schedule from `pivot` on is the old one resampled to the new length (pivot=-1 rescales the
-    whole schedule; the current step as pivot leaves the steps already taken alone).
-    CosineAnnealingLR: its recursive form continues from the current LR to eta_min at T_max.
-    """
-    if isinstance(sched, torch.optim.lr_scheduler.OneCycleLR):
-        if total_steps - 1 <= pivot:
-            raise ValueError(
-                f"cannot end a schedule at step {total_steps} from step {pivot}: it needs at least one more step"
-            )
-        scale = (total_steps - 1 - pivot) / (sched.total_steps - 1 - pivot)
-        for phase in sched._schedule_phases:
-            phase["end_step"] = pivot + (phase["end_step"] - pivot) * scale
-        sched.total_steps = int(total_steps)
-        return True
-    if isinstance(sched, torch.optim.lr_scheduler.CosineAnnealingLR):
-        sched.T_max = int(total_steps)
-        return True
-    return False
-
-
 class BEVLitModule(L.LightningModule):
     """Wraps a BEV network with loss, optimiser, schedule and split-level IoU metrics.
 
     optimizer/scheduler are partials (Hydra `_partial_: true`). A scheduler whose signature
-    takes `total_steps` (OneCycleLR) or `T_max` (CosineAnnealingLR) gets the trainer's
-    estimated number of optimiser steps when the config leaves it out.
+    takes `total_steps` (bev.schedule.OneCycle) or `T_max` (CosineAnnealingLR) gets the
+    trainer's estimated number of optimiser steps when the config leaves it out.
 
     object_classes / map_classes name the output channels (in that order); configs fill them from
     data.categories / data.map_layers through the bev.* resolvers, so the head always matches the
@@ -191,13 +159,13 @@ class BEVLitModule(L.LightningModule):
             self.net.compile()  # in place: state_dict keys stay those of the plain model
 
     def on_train_start(self) -> None:
-        # Resuming with more epochs than the run started with: stretch a fixed-length schedule
-        # restored from the checkpoint instead of failing (OneCycleLR) or restarting (cosine) past its end.
-        steps = int(self.trainer.estimated_stepping_batches)
-        for config in self.trainer.lr_scheduler_configs:
-            length = schedule_length(config.scheduler)
-            if config.interval == "step" and length is not None and length < steps:
-                rescale_schedule(config.scheduler, steps, pivot=-1)
+        # Resumed with more epochs than the run started with: stretch a schedule restored from the
+        # checkpoint rather than fail or restart past its end (a time budget's limit counts as the end).
+        steps = run_length(self.trainer)
+        for sched in step_schedulers(self.trainer):
+            length = schedule_length(sched)
+            if length is not None and length < steps:
+                end_schedule_at(sched, steps, pivot=-1)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.net(*(batch[k] for k in CAMERA_KEYS))

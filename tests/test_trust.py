@@ -155,6 +155,7 @@ def test_the_allowlist_comes_from_the_configs():
         "bev.models.LiftSplatShoot",
         "bev.data.NuScenesDataModule",
         "torch.optim.AdamW",
+        "bev.schedule.OneCycle",
         "torch.optim.lr_scheduler.OneCycleLR",
         "torch.optim.SGD",
     } <= targets

@@ -9,6 +9,8 @@ from typing import Any
 
 import lightning as L
 
+from bev.schedule import end_schedule_at, step_schedulers
+
 log = logging.getLogger(__name__)
 
 
@@ -57,25 +59,23 @@ def parse_deadline(value: Any) -> float | None:
 
 
 class TimeBudget(L.Callback):
-    """Fit training into a wall-clock budget by shortening it, with the LR schedule completing.
+    """Fit training into a wall-clock budget by training fewer steps, with the LR schedule completing.
 
-    After `measure_steps` steps (the first `skip_steps` of a session are not counted: workers
-    start, kernels warm up; with `skip_epochs`, the first steps of that many epochs are not
-    either: an input memo that fills in the first epoch makes it slower than the rest, unless
-    those epochs alone would overrun the budget at their measured pace) it projects the planned run from the measured seconds per step and
-    per validation. If that overruns the budget (less `margin`), it lowers the step limit to
-    what fits and compresses the rest of a fixed-length LR schedule (bev.lit.rescale_schedule)
-    to end there; at the new limit it stops with a final validation and checkpoint. The
-    projection is redone after every validation (with the measured validation time; the limit
-    moves when the projection does by more than 1%, never past the plan). When the budget does
-    not bind, nothing in the run changes, so it stays bitwise reproducible. The time used, the
-    plan and the decision are saved in checkpoints: a resumed run spends what is left.
-    `deadline` (a wall-clock time) sets the budget when training starts to the time left until
-    then, so everything before it (start-up, data, other jobs) counts; with `budget` too, the
-    smaller wins. `reserve_validations` keeps that many measured validations' time free at the
-    end of the budget, for work that follows training and scales with the machine (the
-    evaluation of `make train`). As a last resort (the machine slowed down a lot) training
-    stops when the budget (less that reserve) is spent.
+    The rule: after `skip_steps` steps (workers start, kernels warm up; with `skip_epochs`, the first
+    steps of that many epochs: an input memo that fills in the first epoch makes it slower) it times
+    `measure_steps` steps and projects the run from that pace plus the validations it will run. If
+    the projection overruns the budget (less `margin`), it sets `step_limit` to the steps that fit,
+    makes the LR schedule end there (bev.schedule.end_schedule_at) and stops there with a final
+    validation and checkpoint. After each validation the projection is redone with its measured
+    time, and the limit moves if it is off by more than 1 % (never past the configured run). When the
+    budget does not bind, nothing changes. As a last resort (the machine slowed down a lot) training
+    stops when the budget is spent, before the schedule ends.
+
+    `deadline` (a wall-clock time) sets the budget when training starts to the time left until then,
+    so start-up counts; with `budget` too, the smaller wins. `reserve_validations` keeps that many
+    measured validations' time free at the end, for an evaluation that follows training (`make
+    train`). The time used, the plan and the limit are saved in checkpoints: a resumed run spends
+    what is left.
     """
 
     def __init__(
@@ -99,8 +99,8 @@ class TimeBudget(L.Callback):
             raise ValueError(f"reserve_validations must be >= 0, got {reserve_validations}")
         self.reserve_validations = float(reserve_validations)
         self.margin = float(margin)
-        # One validation batch / one training step, until measured: a first validation decodes its
-        # images (the embedded default: 0.85-0.92, idle and busy EPYC).
+        # A validation batch costs about this many training steps until one is measured (its images
+        # are decoded the first time).
         self.val_cost_guess = float(val_cost_guess)
         self.clock = time.monotonic  # replaced by a fake clock in tests
         self.wall_clock = time.time  # for the deadline only (the budget is measured on the monotonic clock)
@@ -111,6 +111,11 @@ class TimeBudget(L.Callback):
         self.s_per_step: float | None = None
         self.s_per_val: float | None = None
         self.message = ""
+
+    @property
+    def step_limit(self) -> int | None:
+        """The step this run stops at when the budget shortened it (bev.schedule.run_length reads it)."""
+        return self.limit if self.budget is not None or self.deadline is not None else None
 
     # ------------------------------------------------------------------ state across resumes
     def state_dict(self) -> dict[str, Any]:
@@ -159,17 +164,13 @@ class TimeBudget(L.Callback):
             return
         self._start = self.clock()
         self._session_step0, self._session_epoch0 = trainer.global_step, trainer.current_epoch
-        self._mark = None  # (time, validation seconds so far, step) once skip_steps are done
-        self._early = None  # the same, in the epochs skip_epochs leaves unmeasured
+        self._mark = None  # (time, validation seconds so far, step) once the unmeasured steps are done
         self._val_s, self._val_n, self._val_start = 0.0, 0, None
-        if (
-            self.limit is not None
-        ):  # resumed after the budget bound: keep the shortened run (runs before bev.lit's stretch)
-            trainer.fit_loop.epoch_loop.max_steps = self.limit
-            trainer.fit_loop.min_epochs = 0
-        else:
+        if self.planned_steps is None:
             self.planned_steps = int(trainer.estimated_stepping_batches)
-        if self.deadline is not None and self.wall_clock() >= self.deadline:
+        if self.limit is not None and trainer.global_step >= self.limit:
+            trainer.should_stop = True  # resumed at the end of a shortened run: nothing left to train
+        elif self.deadline is not None and self.wall_clock() >= self.deadline:
             self._stop(trainer, f"the deadline {_clock_time(self.deadline)} passed before training started")
         elif self.elapsed() >= self.budget:
             self._stop(
@@ -194,41 +195,24 @@ class TimeBudget(L.Callback):
         self._val_n += 1
         self._val_start = None
         if self._mark is not None and not trainer.should_stop:
-            self._plan(trainer)
+            self._plan(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.budget is None or getattr(self, "_start", None) is None:
             return
         if self._mark is None and self._warmed_up(trainer, batch_idx):
             self._mark = (self.clock(), self._val_s, trainer.global_step)
-        elif self._mark is None:
-            self._watch_skipped_epochs(trainer, batch_idx)
         elif self._mark is not None and trainer.global_step - self._mark[2] == self.measure_steps:
-            self._plan(trainer)
+            self._plan(trainer, pl_module)
         if self.limit is not None and trainer.global_step >= self.limit:
-            trainer.should_stop = True  # stop here with a validation + checkpoint (max_steps alone skips them),
-            trainer.check_val_every_n_epoch = 1  # also in an epoch that check_val_every_n_epoch would skip
+            trainer.should_stop = True  # Lightning validates and checkpoints when a run stops early,
+            trainer.check_val_every_n_epoch = 1  # also in an epoch check_val_every_n_epoch would skip
         elif trainer.strategy.reduce_boolean_decision(self.elapsed() >= self.budget - self._reserve(), all=False):
             self._stop(
                 trainer,
                 f"time budget {_fmt(self.budget)} spent at step {trainer.global_step} of "
                 f"{self.limit or self.planned_steps}: stopped before the LR schedule finished",
             )
-
-    def _watch_skipped_epochs(self, trainer, batch_idx: int) -> None:
-        """Plan now, at the skipped epochs' pace, if those epochs alone would overrun the budget."""
-        done = trainer.global_step - self._session_step0
-        if done == self.skip_steps:
-            self._early = (self.clock(), self._val_s, trainer.global_step)
-        elif getattr(self, "_early", None) and trainer.global_step - self._early[2] == self.measure_steps:
-            t0, val0, step0 = self._early
-            pace = max((self.clock() - t0) - (self._val_s - val0), 0.0) / self.measure_steps
-            epochs_left = self._session_epoch0 + self.skip_epochs - trainer.current_epoch
-            steps_left = (epochs_left * trainer.num_training_batches - batch_idx - 1) / trainer.accumulate_grad_batches
-            reserve = self.reserve_validations * self._val_guess(trainer, pace)
-            if self.elapsed() + steps_left * pace > self.budget * (1 - self.margin) - reserve:
-                self._mark = self._early
-                self._plan(trainer)
 
     def _warmed_up(self, trainer, batch_idx: int) -> bool:
         """Whether steps from now on are measured (see skip_steps, skip_epochs)."""
@@ -244,11 +228,7 @@ class TimeBudget(L.Callback):
         if self._val_n:
             self.s_per_val = self._val_s / self._val_n
         else:  # not measured yet: a guess, corrected after the first one
-            self.s_per_val = self._val_guess(trainer, self.s_per_step)
-
-    def _val_guess(self, trainer, s_per_step: float) -> float:
-        """Seconds of a validation not measured yet, from its batch count and the step pace."""
-        return _val_batches(trainer) * s_per_step * self.val_cost_guess
+            self.s_per_val = _val_batches(trainer) * self.s_per_step * self.val_cost_guess
 
     def _steps_between_validations(self, trainer) -> float:
         batches = trainer.num_training_batches
@@ -259,33 +239,25 @@ class TimeBudget(L.Callback):
         )
         return max(float(every) / trainer.accumulate_grad_batches, 1.0)
 
-    def _plan(self, trainer) -> None:
+    def _plan(self, trainer, pl_module) -> None:
         """Set the step limit to what fits in the budget (never above the plan) when it moves by > 1%."""
         self._measure(trainer)
         step = trainer.global_step
         current = self.limit or self.planned_steps
         left = self.budget * (1 - self.margin) - self.elapsed() - self._reserve()
         per_step = self.s_per_step + self.s_per_val / self._steps_between_validations(trainer)
-        # + the last validation; at least 2 more steps: the next step's LR is already set (scheduler.last_epoch == step)
+        # + the last validation; at least 2 more steps: the next step's LR is already set
         fits = min(step + max(int((left - self.s_per_val) / per_step), 2), self.planned_steps)
         fits = trainer.strategy.broadcast(fits, src=0)  # every process must stop at the same step
         if self.limit is None and fits >= current or abs(fits - current) <= max(1, 0.01 * self.planned_steps):
             return
-        from bev.lit import rescale_schedule
-
-        compressed = [
-            rescale_schedule(c.scheduler, fits, pivot=c.scheduler.last_epoch)
-            for c in trainer.lr_scheduler_configs
-            if c.interval == "step"
-        ]
         self.limit = fits
-        trainer.fit_loop.epoch_loop.max_steps = fits
-        trainer.fit_loop.min_epochs = 0  # so stopping inside the first epoch still validates and checkpoints
+        ended = [end_schedule_at(s, fits, pivot=s.last_epoch) for s in step_schedulers(trainer)]
         sched = (
-            "the LR schedule was compressed to fit"
-            if compressed and all(compressed)
-            else "the LR schedule is not a fixed-length one (OneCycleLR, CosineAnnealingLR) and was left as is"
-            if compressed
+            "the LR schedule now ends there"
+            if ended and all(ended)
+            else "the LR schedule's length cannot change (use bev.schedule.OneCycle or CosineAnnealingLR): left as is"
+            if ended
             else "no per-step LR schedule"
         )
         until = f" (until the deadline {_clock_time(self.deadline)})" if self.deadline is not None else ""
@@ -309,23 +281,15 @@ class TimeBudget(L.Callback):
 
 
 def _val_batches(trainer) -> float:
-    """Validation batches per validation; before the first one Lightning has not counted them yet
-    (no sanity check), so count the val loader's batches (within limit_val_batches)."""
+    """Validation batches per validation (within limit_val_batches); before the first validation
+    Lightning has not counted them, so the datamodule's val loader is (no worker starts until iterated)."""
     n = trainer.num_val_batches
     n = sum(n) if isinstance(n, list) else n
     if n:
         return float(n)
-    try:  # the loader the val loop will use (a new DataLoader object: no worker starts until iterated)
-        source = trainer.fit_loop.epoch_loop.val_loop._data_source
-        loaders = source.dataloader() if source.is_defined() else None
-        n = (
-            sum(len(d) for d in loaders)
-            if isinstance(loaders, (list, tuple))
-            else len(loaders)
-            if loaders is not None
-            else 0
-        )
-    except (AttributeError, TypeError):  # another Lightning's internals, or an iterable without a length
+    try:
+        n = len(trainer.datamodule.val_dataloader())
+    except (AttributeError, TypeError, NotImplementedError):  # no datamodule, or a loader without a length
         return 0.0
     limit = trainer.limit_val_batches
     return float(min(n, limit) if isinstance(limit, int) else n * limit)

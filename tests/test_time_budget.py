@@ -1,0 +1,270 @@
+"""The time budget (bev.callbacks.TimeBudget) on a tiny model whose steps cost fake seconds."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from bev.callbacks import TimeBudget, parse_deadline, parse_duration
+from bev.schedule import OneCycle
+
+
+def test_parse_duration():
+    assert parse_duration("00:16:00") == 960
+    assert parse_duration("00:00:17:00") == 1020
+    assert parse_duration("1:30") == 90
+    assert parse_duration(45) == 45.0
+    assert parse_duration(None) is None
+    for bad in ("16 min", "0:0:0", "1:2:3:4:5", -3):
+        with pytest.raises(ValueError, match="time_budget"):
+            parse_duration(bad)
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Tiny(L.LightningModule):
+    """A linear regression whose every training step costs `step_s` and validation batch `val_s` fake seconds."""
+
+    def __init__(
+        self,
+        clock: FakeClock,
+        step_s: float = 1.0,
+        val_s: float = 0.25,
+        first_epoch_step_s: float | None = None,
+        schedule=OneCycle,
+    ):
+        super().__init__()
+        self.schedule = schedule
+        self.layer = nn.Linear(4, 1)
+        self.clock, self.step_s, self.val_s = clock, step_s, val_s
+        self.first_epoch_step_s = step_s if first_epoch_step_s is None else first_epoch_step_s
+        self.lrs: list[float] = []
+        self.validated_at: list[int] = []  # global step of each validation
+
+    def training_step(self, batch, batch_idx):
+        self.clock.t += self.first_epoch_step_s if self.current_epoch == 0 else self.step_s
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+        x, y = batch
+        return nn.functional.mse_loss(self.layer(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        self.clock.t += self.val_s
+        x, y = batch
+        self.log("val/loss", nn.functional.mse_loss(self.layer(x), y))
+
+    def on_validation_epoch_end(self):
+        self.validated_at.append(self.trainer.global_step)
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = self.schedule(opt, max_lr=1e-2, total_steps=int(self.trainer.estimated_stepping_batches), pct_start=0.1)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Data(L.LightningDataModule):
+    """20 training batches of 4 and 10 validation batches of 8, the same every run."""
+
+    def __init__(self):
+        super().__init__()
+        x = torch.randn(80, 4, generator=torch.Generator().manual_seed(0))
+        self.ds = TensorDataset(x, x.sum(1, keepdim=True))
+
+    def train_dataloader(self):
+        return DataLoader(self.ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))
+
+    def val_dataloader(self):
+        return DataLoader(self.ds, batch_size=8)
+
+
+def fit(
+    budget=None,
+    epochs=5,
+    step_s=1.0,
+    ckpt_path=None,
+    callback=None,
+    val_every=1,
+    first_epoch_step_s=None,
+    schedule=OneCycle,
+    **kw,
+):
+    """20 steps per epoch, 10 validation batches; returns (module, trainer, callback)."""
+    L.seed_everything(0, verbose=False)
+    clock = FakeClock()
+    model = Tiny(clock, step_s, first_epoch_step_s=first_epoch_step_s, schedule=schedule)
+    callbacks = []
+    if budget is not None:
+        callback = TimeBudget(budget, measure_steps=10, skip_steps=2, **kw)
+    if callback is not None:
+        callback.clock = clock
+        callbacks.append(callback)
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        check_val_every_n_epoch=val_every,
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 4-wide linear layer: more threads only wait on each other
+    try:
+        trainer.fit(model, datamodule=Data(), ckpt_path=ckpt_path)
+    finally:
+        torch.set_num_threads(threads)
+    return model, trainer, callback
+
+
+def test_an_unbound_budget_changes_nothing():
+    plain, t0, _ = fit()
+    budgeted, t1, cb = fit(budget=10_000)
+    assert t0.global_step == t1.global_step == 100
+    assert plain.lrs == budgeted.lrs
+    for a, b in zip(plain.parameters(), budgeted.parameters()):
+        assert torch.equal(a, b)
+    assert cb.summary()["shortened"] is False and cb.limit is None
+
+
+def test_a_binding_budget_shortens_the_run_and_completes_the_schedule():
+    # Planned: 100 steps of 1 s + 5 validations of 2.5 s = 112.5 s; the budget is 60 s.
+    model, trainer, cb = fit(budget=60, margin=0.0)
+    s = cb.summary()
+    assert s["shortened"] and not s["stopped_on_budget"] and s["planned_steps"] == 100
+    assert trainer.global_step == cb.limit < 100
+    assert cb.s_per_step == pytest.approx(1.0)
+    assert s["used_s"] <= 60  # training + validations (the last one at the shortened end) fit
+    assert s["used_s"] >= 60 - 4  # and most of the budget is used (within a step + a validation)
+    sched = trainer.lr_scheduler_configs[0].scheduler
+    assert sched.total_steps == cb.limit and sched.last_epoch == cb.limit
+    # The schedule completed: the last step ran at OneCycle's final LR, and the LR fell monotonically after the peak.
+    assert len(model.lrs) == cb.limit
+    assert model.lrs[-1] == pytest.approx(1e-2 / 25 / 1e4, rel=1e-6)
+    peak = max(range(len(model.lrs)), key=model.lrs.__getitem__)
+    assert all(a >= b for a, b in zip(model.lrs[peak:], model.lrs[peak + 1 :]))
+    assert f"of {s['planned_steps']} planned steps" in s["message"] and "schedule now ends there" in s["message"]
+    # It stopped through trainer.should_stop, without touching Lightning's loop limits.
+    assert trainer.fit_loop.epoch_loop.max_steps == -1 and trainer.fit_loop.min_epochs == 0
+
+
+def test_a_schedule_whose_length_is_fixed_is_left_as_is_and_said_so():
+    model, trainer, cb = fit(budget=60, margin=0.0, schedule=torch.optim.lr_scheduler.OneCycleLR)
+    assert trainer.global_step == cb.limit < 100 and "cannot change" in cb.message
+    assert trainer.lr_scheduler_configs[0].scheduler.total_steps == 100
+
+
+def test_a_reserve_of_validations_is_kept_free_at_the_end_of_the_budget():
+    # Validations take 2.5 s here: reserving two keeps 5 s of the 60 s for what follows training.
+    _, plain, without = fit(budget=60, margin=0.0)
+    model, trainer, cb = fit(budget=60, margin=0.0, reserve_validations=2)
+    s = cb.summary()
+    assert s["reserved_after_s"] == 5.0 and "5 s of it kept for after training" in s["message"]
+    assert trainer.global_step == cb.limit < without.limit and 55 - 4 <= s["used_s"] <= 55
+    assert model.lrs[-1] == pytest.approx(1e-2 / 25 / 1e4, rel=1e-6)  # the schedule still completes
+    with pytest.raises(ValueError, match="reserve_validations"):
+        TimeBudget(60, reserve_validations=-1)
+
+
+def test_a_shortened_run_validates_at_its_end_when_validation_skips_epochs():
+    # Validating every 2nd epoch (steps 40, 80): the 60 s budget ends the run inside an epoch
+    # that would not validate; the last validation is still at the shortened end.
+    model, trainer, cb = fit(budget=60, margin=0.0, val_every=2)
+    assert cb.limit % 40 != 0 and model.validated_at[-1] == trainer.global_step == cb.limit
+    assert cb.summary()["used_s"] <= 60
+
+
+def test_the_last_validation_is_reserved_before_any_validation_ran():
+    # Validating only every 5th epoch (step 100): the shortened run stops before any validation
+    # was measured, so the one at its end (10 batches of 0.25 s) must come from the guess.
+    model, trainer, cb = fit(budget=60, margin=0.0, val_every=5)
+    assert cb.s_per_val > 0 and model.validated_at == [trainer.global_step]
+    assert cb.summary()["used_s"] <= 60
+
+
+def test_a_slow_first_epoch_is_not_measured_with_skip_epochs():
+    # The first epoch at 3 s/step (an input memo filling), the rest at 1 s/step: 20 x 3 + 80 x 1 +
+    # 5 validations of 2.5 s = 152.5 s fits a 160 s budget. Measured in the first epoch the run
+    # looks like 300 s and would be shortened; measured from the second it runs unchanged.
+    plain, _, _ = fit(first_epoch_step_s=3.0)
+    _, early, cb = fit(budget=160, margin=0.0, first_epoch_step_s=3.0)
+    assert cb.summary()["shortened"] and early.global_step < 100
+    skipped, late, cb = fit(budget=160, margin=0.0, first_epoch_step_s=3.0, skip_epochs=1)
+    assert not cb.summary()["shortened"] and late.global_step == 100 and cb.s_per_step == pytest.approx(1.0)
+    assert skipped.lrs == plain.lrs and cb.summary()["used_s"] == pytest.approx(152.5)
+    with pytest.raises(ValueError, match="skip_epochs"):
+        TimeBudget(60, skip_epochs=-1)
+
+
+def test_skipped_epochs_that_alone_overrun_end_on_the_hard_stop():
+    # The first epoch at 8 s/step would take 160 s of a 140 s budget: nothing is measured before the
+    # second epoch, so the last resort stops the run when the budget is spent.
+    _, trainer, cb = fit(budget=140, margin=0.0, first_epoch_step_s=8.0, skip_epochs=1)
+    s = cb.summary()
+    assert s["stopped_on_budget"] and cb.limit is None and 140 <= s["used_s"] <= 140 + 8
+    assert "stopped before the LR schedule finished" in s["message"] and trainer.global_step < 20
+
+
+def test_a_resumed_run_keeps_its_limit_and_spends_only_what_is_left(tmp_path):
+    _, trainer, cb = fit(budget=60, margin=0.0)
+    ckpt = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(ckpt)
+    # Resuming the finished, shortened run trains no further (bev.lit's stretch is not triggered).
+    _, again, cb2 = fit(budget=60, margin=0.0, ckpt_path=ckpt)
+    assert again.global_step == trainer.global_step == cb2.limit == cb.limit
+    assert cb2.elapsed_before == pytest.approx(cb.elapsed(), abs=1e-6)
+
+
+T0 = 1_800_000_000.0  # a wall-clock time (2027)
+
+
+def fit_to_deadline(deadline, startup_s, **kw):
+    """fit() with a TimeBudget whose wall clock reads T0 + startup_s when training starts."""
+    callback = TimeBudget(deadline=deadline, measure_steps=10, skip_steps=2, margin=0.0, **kw)
+    callback.wall_clock = lambda: T0 + startup_s
+    return fit(callback=callback)
+
+
+def test_a_deadline_counts_the_time_before_training():
+    # 60 s until the deadline with nothing spent before training: the same run as a 60 s budget.
+    _, budget_run, by_budget = fit(budget=60, margin=0.0)
+    _, deadline_run, cb = fit_to_deadline(T0 + 60, startup_s=0)
+    assert deadline_run.global_step == budget_run.global_step == cb.limit == by_budget.limit < 100
+    assert cb.summary()["budget_s"] == 60 and cb.summary()["deadline"] and "until the deadline" in cb.message
+    # 20 s of start-up leave 40 s: a shorter run that still ends by the deadline, schedule completed.
+    model, late_run, late = fit_to_deadline(T0 + 60, startup_s=20)
+    assert late.budget == 40 and late_run.global_step == late.limit < cb.limit
+    assert late.summary()["used_s"] <= 40 and model.lrs[-1] == pytest.approx(1e-2 / 25 / 1e4, rel=1e-6)
+    # With a budget as well, the smaller of the two binds.
+    _, _, both = fit_to_deadline(T0 + 60, startup_s=0, budget=30)
+    assert both.budget == 30
+
+
+def test_a_deadline_already_passed_stops_before_the_first_step():
+    _, trainer, cb = fit_to_deadline(T0 + 60, startup_s=90)
+    assert trainer.global_step == 0 and cb.stopped_on_budget and "passed before training started" in cb.message
+
+
+def test_parse_deadline():
+    assert parse_deadline(None) is None
+    assert parse_deadline(T0) == parse_deadline(str(int(T0))) == T0
+    assert parse_deadline("2026-11-25T18:00:00+00:00") == 1795629600.0
+    with pytest.raises(ValueError, match="for a duration use callbacks.time_budget.budget"):
+        parse_deadline(900)  # 15 minutes, not a time
+    with pytest.raises(ValueError, match="ISO date"):
+        parse_deadline("in 15 minutes")
+
+
+def test_a_machine_that_slows_down_hits_the_hard_stop():
+    # A 2 s/step machine with 30 s: the plan after 12 steps already overruns; a far slower end is caught by the net.
+    _, trainer, cb = fit(budget=30, step_s=2.0, margin=0.0)
+    assert trainer.global_step < 100 and cb.elapsed() <= 30 + 2 + 2.5 + 1e-6
