@@ -44,9 +44,8 @@ build: venv
 # deadline, TRAIN_MINUTES after make started (installing the venv, writing the data and bev-train's
 # start-up all count) less what follows training: EVAL_RESERVE_S for starting the evaluation and
 # the plots, and the time of EVAL_RESERVE_VALIDATIONS validations as measured in this run (the
-# evaluation pass scales with the machine). bev.callbacks.TimeBudget shortens the run and
-# compresses the LR schedule only if it must; training gets at least 120 s. After training, 2-core
-# EPYC: 31 s idle (12 s per validation), 74 s beside three busy loops (54 s per validation).
+# evaluation pass scales with the machine). bev.callbacks.TimeBudget shortens the run, with the LR
+# schedule ending there, only if it must; training gets at least 120 s.
 TRAIN_MINUTES ?= 20
 EVAL_RESERVE_S ?= 45
 EVAL_RESERVE_VALIDATIONS ?= 2

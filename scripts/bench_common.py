@@ -44,3 +44,27 @@ def host_versions() -> dict[str, str]:
 def write_report(path, report: dict) -> None:
     """Write `report` to `path` as indented JSON, atomically (a reader never sees half a report)."""
     atomic_write(path, json.dumps(report, indent=2) + "\n")
+
+
+def processor_name() -> str:
+    """The CPU's model name ("" where /proc/cpuinfo does not say)."""
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return ""
+
+
+def checkout_commit() -> str | None:
+    """The checkout's commit, "+dirty" with uncommitted changes to bev/, configs/ or scripts/; None outside git."""
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        diff = ["git", "diff", "--quiet", "HEAD", "--", "bev", "configs", "scripts"]
+        dirty = subprocess.run(diff, cwd=repo).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")

@@ -36,7 +36,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bench_common import host_versions, malloc_env, reexec_with_malloc_env, write_report  # noqa: E402
+from bench_common import (  # noqa: E402
+    checkout_commit,
+    host_versions,
+    malloc_env,
+    processor_name,
+    reexec_with_malloc_env,
+    write_report,
+)
 from bench_train import compose_config, real_rig_batch  # noqa: E402
 
 VARIANTS = {
@@ -209,42 +216,18 @@ def main(argv=None) -> int:
         )
     report = {
         "script": "scripts/bench_temporal.py",
-        "commit": _commit(),
-        "device": torch.cuda.get_device_name() if a.device == "cuda" else _processor(),
+        "commit": checkout_commit(),
+        "device": torch.cuda.get_device_name() if a.device == "cuda" else processor_name(),
         "threads": a.threads,
         "steps": a.steps,
         "warmup": a.warmup,
-        "host": {**host_versions(), "processor": _processor()},
+        "host": {**host_versions(), "processor": processor_name()},
         "malloc_env": malloc_env(),
         "variants": results,
     }
     write_report(a.out, report)
     print(f"wrote {a.out}")
     return 0
-
-
-def _commit() -> str | None:
-    """The checkout's commit, "+dirty" with uncommitted changes to tracked files; None outside git."""
-    import subprocess
-
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = (
-            subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "bev", "configs", "scripts"], cwd=REPO).returncode
-            != 0
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+dirty" if dirty else "")
-
-
-def _processor() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return ""
 
 
 if __name__ == "__main__":

@@ -271,6 +271,19 @@ def versus_fiery(r: dict) -> list[str]:
     return heading(r, what) + table(["model", "precision", "median s", "fastest s", "vs FIERY's"], rows, "llrrr")
 
 
+def knobs(r: dict) -> list[str]:
+    """bench_knobs: make train's step with one speed setting changed, alternated with the defaults."""
+    d = r["data"]
+    rows = [
+        [name, num(v["median_s"], 3), " ".join(num(t, 3) for t in v["s_per_step"]), num(v["default_vs_this"], 2)]
+        for name, v in d["variants"].items()
+    ]
+    busy = d.get("busy_processes", 0)
+    what = "make train's step per setting" + (f", beside {busy} CPU-bound process(es)" if busy else ", idle machine")
+    header = ["variant", "median s/step", "each run", "vs default"]
+    return heading(r, what) + table(header, rows, "lrrr")
+
+
 def future_decoder(r: dict) -> list[str]:
     """temporal_future_decoder: the same temporal training with each future decoder, evaluated alike."""
     d = r["data"]
@@ -570,6 +583,7 @@ RENDERERS = {
     "bench_loader_": ("Data", loader),
     "bench_train_": ("Training step", train_step),
     "bench_temporal_": ("Training step", temporal_step),
+    "bench_knobs_": ("Training step", knobs),
     "bench_vs_fiery": ("Training step", versus_fiery),
     "bench_fast_layers_": ("Training step", fast_layers),
     "bench_optimizer_": ("Training step", optimizer),
