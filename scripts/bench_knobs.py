@@ -48,11 +48,11 @@ def overrides(data: Path, run_dir: Path, batches: int) -> list[str]:
         f"data.dataroot={data}",
         f"hydra.run.dir={run_dir}",
         "trainer.max_epochs=2",
-        f"trainer.limit_train_batches={batches}",
-        "trainer.limit_val_batches=2",
+        f"+trainer.limit_train_batches={batches}",
+        "+trainer.limit_val_batches=2",
         "trainer.check_val_every_n_epoch=1",
         "callbacks.time_budget.budget=10:00:00",
-        f"callbacks.time_budget.measure_steps={batches - 10}",
+        f"+callbacks.time_budget.measure_steps={batches - 10}",
         "callbacks.bev_png.every_n_steps=1000000",
     ]
 
