@@ -1,8 +1,10 @@
 """What each speed setting gives where a user meets it: short `bev-train` runs of the embedded
 default (experiment=synthetic_cpu, as `make train` runs it) with one setting changed, alternated
-with the defaults, `--rounds` times. Each run trains two epochs of `--batches` batches; the time
-budget's own measurement gives the seconds per step of the second epoch (the input memo full,
-validation excluded). Prints a table and writes benchmarks/results/bench_knobs_<busy>_cpu.json.
+with the defaults, `--rounds` times. Each run trains two whole epochs of a small synthetic set
+(`--samples-per-scene`, written to a temporary directory: the same model, images and grid as
+`make train`, fewer frames), so the input memo fills in the first epoch and serves the second, as
+in `make train`; the time budget's own measurement gives the seconds per step of the second epoch
+(validation excluded). Prints a table and writes benchmarks/results/bench_knobs_busy<N>_cpu.json.
 
     python scripts/bench_knobs.py                  # the idle machine
     python scripts/bench_knobs.py --busy 1 --variants default threads_2   # beside a CPU-bound process
@@ -32,6 +34,7 @@ from bench_common import checkout_commit, host_versions, processor_name, write_r
 
 from bev.utils.precision import cpu_bf16_support  # noqa: E402
 
+TRAIN_SCENES, BATCH_SIZE = 8, 4  # the mini_train split's scenes; synthetic_cpu's batch
 VARIANTS = {  # name -> (extra overrides, extra environment)
     "default": ([], {}),
     "threads_2": (["threads=2"], {}),
@@ -41,14 +44,13 @@ VARIANTS = {  # name -> (extra overrides, extra environment)
 }
 
 
-def overrides(data: Path, run_dir: Path, batches: int) -> list[str]:
+def overrides(data: Path, run_dir: Path, batches: int) -> list[str]:  # batches: per epoch
     """A short run of `make train`'s config whose time budget never binds but measures the pace."""
     return [
         "experiment=synthetic_cpu",
         f"data.dataroot={data}",
         f"hydra.run.dir={run_dir}",
         "trainer.max_epochs=2",
-        f"+trainer.limit_train_batches={batches}",
         "+trainer.limit_val_batches=2",
         "trainer.check_val_every_n_epoch=1",
         "callbacks.time_budget.budget=10:00:00",
@@ -67,6 +69,13 @@ def run_once(name: str, data: Path, batches: int, work: Path) -> float:
         raise SystemExit(f"bev-train ({name}) failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     record = json.loads((run_dir / "metrics.json").read_text())
     return float(record["time_budget"]["s_per_step"])
+
+
+def write_synthetic(out: Path, samples_per_scene: int) -> Path:
+    """A synthetic set like make train's, with fewer key frames per scene."""
+    cmd = [str(Path(sys.executable).parent / "bev-make-synthetic"), "--out", str(out), "--render-scale", "4"]
+    subprocess.run([*cmd, "--samples-per-scene", str(samples_per_scene)], check=True, capture_output=True)
+    return out
 
 
 def busy_loops(n: int) -> list[subprocess.Popen]:
@@ -88,17 +97,16 @@ def summarise(times: dict[str, list[float]]) -> dict:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=Path, default=ROOT / "data" / "synthetic", help="the synthetic set (make train)")
+    p.add_argument(
+        "--samples-per-scene", type=int, default=40, help="of the synthetic set written for the runs (>= 20)"
+    )
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--batches", type=int, default=80, help="training batches per epoch (>= 20)")
     p.add_argument("--busy", type=int, default=0, help="CPU-bound processes running beside")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
-    if not (a.data / "v1.0-mini" / "scene.json").is_file():
-        p.error(f"no synthetic set at {a.data}: `make train` writes it (or bev-make-synthetic --out {a.data})")
-    if a.batches < 20:
-        p.error("--batches must be >= 20 (the pace is measured over the second epoch's batches after 5)")
+    if a.samples_per_scene < 20:
+        p.error("--samples-per-scene must be >= 20 (the pace is measured over the second epoch's batches after 5)")
     if "default" not in a.variants:
         a.variants.insert(0, "default")
     return a
@@ -111,9 +119,11 @@ def main(argv=None) -> int:
     t0 = time.time()
     try:
         with tempfile.TemporaryDirectory(prefix="bench_knobs-") as work:
+            data = write_synthetic(Path(work) / "data", a.samples_per_scene)
+            batches = TRAIN_SCENES * a.samples_per_scene // BATCH_SIZE
             for r in range(a.rounds):
                 for name in a.variants:
-                    times[name].append(run_once(name, a.data, a.batches, Path(work)))
+                    times[name].append(run_once(name, data, batches, Path(work)))
                     print(f"round {r + 1}/{a.rounds} {name:18s} {times[name][-1]:.3f} s/step", flush=True)
     finally:
         for p in loops:
@@ -127,7 +137,7 @@ def main(argv=None) -> int:
         "device_name": processor_name(),
         "what": "s/step of make train's config (second epoch), one setting changed per variant, alternated",
         "busy_processes": a.busy,
-        "batches_per_epoch": a.batches,
+        "samples_per_scene": a.samples_per_scene,
         "rounds": a.rounds,
         "wall_s": round(time.time() - t0, 1),
         "host": {**host_versions(), "cpus": len(os.sched_getaffinity(0)), "cpu_bf16": cpu_bf16_support()},
