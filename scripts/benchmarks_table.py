@@ -284,6 +284,24 @@ def knobs(r: dict) -> list[str]:
     return heading(r, what) + table(header, rows, "lrrr")
 
 
+def vpq_breakdown(r: dict) -> list[str]:
+    """vpq_breakdown: a temporal checkpoint's VPQ and per-frame PQ against the present copied."""
+    d = r["data"]
+    frames = len(next(iter(d["predictions"].values()))["frames"])
+    rows = [
+        [name, num(v["vpq"]), *(f"{num(f['pq'])} ({num(f['sq'], 2)} × {num(f['rq'], 2)})" for f in v["frames"])]
+        for name, v in d["predictions"].items()
+    ]
+    m = d["motion"]
+    intro = (
+        f"{d['windows']} val windows, `{d['instance_decoding']}` decoding, long range. PQ (SQ × RQ) per frame, "
+        f"present first. {m['moving']} of {m['instances']} true vehicles ({100 * m['share_moving']:.0f} %) move "
+        f"more than one cell between the present and the last frame."
+    )
+    header = ["prediction", "VPQ", *(f"frame {t}" for t in range(frames))]
+    return heading(r, "where the VPQ comes from") + [intro, ""] + table(header, rows, "l" + "r" * (frames + 1))
+
+
 def future_decoder(r: dict) -> list[str]:
     """temporal_future_decoder: the same temporal training with each future decoder, evaluated alike."""
     d = r["data"]
@@ -579,6 +597,7 @@ RENDERERS = {
     "synthetic_cpu_metrics": ("The embedded default", make_train_eval),
     "precision_": ("The embedded default", precision),
     "temporal_future_decoder": ("The embedded default", future_decoder),
+    "vpq_breakdown_": ("The embedded default", vpq_breakdown),
     "map_targets_vs_devkit": ("Data", map_targets),
     "bench_loader_": ("Data", loader),
     "bench_train_": ("Training step", train_step),

@@ -176,3 +176,23 @@ def test_bev_train_records_precision_and_the_time_budget(synthetic_root, tmp_pat
     tb = rec["time_budget"]
     assert tb["budget_s"] == 0.001 and tb["planned_steps"] == 3 and tb["stopped_on_budget"]
     assert rec["global_step"] == 1 and "spent at step 1 of 3" in tb["message"]
+
+
+@pytest.mark.e2e
+def test_bev_train_past_its_deadline_trains_no_step(synthetic_root, tmp_path, monkeypatch):
+    # The trainer configs allow stopping inside the first epoch (min_epochs 0): nothing is trained.
+    import json
+
+    from helpers.cli import TINY, train_cli
+
+    args = [
+        *TINY,
+        "trainer.max_epochs=3",
+        "callbacks.time_budget.deadline=1700000000",  # 2023
+        "callbacks.bev_png.every_n_steps=0",
+        f"data.dataroot={synthetic_root}",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    assert train_cli(args, monkeypatch) == 0
+    rec = json.loads((tmp_path / "metrics.json").read_text())
+    assert rec["global_step"] == 0 and "passed before training started" in rec["time_budget"]["message"]
