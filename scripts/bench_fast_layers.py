@@ -181,7 +181,7 @@ def main(argv=None) -> int:
 
     load0 = os.getloadavg()[0]
     torch.set_num_threads(a.threads)
-    # depthwise_fp32=true: the fast layers are measured whatever `auto` chooses on this CPU (off on AMX)
+    # depthwise_fp32=true: the fast layers are measured even where a config turned them off
     cfg = bt.compose_config(
         [
             *bt.CONFIGS["paper"],

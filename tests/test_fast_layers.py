@@ -144,12 +144,12 @@ def test_efficientnet_camera_encoder_keeps_its_parameters_and_function(monkeypat
     torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(
-    "flags, expected", [({"avx512_bf16"}, True), ({"avx2"}, True), ({"avx512_bf16", "amx_bf16"}, False)]
-)
-def test_auto_depthwise_fp32_is_off_on_amx_cpus(flags, expected, monkeypatch):
-    monkeypatch.setattr(P, "_cpu_flags", lambda: flags)
-    assert P.resolve_depthwise_fp32("auto") is expected
-    assert P.resolve_depthwise_fp32(False) is False and P.resolve_depthwise_fp32(True) is True
-    with pytest.raises(ValueError, match="true, false or auto"):
-        P.resolve_depthwise_fp32("fp32")
+def test_depthwise_fp32_auto_of_older_configs_means_on_and_a_bad_value_is_named():
+    def swapped(value):
+        return len(
+            CameraEncoder(5, 7, backbone="efficientnet_b0", mid_channels=16, depthwise_fp32=value).fp32_depthwise
+        )
+
+    assert swapped("auto") == swapped(True) > 0 and swapped(False) == 0
+    with pytest.raises(ValueError, match="depthwise_fp32 must be true or false"):
+        swapped("fp32")

@@ -15,7 +15,7 @@ from torch import nn
 from torchvision.models.resnet import BasicBlock
 
 from bev.models.fast_layers import fast_global_pools, fp32_depthwise
-from bev.utils.precision import resolve_channels_last, resolve_depthwise_fp32
+from bev.utils.precision import resolve_channels_last
 
 BACKBONES = ("efficientnet_b0", "efficientnet_b4", "resnet18", "resnet50", "small")
 # EfficientNet: features[5] ends stride 16, features[7] stride 32 ([8] is the wide 1x1 head, unused)
@@ -133,7 +133,7 @@ class CameraEncoder(nn.Module):
     channels_last runs the convolutions in NHWC (faster oneDNN/cuDNN kernels); inputs and the
     output stay in the default layout, so callers and checkpoints do not change. depthwise_fp32
     computes the gradients of the depthwise convolutions that oneDNN's bf16 backward handles slowly
-    in fp32 under CPU bf16 autocast (bev.models.fast_layers; "auto": bev.utils.precision.resolve_depthwise_fp32).
+    in fp32 under CPU bf16 autocast (bev.models.fast_layers); "auto", which older configs stored, means on.
     """
 
     def __init__(
@@ -147,7 +147,7 @@ class CameraEncoder(nn.Module):
         blocks: int = 1,
         mid_channels: int = 512,
         channels_last: bool | str = False,
-        depthwise_fp32: bool | str = "auto",
+        depthwise_fp32: bool | str = True,
     ):
         super().__init__()
         if backbone not in BACKBONES:
@@ -163,7 +163,9 @@ class CameraEncoder(nn.Module):
         self.head = nn.Conv2d(mid_channels, depth_bins + context_channels, 1)
         self.depth_bins = depth_bins
         fast_global_pools(self.trunk)
-        self.fp32_depthwise = fp32_depthwise(self.trunk) if resolve_depthwise_fp32(depthwise_fp32) else []
+        if depthwise_fp32 not in (True, False, "auto"):
+            raise ValueError(f"depthwise_fp32 must be true or false, got {depthwise_fp32!r}")
+        self.fp32_depthwise = fp32_depthwise(self.trunk) if depthwise_fp32 else []
         self.channels_last = resolve_channels_last(channels_last, self)
         if self.channels_last:
             self.to(memory_format=torch.channels_last)

@@ -1,6 +1,5 @@
 """`trainer.precision: auto`: bf16 mixed precision where the hardware runs bf16 natively, fp32 elsewhere;
-`channels_last: auto`: NHWC convolutions on the same hardware; `depthwise_fp32: auto`: fp32 gradients
-for the camera trunk's depthwise convolutions that oneDNN's bf16 backward runs slowly (not on AMX CPUs).
+`channels_last: auto`: NHWC convolutions on the same hardware.
 
 bf16 autocast halves the cost of the convolutions only on CPUs with native bf16 instructions
 (AVX512-BF16, AMX, Arm BF16); elsewhere oneDNN emulates them and fp32 is as fast or faster
@@ -114,16 +113,6 @@ def nhwc_hazards(module) -> list[str]:
         and max(m.stride) > 1
         and m.in_channels < NHWC_MIN_CHANNELS
     ]
-
-
-def resolve_depthwise_fp32(value: bool | str) -> bool:
-    """`depthwise_fp32` of the camera encoder (bev.models.fast_layers): True/False as given; "auto": on,
-    except on AMX CPUs, where oneDNN picks other bf16 kernels and the swap is not measured yet."""
-    if isinstance(value, str) and value != "auto":
-        raise ValueError(f"depthwise_fp32 must be true, false or auto, got {value!r}")
-    if value != "auto":
-        return bool(value)
-    return "amx_bf16" not in _cpu_flags()
 
 
 def available_memory(accelerator: str = "cpu") -> int | None:
