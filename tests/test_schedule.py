@@ -69,3 +69,18 @@ def test_bad_one_cycle_settings_are_named():
         OneCycle(opt, max_lr=0.1, total_steps=10)
     with pytest.raises(ValueError, match="positive integer total_steps"):
         OneCycle(torch.optim.AdamW([nn.Parameter(torch.zeros(1))]), max_lr=0.1, total_steps=0)
+
+
+def test_run_length_is_the_budget_limit_only_while_a_budget_is_set():
+    from types import SimpleNamespace
+
+    from bev.callbacks import TimeBudget
+    from bev.schedule import run_length
+
+    shortened = TimeBudget(60)
+    shortened.load_state_dict({"limit": 40, "planned_steps": 100})  # resumed after the budget bound
+    assert run_length(SimpleNamespace(estimated_stepping_batches=100, callbacks=[shortened])) == 40
+    # Resumed with budget=null: the run goes on to its configured end, so bev.lit stretches the schedule there.
+    released = TimeBudget(None)
+    released.load_state_dict({"limit": 40, "planned_steps": 100})
+    assert run_length(SimpleNamespace(estimated_stepping_batches=100, callbacks=[released])) == 100
