@@ -195,7 +195,7 @@ class TimeBudget(L.Callback):
         self._val_n += 1
         self._val_start = None
         if self._mark is not None and not trainer.should_stop:
-            self._plan(trainer, pl_module)
+            self._plan(trainer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.budget is None or getattr(self, "_start", None) is None:
@@ -203,7 +203,7 @@ class TimeBudget(L.Callback):
         if self._mark is None and self._warmed_up(trainer, batch_idx):
             self._mark = (self.clock(), self._val_s, trainer.global_step)
         elif self._mark is not None and trainer.global_step - self._mark[2] == self.measure_steps:
-            self._plan(trainer, pl_module)
+            self._plan(trainer)
         if self.limit is not None and trainer.global_step >= self.limit:
             trainer.should_stop = True  # Lightning validates and checkpoints when a run stops early,
             trainer.check_val_every_n_epoch = 1  # also in an epoch check_val_every_n_epoch would skip
@@ -239,7 +239,7 @@ class TimeBudget(L.Callback):
         )
         return max(float(every) / trainer.accumulate_grad_batches, 1.0)
 
-    def _plan(self, trainer, pl_module) -> None:
+    def _plan(self, trainer) -> None:
         """Set the step limit to what fits in the budget (never above the plan) when it moves by > 1%."""
         self._measure(trainer)
         step = trainer.global_step
