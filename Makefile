@@ -31,7 +31,11 @@ venv: $(STAMP)
 rwildcard = $(foreach d,$(wildcard $(1:=/*)),$(call rwildcard,$d,$2) $(filter $(subst *,%,$2),$d))
 CSRC := $(call rwildcard,bev/ops/csrc,*.cpp *.cu *.h *.cuh)
 
+# torch's x86_64 wheel is a CUDA build: a new venv takes about 6 GiB.
 $(STAMP): pyproject.toml setup.py $(CSRC)
+	@free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	if ! test -x $(PY) && [ "$$free" -lt 7 ]; then \
+		echo "make: warning: $$free GiB free here; a new venv (torch + the project) needs about 7 GiB: free some disk space if the install fails with 'No space left on device'" >&2; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip "setuptools>=64" wheel ninja
 	$(PY) -m pip install -q $(TORCH_PINS)
