@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from bev.callbacks import TimeBudget, parse_deadline, parse_duration
+from bev.callbacks import ModelCheckpoint, TimeBudget, parse_deadline, parse_duration
 from bev.schedule import OneCycle
 
 
@@ -94,9 +94,11 @@ def fit(
     val_every=1,
     first_epoch_step_s=None,
     schedule=OneCycle,
+    checkpoint_dir=None,
     **kw,
 ):
-    """20 steps per epoch, 10 validation batches; returns (module, trainer, callback)."""
+    """20 steps per epoch, 10 validation batches; returns (module, trainer, callback). checkpoint_dir: the
+    project's ModelCheckpoint (best by val/loss + last.ckpt, as configs/callbacks/model_checkpoint.yaml) there."""
     L.seed_everything(0, verbose=False)
     clock = FakeClock()
     model = Tiny(clock, step_s, first_epoch_step_s=first_epoch_step_s, schedule=schedule)
@@ -106,11 +108,22 @@ def fit(
     if callback is not None:
         callback.clock = clock
         callbacks.append(callback)
+    if checkpoint_dir is not None:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=checkpoint_dir,
+                filename="step_{step:03d}",
+                monitor="val/loss",
+                save_last=True,
+                auto_insert_metric_name=False,
+                save_on_train_epoch_end=False,
+            )
+        )
     trainer = L.Trainer(
         max_epochs=epochs,
         accelerator="cpu",
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=checkpoint_dir is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -181,6 +194,17 @@ def test_a_shortened_run_validates_at_its_end_when_validation_skips_epochs():
     model, trainer, cb = fit(budget=60, margin=0.0, val_every=2)
     assert cb.limit % 40 != 0 and model.validated_at[-1] == trainer.global_step == cb.limit
     assert cb.summary()["used_s"] <= 60
+
+
+@pytest.mark.parametrize("val_every", [1, 2])
+def test_a_run_stopped_inside_an_epoch_keeps_its_best_and_last_checkpoints(tmp_path, val_every):
+    # The end-of-run validation is the best one here (val/loss falls all along), so the best
+    # checkpoint is of the final step, beside last.ckpt of that step.
+    model, trainer, cb = fit(budget=60, margin=0.0, val_every=val_every, checkpoint_dir=tmp_path)
+    assert cb.limit % 20 != 0 and trainer.global_step == cb.limit
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", f"step_{cb.limit:03d}.ckpt"]
+    for name in (f"step_{cb.limit:03d}.ckpt", "last.ckpt"):
+        assert torch.load(tmp_path / name, weights_only=True)["global_step"] == cb.limit
 
 
 def test_the_last_validation_is_reserved_before_any_validation_ran():
