@@ -28,7 +28,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when run with runpy
 from bench_common import host_versions, malloc_env, reexec_with_malloc_env, write_report  # noqa: E402
 
-reexec_with_malloc_env(__file__)  # same allocator settings as training (bev.utils.malloc)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # no spinning OpenMP threads on a shared machine
 
 import torch  # noqa: E402
@@ -184,4 +183,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    reexec_with_malloc_env(__file__)  # same allocator settings as training (bev.utils.malloc)
     sys.exit(main())

@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bench_common import host_versions, write_report  # noqa: E402
-from bench_temporal import VARIANTS, Variant, _commit, _processor  # noqa: E402
+from bench_common import checkout_commit, host_versions, processor_name, write_report  # noqa: E402
+from bench_temporal import VARIANTS, Variant  # noqa: E402
 
 
 def _stand_in_lightning() -> None:
@@ -167,12 +167,12 @@ def main(argv=None) -> int:
         a.out,
         {
             "script": "scripts/bench_vs_fiery.py",
-            "commit": _commit(),
-            "device": _processor(),
+            "commit": checkout_commit(),
+            "device": processor_name(),
             "threads": a.threads,
             "steps": a.steps,
             "warmup": a.warmup,
-            "host": {**host_versions(), "processor": _processor()},
+            "host": {**host_versions(), "processor": processor_name()},
             "variants": results,
         },
     )

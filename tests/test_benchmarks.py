@@ -183,3 +183,18 @@ def test_bench_pool_user_level_reports_the_memory_traffic_floor(tmp_path):
     floor = next(r for r in lss["rows"] if r["method"] == "memory traffic only (floor)")
     assert floor["fwd_bwd_ms"] > 0 and lss["ratios"]["index_add_ / memory traffic only (floor)"] > 0
     assert {"index_add_ / native voxel_sum", "index_add_ / native bev_pool"} <= set(lss["ratios"])
+
+
+def test_every_script_imports():
+    # Each script's imports (of the project and of the other scripts) resolve; one process for all.
+    import subprocess
+
+    scripts = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "scripts").glob("*.py"))
+    code = (
+        "import importlib.util, sys\n"
+        "for path in sys.argv[1:]:\n"
+        "    spec = importlib.util.spec_from_file_location('script_under_test', path)\n"
+        "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, *scripts], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
