@@ -57,10 +57,16 @@ def _checked_out(cfg: DictConfig) -> Path:
     if not 1 <= int(cfg.num_cameras) <= 12:
         raise ValueError(f"num_cameras must be in 1..12, got {cfg.num_cameras}")
     out = Path(cfg.out).expanduser()
+    suffix = ".onnx" if cfg.format == "onnx" else ".pt2"
     if out.is_dir():  # found now, not after the whole export
-        suffix = ".onnx" if cfg.format == "onnx" else ".pt2"
         raise IsADirectoryError(
             f"out={str(out)!r} is a folder; pass the file to write, e.g. out={out / ('model' + suffix)}"
+        )
+    other = {".onnx": ".pt2", ".pt2": ".onnx"}[suffix]
+    if out.suffix == other:  # the file would claim the other format
+        raise ValueError(
+            f"out={str(out)!r} names a {other} file but format={cfg.format} writes {suffix}: "
+            f"pass out={out.with_suffix(suffix)}, or the format that writes {other}"
         )
     writable_dir(out.parent, "out (its folder)")
     if cfg.format == "onnx":

@@ -161,3 +161,19 @@ def test_bev_export_into_a_folder_is_refused_before_the_export(tmp_path, monkeyp
     ]
     assert run_cli(bev_export._hydra_main, args, monkeypatch) == 1
     assert_one_paragraph(capsys.readouterr().err, "bev-export: error:", "is a folder", "model.pt2")
+
+
+@pytest.mark.parametrize(
+    ("fmt", "out", "fix"), [("torch_export", "model.onnx", "model.pt2"), ("onnx", "m.pt2", "m.onnx")]
+)
+def test_bev_export_to_a_file_named_for_the_other_format_is_refused(tmp_path, monkeypatch, capsys, fmt, out, fix):
+    from bev import export as bev_export
+
+    args = [
+        f"ckpt_path={tmp_path / 'none.ckpt'}",
+        f"out={tmp_path / out}",
+        f"format={fmt}",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    assert run_cli(bev_export._hydra_main, args, monkeypatch) == 1
+    assert_one_paragraph(capsys.readouterr().err, "bev-export: error:", f"names a {out[out.rfind('.') :]} file", fix)
