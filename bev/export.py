@@ -62,11 +62,10 @@ def _checked_out(cfg: DictConfig) -> Path:
         raise IsADirectoryError(
             f"out={str(out)!r} is a folder; pass the file to write, e.g. out={out / ('model' + suffix)}"
         )
-    other = {".onnx": ".pt2", ".pt2": ".onnx"}[suffix]
-    if out.suffix == other:  # the file would claim the other format
+    if out.suffix in (".onnx", ".pt2") and out.suffix != suffix:  # the file would claim the other format
         raise ValueError(
-            f"out={str(out)!r} names a {other} file but format={cfg.format} writes {suffix}: "
-            f"pass out={out.with_suffix(suffix)}, or the format that writes {other}"
+            f"out={str(out)!r} names a {out.suffix} file but format={cfg.format} writes {suffix}: "
+            f"pass out={out.with_suffix(suffix)}, or the format that writes {out.suffix}"
         )
     writable_dir(out.parent, "out (its folder)")
     if cfg.format == "onnx":
