@@ -16,6 +16,28 @@ POLYGON_LAYERS = (
     "carpark_area",
 )
 LINE_LAYERS = ("road_divider", "lane_divider")
+# The nuScenes detection classes (the devkit's category_to_detection_name), ordered so that the
+# detection head's class groups (CenterPoint's, as BEVDet and BEVFusion use them) are contiguous.
+DETECTION_CLASSES = (
+    "car",
+    "truck",
+    "construction_vehicle",
+    "bus",
+    "trailer",
+    "barrier",
+    "motorcycle",
+    "bicycle",
+    "pedestrian",
+    "traffic_cone",
+)
+DETECTION_GROUPS = (
+    ("car",),
+    ("truck", "construction_vehicle"),
+    ("bus", "trailer"),
+    ("barrier",),
+    ("motorcycle", "bicycle"),
+    ("pedestrian", "traffic_cone"),
+)
 MAP_CLASSES: dict[str, tuple[str, ...]] = {
     **{name: (name,) for name in POLYGON_LAYERS + LINE_LAYERS},
     "divider": ("road_divider", "lane_divider"),

@@ -12,6 +12,12 @@ post_tran[2] = 0, so depth is untouched and geometry stays exact after resize/cr
 Grid: bounds [lo, hi, step] per axis. Cell i covers [lo + i*step, lo + (i+1)*step): indices
 come from floor, never truncation toward zero. BEV arrays are indexed [x_index, y_index]
 (row = forward axis); voxel grids handed to bev.ops are (Z, X, Y).
+
+3D boxes (detection) are rows of BOX_FIELDS in the ego frame of the sample's LIDAR_TOP: the centre
+(x, y, z) in metres (z at the box's centre), the size (w, l, h) as nuScenes gives it (l along the
+heading), yaw the heading of the box's length axis, counter-clockwise from ego x toward ego y, in
+[-pi, pi), and the velocity (vx, vy) in m/s along ego x and y. No legacy yaw offsets (mmdet3d's
+-yaw - pi/2 does not apply here).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ CAMERA_NAMES: tuple[str, ...] = (
     "CAM_BACK_RIGHT",
 )
 
+
+BOX_FIELDS = ("x", "y", "z", "w", "l", "h", "yaw", "vx", "vy")
 
 # Per-camera calibration + augmentation tensors of a sample, in the order the model takes them.
 CAMERA_GEOMETRY = ("intrinsics", "rots", "trans", "post_rots", "post_trans")
