@@ -15,7 +15,7 @@ from bev.utils.precision import resolve_precision
 EXPERIMENTS = sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml"))
 TRAINERS = sorted(p.stem for p in (Path(CONFIG_DIR) / "trainer").glob("*.yaml"))
 DEBUGS = sorted(p.stem for p in (Path(CONFIG_DIR) / "debug").glob("*.yaml"))
-SEARCHES = ["lr_grid"]  # optuna needs the hydra-optuna-sweeper plugin
+SEARCHES = ["lr_grid", "optuna"]  # optuna: the hydra-optuna-sweeper plugin (the test and sweep extras)
 
 
 def compose_train(tmp_path, overrides=(), keep_hydra=False):
