@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bev.data.nuscenes import TABLES, build_index, normalize_categories
+from bev.data.nuscenes import _LINKS, TABLES, build_index, normalize_categories
 
 VERSION = "v1.0-mini"
 TRAIN_SCENE = "scene-0061"  # mini_train; scene-0103 is mini_val
@@ -144,3 +144,23 @@ def test_a_duplicated_token_on_different_records_is_an_error(tables):
     with pytest.raises(ValueError, match="table ego_pose") as e:
         _build(tables.root)
     _assert_one_clear_error(e, poses[0]["token"])
+
+
+@pytest.mark.parametrize(("table", "field", "target"), _LINKS, ids=[f"{t}.{f}" for t, f, _ in _LINKS])
+def test_a_dangling_link_names_table_record_and_token(tables, table, field, target):
+    records = tables(table)
+    record = records[0]
+    record[field] = ["deadbeef"] if isinstance(record[field], list) else "deadbeef"
+    tables.save(table, records)
+    with pytest.raises(ValueError, match=f"{field} names {target} token 'deadbeef'") as e:
+        _build(tables.root)
+    _assert_one_clear_error(e, f"table {table}", record["token"], f"{table}.json")
+
+
+def test_a_missing_link_field_is_named(tables):
+    scenes = tables("scene")
+    del scenes[0]["first_sample_token"]
+    tables.save("scene", scenes)
+    with pytest.raises(ValueError, match="has no first_sample_token field") as e:
+        _build(tables.root)
+    _assert_one_clear_error(e, "table scene", scenes[0]["token"])

@@ -272,8 +272,66 @@ def _open_tables(root: Path, version: str, split: str, verbose: bool):
         nusc = NuScenes(version=version, dataroot=str(root), verbose=False)
     except ValueError as e:  # JSONDecodeError / UnicodeDecodeError: the devkit's message names no file
         raise _damaged_table(root / version) or e from e
+    except KeyError as e:  # its reverse index met a token no table has: name the record, not just the token
+        raise _dangling_link(_read_tables(root / version)) or e from e
     _check_unique_tokens(nusc, root / version)
+    problem = _dangling_link({t: getattr(nusc, t) for t in TABLES})
+    if problem:
+        raise problem
     return nusc
+
+
+# (table, field, the table its tokens name) of every link between the tables; "" ends a prev/next chain.
+_LINKS = (
+    ("scene", "log_token", "log"),
+    ("scene", "first_sample_token", "sample"),
+    ("scene", "last_sample_token", "sample"),
+    ("sample", "scene_token", "scene"),
+    ("sample", "prev", "sample"),
+    ("sample", "next", "sample"),
+    ("sample_data", "sample_token", "sample"),
+    ("sample_data", "ego_pose_token", "ego_pose"),
+    ("sample_data", "calibrated_sensor_token", "calibrated_sensor"),
+    ("sample_data", "prev", "sample_data"),
+    ("sample_data", "next", "sample_data"),
+    ("sample_annotation", "sample_token", "sample"),
+    ("sample_annotation", "instance_token", "instance"),
+    ("sample_annotation", "attribute_tokens", "attribute"),
+    ("sample_annotation", "visibility_token", "visibility"),
+    ("sample_annotation", "prev", "sample_annotation"),
+    ("sample_annotation", "next", "sample_annotation"),
+    ("instance", "category_token", "category"),
+    ("instance", "first_annotation_token", "sample_annotation"),
+    ("instance", "last_annotation_token", "sample_annotation"),
+    ("calibrated_sensor", "sensor_token", "sensor"),
+    ("map", "log_tokens", "log"),
+)
+
+
+def _read_tables(table_root: Path) -> dict[str, list[dict]]:
+    """The tables as JSON records (read again, on a failure path only)."""
+    return {t: json.loads((table_root / f"{t}.json").read_text(encoding="utf-8")) for t in TABLES}
+
+
+def _dangling_link(tables: dict[str, list[dict]]) -> ValueError | None:
+    """A clear error naming the first record whose link names a token its table lacks (or that lacks the link)."""
+    tokens = {t: {r.get("token") for r in tables[t]} for t in {target for _, _, target in _LINKS}}
+    for table, field, target in _LINKS:
+        ends = ("",) if field in ("prev", "next") else ()
+        for record in tables[table]:
+            value = record.get(field)
+            for v in value if isinstance(value, list) else [value]:
+                if not isinstance(v, str) or (v not in tokens[target] and v not in ends):
+                    return _link_error(table, record, field, target, v)
+    return None
+
+
+def _link_error(table: str, record: dict, field: str, target: str, bad: Any) -> ValueError:
+    where = f"nuScenes table {table}, record {record.get('token')!r}"
+    fix = f"Fix that record of {table}.json, or re-download or regenerate the set."
+    if field not in record:
+        return ValueError(f"{where}: it has no {field} field (its link to {target}). {fix}")
+    return ValueError(f"{where}: {field} names {target} token {bad!r}, which {target}.json lacks. {fix}")
 
 
 def _check_unique_tokens(nusc, table_root: Path) -> None:
