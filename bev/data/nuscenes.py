@@ -26,7 +26,7 @@ import os
 import sys
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,9 @@ _HOWTO = (
     "Download nuScenes (v1.0-mini is 4 GB) from https://www.nuscenes.org/download and unpack it "
     "into DATAROOT, or write a synthetic nuScenes-format set with `bev-make-synthetic --out DIR`."
 )
+
+
+_FIX_LINKS = "Fix the prev/next links of sample.json (or scene.json), or re-download or regenerate the set."
 
 
 def _split_scenes() -> dict[str, list[str]]:
@@ -266,9 +269,85 @@ def _open_tables(root: Path, version: str, split: str, verbose: bool):
             flush=True,
         )
     try:
-        return NuScenes(version=version, dataroot=str(root), verbose=False)
+        nusc = NuScenes(version=version, dataroot=str(root), verbose=False)
     except ValueError as e:  # JSONDecodeError / UnicodeDecodeError: the devkit's message names no file
         raise _damaged_table(root / version) or e from e
+    except KeyError as e:  # its reverse index met a token no table has: name the record, not just the token
+        raise _dangling_link(_read_tables(root / version)) or e from e
+    _check_unique_tokens(nusc, root / version)
+    problem = _dangling_link({t: getattr(nusc, t) for t in TABLES})
+    if problem:
+        raise problem
+    return nusc
+
+
+# (table, field, the table its tokens name) of every link between the tables; "" ends a prev/next chain.
+_LINKS = (
+    ("scene", "log_token", "log"),
+    ("scene", "first_sample_token", "sample"),
+    ("scene", "last_sample_token", "sample"),
+    ("sample", "scene_token", "scene"),
+    ("sample", "prev", "sample"),
+    ("sample", "next", "sample"),
+    ("sample_data", "sample_token", "sample"),
+    ("sample_data", "ego_pose_token", "ego_pose"),
+    ("sample_data", "calibrated_sensor_token", "calibrated_sensor"),
+    ("sample_data", "prev", "sample_data"),
+    ("sample_data", "next", "sample_data"),
+    ("sample_annotation", "sample_token", "sample"),
+    ("sample_annotation", "instance_token", "instance"),
+    ("sample_annotation", "attribute_tokens", "attribute"),
+    ("sample_annotation", "visibility_token", "visibility"),
+    ("sample_annotation", "prev", "sample_annotation"),
+    ("sample_annotation", "next", "sample_annotation"),
+    ("instance", "category_token", "category"),
+    ("instance", "first_annotation_token", "sample_annotation"),
+    ("instance", "last_annotation_token", "sample_annotation"),
+    ("calibrated_sensor", "sensor_token", "sensor"),
+    ("map", "log_tokens", "log"),
+)
+
+
+def _read_tables(table_root: Path) -> dict[str, list[dict]]:
+    """The tables as JSON records (read again, on a failure path only)."""
+    return {t: json.loads((table_root / f"{t}.json").read_text(encoding="utf-8")) for t in TABLES}
+
+
+def _dangling_link(tables: dict[str, list[dict]]) -> ValueError | None:
+    """A clear error naming the first record whose link names a token its table lacks (or that lacks the link)."""
+    tokens = {t: {r.get("token") for r in tables[t]} for t in {target for _, _, target in _LINKS}}
+    for table, field, target in _LINKS:
+        ends = ("",) if field in ("prev", "next") else ()
+        for record in tables[table]:
+            value = record.get(field)
+            for v in value if isinstance(value, list) else [value]:
+                if not isinstance(v, str) or (v not in tokens[target] and v not in ends):
+                    return _link_error(table, record, field, target, v)
+    return None
+
+
+def _link_error(table: str, record: dict, field: str, target: str, bad: Any) -> ValueError:
+    where = f"nuScenes table {table}, record {record.get('token')!r}"
+    fix = f"Fix that record of {table}.json, or re-download or regenerate the set."
+    if field not in record:
+        return ValueError(f"{where}: it has no {field} field (its link to {target}). {fix}")
+    return ValueError(f"{where}: {field} names {target} token {bad!r}, which {target}.json lacks. {fix}")
+
+
+def _check_unique_tokens(nusc, table_root: Path) -> None:
+    """Refuse a table with two records of one token: the devkit silently keeps the last (a duplicated sample
+    dropped samples of its scene, a duplicated scene was indexed twice)."""
+    for table in TABLES:
+        seen: set[str] = set()
+        for record in getattr(nusc, table):
+            token = record["token"]
+            if token in seen:
+                raise ValueError(
+                    f"nuScenes table {table} ({str(table_root / f'{table}.json')!r}) has more than one record with "
+                    f"token {token!r}; tokens must be unique (the devkit would keep one and silently change the "
+                    f"data). Remove the duplicate from {table}.json, or re-download or regenerate the set."
+                )
+            seen.add(token)
 
 
 def _visibility_levels(nusc) -> dict[str, int]:
@@ -288,14 +367,33 @@ def _walk_scenes(nusc, scenes: list[dict], groups, desc: str, verbose: bool) -> 
     cols["box_offsets"].append(0)  # sample i's boxes are rows box_offsets[i]:box_offsets[i + 1]
     bar = tqdm(total=sum(s["nbr_samples"] for s in scenes), desc=desc, unit="sample", disable=not verbose)
     for scene in scenes:
-        token = scene["first_sample_token"]
-        while token:  # the scene's key frames in time order
-            sample = nusc.get("sample", token)
+        for token, sample in _scene_samples(nusc, scene):
             _add_sample(nusc, scene, token, sample, groups, vis_level, cols)
-            token = sample["next"]
             bar.update(1)
     bar.close()
     return cols
+
+
+def _scene_samples(nusc, scene: dict) -> Iterator[tuple[str, dict]]:
+    """(token, record) of the scene's key frames in time order, following `next` from its first sample. A walk
+    that comes back to a sample (a cycle), leaves the scene or outgrows its nbr_samples is an error, not a hang."""
+    seen: set[str] = set()
+    token = scene["first_sample_token"]
+    while token:
+        where = f"scene {scene['name']} ({scene['token']}): its sample chain reaches sample {token!r}"
+        if token in seen:
+            raise ValueError(f"{where} a second time: sample.json's next links form a cycle. {_FIX_LINKS}")
+        sample = nusc.get("sample", token)
+        if sample["scene_token"] != scene["token"]:
+            raise ValueError(f"{where}, which belongs to scene {sample['scene_token']!r}. {_FIX_LINKS}")
+        seen.add(token)
+        if len(seen) > scene["nbr_samples"]:
+            raise ValueError(
+                f"{where}, its sample number {len(seen)}, but the scene has nbr_samples={scene['nbr_samples']}. "
+                f"{_FIX_LINKS}"
+            )
+        yield token, sample
+        token = sample["next"]
 
 
 def _append(cols: dict[str, list], **values) -> None:

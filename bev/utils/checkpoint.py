@@ -44,7 +44,13 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def check_compatible(module: nn.Module, ckpt: dict, path: str | Path, model_config: dict | None = None) -> None:
-    """Raise CheckpointError naming the differences when ckpt's weights do not fit `module`."""
+    """Raise CheckpointError naming the differences when ckpt's weights do not fit `module`, or when
+    `module` (what a stored config built) is not a torch module at all."""
+    if not isinstance(module, nn.Module):  # e.g. a functools.partial, from a config with `_partial_: true`
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: its model config builds a {type(module).__name__}, not a torch module "
+            "(a `_partial_` or `_target_` that is not the model's?). Use the model config the run was trained with."
+        )
     own, theirs = module.state_dict(), ckpt["state_dict"]
     missing = [k for k in own if k not in theirs]
     unexpected = [k for k in theirs if k not in own]
@@ -53,7 +59,8 @@ def check_compatible(module: nn.Module, ckpt: dict, path: str | Path, model_conf
         return
     example = (shapes or missing or unexpected)[0]
     detail = f"{len(missing)} missing, {len(unexpected)} unexpected and {len(shapes)} differently shaped tensors (e.g. {example!r})"
-    saved = (ckpt.get("bev_config") or {}).get("model")
+    stored = ckpt.get("bev_config")
+    saved = stored.get("model") if isinstance(stored, dict) else None  # a trusted file may store another form
     diffs = ""
     if saved is not None and model_config is not None:
         a, b = _flat(saved), _flat(model_config)
