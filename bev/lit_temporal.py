@@ -9,6 +9,7 @@ the first step.
 
 from __future__ import annotations
 
+import importlib
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -16,9 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from bev.data.temporal import IGNORE
 from bev.instances import DECODINGS, decode_sequence
 from bev.lit import CAMERA_KEYS, BEVLitModule
-from bev.losses import IGNORE, TemporalLoss
+from bev.losses import TemporalLoss
 from bev.metrics import FIERY_RANGES, FutureIoU, PanopticQuality, crop_to_range
 
 
@@ -36,8 +38,9 @@ class TemporalLitModule(BEVLitModule):
     what earlier steps computed for the same frames when there is one (PastFeatureCache), at most
     past_cache_max_age optimiser steps old (null: any age).
     init_from: a static (or temporal) checkpoint, or a run / checkpoints directory (its best one):
-    its `net.*` tensors whose names and shapes match are loaded when training starts (not on resume), and
-    the future segmentation head starts as the static vehicle head (TemporalLiftSplat.init_future_from_static).
+    its `net.*` tensors whose names and shapes match are loaded when training starts (not on resume); when the
+    checkpoint's stored config says its network is a static LiftSplatShoot (network_kind), the future
+    segmentation head starts as its vehicle head (TemporalLiftSplat.init_future_from_static).
     instance_decoding: how instances are decoded over the frames for the metrics and bev.predict
     (bev.instances.decode_sequence): "propagate" (the present's instances carried by the flow) or "fiery".
     Other arguments: BEVLitModule's.
@@ -215,11 +218,33 @@ class TemporalLitModule(BEVLitModule):
                     flush=True,
                 )
             return
-        loaded, report = load_matching(self, self.init_from)
-        if "net.bev_encoder.up2.3.weight" in loaded and self.net.init_future_from_static():
-            report += "\n  future segmentation head: every frame starts as the static head's vehicle logits"
+        from bev.utils.checkpoint import read_checkpoint, resolve_checkpoint
+
+        file = resolve_checkpoint(self.init_from)
+        ckpt = read_checkpoint(file)
+        loaded, report = load_matching(self, ckpt, file)
+        report += "\n  " + self._init_future(network_kind(ckpt), loaded)
         if rank_zero:
             print(report, flush=True)
+
+    def _init_future(self, kind: str | None, loaded: set[str]) -> str:
+        """After init_from: from a static checkpoint whose head was loaded, start the future segmentation head
+        as that head's vehicle logits (TemporalLiftSplat.init_future_from_static); says what was done."""
+        if kind == "temporal":
+            return "future heads: the temporal checkpoint's where they fit"
+        if kind is None:
+            return (
+                "future heads: from scratch (the checkpoint stores no bev-train config that says which model it is; "
+                "a static one's vehicle head would start the future segmentation)"
+            )
+        head = _module_key(self, self.net.bev_encoder.head)
+        if f"{head}.weight" not in loaded:
+            return "future heads: from scratch (the static head did not fit: other classes or widths)"
+        if not self.net.init_future_from_static():
+            return (
+                "future heads: from scratch (model.net.head_channels > 0 puts a 3x3 conv before the segmentation head)"
+            )
+        return "future segmentation head: every frame starts as the static head's vehicle logits"
 
 
 class PastFeatureCache:
@@ -319,19 +344,42 @@ def check_finite(loss: torch.Tensor, terms: Mapping[str, torch.Tensor], step: in
     )
 
 
-def load_matching(module: nn.Module, path: str) -> tuple[set[str], str]:
-    """Load the `net.*` tensors of a checkpoint whose names and shapes match `module`'s (state_dict only,
-    torch.load(weights_only=True)); returns their names and a summary of what was loaded, what is new and
-    what was skipped."""
-    from bev.utils.checkpoint import read_checkpoint, resolve_checkpoint
+def network_kind(ckpt: Mapping[str, Any]) -> str | None:
+    """What a checkpoint's network is, as its stored bev-train config says (model.net._target_): "temporal"
+    (a TemporalLiftSplat), "static" (another LiftSplatShoot), or None (no stored config, or other code)."""
+    from bev.models.lss import LiftSplatShoot
+    from bev.models.temporal import TemporalLiftSplat
 
-    file = resolve_checkpoint(path)
-    theirs = {k: v for k, v in read_checkpoint(file)["state_dict"].items() if k.startswith("net.")}
+    target = (((ckpt.get("bev_config") or {}).get("model") or {}).get("net") or {}).get("_target_")
+    # Only the project's own modules are imported: a checkpoint must not make us import anything else.
+    if not isinstance(target, str) or not target.startswith("bev."):
+        return None
+    module, _, name = target.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+    if not isinstance(cls, type):
+        return None
+    if issubclass(cls, TemporalLiftSplat):
+        return "temporal"
+    return "static" if issubclass(cls, LiftSplatShoot) else None
+
+
+def _module_key(root: nn.Module, module: nn.Module) -> str:
+    """The state_dict prefix of `module` within `root`."""
+    return next(name for name, m in root.named_modules() if m is module)
+
+
+def load_matching(module: nn.Module, ckpt: Mapping[str, Any], file: Any) -> tuple[set[str], str]:
+    """Load the `net.*` tensors of checkpoint `ckpt` (read from `file`) whose names and shapes match `module`'s; returns their names and a summary of what was loaded, what is new and
+    what was skipped."""
+    theirs = {k: v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
     own = module.state_dict()
     take = {k: v for k, v in theirs.items() if k in own and tuple(own[k].shape) == tuple(v.shape)}
     if not take:
         raise ValueError(
-            f"model.init_from={path}: none of {file}'s network tensors fit this model "
+            f"model.init_from: none of {file}'s network tensors fit this model "
             f"(a different camera, grid or BEV encoder config?)"
         )
     module.load_state_dict(take, strict=False)

@@ -2,7 +2,7 @@
 
 Shapes: predictions (B, T, C, X, Y) with T = F + 1 (index 0 the present frame); targets as the data
 gives them: segmentation (B, T, X, Y) int64 0/1, centerness (B, T, 1, X, Y), offset and flow
-(B, T, 2, X, Y). IGNORE (255, FIERY's value) marks cells without a label; they never count.
+(B, T, 2, X, Y). IGNORE (bev.data.temporal, 255 as in FIERY) marks cells without a label; they never count.
 Frame t's loss is weighted by future_discount ** t. A term with no labelled cell is 0 (still part of
 the graph), not the NaN of a mean over nothing.
 """
@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-IGNORE = 255
+from bev.data.temporal import IGNORE
+
 TERMS = ("segmentation", "centerness", "offset", "flow")
 
 
@@ -67,7 +68,7 @@ def regression_loss(
     (a cell is labelled when no channel is IGNORE)."""
     valid = (target != IGNORE).all(dim=2, keepdim=True)
     # Mixed-precision subtraction (a bf16 prediction is read as is, the result is fp32): half the passes of
-    # a .float() copy first. Finite at ignored cells too (255 - x), where valid zeroes it.
+    # a .float() copy first. Finite at ignored cells too (IGNORE - x), where valid zeroes it.
     diff = pred - target.float()
     per_cell = diff.abs() if norm == 1 else diff.square()
     return _masked_mean(per_cell, valid, future_discount)

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 from torchmetrics import Metric
 
+from bev.data.temporal import IGNORE
 from bev.geometry import Grid
 
 BANDS: tuple[tuple[float, float], ...] = ((0.0, 20.0), (20.0, 35.0), (35.0, 50.0))
@@ -251,7 +252,7 @@ def _binary(name: str, t: torch.Tensor) -> torch.Tensor:
         if t.is_floating_point() or t.is_complex() or not bool(((t == 0) | (t == 1)).all()):
             raise ValueError(
                 f"{name} must be bool or 0/1 integers; threshold probabilities first, and pass cells "
-                f"labelled 255 (ignore) as the ignore mask"
+                f"labelled {IGNORE} (ignore) as the ignore mask"
             )
         t = t.bool()
     return t

@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from bev.data import NuScenesBEVDataset
 from bev.data.maps import ego_yaw
+from bev.data.temporal import IGNORE
 from bev.utils.io import atomic_write
 
 PAST, FUTURE = 2, 4  # FIERY's baseline: TIME_RECEPTIVE_FIELD=3, N_FUTURE_FRAMES=4
@@ -78,7 +79,7 @@ def fiery_dataset(fiery_src: Path, nusc, is_train: bool, filter_invisible: bool)
             FINAL_DIM=(224, 480), RESIZE_SCALE=0.3, TOP_CROP=46, ORIGINAL_HEIGHT=900, ORIGINAL_WIDTH=1600, NAMES=[]
         ),
         LIFT=_ns(**BOUNDS),
-        DATASET=_ns(FILTER_INVISIBLE_VEHICLES=filter_invisible, IGNORE_INDEX=255),
+        DATASET=_ns(FILTER_INVISIBLE_VEHICLES=filter_invisible, IGNORE_INDEX=IGNORE),
         MODEL=_ns(SUBSAMPLE=False),
     )
     return FuturePredictionDataset(nusc, is_train, cfg)
@@ -123,7 +124,7 @@ def flow_errors(instance: np.ndarray, flow: np.ndarray, ids: dict[bytes, int], m
             if not cells.any() or tok not in motion[t] or tok not in motion[t + 1]:
                 continue
             f = flow[t][:, cells]
-            if (f == 255).any():
+            if (f == IGNORE).any():
                 continue
             errs.append(float(np.linalg.norm(f.mean(1) - (motion[t + 1][tok] - motion[t][tok]))))
     return errs

@@ -74,6 +74,7 @@ def test_shapes_and_dtypes(tiny_root, augment):
         assert s[k].dtype == torch.float32, k
     assert s["visibility"].dtype == torch.uint8 and s["cam_ids"].tolist() == list(range(6))
     assert s["bev_bounds"].tolist() == [[-50.0, 50.0, 0.5], [-50.0, 50.0, 0.5]]
+    assert torch.equal(ds.bev_bounds, s["bev_bounds"]) and s["bev_bounds"].dtype == torch.float64
     assert isinstance(s["sample_token"], str) and s["sample_token"] == "s0-0"
     # ImageNet normalisation: de-normalised values lie in [0, 1]
     rgb = s["images"] * torch.tensor(IMAGENET_STD).view(3, 1, 1) + torch.tensor(IMAGENET_MEAN).view(3, 1, 1)

@@ -22,6 +22,36 @@ def test_output_shape_and_gradients_reach_both_encoders():
         assert grads and any(g.abs().sum() > 0 for g in grads)
 
 
+def test_forward_is_the_bev_encoder_on_the_lift_splat_and_its_head_on_the_bev_features():
+    torch.manual_seed(0)
+    net = LiftSplatShoot(GRID, SIZE, **TINY_NET).eval()
+    x = model_inputs()
+    with torch.no_grad():
+        logits, depth = net(*x, return_depth=True)
+        voxels, depth2 = net.lift_splat(*x, return_depth=True)
+        feats = net.bev_features(*x)
+        assert torch.equal(net.bev_encoder(voxels), logits) and torch.equal(depth2, depth)
+        assert torch.equal(net.bev_encoder.head(feats), logits)
+    assert voxels.shape == (2, TINY_NET["context_channels"] * GRID.nz, *GRID.bev_shape)
+    assert depth.shape == (2, 6, GRID.depth_bins, SIZE[0] // 16, SIZE[1] // 16)
+    assert feats.shape == (2, net.bev_encoder.feature_channels, *GRID.bev_shape)
+    with pytest.raises(ValueError, match="images are 16x48 but the model was built for 32x96"):
+        net.lift_splat(x[0][..., :16, :48], *x[1:])
+
+
+def test_bev_encoder_head_is_the_last_layer_under_its_checkpoint_keys():
+    """Checkpoints store the head as up2.3: features + head must be that layer, with those keys."""
+    enc = BevEncoder(4, 3, widths=(8, 8, 16), blocks=1).eval()
+    assert enc.head is enc.up2[3] and enc.feature_channels == 8
+    assert [k for k in enc.state_dict() if k.startswith("up2.3")] == ["up2.3.weight", "up2.3.bias"]
+    x = torch.randn(2, 4, 12, 10)
+    with torch.no_grad():
+        manual = enc.up1(enc.layer3(enc.layer2(enc.layer1(enc.stem(x)))), enc.layer1(enc.stem(x)))
+        manual = enc.up2(torch.nn.functional.interpolate(manual, size=(12, 10), mode="bilinear", align_corners=True))
+        assert enc.features(x).shape == (2, 8, 12, 10)
+        assert torch.equal(enc(x), manual) and torch.equal(enc.logits(enc.features(x)), manual)
+
+
 def test_bev_pool_and_voxel_sum_splats_agree():
     torch.manual_seed(0)
     a = LiftSplatShoot(GRID, SIZE, splat="bev_pool", pool_backend="torch", **TINY_NET).eval()

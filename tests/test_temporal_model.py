@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 from types import SimpleNamespace
@@ -10,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+from bev.data.temporal import IGNORE
 from bev.geometry import Grid
 from bev.inference import ring_rig
 from bev.lit import BEVLitModule
-from bev.lit_temporal import NonFiniteLossError, TemporalLitModule, load_matching, present_copied
-from bev.losses import IGNORE, UncertaintyWeights, regression_loss, segmentation_loss
+from bev.lit_temporal import NonFiniteLossError, TemporalLitModule, network_kind, present_copied
+from bev.losses import UncertaintyWeights, regression_loss, segmentation_loss
 from bev.models.lss import LiftSplatShoot
 from bev.models.temporal import TemporalLiftSplat, warp_to_present
 
@@ -192,6 +195,9 @@ def test_frames_that_do_not_match_the_model_get_a_clear_error():
     }
     with pytest.raises(ValueError, match="data.past_frames"):
         module(static)
+    small = batch["images"][..., :16, :48]
+    with pytest.raises(ValueError, match="images are 16x48 but the model was built for 32x96"):
+        net(small, *cams(batch)[1:], batch["future_egomotion"])
 
 
 def test_losses_ignore_255_and_discount_the_future():
@@ -260,19 +266,48 @@ def test_a_nan_loss_stops_training_naming_the_step():
         module.training_step(batch, 0)
 
 
-def test_init_from_loads_the_static_weights_and_starts_as_the_static_model(tmp_path, capsys):
-    torch.manual_seed(1)
+STATIC_CONFIG = {"model": {"_target_": "bev.lit.BEVLitModule", "net": {"_target_": "bev.models.LiftSplatShoot"}}}
+TEMPORAL_CONFIG = {
+    "model": {
+        "_target_": "bev.lit_temporal.TemporalLitModule",
+        "net": {"_target_": "bev.models.temporal.TemporalLiftSplat"},
+    }
+}
+
+
+def save_checkpoint(module, path, run_config=None):
+    """A checkpoint as bev-train writes it: the state_dict, and the run's config (on_save_checkpoint)."""
+    ckpt = {"state_dict": module.state_dict()}
+    module.run_config = run_config
+    module.on_save_checkpoint(ckpt)
+    torch.save(ckpt, path)
+    return str(path)
+
+
+def static_module(seed: int = 1) -> BEVLitModule:
+    torch.manual_seed(seed)
     static = BEVLitModule(
         LiftSplatShoot(**SIZES), torch.optim.Adam, object_classes=["vehicle"], map_classes=["drivable_area"]
     )
     for m in static.modules():  # non-default BN statistics, so that loading them is seen too
         if isinstance(m, torch.nn.BatchNorm2d):
             m.running_mean.uniform_(-0.1, 0.1)
-    torch.save({"state_dict": static.state_dict()}, tmp_path / "static.ckpt")
-    module = tiny_module(init_from=str(tmp_path / "static.ckpt"))
+    return static
+
+
+def init_from(path: str, **kw) -> tuple[TemporalLitModule, str]:
+    """A tiny temporal module after model.init_from=path was applied, and what it said."""
+    module = tiny_module(init_from=path, **kw)
     module._trainer = SimpleNamespace(ckpt_path=None, is_global_zero=True)
-    module.on_fit_start()
-    said = capsys.readouterr().out
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        module.on_fit_start()
+    return module, out.getvalue()
+
+
+def test_init_from_loads_the_static_weights_and_starts_as_the_static_model(tmp_path):
+    static = static_module()
+    module, said = init_from(save_checkpoint(static, tmp_path / "static.ckpt", STATIC_CONFIG))
     assert "camera_encoder" in said and "bev_encoder" in said and "new (trained from scratch): fusion" in said
     own = module.state_dict()
     for k, v in static.state_dict().items():
@@ -283,10 +318,66 @@ def test_init_from_loads_the_static_weights_and_starts_as_the_static_model(tmp_p
     with torch.no_grad():
         present = static.net(*(c[:, -1] for c in cams(batch)))
         out = module(batch)
+    # All frames are lifted as one batch here (other convolution blocking than the static model's batch).
     torch.testing.assert_close(out["bev"], present, rtol=1e-4, atol=1e-4)
     assert "every frame starts as the static head's vehicle logits" in said
     for t in range(F + 1):  # the future starts as the present vehicle prediction, copied
         torch.testing.assert_close(out["segmentation"][:, t, 0], present[:, 0], rtol=1e-4, atol=1e-4)
+    # The present frame lifted alone (past_no_grad) goes through the very same operations as in the static
+    # model, and the untrained fusion adds exact zeros: the same logits, bit for bit.
+    module.past_no_grad = True
+    with torch.no_grad():
+        assert torch.equal(module(batch)["bev"], present)
+
+
+def test_init_from_a_temporal_checkpoint_keeps_its_future_heads(tmp_path):
+    torch.manual_seed(2)
+    trained = tiny_module()
+    for p in trained.net.future.parameters():
+        torch.nn.init.normal_(p)
+    module, said = init_from(save_checkpoint(trained, tmp_path / "temporal.ckpt", TEMPORAL_CONFIG))
+    assert "the temporal checkpoint's where they fit" in said and "new (trained from scratch): none" in said
+    for k, v in trained.state_dict().items():
+        torch.testing.assert_close(module.state_dict()[k], v, rtol=0, atol=0)
+
+
+def test_init_from_a_checkpoint_that_does_not_say_what_it_is_loads_it_and_leaves_the_future(tmp_path):
+    static = static_module()
+    module, said = init_from(save_checkpoint(static, tmp_path / "bare.ckpt"))
+    assert "stores no bev-train config that says which model it is" in said
+    assert "bev_encoder" in said and "every frame starts" not in said
+    fresh = tiny_module().state_dict()
+    for k, v in module.state_dict().items():
+        if k.startswith("net.future."):
+            torch.testing.assert_close(v, fresh[k], rtol=0, atol=0)
+
+
+def test_init_from_a_static_head_of_other_classes_leaves_the_future(tmp_path):
+    torch.manual_seed(1)
+    other = BEVLitModule(
+        LiftSplatShoot(**{**SIZES, "num_classes": 3}), torch.optim.Adam, object_classes=["a", "b", "c"]
+    )
+    _, said = init_from(save_checkpoint(other, tmp_path / "other.ckpt", STATIC_CONFIG))
+    assert "the static head did not fit" in said and "bev_encoder.up2.3.weight" in said
+
+
+@pytest.mark.parametrize(
+    "target, kind",
+    [
+        ("bev.models.LiftSplatShoot", "static"),
+        ("bev.models.lss.LiftSplatShoot", "static"),
+        ("bev.models.temporal.TemporalLiftSplat", "temporal"),
+        ("bev.models.BevEncoder", None),
+        ("bev.models.nothing_here.Net", None),
+        ("bev.models.lss.SPLATS", None),
+        ("os.system", None),  # never imported: only the project's own modules are
+        (None, None),
+    ],
+)
+def test_network_kind_reads_the_stored_config(target, kind):
+    net = {} if target is None else {"_target_": target}
+    assert network_kind({"state_dict": {}, "bev_config": {"model": {"net": net}}}) == kind
+    assert network_kind({"state_dict": {}}) is None
 
 
 def test_init_from_is_not_applied_on_resume_and_its_absence_is_said(capsys):
@@ -301,9 +392,9 @@ def test_init_from_is_not_applied_on_resume_and_its_absence_is_said(capsys):
 
 
 def test_init_from_refuses_a_checkpoint_that_fits_nothing(tmp_path):
-    torch.save({"state_dict": {"net.other.weight": torch.zeros(3)}}, tmp_path / "x.ckpt")
-    with pytest.raises(ValueError, match="none of"):
-        load_matching(tiny_module(), str(tmp_path / "x.ckpt"))
+    torch.save({"state_dict": {"net.other.weight": torch.zeros(3)}, "bev_config": STATIC_CONFIG}, tmp_path / "x.ckpt")
+    with pytest.raises(ValueError, match=r"model.init_from: none of .*x.ckpt's network tensors fit this model"):
+        init_from(str(tmp_path / "x.ckpt"))
 
 
 def test_a_training_step_and_its_checkpoint_reads_with_weights_only(tmp_path):
@@ -390,6 +481,7 @@ def test_every_weight_of_the_first_stage_fits_the_second(static, temporal):
     """The two-stage experiments: the static run's network tensors all load into the temporal model."""
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
+    from omegaconf import OmegaConf
 
     from bev.utils.config import CONFIG_DIR
 
@@ -401,6 +493,9 @@ def test_every_weight_of_the_first_stage_fits_the_second(static, temporal):
     net = {k: v.shape for k, v in first.items() if k.startswith("net.")}
     assert net and all(k in second and second[k].shape == s for k, s in net.items())
     assert {"net.fusion.mix.1.weight", "net.future.branches.motion.0.weight"} <= set(second)
+    # What bev-train stores with each checkpoint (the resolved config) says which stage it is.
+    stored = [{"bev_config": {"model": OmegaConf.to_container(c.model, resolve=True)}} for c in cfgs]
+    assert [network_kind(c) for c in stored] == ["static", "temporal"]
     data = cfgs[1].data
     assert (data.past_frames, data.future_frames) == (2, 4)
     if temporal == "fiery_nuscenes":  # FIERY's baseline: 224x480, depth 2-50 m in 1 m bins, 200x200 at 0.5 m

@@ -665,7 +665,7 @@ class NuScenesBEVDataset(Dataset):
       (x, y, yaw only), the last the identity; labels of the present and F future frames in the
       present frame's grid: instance (F + 1, X, Y) int64 (0 background, ids over the whole window),
       segmentation (F + 1, X, Y) int64 (instance > 0), centerness (F + 1, 1, X, Y), offset and flow
-      (F + 1, 2, X, Y) float32 in cells, 255 where undefined (channel 0 along x, 1 along y);
+      (F + 1, 2, X, Y) float32 in cells, temporal.IGNORE (255) where undefined (channel 0 along x, 1 along y);
       cam_ids, bev, visibility, bev_bounds and sample_token of the present frame, as for P = F = 0.
     Labels are FIERY's (bev.data.temporal): filter_invisible drops boxes of visibility level 1;
     label_warp="fiery" reproduces FIERY's label warp, lateral sign error included.
@@ -718,8 +718,6 @@ class NuScenesBEVDataset(Dataset):
             self.dataroot, version, split, self.groups, cache_dir, verbose=verbose, map_layers=self.map_layers
         )
         self._init_windows(past_frames, future_frames, filter_invisible, label_warp)
-        # [[xlo, xhi, xstep], [ylo, yhi, ystep]] with every sample, so pictures need no grid plumbing.
-        self._bounds = torch.tensor([self.grid.xbound, self.grid.ybound], dtype=torch.float64)
         self._memo: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # sample -> packed targets (targets())
         self._memo_bytes = 0
         if input_memo_mb < 0:
@@ -885,8 +883,30 @@ class NuScenesBEVDataset(Dataset):
         i = i % len(self)
         if self.temporal:
             return temporal.window_item(self, i)
-        cams = self.choose_cams()
-        inputs = self.frame_inputs(i, cams)
+        return self.frame_item(i, self.choose_cams())
+
+    @property
+    def bev_bounds(self) -> torch.Tensor:
+        """(2, 3) float64 [[xlo, xhi, xstep], [ylo, yhi, ystep]] of the grid: in every item, so that pictures
+        need no grid plumbing."""
+        return torch.tensor([self.grid.xbound, self.grid.ybound], dtype=torch.float64)
+
+    def frame_item(
+        self,
+        i: int,
+        cams: np.ndarray,
+        input_frames: Sequence[int] | None = None,
+        augs: Sequence[ImageAug] | None = None,
+    ) -> dict[str, Any]:
+        """The item of sample i (class doc): its cameras' inputs (frame_inputs) and its targets.
+
+        input_frames: samples (oldest first, ending with i: a window's P + 1 input frames) whose inputs are
+        stacked along a leading time axis instead of sample i's alone. augs: as frame_inputs."""
+        if input_frames is None:
+            inputs = self.frame_inputs(i, cams, augs)
+        else:
+            frames = [self.frame_inputs(int(j), cams, augs) for j in input_frames]
+            inputs = {k: torch.stack([x[k] for x in frames]) for k in frames[0]}
         depth = inputs.pop("depth", None)
         bev, vis = self.targets(i)
         item = {
@@ -894,7 +914,7 @@ class NuScenesBEVDataset(Dataset):
             "cam_ids": torch.from_numpy(cams.astype(np.int64)),
             "bev": torch.from_numpy(bev),
             "visibility": torch.from_numpy(vis),
-            "bev_bounds": self._bounds,
+            "bev_bounds": self.bev_bounds,
             "sample_token": str(self.index["sample_token"][i]),
         }
         if depth is not None:

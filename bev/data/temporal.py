@@ -23,7 +23,7 @@ Labels (present frame and the F future frames, all in the present frame's grid):
   exp(-d^2 / sigma^2), sigma = 3 cells; offset = rounded centre - cell on the instance's cells;
 - flow = the annotated box centre's motion t -> t+1, both centres in the present frame's level
   frame (so the ego motion is removed), in cells, on the instance's cells at t;
-- offset and flow are 255 (FIERY's ignore value) off instances; flow also where the object has no
+- offset and flow are IGNORE (255, FIERY's ignore value) off instances; flow also where the object has no
   box at t+1, and everywhere in the last frame. Channel 0 is along x (rows), 1 along y.
 
 Differences from FIERY, on purpose:
@@ -52,7 +52,9 @@ from bev.data.maps import ego_yaw
 from bev.data.rasterize import lss_fill
 from bev.geometry import Grid
 
-IGNORE_INDEX = 255  # FIERY's ignore value for offset and flow
+# The label value of cells without a label (FIERY's ignore value): offset and flow here, every loss
+# and metric of the temporal labels; the one home of this value.
+IGNORE = 255
 CENTER_SIGMA = 3.0  # cells (FIERY)
 # Beyond this many cells exp(-d^2 / sigma^2) is below float32's smallest subnormal, so a window of
 # this radius gives the same float32 centerness as FIERY's whole-grid Gaussian, at a tenth of the cost.
@@ -223,7 +225,7 @@ def _centerness(centres: np.ndarray, ids: np.ndarray, shape: tuple[int, int], si
 
 
 def centre_targets(
-    instance: np.ndarray, sigma: float = CENTER_SIGMA, ignore: int = IGNORE_INDEX
+    instance: np.ndarray, sigma: float = CENTER_SIGMA, ignore: int = IGNORE
 ) -> tuple[np.ndarray, np.ndarray]:
     """centerness (T, 1, X, Y) and offset (T, 2, X, Y) float32 of (T, X, Y) instance maps (module doc)."""
     T, X, Y = instance.shape
@@ -240,7 +242,7 @@ def centre_targets(
     return centerness, offset
 
 
-def flow_targets(instance: np.ndarray, centres: np.ndarray, ignore: int = IGNORE_INDEX) -> np.ndarray:
+def flow_targets(instance: np.ndarray, centres: np.ndarray, ignore: int = IGNORE) -> np.ndarray:
     """flow (T, 2, X, Y) float32: on the cells of id k at frame t, centres[t + 1, k] - centres[t, k].
 
     instance (T, X, Y) maps on one grid; centres (T, K, 2) the box centres of ids 0..K-1 in that grid's
@@ -308,7 +310,8 @@ def window_labels(
 
 
 def window_item(ds, w: int) -> dict[str, Any]:
-    """Window w of a NuScenesBEVDataset with past_frames or future_frames > 0 (keys: its docstring).
+    """Window w of a NuScenesBEVDataset with past_frames or future_frames > 0 (keys: its docstring): the
+    present frame's item (ds.frame_item) with the P + 1 input frames' inputs, plus the window's labels.
 
     Only the P + 1 input frames' images are decoded; the future frames give labels from boxes alone.
     In training every camera draws one augmentation, shared by all the window's frames."""
@@ -319,22 +322,8 @@ def window_item(ds, w: int) -> dict[str, Any]:
     augs = None
     if ds.augment:
         augs = [ds.draw_augmentation(tuple(int(v) for v in ds.index["image_hw"][present, c]), True) for c in cams]
-    inputs = [ds.frame_inputs(int(i), cams, augs) for i in frames[: past + 1]]
-    item = {k: torch.stack([x[k] for x in inputs]) for k in inputs[0]}
-    depth = item.pop("depth", None)
-    bev, vis = ds.targets(present)
-    item.update(
-        {
-            "cam_ids": torch.from_numpy(cams.astype(np.int64)),
-            "bev": torch.from_numpy(bev),
-            "visibility": torch.from_numpy(vis),
-            "bev_bounds": ds._bounds,
-            "sample_token": str(ds.index["sample_token"][present]),
-            "sample_tokens": [str(t) for t in ds.index["sample_token"][frames]],
-        }
-    )
-    if depth is not None:
-        item["depth"] = depth
+    item = ds.frame_item(present, cams, frames[: past + 1], augs)
+    item["sample_tokens"] = [str(t) for t in ds.index["sample_token"][frames]]
     labels = window_labels(ds.index, frames, past, ds.grid, ds.filter_invisible, ds.label_warp)
     item.update({k: torch.from_numpy(v) for k, v in labels.items()})
     return item

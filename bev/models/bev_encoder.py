@@ -11,9 +11,10 @@ from bev.utils.precision import resolve_channels_last
 
 
 class BevEncoder(nn.Module):
-    """(B, Cin, X, Y) -> (B, num_classes, X, Y).
+    """(B, Cin, X, Y) -> (B, num_classes, X, Y): logits(features(x)), logits = the 1x1 conv `head`.
 
-    With widths (64, 128, 256) and blocks 2 this is LSS's BevEncode (ResNet-18 conv1 + layer1-3);
+    features(x) (B, feature_channels, X, Y) is everything before the final 1x1 conv `head`, for
+    other heads to read (the temporal model's future heads, a detection head). With widths (64, 128, 256) and blocks 2 this is LSS's BevEncode (ResNet-18 conv1 + layer1-3);
     narrower widths give the cheap CPU variant with the same shape. channels_last: as in
     bev.models.camera.CameraEncoder (NHWC convolutions, default-layout input and output).
     """
@@ -37,6 +38,8 @@ class BevEncoder(nn.Module):
         self.layer2 = resnet_stage(w0, w1, blocks, 2)
         self.layer3 = resnet_stage(w1, w2, blocks, 2)
         self.up1 = Up(w2 + w0, w2)
+        # The head stays the last element of up2 so that the state_dict keys (up2.3.*) of existing
+        # checkpoints are unchanged; `head` and `features` name the split.
         self.up2 = nn.Sequential(
             nn.Conv2d(w2, w1, 3, padding=1, bias=False),
             nn.BatchNorm2d(w1),
@@ -51,11 +54,28 @@ class BevEncoder(nn.Module):
         if self.channels_last:
             self.to(memory_format=torch.channels_last)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def head(self) -> nn.Conv2d:
+        """The final 1x1 conv: features -> num_classes logits."""
+        return self.up2[-1]
+
+    @property
+    def feature_channels(self) -> int:
+        return self.head.in_channels
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, Cin, X, Y) -> (B, feature_channels, X, Y), the input of `head`."""
         size = x.shape[-2:]
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         x1 = self.layer1(self.stem(x))
         x = self.up1(self.layer3(self.layer2(x1)), x1)
         x = F.interpolate(x, size=size, mode="bilinear", align_corners=True)
-        return self.up2(x).contiguous()
+        return self.up2[:-1](x)
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """head(features) in the default memory layout (the features may be channels_last)."""
+        return self.head(features).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.logits(self.features(x))

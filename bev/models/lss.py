@@ -24,6 +24,10 @@ class LiftSplatShoot(nn.Module):
     never built); splat="voxel_sum" materialises it and sums points per voxel (the LSS way, kept
     for comparison and as a cross-check). Inside `exportable()` the splat is a plain scatter-add
     (ONNX ScatterND with reduction "add"), the formulation ONNX Runtime can run.
+
+    The steps are methods for models built on this one: `lift_splat` (cameras -> BEV voxel features),
+    `bev_features` (-> the BEV encoder's features before its head, for other heads); forward is the
+    BEV encoder's head on those, i.e. bev_encoder(lift_splat(...)).
     """
 
     def __init__(
@@ -111,18 +115,36 @@ class LiftSplatShoot(nn.Module):
         out = table[: B * Z * X * Y].view(B, Z, X, Y, C).permute(0, 4, 1, 2, 3)  # (B, C, Z, X, Y)
         return out.flatten(1, 2)
 
-    def forward(self, images, intrinsics, rots, trans, post_rots, post_trans, return_depth: bool = False):
-        """BEV logits (B, K, X, Y); with return_depth also the depth logits (B, N, D, fH, fW)."""
-        B, N, _, H, W = images.shape
+    def _check_image_size(self, images: torch.Tensor) -> None:
+        H, W = images.shape[-2:]
         if (H, W) != self.image_size:
             raise ValueError(
                 f"images are {H}x{W} but the model was built for {self.image_size[0]}x{self.image_size[1]}"
             )
+
+    def lift_splat(self, images, intrinsics, rots, trans, post_rots, post_trans, return_depth: bool = False):
+        """Cameras (B, N, 3, H, W) and (B, N, ...) -> BEV voxel features (B, C * Z, X, Y), the BEV encoder's
+        input; with return_depth also the depth logits (B, N, D, fH, fW)."""
+        self._check_image_size(images)
+        B, N = images.shape[:2]
         x = self.camera_encoder(images.flatten(0, 1))
         D, C = self.grid.depth_bins, self.context_channels
         fH, fW = x.shape[-2:]
         depth_logits = x[:, :D].view(B, N, D, fH, fW)
         feats = x[:, D:].view(B, N, C, fH, fW).permute(0, 1, 3, 4, 2)
         coords = self.voxel_coords(intrinsics, rots, trans, post_rots, post_trans)
-        bev = self.bev_encoder(self.splat(depth_logits.softmax(dim=2), feats, coords))
+        voxels = self.splat(depth_logits.softmax(dim=2), feats, coords)
+        return (voxels, depth_logits) if return_depth else voxels
+
+    def bev_features(self, images, intrinsics, rots, trans, post_rots, post_trans, return_depth: bool = False):
+        """The BEV encoder's features before its head, (B, Cf, X, Y) (Cf = bev_encoder.feature_channels), for
+        heads of their own; with return_depth also the depth logits (B, N, D, fH, fW)."""
+        voxels, depth_logits = self.lift_splat(images, intrinsics, rots, trans, post_rots, post_trans, True)
+        feats = self.bev_encoder.features(voxels)
+        return (feats, depth_logits) if return_depth else feats
+
+    def forward(self, images, intrinsics, rots, trans, post_rots, post_trans, return_depth: bool = False):
+        """BEV logits (B, K, X, Y); with return_depth also the depth logits (B, N, D, fH, fW)."""
+        feats, depth_logits = self.bev_features(images, intrinsics, rots, trans, post_rots, post_trans, True)
+        bev = self.bev_encoder.logits(feats)
         return (bev, depth_logits) if return_depth else bev

@@ -1,18 +1,19 @@
 """Temporal Lift-Splat (FIERY's half): past frames fused in the present ego frame, and the future.
 
-Per input frame the camera encoder and the splat of LiftSplatShoot give BEV features; the past
-frames' features are warped into the present frame with the cumulative ego motion (bilinear) and
-fused by a temporal block; the BEV encoder of the static model then feeds
-- the static head: the present frame's object + map logits (B, K, X, Y), as LiftSplatShoot, so
-  that present-frame IoUs compare with the static model's;
+The model only adds to LiftSplatShoot: per input frame its `lift_splat` gives BEV voxel features;
+the past frames' features are warped into the present frame with the cumulative ego motion
+(bilinear) and fused by a temporal block; the static BEV encoder's `features` then feed
+- the static head (`bev_encoder.logits`): the present frame's object + map logits (B, K, X, Y), as
+  LiftSplatShoot, so that present-frame IoUs compare with the static model's;
 - the future heads, time folded into channels (PowerBEV's deterministic future): for the present
   and each of the F future frames `segmentation` (B, F+1, 1, X, Y) vehicle logits, `centerness`
   (B, F+1, 1, X, Y), `offset` and `flow` (B, F+1, 2, X, Y) in grid cells, channel 0 along x.
 With `probabilistic=True`, FIERY's present / future Gaussian latents condition the future heads
 (the future distribution sees the future labels in training; KL between the two).
 
-Module names follow LiftSplatShoot (camera_encoder, bev_encoder with the same keys), so a static
-checkpoint's weights load into a temporal model by name (bev.lit_temporal, model.init_from).
+The static modules are LiftSplatShoot's own (camera_encoder, bev_encoder: same keys), so a static
+checkpoint's weights load into a temporal model by name (bev.lit_temporal, model.init_from), and
+with an untrained fusion the temporal model's "bev" is the static model's logits of the present.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bev.data.temporal import IGNORE
 from bev.geometry import FEATURE_STRIDE, Grid
-from bev.models.bev_encoder import BevEncoder
 from bev.models.lss import LiftSplatShoot
 
 # Future head outputs and their channels per frame.
@@ -85,24 +86,6 @@ def warp_to_present(feats: torch.Tensor, future_egomotion: torch.Tensor, grid: G
             feats.flatten(0, 1).float(), sample, mode="bilinear", padding_mode="zeros", align_corners=False
         )
     return out.to(feats.dtype).view(B, P, C, X, Y)
-
-
-class BevTrunk(BevEncoder):
-    """The static BEV encoder (same parameters and state_dict keys), also giving the features before
-    its 1x1 head: `up2[-1]` is the static head, the future heads read `features()`."""
-
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        size = x.shape[-2:]
-        if self.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        x1 = self.layer1(self.stem(x))
-        x = self.up1(self.layer3(self.layer2(x1)), x1)
-        x = F.interpolate(x, size=size, mode="bilinear", align_corners=True)
-        return self.up2[:-1](x)
-
-    @property
-    def feature_channels(self) -> int:
-        return self.up2[-1].in_channels
 
 
 def conv_bn_relu(cin: int, cout: int, k: int = 3) -> nn.Sequential:
@@ -205,7 +188,6 @@ class TemporalLiftSplat(LiftSplatShoot):
         self.past_frames, self.future_frames = int(past_frames), int(future_frames)
         self.probabilistic, self.latent_dim = bool(probabilistic), int(latent_dim) if probabilistic else 0
         bev_in = context_channels * self.grid.nz
-        self.bev_encoder.__class__ = BevTrunk  # methods only: same parameters, same keys
         self.fusion = (
             TemporalFusion(bev_in, self.past_frames + 1, fusion_channels, fusion_kernel) if self.past_frames else None
         )
@@ -220,7 +202,7 @@ class TemporalLiftSplat(LiftSplatShoot):
         """Start every frame's segmentation logits as the static head's logits of one object class (vehicles):
         the present prediction copied to every future frame, the baseline the future heads learn from.
         False (nothing done) when a 3x3 head conv sits in between (head_channels > 0)."""
-        seg, static = self.future.branches["instance"][-1], self.bev_encoder.up2[-1]
+        seg, static = self.future.branches["instance"][-1], self.bev_encoder.head
         if seg.in_channels != static.in_channels + self.latent_dim:
             return False
         frames, cf = self.future.frames, static.in_channels
@@ -229,16 +211,6 @@ class TemporalLiftSplat(LiftSplatShoot):
             seg.weight[:frames, :cf] = static.weight[object_class]
             seg.bias[:frames] = static.bias[object_class]
         return True
-
-    def lift_splat(self, images, intrinsics, rots, trans, post_rots, post_trans) -> torch.Tensor:
-        """(M, N, 3, H, W) and (M, N, ...) cameras of M frames -> (M, C * Z, X, Y) BEV features."""
-        M, N = images.shape[:2]
-        x = self.camera_encoder(images.flatten(0, 1))
-        D, C = self.grid.depth_bins, self.context_channels
-        fH, fW = x.shape[-2:]
-        depth = x[:, :D].view(M, N, D, fH, fW).softmax(dim=2)
-        feats = x[:, D:].view(M, N, C, fH, fW).permute(0, 1, 3, 4, 2)
-        return self.splat(depth, feats, self.voxel_coords(intrinsics, rots, trans, post_rots, post_trans))
 
     def frame_features(self, cams: tuple[torch.Tensor, ...], past_no_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Camera inputs (B, T, N, ...) -> BEV features, each frame in its own ego frame: the past frames'
@@ -269,7 +241,7 @@ class TemporalLiftSplat(LiftSplatShoot):
     ) -> dict[str, torch.Tensor]:
         """past_features (B, P, C * Z, X, Y): the past frames' BEV features computed before (frame_features),
         used instead of their cameras; return_features adds the present frame's as "present_features"."""
-        self._check_inputs(images)
+        self._check_frames(images)
         cams = (images, intrinsics, rots, trans, post_rots, post_trans)
         if past_features is None:
             past, present = self.frame_features(cams, past_no_grad)
@@ -281,7 +253,7 @@ class TemporalLiftSplat(LiftSplatShoot):
                 torch.cat([warp_to_present(past, future_egomotion, self.grid), present.unsqueeze(1)], dim=1)
             )
         x = self.bev_encoder.features(feats)
-        out = {"bev": self.bev_encoder.up2[-1](x).contiguous()}
+        out = {"bev": self.bev_encoder.logits(x)}
         if self.probabilistic:
             x = self._with_latent(x, out, future_labels)
         out.update(self.future(x))
@@ -289,14 +261,10 @@ class TemporalLiftSplat(LiftSplatShoot):
             out["present_features"] = present
         return out
 
-    def _check_inputs(self, images: torch.Tensor) -> None:
-        T, (H, W) = images.shape[1], images.shape[-2:]
+    def _check_frames(self, images: torch.Tensor) -> None:
+        T = images.shape[1]
         if T != self.past_frames + 1:
             raise ValueError(f"images have {T} frames but the model takes past_frames + 1 = {self.past_frames + 1}")
-        if (H, W) != self.image_size:
-            raise ValueError(
-                f"images are {H}x{W} but the model was built for {self.image_size[0]}x{self.image_size[1]}"
-            )
 
     def _with_latent(
         self, x: torch.Tensor, out: dict, future_labels: Mapping[str, torch.Tensor] | None
@@ -316,6 +284,6 @@ class TemporalLiftSplat(LiftSplatShoot):
         return torch.cat([x, z.to(x.dtype)[:, :, None, None].expand(-1, -1, *x.shape[-2:])], dim=1)
 
 
-def _no_ignore(t: torch.Tensor, ignore: float = 255.0) -> torch.Tensor:
-    """Vector labels with the ignore value replaced by zero (an input, not a target)."""
-    return torch.where(t == ignore, torch.zeros_like(t), t).float()
+def _no_ignore(t: torch.Tensor) -> torch.Tensor:
+    """Labels with the IGNORE value replaced by zero (an input, not a target)."""
+    return torch.where(t == IGNORE, torch.zeros_like(t), t).float()
