@@ -16,6 +16,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+import bev.data  # noqa: F401 (registers the data/ config schemas: bev.data.config)
 from bev.utils.config import CONFIG_DIR
 from bev.utils.errors import report_errors
 from bev.utils.io import atomic_write

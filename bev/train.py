@@ -14,6 +14,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+import bev.data  # noqa: F401 (registers the data/ config schemas: bev.data.config)
 from bev.utils.config import CONFIG_DIR, instantiate_list, task_overrides
 from bev.utils.errors import report_errors
 from bev.utils.io import remove_stale_temporaries, run_dir_lock, write_run_metrics

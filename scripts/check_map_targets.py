@@ -38,7 +38,7 @@ def compare(dataroot: str, split: str, grid: Grid, samples: int, version: str = 
     from nuscenes.map_expansion.map_api import NuScenesMap
 
     ds = NuScenesBEVDataset(
-        dataroot, version, split, grid=grid, map_layers="bevfusion", verbose=False, cache_dir=cache_dir
+        dataroot, version=version, split=split, grid=grid, map_layers="bevfusion", verbose=False, cache_dir=cache_dir
     )
     maps, k0 = {}, ds.num_object_classes
     inter, union = np.zeros(len(ds.map_layers)), np.zeros(len(ds.map_layers))

@@ -9,7 +9,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# Registers the `data` group's Hydra schemas, which configs/data/*.yaml extend (stdlib + hydra only).
+from bev.data import config as _config  # noqa: F401
+
 _EXPORTS = {
+    "DataConfig": "bev.data.config",
+    "DatasetConfig": "bev.data.config",
+    "LoaderConfig": "bev.data.config",
     "NuScenesBEVDataset": "bev.data.nuscenes",
     "NuScenesDataModule": "bev.data.datamodule",
     "make_synthetic": "bev.synthetic.writer",

@@ -37,9 +37,10 @@ from torch.utils.data import Dataset
 
 from bev.classes import class_names, normalize_categories, normalize_map_layers, object_class_names  # noqa: F401 (re-exported)
 from bev.data import temporal
+from bev.data.config import DatasetConfig
 from bev.data.depth import depth_targets, load_lidar
 from bev.data.maps import load_map_geometry, rasterize_map
-from bev.data.rasterize import box_footprints, check_raster, rasterize_boxes
+from bev.data.rasterize import box_footprints, rasterize_boxes
 from bev.data.transforms import (
     LSS_BOT_PCT_LIM,
     LSS_ROT_LIM,
@@ -50,7 +51,7 @@ from bev.data.transforms import (
     sample_augmentation,
     warp_image,
 )
-from bev.geometry import CAMERA_GEOMETRY, CAMERA_NAMES, FEATURE_STRIDE, Grid, quaternion_to_matrix
+from bev.geometry import CAMERA_GEOMETRY, CAMERA_NAMES, FEATURE_STRIDE, quaternion_to_matrix
 from bev.utils.io import atomic_open, atomic_write
 
 TABLES = (
@@ -636,6 +637,11 @@ def _check_built(
 class NuScenesBEVDataset(Dataset):
     """Six surround-camera images + BEV targets of the key-frame samples of one split.
 
+    Arguments: the dataset's own `split`, `augment` (training augmentation) and `verbose`, and the
+    settings every dataset of a run shares: a DatasetConfig (`config`) and/or its fields as keyword
+    arguments (bev.data.config declares each with its default and meaning; unknown names are refused),
+    e.g. NuScenesBEVDataset(root, split="mini_val", map_layers="lss").
+
     ds[i] is a dict:
       images (Ncam, 3, H, W) float32, ImageNet-normalised; intrinsics (Ncam, 3, 3);
       rots (Ncam, 3, 3), trans (Ncam, 3) camera->ego; post_rots (Ncam, 3, 3), post_trans
@@ -675,54 +681,33 @@ class NuScenesBEVDataset(Dataset):
 
     def __init__(
         self,
-        dataroot: str | os.PathLike,
-        version: str = "v1.0-mini",
+        dataroot: str | os.PathLike | None = None,
+        *,
         split: str = "mini_train",
-        grid: Grid | dict | None = None,
-        final_dim: Sequence[int] = (128, 352),
         augment: bool = False,
-        resize_lim: Sequence[float] | None = None,
-        bot_pct_lim: Sequence[float] | None = None,
-        rot_lim: Sequence[float] | None = None,
-        rand_flip: bool = True,
-        ncams: int = 6,
-        categories: Any = ("vehicle.",),
-        cache_dir: str | os.PathLike | None = None,
         verbose: bool = True,
-        map_layers: Any = None,
-        raster: str = "center",
-        depth_target: bool = False,
-        input_memo_mb: float = 0,
-        past_frames: int = 0,
-        future_frames: int = 0,
-        filter_invisible: bool = False,
-        label_warp: str = "exact",
+        config: DatasetConfig | None = None,
+        **options: Any,
     ) -> None:
-        self.dataroot = str(Path(dataroot).expanduser())
-        self.version, self.split = version, split
-        self.grid = Grid.from_any(grid)
-        self.final_dim = (int(final_dim[0]), int(final_dim[1]))
+        if dataroot is not None:
+            options["dataroot"] = dataroot
+        self.config = cfg = DatasetConfig.build(config, **options)
+        self.dataroot, self.version, self.split = cfg.dataroot, cfg.version, split
+        self.grid, self.final_dim = cfg.grid, cfg.final_dim
         self.augment = bool(augment)
-        self.resize_lim = resize_range(resize_lim, self.final_dim, self.augment)
-        self.bot_pct_lim = float_range(bot_pct_lim, LSS_BOT_PCT_LIM)
-        self.rot_lim = float_range(rot_lim, LSS_ROT_LIM)
-        self.rand_flip = bool(rand_flip)
-        if not 1 <= int(ncams) <= len(CAMERA_NAMES):
-            raise ValueError(f"ncams must be in 1..{len(CAMERA_NAMES)}, got {ncams}")
-        self.ncams = int(ncams)
-        self.groups = normalize_categories(categories)
-        self.map_layers = normalize_map_layers(map_layers)
-        self.raster = check_raster(raster)
-        self.depth_target = bool(depth_target)
+        self.resize_lim = resize_range(cfg.resize_lim, self.final_dim, self.augment)
+        self.bot_pct_lim = float_range(cfg.bot_pct_lim, LSS_BOT_PCT_LIM)
+        self.rot_lim = float_range(cfg.rot_lim, LSS_ROT_LIM)
+        self.rand_flip, self.ncams = cfg.rand_flip, cfg.ncams
+        self.groups, self.map_layers = cfg.categories, cfg.map_layers
+        self.raster, self.depth_target = cfg.raster, cfg.depth_target
         self.index = load_index(
-            self.dataroot, version, split, self.groups, cache_dir, verbose=verbose, map_layers=self.map_layers
+            self.dataroot, self.version, split, self.groups, cfg.cache_dir, verbose=verbose, map_layers=self.map_layers
         )
-        self._init_windows(past_frames, future_frames, filter_invisible, label_warp)
+        self._init_windows(cfg.past_frames, cfg.future_frames, cfg.filter_invisible, cfg.label_warp)
         self._memo: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # sample -> packed targets (targets())
         self._memo_bytes = 0
-        if input_memo_mb < 0:
-            raise ValueError(f"input_memo_mb must be >= 0 (0 turns the memo off), got {input_memo_mb}")
-        self._inputs_limit = int(input_memo_mb * 2**20)
+        self._inputs_limit = int(cfg.input_memo_mb * 2**20)
         self._inputs: dict[tuple[str, int, int], Any] = {}  # see remember_input()
         self._inputs_bytes = 0
 
