@@ -1,6 +1,7 @@
 """The documented Bayesian search (`hparams_search=optuna`) runs end to end: two trials of the tiny model."""
 
 import pytest
+
 from helpers.cli import TINY, train_cli
 
 

@@ -328,10 +328,20 @@ def tiny_windows(tmp_path_factory) -> Path:
     ]
     next(s for s in samples if s["token"] == "s1-1")["next"] = ""
     (tables / "sample.json").write_text(json.dumps(samples))
+    kept = {}
     for name in ("sample_data", "sample_annotation"):
         rows = json.loads((tables / f"{name}.json").read_text())
         rows = [r for r in rows if r["sample_token"] not in ("s1-2", "s1-3", "s1-4")]
+        kept[name] = {r["token"]: r for r in rows}
+        for r in rows:  # the chains end at the cut, as in a consistent set
+            r["next"] = r["next"] if r["next"] in kept[name] or not r["next"] else ""
         (tables / f"{name}.json").write_text(json.dumps(rows))
+    instances = json.loads((tables / "instance.json").read_text())
+    for inst in instances:
+        anns = [a for a in kept["sample_annotation"].values() if a["instance_token"] == inst["token"]]
+        inst["nbr_annotations"] = len(anns)
+        inst["last_annotation_token"] = next(a["token"] for a in anns if not a["next"])
+    (tables / "instance.json").write_text(json.dumps(instances))
     return root
 
 
