@@ -8,10 +8,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bev.classes import DETECTION_CLASSES, DETECTION_GROUPS
 from bev.detection.decode import CIRCLE_NMS_SQUARED, decode
-from bev.detection.loss import detection_loss
+from bev.detection.loss import DetectionLoss
 from bev.detection.targets import REGRESSION_FIELDS, encode_targets, gaussian_radius, heatmap_radius
 from bev.geometry import Grid
 from bev.models.centerpoint import CenterHead
@@ -321,7 +322,7 @@ def test_loss_matches_a_naive_computation():
     torch.manual_seed(1)
     heatmap, regression = torch.randn(2, 10, 80, 64) * 2 - 2, torch.randn(2, 6, 10, 80, 64)
     heatmap[batch["det_heatmap"] == 1] = 0.7  # some positives with a finite loss
-    out = detection_loss({"heatmap": heatmap, "regression": regression}, batch)
+    out = DetectionLoss()({"heatmap": heatmap, "regression": regression}, batch)
     heat, reg = _naive_loss(heatmap, regression, batch)
     assert out["heatmap"].item() == pytest.approx(float(heat), rel=1e-5)
     assert out["regression"].item() == pytest.approx(float(reg), rel=1e-5)
@@ -332,14 +333,14 @@ def test_loss_is_zero_on_perfect_predictions_and_ignores_unknown_velocity():
     batch = _two_samples()
     maps = [_perfect_maps({k: v[i].numpy() for k, v in batch.items()}) for i in range(2)]
     heatmap, regression = torch.cat([m[0] for m in maps]), torch.cat([m[1] for m in maps])
-    out = detection_loss({"heatmap": heatmap, "regression": regression}, batch)
+    out = DetectionLoss()({"heatmap": heatmap, "regression": regression}, batch)
     assert out["loss"].item() < 1e-6
     slot = int(np.flatnonzero(~batch["det_vel_mask"][0].numpy() & batch["det_mask"][0].numpy())[0])
     ix, iy = divmod(int(batch["det_index"][0, slot]), 64)
     regression[0, GROUP_OF[DETECTION_CLASSES[int(batch["det_label"][0, slot])]], 8:, ix, iy] = 7.0
-    assert detection_loss({"heatmap": heatmap, "regression": regression}, batch)["loss"].item() < 1e-6
+    assert DetectionLoss()({"heatmap": heatmap, "regression": regression}, batch)["loss"].item() < 1e-6
     regression[0, :, 2, ix, iy] = 1.0  # a wrong height is counted
-    assert detection_loss({"heatmap": heatmap, "regression": regression}, batch)["regression"].item() > 0.01
+    assert DetectionLoss()({"heatmap": heatmap, "regression": regression}, batch)["regression"].item() > 0.01
 
 
 def test_loss_decreases_on_a_tiny_overfit():
@@ -350,9 +351,10 @@ def test_loss_decreases_on_a_tiny_overfit():
     head = CenterHead(4, shared_channels=8, head_channels=4)
     features = torch.randn(1, 4, *grid.bev_shape)
     optimizer = torch.optim.Adam(head.parameters(), lr=1e-2)
+    criterion = DetectionLoss()
     losses = []
     for _ in range(40):
-        loss = detection_loss(head(features), batch)["loss"]
+        loss = criterion(head(features), batch)["loss"]
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -360,15 +362,62 @@ def test_loss_decreases_on_a_tiny_overfit():
     assert losses[-1] < 0.2 * losses[0], losses[::10]
 
 
-def test_loss_has_no_host_sync_and_compiles_to_one_graph():
+class _HostSyncs(TorchDispatchMode):
+    """Records the ops that make the host wait for the device on a GPU (.item(), bool(), nonzero, boolean
+    indexing, unique) or copy Python data to it (torch.tensor of a list: lift_fresh)."""
+
+    SYNCING = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::lift_fresh", "aten::unique")
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        indices = args[1] if name.startswith("aten::index") and len(args) > 1 else ()
+        bool_index = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
+        if name.startswith(self.SYNCING) or bool_index:
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "syncing",
+    [
+        lambda x: x / x.max().item(),
+        lambda x: x[x > 0].sum(),
+        lambda x: x.nonzero().float().sum(),
+        lambda x: x * torch.tensor([2.0]),
+        lambda x: x * 2 if x.sum() > 0 else x,
+    ],
+)
+def test_the_host_sync_detector_sees_syncs(syncing):
+    with _HostSyncs() as mode:
+        syncing(torch.randn(5))
+    assert mode.seen
+
+
+def test_loss_has_no_host_sync_forward_and_backward():
+    batch = _two_samples()
+    criterion = DetectionLoss()
+    heatmap = torch.randn(2, 10, 80, 64, requires_grad=True)
+    regression = torch.randn(2, 6, 10, 80, 64, requires_grad=True)
+    with _HostSyncs() as mode:
+        loss = criterion({"heatmap": heatmap, "regression": regression}, batch)["loss"]
+        loss.backward()
+    assert mode.seen == []
+    assert regression.grad.abs().sum() > 0
+
+
+def test_loss_compiles_to_one_graph():
     batch = _two_samples()
     heatmap = torch.randn(2, 10, 80, 64, requires_grad=True)
     regression = torch.randn(2, 6, 10, 80, 64, requires_grad=True)
+    criterion = DetectionLoss()
 
     def step(heatmap, regression, batch):
-        return detection_loss({"heatmap": heatmap, "regression": regression}, batch)["loss"]
+        return criterion({"heatmap": heatmap, "regression": regression}, batch)["loss"]
 
-    # Dynamo refuses .item(), nonzero and boolean indexing in one full graph: a host sync fails here.
     compiled = torch.compile(step, fullgraph=True, backend="eager")
     loss = compiled(heatmap, regression, batch)
     loss.backward()
@@ -385,7 +434,7 @@ def test_loss_has_no_host_sync_on_cuda():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss = detection_loss(head(features), batch)["loss"]
+        loss = DetectionLoss().cuda()(head(features), batch)["loss"]
         loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -2,7 +2,7 @@
 decoding, and scoring with the devkit's DetectionEval. Box conventions: bev.geometry.BOX_FIELDS."""
 
 from bev.detection.decode import decode
-from bev.detection.loss import detection_loss
+from bev.detection.loss import DetectionLoss
 from bev.detection.targets import REGRESSION_FIELDS, encode_targets
 
-__all__ = ["REGRESSION_FIELDS", "decode", "detection_loss", "encode_targets"]
+__all__ = ["REGRESSION_FIELDS", "DetectionLoss", "decode", "encode_targets"]

@@ -77,7 +77,7 @@ def decode(
     cell = top % (nx * ny)
     of_class = torch.tensor(class_to_group(groups), device=heatmap.device)
     radii = torch.tensor(nms_radii, dtype=torch.float32, device=heatmap.device)
-    values = gather_regression(regression.float(), cell, label, groups)  # (B, K, R)
+    values = gather_regression(regression.float(), cell, label, of_class)  # (B, K, R)
     boxes = _to_boxes(values, cell, grid)
     results = []
     for i in range(b):

@@ -162,12 +162,13 @@ def encode_targets(
 
 
 def gather_regression(
-    regression: torch.Tensor, index: torch.Tensor, label: torch.Tensor, groups: tuple[tuple[str, ...], ...]
+    regression: torch.Tensor, index: torch.Tensor, label: torch.Tensor, class_group: torch.Tensor
 ) -> torch.Tensor:
-    """(B, G, R, X, Y) maps -> (B, N, R): each slot's R values at its cell, from its class's group.
-    Padding slots (label -1) read group 0's maps; their mask zeroes them."""
+    """(B, G, R, X, Y) maps -> (B, N, R): each slot's R values at its cell (det_index) from the maps of its
+    class's group (class_group (C,), class_to_group as a tensor). Padding slots (label -1) read group 0's
+    maps; their mask zeroes them."""
     b, g, r, x, y = regression.shape
-    group = torch.tensor(class_to_group(groups), device=label.device)[label.clamp(min=0)]  # (B, N)
+    group = class_group[label.clamp(min=0)]  # (B, N)
     channels = torch.arange(r, device=index.device)
     # Flat offset of (group, channel, cell) in one sample's G * R * X * Y values: a view, no copy.
     flat = ((group * r)[..., None] + channels) * (x * y) + index[..., None]  # (B, N, R)
