@@ -348,12 +348,12 @@ def test_loss_decreases_on_a_tiny_overfit():
     boxes = np.array([_box(2.2, 1.3), _box(-3.0, -2.1, w=0.6, l=0.7, h=1.7, yaw=1.0, vx=1.2, vy=0.0)], np.float32)
     batch = _batch([encode_targets(boxes, np.array([CLS["car"], CLS["pedestrian"]]), grid, max_objects=4)])
     torch.manual_seed(0)
-    head = CenterHead(4, shared_channels=8, head_channels=4)
+    head = CenterHead(4, shared_channels=8, head_channels=2)
     features = torch.randn(1, 4, *grid.bev_shape)
     optimizer = torch.optim.Adam(head.parameters(), lr=1e-2)
     criterion = DetectionLoss()
     losses = []
-    for _ in range(40):
+    for _ in range(20):
         loss = criterion(head(features), batch)["loss"]
         optimizer.zero_grad()
         loss.backward()

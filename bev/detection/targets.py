@@ -10,11 +10,13 @@ Per sample, from boxes (M, 9) in bev.geometry.BOX_FIELDS order and class ids int
 - det_target (N, 10) float32 in REGRESSION_FIELDS order.
 - det_vel_mask (N,) bool: the box has a velocity (the devkit gives NaN for a lone annotation).
 Cells follow bev.geometry.Grid: cell i covers [lo + i * step, lo + (i + 1) * step) (floor).
+gather_regression (torch) reads a slot's values from the head's maps: the inverse of this layout.
 """
 
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -64,13 +66,16 @@ def heatmap_radius(length: float, width: float, min_radius: int = 2, overlap: fl
     return max(int(min_radius), int(gaussian_radius(length, width, overlap)))
 
 
+@lru_cache(maxsize=64)
 def gaussian_kernel(radius: int) -> np.ndarray:
-    """(2r + 1, 2r + 1) float32 Gaussian of sigma = diameter / 6 with 1 at its centre."""
+    """(2r + 1, 2r + 1) float32 Gaussian of sigma = diameter / 6 with 1 at its centre (cached: read only)."""
     sigma = (2 * radius + 1) / 6
     d = np.arange(-radius, radius + 1, dtype=np.float64)
     g = np.exp(-(d[:, None] ** 2 + d[None, :] ** 2) / (2 * sigma * sigma))
     g[g < np.finfo(np.float64).eps * g.max()] = 0  # the peers' cut of negligible tails
-    return g.astype(np.float32)
+    g = g.astype(np.float32)
+    g.flags.writeable = False
+    return g
 
 
 def draw_gaussian(heatmap: np.ndarray, ix: int, iy: int, radius: int) -> None:
