@@ -1,0 +1,102 @@
+"""Boxes from the detection head's maps (bev.models.centerpoint.CenterHead's outputs), per sample:
+sigmoid, 3x3 max-pool peaks, top-K over all classes, score threshold, cell + offset -> metres, exp sizes,
+atan2 yaw, velocity, then circle NMS within each class group. At most top_k boxes per sample (500: the
+devkit's limit). Boxes are rows of bev.geometry.BOX_FIELDS in the ego frame; attributes are not decided here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from bev.classes import DETECTION_CLASSES, DETECTION_GROUPS
+from bev.detection.targets import REGRESSION_FIELDS, class_to_group, gather_regression
+from bev.geometry import Grid
+
+# Circle NMS thresholds per group of DETECTION_GROUPS, as the peers give them: squared centre distances
+# in m^2 (CenterPoint / BEVDet `min_radius`, compared with dx^2 + dy^2). In metres: 2, 3.46, 3.16, 1, 0.92, 0.42.
+CIRCLE_NMS_SQUARED = (4.0, 12.0, 10.0, 1.0, 0.85, 0.175)
+NMS_RADII = tuple(math.sqrt(d) for d in CIRCLE_NMS_SQUARED)
+MAX_BOXES = 500
+
+
+def _check_maps(heatmap: torch.Tensor, regression: torch.Tensor, grid: Grid, groups) -> None:
+    b, c, x, y = heatmap.shape
+    expected = (b, len(groups), len(REGRESSION_FIELDS), x, y)
+    if c != len(DETECTION_CLASSES) or tuple(regression.shape) != expected or (x, y) != grid.bev_shape:
+        raise ValueError(
+            f"decode needs heatmap (B, {len(DETECTION_CLASSES)}, X, Y) and regression {expected} on the grid's "
+            f"(X, Y) = {grid.bev_shape}; got {tuple(heatmap.shape)} and {tuple(regression.shape)}"
+        )
+
+
+def circle_nms(xy: torch.Tensor, group: torch.Tensor, radii: torch.Tensor) -> torch.Tensor:
+    """Greedy NMS of boxes sorted by decreasing score: a box is dropped when a kept box of the same group
+    has its centre within the group's radius (metres). Returns the kept indices, in order."""
+    close = (torch.cdist(xy, xy) <= radii[group][:, None]) & (group[:, None] == group[None, :])
+    close = close.cpu().numpy()
+    removed = np.zeros(len(close), dtype=bool)
+    keep = []
+    for i in range(len(close)):
+        if not removed[i]:
+            keep.append(i)
+            removed |= close[i]
+    return torch.as_tensor(keep, dtype=torch.long, device=xy.device)
+
+
+@torch.no_grad()
+def decode(
+    heatmap: torch.Tensor,
+    regression: torch.Tensor,
+    grid: Grid,
+    score_threshold: float = 0.1,
+    top_k: int = MAX_BOXES,
+    nms: str | None = "circle",
+    nms_radii: Sequence[float] = NMS_RADII,
+    groups: tuple[tuple[str, ...], ...] = DETECTION_GROUPS,
+) -> list[dict[str, torch.Tensor]]:
+    """heatmap (B, C, X, Y) logits and regression (B, G, 10, X, Y) -> per sample {"boxes": (K, 9) float32
+    per BOX_FIELDS, "scores": (K,) in decreasing order, "labels": (K,) int64 into DETECTION_CLASSES}.
+    nms: "circle" (per group, centre distance <= nms_radii[g] metres) or None."""
+    if nms not in ("circle", None):
+        raise ValueError(f"nms must be 'circle' or None, got {nms!r}")
+    if not 0 < top_k <= MAX_BOXES:
+        raise ValueError(f"top_k must be in 1..{MAX_BOXES} (the devkit's limit of boxes per sample), got {top_k}")
+    if len(nms_radii) != len(groups):
+        raise ValueError(f"nms_radii needs one radius (metres) per class group ({len(groups)}), got {list(nms_radii)}")
+    _check_maps(heatmap, regression, grid, groups)
+    b, c, nx, ny = heatmap.shape
+    scores = torch.sigmoid(heatmap.float())
+    peaks = scores * (F.max_pool2d(scores, 3, stride=1, padding=1) == scores)
+    top_scores, top = peaks.flatten(1).topk(min(top_k, c * nx * ny), dim=1)  # (B, K), sorted
+    label = top // (nx * ny)
+    cell = top % (nx * ny)
+    of_class = torch.tensor(class_to_group(groups), device=heatmap.device)
+    radii = torch.tensor(nms_radii, dtype=torch.float32, device=heatmap.device)
+    values = gather_regression(regression.float(), cell, label, of_class)  # (B, K, R)
+    boxes = _to_boxes(values, cell, grid)
+    results = []
+    for i in range(b):
+        keep = top_scores[i] > score_threshold
+        bx, sc, lb = boxes[i][keep], top_scores[i][keep], label[i][keep]
+        if nms == "circle" and len(sc):
+            kept = circle_nms(bx[:, :2], of_class[lb], radii)
+            bx, sc, lb = bx[kept], sc[kept], lb[kept]
+        results.append({"boxes": bx, "scores": sc, "labels": lb})
+    return results
+
+
+def _to_boxes(values: torch.Tensor, cell: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """(B, K, R) regression at cells (B, K) flat x * Y + y -> (B, K, 9) BOX_FIELDS rows."""
+    ny = grid.ny
+    ix, iy = (cell // ny).float(), (cell % ny).float()
+    x = grid.xbound[0] + (ix + values[..., 0]) * grid.xbound[2]
+    y = grid.ybound[0] + (iy + values[..., 1]) * grid.ybound[2]
+    size = values[..., 3:6].exp()
+    yaw = torch.atan2(values[..., 6], values[..., 7])
+    yaw = torch.where(yaw >= math.pi, yaw - 2 * math.pi, yaw)  # BOX_FIELDS: yaw in [-pi, pi)
+    return torch.cat([x[..., None], y[..., None], values[..., 2:3], size, yaw[..., None], values[..., 8:10]], -1)
