@@ -279,7 +279,13 @@ def test_no_box_scores_zero_without_the_devkit(truth, synthetic_root, tmp_path, 
     assert metrics["mAP"] == 0 and metrics["NDS"] == 0 and metrics["mATE"] == 1
     assert all(metrics[f"AP/{c}"] == 0 for c in DETECTION_CLASSES)
     assert "NDS: 0.0000" in format_table(metrics)
+    # what the devkit gives a set whose only box is out of every class range (so it can load the file)
+    far = to_results(tokens[:1], [[[5000.0, 0, 0, 1, 1, 1, 0, 0, 0]]], [[0.5]], [[0]], [[1, 0, 0, 0]], [[0, 0, 0]])
+    monkeypatch.undo()
+    devkit = evaluate({t: far.get(t, []) for t in tokens}, synthetic_root, VERSION, SPLIT, tmp_path, nusc=nusc)
+    assert devkit == pytest.approx(metrics, nan_ok=True) and list(devkit) == list(metrics)
     # the same from a file
+    monkeypatch.setattr(nusc_eval, "_run_devkit", refuse)
     path = write_results(tmp_path / "empty.json", {t: [] for t in tokens}, tokens)
     assert evaluate(path, synthetic_root, VERSION, SPLIT, tmp_path, nusc=nusc)["NDS"] == 0
 
@@ -351,3 +357,17 @@ def test_custom_split_named_as_a_devkit_split_is_refused(synthetic_root, tmp_pat
     own = NuScenes(VERSION, dataroot=str(root), verbose=False)
     with pytest.raises(ValueError, match=r"names \['val'\], which the devkit reserves"):
         evaluate({}, root, VERSION, "val", tmp_path, nusc=own)
+
+
+def test_format_table_prints_as_the_devkit(truth, synthetic_root, tmp_path, nusc, capsys):
+    from nuscenes.eval.common.config import config_factory
+    from nuscenes.eval.detection.evaluate import DetectionEval
+
+    metrics = evaluate(_results(truth), synthetic_root, VERSION, SPLIT, tmp_path, nusc=nusc)
+    capsys.readouterr()
+    devkit = DetectionEval(
+        nusc, config_factory("detection_cvpr_2019"), str(tmp_path / nusc_eval.RESULTS_FILE), SPLIT, str(tmp_path), False
+    )
+    devkit.main(render_curves=False)
+    printed = [line for line in capsys.readouterr().out.splitlines() if not line.startswith(("Eval time", "Saving"))]
+    assert format_table(metrics).splitlines() == printed

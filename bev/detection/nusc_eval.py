@@ -291,10 +291,9 @@ def _load_results_file(path: Path) -> tuple[dict, dict]:
 def _empty_metrics() -> dict[str, float]:
     """What the devkit gives a results set without a single box: AP 0, every scored TP error 1."""
     out: dict[str, float] = {"mAP": 0.0, "NDS": 0.0, **{m: 1.0 for m in TP_ERRORS.values()}}
+    out.update({f"AP/{c}": 0.0 for c in DEVKIT_CLASS_ORDER})
     for c in DEVKIT_CLASS_ORDER:
-        out[f"AP/{c}"] = 0.0
-        for e in TP_ERRORS:
-            out[f"{e}/{c}"] = math.nan if e in UNSCORED.get(c, ()) else 1.0
+        out.update({f"{e}/{c}": math.nan if e in UNSCORED.get(c, ()) else 1.0 for e in TP_ERRORS})
     return out
 
 
