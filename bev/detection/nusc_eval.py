@@ -1,0 +1,367 @@
+"""Scoring 3D boxes with the nuScenes devkit's DetectionEval (config detection_cvpr_2019).
+
+`to_results` turns ego-frame boxes (bev.geometry.BOX_FIELDS, in the ego frame of each sample's LIDAR_TOP)
+into the devkit's result boxes in the global frame; `write_results` writes a results file the devkit
+accepts (every sample of the split, nothing else, known classes, at most 500 boxes per sample);
+`evaluate` runs DetectionEval and returns flat metrics; `format_table` prints them as the devkit does.
+
+Splits: the devkit's own (train, val, mini_train, mini_val, ...) where the dataset's version and scene
+names fit them, and custom splits from `<dataroot>/<version>/splits.json` ({"name": [scene names]}) for a
+dataset with its own scene names. Custom splits need nuscenes-devkit >= 1.2.0 (PR #1046,
+`nuscenes.utils.splits.get_scenes_of_custom_split`, DetectionEval's custom-split branch); 1.1.x only
+knows the predefined splits. A splits.json name that is also a devkit split name is refused: the
+devkit would silently use its own scene list.
+
+A results set without a single box (a model early in training) is scored here as the devkit scores
+missing detections (mAP 0, NDS 0, every TP error 1) without calling it: DetectionEval cannot load it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bev.classes import DETECTION_CLASSES
+from bev.geometry import BOX_FIELDS, quaternion_to_matrix, yaw_to_quaternion
+from bev.utils.io import atomic_write
+
+DETECTION_CONFIG = "detection_cvpr_2019"
+# The order in which the devkit lists the classes (detection_cvpr_2019's class_range; its DETECTION_NAMES).
+DEVKIT_CLASS_ORDER = (
+    "car",
+    "truck",
+    "bus",
+    "trailer",
+    "construction_vehicle",
+    "pedestrian",
+    "motorcycle",
+    "bicycle",
+    "traffic_cone",
+    "barrier",
+)
+MAX_BOXES_PER_SAMPLE = 500  # the devkit's max_boxes_per_sample in detection_cvpr_2019
+MOVING_SPEED = 0.2  # m/s: faster is moving / with rider (BEVFusion's rule)
+RESULTS_FILE = "results_nusc.json"
+CAMERA_META = {"use_camera": True, "use_lidar": False, "use_radar": False, "use_map": False, "use_external": False}
+# TP error names of the devkit -> the mean's name it prints.
+TP_ERRORS = {"trans_err": "mATE", "scale_err": "mASE", "orient_err": "mAOE", "vel_err": "mAVE", "attr_err": "mAAE"}
+# TP errors the devkit does not score for a class (NaN in its metrics).
+UNSCORED = {"traffic_cone": ("orient_err", "vel_err", "attr_err"), "barrier": ("vel_err", "attr_err")}
+
+_VEHICLES = ("car", "truck", "construction_vehicle", "bus", "trailer")
+_CYCLES = ("motorcycle", "bicycle")
+# class -> (attribute when moving, attribute when still); '' for classes without attributes.
+ATTRIBUTE_RULE: dict[str, tuple[str, str]] = {
+    **{c: ("vehicle.moving", "vehicle.parked") for c in _VEHICLES},
+    **{c: ("cycle.with_rider", "cycle.without_rider") for c in _CYCLES},
+    "pedestrian": ("pedestrian.moving", "pedestrian.standing"),
+    "barrier": ("", ""),
+    "traffic_cone": ("", ""),
+}
+
+
+def attribute_name(detection_name: str, speed: float) -> str:
+    """The attribute the devkit scores, from the class and the speed (m/s), as BEVFusion assigns it."""
+    moving, still = ATTRIBUTE_RULE[detection_name]
+    return moving if speed > MOVING_SPEED else still
+
+
+def _quaternion_multiply(a: Sequence[float], b: Sequence[float]) -> list[float]:
+    """Hamilton product a * b of (w, x, y, z) quaternions: the rotation b, then a."""
+    aw, ax, ay, az = a
+    bw, bx, by, bz = b
+    return [
+        aw * bw - ax * bx - ay * by - az * bz,
+        aw * bx + ax * bw + ay * bz - az * by,
+        aw * by - ax * bz + ay * bw + az * bx,
+        aw * bz + ax * by - ay * bx + az * bw,
+    ]
+
+
+def _sample_boxes(token: str, boxes, scores, labels, ego_rotation, ego_translation) -> list[dict]:
+    """One sample's ego-frame boxes -> its devkit result boxes (global frame), the top-scored 500."""
+    boxes = np.asarray(boxes, dtype=np.float64).reshape(-1, len(BOX_FIELDS))
+    scores = np.asarray(scores, dtype=np.float64).reshape(-1)
+    labels = np.asarray(labels).reshape(-1)
+    if not len(boxes) == len(scores) == len(labels):
+        raise ValueError(
+            f"sample {token}: {len(boxes)} boxes, {len(scores)} scores and {len(labels)} labels: give one score and "
+            f"one label per box"
+        )
+    if not (np.isfinite(boxes).all() and np.isfinite(scores).all()):
+        raise ValueError(f"sample {token}: boxes or scores hold NaN or inf: the devkit scores finite boxes only")
+    if (boxes[:, 3:6] <= 0).any():
+        raise ValueError(f"sample {token}: a box has a size (w, l, h) <= 0: the devkit needs positive sizes")
+    if len(labels) and (labels.min() < 0 or labels.max() >= len(DETECTION_CLASSES)):
+        raise ValueError(
+            f"sample {token}: labels must index DETECTION_CLASSES (0..{len(DETECTION_CLASSES) - 1}), "
+            f"got {sorted(set(labels.tolist()))}"
+        )
+    q_ego = np.asarray(ego_rotation, dtype=np.float64).reshape(4)
+    q_ego = q_ego / np.linalg.norm(q_ego)
+    rot, trans = quaternion_to_matrix(q_ego), np.asarray(ego_translation, dtype=np.float64).reshape(3)
+    keep = np.argsort(-scores, kind="stable")[:MAX_BOXES_PER_SAMPLE]
+    centres = boxes[keep, :3] @ rot.T + trans
+    velocities = np.concatenate([boxes[keep, 7:9], np.zeros((len(keep), 1))], axis=1) @ rot.T
+    out = []
+    for i, k in enumerate(keep):
+        x, y, z, w, l, h, yaw, vx, vy = boxes[k]
+        name = DETECTION_CLASSES[int(labels[k])]
+        out.append(
+            {
+                "sample_token": token,
+                "translation": centres[i].tolist(),
+                "size": [w, l, h],
+                "rotation": _quaternion_multiply(q_ego, yaw_to_quaternion(yaw)),
+                "velocity": velocities[i, :2].tolist(),
+                "detection_name": name,
+                "detection_score": float(scores[k]),
+                "attribute_name": attribute_name(name, math.hypot(vx, vy)),
+            }
+        )
+    return out
+
+
+def to_results(
+    sample_tokens: Sequence[str],
+    boxes: Sequence,
+    scores: Sequence,
+    labels: Sequence,
+    ego_rotations: Sequence,
+    ego_translations: Sequence,
+) -> dict[str, list[dict]]:
+    """Per sample: boxes (K, 9) as BOX_FIELDS in the ego frame of its LIDAR_TOP, scores (K,), labels (K,)
+    into DETECTION_CLASSES, and that ego pose (rotation (w, x, y, z), translation (3,)) -> {token: [devkit
+    result box, ...]} in the global frame, the 500 best-scored boxes of each sample (an empty list if none)."""
+    columns = (boxes, scores, labels, ego_rotations, ego_translations)
+    if any(len(c) != len(sample_tokens) for c in columns):
+        raise ValueError(
+            f"to_results takes one entry per sample: {len(sample_tokens)} tokens but "
+            f"{[len(c) for c in columns]} boxes / scores / labels / ego_rotations / ego_translations"
+        )
+    if len(set(sample_tokens)) != len(sample_tokens):
+        raise ValueError("to_results: a sample token is given twice: give each sample's boxes once")
+    return {
+        str(t): _sample_boxes(str(t), *(np.asarray(_numpy(c[i])) for c in columns)) for i, t in enumerate(sample_tokens)
+    }
+
+
+def _numpy(x: Any) -> Any:
+    """A torch tensor (any device) -> numpy; anything else as it is (no torch import here)."""
+    return x.detach().cpu().numpy() if hasattr(x, "detach") else x
+
+
+def _check_results(results: Mapping[str, Sequence[Mapping]], split_tokens: Sequence[str], split: str = "") -> int:
+    """Refuse what the devkit would refuse (or score wrongly); returns the number of boxes."""
+    if not isinstance(results, Mapping):
+        raise ValueError(f"results must be a mapping {{sample_token: [box, ...]}}, got {type(results).__name__}")
+    where = f"the split {split!r}" if split else "the split"
+    wanted, given = set(split_tokens), set(results)
+    missing, unknown = sorted(wanted - given), sorted(given - wanted)
+    if missing:
+        raise ValueError(
+            f"the results miss {len(missing)} of the {len(wanted)} samples of {where} (e.g. {missing[:3]}): the "
+            f"devkit needs every sample of the split; give an empty list for a sample without boxes"
+        )
+    if unknown:
+        raise ValueError(
+            f"the results hold {len(unknown)} samples that are not in {where} (e.g. {unknown[:3]}): score them on "
+            f"the split they belong to, or drop them"
+        )
+    n = 0
+    for token, boxes in results.items():
+        if len(boxes) > MAX_BOXES_PER_SAMPLE:
+            raise ValueError(
+                f"sample {token} has {len(boxes)} boxes: the devkit takes at most {MAX_BOXES_PER_SAMPLE} per sample; "
+                f"keep the best-scored (to_results does)"
+            )
+        for box in boxes:
+            if box.get("detection_name") not in DETECTION_CLASSES:
+                raise ValueError(
+                    f"sample {token}: unknown class name {box.get('detection_name')!r}; the devkit scores "
+                    f"{', '.join(DETECTION_CLASSES)}"
+                )
+            if box.get("sample_token") != token:
+                raise ValueError(f"a box listed under sample {token} names sample {box.get('sample_token')!r}")
+        n += len(boxes)
+    return n
+
+
+def _check_meta(meta: Mapping[str, Any]) -> dict[str, bool]:
+    if not isinstance(meta, Mapping) or set(meta) != set(CAMERA_META):
+        keys = sorted(meta) if isinstance(meta, Mapping) else type(meta).__name__
+        raise ValueError(f"results meta must have exactly the keys {sorted(CAMERA_META)} (booleans), got {keys}")
+    return {k: bool(meta[k]) for k in CAMERA_META}
+
+
+def write_results(
+    path: str | os.PathLike,
+    results: Mapping[str, Sequence[Mapping]],
+    split_tokens: Sequence[str],
+    meta: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write the devkit's results file {"meta", "results"} atomically; `results` must hold exactly the
+    samples of the split (empty lists for samples without boxes) and only DETECTION_CLASSES names."""
+    _check_results(results, split_tokens)
+    body = {
+        "meta": _check_meta(CAMERA_META if meta is None else meta),
+        "results": {t: list(results[t]) for t in split_tokens},
+    }
+    return atomic_write(path, json.dumps(body))
+
+
+# --- splits ------------------------------------------------------------------------------------------------
+
+
+def _version_fits(split: str, version: str) -> bool:
+    """Whether the devkit's load_gt accepts this predefined split with this dataset version."""
+    if split.startswith("mini_"):
+        return version.endswith("mini")
+    if split == "test":
+        return version.endswith("test")
+    return version.endswith("trainval")
+
+
+def dataset_splits(nusc) -> dict[str, list[str]]:
+    """The splits this dataset has -> their scene names present in it: the devkit's own splits that fit the
+    dataset's version and hold at least one of its scenes, then the custom ones of <version>/splits.json."""
+    from nuscenes.utils.splits import create_splits_scenes
+
+    present = {s["name"] for s in nusc.scene}
+    predefined = create_splits_scenes()
+    splits = {
+        name: [s for s in scenes if s in present]
+        for name, scenes in predefined.items()
+        if _version_fits(name, nusc.version) and present.intersection(scenes)
+    }
+    custom_file = Path(nusc.dataroot) / nusc.version / "splits.json"
+    if custom_file.is_file():
+        try:
+            custom = json.loads(custom_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{custom_file} is not valid JSON ({e}): it must map split names to scene names") from None
+        if not isinstance(custom, dict) or not all(isinstance(v, list) for v in custom.values()):
+            raise ValueError(f"{custom_file} must map split names to lists of scene names")
+        clash = sorted(set(custom) & set(predefined))
+        if clash:
+            raise ValueError(
+                f"{custom_file} names {clash}, which the devkit reserves for nuScenes' own splits (it would use its "
+                f"own scene lists): rename them"
+            )
+        splits.update({name: [s for s in scenes if s in present] for name, scenes in custom.items()})
+    return splits
+
+
+def split_sample_tokens(nusc, split: str) -> list[str]:
+    """Sample tokens of a split of this dataset, in the dataset's order; one clear error for a split it lacks."""
+    splits = dataset_splits(nusc)
+    if not splits.get(split):
+        has = ", ".join(f"{k} ({len(v)} scenes)" for k, v in splits.items() if v) or "none"
+        raise ValueError(
+            f"eval split {split!r} is not a split of the dataset {nusc.version} at {nusc.dataroot}; it has: {has}. "
+            f"For a dataset with its own scene names, list them in {Path(nusc.dataroot) / nusc.version}/splits.json "
+            f'as {{"<split>": ["<scene name>", ...]}} (nuscenes-devkit >= 1.2.0)'
+        )
+    scenes = set(splits[split])
+    scene_of = {s["token"]: s["name"] for s in nusc.scene}
+    return [s["token"] for s in nusc.sample if scene_of[s["scene_token"]] in scenes]
+
+
+# --- evaluation --------------------------------------------------------------------------------------------
+
+
+def _load_results_file(path: Path) -> tuple[dict, dict]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"results file {path} does not exist: write it with write_results") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"results file {path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict) or "results" not in data or "meta" not in data:
+        raise ValueError(f'results file {path} must hold {{"meta": {{...}}, "results": {{sample_token: [box, ...]}}}}')
+    return data["results"], data["meta"]
+
+
+def _empty_metrics() -> dict[str, float]:
+    """What the devkit gives a results set without a single box: AP 0, every scored TP error 1."""
+    out: dict[str, float] = {"mAP": 0.0, "NDS": 0.0, **{m: 1.0 for m in TP_ERRORS.values()}}
+    out.update({f"AP/{c}": 0.0 for c in DEVKIT_CLASS_ORDER})
+    for c in DEVKIT_CLASS_ORDER:
+        out.update({f"{e}/{c}": math.nan if e in UNSCORED.get(c, ()) else 1.0 for e in TP_ERRORS})
+    return out
+
+
+def _flat_metrics(summary: Mapping[str, Any]) -> dict[str, float]:
+    """The devkit's metrics_summary -> {"mAP", "NDS", "mATE".., "AP/<class>", "<tp error>/<class>"}."""
+    out = {"mAP": float(summary["mean_ap"]), "NDS": float(summary["nd_score"])}
+    out.update({TP_ERRORS[k]: float(v) for k, v in summary["tp_errors"].items()})
+    for c, ap in summary["mean_dist_aps"].items():
+        out[f"AP/{c}"] = float(ap)
+    for c, errors in summary["label_tp_errors"].items():
+        out.update({f"{e}/{c}": float(v) for e, v in errors.items()})
+    return out
+
+
+def evaluate(
+    results: str | os.PathLike | Mapping,
+    dataroot: str | os.PathLike,
+    version: str,
+    eval_split: str,
+    output_dir: str | os.PathLike,
+    verbose: bool = False,
+    nusc=None,
+) -> dict[str, float]:
+    """Score a results file (or a {sample_token: [box, ...]} dict, written to output_dir/results_nusc.json
+    with camera-only meta) on `eval_split` with DetectionEval; returns {"mAP", "NDS", "mATE", "mASE", "mAOE",
+    "mAVE", "mAAE", "AP/<class>" (mean over the distance thresholds), "<tp error>/<class>"} and writes the
+    devkit's metrics_summary.json to output_dir. `nusc`: an already loaded NuScenes of that dataroot and
+    version (loading trainval takes ~30 s, so a caller scoring often keeps one)."""
+    from nuscenes import NuScenes
+
+    if nusc is None:
+        nusc = NuScenes(version=version, dataroot=str(dataroot), verbose=verbose)
+    tokens = split_sample_tokens(nusc, eval_split)
+    output_dir = Path(output_dir)
+    if isinstance(results, Mapping):
+        path = write_results(output_dir / RESULTS_FILE, results, tokens)
+        n_boxes = sum(len(b) for b in results.values())
+    else:
+        path = Path(results)
+        boxes, meta = _load_results_file(path)
+        _check_meta(meta)
+        n_boxes = _check_results(boxes, tokens, eval_split)
+    if n_boxes == 0:
+        return _empty_metrics()
+    summary = _run_devkit(nusc, path, eval_split, output_dir, verbose)
+    atomic_write(output_dir / "metrics_summary.json", json.dumps(summary, indent=2))
+    return _flat_metrics(summary)
+
+
+def _run_devkit(nusc, path: Path, eval_split: str, output_dir: Path, verbose: bool) -> dict:
+    from nuscenes.eval.common.config import config_factory
+    from nuscenes.eval.detection.evaluate import DetectionEval
+
+    evaluator = DetectionEval(
+        nusc, config_factory(DETECTION_CONFIG), str(path), eval_split, output_dir=str(output_dir), verbose=verbose
+    )
+    metrics, _ = evaluator.evaluate()  # not main(): its PR-curve plots take longer than the scoring
+    return metrics.serialize()
+
+
+def format_table(metrics: Mapping[str, float]) -> str:
+    """mAP, the five mean TP errors, NDS and the per-class table (AP, ATE, ASE, AOE, AVE, AAE), as the devkit
+    prints them."""
+    lines = [f"mAP: {metrics['mAP']:.4f}"]
+    lines += [f"{name}: {metrics[name]:.4f}" for name in TP_ERRORS.values()]
+    lines += [f"NDS: {metrics['NDS']:.4f}", "", "Per-class results:"]
+    lines.append(f"{'Object Class':<20}\t" + "\t".join(f"{h:<6}" for h in ("AP", "ATE", "ASE", "AOE", "AVE", "AAE")))
+    for c in DEVKIT_CLASS_ORDER:
+        values = [metrics[f"AP/{c}"]] + [metrics[f"{e}/{c}"] for e in TP_ERRORS]
+        lines.append(f"{c:<20}\t" + "\t".join(f"{v:<6.3f}" for v in values))
+    return "\n".join(lines)
