@@ -39,10 +39,11 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         cfg.grid = loaded.run_config.grid
     data_cfg = build_data_config(cfg.data, loaded.run_config)
     datamodule = instantiate(data_cfg)
-    metrics = _test_metrics(cfg, loaded, data_cfg, datamodule)
-
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    loaded.model.detection_output_dir = str(out)  # results_nusc.json and the devkit's summary, if it detects
+    metrics = _test_metrics(cfg, loaded, data_cfg, datamodule)
+
     record = _eval_record(loaded, data_cfg, metrics)
     atomic_write(out / "metrics.json", json.dumps(record, indent=2))
     pngs = save_pngs(loaded.model, datamodule, out, int(cfg.num_pngs))
@@ -101,13 +102,22 @@ def _eval_record(loaded, data_cfg: DictConfig, metrics: dict[str, float]) -> dic
 
 def _print_report(loaded, data_cfg: DictConfig, record: dict[str, Any], out: Path, num_pngs: int) -> None:
     """What was evaluated, the IoU table, the run's own val/iou for comparison, and where the files are."""
+    from bev.detection.nusc_eval import RESULTS_FILE
+    from bev.detection.nusc_eval import format_table as detection_table
     from bev.metrics import format_table
 
     ckpt, metrics, logged = loaded.checkpoint, record["metrics"], record["logged_val_iou"]
+    heads = getattr(loaded.model, "heads", ("segmentation",))
     print(
         f"Checkpoint {loaded.path} (epoch {ckpt.get('epoch')}, step {ckpt.get('global_step')}) on "
         f"{data_cfg.dataroot} {data_cfg.version}/{data_cfg.val_split}, threshold {record['threshold']}:"
     )
+    if "detection" in heads:
+        print(f"3D detection, scored by the nuScenes devkit's DetectionEval (results: {out / RESULTS_FILE}):")
+        print(detection_table(metrics))
+    if "segmentation" not in heads:
+        print(f"Metrics: {out / 'metrics.json'}  Pictures: {num_pngs} PNGs in {out}")
+        return
     print(format_table(metrics, loaded.model.object_classes, loaded.model.map_classes))
     if logged is not None:
         print(f"val/iou logged by the run for this checkpoint: {logged:.4f} (this evaluation: {metrics['iou']:.4f})")
@@ -128,7 +138,11 @@ def save_pngs(model, datamodule, out: Path, n: int) -> list[Path]:
             if len(paths) >= n:
                 return paths
             path = out / f"sample_{len(paths):03d}.png"
-            if isinstance(pred, dict):
+            if isinstance(pred, dict) and "detections" in pred:  # boxes are drawn by bev-predict
+                save_sample_png(
+                    path, batch_sample(batch, i), pred=pred["bev"][i : i + 1].cpu(), class_names=model.class_names
+                )
+            elif isinstance(pred, dict):
                 item = {k: v[i].cpu() for k, v in pred.items()}
                 save_temporal_png(
                     path,

@@ -165,6 +165,28 @@ def quaternion_to_matrix(q: Sequence[float]) -> np.ndarray:
     )
 
 
+def matrix_to_quaternion(R: np.ndarray) -> np.ndarray:
+    """3x3 rotation matrix -> unit quaternion (w, x, y, z) with w >= 0 (Shepperd: the largest of the four
+    squared components is taken first, so the result stays accurate near 180 degrees)."""
+    R = np.asarray(R, dtype=np.float64)
+    t = np.trace(R)
+    squares = [1 + t, 1 + 2 * R[0, 0] - t, 1 + 2 * R[1, 1] - t, 1 + 2 * R[2, 2] - t]  # 4 w^2, 4 x^2, ...
+    k = int(np.argmax(squares))
+    r = math.sqrt(max(squares[k], 0.0))
+    off = [R[2, 1] - R[1, 2], R[0, 2] - R[2, 0], R[1, 0] - R[0, 1]]  # 4 w x, 4 w y, 4 w z
+    sym = [R[0, 1] + R[1, 0], R[0, 2] + R[2, 0], R[1, 2] + R[2, 1]]  # 4 x y, 4 x z, 4 y z
+    if k == 0:
+        q = [r, off[0] / r, off[1] / r, off[2] / r]
+    elif k == 1:
+        q = [off[0] / r, r, sym[0] / r, sym[1] / r]
+    elif k == 2:
+        q = [off[1] / r, sym[0] / r, r, sym[2] / r]
+    else:
+        q = [off[2] / r, sym[1] / r, sym[2] / r, r]
+    q = np.asarray(q) / np.linalg.norm(q)
+    return q if q[0] >= 0 else -q
+
+
 def yaw_to_quaternion(yaw: float) -> list[float]:
     """Rotation by `yaw` radians about +z as (w, x, y, z)."""
     return [math.cos(yaw / 2), 0.0, 0.0, math.sin(yaw / 2)]

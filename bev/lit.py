@@ -12,12 +12,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bev.detection.loss import DetectionLoss
+from bev.detection.scoring import DetectionScore
 from bev.geometry import CAMERA_GEOMETRY, Grid
 from bev.metrics import BevIoU, MapIoU
 from bev.schedule import end_schedule_at, run_length, schedule_length, step_schedulers
 
 CAMERA_KEYS = ("images",) + CAMERA_GEOMETRY
 LOSSES = ("bce", "focal")
+HEADS = ("segmentation", "detection")
+
+
+def _check_heads(heads: Sequence[str], net: nn.Module) -> tuple[str, ...]:
+    heads = tuple(str(h) for h in ([heads] if isinstance(heads, str) else heads))
+    unknown = [h for h in heads if h not in HEADS]
+    if unknown or not heads:
+        raise ValueError(f"model.heads {list(heads)}: choose one or both of {list(HEADS)}")
+    if "detection" in heads and getattr(net, "det_head", None) is None:
+        raise ValueError(
+            "model.heads has detection but the network has no detection head: set model.net.detection "
+            "(e.g. model.net.detection={head_channels: 0}, or model=lss_det)"
+        )
+    return heads
+
+
+def split_outputs(out) -> tuple[torch.Tensor, dict | None]:
+    """A network's output -> (segmentation logits, detection maps or None)."""
+    return (out["bev"], out) if isinstance(out, Mapping) else (out, None)
 
 
 def _class_names(net: nn.Module, object_classes, map_classes) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -110,6 +131,8 @@ class BEVLitModule(L.LightningModule):
         focal_gamma: float = 2.0,
         class_weight: float | Sequence[float] | Mapping[str, float] | None = None,
         depth_weight: float = 0.0,
+        heads: Sequence[str] = ("segmentation",),
+        detection: Mapping[str, Any] | None = None,
     ):
         super().__init__()
         self.net = net
@@ -131,6 +154,17 @@ class BEVLitModule(L.LightningModule):
         self.test_iou = BevIoU(grid, threshold, self.object_classes)
         self.val_map_iou = MapIoU(self.map_classes)
         self.test_map_iou = MapIoU(self.map_classes)
+        self.heads = _check_heads(heads, net)
+        if "detection" in self.heads:
+            det = dict(detection or {})
+            self.detection_weight = float(det.pop("weight", 1.0))
+            self.det_loss = DetectionLoss(**dict(det.pop("loss", None) or {}))
+            self.val_det = DetectionScore(grid, det.pop("decoding", None))
+            self.test_det = DetectionScore(grid, self.val_det.decoding)
+            if det:
+                raise ValueError(f"unknown model.detection key(s) {sorted(det)}: weight, loss, decoding")
+        # Where bev-eval wants results_nusc.json and the devkit's summary (None: a temporary folder).
+        self.detection_output_dir: str | None = None
         # Best val/iou so far; a buffer so it survives resume from a checkpoint.
         self.register_buffer("val_iou_best", torch.tensor(0.0))
         # The resolved run config (set by bev.train); stored in checkpoints so bev-eval can rebuild the model.
@@ -204,32 +238,77 @@ class BEVLitModule(L.LightningModule):
         ce = F.cross_entropy(depth_logits.float().flatten(0, 1), target.flatten(0, 1), ignore_index=-1, reduction="sum")
         return ce / (target >= 0).sum().clamp(min=1)
 
-    def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(total loss, logits, depth loss or None) of a training batch."""
+    def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(total loss, segmentation logits, the loss terms to log: depth, det_heatmap, ...) of a training batch."""
+        terms: dict[str, torch.Tensor] = {}
         if not self.depth_weight:
-            logits = self(batch)
-            return self.loss(logits, batch["bev"]), logits, None
-        if "depth" not in batch:
+            out = self(batch)
+        elif "depth" not in batch:
             raise ValueError(
                 "model.depth_weight > 0 needs lidar depth targets in the batch: set data.depth_target=true"
             )
-        logits, depth_logits = self.net(*(batch[k] for k in CAMERA_KEYS), return_depth=True)
-        depth_loss = self.depth_loss(depth_logits, batch["depth"])
-        return self.loss(logits, batch["bev"]) + self.depth_weight * depth_loss, logits, depth_loss
+        else:
+            out, depth_logits = self.net(*(batch[k] for k in CAMERA_KEYS), return_depth=True)
+            terms["depth_loss"] = self.depth_loss(depth_logits, batch["depth"])
+        logits, det_out = split_outputs(out)
+        loss = self.depth_weight * terms["depth_loss"] if terms else logits.new_zeros((), dtype=torch.float32)
+        if "segmentation" in self.heads:
+            terms["seg_loss"] = self.loss(logits, batch["bev"])
+            loss = loss + terms["seg_loss"]
+        if det_out is not None and "detection" in self.heads:
+            loss = loss + self.detection_weight * self._det_terms(det_out, batch, terms)
+        return loss, logits, terms
+
+    def _det_terms(self, det_out: dict, batch: dict, terms: dict) -> torch.Tensor:
+        """The detection loss (adds its parts to terms); needs the targets of data.detection=true."""
+        if "det_heatmap" not in batch:
+            raise ValueError("model.heads has detection: the batches need its targets, set data.detection=true")
+        det = self.det_loss(det_out, batch)
+        terms.update(det_loss=det["loss"], det_heatmap=det["heatmap"], det_regression=det["regression"])
+        return det["loss"]
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
-        loss, logits, depth_loss = self.forward_loss(batch)
-        if depth_loss is not None:
-            self.log("train/depth_loss", depth_loss, on_step=True, on_epoch=True, batch_size=logits.shape[0])
+        loss, logits, terms = self.forward_loss(batch)
+        for name, value in terms.items():
+            if name != "seg_loss":
+                self.log(f"train/{name}", value, on_step=True, on_epoch=True, batch_size=logits.shape[0])
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=logits.shape[0])
         return {"loss": loss, "logits": logits.detach()}
 
+    def _eval_step(self, batch: dict, stage: str) -> None:
+        logits, det_out = split_outputs(self(batch))
+        n = logits.shape[0]
+        if "segmentation" in self.heads:
+            self.log(f"{stage}/loss", self.loss(logits, batch["bev"]), on_epoch=True, sync_dist=True, batch_size=n)
+            iou, map_iou = (self.val_iou, self.val_map_iou) if stage == "val" else (self.test_iou, self.test_map_iou)
+            self._update_metrics(iou, map_iou, logits, batch)
+        if det_out is not None and "detection" in self.heads:
+            if "det_heatmap" in batch:
+                self.log(f"{stage}/det_loss", self.det_loss(det_out, batch)["loss"], on_epoch=True, batch_size=n)
+            (self.val_det if stage == "val" else self.test_det).update(det_out, batch["sample_token"])
+
+    def _det_metrics(self, stage: str) -> dict[str, float]:
+        """DetectionEval's mAP, NDS, ... of the boxes of this epoch's evaluation ({} without a detection head)."""
+        if "detection" not in self.heads:
+            return {}
+        score = self.val_det if stage == "val" else self.test_det
+        dm = getattr(self.trainer, "datamodule", None)
+        if self.trainer.sanity_checking or dm is None or getattr(dm, "val_set", None) is None:
+            score.reset()
+            return {}
+        out_dir = self.detection_output_dir if stage == "test" else None
+        metrics = score.compute(dm.val_set, out_dir)
+        score.reset()
+        return metrics
+
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        logits = self(batch)
-        self.log("val/loss", self.loss(logits, batch["bev"]), on_epoch=True, sync_dist=True, batch_size=logits.shape[0])
-        self._update_metrics(self.val_iou, self.val_map_iou, logits, batch)
+        self._eval_step(batch, "val")
 
     def on_validation_epoch_end(self) -> None:
+        det = self._det_metrics("val")
+        self.log_dict({f"val/{k}": v for k, v in det.items() if "/" not in k})
+        if "segmentation" not in self.heads:
+            return
         results = self._compute_metrics(self.val_iou, self.val_map_iou)
         # Per-threshold map IoUs go to test (bev-eval's metrics.json) only, to keep the training log readable.
         results = {k: v for k, v in results.items() if "@" not in k}
@@ -240,18 +319,20 @@ class BEVLitModule(L.LightningModule):
         self.log("val/iou_best", float(self.val_iou_best), prog_bar=True)
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
-        logits = self(batch)
-        self.log(
-            "test/loss", self.loss(logits, batch["bev"]), on_epoch=True, sync_dist=True, batch_size=logits.shape[0]
-        )
-        self._update_metrics(self.test_iou, self.test_map_iou, logits, batch)
+        self._eval_step(batch, "test")
 
-    def predict_step(self, batch: dict, batch_idx: int = 0, dataloader_idx: int = 0) -> torch.Tensor:
-        """Per-class probabilities (B, K, X, Y) float32 (the sigmoid of the logits)."""
-        return self(batch).float().sigmoid()
+    def predict_step(self, batch: dict, batch_idx: int = 0, dataloader_idx: int = 0):
+        """Per-class probabilities (B, K, X, Y) float32 (the sigmoid of the logits); a model that detects gives
+        {"bev": those, "detections": per sample {"boxes" (K, 9) BOX_FIELDS, "scores", "labels"}}."""
+        logits, det_out = split_outputs(self(batch))
+        probs = logits.float().sigmoid()
+        if det_out is None or "detection" not in self.heads:
+            return probs
+        return {"bev": probs, "detections": self.val_det.decode(det_out)}
 
     def on_test_epoch_end(self) -> None:
-        results = self._compute_metrics(self.test_iou, self.test_map_iou)
+        results = self._compute_metrics(self.test_iou, self.test_map_iou) if "segmentation" in self.heads else {}
+        results.update(self._det_metrics("test"))
         self.log_dict({f"test/{k}": v for k, v in results.items()})
 
     def make_optimizer(self) -> torch.optim.Optimizer:

@@ -135,3 +135,18 @@ def test_grid_total_cells_limited():
 def test_grid_non_finite_bounds(bound):
     with pytest.raises(ValueError, match="finite"):
         Grid(xbound=bound)
+
+
+def test_matrix_to_quaternion_inverts_quaternion_to_matrix_and_agrees_with_pyquaternion():
+    from pyquaternion import Quaternion
+
+    from bev.geometry import matrix_to_quaternion, quaternion_to_matrix
+
+    rng = np.random.default_rng(0)
+    qs = [q / np.linalg.norm(q) for q in rng.normal(size=(200, 4))]
+    qs += [np.array([0.0, 1.0, 0.0, 0.0]), np.array([0.0, 0.0, 0.0, 1.0]), np.array([1e-9, 0.6, 0.0, 0.8])]  # 180 deg turns
+    for q in qs:
+        R = quaternion_to_matrix(q)
+        r = matrix_to_quaternion(R)
+        assert r[0] >= 0 and np.allclose(quaternion_to_matrix(r), R, atol=1e-9)
+        assert abs(np.dot(Quaternion(matrix=R, atol=1e-7).elements, r)) == pytest.approx(1.0, abs=1e-9)

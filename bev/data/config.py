@@ -211,6 +211,8 @@ class DatasetConfig(_Checked):
     raster: str = _option("center", _raster)
     # items carry the depth bin of the nearest LIDAR_TOP point per feature cell
     depth_target: bool = _option(False, _flag)
+    # items carry 3D boxes and CenterPoint targets of the detection classes (bev.detection.targets)
+    detection: bool = _option(False, _flag)
     # without augmentation, MB of decoded inputs kept per loader process; 0: off
     input_memo_mb: float = _option(0.0, _memo)
     past_frames: int = _option(0, _frames)  # temporal windows: P input frames before the present (FIERY: 2)

@@ -4,6 +4,8 @@ A shared 3x3 conv-BN-ReLU, then per class group six independent branches (heatma
 classes, reg 2, height 1, dim 3, rot 2, vel 2), each a 3x3 conv-BN-ReLU and a 3x3 conv. The 36 branches
 run as one wide conv and one grouped conv: each branch sees only its own channels, so this is the same
 function as separate modules, in 4 kernels instead of ~150 (the GPU step is host-bound).
+head_channels=0 is the light head for CPUs: every output a 1x1 conv of the shared features (the 36
+branches' 3x3 convs cost several times the whole small BEV encoder at full grid size).
 
 Outputs (tensors only, static shapes, so the head exports to ONNX):
 - heatmap (B, C, X, Y): logits of DETECTION_CLASSES, in that order (the groups are contiguous runs).
@@ -44,12 +46,16 @@ class CenterHead(nn.Module):
             nn.BatchNorm2d(shared_channels),
             nn.ReLU(inplace=True),
         )
-        self.hidden = nn.Sequential(
-            nn.Conv2d(shared_channels, n_branches * head_channels, 3, padding=1, bias=False),
-            nn.BatchNorm2d(n_branches * head_channels),
-            nn.ReLU(inplace=True),
-        )
-        self.out = nn.Conv2d(n_branches * head_channels, n_branches * width, 3, padding=1, groups=n_branches)
+        if head_channels:
+            self.hidden = nn.Sequential(
+                nn.Conv2d(shared_channels, n_branches * head_channels, 3, padding=1, bias=False),
+                nn.BatchNorm2d(n_branches * head_channels),
+                nn.ReLU(inplace=True),
+            )
+            self.out = nn.Conv2d(n_branches * head_channels, n_branches * width, 3, padding=1, groups=n_branches)
+        else:
+            self.hidden = nn.Identity()
+            self.out = nn.Conv2d(shared_channels, n_branches * width, 1)
         heat, reg = self._channel_maps(branch_out, width)
         self.register_buffer("heatmap_channels", torch.tensor(heat), persistent=False)
         self.register_buffer("regression_channels", torch.tensor(reg), persistent=False)

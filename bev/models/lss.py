@@ -13,6 +13,7 @@ from torch import nn
 from bev.geometry import FEATURE_STRIDE, Grid, frustum_to_ego, make_frustum, voxel_coords
 from bev.models.bev_encoder import BevEncoder
 from bev.models.camera import CameraEncoder
+from bev.models.centerpoint import CenterHead
 
 SPLATS = ("bev_pool", "voxel_sum")
 
@@ -41,6 +42,7 @@ class LiftSplatShoot(nn.Module):
         bev: Mapping[str, Any] | None = None,
         splat: str = "bev_pool",
         pool_backend: str = "auto",
+        detection: Mapping[str, Any] | None = None,
     ):
         super().__init__()
         if splat not in SPLATS:
@@ -58,6 +60,8 @@ class LiftSplatShoot(nn.Module):
         D = self.grid.depth_bins
         self.camera_encoder = CameraEncoder(D, context_channels, **dict(camera or {}))
         self.bev_encoder = BevEncoder(context_channels * self.grid.nz, num_classes, **dict(bev or {}))
+        # CenterPoint-style 3D boxes on the same BEV features (options of CenterHead; None: no boxes).
+        self.det_head = None if detection is None else CenterHead(self.bev_encoder.feature_channels, **dict(detection))
         self.register_buffer("frustum", make_frustum(self.image_size, downsample, self.grid), persistent=False)
         self._export_splat = False
 
@@ -144,7 +148,11 @@ class LiftSplatShoot(nn.Module):
         return (feats, depth_logits) if return_depth else feats
 
     def forward(self, images, intrinsics, rots, trans, post_rots, post_trans, return_depth: bool = False):
-        """BEV logits (B, K, X, Y); with return_depth also the depth logits (B, N, D, fH, fW)."""
+        """BEV logits (B, K, X, Y); a model with a detection head gives {"bev": those, "heatmap": (B, 10, X, Y),
+        "regression": (B, G, 10, X, Y)} (bev.models.centerpoint); with return_depth also the depth logits
+        (B, N, D, fH, fW)."""
         feats, depth_logits = self.bev_features(images, intrinsics, rots, trans, post_rots, post_trans, True)
-        bev = self.bev_encoder.logits(feats)
-        return (bev, depth_logits) if return_depth else bev
+        out = self.bev_encoder.logits(feats)
+        if self.det_head is not None:
+            out = {"bev": out, **self.det_head(feats)}
+        return (out, depth_logits) if return_depth else out

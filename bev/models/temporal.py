@@ -174,6 +174,7 @@ class TemporalLiftSplat(LiftSplatShoot):
         bev: Mapping[str, Any] | None = None,
         splat: str = "bev_pool",
         pool_backend: str = "auto",
+        detection: Mapping[str, Any] | None = None,
         past_frames: int = 2,
         future_frames: int = 4,
         fusion_channels: int | None = None,
@@ -182,7 +183,9 @@ class TemporalLiftSplat(LiftSplatShoot):
         probabilistic: bool = False,
         latent_dim: int = 16,
     ):
-        super().__init__(grid, image_size, downsample, context_channels, num_classes, camera, bev, splat, pool_backend)
+        super().__init__(
+            grid, image_size, downsample, context_channels, num_classes, camera, bev, splat, pool_backend, detection
+        )
         if past_frames < 0 or future_frames < 0:
             raise ValueError(f"past_frames and future_frames must be >= 0, got {past_frames} and {future_frames}")
         self.past_frames, self.future_frames = int(past_frames), int(future_frames)
@@ -254,6 +257,8 @@ class TemporalLiftSplat(LiftSplatShoot):
             )
         x = self.bev_encoder.features(feats)
         out = {"bev": self.bev_encoder.logits(x)}
+        if self.det_head is not None:  # boxes of the present frame from the fused features (BEVDet4D)
+            out.update(self.det_head(x))
         if self.probabilistic:
             x = self._with_latent(x, out, future_labels)
         out.update(self.future(x))

@@ -1,0 +1,61 @@
+"""Decoded boxes of a split collected over batches, then scored as the nuScenes leaderboard scores them
+(bev.detection.nusc_eval, the devkit's DetectionEval). Used by training (val/mAP, val/NDS) and bev-eval."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bev.detection.decode import decode
+from bev.detection.nusc_eval import evaluate, to_results
+from bev.geometry import Grid, matrix_to_quaternion
+
+
+class DetectionScore:
+    """update() with the head's maps of a batch and its sample tokens; compute() scores every sample seen
+    (samples of the split never seen get no box) on the dataset's split. `decoding`: options of
+    bev.detection.decode (score_threshold, top_k, nms)."""
+
+    def __init__(self, grid: Grid, decoding: Mapping[str, Any] | None = None):
+        self.grid, self.decoding = grid, dict(decoding or {})
+        self.boxes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._nusc: dict[tuple[str, str], Any] = {}  # the devkit's tables, loaded once per dataroot and version
+
+    def reset(self) -> None:
+        self.boxes = {}
+
+    @torch.no_grad()
+    def decode(self, outputs: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """The head's maps -> per sample {"boxes", "scores", "labels"} (bev.detection.decode, this scorer's options)."""
+        return decode(outputs["heatmap"], outputs["regression"], self.grid, **self.decoding)
+
+    def update(self, outputs: Mapping[str, torch.Tensor], sample_tokens: Sequence[str]) -> None:
+        for token, det in zip(sample_tokens, self.decode(outputs)):
+            self.boxes[str(token)] = tuple(det[k].cpu().numpy() for k in ("boxes", "scores", "labels"))
+
+    def results(self, dataset) -> dict[str, list[dict]]:
+        """The devkit's results of every sample of `dataset` (a NuScenesBEVDataset): global frame, per token."""
+        tokens = [str(t) for t in dataset.index["sample_token"]]
+        empty = (np.zeros((0, 9), np.float32), np.zeros(0, np.float32), np.zeros(0, np.int64))
+        cols = [self.boxes.get(t, empty) for t in tokens]
+        rotations = [matrix_to_quaternion(r) for r in dataset.index["ego_rotation"]]
+        return to_results(tokens, *zip(*cols), rotations, list(dataset.index["ego_translation"]))
+
+    def compute(self, dataset, output_dir: str | Path | None = None, verbose: bool = False) -> dict[str, float]:
+        """DetectionEval's metrics (mAP, NDS, mATE..., AP/<class>) of what update() saw, on dataset's split;
+        results_nusc.json and metrics_summary.json go to output_dir (a temporary folder when None)."""
+        key = (dataset.dataroot, dataset.version)
+        if key not in self._nusc:
+            from nuscenes import NuScenes
+
+            self._nusc[key] = NuScenes(version=dataset.version, dataroot=dataset.dataroot, verbose=False)
+        results = self.results(dataset)
+        if output_dir is not None:
+            return evaluate(results, *key, dataset.split, output_dir, verbose, nusc=self._nusc[key])
+        with tempfile.TemporaryDirectory(prefix="bev-det-") as tmp:
+            return evaluate(results, *key, dataset.split, tmp, verbose, nusc=self._nusc[key])
