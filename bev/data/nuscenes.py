@@ -485,13 +485,16 @@ def _detection_arrays(cols: dict[str, list]) -> dict[str, np.ndarray]:
     """The detection boxes' columns (_add_detection_box) as arrays: sample i's are rows det_offsets[i]:det_offsets[i + 1]."""
     attr_names = sorted(set(cols["det_attribute"]) | {""})
     attr_code = {a: k for k, a in enumerate(attr_names)}
+    velocity = np.asarray(cols["det_velocity"], dtype=np.float64).reshape(-1, 2)
     return {
         "det_offsets": np.concatenate([[0], np.cumsum(cols["det_count"], dtype=np.int64)]).astype(np.int64),
         "det_label": np.asarray(cols["det_label"], dtype=np.int64),  # into DETECTION_CLASSES
         "det_center": np.asarray(cols["det_center"], dtype=np.float64).reshape(-1, 3),
         "det_size": np.asarray(cols["det_size"], dtype=np.float64).reshape(-1, 3),  # (w, l, h)
         "det_yaw": np.asarray(cols["det_yaw"], dtype=np.float64),
-        "det_velocity": np.asarray(cols["det_velocity"], dtype=np.float64).reshape(-1, 2),  # m/s, ego axes; NaN
+        # m/s in ego axes; 0 where the devkit has none (det_velocity_known False): no NaN in the cached index.
+        "det_velocity": np.nan_to_num(velocity, nan=0.0),
+        "det_velocity_known": np.isfinite(velocity).all(1),
         "det_attribute": np.asarray([attr_code[a] for a in cols["det_attribute"]], dtype=np.int64),
         "det_attribute_names": np.asarray(attr_names, dtype=str),  # "" = no attribute
         "det_points": np.asarray(cols["det_points"], dtype=np.int64),  # num_lidar_pts + num_radar_pts
@@ -810,9 +813,8 @@ class NuScenesBEVDataset(Dataset):
         tokens (M,) str (sample_annotation)."""
         a, b = self.index["det_offsets"][i], self.index["det_offsets"][i + 1]
         ix = self.index
-        boxes = np.concatenate(
-            [ix["det_center"][a:b], ix["det_size"][a:b], ix["det_yaw"][a:b, None], ix["det_velocity"][a:b]], 1
-        )
+        velocity = np.where(ix["det_velocity_known"][a:b, None], ix["det_velocity"][a:b], np.nan)
+        boxes = np.concatenate([ix["det_center"][a:b], ix["det_size"][a:b], ix["det_yaw"][a:b, None], velocity], 1)
         return {
             "boxes": boxes.astype(np.float32).reshape(-1, len(BOX_FIELDS)),
             "labels": ix["det_label"][a:b].copy(),

@@ -361,7 +361,9 @@ _SHAPES = {
 
 def _object(category: str, rng: np.random.Generator, attribute: str = "") -> Obj:
     mean, spread = SIZES[category]
-    size = tuple(float(m + d * np.clip(rng.standard_normal(), -2, 2)) for m, d in zip(mean, spread))
+    # Within 2 spreads of the mean, squashed smoothly (tanh) rather than clipped: clipping gave 1 object in
+    # 20 the very same extreme size, which real annotations never repeat.
+    size = tuple(float(m + d * 2 * math.tanh(rng.standard_normal() / 2)) for m, d in zip(mean, spread))
     return Obj(category, size, _parts(category, size, rng), attribute)
 
 
