@@ -421,7 +421,8 @@ def _add_detection_box(nusc, ann: dict, Re: np.ndarray, te: np.ndarray, cols: di
     attribute = nusc.get("attribute", ann["attribute_tokens"][0])["name"] if ann["attribute_tokens"] else ""
     tb = np.asarray(ann["translation"], dtype=np.float64)
     points = int(ann["num_lidar_pts"]) + int(ann["num_radar_pts"])
-    velocity = Re.T @ nusc.box_velocity(ann["token"])  # global -> ego axes; NaN (no neighbour) stays NaN
+    # The devkit's box_velocity[:2] (global; NaN without a neighbour, and stays NaN) in ego axes.
+    velocity = Re.T @ np.append(nusc.box_velocity(ann["token"])[:2], 0.0)
     _append(
         cols,
         det_label=DETECTION_CLASSES.index(name),

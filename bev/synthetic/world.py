@@ -619,8 +619,8 @@ def _showcase(placer: _Placer, rng: np.random.Generator, streets: list[int]) -> 
 
 
 def _kerb_slots(placer: _Placer, streets: list[int], ref: np.ndarray) -> list[tuple[float, _Kerb, float]]:
-    """(distance to ref, kerb, arclength) of the points of the streets' kerbs every metre, nearest first,
-    within reach of ref (the streets' straight parking stretches, as _line_kerb uses them)."""
+    """(distance to ref, kerb, arclength) of the parking-lane points of the streets every metre, nearest
+    first, within reach of ref, between the crossings as _line_kerb uses them (_park_nearest checks the rest)."""
     road, out = placer.world.road, []
     for i in streets:
         p = road.streets[i].path
@@ -660,7 +660,7 @@ def _stand_nearest(placer: _Placer, rng: np.random.Generator, slots: list) -> No
     for _, kerb, s in slots:
         xy, h = kerb.path.at(s, kerb.sd * l)
         if not shapely.contains_xy(drivable, xy[0], xy[1]):
-            placer.world.objects.append(_static(o, xy, h + math.pi / 2 * kerb.sd))  # facing the street
+            placer.world.objects.append(_static(o, xy, h - math.pi / 2 * kerb.sd))  # facing the street
             return
 
 
