@@ -20,8 +20,10 @@ locations (key: map classes + the map expansion files' sizes/mtimes).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
+import math
 import os
 import sys
 import warnings
@@ -35,7 +37,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from bev.classes import class_names, normalize_categories, normalize_map_layers, object_class_names  # noqa: F401 (re-exported)
+from bev.classes import DETECTION_CLASSES, class_names, normalize_categories, normalize_map_layers, object_class_names  # noqa: F401 (re-exported)
 from bev.data import temporal
 from bev.data.config import DatasetConfig
 from bev.data.depth import depth_targets, load_lidar
@@ -51,7 +53,8 @@ from bev.data.transforms import (
     sample_augmentation,
     warp_image,
 )
-from bev.geometry import CAMERA_GEOMETRY, CAMERA_NAMES, FEATURE_STRIDE, quaternion_to_matrix
+from bev.detection.targets import encode_targets
+from bev.geometry import BOX_FIELDS, CAMERA_GEOMETRY, CAMERA_NAMES, FEATURE_STRIDE, quaternion_to_matrix
 from bev.utils.io import atomic_open, atomic_write
 
 TABLES = (
@@ -69,7 +72,10 @@ TABLES = (
     "sensor",
     "visibility",
 )
-INDEX_FORMAT = 7
+INDEX_FORMAT = 8
+# Fixed number of detection boxes per item (CenterPoint's max_objs); a sample with more valid boxes keeps the
+# MAX_BOXES nearest (pad_boxes).
+MAX_BOXES = 500
 # Per process, for NuScenesBEVDataset.targets: the synthetic set needs ~15 MB, trainval at 200x200 would
 # need ~2 GB and keeps only its first samples.
 TARGET_MEMO_BYTES = 256 * 2**20
@@ -418,9 +424,13 @@ def _add_sample(
         if cam not in sample["data"]:
             raise ValueError(f"{where} has no {cam} image")
         _add_camera(nusc, nusc.get("sample_data", sample["data"][cam]), Re, te, cols)
+    detections = 0
     for ann_token in sample["anns"]:
-        _add_box(nusc.get("sample_annotation", ann_token), groups, vis_level, Re, te, cols)
+        ann = nusc.get("sample_annotation", ann_token)
+        _add_box(ann, groups, vis_level, Re, te, cols)
+        detections += _add_detection_box(nusc, ann, Re, te, cols)
     cols["box_offsets"].append(len(cols["box_label"]))
+    cols["det_count"].append(detections)
     _append(
         cols,
         sample_token=token,
@@ -472,6 +482,62 @@ def _add_box(
     )
 
 
+@functools.lru_cache(maxsize=1)
+def _detection_ranges() -> dict[str, float]:
+    """The devkit's class ranges of detection_cvpr_2019 (metres, xy distance from the LIDAR_TOP ego pose)."""
+    from nuscenes.eval.common.config import config_factory
+
+    return dict(config_factory("detection_cvpr_2019").class_range)
+
+
+def box_yaw(R: np.ndarray) -> float:
+    """Yaw of a box -> ego rotation in [-pi, pi): the heading of its length axis (bev.geometry.BOX_FIELDS)."""
+    yaw = math.atan2(R[1, 0], R[0, 0])
+    return yaw if yaw < math.pi else -math.pi
+
+
+def _add_detection_box(nusc, ann: dict, Re: np.ndarray, te: np.ndarray, cols: dict[str, list]) -> bool:
+    """Append one annotation as a detection box (det_* columns, ego frame (Re, te)) when the devkit's
+    category_to_detection_name maps it to a class of DETECTION_CLASSES; whether it did.
+
+    valid is the devkit's own ground-truth filter: num_lidar_pts + num_radar_pts > 0 and the xy
+    distance from the ego under the class range; boxes not valid are not trained on."""
+    from nuscenes.eval.detection.utils import category_to_detection_name
+
+    name = category_to_detection_name(ann["category_name"])
+    if name is None:
+        return False
+    problem = _box_problem(ann)
+    if problem:  # counted once with the target boxes' (build_index names them)
+        entry = f"{ann['token']} ({problem})"
+        if entry not in cols["skipped_boxes"][-1:]:
+            cols["skipped_boxes"].append(entry)
+        return False
+    if len(ann["attribute_tokens"]) > 1:
+        raise ValueError(
+            f"sample_annotation {ann['token']} has {len(ann['attribute_tokens'])} attributes; the devkit's "
+            "DetectionEval allows at most one: fix that record of sample_annotation.json"
+        )
+    attribute = nusc.get("attribute", ann["attribute_tokens"][0])["name"] if ann["attribute_tokens"] else ""
+    tb = np.asarray(ann["translation"], dtype=np.float64)
+    points = int(ann["num_lidar_pts"]) + int(ann["num_radar_pts"])
+    # The devkit's box_velocity[:2] (global; NaN without a neighbour, and stays NaN) in ego axes.
+    velocity = Re.T @ np.append(nusc.box_velocity(ann["token"])[:2], 0.0)
+    _append(
+        cols,
+        det_label=DETECTION_CLASSES.index(name),
+        det_center=Re.T @ (tb - te),
+        det_size=ann["size"],
+        det_yaw=box_yaw(Re.T @ quaternion_to_matrix(ann["rotation"])),
+        det_velocity=velocity[:2],
+        det_attribute=attribute,
+        det_points=points,
+        det_valid=points > 0 and float(np.linalg.norm((tb - te)[:2])) < _detection_ranges()[name],
+        det_token=ann["token"],
+    )
+    return True
+
+
 def _sample_arrays(cols: dict[str, list], n: int) -> dict[str, np.ndarray]:
     """The n key frames' columns as arrays; per-camera ones are (n, len(CAMERA_NAMES), ...)."""
     ncam, f32 = len(CAMERA_NAMES), np.float32
@@ -512,6 +578,29 @@ def _box_arrays(cols: dict[str, list]) -> dict[str, np.ndarray]:
         "box_category": np.asarray([cat_code[c] for c in cols["box_category"]], dtype=np.int64),  # into category_names
         "category_names": np.asarray(cat_names, dtype=str),
         "box_instance": np.asarray([t.encode() for t in cols["box_instance"]], dtype=bytes),
+        **_detection_arrays(cols),
+    }
+
+
+def _detection_arrays(cols: dict[str, list]) -> dict[str, np.ndarray]:
+    """The detection boxes' columns (_add_detection_box) as arrays: sample i's are rows det_offsets[i]:det_offsets[i + 1]."""
+    attr_names = sorted(set(cols["det_attribute"]) | {""})
+    attr_code = {a: k for k, a in enumerate(attr_names)}
+    velocity = np.asarray(cols["det_velocity"], dtype=np.float64).reshape(-1, 2)
+    return {
+        "det_offsets": np.concatenate([[0], np.cumsum(cols["det_count"], dtype=np.int64)]).astype(np.int64),
+        "det_label": np.asarray(cols["det_label"], dtype=np.int64),  # into DETECTION_CLASSES
+        "det_center": np.asarray(cols["det_center"], dtype=np.float64).reshape(-1, 3),
+        "det_size": np.asarray(cols["det_size"], dtype=np.float64).reshape(-1, 3),  # (w, l, h)
+        "det_yaw": np.asarray(cols["det_yaw"], dtype=np.float64),
+        # m/s in ego axes; 0 where the devkit has none (det_velocity_known False): no NaN in the cached index.
+        "det_velocity": np.nan_to_num(velocity, nan=0.0),
+        "det_velocity_known": np.isfinite(velocity).all(1),
+        "det_attribute": np.asarray([attr_code[a] for a in cols["det_attribute"]], dtype=np.int64),
+        "det_attribute_names": np.asarray(attr_names, dtype=str),  # "" = no attribute
+        "det_points": np.asarray(cols["det_points"], dtype=np.int64),  # num_lidar_pts + num_radar_pts
+        "det_valid": np.asarray(cols["det_valid"], dtype=bool),
+        "det_token": np.asarray([t.encode() for t in cols["det_token"]], dtype=bytes),  # sample_annotation
     }
 
 
@@ -700,7 +789,7 @@ class NuScenesBEVDataset(Dataset):
         self.rot_lim = float_range(cfg.rot_lim, LSS_ROT_LIM)
         self.rand_flip, self.ncams = cfg.rand_flip, cfg.ncams
         self.groups, self.map_layers = cfg.categories, cfg.map_layers
-        self.raster, self.depth_target = cfg.raster, cfg.depth_target
+        self.raster, self.depth_target, self.detection = cfg.raster, cfg.depth_target, cfg.detection
         self.index = load_index(
             self.dataroot, self.version, split, self.groups, cfg.cache_dir, verbose=verbose, map_layers=self.map_layers
         )
@@ -799,6 +888,24 @@ class NuScenesBEVDataset(Dataset):
         out["category"] = self.index["category_names"][out["category"]] if len(out["category"]) else np.zeros(0, str)
         out["instance"] = np.asarray([t.decode() for t in out["instance"]], dtype=str)
         return out
+
+    def detection_boxes(self, i: int) -> dict[str, np.ndarray]:
+        """Sample i's detection boxes: boxes (M, 9) float32 rows of bev.geometry.BOX_FIELDS (ego frame;
+        velocity NaN where the devkit has none), labels (M,) int64 into DETECTION_CLASSES, attributes (M,)
+        str ("" for none), points (M,) int64 (lidar + radar), valid (M,) bool (the devkit's GT filter),
+        tokens (M,) str (sample_annotation)."""
+        a, b = self.index["det_offsets"][i], self.index["det_offsets"][i + 1]
+        ix = self.index
+        velocity = np.where(ix["det_velocity_known"][a:b, None], ix["det_velocity"][a:b], np.nan)
+        boxes = np.concatenate([ix["det_center"][a:b], ix["det_size"][a:b], ix["det_yaw"][a:b, None], velocity], 1)
+        return {
+            "boxes": boxes.astype(np.float32).reshape(-1, len(BOX_FIELDS)),
+            "labels": ix["det_label"][a:b].copy(),
+            "attributes": ix["det_attribute_names"][ix["det_attribute"][a:b]].astype(str),
+            "points": ix["det_points"][a:b].copy(),
+            "valid": ix["det_valid"][a:b].copy(),
+            "tokens": np.asarray([t.decode() for t in ix["det_token"][a:b]], dtype=str),
+        }
 
     def image_path(self, i: int, cam: int) -> str:
         """Absolute path of sample i's image from camera CAMERA_NAMES[cam]."""
@@ -904,6 +1011,8 @@ class NuScenesBEVDataset(Dataset):
         }
         if depth is not None:
             item["depth"] = depth
+        if self.detection:
+            item.update(detection_item(self, i))
         return item
 
     def frame_inputs(self, i: int, cams: np.ndarray, augs: Sequence[ImageAug] | None = None) -> dict[str, torch.Tensor]:
@@ -944,3 +1053,45 @@ class NuScenesBEVDataset(Dataset):
                     ("depth", i, -1), depth, lambda t: t.numel() * t.element_size()
                 ).clone()
         return out
+
+
+def pad_boxes(
+    boxes: np.ndarray, labels: np.ndarray, valid: np.ndarray, max_boxes: int = MAX_BOXES, where: str = "a sample"
+) -> dict[str, np.ndarray]:
+    """Fixed-size detection targets from one sample's boxes (detection_boxes): only valid boxes are kept.
+
+    det_boxes (max_boxes, 9) float32 (BOX_FIELDS; padding and NaN velocities are 0), det_labels (max_boxes,)
+    int64 (-1 for padding), det_velocity_valid (max_boxes,) bool (a real box whose velocity is known).
+    More than max_boxes valid boxes: the max_boxes nearest the ego (xy) are kept, in their order, and
+    the rest counted in a warning."""
+    boxes = np.asarray(boxes, dtype=np.float32).reshape(-1, len(BOX_FIELDS))
+    keep = np.flatnonzero(np.asarray(valid, dtype=bool) & (np.asarray(labels) >= 0))
+    if len(keep) > max_boxes:
+        dist = np.hypot(boxes[keep, 0], boxes[keep, 1])
+        warnings.warn(
+            f"{where} has {len(keep)} valid detection boxes, more than max_boxes={max_boxes}: the "
+            f"{len(keep) - max_boxes} farthest are not trained on",
+            stacklevel=2,
+        )
+        keep = np.sort(keep[np.argsort(dist, kind="stable")[:max_boxes]])
+    n = len(keep)
+    out_boxes = np.zeros((max_boxes, len(BOX_FIELDS)), np.float32)
+    out_boxes[:n] = boxes[keep]
+    vel = out_boxes[:, 7:9]
+    velocity_valid = np.isfinite(vel).all(1) & (np.arange(max_boxes) < n)
+    vel[~np.isfinite(vel)] = 0.0
+    out_labels = np.full(max_boxes, -1, np.int64)
+    out_labels[:n] = np.asarray(labels, dtype=np.int64)[keep]
+    return {"det_boxes": out_boxes, "det_labels": out_labels, "det_velocity_valid": velocity_valid}
+
+
+def detection_item(ds: NuScenesBEVDataset, i: int) -> dict[str, torch.Tensor]:
+    """The detection fields of sample i (index row) of ds as tensors: pad_boxes of ds.detection_boxes(i)
+    (det_boxes, det_labels, det_velocity_valid: the ground truth for pictures) and the CenterPoint targets
+    of those boxes on ds.grid (bev.detection.targets.encode_targets: det_heatmap, det_index, ...)."""
+    det = ds.detection_boxes(i)
+    where = f"sample {ds.index['sample_token'][i]}"
+    padded = pad_boxes(det["boxes"], det["labels"], det["valid"], where=where)
+    labels = np.where(det["valid"], det["labels"], -1)
+    targets = encode_targets(det["boxes"], labels, ds.grid, max_objects=MAX_BOXES)
+    return {k: torch.from_numpy(v) for k, v in {**padded, **targets}.items()}

@@ -2,8 +2,10 @@
 
 The network and its map geometry come from bev.synthetic.roads (one per location, shared by
 the scenes there). The ego follows a random route through the lanes, turning at junctions;
-other vehicles drive their own random routes or are parked at the kerb and in the car park;
-pedestrians walk or stand on the walkways; barriers and cones stand in the parking lanes;
+other vehicles (cars, trucks, buses, construction vehicles, motorcycles, bicycles) drive their own
+random routes or are parked at the kerb (trailers too) and in the car park; cycles carry a rider when
+they move; pedestrians walk or stand on the walkways; barriers and cones stand in the parking lanes;
+one object of every detection class is placed near the ego at the start of each drive (_showcase);
 buildings line the blocks and traffic lights stand at the stop lines. No two vehicle (or
 barrier / cone) footprints overlap at any key frame, the ego's included: candidates that
 would are dropped. Every object is a union of axis-aligned boxes ("parts") in its own frame,
@@ -18,7 +20,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import shapely
 
-from bev.synthetic.roads import CROSSING, CURB, LANES, PARKING_EDGE, SIDEWALK_END, Path, RoadMap, road_map
+from bev.synthetic.roads import (
+    CROSSING,
+    CURB,
+    LANE_W,
+    LANES,
+    PARKING_EDGE,
+    SIDEWALK_END,
+    Path,
+    RoadMap,
+    road_map,
+)
 
 ANNOTATION_RANGE = 60.0  # objects within this ego distance (xy) are annotated
 RENDER_RANGE = 90.0  # objects farther than this are not drawn at all (they would be a few pixels)
@@ -112,19 +124,40 @@ def annotated_objects(world: World, t: float) -> list[int]:
 
 # ----------------------------------------------------------------------------- object shapes
 
-# (w, l, h) means and spreads, metres, close to the nuScenes class statistics.
+# (w, l, h) means and spreads, metres, close to the nuScenes class statistics. Cycles are the ridden
+# size; parked ones (no rider) are CYCLE_PARKED_H tall.
 SIZES = {
     "vehicle.car": ((1.95, 4.6, 1.7), (0.1, 0.35, 0.15)),
     "vehicle.truck": ((2.5, 7.5, 3.0), (0.15, 1.0, 0.4)),  # l >= 5.5: the centre stays inside the cargo box
+    "vehicle.construction": ((2.8, 6.4, 3.2), (0.15, 0.6, 0.25)),
     "vehicle.bus.rigid": ((2.9, 11.5, 3.5), (0.1, 0.8, 0.2)),
     "vehicle.trailer": ((2.6, 11.0, 3.6), (0.1, 1.2, 0.3)),
     "vehicle.motorcycle": ((0.8, 2.1, 1.5), (0.08, 0.15, 0.1)),
+    "vehicle.bicycle": ((0.6, 1.7, 1.7), (0.04, 0.08, 0.08)),
     "human.pedestrian.adult": ((0.65, 0.7, 1.75), (0.08, 0.1, 0.1)),
     "movable_object.barrier": ((0.5, 2.2, 1.0), (0.05, 0.3, 0.1)),
     "movable_object.trafficcone": ((0.4, 0.4, 0.75), (0.03, 0.03, 0.08)),
 }
-MOVING_MIX = (("vehicle.car", 0.74), ("vehicle.truck", 0.1), ("vehicle.bus.rigid", 0.08), ("vehicle.motorcycle", 0.08))
-PARKED_MIX = (("vehicle.car", 0.75), ("vehicle.truck", 0.09), ("vehicle.trailer", 0.1), ("vehicle.motorcycle", 0.06))
+CYCLES = ("vehicle.motorcycle", "vehicle.bicycle")
+CYCLE_PARKED_H = {"vehicle.motorcycle": 1.15, "vehicle.bicycle": 1.1}
+# Bicycles join a lane's traffic only where it is slow enough for them (m/s); else a car takes the place.
+BICYCLE_MAX_SPEED = 7.0
+MOVING_MIX = (
+    ("vehicle.car", 0.72),
+    ("vehicle.truck", 0.1),
+    ("vehicle.bus.rigid", 0.08),
+    ("vehicle.motorcycle", 0.06),
+    ("vehicle.bicycle", 0.02),
+    ("vehicle.construction", 0.02),
+)
+PARKED_MIX = (
+    ("vehicle.car", 0.68),
+    ("vehicle.truck", 0.08),
+    ("vehicle.trailer", 0.1),
+    ("vehicle.construction", 0.04),
+    ("vehicle.motorcycle", 0.05),
+    ("vehicle.bicycle", 0.05),
+)
 
 
 def _choice(rng: np.random.Generator, mix) -> str:
@@ -156,7 +189,7 @@ SHADOW = (0.07, 0.07, 0.08)
 def _parts(category: str, size, rng: np.random.Generator) -> list:
     """Boxes of an object in its own frame (origin at the box centre, z up)."""
     parts = _shape(category, size, rng)
-    if category.startswith("vehicle.") and category != "vehicle.motorcycle":
+    if category.startswith("vehicle.") and category not in CYCLES:
         # Contact shadow: a dark 2 cm slab filling the footprint under the body overhang.
         w, l, h = size
         parts.insert(0, _box(0, 0, -h / 2 + 0.01, w, l, 0.02, SHADOW, DARK))
@@ -246,6 +279,40 @@ def _motorcycle(w, l, h, rng: np.random.Generator) -> list:
     return parts
 
 
+def _bicycle(w, l, h, rng: np.random.Generator) -> list:
+    """Two thin wheels, a frame, a saddle and a handlebar, and a rider where the object is tall enough."""
+    z0 = -h / 2
+    paint = _vehicle_colour(rng)
+    parts = [
+        _box(0.32 * l, 0, z0 + 0.33, 0.08, 0.36 * l, 0.66, TYRE, DARK),
+        _box(-0.32 * l, 0, z0 + 0.33, 0.08, 0.36 * l, 0.66, TYRE, DARK),
+        _box(0, 0, z0 + 0.6, 0.1, 0.6 * l, 0.35, paint),
+        _box(-0.12 * l, 0, z0 + 0.84, 0.14, 0.22, 0.08, TYRE, DARK),
+        _box(0.28 * l, 0, z0 + 0.95, 0.9 * w, 0.08, 0.08, (0.3, 0.3, 0.32)),
+    ]
+    if h > 1.4:  # with a rider: legs, torso and helmet
+        parts += [
+            _box(-0.05 * l, 0, z0 + 0.75, 0.36, 0.3, 0.6, np.array([0.15, 0.17, 0.3]) * rng.uniform(0.7, 1.5)),
+            _box(-0.02 * l, 0, z0 + 1.05 + (h - 1.31) / 2, 0.7 * w, 0.3, h - 1.31, _vehicle_colour(rng)),
+            _box(0, 0, z0 + h - 0.13, 0.22, 0.24, 0.26, paint),
+        ]
+    return parts
+
+
+def _construction(w, l, h, rng: np.random.Generator) -> list:
+    """Tracks, a machine body in work-site yellow, a cab to one side and an arm reaching forward to a bucket."""
+    z0 = -h / 2
+    yellow = np.array([0.95, rng.uniform(0.55, 0.75), 0.08]) * rng.uniform(0.8, 1.0)
+    top = h - 0.9  # above the tracks
+    return [
+        _box(0, 0, z0 + 0.45, w, 0.85 * l, 0.9, TYRE, DARK),
+        _box(-0.1 * l, 0, z0 + 0.9 + 0.225 * top, 0.95 * w, 0.7 * l, 0.45 * top, yellow),
+        _box(0.02 * l, -0.22 * w, z0 + 0.9 + 0.45 * top + 0.275 * top, 0.5 * w, 0.3 * l, 0.55 * top, yellow, CABIN),
+        _box(0.33 * l, 0.2 * w, z0 + 0.9 + 0.6 * top, 0.25, 0.3 * l, 0.25 * top, yellow),
+        _box(0.45 * l, 0, z0 + 0.45, 0.8 * w, 0.1 * l, 0.8, (0.3, 0.3, 0.3)),
+    ]
+
+
 def _pedestrian(w, l, h, rng: np.random.Generator) -> list:
     """Legs, a shirt and a head."""
     z0 = -h / 2
@@ -284,6 +351,8 @@ _SHAPES = {
     "vehicle.bus.rigid": _bus,
     "vehicle.trailer": _trailer,
     "vehicle.motorcycle": _motorcycle,
+    "vehicle.bicycle": _bicycle,
+    "vehicle.construction": _construction,
     "human.pedestrian.adult": _pedestrian,
     "movable_object.barrier": _barrier,
     "movable_object.trafficcone": _trafficcone,
@@ -292,8 +361,22 @@ _SHAPES = {
 
 def _object(category: str, rng: np.random.Generator, attribute: str = "") -> Obj:
     mean, spread = SIZES[category]
-    size = tuple(float(m + d * np.clip(rng.standard_normal(), -2, 2)) for m, d in zip(mean, spread))
+    # Within 2 spreads of the mean, squashed smoothly (tanh) rather than clipped: clipping gave 1 object in
+    # 20 the very same extreme size, which real annotations never repeat.
+    size = tuple(float(m + d * 2 * math.tanh(rng.standard_normal() / 2)) for m, d in zip(mean, spread))
     return Obj(category, size, _parts(category, size, rng), attribute)
+
+
+def _vehicle(category: str, rng: np.random.Generator, moving: bool, attribute: str = "") -> Obj:
+    """A vehicle with the attribute the devkit scores: cycles ridden when moving (parked ones without
+    rider, lower), other vehicles moving or parked (or `attribute`, e.g. vehicle.stopped)."""
+    if category not in CYCLES:
+        return _object(category, rng, attribute or ("vehicle.moving" if moving else "vehicle.parked"))
+    o = _object(category, rng, "cycle.with_rider" if moving else "cycle.without_rider")
+    if not moving:
+        o.size = (o.size[0], o.size[1], CYCLE_PARKED_H[category])
+        o.parts = _parts(category, o.size, rng)
+    return o
 
 
 # ----------------------------------------------------------------------------- no overlaps
@@ -373,6 +456,7 @@ def build_world(seed: int, scene: int, samples: int, location: str) -> World:
     placer = _Placer.start(world, rng, np.arange(samples) * SAMPLE_DT)
     # Each step draws from the one random stream in turn: their order fixes every scene.
     streets = placer.streets_near()
+    _showcase(placer, np.random.default_rng([seed, scene, SHOWCASE_STREAM]), streets)
     for i in streets:
         for sd in (-1, 1):
             _line_kerb(placer, _Kerb(i, road.streets[i].path, sd, road.driveways))
@@ -417,11 +501,13 @@ class _Placer:
         """Whether a static point ever comes within r of the ego."""
         return bool(np.min(np.linalg.norm(self.ego_xy - np.asarray(xy)[:2], axis=1)) < r)
 
-    def place(self, o: Obj) -> None:
-        """Add a vehicle, barrier or cone unless its footprint would overlap one placed before."""
+    def place(self, o: Obj) -> bool:
+        """Add a vehicle, barrier or cone unless its footprint would overlap one placed before; whether it was."""
         xy, yaw = o.pose(self.times)
         if self.fleet.add(np.array(xy), np.array(yaw), o.size):
             self.world.objects.append(o)
+            return True
+        return False
 
     def streets_near(self) -> list[int]:
         """Streets that come within render range (plus a margin) of the ego."""
@@ -465,11 +551,7 @@ def _park_at_kerb(placer: _Placer, kerb: _Kerb, s: float, end: float) -> float |
     """A parked vehicle from arclength s: where the next one may start, or None where it would pass `end`."""
     p, rng, sd = kerb.path, placer.rng, kerb.sd
     yaw_rel = 0.0 if -sd * placer.world.road.side > 0 else math.pi  # facing the traffic on this side
-    cat = _choice(rng, PARKED_MIX)
-    o = _object(cat, rng, "cycle.without_rider" if cat == "vehicle.motorcycle" else "vehicle.parked")
-    if cat == "vehicle.motorcycle":  # parked without rider
-        o.size = (o.size[0], o.size[1], 1.15)
-        o.parts = _parts(cat, o.size, rng)
+    o = _vehicle(_choice(rng, PARKED_MIX), rng, moving=False)
     length = o.size[1]
     if s + length > end:
         return None
@@ -499,6 +581,102 @@ def _kerb_gap(placer: _Placer, kerb: _Kerb, s: float, end: float) -> float:
     return s + gap
 
 
+# Every scene shows each detection class near the start of its drive, so that a small set (or the two
+# val scenes of the mini split) holds them all with LiDAR points: one of each, placed before anything else
+# (nearest the ego at the kerb, a cyclist riding ahead of it, a pedestrian on the walkway) from a random
+# stream of their own, so the rest of the scene is drawn as before and only makes room for them. Cars
+# are everywhere already. Small objects first: they take the kerb places nearest the ego.
+SHOWCASE_STREAM = 38
+SHOWCASE_KERB = (
+    ("movable_object.trafficcone", ""),
+    ("vehicle.bicycle", "cycle.without_rider"),
+    ("movable_object.barrier", ""),
+    ("vehicle.motorcycle", "cycle.without_rider"),
+    ("vehicle.construction", "vehicle.parked"),
+    ("vehicle.truck", "vehicle.parked"),
+    ("vehicle.trailer", "vehicle.parked"),
+    ("vehicle.bus.rigid", "vehicle.stopped"),  # at a stop
+)
+# Metres from the ego (at the reference key frame) to a showcase object's centre: small objects (cones,
+# barriers, cycles: the devkit scores them up to 30 or 40 m) and large vehicles (to 50 m).
+SHOWCASE_RANGE = {"small": 25.0, "large": 40.0}
+SHOWCASE_FRAME = 2  # the reference key frame (the last of shorter scenes)
+CYCLIST_LEAD = 12.0  # metres ahead of the ego that the showcase cyclist starts
+
+
+def _showcase(placer: _Placer, rng: np.random.Generator, streets: list[int]) -> None:
+    """One object of each class but car near the ego at the start of the drive (see SHOWCASE_KERB)."""
+    ref = placer.ego_xy[min(SHOWCASE_FRAME, len(placer.ego_xy) - 1)]
+    _ride_ahead(placer, rng)
+    slots = _kerb_slots(placer, streets, ref)
+    for category, attribute in SHOWCASE_KERB:
+        if category.startswith("vehicle."):
+            o = _vehicle(category, rng, moving=False, attribute=attribute)
+        else:
+            o = _object(category, rng)
+        _park_nearest(placer, o, slots, ref)
+    _stand_nearest(placer, rng, slots)
+
+
+def _kerb_slots(placer: _Placer, streets: list[int], ref: np.ndarray) -> list[tuple[float, _Kerb, float]]:
+    """(distance to ref, kerb, arclength) of the parking-lane points of the streets every metre, nearest
+    first, within reach of ref, between the crossings as _line_kerb uses them (_park_nearest checks the rest)."""
+    road, out = placer.world.road, []
+    for i in streets:
+        p = road.streets[i].path
+        lo = CROSSING[1] - CURB + 2.0
+        s = np.arange(lo, p.length - lo, 1.0)
+        for sd in (-1, 1):
+            d = np.linalg.norm(p.at(s, sd * (PARKING_EDGE + 1.4))[0] - ref, axis=1)
+            kerb = _Kerb(i, p, sd, road.driveways)
+            out += [(float(d[j]), kerb, float(s[j])) for j in np.flatnonzero(d < SHOWCASE_RANGE["large"])]
+    return sorted(out, key=lambda x: x[0])
+
+
+def _park_nearest(placer: _Placer, o: Obj, slots: list, ref: np.ndarray) -> None:
+    """Park o at the free kerb place nearest ref (as _park_at_kerb / _kerb_gap place its kind), if any."""
+    half = o.size[1] / 2
+    reach = SHOWCASE_RANGE["large" if half > 2.0 else "small"]
+    for _, kerb, s in slots:
+        lo, hi = CROSSING[1] - CURB + 2.0, kerb.path.length - (CROSSING[1] - CURB + 2.0)
+        if not (lo <= s - half and s + half <= hi and kerb.clear(s - half, s + half)):
+            continue
+        if o.category == "movable_object.barrier":
+            xy, h = kerb.path.at(s, kerb.sd * (CURB - 0.6))
+        elif o.category == "movable_object.trafficcone":
+            xy, h = kerb.path.at(s, kerb.sd * (PARKING_EDGE + 1.0))
+        else:  # facing the traffic on this side
+            xy, h = kerb.path.at(s, kerb.sd * (PARKING_EDGE + 1.4))
+            h = h + (0.0 if -kerb.sd * placer.world.road.side > 0 else math.pi)
+        if np.linalg.norm(xy - ref) < reach and placer.place(_static(o, xy, h)):
+            return
+
+
+def _stand_nearest(placer: _Placer, rng: np.random.Generator, slots: list) -> None:
+    """A pedestrian standing on the walkway nearest the kerb slots' reference (never on drivable area)."""
+    drivable = placer.world.road.layers["drivable_area"][0]["geom"]
+    o = _object("human.pedestrian.adult", rng, "pedestrian.standing")
+    l = rng.uniform(CURB + 0.8, SIDEWALK_END - 0.5)
+    for _, kerb, s in slots:
+        xy, h = kerb.path.at(s, kerb.sd * l)
+        if not shapely.contains_xy(drivable, xy[0], xy[1]):
+            placer.world.objects.append(_static(o, xy, h - math.pi / 2 * kerb.sd))  # facing the street
+            return
+
+
+def _ride_ahead(placer: _Placer, rng: np.random.Generator) -> None:
+    """A cyclist riding the ego's route in the next lane of its direction, starting CYCLIST_LEAD ahead and slower."""
+    world = placer.world
+    start = world.ego.path.at(0.0)[0]
+    d = min(float(np.min(np.linalg.norm(st.path.xy - start, axis=1))) for st in world.road.streets)
+    inner = d < LANE_W  # the ego is in lane 0: the next lane is on its kerb side (lane_offset's sign)
+    o = _vehicle("vehicle.bicycle", rng, moving=True)
+    o.path, o.s0 = world.ego.path, world.ego.s0 + CYCLIST_LEAD
+    o.speed = min(rng.uniform(3.5, 5.5), 0.8 * world.ego.speed)
+    o.l = (-world.road.side if inner else world.road.side) * LANE_W
+    placer.place(o)
+
+
 def _park_in_bays(placer: _Placer) -> None:
     """Cars in some of the car-park bays, facing either way."""
     rng = placer.rng
@@ -523,7 +701,9 @@ def _drive_lane(placer: _Placer, i: int, dirn: int, k: int) -> None:
     v, s = rng.uniform(5.0, 11.0), rng.uniform(0.0, 10.0)
     while s < lane.length:
         cat = _choice(rng, MOVING_MIX)
-        o = _object(cat, rng, "cycle.with_rider" if cat == "vehicle.motorcycle" else "vehicle.moving")
+        if cat == "vehicle.bicycle" and v > BICYCLE_MAX_SPEED:
+            cat = "vehicle.car"
+        o = _vehicle(cat, rng, moving=True)
         sc = s + o.size[1] / 2
         s += o.size[1] + rng.uniform(6.0, 22.0)
         # Skip vehicles that cannot come into render range during the scene (at up to 11 m/s).
