@@ -255,7 +255,8 @@ def test_pad_boxes_keeps_the_nearest_when_too_many():
 
 def test_detection_item(val_ds):
     item = detection_item(val_ds, 0)
-    assert set(item) == {"det_boxes", "det_labels", "det_velocity_valid"}
+    targets = {"det_heatmap", "det_index", "det_label", "det_mask", "det_target", "det_vel_mask"}
+    assert set(item) == {"det_boxes", "det_labels", "det_velocity_valid"} | targets
     assert item["det_boxes"].shape == (MAX_BOXES, 9) and item["det_boxes"].dtype == torch.float32
     assert item["det_labels"].shape == (MAX_BOXES,) and item["det_labels"].dtype == torch.int64
     det = val_ds.detection_boxes(0)
@@ -263,6 +264,14 @@ def test_detection_item(val_ds):
     assert (item["det_labels"] >= 0).sum() == n > 0
     assert torch.equal(item["det_labels"][:n], torch.from_numpy(det["labels"][det["valid"]]))
     assert torch.allclose(item["det_boxes"][:n, :7], torch.from_numpy(det["boxes"][det["valid"], :7]))
+    # the targets are those of the valid boxes in the grid: one heatmap peak of 1 per box centre's cell
+    g, xy = val_ds.grid, det["boxes"][det["valid"], :2]
+    cells = np.floor((xy - [g.xbound[0], g.ybound[0]]) / [g.xbound[2], g.ybound[2]])
+    inside = ((cells >= 0) & (cells < [g.nx, g.ny])).all(1)
+    assert int(item["det_mask"].sum()) == int(inside.sum()) > 0
+    assert torch.equal(item["det_label"][item["det_mask"]], item["det_labels"][:n][torch.from_numpy(inside)])
+    peaks = item["det_heatmap"][item["det_label"][item["det_mask"]], *torch.from_numpy(cells[inside].astype(np.int64)).T]
+    assert torch.equal(peaks, torch.ones_like(peaks))
 
 
 def test_detection_boxes_of_an_empty_sample_are_empty(val_ds, monkeypatch):
