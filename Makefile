@@ -22,7 +22,7 @@ BUILD_ENV = CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST="$(TORCH_CUDA_ARCH_LIST)
 	CPATH="$$($(PY) -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cu13", "include"))' 2>/dev/null):$$CPATH"
 endif
 
-.PHONY: venv build train train-temporal test test-all bench gpu-check gpu-wheels clean
+.PHONY: venv build train train-temporal train-det test test-all bench gpu-check gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -82,6 +82,17 @@ train-temporal: venv
 		$(if $(wildcard $(TEMPORAL_RUN)/checkpoints/last.ckpt),ckpt_path=$(TEMPORAL_RUN)/checkpoints/last.ckpt)
 	$(VENV)/bin/bev-eval ckpt_path=$(TEMPORAL_RUN)/checkpoints data.dataroot=$(DATA) hydra.run.dir=$(TEMPORAL_RUN)/eval
 	@echo "Checkpoints: $(TEMPORAL_RUN)/checkpoints  Metrics: $(TEMPORAL_RUN)/eval/metrics.json"
+
+# 3D detection (experiment=synthetic_det_cpu: boxes of the 10 nuScenes classes beside segmentation, scored by
+# the devkit's DetectionEval) on the same data; a second run resumes from its last.ckpt.
+DET_RUN ?= outputs/synthetic_det_cpu
+train-det: venv
+	@set -e; \
+	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA) --samples-per-scene $(SYNTHETIC_SAMPLES) --render-scale $(SYNTHETIC_RENDER_SCALE); \
+	$(VENV)/bin/bev-train experiment=synthetic_det_cpu data.dataroot=$(DATA) hydra.run.dir=$(DET_RUN) \
+		$(if $(wildcard $(DET_RUN)/checkpoints/last.ckpt),ckpt_path=$(DET_RUN)/checkpoints/last.ckpt)
+	$(VENV)/bin/bev-eval ckpt_path=$(DET_RUN)/checkpoints data.dataroot=$(DATA) hydra.run.dir=$(DET_RUN)/eval
+	@echo "Checkpoints: $(DET_RUN)/checkpoints  Metrics: $(DET_RUN)/eval/metrics.json  Results: $(DET_RUN)/eval/results_nusc.json"
 
 test: venv
 	$(PY) -m pytest -q -m "not slow"

@@ -240,24 +240,31 @@ class BEVLitModule(L.LightningModule):
 
     def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """(total loss, segmentation logits, the loss terms to log: depth, det_heatmap, ...) of a training batch."""
-        terms: dict[str, torch.Tensor] = {}
         if not self.depth_weight:
-            out = self(batch)
+            out, depth_logits = self(batch), None
         elif "depth" not in batch:
             raise ValueError(
                 "model.depth_weight > 0 needs lidar depth targets in the batch: set data.depth_target=true"
             )
         else:
             out, depth_logits = self.net(*(batch[k] for k in CAMERA_KEYS), return_depth=True)
-            terms["depth_loss"] = self.depth_loss(depth_logits, batch["depth"])
+        loss, terms = self.losses(out, batch, depth_logits)
+        return loss, split_outputs(out)[0], terms
+
+    def losses(self, out, batch: dict, depth_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """(total loss, its terms) of the network's output `out` on a batch: segmentation, detection and depth."""
         logits, det_out = split_outputs(out)
-        loss = self.depth_weight * terms["depth_loss"] if terms else logits.new_zeros((), dtype=torch.float32)
+        terms: dict[str, torch.Tensor] = {}
+        loss = logits.new_zeros((), dtype=torch.float32)
+        if depth_logits is not None:
+            terms["depth_loss"] = self.depth_loss(depth_logits, batch["depth"])
+            loss = loss + self.depth_weight * terms["depth_loss"]
         if "segmentation" in self.heads:
             terms["seg_loss"] = self.loss(logits, batch["bev"])
             loss = loss + terms["seg_loss"]
         if det_out is not None and "detection" in self.heads:
             loss = loss + self.detection_weight * self._det_terms(det_out, batch, terms)
-        return loss, logits, terms
+        return loss, terms
 
     def _det_terms(self, det_out: dict, batch: dict, terms: dict) -> torch.Tensor:
         """The detection loss (adds its parts to terms); needs the targets of data.detection=true."""
