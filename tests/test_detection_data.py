@@ -270,7 +270,8 @@ def test_detection_item(val_ds):
     inside = ((cells >= 0) & (cells < [g.nx, g.ny])).all(1)
     assert int(item["det_mask"].sum()) == int(inside.sum()) > 0
     assert torch.equal(item["det_label"][item["det_mask"]], item["det_labels"][:n][torch.from_numpy(inside)])
-    peaks = item["det_heatmap"][item["det_label"][item["det_mask"]], *torch.from_numpy(cells[inside].astype(np.int64)).T]
+    ix, iy = torch.from_numpy(cells[inside].astype(np.int64)).T
+    peaks = item["det_heatmap"][item["det_label"][item["det_mask"]], ix, iy]
     assert torch.equal(peaks, torch.ones_like(peaks))
 
 
