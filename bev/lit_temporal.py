@@ -131,8 +131,12 @@ class TemporalLitModule(BEVLitModule):
     def total_loss(
         self, out: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]
     ) -> tuple[torch.Tensor, dict]:
-        """(weighted total, {term: unweighted value}) over the static head ("bev") and the future heads."""
-        return self.temporal_loss(out, batch, extra={"bev": self.loss(out["bev"], batch["bev"])})
+        """(weighted total, {term: unweighted value}) over the static head ("bev"), the future heads and, with
+        a detection head, the present frame's boxes (BEVDet4D: velocity from the fused past)."""
+        loss, terms = self.temporal_loss(out, batch, extra={"bev": self.loss(out["bev"], batch["bev"])})
+        if "detection" in self.heads:
+            loss = loss + self.detection_weight * self._det_terms(out, batch, terms)
+        return loss, terms
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
         out = self(batch)
@@ -152,6 +156,8 @@ class TemporalLitModule(BEVLitModule):
         iou, map_iou = (self.val_iou, self.val_map_iou) if stage == "val" else (self.test_iou, self.test_map_iou)
         self._update_metrics(iou, map_iou, out["bev"], batch)
         self._update_future_metrics(out, batch, stage)
+        if "detection" in self.heads:
+            (self.val_det if stage == "val" else self.test_det).update(out, batch["sample_token"])
         if stage == "test":
             self._update_future_metrics(present_copied(out), batch, "copied")
         return out

@@ -18,6 +18,8 @@ missing detections (mAP 0, NDS 0, every TP error 1) without calling it: Detectio
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -347,10 +349,13 @@ def _run_devkit(nusc, path: Path, eval_split: str, output_dir: Path, verbose: bo
     from nuscenes.eval.common.config import config_factory
     from nuscenes.eval.detection.evaluate import DetectionEval
 
-    evaluator = DetectionEval(
-        nusc, config_factory(DETECTION_CONFIG), str(path), eval_split, output_dir=str(output_dir), verbose=verbose
-    )
-    metrics, _ = evaluator.evaluate()  # not main(): its PR-curve plots take longer than the scoring
+    # Quiet unless verbose: the devkit's loaders draw progress bars on stderr whatever it is told.
+    quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stderr(io.StringIO())
+    with quiet:
+        evaluator = DetectionEval(
+            nusc, config_factory(DETECTION_CONFIG), str(path), eval_split, output_dir=str(output_dir), verbose=verbose
+        )
+        metrics, _ = evaluator.evaluate()  # not main(): its PR-curve plots take longer than the scoring
     return metrics.serialize()
 
 
