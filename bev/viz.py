@@ -560,23 +560,29 @@ def draw_boxes_bev(ax, det: Mapping[str, np.ndarray] | None, grid: Grid, gt: boo
     """Boxes of box_detections in a BEV panel of _draw_bev (horizontal = ego y, left positive; up = ego x):
     the footprint, a heading tick from the centre to the front, a velocity arrow (ARROW_SECONDS ahead) and,
     for predictions, the score. Ground truth is dashed and thinner."""
+    from matplotlib.collections import LineCollection
+    from matplotlib.patches import FancyArrowPatch
+
     if det is None or not len(det["boxes"]):
         return
     style = GT_STYLE if gt else PRED_STYLE
-    corners = box_corners(det["boxes"])[:, :4, :2]
-    for k, (box, label) in enumerate(zip(det["boxes"], det["labels"])):
-        color = np.asarray(detection_color(label)) / 255
-        ring = np.vstack([corners[k], corners[k][:1]])
-        ax.plot(ring[:, 1], ring[:, 0], color=color, **style)
-        x, y, yaw = float(box[0]), float(box[1]), float(box[6])
-        front = (x + box[4] / 2 * np.cos(yaw), y + box[4] / 2 * np.sin(yaw))
-        ax.plot([y, front[1]], [x, front[0]], color=color, lw=style["lw"])
-        vx, vy = float(box[7]), float(box[8])
-        if det["velocity_valid"][k] and np.hypot(vx, vy) >= MIN_ARROW_SPEED:
-            tip = (y + vy * ARROW_SECONDS, x + vx * ARROW_SECONDS)
-            ax.annotate("", xy=tip, xytext=(y, x), arrowprops=dict(arrowstyle="->", color=color, lw=style["lw"]))
-        if "scores" in det and not gt:
-            ax.text(corners[k, 0, 1], corners[k, 0, 0], f"{det['scores'][k]:.2f}", color=color, fontsize=5)
+    boxes = det["boxes"].astype(np.float64)
+    colors = np.asarray([detection_color(label) for label in det["labels"]]) / 255
+    corners = box_corners(boxes)[:, :4, :2]
+    rings = np.concatenate([corners, corners[:, :1]], axis=1)[..., ::-1]  # (K, 5, 2) as (y, x): screen order
+    half = boxes[:, 4:5] / 2 * np.concatenate([np.cos(boxes[:, 6:7]), np.sin(boxes[:, 6:7])], axis=1)
+    ticks = np.stack([boxes[:, :2], boxes[:, :2] + half], axis=1)[..., ::-1]  # centre -> middle of the front
+    ax.add_collection(LineCollection(list(rings), colors=colors, linewidths=style["lw"], linestyles=style["ls"]))
+    ax.add_collection(LineCollection(list(ticks), colors=colors, linewidths=style["lw"]))
+    speed = np.hypot(boxes[:, 7], boxes[:, 8])
+    for k in np.flatnonzero(det["velocity_valid"] & (speed >= MIN_ARROW_SPEED)):
+        x, y, vx, vy = boxes[k, [0, 1, 7, 8]]
+        tip = (y + vy * ARROW_SECONDS, x + vx * ARROW_SECONDS)
+        ax.add_patch(FancyArrowPatch((y, x), tip, arrowstyle="->", mutation_scale=6, color=colors[k], lw=style["lw"]))
+    if "scores" in det and not gt:
+        for k in range(len(boxes)):
+            y, x = rings[k, 0]
+            ax.text(y, x, f"{det['scores'][k]:.2f}", color=colors[k], fontsize=5, clip_on=True)
     (xlo, xhi, _), (ylo, yhi, _) = grid.xbound, grid.ybound
     ax.set_xlim(yhi, ylo)
     ax.set_ylim(xlo, xhi)
@@ -628,8 +634,8 @@ def draw_boxes_cameras(ax, det: Mapping[str, np.ndarray] | None, s: Mapping[str,
         lines = LineCollection(
             segs, colors=np.repeat(colors, 12, axis=0)[seen.reshape(-1)], linewidths=style["lw"], linestyles=style["ls"]
         )
+        ax.add_collection(lines)  # first: add_collection clips to the axes, replacing an earlier clip box
         lines.set_clip_path(Rectangle((col * W - 0.5, r * H - 0.5), W, H, transform=ax.transData))
-        ax.add_collection(lines)
     rows = camera_layout(max(ids) + 1)[0]
     ax.set_xlim(-0.5, cols * W - 0.5)
     ax.set_ylim(rows * H - 0.5, -0.5)
