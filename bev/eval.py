@@ -126,7 +126,8 @@ def _print_report(loaded, data_cfg: DictConfig, record: dict[str, Any], out: Pat
 
 def save_pngs(model, datamodule, out: Path, n: int) -> list[Path]:
     """Cameras + prediction vs target for the first n validation samples (a temporal model's: its windows,
-    with the vehicles' instances and future paths)."""
+    with the vehicles' instances and future paths; a detecting model's: its 3D boxes over the ground truth,
+    in the BEV and the cameras)."""
 
     from bev.inference import predict
     from bev.viz import batch_sample, save_sample_png, save_temporal_png
@@ -138,9 +139,14 @@ def save_pngs(model, datamodule, out: Path, n: int) -> list[Path]:
             if len(paths) >= n:
                 return paths
             path = out / f"sample_{len(paths):03d}.png"
-            if isinstance(pred, dict) and "detections" in pred:  # boxes are drawn by bev-predict
+            if isinstance(pred, dict) and "detections" in pred:
+                maps = "segmentation" in tuple(getattr(model, "heads", ("segmentation",)))  # else untrained
                 save_sample_png(
-                    path, batch_sample(batch, i), pred=pred["bev"][i : i + 1].cpu(), class_names=model.class_names
+                    path,
+                    batch_sample(batch, i),
+                    pred=pred["bev"][i : i + 1].cpu() if maps else None,
+                    class_names=model.class_names,
+                    detections={k: v.cpu() for k, v in pred["detections"][i].items()},
                 )
             elif isinstance(pred, dict):
                 item = {k: v[i].cpu() for k, v in pred.items()}

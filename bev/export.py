@@ -4,6 +4,11 @@ onnx: torch.onnx.export (dynamo) with the scatter-add splat, opset >= 17, dynami
 torch_export: a .pt2 ExportedProgram keeping bev's voxel-pooling op as one node. With check=true
 the exported model is run on an example input (random images, a ring of cameras) and compared
 with PyTorch. The work is in bev.inference (export_onnx, export_program).
+
+A checkpoint with a detection head (boxes=auto, the default, or boxes=true) exports the head's maps
+beside the BEV logits: outputs "logits" (B, K, X, Y), "heatmap" (B, 10, X, Y) and "regression"
+(B, G, 10, X, Y) (bev.inference.DETECTION_OUTPUTS; torch_export returns them as a dict). Boxes are
+decoded from them in Python (bev.detection.decode.decode), as predict does.
 """
 
 from __future__ import annotations
@@ -22,23 +27,28 @@ def export(cfg: DictConfig) -> dict[str, Any]:
     """Export the checkpoint's network to cfg.out; returns out, format and, with check=true, max_abs_diff."""
     import torch
 
-    from bev.inference import example_inputs, load_checkpoint
+    from bev.inference import ExportedMaps, boxes_option, example_inputs, load_checkpoint, wants_boxes
 
+    boxes_option(cfg.get("boxes", "auto"))
     out = _checked_out(cfg)
-    net = load_checkpoint(cfg.ckpt_path, trusted=bool(cfg.get("trust_checkpoint"))).model.net.eval()
-    example = example_inputs(net, int(cfg.num_cameras), int(cfg.batch_size))
+    loaded = load_checkpoint(cfg.ckpt_path, trusted=bool(cfg.get("trust_checkpoint")))
+    boxes = wants_boxes(cfg.get("boxes", "auto"), loaded.model, loaded.path)
+    _check_something_to_export(loaded, boxes)
+    net = ExportedMaps(loaded.model.net.eval(), boxes).eval()
+    example = example_inputs(loaded.model.net, int(cfg.num_cameras), int(cfg.batch_size))
     with torch.no_grad():
-        expected = net(*example)
-    result: dict[str, Any] = {"out": str(out), "format": cfg.format}
+        expected = _named(net(*example))
+    result: dict[str, Any] = {"out": str(out), "format": cfg.format, "outputs": list(expected)}
     write = _write_onnx if cfg.format == "onnx" else _write_program
     diff = write(net, example, expected, out, cfg)
     if diff is not None:
         result["max_abs_diff"] = diff
+    shapes = ", ".join(f"{k} {tuple(v.shape[1:])}" for k, v in expected.items())
     print(
         f"Exported {cfg.format} to {out} ({out.stat().st_size / 1e6:.1f} MB) for {cfg.num_cameras} cameras of "
-        f"{net.image_size[0]}x{net.image_size[1]}; logits {tuple(expected.shape[1:])} per sample"
+        f"{net.image_size[0]}x{net.image_size[1]}; {shapes} per sample"
         + (
-            f"; max |logit - PyTorch| on an example: {diff:.2e}"
+            f"; max |output - PyTorch| on an example: {diff:.2e}"
             if isinstance(diff, float)
             else f"; {diff}"
             if diff
@@ -46,6 +56,29 @@ def export(cfg: DictConfig) -> dict[str, Any]:
         )
     )
     return result
+
+
+def _named(out) -> dict[str, Any]:
+    """The exported model's output(s) by name: a bare tensor is the "logits"."""
+    return dict(out) if isinstance(out, dict) else {"logits": out}
+
+
+def _max_diff(got, expected: dict[str, Any]) -> float:
+    """The largest |got - expected| over the named outputs (a missing or misshapen output is an error)."""
+    got = _named(got)
+    if set(got) != set(expected):
+        raise RuntimeError(f"the exported model gives outputs {sorted(got)}, PyTorch {sorted(expected)}")
+    return max(float((got[k] - v).abs().max()) for k, v in expected.items())
+
+
+def _check_something_to_export(loaded, boxes: bool) -> None:
+    """boxes=false on a model trained to detect only would export untrained BEV logits: refuse it."""
+    heads = tuple(getattr(loaded.model, "heads", ("segmentation",)))
+    if not boxes and "segmentation" not in heads:
+        raise ValueError(
+            f"boxes=false but the checkpoint {str(loaded.path)!r} trains only detection (model.heads "
+            f"{list(heads)}): its BEV logits are untrained; pass boxes=auto to export the detection maps"
+        )
 
 
 def _checked_out(cfg: DictConfig) -> Path:
@@ -80,20 +113,21 @@ def _checked_out(cfg: DictConfig) -> Path:
 
 
 def _write_onnx(net, example: tuple, expected, out: Path, cfg: DictConfig) -> float | str | None:
-    """Write the ONNX model; with check=true, its max |logit - PyTorch| run by ONNX Runtime (or why not)."""
-    from bev.inference import export_onnx, run_onnx
+    """Write the ONNX model; with check=true, its max |output - PyTorch| over the outputs run by ONNX Runtime
+    (or why not)."""
+    from bev.inference import export_onnx, onnx_outputs
 
     export_onnx(net, example, out, int(cfg.opset))
     if not cfg.check:
         return None
     try:
-        return float((run_onnx(out, example) - expected).abs().max())
+        return _max_diff(onnx_outputs(out, example), expected)
     except ImportError:
         return "not checked: onnxruntime is not installed"
 
 
 def _write_program(net, example: tuple, expected, out: Path, cfg: DictConfig) -> float | None:
-    """Write the .pt2 ExportedProgram; with check=true, the loaded program's max |logit - PyTorch|."""
+    """Write the .pt2 ExportedProgram; with check=true, the loaded program's max |output - PyTorch|."""
     import torch
 
     from bev import ops
@@ -108,7 +142,7 @@ def _write_program(net, example: tuple, expected, out: Path, cfg: DictConfig) ->
     if not cfg.check:
         return None
     with torch.no_grad():
-        return float((torch.export.load(out).module()(*example) - expected).abs().max())
+        return _max_diff(torch.export.load(out).module()(*example), expected)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="export")

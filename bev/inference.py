@@ -145,6 +145,9 @@ def predict(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor | dict[s
     "segmentation" (B, T, 1, X, Y) probabilities, the heads' "centerness", "offset" and "flow", and
     "instances" (B, T, X, Y) int64: vehicle ids decoded from them, consistent over the T = F + 1 frames
     (bev.instances.decode_sequence, by the model's instance_decoding).
+    A model that detects (model.heads has detection) returns {"bev": (B, K, X, Y) probabilities,
+    "detections": per sample {"boxes" (M, 9) bev.geometry.BOX_FIELDS in the ego frame of the sample's
+    LIDAR_TOP, "scores" (M,), "labels" (M,) into bev.classes.DETECTION_CLASSES}}.
     """
     temporal = is_temporal(model)
     batch = _batched(batch, temporal)
@@ -207,12 +210,20 @@ NPZ_SCALE = 255  # probabilities are stored as uint8 q = round(p * 255): p = q /
 
 
 def save_prediction_npz(
-    path: str | Path, probs: torch.Tensor, names: list[str], future: Mapping[str, Any] | None = None, **meta: Any
+    path: str | Path,
+    probs: torch.Tensor,
+    names: list[str],
+    future: Mapping[str, Any] | None = None,
+    detections: Mapping[str, Any] | None = None,
+    **meta: Any,
 ) -> Path:
     """One sample's (K, X, Y) probabilities as a compressed .npz: one uint8 (X, Y) array per class
     name (p = q / 255, indexed [x_index, y_index]) plus `meta` under keys starting with "_".
     A temporal model's window adds `future` (predict's dict of the item): "future_segmentation" (T, X, Y)
-    uint8 (p = q / 255) and "future_instances" (T, X, Y) int32 ids (0 background) of the present and future frames."""
+    uint8 (p = q / 255) and "future_instances" (T, X, Y) int32 ids (0 background) of the present and future frames.
+    A detecting model's sample adds `detections` (predict's "detections" of the item): "det_boxes" (M, 9)
+    float32 (BOX_FIELDS, ego frame of the sample's LIDAR_TOP), "det_scores" (M,) float32, "det_labels" (M,)
+    int64 into "_detection_classes", with "_box_fields"."""
     import numpy as np
 
     from bev.utils.io import atomic_open
@@ -225,11 +236,60 @@ def save_prediction_npz(
         seg = future["segmentation"].detach().float().cpu().clamp(0, 1).reshape((-1,) + p.shape[1:]).numpy()
         arrays["future_segmentation"] = np.rint(seg * NPZ_SCALE).astype(np.uint8)
         arrays["future_instances"] = future["instances"].cpu().numpy().astype(np.int32)
+    if detections is not None:
+        arrays.update(_detection_arrays(detections))
     arrays.update({f"_{k}": np.asarray(v) for k, v in meta.items()})
     arrays["_scale"] = np.asarray(1.0 / NPZ_SCALE, dtype=np.float32)
     with atomic_open(path, "wb") as f:
         np.savez_compressed(f, **arrays)
     return Path(path)
+
+
+def _detection_arrays(det: Mapping[str, Any]) -> dict[str, Any]:
+    """The npz arrays of one sample's decoded boxes (save_prediction_npz)."""
+    import numpy as np
+
+    from bev.classes import DETECTION_CLASSES
+    from bev.geometry import BOX_FIELDS
+
+    return {
+        "det_boxes": det["boxes"].detach().float().cpu().numpy().reshape(-1, len(BOX_FIELDS)),
+        "det_scores": det["scores"].detach().float().cpu().numpy(),
+        "det_labels": det["labels"].cpu().numpy().astype(np.int64),
+        "_box_fields": np.asarray(BOX_FIELDS),
+        "_detection_classes": np.asarray(DETECTION_CLASSES),
+    }
+
+
+def detects(model: nn.Module) -> bool:
+    """Whether `model` (what load_model returns) gives 3D boxes: a detection head that model.heads trains."""
+    net = getattr(model, "net", model)
+    return "detection" in tuple(getattr(model, "heads", ())) and getattr(net, "det_head", None) is not None
+
+
+def boxes_option(value: Any) -> str | bool:
+    """The `boxes` setting of bev-predict and bev-export checked: "auto", True or False."""
+    if isinstance(value, str) and value.lower() == "auto":
+        return "auto"
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"boxes={value!r}: choose auto (3D boxes when the checkpoint has a detection head), true or false")
+
+
+def wants_boxes(value: Any, model: nn.Module, path: str | Path) -> bool:
+    """Whether to give 3D boxes (`boxes`: auto, true, false) for the checkpoint at `path` rebuilt as `model`;
+    boxes=true on a checkpoint without a trained detection head is refused with the way out."""
+    value = boxes_option(value)
+    if value == "auto":
+        return detects(model)
+    if value and not detects(model):
+        raise ValueError(
+            f"boxes=true but the checkpoint {str(path)!r} has no detection head (model.heads "
+            f"{list(getattr(model, 'heads', ('segmentation',)))}): it gives BEV maps only. Pass boxes=auto or "
+            f"boxes=false, or train a detecting model: data.detection=true model.net.detection={{...}} "
+            f"model.heads=[segmentation,detection]"
+        )
+    return value
 
 
 def save_gif(path: str | Path, frames: list, fps: float = 2.0) -> Path:
@@ -307,10 +367,39 @@ def present_rows(ds):
 
 # ------------------------------------------------------------------------------------------ export
 EXPORT_FORMATS = ("onnx", "torch_export")
+# The exported model's outputs: the BEV logits, and with boxes the detection head's maps (decoded in
+# Python by bev.detection.decode: heatmap logits (B, 10, X, Y), regression (B, G, 10, X, Y)).
+SEGMENTATION_OUTPUTS = ("logits",)
+DETECTION_OUTPUTS = ("logits", "heatmap", "regression")
+
+
+class ExportedMaps(nn.Module):
+    """The network as bev-export writes it: its BEV logits; with boxes a dict of DETECTION_OUTPUTS (the
+    names of the exported model's outputs, in that order). Decoding boxes stays out of the graph."""
+
+    def __init__(self, net: nn.Module, boxes: bool = False):
+        super().__init__()
+        if boxes and getattr(net, "det_head", None) is None:
+            raise ValueError("boxes=True needs a network with a detection head (model.net.detection)")
+        self.net, self.boxes = net, bool(boxes)
+        self.image_size = net.image_size
+        self.output_names = DETECTION_OUTPUTS if self.boxes else SEGMENTATION_OUTPUTS
+
+    def exportable(self):
+        return self.net.exportable()
+
+    def forward(self, images, intrinsics, rots, trans, post_rots, post_trans):
+        out = self.net(images, intrinsics, rots, trans, post_rots, post_trans)
+        if not isinstance(out, dict):
+            return out
+        if not self.boxes:
+            return out["bev"]
+        return {"logits": out["bev"], "heatmap": out["heatmap"], "regression": out["regression"]}
 
 
 def export_onnx(net: nn.Module, example: tuple[torch.Tensor, ...], path: str | Path, opset: int = 18) -> Path:
-    """ONNX model of `net` (camera inputs -> "logits"), batch size dynamic, written atomically.
+    """ONNX model of `net` (camera inputs -> "logits"; an ExportedMaps with boxes -> its DETECTION_OUTPUTS),
+    batch size dynamic, written atomically.
 
     The splat goes through LiftSplatShoot.exportable() (ScatterND with reduction "add"), and the
     geometry only uses elementwise ops, so ONNX Runtime runs it on any execution provider.
@@ -331,7 +420,7 @@ def export_onnx(net: nn.Module, example: tuple[torch.Tensor, ...], path: str | P
             opset_version=int(opset),
             verbose=False,
             input_names=list(CAMERA_INPUTS),
-            output_names=["logits"],
+            output_names=list(getattr(net, "output_names", SEGMENTATION_OUTPUTS)),
             dynamic_shapes=tuple({0: batch} for _ in example),
         )
     with atomic_open(path, "wb") as f:  # bytes, not onnx.save_model: that reads f.name, an fd number here
@@ -341,10 +430,18 @@ def export_onnx(net: nn.Module, example: tuple[torch.Tensor, ...], path: str | P
 
 def run_onnx(path: str | Path, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Logits of an exported ONNX model under ONNX Runtime on the CPU."""
+    return onnx_outputs(path, inputs)["logits"]
+
+
+def onnx_outputs(path: str | Path, inputs: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+    """Every named output of an exported ONNX model ("logits", and a detecting model's "heatmap" and
+    "regression") under ONNX Runtime on the CPU."""
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return torch.from_numpy(session.run(["logits"], {k: t.numpy() for k, t in zip(CAMERA_INPUTS, inputs)})[0])
+    names = [o.name for o in session.get_outputs()]
+    got = session.run(names, {k: t.numpy() for k, t in zip(CAMERA_INPUTS, inputs)})
+    return {n: torch.from_numpy(v) for n, v in zip(names, got)}
 
 
 def export_program(net: nn.Module, example: tuple[torch.Tensor, ...], path: str | Path):

@@ -4,8 +4,12 @@ Writes per sample <out>/<scene>/NNN_<token>.npz (probabilities, bev.inference.sa
 and .png (cameras + prediction over target), per scene <out>/<scene>.gif (the drive, 2 Hz),
 and <out>/predictions.json. With a temporal checkpoint each sample is the window ending at it (its
 present frame): the npz adds the future frames' segmentation and vehicle ids, and the pictures show
-the vehicles in their instance colours with their predicted paths (bev.viz.render_temporal). The module is not bev/predict.py because `bev.predict` is the
-Python API function (bev.inference.predict).
+the vehicles in their instance colours with their predicted paths (bev.viz.render_temporal). With a
+checkpoint that detects (boxes=auto, the default, or boxes=true) the npz adds the decoded 3D boxes
+(det_boxes, det_scores, det_labels: bev.inference.save_prediction_npz), each predictions.json record
+lists those at score >= box_threshold, and the pictures draw them (bev.viz.render_figure) over the
+ground truth. The module is not bev/predict.py because `bev.predict` is the Python API function
+(bev.inference.predict).
 """
 
 from __future__ import annotations
@@ -25,16 +29,24 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
     """Predict the chosen split or scene, writing the files listed above; returns predictions.json's content."""
     import json
 
-    from bev.inference import build_data_config, load_checkpoint, present_rows, select_samples, writable_dir
+    from bev.inference import (
+        build_data_config,
+        load_checkpoint,
+        present_rows,
+        select_samples,
+        wants_boxes,
+        writable_dir,
+    )
     from bev.utils.io import atomic_write
 
     _check_options(cfg)
     out = writable_dir(cfg.out, "out")
     loaded = load_checkpoint(cfg.ckpt_path, trusted=bool(cfg.get("trust_checkpoint")))
+    boxes = wants_boxes(cfg.boxes, loaded.model, loaded.path)
     model = loaded.model.to(_device(cfg.device))
     data_cfg = build_data_config(cfg.data, loaded.run_config)
     dataset, indices, split = select_samples(data_cfg, cfg.split, cfg.scene)
-    files = _PredictionFiles(cfg, out, model.class_names, len(model.object_classes))
+    files = _PredictionFiles(cfg, out, model.class_names, len(model.object_classes), boxes, _draws_maps(model))
     desc = f"predicting {split}" + (f" {cfg.scene}" if cfg.scene else "")
     rows = present_rows(dataset)[indices]  # each item's row in the dataset index (a window's present frame)
     records = _predict_samples(model, _loader(cfg, data_cfg, dataset, indices), rows, dataset.index, files, desc)
@@ -45,6 +57,7 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
         "class_names": model.class_names,
         "npz_format": "uint8 q per class, probability = q / 255 (arrays indexed [x_index, y_index]); _-prefixed keys are metadata",
         "grid": OmegaConf.to_container(loaded.run_config.grid),
+        **(_boxes_format(float(cfg.box_threshold)) if boxes else {}),
         "gifs": files.gifs,
         "samples": records,
     }
@@ -91,8 +104,33 @@ def _merged_with_earlier(path, summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _boxes_format(threshold: float) -> dict[str, Any]:
+    """What predictions.json says of the boxes of its records and npz files."""
+    from bev.classes import DETECTION_CLASSES
+    from bev.geometry import BOX_FIELDS
+
+    return {
+        "box_fields": list(BOX_FIELDS),
+        "box_frame": "ego frame of the sample's LIDAR_TOP: x forward, y left, z up (m); yaw counter-clockwise "
+        "from x (rad); velocity (vx, vy) m/s (bev.geometry)",
+        "detection_classes": list(DETECTION_CLASSES),
+        "box_threshold": threshold,
+        "boxes_format": "each sample's 'boxes' lists the boxes at score >= box_threshold; its npz holds every "
+        "decoded box: det_boxes (M, 9) box_fields, det_scores (M,), det_labels (M,) into detection_classes",
+    }
+
+
+def _draws_maps(model) -> bool:
+    """Whether the model's BEV maps are trained (model.heads has segmentation), so worth drawing."""
+    return "segmentation" in tuple(getattr(model, "heads", ("segmentation",)))
+
+
 def _cpu(pred):
-    """predict's tensor, or a temporal model's dict of tensors, on the CPU."""
+    """predict's tensor, a temporal model's dict of tensors, or a detecting model's {"bev", "detections"},
+    on the CPU."""
+    if isinstance(pred, dict) and "detections" in pred:
+        dets = [{k: v.cpu() for k, v in d.items()} for d in pred["detections"]]
+        return {"bev": pred["bev"].cpu(), "detections": dets}
     return {k: v.cpu() for k, v in pred.items()} if isinstance(pred, dict) else pred.cpu()
 
 
@@ -102,6 +140,17 @@ def _check_options(cfg: DictConfig) -> None:
     _check_positive("gif_width", cfg.gif_width, "the GIFs' width in pixels, e.g. 800")
     if cfg.batch_size is not None:
         _check_positive("batch_size", cfg.batch_size, "samples per batch, or null for the checkpoint's")
+    from bev.inference import boxes_option
+
+    boxes_option(cfg.boxes)
+    try:
+        threshold = float(cfg.box_threshold)
+    except (TypeError, ValueError):
+        threshold = float("nan")
+    if not 0 <= threshold <= 1:
+        raise ValueError(
+            f"box_threshold={cfg.box_threshold!r}: must be a score in [0, 1] (boxes drawn and listed at score >= it)"
+        )
 
 
 def _check_positive(key: str, value, what: str, whole: bool = True) -> None:
@@ -146,10 +195,14 @@ def _predict_samples(model, loader, indices, index, files: _PredictionFiles, des
     bar = tqdm(total=len(indices), desc=desc, unit="sample")
     for batch in loader:
         probs = _cpu(predict(model, batch))
+        dets = None
+        if isinstance(probs, dict) and "detections" in probs:  # a detecting model: maps and boxes
+            probs, dets = probs["bev"], probs["detections"]
         for i in range(len(batch["sample_token"])):
             k = int(indices[position])  # the sample's row in the dataset index
             position += 1
-            records.append(files.add(batch, i, probs, scenes[k], int(times[k])))
+            det = dets[i] if dets is not None and files.boxes else None
+            records.append(files.add(batch, i, probs, scenes[k], int(times[k]), det))
             bar.update(1)
     bar.close()
     files.end_scene()
@@ -159,14 +212,17 @@ def _predict_samples(model, loader, indices, index, files: _PredictionFiles, des
 class _PredictionFiles:
     """Writes the files of one sample after another: npz (+ png) per sample, a GIF per scene, numbered per scene."""
 
-    def __init__(self, cfg: DictConfig, out, class_names: list[str], n_objects: int = 1):
+    def __init__(
+        self, cfg: DictConfig, out, class_names: list[str], n_objects: int = 1, boxes: bool = False, maps: bool = True
+    ):
         self.cfg, self.out, self.class_names, self.n_objects = cfg, out, class_names, n_objects
+        self.boxes, self.maps = boxes, maps  # write and draw 3D boxes; draw the BEV maps (trained)
         self.scene, self.nth = None, 0  # the scene being written and the number of its next sample
         self.frames: list = []  # that scene's GIF frames so far
         self.gifs: list[str] = []
 
-    def add(self, batch, i: int, probs, scene, timestamp: int) -> dict[str, Any]:
-        """Write sample i of the batch (probabilities probs[i]) as the next of `scene`; returns its record."""
+    def add(self, batch, i: int, probs, scene, timestamp: int, det=None) -> dict[str, Any]:
+        """Write sample i of the batch (probabilities probs[i], boxes det) as the next of `scene`; returns its record."""
         from bev.inference import save_prediction_npz
         from bev.utils.io import safe_name
 
@@ -190,6 +246,7 @@ class _PredictionFiles:
                     present,
                     self.class_names,
                     future,
+                    det,
                     sample_token=token,
                     scene=self.scene,
                     timestamp=timestamp,
@@ -197,11 +254,13 @@ class _PredictionFiles:
                 )
             ),
         }
+        if det is not None:
+            rec.update(_box_records(det, float(self.cfg.box_threshold)))
         if self.cfg.png or self.cfg.gif:
-            self._pictures(rec, stem, title, batch, i, probs)
+            self._pictures(rec, stem, title, batch, i, probs, det)
         return rec
 
-    def _pictures(self, rec: dict[str, Any], stem, title: str, batch, i: int, probs) -> None:
+    def _pictures(self, rec: dict[str, Any], stem, title: str, batch, i: int, probs, det=None) -> None:
         """Render sample i once for its PNG (named in rec) and its scene's GIF frame, as configured."""
         from PIL import Image
 
@@ -220,7 +279,12 @@ class _PredictionFiles:
             )
         else:
             img = render_sample(
-                batch_sample(batch, i), pred=probs[i : i + 1], title=title, class_names=self.class_names
+                batch_sample(batch, i),
+                pred=probs[i : i + 1] if self.maps else None,
+                title=title,
+                class_names=self.class_names,
+                detections=det,
+                box_threshold=float(self.cfg.box_threshold),
             )
         if self.cfg.png:
             with atomic_open(stem.with_suffix(".png"), "wb") as f:
@@ -239,6 +303,20 @@ class _PredictionFiles:
                 str(save_gif(self.out / f"{safe_name(self.scene)}.gif", self.frames, float(self.cfg.gif_fps)))
             )
         self.frames.clear()
+
+
+def _box_records(det, threshold: float) -> dict[str, Any]:
+    """A sample's boxes for predictions.json: how many were decoded, and those at score >= threshold."""
+    from bev.classes import DETECTION_CLASSES
+    from bev.geometry import BOX_FIELDS
+
+    keep = det["scores"] >= threshold
+    boxes = [
+        {"label": DETECTION_CLASSES[int(label)], "score": round(float(score), 4)}
+        | {k: round(float(v), 4) for k, v in zip(BOX_FIELDS, box)}
+        for box, score, label in zip(det["boxes"][keep].tolist(), det["scores"][keep], det["labels"][keep])
+    ]
+    return {"num_boxes": int(len(det["scores"])), "boxes": boxes}
 
 
 def _gif_frame(img, max_width: int):

@@ -44,6 +44,30 @@ MAP_COLORS: dict[str, tuple[int, int, int]] = {
 }
 OBJECT_COLORS = ((60, 160, 255), (255, 120, 200), (255, 150, 40), (160, 255, 160))
 BACKGROUND = (20, 20, 24)
+# One colour per detection class (bev.classes.DETECTION_CLASSES), chosen to stand out from the map
+# layers and the object masks (OBJECT_COLORS) they are drawn over.
+DETECTION_COLORS: dict[str, tuple[int, int, int]] = {
+    "car": (255, 140, 0),
+    "truck": (0, 190, 255),
+    "construction_vehicle": (255, 220, 0),
+    "bus": (255, 50, 50),
+    "trailer": (170, 90, 255),
+    "barrier": (140, 255, 200),
+    "motorcycle": (255, 0, 200),
+    "bicycle": (0, 230, 90),
+    "pedestrian": (30, 80, 255),
+    "traffic_cone": (200, 255, 0),
+}
+# Boxes drawn in pictures: predictions at score >= this (the decoder keeps boxes down to 0.1, too
+# many to read); ground truth always. Files (npz, predictions.json) keep what the decoder gives.
+BOX_THRESHOLD = 0.3
+ARROW_SECONDS = 1.0  # a velocity arrow is where the box centre will be in this many seconds
+MIN_ARROW_SPEED = 0.2  # m/s: slower boxes get no arrow (the devkit's moving/stopped rule)
+NEAR_PLANE = 0.5  # metres: box edges are clipped to depth >= this before projection
+# The 12 edges of box_corners' 8 corners: the bottom ring, the top ring, the 4 verticals.
+BOX_EDGES = ((0, 1), (1, 2), (2, 3), (3, 0), (4, 5), (5, 6), (6, 7), (7, 4), (0, 4), (1, 5), (2, 6), (3, 7))
+PRED_STYLE = {"lw": 1.3, "ls": "-"}
+GT_STYLE = {"lw": 0.8, "ls": (0, (3, 2))}
 
 
 def _np(x: Any) -> np.ndarray:
@@ -172,12 +196,22 @@ def _grid_for(shape: tuple[int, int], grid: Grid | None) -> Grid:
 
 
 def render_figure(
-    sample: Mapping[str, Any], pred: Any = None, grid: Grid | None = None, title: str | None = None, class_names=None
+    sample: Mapping[str, Any],
+    pred: Any = None,
+    grid: Grid | None = None,
+    title: str | None = None,
+    class_names=None,
+    detections: Mapping[str, Any] | None = None,
+    box_threshold: float = BOX_THRESHOLD,
 ) -> Figure:
     """A matplotlib Figure: the cameras on top; BEV target (+ prediction and TP/FP/FN map) below.
 
     class_names (one per bev channel) turns on the coloured layer view; the TP/FP/FN map is always
-    the first channel's (the first object class)."""
+    the first channel's (the first object class). 3D boxes: the sample's ground truth (det_boxes,
+    det_labels of data.detection=true; dashed) in the target panel and (those centred in the grid) the cameras,
+    and `detections` (one sample of predict's "detections": boxes, scores, labels; those at score >= box_threshold)
+    in the prediction panel (over the ground truth) and the cameras. With detections and no pred
+    (a model that only detects) the prediction panel shows the boxes over the target's map layers."""
     s, _ = _unbatch(sample)
     cams = camera_grid(s["images"], s.get("cam_ids"))
     channels = _target_channels(s["bev"], class_names)
@@ -189,21 +223,36 @@ def render_figure(
     fig = Figure(figsize=(12, 4.2 + 3.2), dpi=100)
     FigureCanvasAgg(fig)
     gs = fig.add_gridspec(2, 3, height_ratios=[cams.shape[0] / cams.shape[1] * 3, 1.0])
-    _draw_cameras(fig.add_subplot(gs[0, :]), cams, s, title)
+    gt_boxes, pred_boxes = sample_gt_boxes(s), box_detections(detections, box_threshold)
+    ax = fig.add_subplot(gs[0, :])
+    _draw_cameras(ax, cams, s, title)
+    draw_boxes_cameras(ax, _in_grid(gt_boxes, g), s, gt=True)  # those the model could predict
+    draw_boxes_cameras(ax, pred_boxes, s)
+    ax = fig.add_subplot(gs[1, 0])
     if layers is not None:
-        _draw_bev(fig.add_subplot(gs[1, 0]), compose_layers(channels, layers), g, "BEV target")
+        _draw_bev(ax, compose_layers(channels, layers), g, "BEV target")
     else:
-        _draw_bev(fig.add_subplot(gs[1, 0]), target, g, "BEV target", cmap="gray", vmin=0, vmax=1)
+        _draw_bev(ax, target, g, "BEV target", cmap="gray", vmin=0, vmax=1)
+    draw_boxes_bev(ax, gt_boxes, g, gt=True)
     if pred is not None:
         probs = _pred_channels(pred)
         prob = probs[0] if probs.ndim > 2 else probs  # the first class's, for the error map
         if prob.shape != target.shape:
             raise ValueError(f"prediction shape {prob.shape} does not match the BEV target {target.shape}")
-        _draw_prediction(fig, gs[1, 1], probs, prob, channels, g, layers)
+        ax = _draw_prediction(fig, gs[1, 1], probs, prob, channels, g, layers)
         _draw_errors(fig.add_subplot(gs[1, 2]), prob, target, g, layers[0] if layers is not None else "vehicle")
+    elif pred_boxes is not None:  # boxes only: over the target's map layers (or a blank panel)
+        base = _map_base(channels, layers, sum(n not in MAP_COLORS for n in layers)) if layers is not None else None
+        ax = fig.add_subplot(gs[1, 1])
+        _draw_bev(ax, base if base is not None else np.full(target.shape + (3,), BACKGROUND, np.uint8), g, "boxes")
+    if pred_boxes is not None:
+        draw_boxes_bev(ax, gt_boxes, g, gt=True)
+        draw_boxes_bev(ax, pred_boxes, g)
+        ax.set_title(f"predicted boxes (score >= {box_threshold:g}) over the ground truth", fontsize=9)
     fig.tight_layout()
-    if layers is not None:
-        _add_legend(fig, layers)
+    box_handles = _box_legend_handles([gt_boxes, pred_boxes])
+    if layers is not None or box_handles:
+        _add_legend(fig, layers or (), box_handles)
     return fig
 
 
@@ -250,17 +299,18 @@ def _draw_cameras(ax, cams: np.ndarray, s: Mapping[str, Any], title: str | None)
     ax.set_title(title or f"sample {s.get('sample_token', '')}", fontsize=9)
 
 
-def _draw_prediction(
-    fig: Figure, cell, probs: np.ndarray, prob: np.ndarray, channels: np.ndarray, grid: Grid, layers
-) -> None:
-    """The prediction panel: every layer blended by its probability (layers given), else P(vehicle) with a colorbar."""
+def _draw_prediction(fig: Figure, cell, probs: np.ndarray, prob: np.ndarray, channels: np.ndarray, grid: Grid, layers):
+    """The prediction panel (returned): every layer blended by its probability (layers given), else P(vehicle)
+    with a colorbar."""
+    ax = fig.add_subplot(cell)
     if layers is not None:
         if probs.shape != channels.shape:
             raise ValueError(f"prediction shape {probs.shape} does not match the BEV target {channels.shape}")
-        _draw_bev(fig.add_subplot(cell), compose_layers(probs, layers), grid, "prediction (blended by probability)")
+        _draw_bev(ax, compose_layers(probs, layers), grid, "prediction (blended by probability)")
     else:
-        im = _draw_bev(fig.add_subplot(cell), prob, grid, "prediction P(vehicle)", cmap="viridis", vmin=0, vmax=1)
-        fig.colorbar(im, ax=fig.axes[-1], fraction=0.046, pad=0.02).ax.tick_params(labelsize=6)
+        im = _draw_bev(ax, prob, grid, "prediction P(vehicle)", cmap="viridis", vmin=0, vmax=1)
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02).ax.tick_params(labelsize=6)
+    return ax
 
 
 def _draw_errors(ax, prob: np.ndarray, target: np.ndarray, grid: Grid, name: str) -> None:
@@ -272,22 +322,28 @@ def _draw_errors(ax, prob: np.ndarray, target: np.ndarray, grid: Grid, name: str
     _draw_bev(ax, error_map(prob, target), grid, f"{name} @0.5 TP green, FP red, FN blue (IoU {iou:.3f})")
 
 
-def _add_legend(fig: Figure, class_names) -> None:
-    """A legend of the layer colours along the bottom of the figure."""
+def _add_legend(fig: Figure, class_names, extra: list | None = None) -> None:
+    """A legend of the layer colours (and `extra` handles: the box classes) along the bottom of the figure."""
     from matplotlib.patches import Patch
 
     handles = [
         Patch(facecolor=np.asarray(c) / 255, edgecolor="black", lw=0.5, label=n) for n, c in layer_colors(class_names)
-    ]
+    ] + list(extra or ())
     fig.subplots_adjust(bottom=0.1)
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 8), fontsize=7, frameon=False)
 
 
 def render_sample(
-    sample: Mapping[str, Any], pred: Any = None, grid: Grid | None = None, title: str | None = None, class_names=None
+    sample: Mapping[str, Any],
+    pred: Any = None,
+    grid: Grid | None = None,
+    title: str | None = None,
+    class_names=None,
+    **boxes: Any,
 ) -> np.ndarray:
-    """The figure of `render_figure` as an (H, W, 3) uint8 array (for image loggers)."""
-    fig = render_figure(sample, pred, grid, title, class_names)
+    """The figure of `render_figure` as an (H, W, 3) uint8 array (for image loggers); `boxes`: its
+    detections= and box_threshold=."""
+    fig = render_figure(sample, pred, grid, title, class_names, **boxes)
     fig.canvas.draw()
     return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
 
@@ -299,13 +355,15 @@ def save_sample_png(
     grid: Grid | None = None,
     title: str | None = None,
     class_names=None,
+    **boxes: Any,
 ) -> str:
     """Write ONE PNG: the cameras + BEV target (+ prediction vs target when pred is given).
 
     A batch (images (B, Ncam, 3, H, W)) shows its first sample. pred: (1, X, Y) probability (or
-    logits, or with a batch dim). Written atomically (temp file + os.replace). Returns the path.
+    logits, or with a batch dim). boxes: render_figure's detections= and box_threshold=.
+    Written atomically (temp file + os.replace). Returns the path.
     """
-    fig = render_figure(batch_or_sample, pred, grid, title, class_names)
+    fig = render_figure(batch_or_sample, pred, grid, title, class_names, **boxes)
     with atomic_open(path, "wb") as f:
         fig.savefig(f, format="png")
     path = os.fspath(path)
@@ -432,3 +490,171 @@ def save_temporal_png(
     with atomic_open(path, "wb") as f:
         fig.savefig(f, format="png")
     return os.fspath(path)
+
+
+# --------------------------------------------------------------------------- 3D boxes (detection)
+
+
+def detection_color(label: int) -> tuple[int, int, int]:
+    """The RGB colour of DETECTION_CLASSES[label]."""
+    from bev.classes import DETECTION_CLASSES
+
+    return DETECTION_COLORS[DETECTION_CLASSES[int(label)]]
+
+
+def box_corners(boxes: Any) -> np.ndarray:
+    """(N, 9) boxes of bev.geometry.BOX_FIELDS -> (N, 8, 3) ego corners: the bottom face counter-clockwise
+    from the front-left corner (seen from above), then the top face in the same order."""
+    b = _np(boxes).astype(np.float64).reshape(-1, 9)
+    half_l, half_w, half_h = b[:, 4:5] / 2, b[:, 3:4] / 2, b[:, 5:6] / 2
+    # Box frame: x along the length (heading), y to its left.
+    lx = np.concatenate([half_l, -half_l, -half_l, half_l], axis=1)  # front-left, rear-left, rear-right, front-right
+    ly = np.concatenate([half_w, half_w, -half_w, -half_w], axis=1)
+    c, s = np.cos(b[:, 6:7]), np.sin(b[:, 6:7])
+    x = b[:, 0:1] + c * lx - s * ly
+    y = b[:, 1:2] + s * lx + c * ly
+    bottom = np.stack([x, y, np.broadcast_to(b[:, 2:3] - half_h, x.shape)], axis=-1)
+    top = bottom.copy()
+    top[..., 2] += 2 * half_h
+    return np.concatenate([bottom, top], axis=1)
+
+
+def box_detections(det: Mapping[str, Any] | None, threshold: float | None = None) -> dict[str, np.ndarray] | None:
+    """One sample's boxes as numpy: {"boxes" (K, 9), "labels" (K,), "scores" (K,) or absent (ground truth),
+    "velocity_valid" (K,) bool}; padding rows (label < 0) and, with a threshold, lower scores are left out."""
+    if det is None:
+        return None
+    boxes = _np(det["boxes"]).reshape(-1, 9)
+    labels = np.asarray(det["labels"].cpu() if torch.is_tensor(det["labels"]) else det["labels"]).reshape(-1)
+    keep = labels >= 0
+    out = {"boxes": boxes, "labels": labels.astype(np.int64)}
+    if det.get("scores") is not None:
+        out["scores"] = _np(det["scores"]).reshape(-1)
+        if threshold is not None:
+            keep &= out["scores"] >= threshold
+    valid = det.get("velocity_valid")
+    out["velocity_valid"] = np.ones(len(labels), bool) if valid is None else _np(valid).reshape(-1) > 0
+    return {k: v[keep] for k, v in out.items()}
+
+
+def _in_grid(det: dict[str, np.ndarray] | None, grid: Grid) -> dict[str, np.ndarray] | None:
+    """The boxes of `det` whose centre lies in the BEV grid."""
+    if det is None:
+        return None
+    (xlo, xhi, _), (ylo, yhi, _) = grid.xbound, grid.ybound
+    x, y = det["boxes"][:, 0], det["boxes"][:, 1]
+    keep = (x >= xlo) & (x < xhi) & (y >= ylo) & (y < yhi)
+    return {k: v[keep] for k, v in det.items()}
+
+
+def sample_gt_boxes(s: Mapping[str, Any]) -> dict[str, np.ndarray] | None:
+    """The ground-truth boxes an (unbatched) item carries with data.detection=true, else None."""
+    if s.get("det_boxes") is None or s.get("det_labels") is None:
+        return None
+    return box_detections(
+        {"boxes": s["det_boxes"], "labels": s["det_labels"], "velocity_valid": s.get("det_velocity_valid")}
+    )
+
+
+def draw_boxes_bev(ax, det: Mapping[str, np.ndarray] | None, grid: Grid, gt: bool = False) -> None:
+    """Boxes of box_detections in a BEV panel of _draw_bev (horizontal = ego y, left positive; up = ego x):
+    the footprint, a heading tick from the centre to the front, a velocity arrow (ARROW_SECONDS ahead) and,
+    for predictions, the score. Ground truth is dashed and thinner."""
+    from matplotlib.collections import LineCollection
+    from matplotlib.patches import FancyArrowPatch
+
+    if det is None or not len(det["boxes"]):
+        return
+    style = GT_STYLE if gt else PRED_STYLE
+    boxes = det["boxes"].astype(np.float64)
+    colors = np.asarray([detection_color(label) for label in det["labels"]]) / 255
+    corners = box_corners(boxes)[:, :4, :2]
+    rings = np.concatenate([corners, corners[:, :1]], axis=1)[..., ::-1]  # (K, 5, 2) as (y, x): screen order
+    half = boxes[:, 4:5] / 2 * np.concatenate([np.cos(boxes[:, 6:7]), np.sin(boxes[:, 6:7])], axis=1)
+    ticks = np.stack([boxes[:, :2], boxes[:, :2] + half], axis=1)[..., ::-1]  # centre -> middle of the front
+    ax.add_collection(LineCollection(list(rings), colors=colors, linewidths=style["lw"], linestyles=style["ls"]))
+    ax.add_collection(LineCollection(list(ticks), colors=colors, linewidths=style["lw"]))
+    speed = np.hypot(boxes[:, 7], boxes[:, 8])
+    for k in np.flatnonzero(det["velocity_valid"] & (speed >= MIN_ARROW_SPEED)):
+        x, y, vx, vy = boxes[k, [0, 1, 7, 8]]
+        tip = (y + vy * ARROW_SECONDS, x + vx * ARROW_SECONDS)
+        ax.add_patch(FancyArrowPatch((y, x), tip, arrowstyle="->", mutation_scale=6, color=colors[k], lw=style["lw"]))
+    if "scores" in det and not gt:
+        for k in range(len(boxes)):
+            y, x = rings[k, 0]
+            ax.text(y, x, f"{det['scores'][k]:.2f}", color=colors[k], fontsize=5, clip_on=True)
+    (xlo, xhi, _), (ylo, yhi, _) = grid.xbound, grid.ybound
+    ax.set_xlim(yhi, ylo)
+    ax.set_ylim(xlo, xhi)
+
+
+def box_edges_in_image(boxes: Any, intrinsics, rots, trans, post_rots, post_trans, near: float = NEAR_PLANE):
+    """(N, 9) ego boxes -> (N, 12, 2, 2) pixel (u, v) of both ends of each edge of BOX_EDGES in one camera
+    (its calibration and augmentation, as the model takes them), each edge clipped to depth >= near; edges
+    wholly behind that plane are NaN. Pixels are those of the augmented image (bev.geometry.ego_to_image)."""
+    from bev.geometry import ego_to_image
+
+    corners = box_corners(boxes)
+    ends = corners[:, np.asarray(BOX_EDGES)]  # (N, 12, 2, 3)
+    cam = [torch.as_tensor(_np(t), dtype=torch.float64) for t in (intrinsics, rots, trans, post_rots, post_trans)]
+    _, depth = ego_to_image(torch.from_numpy(ends.reshape(-1, 3)), *cam)
+    depth = depth.numpy().reshape(ends.shape[:3])  # (N, 12, 2)
+    # Depth is affine along an edge: an end behind the near plane moves to where the edge crosses it.
+    d0, d1 = depth[..., 0:1], depth[..., 1:2]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.clip((near - d0) / (d1 - d0), 0.0, 1.0)  # 0 at end 0, 1 at end 1
+    p0, p1 = ends[..., 0, :], ends[..., 1, :]
+    clipped = np.stack([np.where(d0 < near, p0 + t * (p1 - p0), p0), np.where(d1 < near, p0 + t * (p1 - p0), p1)], 2)
+    uv, _ = ego_to_image(torch.from_numpy(np.nan_to_num(clipped).reshape(-1, 3)), *cam)
+    uv = uv.numpy().reshape(ends.shape[:3] + (2,))
+    uv[(depth < near).all(-1)] = np.nan
+    return uv
+
+
+def draw_boxes_cameras(ax, det: Mapping[str, np.ndarray] | None, s: Mapping[str, Any], gt: bool = False) -> None:
+    """Boxes of box_detections projected into the camera picture of _draw_cameras (the 12 edges, clipped to
+    the near plane and to each camera's slot); ground truth dashed and thinner."""
+    from matplotlib.collections import LineCollection
+    from matplotlib.patches import Rectangle
+
+    if det is None or not len(det["boxes"]) or any(s.get(k) is None for k in _CAMERA_KEYS):
+        return
+    H, W = s["images"].shape[-2:]
+    ids = camera_slots(s["images"].shape[0], s.get("cam_ids"))
+    cols = camera_layout(max(ids) + 1)[1]
+    colors = np.asarray([detection_color(label) for label in det["labels"]]) / 255
+    style = GT_STYLE if gt else PRED_STYLE
+    for n, slot in enumerate(ids):
+        uv = box_edges_in_image(det["boxes"], *(s[k][n] for k in _CAMERA_KEYS))  # (K, 12, 2, 2)
+        seen = np.isfinite(uv).all(axis=(2, 3))
+        if not seen.any():
+            continue
+        r, col = divmod(slot, cols)
+        segs = uv[seen] + np.array([col * W, r * H])
+        lines = LineCollection(
+            segs, colors=np.repeat(colors, 12, axis=0)[seen.reshape(-1)], linewidths=style["lw"], linestyles=style["ls"]
+        )
+        ax.add_collection(lines)  # first: add_collection clips to the axes, replacing an earlier clip box
+        lines.set_clip_path(Rectangle((col * W - 0.5, r * H - 0.5), W, H, transform=ax.transData))
+    rows = camera_layout(max(ids) + 1)[0]
+    ax.set_xlim(-0.5, cols * W - 0.5)
+    ax.set_ylim(rows * H - 0.5, -0.5)
+
+
+_CAMERA_KEYS = ("intrinsics", "rots", "trans", "post_rots", "post_trans")
+
+
+def _box_legend_handles(dets) -> list:
+    """Legend entries: the classes of the boxes drawn, then what solid and dashed lines mean."""
+    from matplotlib.lines import Line2D
+
+    from bev.classes import DETECTION_CLASSES
+
+    labels = sorted({int(label) for d in dets if d is not None for label in d["labels"]})
+    handles = [
+        Line2D([], [], color=np.asarray(detection_color(k)) / 255, lw=2, label=DETECTION_CLASSES[k]) for k in labels
+    ]
+    if handles:
+        handles.append(Line2D([], [], color="black", label="prediction (score)", **PRED_STYLE))
+        handles.append(Line2D([], [], color="black", label="ground truth", **GT_STYLE))
+    return handles
