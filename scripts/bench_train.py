@@ -45,6 +45,7 @@ from bench_common import host_versions, malloc_env, reexec_with_malloc_env, writ
 CONFIGS = {
     "paper": ["experiment=lss_nuscenes_trainval", "model.net.camera.weights=null", "trainer=cpu"],
     "embedded": ["experiment=synthetic_cpu"],
+    "embedded_det": ["experiment=synthetic_det_cpu"],  # the same with the detection head (its step cost)
 }
 DEVICE = "cpu"  # --device; on cuda every timing waits for the GPU (synchronize) before reading the clock
 
@@ -77,7 +78,7 @@ VARIANTS = {
     "compile+channels_last+bf16": (True, True, "default"),
     "cudagraphs+channels_last+bf16": (True, True, "reduce-overhead"),
 }
-PARTS = ("camera_encoder", "geometry", "splat", "bev_encoder", "loss", "backward", "optimizer")
+PARTS = ("camera_encoder", "geometry", "splat", "bev_encoder", "det_head", "loss", "backward", "optimizer")
 
 
 def compose_config(overrides: list[str]):
@@ -137,7 +138,28 @@ def real_rig_batch(cfg, batch_size: int, seed: int = 0) -> dict:
         "post_rots": rep(post_rot[None].numpy()),
         "post_trans": rep(post_tran[None].numpy()),
         "bev": (torch.rand(B, int(cfg.model.net.num_classes), X, Y, generator=g) < 0.05).float(),
+        **(detection_targets(grid, B, seed) if cfg.data.get("detection") else {}),
     }
+
+
+def detection_targets(grid, batch_size: int, seed: int, boxes_per_sample: int = 40) -> dict:
+    """CenterPoint targets of random car-sized boxes of every class, as data.detection=true items carry."""
+    import numpy as np
+    import torch
+
+    from bev.classes import DETECTION_CLASSES
+    from bev.detection.targets import encode_targets
+
+    rng, samples = np.random.default_rng(seed), []
+    for _ in range(batch_size):
+        n = boxes_per_sample
+        boxes = np.zeros((n, 9), np.float32)
+        boxes[:, 0] = rng.uniform(grid.xbound[0], grid.xbound[1], n)
+        boxes[:, 1] = rng.uniform(grid.ybound[0], grid.ybound[1], n)
+        boxes[:, 3:6] = (1.9, 4.5, 1.6)
+        boxes[:, 6] = rng.uniform(-np.pi, np.pi, n)
+        samples.append(encode_targets(boxes, np.arange(n) % len(DETECTION_CLASSES), grid))
+    return {k: torch.from_numpy(np.stack([s[k] for s in samples])) for k in samples[0]}
 
 
 class PartTimer:
@@ -147,13 +169,15 @@ class PartTimer:
         """Hook the encoders and wrap the geometry and splat methods of `net`."""
         self.t: dict[str, float] = {}
         self._start: dict[str, float] = {}
-        for name in ("camera_encoder", "bev_encoder"):
-            mod = getattr(net, name)
-            mod.register_forward_pre_hook(lambda m, a, n=name: self._begin(n))
-            mod.register_forward_hook(lambda m, a, o, n=name: self._end(n))
-        for name, attr in (("geometry", "voxel_coords"), ("splat", "splat")):
-            fn = getattr(net, attr)
-            setattr(net, attr, self._wrap(name, fn))
+        for name in ("camera_encoder", "det_head"):
+            mod = getattr(net, name, None)
+            if mod is not None:
+                mod.register_forward_pre_hook(lambda m, a, n=name: self._begin(n))
+                mod.register_forward_hook(lambda m, a, o, n=name: self._end(n))
+        methods = ((net, "geometry", "voxel_coords"), (net, "splat", "splat"))
+        methods += ((net.bev_encoder, "bev_encoder", "features"), (net.bev_encoder, "bev_encoder", "logits"))
+        for owner, name, attr in methods:
+            setattr(owner, attr, self._wrap(name, getattr(owner, attr)))
 
     def _begin(self, name):
         """Start the clock of one part."""
@@ -213,7 +237,7 @@ class Variant:
         with self.autocast():
             logits = self.lit(self.batch)
             t1 = clock(self.wait)
-            loss = self.lit.loss(logits, self.batch["bev"])
+            loss = self.lit.losses(logits, self.batch)[0]
         t2 = clock(self.wait)
         loss.backward()
         t3 = clock(self.wait)
