@@ -82,7 +82,7 @@ class FieryStep:
         self.module = TrainingModule(cfg.convert_to_dict()).train().to(device)
         self.opt = self.module.configure_optimizers()
         self.clip = cfg.GRAD_NORM_CLIP
-        self.batch = {k: v.to(device) for k, v in fiery_batch({k: v.cpu() for k, v in batch.items()}, cfg).items()}
+        self.batch = {k: v.to(device) for k, v in fiery_batch(batch, cfg).items()}
         self.device = device
         self.precision = "32-true"
         self.batch_size = 1
