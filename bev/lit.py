@@ -31,7 +31,7 @@ def _check_heads(heads: Sequence[str], net: nn.Module) -> tuple[str, ...]:
     if "detection" in heads and getattr(net, "det_head", None) is None:
         raise ValueError(
             "model.heads has detection but the network has no detection head: set model.net.detection "
-            "(e.g. model.net.detection={head_channels: 0}, or model=lss_det)"
+            "(e.g. model.net.detection={head_channels: 0}: see experiment=synthetic_det_cpu)"
         )
     return heads
 
@@ -39,6 +39,25 @@ def _check_heads(heads: Sequence[str], net: nn.Module) -> tuple[str, ...]:
 def split_outputs(out) -> tuple[torch.Tensor, dict | None]:
     """A network's output -> (segmentation logits, detection maps or None)."""
     return (out["bev"], out) if isinstance(out, Mapping) else (out, None)
+
+
+# torch.compile modes model.compile takes ("off" / false: eager; true: "default"). "reduce-overhead" adds CUDA
+# graphs on a GPU (on a CPU it compiles as "default"); "max-autotune" also benchmarks kernel choices.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+
+
+def compile_mode(value) -> str | None:
+    """model.compile -> the torch.compile mode, or None for eager (false, null, "off")."""
+    if value is None or value is False or (isinstance(value, str) and value.lower() in ("off", "false", "none")):
+        return None
+    if value is True or (isinstance(value, str) and value.lower() in ("true", "on")):
+        return "default"
+    if isinstance(value, str) and value in COMPILE_MODES:
+        return value
+    raise ValueError(
+        f"model.compile must be false (eager), true (= default) or a torch.compile mode "
+        f"({', '.join(COMPILE_MODES)}), got {value!r}"
+    )
 
 
 def _class_names(net: nn.Module, object_classes, map_classes) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -124,7 +143,7 @@ class BEVLitModule(L.LightningModule):
         scheduler_interval: str = "step",
         pos_weight: float | Sequence[float] | Mapping[str, float] = 2.13,
         threshold: float = 0.5,
-        compile: bool = False,
+        compile: bool | str | None = False,
         object_classes: Sequence[str] | None = None,
         map_classes: Sequence[str] = (),
         loss: str = "bce",
@@ -139,7 +158,7 @@ class BEVLitModule(L.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.scheduler_interval = scheduler_interval
-        self.compile = compile
+        self.compile = compile_mode(compile)  # the mode, or None: checked here, before any data is read
         self.object_classes, self.map_classes = _class_names(net, object_classes, map_classes)
         self.class_names = self.object_classes + self.map_classes
         if loss not in LOSSES:
@@ -190,7 +209,9 @@ class BEVLitModule(L.LightningModule):
                 f"data.map_layers (the configs interpolate them with ${{bev.object_classes:...}} etc.)"
             )
         if self.compile and stage == "fit":
-            self.net.compile()  # in place: state_dict keys stay those of the plain model
+            # In place: state_dict keys stay those of the plain model. fullgraph: a graph break (a host
+            # sync, a Python branch on a tensor's value) is an error here, not a silent eager island.
+            self.net.compile(mode=self.compile, fullgraph=True)
 
     def on_train_start(self) -> None:
         # Resumed with more epochs than the run started with: stretch a schedule restored from the

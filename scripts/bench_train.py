@@ -76,6 +76,7 @@ VARIANTS = {
     "compile": (False, False, "default"),
     "compile+channels_last": (True, False, "default"),
     "compile+channels_last+bf16": (True, True, "default"),
+    "cudagraphs+channels_last": (True, False, "reduce-overhead"),
     "cudagraphs+channels_last+bf16": (True, True, "reduce-overhead"),
 }
 PARTS = ("camera_encoder", "geometry", "splat", "bev_encoder", "det_head", "loss", "backward", "optimizer")
@@ -214,7 +215,7 @@ class Variant:
         self.net = self.lit.net
         self.parts = None if self.compiled or DEVICE == "cuda" else PartTimer(self.net)
         if self.compiled:
-            self.net.compile(mode=self.compiled)
+            self.net.compile(mode=self.compiled, fullgraph=True)  # as model.compile does (bev.lit)
         self.opt = self.lit.make_optimizer()
         self.clip = cfg.trainer.get("gradient_clip_val")
         self.batch = batch

@@ -15,7 +15,10 @@ probabilistic future. FIERY's step is its TrainingModule.shared_step (label warp
 + backward + gradient clipping 5 + Adam, in fp32 as its code runs on a CPU. This project's step is
 experiment=fiery_nuscenes (EfficientNet-B4 at stride 16, the deterministic future) as bev-train runs
 it on this machine (bf16-mixed on a native-bf16 CPU), built by scripts/bench_temporal.py; with
---ours-fp32 also in fp32. Random inputs with the real nuScenes rig. Variants alternate round-robin;
+--ours-fp32 also in fp32. That step lifts a quarter of FIERY's frustum points: with --stride8 also
+at equal work, "ours_stride8": FIERY's stride-8 encoder setting (model.net.downsample=8: its
+EfficientNet-B4 up to stride 16, fused into stride 8 through 128 channels, so the same 28x60 x 48
+frustum points per camera as FIERY's). Random inputs with the real nuScenes rig. Variants alternate round-robin;
 medians of the measured steps. Writes JSON to --out atomically.
 """
 
@@ -37,6 +40,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 from bench_common import checkout_commit, host_versions, processor_name, write_report  # noqa: E402
 from bench_temporal import VARIANTS, Variant  # noqa: E402
 
+# FIERY's encoder (fiery/models/encoder.py, DOWNSAMPLE 8): stride-16 features upsampled into stride 8, 128 channels.
+STRIDE8 = ["model.net.downsample=8", "model.net.camera.mid_channels=128"]
+
 
 def _stand_in_lightning() -> None:
     """pytorch_lightning 1.2's names that FIERY's trainer and metrics import, as plain stand-ins."""
@@ -57,7 +63,7 @@ class FieryStep:
 
     name = "fiery_original"
 
-    def __init__(self, root: Path, batch: dict):
+    def __init__(self, root: Path, batch: dict, device: str = "cpu"):
         sys.path.insert(0, str(root))
         _stand_in_lightning()
         sys.modules.setdefault("fiery.utils.visualisation", types.ModuleType("fiery.utils.visualisation"))
@@ -73,22 +79,29 @@ class FieryStep:
         cfg.merge_from_file(str(root / "fiery" / "configs" / "baseline.yml"))
         cfg.BATCHSIZE = 1
         torch.manual_seed(0)
-        self.module = TrainingModule(cfg.convert_to_dict()).train()
+        self.module = TrainingModule(cfg.convert_to_dict()).train().to(device)
         self.opt = self.module.configure_optimizers()
         self.clip = cfg.GRAD_NORM_CLIP
-        self.batch = fiery_batch(batch, cfg)
+        self.batch = {k: v.to(device) for k, v in fiery_batch(batch, cfg).items()}
+        self.device = device
         self.precision = "32-true"
         self.batch_size = 1
         self.times: list[float] = []
 
     def step(self) -> float:
+        self.sync()
         t0 = time.perf_counter()
         _, _, loss = self.module.shared_step(self.batch, True)
         sum(loss.values()).backward()
         torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        self.sync()
         return time.perf_counter() - t0
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
 
 
 def fiery_batch(ours: dict, cfg) -> dict:
@@ -129,6 +142,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ours-fp32", action="store_true", help="also this project's step in fp32")
+    p.add_argument("--stride8", action="store_true", help="also this project's step at FIERY's stride 8 (equal work)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bench_vs_fiery_cpu.json"))
     a = p.parse_args(argv)
     if not (a.fiery / "fiery" / "models" / "fiery.py").is_file():
@@ -138,12 +153,14 @@ def main(argv=None) -> int:
     if a.site:
         sys.path.insert(0, str(a.site))
     torch.set_num_threads(a.threads)
-    runs = [Variant("ours", VARIANTS["fiery"], None, "cpu")]
+    runs = [Variant("ours", VARIANTS["fiery"], None, a.device)]
     if a.ours_fp32:
-        runs.append(Variant("ours_fp32", [*VARIANTS["fiery"], "trainer.precision=32-true"], None, "cpu"))
+        runs.append(Variant("ours_fp32", [*VARIANTS["fiery"], "trainer.precision=32-true"], None, a.device))
+    if a.stride8:
+        runs.append(Variant("ours_stride8", [*VARIANTS["fiery"], *STRIDE8], None, a.device))
     from bench_temporal import sequence_batch
 
-    runs.append(FieryStep(a.fiery, sequence_batch(_fiery_cfg(), 1)))
+    runs.append(FieryStep(a.fiery, sequence_batch(_fiery_cfg(), 1), a.device))
     for v in runs:
         for _ in range(a.warmup):
             v.step()
@@ -162,13 +179,16 @@ def main(argv=None) -> int:
             "precision": v.precision,
             "speedup_vs_fiery": round(fiery / med, 2),
         }
+        if hasattr(v, "lit"):  # frustum points per sample: the work the lift and splat do
+            frustum = v.lit.net.frustum
+            results[v.name]["frustum_points_per_camera_frame"] = frustum[..., 0].numel()
         print(f"{v.name:16s} {med:7.2f} s/step median ({v.precision}): {fiery / med:.2f}x FIERY's")
     write_report(
         a.out,
         {
             "script": "scripts/bench_vs_fiery.py",
             "commit": checkout_commit(),
-            "device": processor_name(),
+            "device": torch.cuda.get_device_name() if a.device == "cuda" else processor_name(),
             "threads": a.threads,
             "steps": a.steps,
             "warmup": a.warmup,

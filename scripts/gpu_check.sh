@@ -22,11 +22,16 @@
 # gpu-wheels` downloads them on a machine with an index): they
 # are installed with `pip install --no-index --no-deps --target` into a private directory.
 #
-# Usage: scripts/gpu_check.sh [--dry-run] [--steps N] [--skip-train] [--skip-bench] [--step-only]
+# Usage: scripts/gpu_check.sh [--dry-run] [--steps N] [--skip-train] [--skip-bench] [--step-only] [--compile-step]
 #   --dry-run   check the machine and print the commands, run nothing (works without a GPU)
 #   --step-only the training step's checks alone, for a short lease: the build, tests/test_train_cuda.py,
 #               the paper-config step at batch 4, the temporal step (scripts/bench_temporal.py) and the training run (the op's tests, memcheck and
 #               benchmarks and the batch-16 step, all run on an H200 before, are left out)
+#   --compile-step the compiled step alone, in under 8 minutes: the build, the no-sync / CUDA-graph tests
+#               (tests/test_compile.py, tests/test_train_cuda.py), the paper-config step at batch 4 and 16 in
+#               fp32 and bf16, eager and compiled (default and reduce-overhead = CUDA graphs), alternated in
+#               one process, and with a FIERY checkout in $FIERY (its deps in $FIERY_SITE) the temporal step
+#               against FIERY's at stride 16 and at equal work (stride 8); no training run
 # Environment: PYTHON (default python3), GPU_CHECK_DIR (work dir, default outputs/gpu_check).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +40,7 @@ PY=${PYTHON:-python3}
 WORK=${GPU_CHECK_DIR:-$REPO/outputs/gpu_check}
 RESULTS=$REPO/benchmarks/results
 STEPS=300
-DRY_RUN=0 SKIP_TRAIN=0 SKIP_BENCH=0 STEP_ONLY=0
+DRY_RUN=0 SKIP_TRAIN=0 SKIP_BENCH=0 STEP_ONLY=0 COMPILE_STEP=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
@@ -43,6 +48,7 @@ while [ $# -gt 0 ]; do
     --skip-train) SKIP_TRAIN=1 ;;
     --skip-bench) SKIP_BENCH=1 ;;
     --step-only) STEP_ONLY=1 ;;
+    --compile-step) COMPILE_STEP=1 STEP_ONLY=1 SKIP_TRAIN=1 ;;
     -h|--help) awk 'NR > 1 && /^#/ {print; next} NR > 1 {exit}' "$0"; exit 0 ;;  # the header above
     *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -184,7 +190,10 @@ say "2. CUDA tests + emulated CUDA kernels"
 stage_start
 # Two processes, so that a crash in one (a C++ exception thrown through a broken unwinder is a
 # segfault: seen with the H200 image's compiler, see benchmarks/results/gpu_nvidia_h200.md) keeps the other's report.
-if [ "$STEP_ONLY" = 1 ]; then
+if [ "$COMPILE_STEP" = 1 ]; then
+  logged tests "$PY" -X faulthandler -m pytest -q -p no:cacheprovider -m cuda tests/test_compile.py tests/test_train_cuda.py \
+    --junitxml="$LOGS/tests.xml"
+elif [ "$STEP_ONLY" = 1 ]; then
   logged tests "$PY" -X faulthandler -m pytest -q -p no:cacheprovider -m cuda tests/test_train_cuda.py --junitxml="$LOGS/tests.xml"
 else
   logged tests "$PY" -X faulthandler -m pytest -q -p no:cacheprovider -m cuda tests/test_ops_cuda.py tests/test_train_cuda.py \
@@ -206,7 +215,21 @@ stage_end tests
 # ------------------------------------------------------------------------------ 3. benchmark
 BENCH_JSON=$WORK/bench_pool_cuda.json
 TRAIN_BENCH_JSON=$WORK/bench_train_cuda.json
-if [ "$SKIP_BENCH" = 0 ]; then
+if [ "$SKIP_BENCH" = 0 ] && [ "$COMPILE_STEP" = 1 ]; then
+  say "3. benchmark: the compiled step"
+  stage_start
+  # One process per batch size: eager and compiled variants alternated round-robin on the same batch.
+  logged bench_train "$PY" scripts/bench_train.py --device cuda --configs paper --steps 10 --warmup 3 --profile 3 \
+    --variants fp32 channels_last+bf16 compile+channels_last+bf16 cudagraphs+channels_last cudagraphs+channels_last+bf16 \
+    --out "$TRAIN_BENCH_JSON"
+  logged bench_train_b16 "$PY" scripts/bench_train.py --device cuda --configs paper --batch-size 16 --steps 10 --warmup 3 \
+    --variants fp32 channels_last+bf16 cudagraphs+channels_last+bf16 --out "${TRAIN_BENCH_JSON%.json}_b16.json"
+  if [ -n "${FIERY:-}" ]; then
+    logged bench_vs_fiery "$PY" scripts/bench_vs_fiery.py --device cuda --fiery "$FIERY" ${FIERY_SITE:+--site "$FIERY_SITE"} \
+      --stride8 --steps 10 --warmup 3 --out "$RESULTS/bench_vs_fiery_${DEVICE}.json"
+  fi
+  stage_end bench
+elif [ "$SKIP_BENCH" = 0 ]; then
   say "3. benchmark"
   stage_start
   [ "$STEP_ONLY" = 1 ] || logged bench "$PY" scripts/bench_pool.py --device cuda --out "$BENCH_JSON"

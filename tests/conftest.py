@@ -62,13 +62,19 @@ def emu(request):
 
 
 @pytest.fixture
-def fresh_compile_caches(monkeypatch):
+def fresh_compile_caches():
     """torch.compile from scratch: Dynamo reset, and no on-disk graphs traced against an older op schema."""
+    import contextlib
+
     import torch
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     torch._dynamo.reset()
-    for config, name in ((inductor_config, "fx_graph_cache"), (functorch_config, "enable_autograd_cache")):
-        if hasattr(config, name):
-            monkeypatch.setattr(config, name, False)
+    # The configs' own patch(): monkeypatch's undo deletes an attribute it found unset, which hides a torch
+    # config for good (ConfigModule.__delattr__), and the next compile fails on the missing name.
+    with contextlib.ExitStack() as stack:
+        for config, name in ((inductor_config, "fx_graph_cache"), (functorch_config, "enable_autograd_cache")):
+            if hasattr(config, name):
+                stack.enter_context(config.patch(name, False))
+        yield

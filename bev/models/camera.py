@@ -1,7 +1,9 @@
-"""Camera encoder: image trunk -> stride-16 features -> D depth logits + C context channels.
+"""Camera encoder: image trunk -> stride-16 (or stride-8) features -> D depth logits + C context channels.
 
 As in Lift-Splat-Shoot, the stride-32 features are upsampled and fused with the stride-16 ones
-before a 1x1 head, so every stride-16 cell sees a wide receptive field.
+before a 1x1 head, so every stride-16 cell sees a wide receptive field. At stride 8 (FIERY's
+setting) the trunk stops at stride 16 and those features are fused with the stride-8 ones instead:
+4x the frustum points of stride 16, no stride-32 stage.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from bev.models.fast_layers import fast_global_pools, fp32_depthwise
 from bev.utils.precision import resolve_channels_last
 
 BACKBONES = ("efficientnet_b0", "efficientnet_b4", "resnet18", "resnet50", "small")
-# EfficientNet: features[5] ends stride 16, features[7] stride 32 ([8] is the wide 1x1 head, unused)
-EFFICIENTNET_CHANNELS = {"efficientnet_b0": (112, 320), "efficientnet_b4": (160, 448)}
+STRIDES = (8, 16)  # feature strides the encoder gives (bev.geometry.FEATURE_STRIDE is the default)
+# EfficientNet: features[3] ends stride 8, [5] stride 16, [7] stride 32 ([8] is the wide 1x1 head, unused)
+EFFICIENTNET_CHANNELS = {"efficientnet_b0": (40, 112, 320), "efficientnet_b4": (56, 160, 448)}
 
 
 class BackboneWeightsError(RuntimeError):
@@ -57,7 +60,26 @@ def resnet_stage(in_channels: int, out_channels: int, blocks: int, stride: int) 
     return nn.Sequential(*layers)
 
 
-class SmallTrunk(nn.Module):
+class Trunk(nn.Module):
+    """stem, to16 and to32: features at strides 8 (after to16[:split8]), 16 and 32, of self.channels."""
+
+    split8: int
+
+    def forward(self, x: torch.Tensor, stride: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features at `stride`, at 2 x `stride`): the skip and the deep input of the encoder's fusion."""
+        x = self.stem(x)
+        for i, stage in enumerate(self.to16):
+            if i == self.split8:
+                s8 = x
+            x = stage(x)
+        return (s8, x) if stride == 8 else (x, self.to32(x))
+
+    def drop_stride32(self) -> None:
+        """Remove the stride-32 stage (unused at stride 8: no dead parameters for the optimiser or DDP)."""
+        del self.to32
+
+
+class SmallTrunk(Trunk):
     """A narrow ResNet-like trunk for CPU runs: five stride-2 stages of `widths` channels."""
 
     def __init__(self, widths: tuple[int, ...] = (16, 32, 48, 64, 96), blocks: int = 1):
@@ -70,31 +92,26 @@ class SmallTrunk(nn.Module):
         )
         self.to16 = nn.Sequential(*[resnet_stage(w[i], w[i + 1], blocks, 2) for i in range(3)])
         self.to32 = resnet_stage(w[3], w[4], blocks, 2)
-        self.channels = (w[3], w[4])
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s16 = self.to16(self.stem(x))
-        return s16, self.to32(s16)
+        self.channels = (w[2], w[3], w[4])
+        self.split8 = 2
 
 
-class TorchvisionTrunk(nn.Module):
+class TorchvisionTrunk(Trunk):
     """EfficientNet-B0 / B4 or ResNet trunk from torchvision, cut at strides 16 and 32."""
 
     def __init__(self, name: str, weights: str | None = None, weights_path: str | None = None):
         super().__init__()
         net = _load_torchvision(name, weights, weights_path)
         if name in EFFICIENTNET_CHANNELS:
+            self.stem = nn.Identity()  # no parameters: the state_dict keys are unchanged
             self.to16, self.to32 = net.features[:6], net.features[6:8]
-            self.channels = EFFICIENTNET_CHANNELS[name]
+            self.channels, self.split8 = EFFICIENTNET_CHANNELS[name], 4
         else:
+            self.stem = nn.Identity()
             self.to16 = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool, net.layer1, net.layer2, net.layer3)
             self.to32 = net.layer4
             expansion = 4 if name == "resnet50" else 1
-            self.channels = (256 * expansion, 512 * expansion)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s16 = self.to16(x)
-        return s16, self.to32(s16)
+            self.channels, self.split8 = (128 * expansion, 256 * expansion, 512 * expansion), 6
 
 
 def _load_torchvision(name: str, weights: str | None, weights_path: str | None) -> nn.Module:
@@ -128,7 +145,10 @@ def _load_torchvision(name: str, weights: str | None, weights_path: str | None) 
 
 
 class CameraEncoder(nn.Module):
-    """Images (M, 3, H, W) -> (M, D + C, H/16, W/16): D depth logits then C context channels.
+    """Images (M, 3, H, W) -> (M, D + C, H/stride, W/stride): D depth logits then C context channels.
+
+    stride 16 (LSS) fuses the trunk's stride-32 features into its stride-16 ones; stride 8 (FIERY,
+    which also narrows mid_channels to 128) fuses stride 16 into stride 8.
 
     channels_last runs the convolutions in NHWC (faster oneDNN/cuDNN kernels); inputs and the
     output stay in the default layout, so callers and checkpoints do not change. depthwise_fp32
@@ -148,18 +168,26 @@ class CameraEncoder(nn.Module):
         mid_channels: int = 512,
         channels_last: bool | str = False,
         depthwise_fp32: bool | str = True,
+        stride: int = 16,
     ):
         super().__init__()
         if backbone not in BACKBONES:
             raise ValueError(f"unknown backbone {backbone!r}; choose one of {', '.join(BACKBONES)}")
+        if stride not in STRIDES:
+            raise ValueError(
+                f"the camera encoder gives features at stride 8 or 16 (model.net.downsample), got {stride}"
+            )
+        self.stride = int(stride)
         if backbone == "small":
             if weights or weights_path:
                 raise BackboneWeightsError("the 'small' backbone has no pretrained weights; set weights=null")
             self.trunk = SmallTrunk(tuple(widths), blocks)
         else:
             self.trunk = TorchvisionTrunk(backbone, weights, weights_path)
-        c16, c32 = self.trunk.channels
-        self.fuse = Up(c16 + c32, mid_channels)
+        skip, deep = self.trunk.channels[:2] if stride == 8 else self.trunk.channels[1:]
+        if stride == 8:
+            self.trunk.drop_stride32()
+        self.fuse = Up(skip + deep, mid_channels)
         self.head = nn.Conv2d(mid_channels, depth_bins + context_channels, 1)
         self.depth_bins = depth_bins
         fast_global_pools(self.trunk)
@@ -173,5 +201,5 @@ class CameraEncoder(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
-        s16, s32 = self.trunk(images)
-        return self.head(self.fuse(s32, s16)).contiguous()
+        skip, deep = self.trunk(images, self.stride)
+        return self.head(self.fuse(deep, skip)).contiguous()

@@ -12,6 +12,7 @@ from torch import nn
 
 from bev.geometry import FEATURE_STRIDE, Grid, frustum_to_ego, make_frustum, voxel_coords
 from bev.models.bev_encoder import BevEncoder
+from bev.models.camera import STRIDES as CAMERA_STRIDES
 from bev.models.camera import CameraEncoder
 from bev.models.centerpoint import CenterHead
 
@@ -47,9 +48,9 @@ class LiftSplatShoot(nn.Module):
         super().__init__()
         if splat not in SPLATS:
             raise ValueError(f"unknown splat {splat!r}; choose one of {', '.join(SPLATS)}")
-        if downsample != FEATURE_STRIDE:
+        if downsample not in CAMERA_STRIDES:
             raise ValueError(
-                f"the camera encoder gives stride-{FEATURE_STRIDE} features; downsample must be {FEATURE_STRIDE}, got {downsample}"
+                f"the camera encoder gives stride-8 or -16 features; downsample must be 8 or 16, got {downsample}"
             )
         self.grid = Grid.from_any(grid)
         self.image_size = tuple(int(s) for s in image_size)
@@ -58,7 +59,7 @@ class LiftSplatShoot(nn.Module):
         self.splat_mode = splat
         self.pool_backend = pool_backend
         D = self.grid.depth_bins
-        self.camera_encoder = CameraEncoder(D, context_channels, **dict(camera or {}))
+        self.camera_encoder = CameraEncoder(D, context_channels, **{**dict(camera or {}), "stride": downsample})
         self.bev_encoder = BevEncoder(context_channels * self.grid.nz, num_classes, **dict(bev or {}))
         # CenterPoint-style 3D boxes on the same BEV features (options of CenterHead; None: no boxes).
         self.det_head = None if detection is None else CenterHead(self.bev_encoder.feature_channels, **dict(detection))
