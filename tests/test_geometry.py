@@ -144,7 +144,11 @@ def test_matrix_to_quaternion_inverts_quaternion_to_matrix_and_agrees_with_pyqua
 
     rng = np.random.default_rng(0)
     qs = [q / np.linalg.norm(q) for q in rng.normal(size=(200, 4))]
-    qs += [np.array([0.0, 1.0, 0.0, 0.0]), np.array([0.0, 0.0, 0.0, 1.0]), np.array([1e-9, 0.6, 0.0, 0.8])]  # 180 deg turns
+    qs += [
+        np.array([0.0, 1.0, 0.0, 0.0]),
+        np.array([0.0, 0.0, 0.0, 1.0]),
+        np.array([1e-9, 0.6, 0.0, 0.8]),
+    ]  # 180 deg turns
     for q in qs:
         R = quaternion_to_matrix(q)
         r = matrix_to_quaternion(R)
