@@ -627,9 +627,13 @@ def matmul_rates() -> dict:
     TF32, which cuDNN's fp32 convolutions use by default.)"""
     import torch
 
+    from bev.utils.precision import cpu_bf16_support
+
     n = 3072 if DEVICE == "cpu" else 8192
     rates = {}
-    for dtype in (torch.float32, torch.bfloat16):
+    # Without native bf16 a CPU emulates it: minutes for this product, and no rate worth reporting.
+    dtypes = (torch.float32, torch.bfloat16) if DEVICE != "cpu" or cpu_bf16_support() else (torch.float32,)
+    for dtype in dtypes:
         a, b = (torch.randn(n, n, device=DEVICE, dtype=dtype) for _ in range(2))
         times = []
         for i in range(7):
@@ -645,8 +649,8 @@ def add_matmul_fractions(results: dict) -> None:
     """Each variant's GFLOP/s as a fraction of the matrix-product rate of its precision."""
     for c in results["configs"].values():
         for name, v in c["variants"].items():
-            if "gflop_per_s" in v:
-                rate = results["matmul_gflop_per_s"]["bfloat16" if VARIANTS[name][1] else "float32"]
+            rate = results["matmul_gflop_per_s"].get("bfloat16" if VARIANTS[name][1] else "float32")
+            if "gflop_per_s" in v and rate:
                 v["of_matmul_rate"] = round(v["gflop_per_s"] / rate, 3)
 
 
