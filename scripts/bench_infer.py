@@ -40,6 +40,7 @@ def default_net() -> torch.nn.Module:
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
+    import bev.data  # noqa: F401 (registers the data config schemas that configs/data names)
     from bev.utils.config import CONFIG_DIR
 
     with initialize_config_dir(CONFIG_DIR, version_base="1.3"):

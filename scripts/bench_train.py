@@ -88,6 +88,7 @@ def compose_config(overrides: list[str]):
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
 
+    import bev.data  # noqa: F401 (registers the data config schemas that configs/data names)
     from bev.utils.config import CONFIG_DIR
 
     GlobalHydra.instance().clear()
