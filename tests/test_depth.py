@@ -100,7 +100,7 @@ def test_depth_targets_match_the_devkit_projection(synthetic_root, tmp_path):
                 got = s["depth"][n].numpy()
                 has = (got >= 0) | (bins >= 0)
                 # Equal up to points within float rounding of a cell edge or a bin's midpoint.
-                assert (got != bins).sum() <= max(1, 0.02 * has.sum()), (augment, i, c, (got != bins).sum(), has.sum())
+                assert (got != bins).sum() <= max(2, 0.02 * has.sum()), (augment, i, c, (got != bins).sum(), has.sum())
                 compared += has.sum()
         assert compared > 500
 

@@ -100,6 +100,15 @@ def _present(truth):
     return sorted({b.detection_name for b in gt.all})
 
 
+def _near_range_edge(truth, margin):
+    """The classes with a true box within `margin` of its class range (the devkit drops predictions past it)."""
+    from nuscenes.eval.common.config import config_factory
+
+    ranges = config_factory("detection_cvpr_2019").class_range
+    _, _, gt = truth
+    return {b.detection_name for t in gt.sample_tokens for b in gt[t] if b.ego_dist > ranges[b.detection_name] - margin}
+
+
 def _apart(truth, distance):
     """The classes whose true boxes are more than `distance` apart (xy) in every sample."""
     tokens, _, gt = truth
@@ -212,12 +221,14 @@ def test_shift_075_m(truth, synthetic_root, tmp_path, nusc):
         return boxes
 
     metrics, summary = _score(_results(truth, shift), synthetic_root, tmp_path, nusc)
-    apart = _apart(truth, 1.5)
-    assert "car" in apart
+    # Boxes more than 2 + 0.75 m apart: within the 2 m matching distance a shifted box is then nearer its own
+    # truth than any other (the devkit matches greedily, so closer neighbours may swap their truths).
+    apart = _apart(truth, 2.75) - _near_range_edge(truth, 0.75)  # a box shifted out of range is not scored
+    assert len(apart) >= 3, apart
     for c in _present(truth):
         assert summary["label_aps"][c]["0.5"] == 0.0, c
-        assert summary["label_aps"][c]["2.0"] >= 0.99, c
         if c in apart:  # else a shifted box may be nearer another one's truth and take it (the greedy matching)
+            assert summary["label_aps"][c]["2.0"] >= 0.99, c
             assert metrics[f"trans_err/{c}"] == pytest.approx(0.75, abs=1e-3), c
 
 
@@ -264,8 +275,6 @@ def test_zero_velocity_gives_the_true_speed(truth, synthetic_root, tmp_path, nus
         recall = np.arange(1, len(speeds) + 1) / len(speeds)
         expected = np.interp(np.linspace(0, 1, 101)[11:], recall, running).mean()
         assert metrics[f"vel_err/{c}"] == pytest.approx(expected, abs=1e-6), c
-        if known.all() and len(speeds) > 1:
-            assert expected == pytest.approx(np.nanmean(speeds), rel=0.5)  # a running mean of the same speeds
 
 
 def test_no_box_scores_zero_without_the_devkit(truth, synthetic_root, tmp_path, nusc, monkeypatch):
