@@ -127,6 +127,7 @@ def _check_batches_per_process(trainer_cfg: DictConfig, samples: int, batch_size
         per_node = int(devices)
     else:  # auto, -1: Lightning counts them
         return
+    _warn_processes_over_cores(trainer_cfg, per_node)
     world = per_node * nodes
     each = math.ceil(samples / max(world, 1))
     if samples >= batch_size > each:  # the loader drops the last partial batch
@@ -135,6 +136,20 @@ def _check_batches_per_process(trainer_cfg: DictConfig, samples: int, batch_size
             f"samples of {split!r}: {each} each, less than data.batch_size={batch_size}, so no process gets a full "
             f"batch and there is nothing to train. Use fewer processes (trainer.devices=1 on a CPU) or a smaller "
             f"data.batch_size."
+        )
+
+
+def _warn_processes_over_cores(trainer_cfg: DictConfig, per_node: int) -> None:
+    """CPU training processes beyond this machine's cores wait on each other: say so, with the fix."""
+    import os
+    import warnings
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if str(trainer_cfg.get("accelerator", "cpu")) == "cpu" and per_node > cores:
+        warnings.warn(
+            f"trainer.devices={per_node} starts {per_node} CPU training processes on {cores} core(s): they share the "
+            f"cores and train slower than one; use trainer.devices={cores} or fewer",
+            stacklevel=2,
         )
 
 
