@@ -141,10 +141,11 @@ def _check_batches_per_process(trainer_cfg: DictConfig, samples: int, batch_size
 
 def _warn_processes_over_cores(trainer_cfg: DictConfig, per_node: int) -> None:
     """CPU training processes beyond this machine's cores wait on each other: say so, with the fix."""
-    import os
     import warnings
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from bev.utils.threads import available_cpus
+
+    cores = available_cpus()
     if str(trainer_cfg.get("accelerator", "cpu")) == "cpu" and per_node > cores:
         warnings.warn(
             f"trainer.devices={per_node} starts {per_node} CPU training processes on {cores} core(s): they share the "

@@ -1,15 +1,10 @@
 """bev-train's checks of the trainer config before any data is read."""
 
-import os
-
 import pytest
 from omegaconf import OmegaConf
 
 from bev.train import _check_batches_per_process
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+from bev.utils.threads import available_cpus as _cores
 
 
 def test_more_cpu_processes_than_cores_is_a_warning_with_the_fix():
