@@ -33,6 +33,7 @@ import platform
 import statistics
 import sys
 import time
+import types
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -48,6 +49,7 @@ CONFIGS = {
     "embedded_det": ["experiment=synthetic_det_cpu"],  # the same with the detection head (its step cost)
 }
 DEVICE = "cpu"  # --device; on cuda every timing waits for the GPU (synchronize) before reading the clock
+LSS_ROOT = None  # --lss: a lift-splat-shoot checkout, whose own step joins the paper config as "lss_original"
 
 
 def sync() -> None:
@@ -290,6 +292,50 @@ class Variant:
         }
 
 
+class LssOriginal(Variant):
+    """lift-splat-shoot's own training step, its code loaded from a checkout as it is (src/train.py: its
+    model, SimpleLoss with pos_weight 2.13, Adam 1e-3 / 1e-7, gradient clipping 5), in fp32 as it runs,
+    on the same batch and rig as the project's variants. Random weights instead of its ImageNet download."""
+
+    def __init__(self, cfg, name: str, batch: dict):
+        import torch
+
+        src = types.ModuleType("src")  # its package without its __init__, which imports its trainer's tools
+        src.__path__ = [str(LSS_ROOT / "src")]
+        sys.modules["src"] = src
+        from efficientnet_pytorch import EfficientNet
+
+        EfficientNet.from_pretrained = classmethod(lambda cls, arch, *args, **kwargs: cls.from_name(arch))
+        from src.models import compile_model
+        from src.tools import SimpleLoss
+
+        grid = {k: list(cfg.grid[k]) for k in ("xbound", "ybound", "zbound", "dbound")}
+        torch.manual_seed(0)
+        self.name, self.bf16, self.compiled, self.parts = name, False, None, None
+        self.lit = self.net = compile_model(grid, {"final_dim": tuple(cfg.data.final_dim)}, outC=1).to(DEVICE).train()
+        self.loss_fn = SimpleLoss(2.13).to(DEVICE)
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=1e-3, weight_decay=1e-7)
+        self.batch, self.times, self.breakdown, self.first_step_s, self.wait = batch, [], [], None, True
+
+    def step(self) -> float:
+        import torch
+
+        b = self.batch
+        t0 = clock(self.wait)
+        self.opt.zero_grad()
+        preds = self.net(b["images"], b["rots"], b["trans"], b["intrinsics"], b["post_rots"], b["post_trans"])
+        t1 = clock(self.wait)
+        loss = self.loss_fn(preds, b["bev"][:, :1])
+        t2 = clock(self.wait)
+        loss.backward()
+        t3 = clock(self.wait)
+        torch.nn.utils.clip_grad_norm_(self.net.parameters(), 5.0)
+        self.opt.step()
+        t4 = clock(self.wait)
+        self.last_breakdown = dict(forward=t1 - t0, loss=t2 - t1, backward=t3 - t2, optimizer=t4 - t3)
+        return t4 - t0
+
+
 def median(xs):
     """The median, or None for no values."""
     return statistics.median(xs) if xs else None
@@ -297,7 +343,7 @@ def median(xs):
 
 def start_variant(cfg, key: str, name: str, batch: dict, warmup: int) -> Variant:
     """Build one variant and run its warm-up steps; a failure is kept in .error, not raised."""
-    v = Variant(cfg, name, batch)
+    v = (LssOriginal if name == "lss_original" else Variant)(cfg, name, batch)
     try:
         v.first_step_s = v.step()  # includes compilation for the compiled variants
         for _ in range(warmup - 1):
@@ -547,6 +593,13 @@ def parse_args(argv):
         help="after the measurement, profile N more steps of each variant (torch.profiler, no clock "
         "inside a step): wall vs GPU kernel time, launches per step, the ops with the most self time",
     )
+    p.add_argument(
+        "--lss",
+        type=Path,
+        default=None,
+        help="a checkout of github.com/nv-tlabs/lift-splat-shoot (needs efficientnet_pytorch): its own "
+        "training step joins the paper config's variants as lss_original",
+    )
     p.add_argument("--out", default=None, help="default benchmarks/results/bench_train_<device>.json")
     a = p.parse_args(argv)
     a.out = a.out or str(REPO / f"benchmarks/results/bench_train_{a.device}.json")
@@ -571,6 +624,8 @@ def variants_to_run(a) -> dict[str, list[str]]:
         variants["paper"] = [v for v in variants["paper"] if not VARIANTS[v][1]]
     if not a.compile:
         variants = {k: [v for v in vs if not VARIANTS[v][2]] for k, vs in variants.items()}
+    if a.lss and "paper" in variants:
+        variants["paper"].append("lss_original")
     return variants
 
 
@@ -650,7 +705,8 @@ def add_matmul_fractions(results: dict) -> None:
     """Each variant's GFLOP/s as a fraction of the matrix-product rate of its precision."""
     for c in results["configs"].values():
         for name, v in c["variants"].items():
-            rate = results["matmul_gflop_per_s"].get("bfloat16" if VARIANTS[name][1] else "float32")
+            bf16 = VARIANTS.get(name, (False, False, None))[1]
+            rate = results["matmul_gflop_per_s"].get("bfloat16" if bf16 else "float32")
             if "gflop_per_s" in v and rate:
                 v["of_matmul_rate"] = round(v["gflop_per_s"] / rate, 3)
 
@@ -674,9 +730,10 @@ def host(load0: float) -> dict:
 
 def main(argv=None) -> int:
     """Time every config's variants (and the loader), then write the report and print its table."""
-    global DEVICE
+    global DEVICE, LSS_ROOT
     a = parse_args(argv)
     DEVICE = a.device
+    LSS_ROOT = a.lss
     variants = variants_to_run(a)
 
     import torch

@@ -27,11 +27,13 @@
 #   --step-only the training step's checks alone, for a short lease: the build, tests/test_train_cuda.py,
 #               the paper-config step at batch 4, the temporal step (scripts/bench_temporal.py) and the training run (the op's tests, memcheck and
 #               benchmarks and the batch-16 step, all run on an H200 before, are left out)
-#   --compile-step the compiled step alone, in under 8 minutes: the build, the no-sync / CUDA-graph tests
-#               (tests/test_compile.py, tests/test_train_cuda.py), the paper-config step at batch 4 and 16 in
-#               fp32 and bf16, eager and compiled (default and reduce-overhead = CUDA graphs), alternated in
-#               one process, and with a FIERY checkout in $FIERY (its deps in $FIERY_SITE) the temporal step
-#               against FIERY's at stride 16 and at equal work (stride 8); no training run
+#   --compile-step the compiled step alone, in under 9 minutes: the build, then the no-sync / CUDA-graph
+#               tests (tests/test_compile.py, tests/test_train_cuda.py) on half the cores beside the benchmark
+#               on the other half: the paper-config step at batch 4 and 16 in fp32 and bf16, eager and
+#               compiled (reduce-overhead = CUDA graphs), alternated in one process with lift-splat-shoot's
+#               own step when $LSS is a checkout of it, and with a FIERY checkout in $FIERY (its deps in
+#               $FIERY_SITE or carried wheels) the temporal step against FIERY's at stride 16 and at equal
+#               work (stride 8); no training run
 # Environment: PYTHON (default python3), GPU_CHECK_DIR (work dir, default outputs/gpu_check).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -191,8 +193,18 @@ stage_start
 # Two processes, so that a crash in one (a C++ exception thrown through a broken unwinder is a
 # segfault: seen with the H200 image's compiler, see benchmarks/results/gpu_nvidia_h200.md) keeps the other's report.
 if [ "$COMPILE_STEP" = 1 ]; then
-  logged tests "$PY" -X faulthandler -m pytest -q -p no:cacheprovider -m cuda tests/test_compile.py tests/test_train_cuda.py \
-    --junitxml="$LOGS/tests.xml"
+  # Beside the benchmark (stage 3), on the other half of the cores: one lease holds both.
+  half=$(( $(nproc) / 2 ))
+  PIN_TESTS=() PIN_BENCH=()
+  if command -v taskset >/dev/null && [ "$half" -ge 2 ]; then
+    PIN_TESTS=(taskset -c "$half-$(( 2 * half - 1 ))") PIN_BENCH=(taskset -c "0-$(( half - 1 ))")
+  fi
+  TESTS_PID=""
+  if [ "$DRY_RUN" = 0 ]; then
+    "${PIN_TESTS[@]}" "$PY" -X faulthandler -m pytest -q -p no:cacheprovider -m cuda tests/test_compile.py \
+      tests/test_train_cuda.py --junitxml="$LOGS/tests.xml" > "$LOGS/tests.log" 2>&1 &
+    TESTS_PID=$!
+  fi
 elif [ "$STEP_ONLY" = 1 ]; then
   logged tests "$PY" -X faulthandler -m pytest -q -p no:cacheprovider -m cuda tests/test_train_cuda.py --junitxml="$LOGS/tests.xml"
 else
@@ -210,7 +222,7 @@ else
     echo "no compute-sanitizer in $CUDA_HOME/bin: memcheck skipped"
   fi
 fi
-stage_end tests
+[ "$COMPILE_STEP" = 1 ] || stage_end tests
 
 # ------------------------------------------------------------------------------ 3. benchmark
 BENCH_JSON=$WORK/bench_pool_cuda.json
@@ -219,16 +231,24 @@ if [ "$SKIP_BENCH" = 0 ] && [ "$COMPILE_STEP" = 1 ]; then
   say "3. benchmark: the compiled step"
   stage_start
   # One process per batch size: eager and compiled variants alternated round-robin on the same batch.
-  logged bench_train "$PY" scripts/bench_train.py --device cuda --configs paper --steps 10 --warmup 3 --profile 3 \
-    --variants fp32 channels_last+bf16 compile+channels_last+bf16 cudagraphs+channels_last cudagraphs+channels_last+bf16 \
-    --out "$TRAIN_BENCH_JSON"
-  logged bench_train_b16 "$PY" scripts/bench_train.py --device cuda --configs paper --batch-size 16 --steps 10 --warmup 3 \
-    --variants fp32 channels_last+bf16 cudagraphs+channels_last+bf16 --out "${TRAIN_BENCH_JSON%.json}_b16.json"
+  LSS_ARGS=(${LSS:+--lss "$LSS"})
+  logged bench_train "${PIN_BENCH[@]}" "$PY" scripts/bench_train.py --device cuda --configs paper --steps 8 --warmup 2 \
+    --profile 2 --variants fp32 channels_last+bf16 cudagraphs+channels_last cudagraphs+channels_last+bf16 \
+    "${LSS_ARGS[@]}" --out "$TRAIN_BENCH_JSON"
+  logged bench_train_b16 "${PIN_BENCH[@]}" "$PY" scripts/bench_train.py --device cuda --configs paper --batch-size 16 \
+    --steps 6 --warmup 2 --variants fp32 channels_last+bf16 cudagraphs+channels_last+bf16 "${LSS_ARGS[@]}" \
+    --out "${TRAIN_BENCH_JSON%.json}_b16.json"
   if [ -n "${FIERY:-}" ]; then
-    logged bench_vs_fiery "$PY" scripts/bench_vs_fiery.py --device cuda --fiery "$FIERY" ${FIERY_SITE:+--site "$FIERY_SITE"} \
-      --stride8 --steps 10 --warmup 3 --out "$RESULTS/bench_vs_fiery_${DEVICE}.json"
+    logged bench_vs_fiery "${PIN_BENCH[@]}" "$PY" scripts/bench_vs_fiery.py --device cuda --fiery "$FIERY" \
+      ${FIERY_SITE:+--site "$FIERY_SITE"} --ours-fp32 --stride8 --steps 8 --warmup 2 \
+      --out "$RESULTS/bench_vs_fiery_${DEVICE}.json"
   fi
   stage_end bench
+  if [ -n "$TESTS_PID" ]; then
+    wait "$TESTS_PID" || FAILED="$FAILED tests"
+    cat "$LOGS/tests.log"
+  fi
+  stage_end tests
 elif [ "$SKIP_BENCH" = 0 ]; then
   say "3. benchmark"
   stage_start
