@@ -223,7 +223,14 @@ class BEVLitModule(L.LightningModule):
                 end_schedule_at(sched, steps, pivot=-1)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.net(*(batch[k] for k in CAMERA_KEYS))
+        return self.run_net(*(batch[k] for k in CAMERA_KEYS))
+
+    def run_net(self, *args, **kwargs):
+        """self.net(...) as a new step for CUDA graphs (model.compile=reduce-overhead): the last call's outputs
+        are dead, so that its graph's replay may write over them."""
+        if self.compile == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        return self.net(*args, **kwargs)
 
     def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         logits, target = logits.float(), target.float()
@@ -268,7 +275,7 @@ class BEVLitModule(L.LightningModule):
                 "model.depth_weight > 0 needs lidar depth targets in the batch: set data.depth_target=true"
             )
         else:
-            out, depth_logits = self.net(*(batch[k] for k in CAMERA_KEYS), return_depth=True)
+            out, depth_logits = self.run_net(*(batch[k] for k in CAMERA_KEYS), return_depth=True)
         loss, terms = self.losses(out, batch, depth_logits)
         return loss, split_outputs(out)[0], terms
 

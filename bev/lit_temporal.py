@@ -104,10 +104,10 @@ class TemporalLitModule(BEVLitModule):
         labels = batch if self.training and getattr(self.net, "probabilistic", False) else None
         cams = tuple(batch[k] for k in CAMERA_KEYS)
         if self.past_cache is None or not self.training or not self.net.past_frames:
-            return self.net(*cams, batch["future_egomotion"], past_no_grad=self.past_no_grad, future_labels=labels)
+            return self.run_net(*cams, batch["future_egomotion"], past_no_grad=self.past_no_grad, future_labels=labels)
         keys = frame_keys(batch, self.net.past_frames)
         past = self._cached_past(cams, keys)
-        out = self.net(*cams, batch["future_egomotion"], future_labels=labels, past_features=past, return_features=True)
+        out = self.run_net(*cams, batch["future_egomotion"], future_labels=labels, past_features=past, return_features=True)
         for b, feats in enumerate(out.pop("present_features").detach()):
             self.past_cache.put(keys[b][-1], feats.clone(), self.global_step)  # a copy: a view would keep the batch
         return out
