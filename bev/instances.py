@@ -1,4 +1,4 @@
-"""Vehicle instances decoded from the centreness, offset and flow heads, by FIERY's rules.
+"""Vehicle instances decoded from the centerness, offset and flow heads, by FIERY's rules.
 
 Conventions (bev.geometry): BEV arrays are indexed [x, y] (row = forward axis). Offsets and flows
 are in grid cells, channel 0 along x (rows), channel 1 along y (columns); offset = centre - cell;
@@ -6,7 +6,7 @@ flow[t] is the motion of an instance's centre from frame t to t + 1. Instance ma
 0 = background, 1.. = instances.
 
 Per frame (decode_instances):
-- centres (find_centres): cells whose centreness is > threshold and equal to the maximum of their
+- centres (find_centres): cells whose centerness is > threshold and equal to the maximum of their
   nms_kernel x nms_kernel neighbourhood; every cell of a tied plateau is a centre;
 - every foreground cell joins the centre nearest (Euclidean, in cells) to cell + offset, the first
   centre in raster order on ties; centres that get no cell are dropped and the rest numbered
@@ -48,10 +48,10 @@ def _head(t: torch.Tensor, name: str, channels: int) -> torch.Tensor:
 
 
 def find_centres(
-    centreness: torch.Tensor, threshold: float = 0.1, nms_kernel: int = 3, max_instances: int = 100
+    centerness: torch.Tensor, threshold: float = 0.1, nms_kernel: int = 3, max_instances: int = 100
 ) -> torch.Tensor:
-    """(1, X, Y) or (X, Y) centreness -> (N, 2) int64 (x, y) cells of the instance centres, raster order."""
-    heat = _head(centreness, "centreness", channels=1)[0]
+    """(1, X, Y) or (X, Y) centerness -> (N, 2) int64 (x, y) cells of the instance centres, raster order."""
+    heat = _head(centerness, "centerness", channels=1)[0]
     if nms_kernel < 1 or nms_kernel % 2 == 0:
         raise ValueError(f"nms_kernel must be an odd number >= 1, got {nms_kernel}")
     if max_instances < 1:
@@ -77,19 +77,19 @@ def _renumber(ids: torch.Tensor, n: int) -> torch.Tensor:
 
 def decode_instances(
     segmentation: torch.Tensor,
-    centreness: torch.Tensor,
+    centerness: torch.Tensor,
     offset: torch.Tensor,
     threshold: float = 0.1,
     nms_kernel: int = 3,
     max_instances: int = 100,
 ) -> torch.Tensor:
-    """One frame: (X, Y) bool foreground, (1, X, Y) centreness, (2, X, Y) offset -> (X, Y) int64 ids."""
+    """One frame: (X, Y) bool foreground, (1, X, Y) centerness, (2, X, Y) offset -> (X, Y) int64 ids."""
     off = _head(offset, "offset", channels=2)
     if segmentation.shape != off.shape[1:]:
         raise ValueError(
             f"segmentation {tuple(segmentation.shape)} must be (X, Y) = {tuple(off.shape[1:])}, the offset's grid"
         )
-    centres = find_centres(centreness, threshold, nms_kernel, max_instances)
+    centres = find_centres(centerness, threshold, nms_kernel, max_instances)
     out = torch.zeros(segmentation.shape, dtype=torch.int64, device=off.device)
     fg = segmentation.bool().to(off.device)
     if len(centres) == 0 or not fg.any():
@@ -160,7 +160,7 @@ def make_consistent(instances: torch.Tensor, flow: torch.Tensor, matching_thresh
 
 def predict_instances(
     segmentation: torch.Tensor,
-    centreness: torch.Tensor,
+    centerness: torch.Tensor,
     offset: torch.Tensor,
     flow: torch.Tensor | None = None,
     threshold: float = 0.1,
@@ -170,7 +170,7 @@ def predict_instances(
 ) -> torch.Tensor:
     """Per-frame decoding, then ids made consistent over time by the flow.
 
-    segmentation (T, X, Y) bool, centreness (T, 1, X, Y), offset (T, 2, X, Y), flow (T, 2, X, Y)
+    segmentation (T, X, Y) bool, centerness (T, 1, X, Y), offset (T, 2, X, Y), flow (T, 2, X, Y)
     -> (T, X, Y) int64; a leading batch axis B on all of them is kept. flow None: zero flow (FIERY
     does the same when its model has no flow head).
     """
@@ -179,7 +179,7 @@ def predict_instances(
             [
                 predict_instances(
                     segmentation[b],
-                    centreness[b],
+                    centerness[b],
                     offset[b],
                     None if flow is None else flow[b],
                     threshold,
@@ -190,10 +190,10 @@ def predict_instances(
                 for b in range(segmentation.shape[0])
             ]
         )
-    T, X, Y = _check_sequence(segmentation, centreness, offset, flow)
+    T, X, Y = _check_sequence(segmentation, centerness, offset, flow)
     frames = torch.stack(
         [
-            decode_instances(segmentation[t], centreness[t], offset[t], threshold, nms_kernel, max_instances)
+            decode_instances(segmentation[t], centerness[t], offset[t], threshold, nms_kernel, max_instances)
             for t in range(T)
         ]
     )
@@ -204,7 +204,7 @@ def predict_instances(
 
 def propagate_instances(
     segmentation: torch.Tensor,
-    centreness: torch.Tensor,
+    centerness: torch.Tensor,
     offset: torch.Tensor,
     flow: torch.Tensor,
     threshold: float = 0.1,
@@ -214,7 +214,7 @@ def propagate_instances(
 ) -> torch.Tensor:
     """The present frame's instances carried over the future frames by the flow (as PowerBEV): frame 0 is
     decoded as decode_instances does; in frame t the centres are those of frame t - 1's instances, each
-    moved by its mean flow, and those of frame t's own centreness (find_centres) farther than
+    moved by its mean flow, and those of frame t's own centerness (find_centres) farther than
     matching_threshold cells from all of them (a vehicle coming into view: a new id); each foreground
     cell joins the centre nearest to cell + offset.
     Shapes as predict_instances (B leading kept)."""
@@ -222,17 +222,17 @@ def propagate_instances(
         args = (threshold, nms_kernel, max_instances, matching_threshold)
         return torch.stack(
             [
-                propagate_instances(segmentation[b], centreness[b], offset[b], flow[b], *args)
+                propagate_instances(segmentation[b], centerness[b], offset[b], flow[b], *args)
                 for b in range(len(segmentation))
             ]
         )
-    T, X, Y = _check_sequence(segmentation, centreness, offset, flow)
-    frames = [decode_instances(segmentation[0], centreness[0], offset[0], threshold, nms_kernel, max_instances)]
+    T, X, Y = _check_sequence(segmentation, centerness, offset, flow)
+    frames = [decode_instances(segmentation[0], centerness[0], offset[0], threshold, nms_kernel, max_instances)]
     next_id = int(frames[0].max()) + 1
     for t in range(1, T):
         ids, centres = instance_centres(frames[-1], flow[t - 1])
         # centres this frame finds farther than matching_threshold from every carried one: new vehicles
-        found = find_centres(centreness[t], threshold, nms_kernel, max_instances).double()
+        found = find_centres(centerness[t], threshold, nms_kernel, max_instances).double()
         if len(ids) and len(found):
             found = found[torch.cdist(found, centres).min(1).values > matching_threshold]
         new_ids = torch.arange(next_id, next_id + len(found), device=ids.device)
@@ -251,21 +251,21 @@ DECODINGS = ("propagate", "fiery")
 
 
 def decode_sequence(
-    segmentation: torch.Tensor, centreness: torch.Tensor, offset: torch.Tensor, flow: torch.Tensor, method: str
+    segmentation: torch.Tensor, centerness: torch.Tensor, offset: torch.Tensor, flow: torch.Tensor, method: str
 ) -> torch.Tensor:
     """Instances over the frames by `method`: "propagate" (propagate_instances) or "fiery" (predict_instances)."""
     if method == "propagate":
-        return propagate_instances(segmentation, centreness, offset, flow)
+        return propagate_instances(segmentation, centerness, offset, flow)
     if method == "fiery":
-        return predict_instances(segmentation, centreness, offset, flow)
+        return predict_instances(segmentation, centerness, offset, flow)
     raise ValueError(f"instance decoding must be one of {DECODINGS}, got {method!r}")
 
 
-def _check_sequence(segmentation, centreness, offset, flow) -> tuple[int, int, int]:
+def _check_sequence(segmentation, centerness, offset, flow) -> tuple[int, int, int]:
     if segmentation.dim() != 3:
         raise ValueError(f"segmentation must be (T, X, Y) or (B, T, X, Y), got {tuple(segmentation.shape)}")
     T, X, Y = segmentation.shape
-    for name, t, c in (("centreness", centreness, 1), ("offset", offset, 2), ("flow", flow, 2)):
+    for name, t, c in (("centerness", centerness, 1), ("offset", offset, 2), ("flow", flow, 2)):
         if t is not None and tuple(t.shape) != (T, c, X, Y):
             raise ValueError(f"{name} must be {(T, c, X, Y)} to go with segmentation {(T, X, Y)}, got {tuple(t.shape)}")
     return T, X, Y

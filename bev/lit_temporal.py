@@ -201,7 +201,7 @@ class TemporalLitModule(BEVLitModule):
         self._eval_step(batch, "test")
 
     def predict_step(self, batch: dict, batch_idx: int = 0, dataloader_idx: int = 0) -> dict[str, torch.Tensor]:
-        """Probabilities of the static head ("bev", (B, K, X, Y)) and the future segmentation; centreness,
+        """Probabilities of the static head ("bev", (B, K, X, Y)) and the future segmentation; centerness,
         offset and flow as the heads give them (float32)."""
         out = self(batch)
         probs = {"bev": out["bev"].float().sigmoid(), "segmentation": out["segmentation"].float().sigmoid()}
@@ -409,7 +409,7 @@ def load_matching(module: nn.Module, ckpt: Mapping[str, Any], file: Any) -> tupl
 
 
 def present_copied(out: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The present frame's segmentation, centreness and offset copied to every future frame, with zero flow:
+    """The present frame's segmentation, centerness and offset copied to every future frame, with zero flow:
     the future of a model that predicts none, decoded and scored like the learned one."""
     frames = out["segmentation"].shape[1]
     copy = {k: out[k][:, :1].expand(-1, frames, *out[k].shape[2:]) for k in ("segmentation", "centerness", "offset")}

@@ -224,14 +224,14 @@ class _PredictionFiles:
     def add(self, batch, i: int, probs, scene, timestamp: int, det=None) -> dict[str, Any]:
         """Write sample i of the batch (probabilities probs[i], boxes det) as the next of `scene`; returns its record."""
         from bev.inference import save_prediction_npz
-        from bev.utils.io import safe_name
+        from bev.utils.io import inside, safe_name
 
         if scene != self.scene:  # samples come in (scene, time) order: the previous scene is complete
             self.end_scene()
             self.scene, self.nth = str(scene), 0
         token = batch["sample_token"][i]
         # Names come from the dataset's tables: made safe so that every file stays inside out=.
-        stem = self.out / safe_name(self.scene) / f"{self.nth:03d}_{safe_name(token)}"
+        stem = inside(self.out, self.out / safe_name(self.scene) / f"{self.nth:03d}_{safe_name(token)}")
         title = f"{self.scene} #{self.nth}  {token}"
         self.nth += 1
         future = {k: v[i] for k, v in probs.items()} if isinstance(probs, dict) else None
@@ -296,12 +296,11 @@ class _PredictionFiles:
     def end_scene(self) -> None:
         """Write the current scene's GIF (when GIFs are on and it has frames) and start with no frames."""
         from bev.inference import save_gif
-        from bev.utils.io import safe_name
+        from bev.utils.io import inside, safe_name
 
         if self.cfg.gif and self.frames:
-            self.gifs.append(
-                str(save_gif(self.out / f"{safe_name(self.scene)}.gif", self.frames, float(self.cfg.gif_fps)))
-            )
+            gif = inside(self.out, self.out / f"{safe_name(self.scene)}.gif")
+            self.gifs.append(str(save_gif(gif, self.frames, float(self.cfg.gif_fps))))
         self.frames.clear()
 
 

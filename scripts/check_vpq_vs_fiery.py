@@ -341,7 +341,7 @@ def _pooled(fm, pooled, state_sums, everything) -> dict:
 
 # ---------------------------------------------------------------- decoding
 def random_heads(rng, T, X, Y):
-    """Segmentation logits (1, T, 2, X, Y), centreness, offsets towards true centres, flows, for moving boxes."""
+    """Segmentation logits (1, T, 2, X, Y), centerness, offsets towards true centres, flows, for moving boxes."""
     gt = random_gt(rng, 1, T, X, Y, int(rng.integers(1, 7)))[0]
     seg = torch.zeros(T, 2, X, Y)
     seg[:, 1] = torch.from_numpy(gt > 0).float() * 2 - 1

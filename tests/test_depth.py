@@ -112,6 +112,10 @@ def test_missing_or_damaged_lidar_file(tmp_path):
     np.zeros(7, np.float32).tofile(bad)
     with pytest.raises(ValueError, match="damaged"):
         load_lidar(str(bad))
+    empty = tmp_path / "empty.pcd.bin"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="empty .*damaged.*depth_target=false"):
+        load_lidar(str(empty))
 
 
 def _tiny_lss():

@@ -33,7 +33,7 @@ def centre(mask: torch.Tensor) -> torch.Tensor:
 
 
 def perfect_heads(instances: torch.Tensor):
-    """segmentation, centreness, offset, flow as ideal heads would give them for (T, X, Y) ids."""
+    """segmentation, centerness, offset, flow as ideal heads would give them for (T, X, Y) ids."""
     T = instances.shape[0]
     cells = torch.stack(torch.meshgrid(torch.arange(X), torch.arange(Y), indexing="ij")).double()  # (2, X, Y)
     heat, offset, flow = torch.zeros(T, 1, X, Y), torch.full((T, 2, X, Y), 255.0), torch.zeros(T, 2, X, Y)

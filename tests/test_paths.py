@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bev import predict_cli
-from bev.utils.io import safe_name
+from bev.utils.io import inside, safe_name
 from helpers.cli import TINY, assert_one_paragraph, run_cli, train_cli
 
 HOSTILE = [
@@ -102,6 +102,30 @@ def test_bev_predict_never_writes_outside_out(run, synthetic_root, tmp_path, mon
         evil.values()
     )  # the record keeps the data's names
     assert len({s["npz"] for s in rec["samples"]}) == 3 and all(Path(s["npz"]).is_file() for s in rec["samples"])
+
+
+def test_inside_refuses_a_folder_that_a_link_leads_out_of(tmp_path):
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / "scene").symlink_to(elsewhere, target_is_directory=True)
+    (out / "inner").symlink_to(out, target_is_directory=True)
+    assert inside(out, out / "a.npz") == out / "a.npz"
+    assert inside(out, out / "new" / "a.npz") == out / "new" / "a.npz"  # not made yet: fine
+    assert inside(out, out / "inner" / "a.npz")  # a link that stays inside
+    with pytest.raises(ValueError, match="outside .*remove the link"):
+        inside(out, out / "scene" / "a.npz")
+
+
+def test_bev_predict_never_follows_a_link_out_of_out(run, synthetic_root, tmp_path, monkeypatch, capsys):
+    out, elsewhere = tmp_path / "pred", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / "scene-0103").symlink_to(elsewhere, target_is_directory=True)  # the val scene's folder
+    args = [f"ckpt_path={run}", f"data.dataroot={synthetic_root}", f"out={out}", f"hydra.run.dir={tmp_path / 'r'}"]
+    assert run_cli(predict_cli._hydra_main, args, monkeypatch) != 0
+    assert not any(elsewhere.iterdir())
+    assert_one_paragraph(capsys.readouterr().err, "bev-predict: error:", "remove the link")
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,11 @@ def load_lidar(path: str) -> np.ndarray:
             f"lidar file {path!r} is missing (listed in sample_data; needed by data.depth_target=true); "
             "re-download the sweep files or set data.depth_target=false"
         ) from None
+    if raw.size == 0:
+        raise ValueError(
+            f"lidar file {path!r} is empty (0 bytes): the file is damaged; re-download it (or regenerate the "
+            "synthetic set), or set data.depth_target=false"
+        )
     if raw.size % LIDAR_COLUMNS:
         raise ValueError(
             f"lidar file {path!r} has {raw.size} floats, not a multiple of {LIDAR_COLUMNS} "

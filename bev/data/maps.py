@@ -54,16 +54,27 @@ def check_map_files(dataroot: str | os.PathLike, locations: Sequence[str]) -> No
         )
 
 
+class _Dangling(KeyError):
+    """A map record names a token that its table does not hold."""
+
+
+def _get(nmap, table: str, token: str) -> dict:
+    """The map's `table` record of `token`; a missing one is _Dangling, naming both."""
+    try:
+        return nmap.get(table, token)
+    except KeyError:
+        raise _Dangling(f"names a missing {table} {token}") from None
+
+
 def _vertices(nmap, node_tokens: Sequence[str]) -> np.ndarray:
     """(N, 2) float64 global x, y of map nodes."""
-    return np.array(
-        [(nmap.get("node", t)["x"], nmap.get("node", t)["y"]) for t in node_tokens], dtype=np.float64
-    ).reshape(-1, 2)
+    nodes = [_get(nmap, "node", t) for t in node_tokens]
+    return np.array([(n["x"], n["y"]) for n in nodes], dtype=np.float64).reshape(-1, 2)
 
 
 def _rings_of_polygon(nmap, polygon_token: str) -> list[np.ndarray]:
     """A map polygon's rings: the exterior, then its non-empty holes."""
-    rec = nmap.get("polygon", polygon_token)
+    rec = _get(nmap, "polygon", polygon_token)
     rings = [_vertices(nmap, rec["exterior_node_tokens"])]
     rings += [_vertices(nmap, h["node_tokens"]) for h in rec["holes"] if len(h["node_tokens"])]
     return rings
@@ -124,9 +135,19 @@ def _record_shapes(nmap, layer: str, rec: dict, skipped: list[str]) -> list[list
     """The drawable shapes of one record of a devkit layer, each a list of rings (a line: one ring).
     What cannot be drawn is left out and named in `skipped`: lines of < 2 points, rings of < 3 distinct
     points, non-finite nodes, and (as the devkit's get_map_mask) invalid polygons other than
-    drivable_area, whose self-intersecting polygons are repaired instead (shapely's make_valid)."""
+    drivable_area, whose self-intersecting polygons are repaired instead (shapely's make_valid), and records
+    naming a node, line or polygon that the map does not hold."""
+    try:
+        return _drawable_shapes(nmap, layer, rec, skipped)
+    except _Dangling as e:  # a dangling reference: this record cannot be drawn, the others can
+        skipped.append(f"{layer} {rec.get('token')}: {e.args[0]}")
+        return []
+
+
+def _drawable_shapes(nmap, layer: str, rec: dict, skipped: list[str]) -> list[list[np.ndarray]]:
+    """_record_shapes, which see; a dangling reference raises _Dangling."""
     if layer in LINE_LAYERS:
-        line = _vertices(nmap, nmap.get("line", rec["line_token"])["node_tokens"])
+        line = _vertices(nmap, _get(nmap, "line", rec["line_token"])["node_tokens"])
         problem = "fewer than 2 points" if len(line) < 2 else None if np.isfinite(line).all() else "non-finite nodes"
         if problem:
             skipped.append(f"{layer} {rec['token']}: {problem}")

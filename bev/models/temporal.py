@@ -129,7 +129,7 @@ class GaussianLatent(nn.Module):
 
 class FutureHeads(nn.Module):
     """BEV features (B, Cf, X, Y) -> per-frame heads, time folded into channels (PowerBEV): two branches,
-    segmentation + centreness and offset + flow, each an optional 3x3 conv then a 1x1 conv to
+    segmentation + centerness and offset + flow, each an optional 3x3 conv then a 1x1 conv to
     (F+1) x channels."""
 
     def __init__(self, in_channels: int, frames: int, hidden: int = 0):

@@ -61,6 +61,20 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
         raise
 
 
+def inside(root: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """`path` (a file to write under `root`) if its folder stays inside `root` with symbolic links followed;
+    else a clear error, so that outputs never follow a link out of the folder a user named."""
+    root, path = Path(root), Path(path)
+    real_root, real_dir = root.resolve(), path.parent.resolve()
+    if real_dir != real_root and real_root not in real_dir.parents:
+        raise ValueError(
+            f"{path} would be written to {real_dir / path.name}, outside {root}: a symbolic link inside {root} "
+            f"leads out of it. Outputs never follow a link out of their folder: remove the link or choose "
+            f"another folder"
+        )
+    return path
+
+
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9._+-]")
 MAX_NAME_CHARS = 120  # leaves room for prefixes and suffixes within the usual 255-byte limit
 
