@@ -107,7 +107,9 @@ class TemporalLitModule(BEVLitModule):
             return self.run_net(*cams, batch["future_egomotion"], past_no_grad=self.past_no_grad, future_labels=labels)
         keys = frame_keys(batch, self.net.past_frames)
         past = self._cached_past(cams, keys)
-        out = self.run_net(*cams, batch["future_egomotion"], future_labels=labels, past_features=past, return_features=True)
+        out = self.run_net(
+            *cams, batch["future_egomotion"], future_labels=labels, past_features=past, return_features=True
+        )
         for b, feats in enumerate(out.pop("present_features").detach()):
             self.past_cache.put(keys[b][-1], feats.clone(), self.global_step)  # a copy: a view would keep the batch
         return out
