@@ -125,22 +125,30 @@ def test_broken_map_shapes_are_skipped_or_repaired_and_named(root, tmp_path):
     assert broken.map_target(0).shape == clean.map_target(0).shape
 
 
-def test_map_records_with_dangling_references_are_skipped_and_named(root, tmp_path):
+def test_a_map_polygon_naming_a_missing_node_is_skipped_and_named(root, tmp_path):
     clean = dataset(root, tmp_path / "clean", map_layers="bevfusion")
     made = {}
 
     def edit(m):
         made["node"] = _add_polygon(m, "walkway", [(0, 0), (4, 0), (4, 4)])
         m["polygon"][-1]["exterior_node_tokens"][1] = "nonexistent_node"
-        m["walkway"].append({**m["walkway"][0], "token": "walkway_lost", "polygon_token": "nonexistent_polygon"})
-        line_layer = next(k for k in ("divider", "road_divider", "lane_divider") if m.get(k))
-        m[line_layer].append({**m[line_layer][0], "token": "divider_lost", "line_token": "nonexistent_line"})
 
     edit_map(root, edit)
     with pytest.warns(UserWarning, match="map expansion") as w:
         broken = dataset(root, tmp_path / "broken", map_layers="bevfusion")
     msg = " ".join(str(x.message) for x in w)
-    assert "missing node nonexistent_node" in msg and made["node"] in msg
-    assert "walkway_lost: names a missing polygon nonexistent_polygon" in msg
-    assert "divider_lost: names a missing line nonexistent_line" in msg
+    assert f"walkway_{made['node']}: its polygon {made['node']} names a missing node nonexistent_node" in msg
     assert len(broken.index["map_shape_class"]) == len(clean.index["map_shape_class"])
+
+
+@pytest.mark.parametrize("layer, field", [("walkway", "polygon_token"), ("road_divider", "line_token")])
+def test_a_map_record_naming_a_missing_polygon_or_line_is_one_error(root, tmp_path, layer, field):
+    def edit(m):
+        m[layer].append({**m[layer][0], "token": "lost_record", field: "nonexistent_shape"})
+
+    edit_map(root, edit)
+    with pytest.raises(ValueError) as e:
+        dataset(root, tmp_path, map_layers="bevfusion")
+    msg = str(e.value)
+    assert f"{layer} record lost_record names a missing token 'nonexistent_shape'" in msg
+    assert LOCATION in msg and "Fix that record" in msg and len(msg.splitlines()) == 1

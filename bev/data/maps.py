@@ -23,6 +23,7 @@ BEVFusion uses), on the bev.geometry grid and in the same ego frame as the boxes
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import warnings
 from collections.abc import Sequence
@@ -75,8 +76,11 @@ def _vertices(nmap, node_tokens: Sequence[str]) -> np.ndarray:
 def _rings_of_polygon(nmap, polygon_token: str) -> list[np.ndarray]:
     """A map polygon's rings: the exterior, then its non-empty holes."""
     rec = _get(nmap, "polygon", polygon_token)
-    rings = [_vertices(nmap, rec["exterior_node_tokens"])]
-    rings += [_vertices(nmap, h["node_tokens"]) for h in rec["holes"] if len(h["node_tokens"])]
+    try:
+        rings = [_vertices(nmap, rec["exterior_node_tokens"])]
+        rings += [_vertices(nmap, h["node_tokens"]) for h in rec["holes"] if len(h["node_tokens"])]
+    except _Dangling as e:
+        raise _Dangling(f"its polygon {polygon_token} {e.args[0]}") from None
     return rings
 
 
@@ -124,11 +128,27 @@ def _open_map(dataroot: str | os.PathLike, location: str):
     """The devkit's NuScenesMap of one location; any failure to read it names the file."""
     try:
         return _map_api().NuScenesMap(dataroot=str(dataroot), map_name=location)
+    except KeyError as e:  # the devkit resolves each layer's polygon / line when it loads the map
+        raise ValueError(
+            f"map expansion {str(map_file(dataroot, location))!r}: {_referrer(map_file(dataroot, location), e.args[0])} "
+            f"names a missing token {e.args[0]!r}. Fix that record, or download the map expansion again. "
+            f"{MAP_DOWNLOAD} (v1.3)."
+        ) from None
     except Exception as e:  # outdated version, unknown location, missing layer: name the file
         raise ValueError(
             f"cannot read the map expansion {str(map_file(dataroot, location))!r} with the nuScenes devkit "
             f"({type(e).__name__}: {e}). {MAP_DOWNLOAD} (v1.3)."
         ) from None
+
+
+def _referrer(path: Path, token: str) -> str:
+    """'<table> <token>' of the first map record that names `token` (for an error), else 'a record'."""
+    tables = json.loads(Path(path).read_text())
+    for table, records in tables.items():
+        for rec in records if isinstance(records, list) else ():
+            if isinstance(rec, dict) and token in (v for v in rec.values() if isinstance(v, str)):
+                return f"{table} record {rec.get('token')}"
+    return "a record"
 
 
 def _record_shapes(nmap, layer: str, rec: dict, skipped: list[str]) -> list[list[np.ndarray]]:
