@@ -35,6 +35,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 def _train(cfg: DictConfig) -> dict[str, Any]:
     from hydra.utils import instantiate
 
+    if cfg.get("malloc_tuning"):
+        tune_malloc_in_process()  # before the model and data allocate: keep freed activations mapped
     _seed_and_matmul_precision(cfg)
     _resolve_auto_precision(cfg)
     if Path(cfg.paths.output_dir).is_dir():  # files of a killed earlier session (metrics.json, ...)
@@ -281,7 +283,6 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
-    tune_malloc_in_process()  # CPU steps: keep freed activations mapped (see bev.utils.malloc)
     _hydra_main()
 
 

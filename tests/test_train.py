@@ -263,6 +263,7 @@ def test_eval_threads_give_way_to_other_processes(
         f"ckpt_path={trained_run}",
         f"data.dataroot={synthetic_root}",
         "data.num_workers=0",
+        "threads=auto",
         f"hydra.run.dir={tmp_path}",
     ]
     assert eval_cli(args, monkeypatch) == 0
