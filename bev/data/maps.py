@@ -36,6 +36,7 @@ from bev.classes import LINE_LAYERS, MAP_CLASSES, POLYGON_LAYERS, PRESETS, norma
 from bev.geometry import Grid
 
 LINE_WIDTH_M = 1.0  # drawn width of divider lines: the devkit's 2 px at BEVFusion's 0.5 m cells
+_NON_FINITE = "non-finite or non-numeric nodes"  # why a shape with a NaN, infinite or non-number node is skipped
 MAP_DOWNLOAD = (
     "Download the map expansion pack (nuScenes-map-expansion-v1.3.zip, from https://www.nuscenes.org/download) "
     "and unpack it into DATAROOT/maps/ so that DATAROOT/maps/expansion/<location>.json exist"
@@ -68,9 +69,17 @@ def _get(nmap, table: str, token: str) -> dict:
 
 
 def _vertices(nmap, node_tokens: Sequence[str]) -> np.ndarray:
-    """(N, 2) float64 global x, y of map nodes."""
+    """(N, 2) float64 global x, y of map nodes; a coordinate that is missing or not a number is NaN (the shape
+    is then skipped and named with the other non-finite ones)."""
     nodes = [_get(nmap, "node", t) for t in node_tokens]
-    return np.array([(n["x"], n["y"]) for n in nodes], dtype=np.float64).reshape(-1, 2)
+    return np.array([(_coordinate(n.get("x")), _coordinate(n.get("y"))) for n in nodes], dtype=np.float64).reshape(
+        -1, 2
+    )
+
+
+def _coordinate(value) -> float:
+    """A node coordinate as a float; NaN for a string, null, true/false or a list (NumPy would refuse or convert them)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")
 
 
 def _rings_of_polygon(nmap, polygon_token: str) -> list[np.ndarray]:
@@ -109,7 +118,9 @@ def load_map_geometry(
         if skipped:
             shown = "; ".join(skipped[:5]) + (f"; and {len(skipped) - 5} more" if len(skipped) > 5 else "")
             warnings.warn(
-                f"map expansion {str(map_file(dataroot, loc))!r}: {len(skipped)} shape(s): {shown}", stacklevel=2
+                f"map expansion {str(map_file(dataroot, loc))!r}: {len(skipped)} shape(s): {shown}. To draw them, fix "
+                "those records of the map file, or re-download the map expansion",
+                stacklevel=2,
             )
     return table.arrays(locations)
 
@@ -168,7 +179,7 @@ def _drawable_shapes(nmap, layer: str, rec: dict, skipped: list[str]) -> list[li
     """_record_shapes, which see; a dangling reference raises _Dangling."""
     if layer in LINE_LAYERS:
         line = _vertices(nmap, _get(nmap, "line", rec["line_token"])["node_tokens"])
-        problem = "fewer than 2 points" if len(line) < 2 else None if np.isfinite(line).all() else "non-finite nodes"
+        problem = "fewer than 2 points" if len(line) < 2 else None if np.isfinite(line).all() else _NON_FINITE
         if problem:
             skipped.append(f"{layer} {rec['token']}: {problem}")
             return []
@@ -195,7 +206,7 @@ def _drawable_shapes(nmap, layer: str, rec: dict, skipped: list[str]) -> list[li
 def _checked_rings(rings: list[np.ndarray]) -> tuple[list[np.ndarray], str | None]:
     """(rings without holes of < 3 distinct points, why the polygon cannot be drawn or None)."""
     if not all(np.isfinite(r).all() for r in rings):
-        return rings, "non-finite nodes"
+        return rings, _NON_FINITE
     if len(np.unique(rings[0], axis=0)) < 3:
         return rings, "fewer than 3 distinct points"
     return [rings[0]] + [h for h in rings[1:] if len(np.unique(h, axis=0)) >= 3], None

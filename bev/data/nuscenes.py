@@ -72,13 +72,17 @@ TABLES = (
     "sensor",
     "visibility",
 )
-INDEX_FORMAT = 8
+INDEX_FORMAT = 9  # 9: tables validated at build (types, intrinsics, sizes, time order): older caches are rebuilt
 # Fixed number of detection boxes per item (CenterPoint's max_objs); a sample with more valid boxes keeps the
 # MAX_BOXES nearest (pad_boxes).
 MAX_BOXES = 500
 # Per process, for NuScenesBEVDataset.targets: the synthetic set needs ~15 MB, trainval at 200x200 would
 # need ~2 GB and keeps only its first samples.
 TARGET_MEMO_BYTES = 256 * 2**20
+# Sanity bounds of table values: JPEG's largest side; a box larger than any annotated object (nuScenes' longest,
+# a bendy bus or a trailer, are under 20 m) would fill the whole grid.
+MAX_IMAGE_SIDE = 65535
+MAX_BOX_SIZE_M = 100.0
 
 _HOWTO = (
     "Expected layout: DATAROOT/<version>/*.json (the 13 tables) and DATAROOT/samples/CAM_*/*.jpg. "
@@ -205,13 +209,30 @@ def _check_image_size(size: tuple[int, int], table_hw, path: str) -> None:
         )
 
 
+def _numbers(value: Any, n: int) -> np.ndarray | None:
+    """value as n finite float64 numbers; None for anything else: a string, null, true/false, numbers written
+    as strings (NumPy would convert those silently), another length, NaN or infinity."""
+    if not isinstance(value, list) or len(value) != n:
+        return None
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return None
+    try:
+        a = np.asarray(value, dtype=np.float64)
+    except OverflowError:  # an integer beyond float64
+        return None
+    return a if np.isfinite(a).all() else None
+
+
+def _record_error(table: str, token: str, problem: str) -> ValueError:
+    return ValueError(f"{table} {token}: {problem}. Fix or re-export that record of {table}.json.")
+
+
 def _pose_problem(rec: dict) -> str | None:
     """What makes a record's rotation (w, x, y, z) / translation unusable; None when it is fine."""
-    q = np.asarray(rec.get("rotation", ()), dtype=np.float64)
-    t = np.asarray(rec.get("translation", ()), dtype=np.float64)
-    if q.shape != (4,) or not np.isfinite(q).all() or np.linalg.norm(q) < 1e-6:
+    q, t = _numbers(rec.get("rotation"), 4), _numbers(rec.get("translation"), 3)
+    if q is None or np.linalg.norm(q) < 1e-6:
         return f"rotation {rec.get('rotation')!r} is not a quaternion (w, x, y, z) of non-zero, finite norm"
-    if t.shape != (3,) or not np.isfinite(t).all():
+    if t is None:
         return f"translation {rec.get('translation')!r} is not 3 finite numbers"
     return None
 
@@ -222,15 +243,51 @@ def _pose(nusc, table: str, token: str) -> tuple[np.ndarray, np.ndarray]:
     rec = nusc.get(table, token)
     problem = _pose_problem(rec)
     if problem:
-        raise ValueError(f"{table} {token}: {problem}. Fix or re-export that record of {table}.json.")
+        raise _record_error(table, token, problem)
     return quaternion_to_matrix(rec["rotation"]), np.asarray(rec["translation"], dtype=np.float64)
+
+
+def _intrinsics(calib: dict) -> np.ndarray:
+    """A camera's calibrated_sensor camera_intrinsic as a (3, 3) pinhole matrix [[fx, s, cx], [0, fy, cy],
+    [0, 0, 1]] with fx, fy > 0; anything else (zeros, NaN, a string, another shape) is an error: the model
+    inverts it, and a singular one puts NaN in every feature of that camera."""
+    value = calib.get("camera_intrinsic")
+    rows = [_numbers(r, 3) for r in value] if isinstance(value, list) and len(value) == 3 else [None]
+    if any(r is None for r in rows):
+        raise _record_error(
+            "calibrated_sensor", calib["token"], f"camera_intrinsic {value!r} is not a 3x3 matrix of finite numbers"
+        )
+    K = np.stack(rows)
+    if K[0, 0] <= 0 or K[1, 1] <= 0 or np.abs(K[[1, 2, 2, 2], [0, 0, 1, 2]] - (0, 0, 0, 1)).max() > 1e-6:
+        raise _record_error(
+            "calibrated_sensor",
+            calib["token"],
+            f"camera_intrinsic {value!r} is not a pinhole camera matrix [[fx, s, cx], [0, fy, cy], [0, 0, 1]] "
+            "with fx, fy > 0",
+        )
+    return K
+
+
+def _image_hw(sd: dict) -> tuple[int, int]:
+    """A camera sample_data's (height, width): whole numbers of pixels up to MAX_IMAGE_SIDE, else an error."""
+    hw = (sd.get("height"), sd.get("width"))
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_IMAGE_SIDE for v in hw):
+        raise _record_error(
+            "sample_data",
+            sd["token"],
+            f"height {hw[0]!r} x width {hw[1]!r} is not a camera image size (whole pixels, 1 to {MAX_IMAGE_SIDE}); "
+            "nuScenes camera images are 1600x900",
+        )
+    return hw  # type: ignore[return-value]
 
 
 def _box_problem(ann: dict) -> str | None:
     """What makes an annotation's box unusable (then it is skipped, counted); None when it is fine."""
-    size = np.asarray(ann.get("size", ()), dtype=np.float64)
-    if size.shape != (3,) or not np.isfinite(size).all() or (size <= 0).any():
-        return "size not 3 positive numbers"
+    size = _numbers(ann.get("size"), 3)
+    if size is None or (size <= 0).any():
+        return f"size {ann.get('size')!r} not 3 positive numbers"
+    if (size > MAX_BOX_SIZE_M).any():
+        return f"size {ann['size']!r} larger than {MAX_BOX_SIZE_M:g} m"
     return _pose_problem(ann)
 
 
@@ -279,13 +336,43 @@ def _open_tables(root: Path, version: str, split: str, verbose: bool):
         nusc = NuScenes(version=version, dataroot=str(root), verbose=False)
     except ValueError as e:  # JSONDecodeError / UnicodeDecodeError: the devkit's message names no file
         raise _damaged_table(root / version) or e from e
-    except KeyError as e:  # its reverse index met a token no table has: name the record, not just the token
-        raise _dangling_link(_read_tables(root / version)) or e from e
-    _check_unique_tokens(nusc, root / version)
-    problem = _dangling_link({t: getattr(nusc, t) for t in TABLES})
+    except Exception as e:  # its reverse index met a record it cannot follow (KeyError, TypeError, ...): name it
+        raise _table_problem(_read_tables(root / version), root / version) or e from e
+    problem = _table_problem({t: getattr(nusc, t) for t in TABLES}, root / version)
     if problem:
         raise problem
     return nusc
+
+
+def _table_problem(tables: dict[str, Any], table_root: Path) -> ValueError | None:
+    """The first problem of the tables as a clear error (record shapes, duplicated tokens, links, plain
+    fields), None when there is none."""
+    return (
+        _malformed_record(tables)
+        or _duplicated_token(tables, table_root)
+        or _dangling_link(tables)
+        or _unmapped_log(tables)
+        or _bad_field(tables)
+    )
+
+
+def _malformed_record(tables: dict[str, Any]) -> ValueError | None:
+    """A clear error for a table that is not a list of records (JSON objects) with a string token each."""
+    for table in TABLES:
+        records = tables[table]
+        if not isinstance(records, list):
+            return ValueError(
+                f"nuScenes table {table}.json holds a JSON {type(records).__name__}, not a list of records. "
+                "Re-download or regenerate the set."
+            )
+        for k, record in enumerate(records):
+            if not isinstance(record, dict) or not isinstance(record.get("token"), str):
+                what = "has no string token" if isinstance(record, dict) else f"is {record!r}, not a JSON object"
+                return ValueError(
+                    f"nuScenes table {table}, record #{k} {what}. Fix that record of {table}.json, or "
+                    "re-download or regenerate the set."
+                )
+    return None
 
 
 # (table, field, the table its tokens name) of every link between the tables; "" ends a prev/next chain.
@@ -325,11 +412,26 @@ def _dangling_link(tables: dict[str, list[dict]]) -> ValueError | None:
     tokens = {t: {r.get("token") for r in tables[t]} for t in {target for _, _, target in _LINKS}}
     for table, field, target in _LINKS:
         ends = ("",) if field in ("prev", "next") else ()
+        many = field.endswith("_tokens")  # a list of tokens (attribute_tokens, log_tokens), else one token
         for record in tables[table]:
             value = record.get(field)
-            for v in value if isinstance(value, list) else [value]:
+            if many and not isinstance(value, list):
+                return _link_error(table, record, field, target, value)
+            for v in value if many else [value]:
                 if not isinstance(v, str) or (v not in tokens[target] and v not in ends):
                     return _link_error(table, record, field, target, v)
+    return None
+
+
+def _unmapped_log(tables: dict[str, list[dict]]) -> ValueError | None:
+    """A clear error for a log that no map record names in its log_tokens: the devkit gives each log its map."""
+    named = {token for record in tables["map"] for token in record["log_tokens"]}
+    for log in tables["log"]:
+        if log["token"] not in named:
+            return ValueError(
+                f"nuScenes table log, record {log['token']!r}: no record of map.json names it in its log_tokens. "
+                "Add its token to the log_tokens of its map in map.json, or re-download or regenerate the set."
+            )
     return None
 
 
@@ -338,23 +440,64 @@ def _link_error(table: str, record: dict, field: str, target: str, bad: Any) -> 
     fix = f"Fix that record of {table}.json, or re-download or regenerate the set."
     if field not in record:
         return ValueError(f"{where}: it has no {field} field (its link to {target}). {fix}")
+    if field.endswith("_tokens") and not isinstance(record[field], list):
+        return ValueError(f"{where}: {field} is {bad!r}, not a list of {target} tokens. {fix}")
+    if not isinstance(bad, str):
+        return ValueError(f"{where}: {field} is {bad!r}, not a {target} token (a string). {fix}")
     return ValueError(f"{where}: {field} names {target} token {bad!r}, which {target}.json lacks. {fix}")
 
 
-def _check_unique_tokens(nusc, table_root: Path) -> None:
+def _duplicated_token(tables: dict[str, list[dict]], table_root: Path) -> ValueError | None:
     """Refuse a table with two records of one token: the devkit silently keeps the last (a duplicated sample
     dropped samples of its scene, a duplicated scene was indexed twice)."""
     for table in TABLES:
         seen: set[str] = set()
-        for record in getattr(nusc, table):
+        for record in tables[table]:
             token = record["token"]
             if token in seen:
-                raise ValueError(
+                return ValueError(
                     f"nuScenes table {table} ({str(table_root / f'{table}.json')!r}) has more than one record with "
                     f"token {token!r}; tokens must be unique (the devkit would keep one and silently change the "
                     f"data). Remove the duplicate from {table}.json, or re-download or regenerate the set."
                 )
             seen.add(token)
+    return None
+
+
+# (table, field, kind) of the plain fields the reader (or the devkit's reverse index) takes as they are.
+_FIELDS = (
+    ("scene", "name", "text"),
+    ("scene", "nbr_samples", "count"),
+    ("sample", "timestamp", "count"),
+    ("log", "location", "text"),
+    ("sensor", "channel", "text"),
+    ("sensor", "modality", "text"),
+    ("category", "name", "text"),
+    ("attribute", "name", "text"),
+    ("sample_data", "filename", "text"),
+    ("sample_data", "is_key_frame", "flag"),
+    ("sample_annotation", "num_lidar_pts", "count"),
+    ("sample_annotation", "num_radar_pts", "count"),
+)
+_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "text": (lambda v: isinstance(v, str), "a string"),
+    "count": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a whole number >= 0"),
+    "flag": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+def _bad_field(tables: dict[str, list[dict]]) -> ValueError | None:
+    """A clear error naming the first record whose plain field (_FIELDS) is missing or of the wrong type."""
+    for table, field, kind in _FIELDS:
+        ok, expected = _KINDS[kind]
+        for record in tables[table]:
+            if field not in record or not ok(record[field]):
+                value = f"is {record[field]!r}" if field in record else "is missing"
+                return ValueError(
+                    f"nuScenes table {table}, record {record['token']!r}: {field} {value}, not {expected}. Fix that "
+                    f"record of {table}.json, or re-download or regenerate the set."
+                )
+    return None
 
 
 def _visibility_levels(nusc) -> dict[str, int]:
@@ -383,9 +526,11 @@ def _walk_scenes(nusc, scenes: list[dict], groups, desc: str, verbose: bool) -> 
 
 def _scene_samples(nusc, scene: dict) -> Iterator[tuple[str, dict]]:
     """(token, record) of the scene's key frames in time order, following `next` from its first sample. A walk
-    that comes back to a sample (a cycle), leaves the scene or outgrows its nbr_samples is an error, not a hang."""
+    that comes back to a sample (a cycle), leaves the scene, outgrows its nbr_samples, goes back in time (the
+    index order is time order: temporal windows, bev-predict's scenes) or ends before the scene's
+    last_sample_token is an error, not a hang or a silently shorter scene."""
     seen: set[str] = set()
-    token = scene["first_sample_token"]
+    token, last, time = scene["first_sample_token"], None, -1
     while token:
         where = f"scene {scene['name']} ({scene['token']}): its sample chain reaches sample {token!r}"
         if token in seen:
@@ -399,8 +544,19 @@ def _scene_samples(nusc, scene: dict) -> Iterator[tuple[str, dict]]:
                 f"{where}, its sample number {len(seen)}, but the scene has nbr_samples={scene['nbr_samples']}. "
                 f"{_FIX_LINKS}"
             )
+        if sample["timestamp"] <= time:
+            raise ValueError(
+                f"{where}, whose timestamp {sample['timestamp']} is not after the previous one's ({time}): the "
+                f"next links or the timestamps are wrong. {_FIX_LINKS}"
+            )
         yield token, sample
-        token = sample["next"]
+        token, last, time = sample["next"], token, sample["timestamp"]
+    if last != scene["last_sample_token"] or len(seen) != scene["nbr_samples"]:
+        raise ValueError(
+            f"scene {scene['name']} ({scene['token']}): its sample chain ends at sample {last!r} after {len(seen)} "
+            f"samples, not at its last_sample_token {scene['last_sample_token']!r} after nbr_samples="
+            f"{scene['nbr_samples']}: a next link is cut, or nbr_samples or last_sample_token is wrong. {_FIX_LINKS}"
+        )
 
 
 def _append(cols: dict[str, list], **values) -> None:
@@ -414,15 +570,18 @@ def _add_sample(
 ) -> None:
     """Append one key frame: its LIDAR_TOP, its cameras and its target boxes, all in its ego frame."""
     where = f"sample {token} of {scene['name']}"
-    if "LIDAR_TOP" not in sample["data"]:
-        raise ValueError(f"{where} has no LIDAR_TOP sample_data (defines the ego frame)")
+    for channel in ("LIDAR_TOP", *CAMERA_NAMES):  # LIDAR_TOP defines the ego frame
+        if channel not in sample["data"]:
+            raise ValueError(
+                f"{where} has no {channel} sample_data (a key frame, is_key_frame true, whose calibrated_sensor's "
+                f"sensor has channel {channel}). Fix sample_data.json (or sensor.json), or re-download or "
+                "regenerate the set."
+            )
     lidar = nusc.get("sample_data", sample["data"]["LIDAR_TOP"])
     Re, te = _pose(nusc, "ego_pose", lidar["ego_pose_token"])
     Rl, tl = _pose(nusc, "calibrated_sensor", lidar["calibrated_sensor_token"])
     _append(cols, lidar_path=_relative_filename(lidar), lidar_rotation=Rl, lidar_translation=tl)
     for cam in CAMERA_NAMES:
-        if cam not in sample["data"]:
-            raise ValueError(f"{where} has no {cam} image")
         _add_camera(nusc, nusc.get("sample_data", sample["data"][cam]), Re, te, cols)
     detections = 0
     for ann_token in sample["anns"]:
@@ -452,9 +611,9 @@ def _add_camera(nusc, sd: dict, Re: np.ndarray, te: np.ndarray, cols: dict[str, 
         cols,
         rots=Re.T @ Rce @ Rc,
         trans=Re.T @ (Rce @ tc + tce - te),
-        intrinsics=np.asarray(calib["camera_intrinsic"]),
+        intrinsics=_intrinsics(calib),
         image_path=_relative_filename(sd),
-        image_hw=(sd["height"], sd["width"]),
+        image_hw=_image_hw(sd),
     )
 
 
