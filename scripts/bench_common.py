@@ -1,8 +1,8 @@
 """What the benchmark scripts share: the allocator re-exec, the host's versions, the JSON report.
 
-The bench_*.py scripts import it as a sibling module (each puts scripts/ on sys.path first, so
-it also loads when a test runs a script with runpy). torch is imported only inside host_versions:
-bench_infer re-execs before torch may load.
+The bench_*.py scripts import it as a sibling module (each puts scripts/ on sys.path first). torch is
+imported only inside host_versions, so that a script may re-exec with the allocator settings before
+torch loads.
 """
 
 from __future__ import annotations

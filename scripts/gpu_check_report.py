@@ -28,6 +28,11 @@ def fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def sm(capability: list[int] | None) -> str:
+    """The compute capability as nvcc names it (sm_90), or that there is none."""
+    return "no compute capability" if capability is None else "sm_" + "".join(map(str, capability))
+
+
 def junit_counts(xml: Path) -> dict | str:
     """tests / failures / errors / skipped of a junit file, or why there is none."""
     if not xml.exists():  # pytest died before writing it (a crash: see the log), or did not run
@@ -197,9 +202,10 @@ def main(argv=None) -> int:
     import torch
 
     failed, pending = a.failed.split(), a.pending.split()
+    gpu = torch.cuda.is_available()  # none: a report of a work dir read elsewhere (its tests, a copied dir)
     report = dict(
-        device=torch.cuda.get_device_name(),
-        capability=list(torch.cuda.get_device_capability()),
+        device=torch.cuda.get_device_name() if gpu else "no CUDA device here",
+        capability=list(torch.cuda.get_device_capability()) if gpu else None,
         torch=torch.__version__,
         cuda=torch.version.cuda,
         date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -208,7 +214,7 @@ def main(argv=None) -> int:
         pending_stages=pending,
     )
     lines = [
-        f"# GPU check on {report['device']} (sm_{''.join(map(str, report['capability']))}), torch {report['torch']}",
+        f"# GPU check on {report['device']} ({sm(report['capability'])}), torch {report['torch']}",
         "",
     ]
     for key in ("tests", "tests_emulated"):

@@ -11,8 +11,6 @@ The CUDA tests (skipped without a GPU; scripts/gpu_check.sh runs them) hold the 
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -194,24 +192,22 @@ def test_the_whole_eager_step_is_captured_in_one_cuda_graph():
 
 @pytest.mark.cuda
 @requires_cuda
-def test_the_bench_steps_compiled_never_synchronise(fresh_compile_caches, monkeypatch):
-    """bench_train's compiled variants (what gpu_check.sh times) at the embedded config: no sync in the step."""
+def test_the_embedded_step_compiled_never_synchronises(fresh_compile_caches):
+    """The embedded experiment's step compiled with channels_last + bf16, plain and with CUDA graphs (what
+    gpu_check.sh times with scripts/bench_train.py): no sync in the step once compiled."""
     pytest.importorskip("hydra", reason="composing the configs needs hydra-core (gpu_check.sh: carry .whl/)")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import bench_train
+    from helpers.train_step import TrainStep, compose_train
 
-    monkeypatch.setattr(bench_train, "DEVICE", "cuda")
-    cfg = bench_train.compose_config(bench_train.CONFIGS["embedded"])
-    batch = {k: v.cuda() for k, v in bench_train.real_rig_batch(cfg, 2).items()}
-    for name in ("compile+channels_last+bf16", "cudagraphs+channels_last+bf16"):
+    cfg = compose_train(["experiment=synthetic_cpu"])
+    for mode in ("default", "reduce-overhead"):
         torch._dynamo.reset()
-        v = bench_train.Variant(cfg, name, batch)
-        v.wait = False
-        for _ in range(3):
-            v.step()
+        step = TrainStep(cfg, "cuda", channels_last=True, bf16=True, compile=mode)
+        for _ in range(3):  # compilation, the CUDA graphs' recording
+            step()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            v.step()
+            loss = step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        assert torch.isfinite(loss).item(), mode

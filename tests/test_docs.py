@@ -1,21 +1,14 @@
 """The user documentation holds together: README.md and docs/*.md link only to files and headings that
-exist, the README stays short and reaches every docs/ page, and docs/benchmarks.md's generated tables
-are what scripts/benchmarks_table.py makes of the committed results."""
+exist, and the README stays short and reaches every docs/ page."""
 
 from __future__ import annotations
 
-import importlib
-import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-benchmarks_table = importlib.import_module("benchmarks_table")
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 DOC_PAGES = PAGES[1:]
@@ -108,69 +101,3 @@ def test_every_docs_page_is_reachable_from_the_readme():
                 todo.append(dest)
     unreached = [p.name for p in DOC_PAGES if p.resolve() not in seen]
     assert unreached == [], "docs pages no link path from README.md reaches"
-
-
-# ---------------------------------------------------------------- docs/benchmarks.md and its script
-
-
-def git_history(root: Path) -> bool:
-    """Whether root is a git checkout with its full history (the tables name commits from it)."""
-    run = subprocess.run(
-        ["git", "-C", str(root), "rev-parse", "--is-shallow-repository"], check=False, capture_output=True, text=True
-    )
-    return run.returncode == 0 and run.stdout.strip() == "false"
-
-
-@pytest.mark.skipif(not git_history(ROOT), reason="needs a git checkout with history")
-def test_benchmarks_doc_is_what_the_script_makes_of_the_committed_results():
-    text = (ROOT / "docs" / "benchmarks.md").read_text()
-    start, end = benchmarks_table.generated_part(text)
-    generated = benchmarks_table.render(benchmarks_table.committed_results(ROOT))
-    assert text[start:end] == generated, "docs/benchmarks.md is out of date: python scripts/benchmarks_table.py --write"
-
-
-def commit_all(repo: Path, message: str) -> str:
-    subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
-    subprocess.run(
-        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message], check=True
-    )
-    return subprocess.run(
-        ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-
-def test_script_tables_committed_results_with_their_commit(tmp_path):
-    """A made-up repository: the tables carry the committing commit and the JSON's figures; a file not yet
-    committed and one of no known kind are named, not dropped."""
-    results = tmp_path / "benchmarks" / "results"
-    results.mkdir(parents=True)
-    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
-    infer = {
-        "model": {"cameras": 3, "image_size": [64, 96], "batch": 1, "grid_xy": [50, 50], "params_M": 0.5},
-        "results": {"eager": {"median_ms": 12.345, "min_ms": 11.0, "max_ms": 13.0, "max_abs_logit_diff_vs_eager": 0.0}},
-        "rounds": 7,
-        "host": {"cpus": 4, "load_average_1m_at_start": 0.5, "load_average_1m_at_end": 0.75},
-    }
-    (results / "bench_infer_cpu.json").write_text(json.dumps(infer))
-    (results / "mystery.json").write_text("{}")
-    first = commit_all(tmp_path, "results")
-    (results / "bench_infer_cpu.json").write_text(json.dumps({**infer, "date": "2031-02-03T04:05:06Z"}))
-    second = commit_all(tmp_path, "a re-measurement")
-    (results / "later.json").write_text("{}")
-
-    committed = benchmarks_table.committed_results(tmp_path)
-    assert [(r["name"], r["commit"]) for r in committed] == [("bench_infer_cpu.json", second), ("mystery.json", first)]
-    assert benchmarks_table.uncommitted(tmp_path, committed) == ["later.json"]
-    out = benchmarks_table.render(committed)
-    assert f"2031-02-03 · recorded in commit `{second}` · 4-core x86_64 CPU, load 0.5-0.8" in out
-    assert "| eager | 12.3 | 11.0 | 13.0 | 0.0e+00 |" in out
-    assert "Without a table here: [mystery.json](../benchmarks/results/mystery.json)." in out
-    assert "later.json" not in out
-
-
-def test_write_replaces_only_the_generated_part():
-    doc = f"intro\n{benchmarks_table.BEGIN}\nold tables\n{benchmarks_table.END}\noutro\n"
-    new = f"{benchmarks_table.BEGIN}\nnew\n{benchmarks_table.END}\n"
-    assert benchmarks_table.replaced(doc, new) == f"intro\n{new}outro\n"
-    with pytest.raises(SystemExit, match="lacks the markers"):
-        benchmarks_table.replaced("no markers here\n", new)
