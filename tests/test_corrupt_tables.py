@@ -1,6 +1,6 @@
 """Corrupt tables end the index build quickly with one clear error, never a hang or silently changed data:
 cycles and stray links in the sample chain (bev.data.nuscenes._scene_samples), duplicated tokens in any table
-(_check_unique_tokens). Each case corrupts a copy of the synthetic set's JSON tables (2 scenes x 3 samples)."""
+(_duplicated_token). Each case corrupts a copy of the synthetic set's JSON tables (2 scenes x 3 samples)."""
 
 from __future__ import annotations
 

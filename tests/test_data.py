@@ -521,37 +521,6 @@ def test_synthetic_bev_matches_devkit_boxes(synthetic_root, nusc_syn, tmp_path):
         assert expected.sum() > 0
 
 
-def test_bench_loader_script(synthetic_root, tmp_path):
-    import json
-    import runpy
-
-    bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "bench_loader.py"))
-    out = tmp_path / "bench.json"
-    caches_before = sorted((synthetic_root / ".bev_cache").glob("*"))  # other tests may have cached there
-    assert (
-        bench["main"](
-            [
-                "--dataroot",
-                str(synthetic_root),
-                "--workers",
-                "0",
-                "2",
-                "--batches",
-                "2",
-                "--batch-size",
-                "2",
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
-    r = json.loads(out.read_text())
-    assert [x["workers"] for x in r["loader"]] == [0, 2]
-    assert all(x["samples"] == 4 and x["samples_per_s"] > 0 for x in r["loader"])
-    assert r["samples_in_split"] == 3 and sorted((synthetic_root / ".bev_cache").glob("*")) == caches_before
-
-
 @pytest.fixture(scope="module")
 def synthetic_renders(synthetic_root, nusc_syn):
     """The generator's own renders (image + instance ids) of the mini_val samples of synthetic_root,

@@ -139,27 +139,31 @@ def _open_map(dataroot: str | os.PathLike, location: str):
     """The devkit's NuScenesMap of one location; any failure to read it names the file."""
     try:
         return _map_api().NuScenesMap(dataroot=str(dataroot), map_name=location)
-    except KeyError as e:  # the devkit resolves each layer's polygon / line when it loads the map
-        raise ValueError(
-            f"map expansion {str(map_file(dataroot, location))!r}: {_referrer(map_file(dataroot, location), e.args[0])} "
-            f"names a missing token {e.args[0]!r}. Fix that record, or download the map expansion again. "
-            f"{MAP_DOWNLOAD} (v1.3)."
-        ) from None
     except Exception as e:  # outdated version, unknown location, missing layer: name the file
+        # The devkit resolves each layer's polygon and line when it loads the map: a dangling one is a KeyError.
+        referrer = _referrer(map_file(dataroot, location), e.args[0]) if isinstance(e, KeyError) and e.args else None
+        if referrer:
+            raise ValueError(
+                f"map expansion {str(map_file(dataroot, location))!r}: {referrer} names a missing token "
+                f"{e.args[0]!r}. Fix that record, or download the map expansion again. {MAP_DOWNLOAD} (v1.3)."
+            ) from None
         raise ValueError(
             f"cannot read the map expansion {str(map_file(dataroot, location))!r} with the nuScenes devkit "
             f"({type(e).__name__}: {e}). {MAP_DOWNLOAD} (v1.3)."
         ) from None
 
 
-def _referrer(path: Path, token: str) -> str:
-    """'<table> <token>' of the first map record that names `token` (for an error), else 'a record'."""
-    tables = json.loads(Path(path).read_text())
+def _referrer(path: Path, token) -> str | None:
+    """'<table> record <token>' of the first map record that names `token` (for an error), else None."""
+    try:
+        tables = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
     for table, records in tables.items():
         for rec in records if isinstance(records, list) else ():
             if isinstance(rec, dict) and token in (v for v in rec.values() if isinstance(v, str)):
                 return f"{table} record {rec.get('token')}"
-    return "a record"
+    return None
 
 
 def _record_shapes(nmap, layer: str, rec: dict, skipped: list[str]) -> list[list[np.ndarray]]:

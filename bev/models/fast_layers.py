@@ -2,7 +2,7 @@
 
 Swapped in place (same parameters, same state_dict), so pretrained weights and checkpoints load
 as before; on GPUs and in fp32 they compute what the layers they replace compute.
-Measured with scripts/bench_fast_layers.py (EfficientNet-B0 at the LSS paper size, 2 threads).
+Measured at the LSS paper size, 2 threads (docs/training-speed.md).
 """
 
 from __future__ import annotations
