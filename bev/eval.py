@@ -26,6 +26,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate cfg.ckpt_path on the val split: print the IoU table, write metrics.json and PNGs; returns the record."""
     from hydra.utils import instantiate
 
+    from bev.data.temporal import WindowTooLongError
     from bev.inference import build_data_config, load_checkpoint
 
     if OmegaConf.is_missing(cfg, "ckpt_path"):
@@ -42,7 +43,14 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     loaded.model.detection_output_dir = str(out)  # results_nusc.json and the devkit's summary, if it detects
-    metrics = _test_metrics(cfg, loaded, data_cfg, datamodule)
+    try:
+        metrics = _test_metrics(cfg, loaded, data_cfg, datamodule)
+    except WindowTooLongError as e:  # the checkpoint fixes the window: its data cannot be shortened here
+        first = str(e).split(": lower")[0]
+        raise ValueError(
+            f"{first}. This checkpoint's temporal model takes exactly that window: evaluate it on scenes at least "
+            f"that long (data.dataroot / data.version / data.val_split)"
+        ) from None
 
     record = _eval_record(loaded, data_cfg, metrics)
     atomic_write(out / "metrics.json", json.dumps(record, indent=2))

@@ -98,13 +98,20 @@ class UncertaintyWeights(nn.Module):
             raise ValueError(f"uncertainty init must be 'zero' or 'loss', got {init!r}")
         self.log_vars = nn.ParameterDict({n: nn.Parameter(torch.zeros(())) for n in names})
         self.register_buffer("pending", torch.tensor(init == "loss"))  # saved: a resumed run does not start over
+        self._pending_read = False  # the buffer is read from the device once: no host sync in later steps
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._pending_read = False  # a loaded buffer is read again
+        super()._load_from_state_dict(*args, **kwargs)
 
     def forward(self, terms: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        if self.training and bool(self.pending):
-            with torch.no_grad():
-                for name, value in terms.items():
-                    self.log_vars[name].copy_(value.detach().float().clamp(min=1e-4).log())
-                self.pending.fill_(False)
+        if self.training and not self._pending_read:
+            self._pending_read = True
+            if bool(self.pending):
+                with torch.no_grad():
+                    for name, value in terms.items():
+                        self.log_vars[name].copy_(value.detach().float().clamp(min=1e-4).log())
+                    self.pending.fill_(False)
         total = 0.0
         for name, value in terms.items():
             s = self.log_vars[name]

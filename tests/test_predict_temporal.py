@@ -77,3 +77,19 @@ def test_bev_predict_writes_future_instances_and_a_gif(temporal_run, synthetic_r
     assert pred["instances"].shape == (1, 2, X, Y) and pred["bev"].shape[-2:] == (X, Y)
     vehicles = pred["instances"][0] > 0
     assert (vehicles <= (pred["segmentation"][0, :, 0] >= 0.5)).all()  # ids only where the segmentation says vehicle
+
+
+def test_bev_eval_on_scenes_shorter_than_the_window_says_what_works(temporal_run, tmp_path, monkeypatch, capsys):
+    """The checkpoint fixes the window (1 + 1 + 1 frames): the hint is not to shorten it but to use longer scenes."""
+    from helpers.cli import assert_one_paragraph
+    from helpers.tiny_nuscenes import write_tiny
+
+    root = write_tiny(tmp_path / "short", samples=2)  # scenes of 2 key frames
+    args = [
+        f"ckpt_path={temporal_run / 'checkpoints'}",
+        f"data.dataroot={root}",
+        "data.val_split=mini_train",
+        f"hydra.run.dir={tmp_path / 'eval'}",
+    ]
+    assert eval_cli(args, monkeypatch) == 1
+    assert_one_paragraph(capsys.readouterr().err, "bev-eval: error:", "= 3 key frames", "takes exactly that window")

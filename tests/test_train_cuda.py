@@ -39,3 +39,23 @@ def test_training_step_never_synchronises(embedded, channels_last, bf16):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss).item()
+
+
+@pytest.mark.parametrize("compile", [False, "default"], ids=["eager", "compiled"])
+def test_the_detection_step_never_synchronises(compile):
+    """The multi-task step (segmentation + the CenterPoint head's focal and L1 losses) in bf16."""
+    pytest.importorskip("hydra", reason="composing the configs needs hydra-core (gpu_check.sh: carry .whl/)")
+    from helpers.train_step import TrainStep, compose_train
+
+    step = TrainStep(
+        compose_train(["experiment=synthetic_det_cpu"]), "cuda", channels_last=True, bf16=True, compile=compile
+    )
+    for _ in range(2):  # compilation, cuDNN handles, the optimiser's state
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss).item()

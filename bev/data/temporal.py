@@ -62,6 +62,10 @@ CENTER_RADIUS = math.ceil(CENTER_SIGMA * math.sqrt(-math.log(np.finfo(np.float32
 LABEL_WARPS = ("exact", "fiery")
 
 
+class WindowTooLongError(ValueError):
+    """No scene of the split is as long as one temporal window."""
+
+
 def check_frames(past_frames: Any, future_frames: Any) -> tuple[int, int]:
     """(P, F) as ints; one clear error for negative or non-integer counts."""
     out = []
@@ -99,7 +103,7 @@ def window_index(scenes: np.ndarray, past: int, future: int) -> tuple[np.ndarray
         else:
             starts.extend(range(a, b - length + 1))
     if not starts:
-        raise ValueError(
+        raise WindowTooLongError(
             f"a window of past_frames={past} + 1 + future_frames={future} = {length} key frames is longer than "
             f"every scene of the split (the longest has {longest}): lower data.past_frames or data.future_frames"
         )

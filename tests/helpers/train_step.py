@@ -40,7 +40,25 @@ def step_batch(lit, cfg, batch_size: int, device: str, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed + 1)
     X, Y = Grid.from_any(cfg.grid).bev_shape
     bev = (torch.rand(batch_size, int(cfg.model.net.num_classes), X, Y, generator=g) < 0.05).float()
-    return {k: v.to(device) for k, v in {**dict(zip(CAMERA_KEYS, inputs)), "bev": bev}.items()}
+    det = detection_targets(Grid.from_any(cfg.grid), batch_size, seed) if cfg.data.get("detection") else {}
+    return {k: v.to(device) for k, v in {**dict(zip(CAMERA_KEYS, inputs)), "bev": bev, **det}.items()}
+
+
+def detection_targets(grid, batch_size: int, seed: int, boxes: int = 20) -> dict:
+    """CenterPoint targets of random car-sized boxes of every class, as data.detection=true items carry them."""
+    import numpy as np
+
+    from bev.classes import DETECTION_CLASSES
+    from bev.detection.targets import encode_targets
+
+    rng, samples = np.random.default_rng(seed), []
+    for _ in range(batch_size):
+        b = np.zeros((boxes, 9), np.float32)
+        b[:, 0] = rng.uniform(grid.xbound[0], grid.xbound[1], boxes)
+        b[:, 1] = rng.uniform(grid.ybound[0], grid.ybound[1], boxes)
+        b[:, 3:6], b[:, 6] = (1.9, 4.5, 1.6), rng.uniform(-np.pi, np.pi, boxes)
+        samples.append(encode_targets(b, np.arange(boxes) % len(DETECTION_CLASSES), grid))
+    return {k: torch.from_numpy(np.stack([s[k] for s in samples])) for k in samples[0]}
 
 
 class TrainStep:
