@@ -22,7 +22,7 @@ BUILD_ENV = CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST="$(TORCH_CUDA_ARCH_LIST)
 	CPATH="$$($(PY) -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cu13", "include"))' 2>/dev/null):$$CPATH"
 endif
 
-.PHONY: venv build train train-temporal train-det test test-all bench gpu-check gpu-wheels clean
+.PHONY: venv build train train-temporal train-det test test-unit test-all bench gpu-check gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -96,6 +96,10 @@ train-det: venv
 
 test: venv
 	$(PY) -m pytest -q -m "not slow"
+
+# The unit tests alone: no entry point run end to end (tests/conftest.py marks those e2e), nothing slow.
+test-unit: venv
+	$(PY) -m pytest -q -m "not slow and not e2e"
 
 test-all: venv
 	$(PY) -m pytest -q

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import re
 from pathlib import Path
 
 # Lightning gives its logger a StreamHandler on sys.stderr when first imported. Imported first
@@ -78,3 +80,23 @@ def fresh_compile_caches():
             if hasattr(config, name):
                 stack.enter_context(config.patch(name, False))
         yield
+
+
+_ENTRY_POINT_CALLS = re.compile(r"\b(run_cli|train_cli|eval_cli)\(")
+
+
+def _runs_an_entry_point(fn) -> bool:
+    try:
+        return bool(_ENTRY_POINT_CALLS.search(inspect.getsource(fn)))
+    except (OSError, TypeError):
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that runs an entry point (bev-train, bev-eval, ... through helpers.cli), itself or through
+    one of its fixtures, is marked e2e: `-m "not e2e"` (make test-unit) leaves them all out."""
+    for item in items:
+        fixtures = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        fns = [getattr(item, "function", None)] + [d.func for defs in fixtures.values() for d in defs]
+        if any(fn is not None and _runs_an_entry_point(fn) for fn in fns):
+            item.add_marker(pytest.mark.e2e)
