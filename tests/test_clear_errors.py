@@ -15,16 +15,10 @@ from bev.geometry import Grid, depth_bins_in_grid
 from helpers.cli import TINY, assert_one_paragraph, eval_cli, run_cli, train_cli
 
 
-@pytest.fixture(scope="module")
-def run(synthetic_root, tmp_path_factory):
-    out = tmp_path_factory.mktemp("run")
-    mp = pytest.MonkeyPatch()
-    try:
-        args = [*TINY, "callbacks.bev_png.every_n_steps=0", f"data.dataroot={synthetic_root}", f"hydra.run.dir={out}"]
-        assert train_cli(args, mp) == 0
-    finally:
-        mp.undo()
-    return out
+@pytest.fixture
+def run(tiny_run):
+    """The session's tiny training run (read-only here)."""
+    return tiny_run
 
 
 def test_more_training_processes_than_batches_is_refused_once(synthetic_root, tmp_path):

@@ -10,7 +10,7 @@ import pytest
 
 from bev import predict_cli
 from bev.utils.io import inside, safe_name
-from helpers.cli import TINY, assert_one_paragraph, run_cli, train_cli
+from helpers.cli import assert_one_paragraph, run_cli
 
 HOSTILE = [
     "../../../escaped",
@@ -63,16 +63,10 @@ def _val_sample_tokens(root: Path) -> list[str]:
     return [s["token"] for s in _tables(root, "sample") if s["scene_token"] == scene["token"]]
 
 
-@pytest.fixture(scope="module")
-def run(synthetic_root, tmp_path_factory):
-    out = tmp_path_factory.mktemp("run")
-    mp = pytest.MonkeyPatch()
-    try:
-        args = [*TINY, "callbacks.bev_png.every_n_steps=0", f"data.dataroot={synthetic_root}", f"hydra.run.dir={out}"]
-        assert train_cli(args, mp) == 0
-    finally:
-        mp.undo()
-    return out
+@pytest.fixture
+def run(tiny_run):
+    """The session's tiny training run (read-only here)."""
+    return tiny_run
 
 
 def _files_under(folder: Path) -> set[Path]:

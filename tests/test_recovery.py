@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,16 +18,10 @@ from bev.utils.io import STALE_TEMP_S, remove_stale_temporaries, run_dir_lock
 from helpers.cli import TINY, assert_one_paragraph, run_cli, train_cli
 
 
-@pytest.fixture(scope="module")
-def run(synthetic_root, tmp_path_factory):
-    out = tmp_path_factory.mktemp("run")
-    mp = pytest.MonkeyPatch()
-    try:
-        args = [*TINY, "callbacks.bev_png.every_n_steps=0", f"data.dataroot={synthetic_root}", f"hydra.run.dir={out}"]
-        assert train_cli(args, mp) == 0
-    finally:
-        mp.undo()
-    return out
+@pytest.fixture
+def run(tiny_run, tmp_path):
+    """A copy of the session's tiny training run, which these tests litter."""
+    return Path(shutil.copytree(tiny_run, tmp_path / "trained"))
 
 
 def _litter(folder, name: str, age_s: float):

@@ -15,22 +15,15 @@ from bev import export as bev_export
 from bev import predict_cli
 from bev.utils.config import CONFIG_DIR
 from bev.utils.trust import UntrustedCheckpointError, allowed_targets, first_untrusted
-from helpers.cli import TINY, assert_one_paragraph, eval_cli, run_cli, train_cli
+from helpers.cli import assert_one_paragraph, eval_cli, run_cli
 
 EXPERIMENTS = sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml"))
 
 
-@pytest.fixture(scope="module")
-def run(synthetic_root, tmp_path_factory):
-    """A one-epoch tiny training run: its last.ckpt is the honest checkpoint the attacks start from."""
-    out = tmp_path_factory.mktemp("run")
-    mp = pytest.MonkeyPatch()
-    try:
-        args = [*TINY, "callbacks.bev_png.every_n_steps=0", f"data.dataroot={synthetic_root}", f"hydra.run.dir={out}"]
-        assert train_cli(args, mp) == 0
-    finally:
-        mp.undo()
-    return out
+@pytest.fixture
+def run(tiny_run):
+    """The session's tiny training run: its last.ckpt is the honest checkpoint the attacks start from."""
+    return tiny_run
 
 
 def _touch(marker: Path) -> dict:
