@@ -4,6 +4,7 @@ target channels: object classes (vehicle, ...) then HD-map classes (drivable_are
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -152,8 +153,10 @@ class BEVLitModule(L.LightningModule):
         depth_weight: float = 0.0,
         heads: Sequence[str] = ("segmentation",),
         detection: Mapping[str, Any] | None = None,
+        init_from: str | None = None,
     ):
         super().__init__()
+        self.init_from = init_from
         self.net = net
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
@@ -212,6 +215,34 @@ class BEVLitModule(L.LightningModule):
             # In place: state_dict keys stay those of the plain model. fullgraph: a graph break (a host
             # sync, a Python branch on a tensor's value) is an error here, not a silent eager island.
             self.net.compile(mode=self.compile, fullgraph=True)
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        report = self._apply_init_from()
+        if report and self.trainer.is_global_zero:
+            print(report, flush=True)
+
+    def _apply_init_from(self) -> str | None:
+        """model.init_from (a checkpoint, or a run / checkpoints directory: its best one): its `net.*` tensors whose
+        names and shapes match are loaded when training starts, not on resume; returns what was done."""
+        if self.trainer.ckpt_path:
+            return f"model.init_from not applied: resuming from {self.trainer.ckpt_path}" if self.init_from else None
+        if not self.init_from:
+            return self._init_from_unset()
+        from bev.utils.checkpoint import read_checkpoint, resolve_checkpoint
+
+        file = resolve_checkpoint(self.init_from)
+        ckpt = read_checkpoint(file)
+        loaded, report = load_matching(self, ckpt, file)
+        return report + self._after_init_from(ckpt, loaded)
+
+    def _init_from_unset(self) -> str | None:
+        """What to say when training starts without model.init_from (nothing: training from scratch is the plan)."""
+        return None
+
+    def _after_init_from(self, ckpt: Mapping[str, Any], loaded: set[str]) -> str:
+        """More of the init_from report, after the matching tensors were loaded (subclasses start more from them)."""
+        return ""
 
     def on_train_start(self) -> None:
         # Resumed with more epochs than the run started with: stretch a schedule restored from the
@@ -414,3 +445,34 @@ class BEVLitModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.run_config is not None:
             checkpoint["bev_config"] = self.run_config
+
+
+def load_matching(module: nn.Module, ckpt: Mapping[str, Any], file: Any) -> tuple[set[str], str]:
+    """Load the `net.*` tensors of checkpoint `ckpt` (read from `file`) whose names and shapes match `module`'s; returns their names and a summary of what was loaded, what is new and
+    what was skipped."""
+    theirs = {k: v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
+    own = module.state_dict()
+    take = {k: v for k, v in theirs.items() if k in own and tuple(own[k].shape) == tuple(v.shape)}
+    if not take:
+        raise ValueError(
+            f"model.init_from: none of {file}'s network tensors fit this model "
+            f"(a different camera, grid or BEV encoder config?)"
+        )
+    module.load_state_dict(take, strict=False)
+    new = [k for k in own if k.startswith("net.") and k not in take]
+    skipped = [k for k in theirs if k not in take]
+
+    def parts(keys) -> str:
+        counts = Counter(k.split(".")[1] for k in keys)
+        return ", ".join(f"{name} ({n})" for name, n in counts.items()) or "none"
+
+    lines = [
+        f"model.init_from: loaded {len(take)} tensors from {file}: {parts(take)}",
+        f"  new (trained from scratch): {parts(new)}",
+    ]
+    if skipped:
+        lines.append(
+            f"  skipped (not in this model or shaped differently): {', '.join(skipped[:8])}"
+            + (f" and {len(skipped) - 8} more" if len(skipped) > 8 else "")
+        )
+    return set(take), "\n".join(lines)

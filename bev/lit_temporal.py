@@ -10,7 +10,7 @@ the first step.
 from __future__ import annotations
 
 import importlib
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,7 +19,7 @@ from torch import nn
 
 from bev.data.temporal import IGNORE
 from bev.instances import DECODINGS, decode_sequence
-from bev.lit import CAMERA_KEYS, BEVLitModule
+from bev.lit import CAMERA_KEYS, BEVLitModule, load_matching  # noqa: F401 (load_matching: re-exported)
 from bev.losses import TemporalLoss
 from bev.metrics import FIERY_RANGES, FutureIoU, PanopticQuality, crop_to_range
 
@@ -37,10 +37,9 @@ class TemporalLitModule(BEVLitModule):
     past_cache_mb > 0 (with past_no_grad): in training, the past frames' BEV features are taken from
     what earlier steps computed for the same frames when there is one (PastFeatureCache), at most
     past_cache_max_age optimiser steps old (null: any age).
-    init_from: a static (or temporal) checkpoint, or a run / checkpoints directory (its best one):
-    its `net.*` tensors whose names and shapes match are loaded when training starts (not on resume); when the
-    checkpoint's stored config says its network is a static LiftSplatShoot (network_kind), the future
-    segmentation head starts as its vehicle head (TemporalLiftSplat.init_future_from_static).
+    init_from (BEVLitModule's): when the checkpoint's stored config says its network is a static LiftSplatShoot
+    (network_kind), the future segmentation head also starts as its vehicle head
+    (TemporalLiftSplat.init_future_from_static).
     instance_decoding: how instances are decoded over the frames for the metrics and bev.predict
     (bev.instances.decode_sequence): "propagate" (the present's instances carried by the flow) or "fiery".
     Other arguments: BEVLitModule's.
@@ -54,7 +53,6 @@ class TemporalLitModule(BEVLitModule):
         past_no_grad: bool = False,
         past_cache_mb: float = 0,
         past_cache_max_age: int | None = None,
-        init_from: str | None = None,
         instance_decoding: str = "propagate",
         **static: Any,
     ):
@@ -69,7 +67,6 @@ class TemporalLitModule(BEVLitModule):
                     "past_no_grad": past_no_grad,
                     "past_cache_mb": past_cache_mb,
                     "past_cache_max_age": past_cache_max_age,
-                    "init_from": init_from,
                     "instance_decoding": instance_decoding,
                     **static,
                 }
@@ -84,7 +81,6 @@ class TemporalLitModule(BEVLitModule):
         self.past_cache_hits: float | None = None  # the last training batch's share of past frames from the cache
         self.temporal_loss = TemporalLoss(**dict(temporal_loss or {}))
         self.past_no_grad = bool(past_no_grad)
-        self.init_from = init_from
         if instance_decoding not in DECODINGS:
             raise ValueError(f"model.instance_decoding must be one of {DECODINGS}, got {instance_decoding!r}")
         self.instance_decoding = instance_decoding
@@ -213,29 +209,14 @@ class TemporalLitModule(BEVLitModule):
 
     # --- two-stage training
 
-    def on_fit_start(self) -> None:
-        super().on_fit_start()
-        rank_zero = self.trainer.is_global_zero
-        if self.trainer.ckpt_path:
-            if self.init_from and rank_zero:
-                print(f"model.init_from not applied: resuming from {self.trainer.ckpt_path}", flush=True)
-            return
-        if not self.init_from:
-            if rank_zero:
-                print(
-                    "model.init_from is not set: the temporal model starts from scratch (its two-stage recipe starts "
-                    "from a static checkpoint: model.init_from=<static run>/checkpoints)",
-                    flush=True,
-                )
-            return
-        from bev.utils.checkpoint import read_checkpoint, resolve_checkpoint
+    def _init_from_unset(self) -> str | None:
+        return (
+            "model.init_from is not set: the temporal model starts from scratch (its two-stage recipe starts "
+            "from a static checkpoint: model.init_from=<static run>/checkpoints)"
+        )
 
-        file = resolve_checkpoint(self.init_from)
-        ckpt = read_checkpoint(file)
-        loaded, report = load_matching(self, ckpt, file)
-        report += "\n  " + self._init_future(network_kind(ckpt), loaded)
-        if rank_zero:
-            print(report, flush=True)
+    def _after_init_from(self, ckpt: Mapping[str, Any], loaded: set[str]) -> str:
+        return "\n  " + self._init_future(network_kind(ckpt), loaded)
 
     def _init_future(self, kind: str | None, loaded: set[str]) -> str:
         """After init_from: from a static checkpoint whose head was loaded, start the future segmentation head
@@ -379,37 +360,6 @@ def network_kind(ckpt: Mapping[str, Any]) -> str | None:
 def _module_key(root: nn.Module, module: nn.Module) -> str:
     """The state_dict prefix of `module` within `root`."""
     return next(name for name, m in root.named_modules() if m is module)
-
-
-def load_matching(module: nn.Module, ckpt: Mapping[str, Any], file: Any) -> tuple[set[str], str]:
-    """Load the `net.*` tensors of checkpoint `ckpt` (read from `file`) whose names and shapes match `module`'s; returns their names and a summary of what was loaded, what is new and
-    what was skipped."""
-    theirs = {k: v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
-    own = module.state_dict()
-    take = {k: v for k, v in theirs.items() if k in own and tuple(own[k].shape) == tuple(v.shape)}
-    if not take:
-        raise ValueError(
-            f"model.init_from: none of {file}'s network tensors fit this model "
-            f"(a different camera, grid or BEV encoder config?)"
-        )
-    module.load_state_dict(take, strict=False)
-    new = [k for k in own if k.startswith("net.") and k not in take]
-    skipped = [k for k in theirs if k not in take]
-
-    def parts(keys) -> str:
-        counts = Counter(k.split(".")[1] for k in keys)
-        return ", ".join(f"{name} ({n})" for name, n in counts.items()) or "none"
-
-    lines = [
-        f"model.init_from: loaded {len(take)} tensors from {file}: {parts(take)}",
-        f"  new (trained from scratch): {parts(new)}",
-    ]
-    if skipped:
-        lines.append(
-            f"  skipped (not in this model or shaped differently): {', '.join(skipped[:8])}"
-            + (f" and {len(skipped) - 8} more" if len(skipped) > 8 else "")
-        )
-    return set(take), "\n".join(lines)
 
 
 def present_copied(out: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -590,3 +590,27 @@ def test_present_copied_repeats_the_present_heads_with_zero_flow():
         assert copied[k].shape == out[k].shape
         assert torch.equal(copied[k], out[k][:, :1].expand_as(out[k]))
     assert copied["flow"].shape == out["flow"].shape and not copied["flow"].any()
+
+
+def test_init_from_starts_a_detection_model_from_a_static_one(tmp_path, capsys):
+    """model.init_from is the static module's too: a multi-task model with a detection head starts from a
+    segmentation checkpoint, its shared encoders loaded, its detection head new."""
+    static = static_module()
+    path = save_checkpoint(static, tmp_path / "static.ckpt", STATIC_CONFIG)
+    torch.manual_seed(2)
+    net = LiftSplatShoot(**SIZES, detection={"shared_channels": 8, "head_channels": 0})
+    det = BEVLitModule(
+        net,
+        torch.optim.Adam,
+        object_classes=["vehicle"],
+        map_classes=["drivable_area"],
+        heads=["segmentation", "detection"],
+        init_from=path,
+    )
+    det._trainer = SimpleNamespace(ckpt_path=None, is_global_zero=True)
+    det.on_fit_start()
+    said = capsys.readouterr().out
+    theirs, own = static.state_dict(), det.state_dict()
+    shared = [k for k in theirs if k.startswith("net.")]
+    assert shared and all(torch.equal(own[k], theirs[k]) for k in shared)
+    assert "model.init_from: loaded" in said and "new (trained from scratch): det_head" in said, said
