@@ -46,9 +46,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     try:
         metrics = _test_metrics(cfg, loaded, data_cfg, datamodule)
     except WindowTooLongError as e:  # the checkpoint fixes the window: its data cannot be shortened here
-        first = str(e).split(": lower")[0]
         raise ValueError(
-            f"{first}. This checkpoint's temporal model takes exactly that window: evaluate it on scenes at least "
+            f"{e.window}. This checkpoint's temporal model takes exactly that window: evaluate it on scenes at least "
             f"that long (data.dataroot / data.version / data.val_split)"
         ) from None
 

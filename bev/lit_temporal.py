@@ -19,7 +19,7 @@ from torch import nn
 
 from bev.data.temporal import IGNORE
 from bev.instances import DECODINGS, decode_sequence
-from bev.lit import CAMERA_KEYS, BEVLitModule, load_matching  # noqa: F401 (load_matching: re-exported)
+from bev.lit import CAMERA_KEYS, BEVLitModule
 from bev.losses import TemporalLoss
 from bev.metrics import FIERY_RANGES, FutureIoU, PanopticQuality, crop_to_range
 

@@ -71,10 +71,8 @@ def _get(nmap, table: str, token: str) -> dict:
 def _vertices(nmap, node_tokens: Sequence[str]) -> np.ndarray:
     """(N, 2) float64 global x, y of map nodes; a coordinate that is missing or not a number is NaN (the shape
     is then skipped and named with the other non-finite ones)."""
-    nodes = [_get(nmap, "node", t) for t in node_tokens]
-    return np.array([(_coordinate(n.get("x")), _coordinate(n.get("y"))) for n in nodes], dtype=np.float64).reshape(
-        -1, 2
-    )
+    xy = [(_coordinate(n.get("x")), _coordinate(n.get("y"))) for n in (_get(nmap, "node", t) for t in node_tokens)]
+    return np.array(xy, dtype=np.float64).reshape(-1, 2)
 
 
 def _coordinate(value) -> float:

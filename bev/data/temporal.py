@@ -63,7 +63,14 @@ LABEL_WARPS = ("exact", "fiery")
 
 
 class WindowTooLongError(ValueError):
-    """No scene of the split is as long as one temporal window."""
+    """No scene of the split is as long as one temporal window; `window` says which (for callers' own hints)."""
+
+    def __init__(self, past: int, future: int, longest: int):
+        self.window = (
+            f"a window of past_frames={past} + 1 + future_frames={future} = {past + 1 + future} key frames is longer "
+            f"than every scene of the split (the longest has {longest})"
+        )
+        super().__init__(f"{self.window}: lower data.past_frames or data.future_frames")
 
 
 def check_frames(past_frames: Any, future_frames: Any) -> tuple[int, int]:
@@ -103,10 +110,7 @@ def window_index(scenes: np.ndarray, past: int, future: int) -> tuple[np.ndarray
         else:
             starts.extend(range(a, b - length + 1))
     if not starts:
-        raise WindowTooLongError(
-            f"a window of past_frames={past} + 1 + future_frames={future} = {length} key frames is longer than "
-            f"every scene of the split (the longest has {longest}): lower data.past_frames or data.future_frames"
-        )
+        raise WindowTooLongError(past, future, longest)
     return np.asarray(starts, dtype=np.int64), short
 
 
