@@ -82,7 +82,9 @@ def fresh_compile_caches():
         yield
 
 
-_ENTRY_POINT_CALLS = re.compile(r"\b(run_cli|train_cli|eval_cli)\(")
+_ENTRY_POINT_CALLS = re.compile(
+    r"\b(run_cli|train_cli|eval_cli)\(|\b(subprocess\.\w+|Popen)\(\s*\[\s*(sys\.executable|\"bash\")"
+)
 
 
 def _runs_an_entry_point(fn) -> bool:
@@ -93,8 +95,9 @@ def _runs_an_entry_point(fn) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test that runs an entry point (bev-train, bev-eval, ... through helpers.cli), itself or through
-    one of its fixtures, is marked e2e: `-m "not e2e"` (make test-unit) leaves them all out."""
+    """Every test that runs an entry point (bev-train, bev-eval, ... through helpers.cli) or starts a Python or
+    bash process (a script, a fresh interpreter), itself or through one of its fixtures, is marked e2e:
+    `-m "not e2e"` (make test-unit) leaves them all out."""
     for item in items:
         fixtures = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
         fns = [getattr(item, "function", None)] + [d.func for defs in fixtures.values() for d in defs]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+pytestmark = pytest.mark.e2e  # every test runs a script in a new process
 
 
 def run_script(name: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.e2e  # every test runs a script in a new process
 
 
 def test_gpu_check_dry_run_composes_its_training_stage(tmp_path):

@@ -96,24 +96,28 @@ def test_map_mask_around_a_junction_matches_the_generator(maps):
         # coordinates to pixel centres; the patch is not rotated).
         c = np.arange(n) * res - size / 2
         X, Y = np.meshgrid(j.xy[0] + c, j.xy[1] + c)
+        pixels = shapely.points(X, Y)
         for k, name in enumerate(layers):
             geom = shapely.clip_by_rect(
                 shapely.union_all([r["geom"] for r in road.layers[name]]),
                 *(j.xy - size / 2 - 1),
                 *(j.xy + size / 2 + 1),
             )
+            shapely.prepare(geom)  # ~10x faster point queries on these unions
             if name.endswith("divider"):
-                want = shapely.dwithin(geom, shapely.points(X, Y), res)
+                want = shapely.dwithin(geom, pixels, res)
                 assert want.sum() > 100 and got[k].sum() > 100, (loc, name)
                 # Devkit line pixels lie on the generator's lines, and cover most of them.
-                assert shapely.dwithin(geom, shapely.points(X[got[k]], Y[got[k]]), 2 * res).mean() > 0.97, (loc, name)
+                assert shapely.dwithin(geom, pixels[got[k]], 2 * res).mean() > 0.97, (loc, name)
                 assert got[k][want].mean() > 0.8, (loc, name)
             else:
                 # Up to the devkit's vertex rounding at the boundary: every pixel a pixel inside the
                 # polygons is in the devkit's mask, and every devkit pixel is within 2 pixels of them.
-                inner = shapely.contains_xy(geom.buffer(-res), X, Y)
+                inner_geom, near_geom = geom.buffer(-res), geom.buffer(2 * res)
+                shapely.prepare([inner_geom, near_geom])
+                inner = shapely.contains_xy(inner_geom, X, Y)
                 assert inner.sum() > 100 and got[k][inner].all(), (loc, name)
-                near = shapely.contains_xy(geom.buffer(2 * res), X[got[k]], Y[got[k]])
+                near = shapely.contains_xy(near_geom, X[got[k]], Y[got[k]])
                 assert near.all(), (loc, name, near.mean())
 
 

@@ -438,11 +438,13 @@ def test_deterministic_per_seed(tmp_path):
             seed=np.int64(3),
             progress=False,
             workers=2,
+            render_scale=4,
         )
     )
-    b = _tree(make_synthetic(tmp_path / "b", scenes=1, samples_per_scene=2, seed=3, progress=False, workers=1))
+    kw = dict(scenes=1, samples_per_scene=2, progress=False, workers=1, render_scale=4)  # the coarse render: faster
+    b = _tree(make_synthetic(tmp_path / "b", seed=3, **kw))
     assert a.keys() == b.keys() and all(a[k] == b[k] for k in a)
-    c = _tree(make_synthetic(tmp_path / "c", scenes=1, samples_per_scene=2, seed=4, progress=False, workers=1))
+    c = _tree(make_synthetic(tmp_path / "c", seed=4, **kw))
     assert c[f"{VERSION}/sample_annotation.json"] != a[f"{VERSION}/sample_annotation.json"]
 
 
@@ -495,12 +497,12 @@ def test_existing_dataset_needs_overwrite(tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("user file")
     with pytest.raises(FileExistsError, match="not empty.*overwrite"):
-        make_synthetic(out, scenes=1, samples_per_scene=1, progress=False)
-    make_synthetic(out, scenes=1, samples_per_scene=2, progress=False, overwrite=True)
+        make_synthetic(out, scenes=1, samples_per_scene=1, progress=False, render_scale=4)
+    make_synthetic(out, scenes=1, samples_per_scene=2, progress=False, overwrite=True, render_scale=4)
     with pytest.raises(FileExistsError, match="not empty.*overwrite"):
-        make_synthetic(out, scenes=1, samples_per_scene=1, progress=False)
+        make_synthetic(out, scenes=1, samples_per_scene=1, progress=False, render_scale=4)
     first = set(json.loads((out / MANIFEST).read_text())["files"])
-    make_synthetic(out, scenes=1, samples_per_scene=1, progress=False, overwrite=True)
+    make_synthetic(out, scenes=1, samples_per_scene=1, progress=False, overwrite=True, render_scale=4)
     second = set(json.loads((out / MANIFEST).read_text())["files"])
     assert second < first and all((out / f).is_file() for f in second)
     assert not any((out / f).exists() for f in first - second)  # the old dataset's own files were replaced
@@ -509,12 +511,12 @@ def test_existing_dataset_needs_overwrite(tmp_path):
 
 def test_overwrite_keeps_files_it_did_not_write(tmp_path):
     """--overwrite removes only the files its manifest lists (it once deleted a user's samples/MYCAM/mine.jpg)."""
-    out = make_synthetic(tmp_path / "out", scenes=1, samples_per_scene=1, progress=False)
+    out = make_synthetic(tmp_path / "out", scenes=1, samples_per_scene=1, progress=False, render_scale=4)
     mine = out / "samples" / "MYCAM" / "mine.jpg"
     mine.parent.mkdir()
     mine.write_bytes(b"user image")
     (out / "samples" / "CAM_FRONT" / "extra.jpg").write_bytes(b"also the user's")
-    make_synthetic(out, scenes=1, samples_per_scene=1, seed=5, progress=False, overwrite=True)
+    make_synthetic(out, scenes=1, samples_per_scene=1, seed=5, progress=False, overwrite=True, render_scale=4)
     assert mine.read_bytes() == b"user image" and (out / "samples" / "CAM_FRONT" / "extra.jpg").exists()
     assert json.loads((out / MANIFEST).read_text())["files"]  # the new dataset is recorded
 
@@ -527,7 +529,7 @@ def test_refuses_a_dataset_it_did_not_write(tmp_path):
     (out / "samples" / "CAM_FRONT" / "a.jpg").write_bytes(b"real image")
     before = _tree(out)
     with pytest.raises(FileExistsError, match="did not write"):
-        make_synthetic(out, scenes=1, samples_per_scene=1, progress=False, overwrite=True)
+        make_synthetic(out, scenes=1, samples_per_scene=1, progress=False, overwrite=True, render_scale=4)
     assert _tree(out) == before  # nothing deleted, nothing written
     # A manifest pointing outside --out is refused too, before anything is deleted.
     other = make_synthetic(tmp_path / "syn", scenes=1, samples_per_scene=1, progress=False)
@@ -564,7 +566,10 @@ def test_cli(tmp_path, capsys):
     from bev.synthetic.writer import main
 
     out = tmp_path / "cli"
-    assert main(["--out", str(out), "--scenes", "2", "--samples-per-scene", "1", "--seed", "1"]) == 0
+    assert (
+        main(["--out", str(out), "--scenes", "2", "--samples-per-scene", "1", "--seed", "1", "--render-scale", "4"])
+        == 0
+    )
     assert len(json.loads((out / VERSION / "scene.json").read_text())) == 2
     with pytest.raises(SystemExit) as e:
         main(["--out", str(out), "--scenes", "1", "--samples-per-scene", "1"])

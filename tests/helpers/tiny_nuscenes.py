@@ -13,8 +13,11 @@ spot (carpark_area) exactly under the truck (BOXES[1]) of scene-0061's first sam
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -204,8 +207,22 @@ def write_map(root: Path, location: str = LOCATION) -> Path:
     return path
 
 
+_WRITTEN: dict[tuple[int, bool], Path] = {}  # one pristine set per parameters and process, copied from
+
+
 def write_tiny(root: Path, samples: int = 2, with_map: bool = True) -> Path:
-    root = Path(root)
+    """The tiny set at root: written once per (samples, with_map) in this process, then copied (tests edit
+    their copy's tables, images and map freely)."""
+    key = (samples, with_map)
+    if key not in _WRITTEN:
+        cache = Path(tempfile.mkdtemp(prefix="bev_tiny_"))
+        atexit.register(shutil.rmtree, cache, True)
+        _WRITTEN[key] = _write_tiny(cache / "nuscenes", samples, with_map)
+    shutil.copytree(_WRITTEN[key], root, dirs_exist_ok=True)
+    return Path(root)
+
+
+def _write_tiny(root: Path, samples: int, with_map: bool) -> Path:
     tables: dict[str, list] = {
         t: []
         for t in (
