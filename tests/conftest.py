@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from pathlib import Path
@@ -87,6 +88,7 @@ _ENTRY_POINT_CALLS = re.compile(
 )
 
 
+@functools.cache  # fixtures are shared by many tests, and getsource is slow
 def _runs_an_entry_point(fn) -> bool:
     try:
         return bool(_ENTRY_POINT_CALLS.search(inspect.getsource(fn)))
