@@ -253,27 +253,13 @@ def test_decode_peaks_threshold_and_top_k():
 # --- head -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kw", [{"head_channels": 8}, {"head_channels": 0}, {"head_channels": 0, "light_kernel": 3}])
-def test_head_shapes_and_initial_heatmap_bias(kw):
-    head = CenterHead(8, shared_channels=16, **kw).eval()
+def test_head_shapes_and_initial_heatmap_bias():
+    head = CenterHead(8, shared_channels=16, head_channels=8).eval()
     out = head(torch.zeros(2, 8, 20, 12))
     assert set(out) == {"heatmap", "regression"}
     assert out["heatmap"].shape == (2, 10, 20, 12) and out["regression"].shape == (2, 6, 10, 20, 12)
     torch.testing.assert_close(out["heatmap"], torch.full_like(out["heatmap"], -2.19))
     assert not out["regression"].any()
-
-
-def test_the_light_head_sees_a_cell_or_its_neighbours():
-    # light_kernel=3: an output cell depends on its 3x3 neighbourhood of shared features; 1: on its own cell only.
-    for kernel, reach in ((1, 0), (3, 1)):
-        head = CenterHead(4, shared_channels=4, head_channels=0, light_kernel=kernel).eval()
-        head.shared = torch.nn.Identity()
-        x = torch.zeros(1, 4, 9, 9, requires_grad=True)
-        head(x)["regression"][0, 0, 0, 4, 4].backward()
-        touched = x.grad.abs().sum(1)[0].nonzero()
-        assert touched.min().item() == 4 - reach and touched.max().item() == 4 + reach
-    with pytest.raises(ValueError, match="light_kernel"):
-        CenterHead(4, head_channels=0, light_kernel=5)
 
 
 def test_head_branches_are_independent():

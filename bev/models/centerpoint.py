@@ -4,8 +4,8 @@ A shared 3x3 conv-BN-ReLU, then per class group six independent branches (heatma
 classes, reg 2, height 1, dim 3, rot 2, vel 2), each a 3x3 conv-BN-ReLU and a 3x3 conv. The 36 branches
 run as one wide conv and one grouped conv: each branch sees only its own channels, so this is the same
 function as separate modules, in 4 kernels instead of ~150 (the GPU step is host-bound).
-head_channels=0 is the light head for CPUs: every output one conv (light_kernel: 1x1 or 3x3) of the shared
-features (the 36 branches' 3x3 convs cost several times the whole small BEV encoder at full grid size).
+head_channels=0 is the light head for CPUs: every output a 1x1 conv of the shared features (the 36
+branches' 3x3 convs cost several times the whole small BEV encoder at full grid size).
 
 Outputs (tensors only, static shapes, so the head exports to ONNX):
 - heatmap (B, C, X, Y): logits of DETECTION_CLASSES, in that order (the groups are contiguous runs).
@@ -34,7 +34,6 @@ class CenterHead(nn.Module):
         shared_channels: int = 64,
         head_channels: int = 64,
         groups: tuple[tuple[str, ...], ...] = DETECTION_GROUPS,
-        light_kernel: int = 1,
     ):
         super().__init__()
         class_to_group(groups)  # validates the groups
@@ -56,9 +55,7 @@ class CenterHead(nn.Module):
             self.out = nn.Conv2d(n_branches * head_channels, n_branches * width, 3, padding=1, groups=n_branches)
         else:
             self.hidden = nn.Identity()
-            if light_kernel not in (1, 3):
-                raise ValueError(f"light_kernel must be 1 or 3 (the light head's conv), got {light_kernel!r}")
-            self.out = nn.Conv2d(shared_channels, n_branches * width, light_kernel, padding=light_kernel // 2)
+            self.out = nn.Conv2d(shared_channels, n_branches * width, 1)
         heat, reg = self._channel_maps(branch_out, width)
         self.register_buffer("heatmap_channels", torch.tensor(heat), persistent=False)
         self.register_buffer("regression_channels", torch.tensor(reg), persistent=False)
