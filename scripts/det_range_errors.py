@@ -23,6 +23,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bev.geometry import quaternion_to_matrix  # noqa: E402
 from bev.utils.io import atomic_write  # noqa: E402
 
 BINS = ((0, 10), (10, 20), (20, 30), (30, 40), (40, 50))
@@ -30,14 +31,12 @@ BINS = ((0, 10), (10, 20), (20, 30), (30, 40), (40, 50))
 
 def _lidar_frame(nusc, sample_token: str):
     """Global xyz -> the sample's LIDAR_TOP frame."""
-    from pyquaternion import Quaternion
-
     sd = nusc.get("sample_data", nusc.get("sample", sample_token)["data"]["LIDAR_TOP"])
     pose, cs = nusc.get("ego_pose", sd["ego_pose_token"]), nusc.get("calibrated_sensor", sd["calibrated_sensor_token"])
+    r_pose, r_cs = quaternion_to_matrix(pose["rotation"]), quaternion_to_matrix(cs["rotation"])
 
     def to_lidar(p):
-        p = Quaternion(pose["rotation"]).inverse.rotate(np.asarray(p) - pose["translation"])
-        return Quaternion(cs["rotation"]).inverse.rotate(p - np.asarray(cs["translation"]))
+        return ((np.asarray(p) - pose["translation"]) @ r_pose - cs["translation"]) @ r_cs
 
     return to_lidar
 

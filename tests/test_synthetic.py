@@ -31,6 +31,9 @@ def nusc(synthetic_root):
     return NuScenes(version=VERSION, dataroot=str(synthetic_root), verbose=False)
 
 
+QUICK = {"progress": False, "render_scale": 4}  # the coarse render, where a test checks files, not pixels
+
+
 def _ego_from_global(nusc, sample):
     """(R, t) of the LIDAR_TOP ego pose: p_ego = R^T (p_global - t)."""
     pose = nusc.get("ego_pose", nusc.get("sample_data", sample["data"]["LIDAR_TOP"])["ego_pose_token"])
@@ -441,7 +444,7 @@ def test_deterministic_per_seed(tmp_path):
             render_scale=4,
         )
     )
-    kw = dict(scenes=1, samples_per_scene=2, progress=False, workers=1, render_scale=4)  # the coarse render: faster
+    kw = dict(scenes=1, samples_per_scene=2, workers=1, **QUICK)
     b = _tree(make_synthetic(tmp_path / "b", seed=3, **kw))
     assert a.keys() == b.keys() and all(a[k] == b[k] for k in a)
     c = _tree(make_synthetic(tmp_path / "c", seed=4, **kw))
@@ -497,12 +500,12 @@ def test_existing_dataset_needs_overwrite(tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("user file")
     with pytest.raises(FileExistsError, match="not empty.*overwrite"):
-        make_synthetic(out, scenes=1, samples_per_scene=1, progress=False, render_scale=4)
-    make_synthetic(out, scenes=1, samples_per_scene=2, progress=False, overwrite=True, render_scale=4)
+        make_synthetic(out, scenes=1, samples_per_scene=1, **QUICK)
+    make_synthetic(out, scenes=1, samples_per_scene=2, overwrite=True, **QUICK)
     with pytest.raises(FileExistsError, match="not empty.*overwrite"):
-        make_synthetic(out, scenes=1, samples_per_scene=1, progress=False, render_scale=4)
+        make_synthetic(out, scenes=1, samples_per_scene=1, **QUICK)
     first = set(json.loads((out / MANIFEST).read_text())["files"])
-    make_synthetic(out, scenes=1, samples_per_scene=1, progress=False, overwrite=True, render_scale=4)
+    make_synthetic(out, scenes=1, samples_per_scene=1, overwrite=True, **QUICK)
     second = set(json.loads((out / MANIFEST).read_text())["files"])
     assert second < first and all((out / f).is_file() for f in second)
     assert not any((out / f).exists() for f in first - second)  # the old dataset's own files were replaced
@@ -511,12 +514,12 @@ def test_existing_dataset_needs_overwrite(tmp_path):
 
 def test_overwrite_keeps_files_it_did_not_write(tmp_path):
     """--overwrite removes only the files its manifest lists (it once deleted a user's samples/MYCAM/mine.jpg)."""
-    out = make_synthetic(tmp_path / "out", scenes=1, samples_per_scene=1, progress=False, render_scale=4)
+    out = make_synthetic(tmp_path / "out", scenes=1, samples_per_scene=1, **QUICK)
     mine = out / "samples" / "MYCAM" / "mine.jpg"
     mine.parent.mkdir()
     mine.write_bytes(b"user image")
     (out / "samples" / "CAM_FRONT" / "extra.jpg").write_bytes(b"also the user's")
-    make_synthetic(out, scenes=1, samples_per_scene=1, seed=5, progress=False, overwrite=True, render_scale=4)
+    make_synthetic(out, scenes=1, samples_per_scene=1, seed=5, overwrite=True, **QUICK)
     assert mine.read_bytes() == b"user image" and (out / "samples" / "CAM_FRONT" / "extra.jpg").exists()
     assert json.loads((out / MANIFEST).read_text())["files"]  # the new dataset is recorded
 
@@ -529,7 +532,7 @@ def test_refuses_a_dataset_it_did_not_write(tmp_path):
     (out / "samples" / "CAM_FRONT" / "a.jpg").write_bytes(b"real image")
     before = _tree(out)
     with pytest.raises(FileExistsError, match="did not write"):
-        make_synthetic(out, scenes=1, samples_per_scene=1, progress=False, overwrite=True, render_scale=4)
+        make_synthetic(out, scenes=1, samples_per_scene=1, overwrite=True, **QUICK)
     assert _tree(out) == before  # nothing deleted, nothing written
     # A manifest pointing outside --out is refused too, before anything is deleted.
     other = make_synthetic(tmp_path / "syn", scenes=1, samples_per_scene=1, progress=False)
@@ -566,10 +569,8 @@ def test_cli(tmp_path, capsys):
     from bev.synthetic.writer import main
 
     out = tmp_path / "cli"
-    assert (
-        main(["--out", str(out), "--scenes", "2", "--samples-per-scene", "1", "--seed", "1", "--render-scale", "4"])
-        == 0
-    )
+    args = ["--out", str(out), "--scenes", "2", "--samples-per-scene", "1", "--seed", "1", "--render-scale", "4"]
+    assert main(args) == 0
     assert len(json.loads((out / VERSION / "scene.json").read_text())) == 2
     with pytest.raises(SystemExit) as e:
         main(["--out", str(out), "--scenes", "1", "--samples-per-scene", "1"])
