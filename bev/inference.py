@@ -292,22 +292,6 @@ def wants_boxes(value: Any, model: nn.Module, path: str | Path) -> bool:
     return value
 
 
-def save_gif(path: str | Path, frames: list, fps: float = 2.0) -> Path:
-    """An animated GIF (loops forever) of (H, W, 3) uint8 frames, written atomically."""
-    from PIL import Image
-
-    from bev.utils.io import atomic_open
-
-    if not frames:
-        raise ValueError("a GIF needs at least one frame")
-    images = [Image.fromarray(f).convert("P", palette=Image.Palette.ADAPTIVE, colors=255) for f in frames]
-    with atomic_open(path, "wb") as f:
-        images[0].save(
-            f, format="GIF", save_all=True, append_images=images[1:], duration=int(round(1000 / fps)), loop=0
-        )
-    return Path(path)
-
-
 def writable_dir(path: str | Path, what: str = "out") -> Path:
     """Create `path` if needed and check a file can be written there; one clear error otherwise."""
     import tempfile

@@ -262,10 +262,7 @@ class _PredictionFiles:
 
     def _pictures(self, rec: dict[str, Any], stem, title: str, batch, i: int, probs, det=None) -> None:
         """Render sample i once for its PNG (named in rec) and its scene's GIF frame, as configured."""
-        from PIL import Image
-
-        from bev.utils.io import atomic_open
-        from bev.viz import batch_sample, render_sample, render_temporal
+        from bev.viz import batch_sample, gif_frame, render_sample, render_temporal, save_png
 
         if isinstance(probs, dict):
             pred = {k: v[i] for k, v in probs.items()}
@@ -287,20 +284,18 @@ class _PredictionFiles:
                 box_threshold=float(self.cfg.box_threshold),
             )
         if self.cfg.png:
-            with atomic_open(stem.with_suffix(".png"), "wb") as f:
-                Image.fromarray(img).save(f, format="PNG")
-            rec["png"] = str(stem.with_suffix(".png"))
+            rec["png"] = save_png(stem.with_suffix(".png"), img)
         if self.cfg.gif:
-            self.frames.append(_gif_frame(img, int(self.cfg.gif_width)))
+            self.frames.append(gif_frame(img, int(self.cfg.gif_width)))
 
     def end_scene(self) -> None:
         """Write the current scene's GIF (when GIFs are on and it has frames) and start with no frames."""
-        from bev.inference import save_gif
         from bev.utils.io import inside, safe_name
+        from bev.viz import save_gif
 
         if self.cfg.gif and self.frames:
             gif = inside(self.out, self.out / f"{safe_name(self.scene)}.gif")
-            self.gifs.append(str(save_gif(gif, self.frames, float(self.cfg.gif_fps))))
+            self.gifs.append(save_gif(gif, self.frames, float(self.cfg.gif_fps)))
         self.frames.clear()
 
 
@@ -316,16 +311,6 @@ def _box_records(det, threshold: float) -> dict[str, Any]:
         for box, score, label in zip(det["boxes"][keep].tolist(), det["scores"][keep], det["labels"][keep])
     ]
     return {"num_boxes": int(len(det["scores"])), "boxes": boxes}
-
-
-def _gif_frame(img, max_width: int):
-    """img scaled down to at most max_width pixels wide (aspect kept), keeping GIFs small."""
-    import numpy as np
-    from PIL import Image
-
-    h, w = img.shape[:2]
-    width = min(max_width, w)
-    return np.asarray(Image.fromarray(img).resize((width, round(h * width / w)), Image.Resampling.LANCZOS))
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="predict")

@@ -370,6 +370,41 @@ def save_sample_png(
     return path
 
 
+# --------------------------------------------------------------------------- picture files
+
+
+def save_png(path: str | os.PathLike, img: np.ndarray) -> str:
+    """An (H, W, 3) uint8 picture as a PNG, written atomically. Returns the path."""
+    from PIL import Image
+
+    with atomic_open(path, "wb") as f:
+        Image.fromarray(img).save(f, format="PNG")
+    return os.fspath(path)
+
+
+def gif_frame(img: np.ndarray, max_width: int) -> np.ndarray:
+    """img scaled down to at most max_width pixels wide (aspect kept), keeping GIFs small."""
+    from PIL import Image
+
+    h, w = img.shape[:2]
+    width = min(max_width, w)
+    return np.asarray(Image.fromarray(img).resize((width, round(h * width / w)), Image.Resampling.LANCZOS))
+
+
+def save_gif(path: str | os.PathLike, frames: list, fps: float = 2.0) -> str:
+    """An animated GIF (loops forever) of (H, W, 3) uint8 frames, written atomically. Returns the path."""
+    from PIL import Image
+
+    if not frames:
+        raise ValueError("a GIF needs at least one frame")
+    images = [Image.fromarray(f).convert("P", palette=Image.Palette.ADAPTIVE, colors=255) for f in frames]
+    with atomic_open(path, "wb") as f:
+        images[0].save(
+            f, format="GIF", save_all=True, append_images=images[1:], duration=int(round(1000 / fps)), loop=0
+        )
+    return os.fspath(path)
+
+
 # --------------------------------------------------------------------------- temporal windows: instances and futures
 INSTANCE_COLORS = (
     (230, 25, 75),

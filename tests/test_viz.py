@@ -17,8 +17,11 @@ from bev.viz import (
     bev_to_display,
     camera_grid,
     error_map,
+    gif_frame,
     render_figure,
     render_sample,
+    save_gif,
+    save_png,
     save_sample_png,
 )
 
@@ -166,3 +169,17 @@ def test_temporal_picture_paints_instances_and_their_future_paths():
         assert one[0] == pytest.approx([-8.0, -2.5]) and one[-1] == pytest.approx([-8.0, 3.5])  # (y, x): forward 6 m
         two = lines[tuple(np.round(np.asarray(instance_color(2)) / 255, 3))].get_xydata()
         assert two[0] == pytest.approx([2.5, 7.0]) and two[-1] == pytest.approx([6.5, 7.0])  # leftward 4 m
+
+
+def test_picture_files_png_gif_and_gif_frames(tmp_path):
+    img = np.zeros((40, 100, 3), np.uint8)
+    img[:, :50] = (255, 0, 0)
+    png = save_png(tmp_path / "a.png", img)
+    assert np.array_equal(np.asarray(Image.open(png).convert("RGB")), img)
+    small = gif_frame(img, 50)
+    assert small.shape == (20, 50, 3) and gif_frame(img, 500).shape == img.shape
+    gif = Image.open(save_gif(tmp_path / "a.gif", [small, small[:, ::-1]], fps=4.0))
+    assert gif.n_frames == 2 and gif.info["duration"] == 250 and gif.info["loop"] == 0
+    with pytest.raises(ValueError, match="at least one frame"):
+        save_gif(tmp_path / "b.gif", [])
+    assert not (tmp_path / "b.gif").exists()

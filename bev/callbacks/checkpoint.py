@@ -1,4 +1,4 @@
-"""Checkpoint writing: atomic saves, and last.ckpt after every epoch."""
+"""Checkpoint callbacks: atomic saves (bev.utils.checkpoint) and last.ckpt after every epoch."""
 
 from __future__ import annotations
 
@@ -10,25 +10,22 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
-from bev.utils.io import atomic_open, explain_disk_full, remove_stale_temporaries
+from bev.utils.checkpoint import write_checkpoint
+from bev.utils.io import remove_stale_temporaries
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """torch.save through bev.utils.io.atomic_open (same-directory temp file, fsync, os.replace).
+    """Lightning's checkpoint IO saving through bev.utils.checkpoint.write_checkpoint (atomic).
 
     Lightning's own save goes through an fsspec transaction whose temporary file lives in the
     system temp dir; when that is another filesystem the final move is a copy, so a crash can
     leave a truncated checkpoint. A same-directory rename is atomic on POSIX filesystems.
-    A full disk ends in one clear DiskFullError, not torch's "unexpected pos".
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("AtomicCheckpointIO takes no storage_options")
-        # A full disk gives one DiskFullError naming the path and the free space. Inside atomic_open it is
-        # judged while the partial file still takes its space; outside, for the flush, fsync and rename.
-        with explain_disk_full(path), atomic_open(path, "wb") as f, explain_disk_full(path):
-            torch.save(checkpoint, f)
+        write_checkpoint(checkpoint, path)
 
 
 class ModelCheckpoint(L.pytorch.callbacks.ModelCheckpoint):

@@ -29,17 +29,13 @@ class BevPngLogger(L.Callback):
             return
         if not isinstance(outputs, dict) or "logits" not in outputs:
             return
-        from PIL import Image
-
-        from bev.utils.io import atomic_open
-        from bev.viz import batch_sample, render_sample
+        from bev.viz import batch_sample, render_sample, save_png
 
         pred = outputs["logits"][:1].float().sigmoid().cpu()
         sample = {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in batch_sample(batch, 0).items()}
         img = render_sample(sample, pred=pred, class_names=getattr(pl_module, "class_names", None))
         self.dirpath.mkdir(parents=True, exist_ok=True)
-        with atomic_open(self.dirpath / f"step_{step:07d}.png", "wb") as f:
-            Image.fromarray(img).save(f, format="PNG")
+        save_png(self.dirpath / f"step_{step:07d}.png", img)
         log_image(trainer.loggers, IMAGE_TAG, img, step)
 
 

@@ -6,7 +6,8 @@
               RunDirCheck (Hydra callback: unwritable run directory -> one clear line)
   metrics_log the CSV metrics log: ResumableCSVLogger (a resume appends), read_metrics_log
   config      CONFIG_DIR, instantiate_list, Hydra run-mode queries
-  checkpoint  read_checkpoint, check_compatible, resolve_checkpoint (clear CheckpointErrors)
+  checkpoint  write_checkpoint (atomic), read_checkpoint, check_compatible, resolve_checkpoint
+              (clear CheckpointErrors)
   malloc      allocator tuning for CPU training
   precision   trainer.precision / channels_last resolved per device ("auto": bf16-mixed where native)
   threads     `threads: auto`: intra-op threads that leave cores to loader workers and busy neighbours

@@ -1,4 +1,6 @@
-"""Reading checkpoints this project wrote, with one clear error for every way that can fail."""
+"""Checkpoints: written atomically, read with one clear error for every way that can fail.
+
+The Lightning glue (AtomicCheckpointIO, ModelCheckpoint) is in bev.callbacks.checkpoint."""
 
 from __future__ import annotations
 
@@ -12,6 +14,18 @@ from torch import nn
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable, or does not fit the model being built."""
+
+
+def write_checkpoint(checkpoint: dict[str, Any], path: str | Path) -> None:
+    """torch.save through bev.utils.io.atomic_open (same-directory temp file, fsync, os.replace), so a
+    crash never leaves a truncated checkpoint. A full disk ends in one clear DiskFullError naming the
+    path and the free space, not torch's "unexpected pos"."""
+    from bev.utils.io import atomic_open, explain_disk_full
+
+    # Inside atomic_open the disk is judged while the partial file still takes its space; outside, for
+    # the flush, fsync and rename.
+    with explain_disk_full(path), atomic_open(path, "wb") as f, explain_disk_full(path):
+        torch.save(checkpoint, f)
 
 
 def read_checkpoint(path: str | Path) -> dict:
