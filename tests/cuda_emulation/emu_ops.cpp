@@ -2,7 +2,8 @@
 // bev/ops/csrc/cuda/pool_kernels.cuh and the host side of pool_launchers.h, compiled unchanged
 // from the source tree; only the launch policy differs from pool_cuda.cu. Built by
 // tests/test_ops_cuda_emulated.py with torch.utils.cpp_extension.load.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/python.h>
 
 #include <ATen/OpMathType.h>
 

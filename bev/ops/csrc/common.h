@@ -1,7 +1,7 @@
 // Shared argument checks for the CPU and CUDA kernels of the bev voxel-pooling operators.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace bev {
 

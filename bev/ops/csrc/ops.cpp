@@ -2,7 +2,13 @@
 // Kernels are registered per device: csrc/cpu/pool_cpu.cpp (CPU), csrc/cuda/pool_cuda.cu (CUDA);
 // autograd and fake (meta) kernels in bev/ops/_native.py. Names with a leading underscore are
 // internal steps (plan construction, backward passes), not public API.
-#include <torch/extension.h>
+//
+// The Python module bev.ops._C is written with the plain C API, not pybind11 or
+// <torch/extension.h>: it only has to load (registering the ops) and say whether the CUDA kernels
+// were built, and those headers would more than double the extension's compile time.
+#include <Python.h>
+
+#include <torch/library.h>
 
 TORCH_LIBRARY(bev, m) {
   m.def("voxel_sum(Tensor feats, Tensor keys, Tensor order, Tensor offsets, int[] grid_shape) -> Tensor");
@@ -13,13 +19,26 @@ TORCH_LIBRARY(bev, m) {
   m.def("_bev_pool_backward(Tensor grad_out, Tensor depth, Tensor feats, Tensor keys, Tensor offsets) -> (Tensor, Tensor)");
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.doc() = "Native kernels of bev.ops (operators are registered under torch.ops.bev)";
-  module.def("cuda_built", [] {
+namespace {
+
+PyObject* cuda_built(PyObject*, PyObject*) {
 #ifdef BEV_WITH_CUDA
-    return true;
+  Py_RETURN_TRUE;
 #else
-    return false;
+  Py_RETURN_FALSE;
 #endif
-  });
 }
+
+PyMethodDef methods[] = {
+    {"cuda_built", cuda_built, METH_NOARGS, "Whether the CUDA kernels were compiled into this build."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_C", "Native kernels of bev.ops (operators are registered under torch.ops.bev)",
+    -1, methods,
+};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&module); }

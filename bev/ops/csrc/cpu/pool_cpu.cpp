@@ -9,7 +9,14 @@
 // Memory traffic is what these kernels cost on a CPU: outputs are written as whole cache
 // lines (streamed past the cache when large), grad_out (B, C, S) is transposed in cache, only
 // for voxels that hold points, and no (V, C) copy of it is made where a gather suffices.
-#include <torch/extension.h>
+// Only the ATen headers used here: <torch/extension.h> (the whole C++ frontend and pybind11) and
+// <ATen/ATen.h> took most of the build's compile time.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
 
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>

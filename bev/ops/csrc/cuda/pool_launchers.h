@@ -4,8 +4,10 @@
 // same kernels on the CPU. A policy is called as launch(kernel, Launch, kernel arguments...).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <tuple>
 
