@@ -153,6 +153,23 @@ class Grid:
         return np.floor((xy - lo) / step).astype(np.int64)
 
 
+def box_corners(boxes) -> np.ndarray:
+    """(N, 9) boxes of BOX_FIELDS -> (N, 8, 3) ego corners: the bottom face counter-clockwise
+    from the front-left corner (seen from above), then the top face in the same order."""
+    b = np.asarray(torch.as_tensor(boxes).detach().cpu(), dtype=np.float64).reshape(-1, 9)
+    half_l, half_w, half_h = b[:, 4:5] / 2, b[:, 3:4] / 2, b[:, 5:6] / 2
+    # Box frame: x along the length (heading), y to its left.
+    lx = np.concatenate([half_l, -half_l, -half_l, half_l], axis=1)  # front-left, rear-left, rear-right, front-right
+    ly = np.concatenate([half_w, half_w, -half_w, -half_w], axis=1)
+    c, s = np.cos(b[:, 6:7]), np.sin(b[:, 6:7])
+    x = b[:, 0:1] + c * lx - s * ly
+    y = b[:, 1:2] + s * lx + c * ly
+    bottom = np.stack([x, y, np.broadcast_to(b[:, 2:3] - half_h, x.shape)], axis=-1)
+    top = bottom.copy()
+    top[..., 2] += 2 * half_h
+    return np.concatenate([bottom, top], axis=1)
+
+
 def quaternion_to_matrix(q: Sequence[float]) -> np.ndarray:
     """Unit quaternion (w, x, y, z) -> 3x3 rotation matrix (normalises the input)."""
     w, x, y, z = np.asarray(q, dtype=np.float64) / np.linalg.norm(q)

@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Polygon
 
 from bev.data.transforms import denormalize_image
-from bev.geometry import CAMERA_NAMES, Grid
+from bev.geometry import CAMERA_NAMES, Grid, box_corners
 from bev.utils.io import atomic_open
 
 # Error-map colours: true positive, false positive, false negative (background stays black).
@@ -535,23 +535,6 @@ def detection_color(label: int) -> tuple[int, int, int]:
     from bev.classes import DETECTION_CLASSES
 
     return DETECTION_COLORS[DETECTION_CLASSES[int(label)]]
-
-
-def box_corners(boxes: Any) -> np.ndarray:
-    """(N, 9) boxes of bev.geometry.BOX_FIELDS -> (N, 8, 3) ego corners: the bottom face counter-clockwise
-    from the front-left corner (seen from above), then the top face in the same order."""
-    b = _np(boxes).astype(np.float64).reshape(-1, 9)
-    half_l, half_w, half_h = b[:, 4:5] / 2, b[:, 3:4] / 2, b[:, 5:6] / 2
-    # Box frame: x along the length (heading), y to its left.
-    lx = np.concatenate([half_l, -half_l, -half_l, half_l], axis=1)  # front-left, rear-left, rear-right, front-right
-    ly = np.concatenate([half_w, half_w, -half_w, -half_w], axis=1)
-    c, s = np.cos(b[:, 6:7]), np.sin(b[:, 6:7])
-    x = b[:, 0:1] + c * lx - s * ly
-    y = b[:, 1:2] + s * lx + c * ly
-    bottom = np.stack([x, y, np.broadcast_to(b[:, 2:3] - half_h, x.shape)], axis=-1)
-    top = bottom.copy()
-    top[..., 2] += 2 * half_h
-    return np.concatenate([bottom, top], axis=1)
 
 
 def box_detections(det: Mapping[str, Any] | None, threshold: float | None = None) -> dict[str, np.ndarray] | None:

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bev.classes import DETECTION_CLASSES, DETECTION_GROUPS
-from bev.detection.decode import CIRCLE_NMS_SQUARED, decode
+from bev.detection.decode import CIRCLE_NMS_SQUARED, decode, rotated_nms
 from bev.detection.loss import DetectionLoss
 from bev.detection.targets import REGRESSION_FIELDS, encode_targets, gaussian_radius, heatmap_radius
 from bev.geometry import Grid
@@ -187,7 +187,7 @@ def test_encode_then_decode_round_trip(seed):
     boxes[1, :2] = [-20.0, -16.0]  # exactly on the grid's lower corner
     t = encode_targets(boxes, labels, GRID)
     heatmap, regression = _perfect_maps(t)
-    for nms in (None, "circle"):
+    for nms in (None, "circle", "rotated"):
         (out,) = decode(heatmap, regression, GRID, nms=nms)
         assert len(out["boxes"]) == len(boxes)
         assert (out["scores"] > 0.99).all()
@@ -233,6 +233,25 @@ def test_circle_nms_removes_a_duplicate_within_the_radius_and_keeps_other_groups
     (nms,) = decode(heatmap, regression, GRID, nms="circle")
     assert nms["labels"].tolist() == [CLS["pedestrian"]]
     assert CIRCLE_NMS_SQUARED[GROUP_OF["car"]] == 4.0
+
+
+def _car(x, y=0.0, yaw=0.0, w=2.0, l=4.0):
+    return [x, y, 1.0, w, l, 1.5, yaw, 0.0, 0.0]
+
+
+def test_rotated_nms_drops_by_footprint_iou_within_a_group():
+    # Same width, l = 4 m, offset d along x: IoU = (l - d) / (l + d), 0.25 at d = 2.4 m and 0.15 at 2.96 m.
+    boxes = torch.tensor([_car(10), _car(12.4), _car(30), _car(32.96)])
+    group = torch.zeros(4, dtype=torch.long)
+    assert rotated_nms(boxes, group, 0.2).tolist() == [0, 2, 3]
+    assert rotated_nms(boxes, group, 0.3).tolist() == [0, 1, 2, 3]
+    # Crossed at the same centre: intersection 2 x 2, union 12, IoU 1/3; another group is never dropped.
+    crossed = torch.tensor([_car(0), _car(0, yaw=math.pi / 2), _car(0, yaw=math.pi / 2)])
+    assert rotated_nms(crossed, torch.tensor([0, 0, 1]), 0.2).tolist() == [0, 2]
+    # Side by side 1.95 m apart (width 1.9): no overlap, both kept, where circle NMS (2 m) keeps one.
+    side = torch.tensor([_car(0, 0, w=1.9), _car(0, 1.95, w=1.9)])
+    assert rotated_nms(side, torch.zeros(2, dtype=torch.long)).tolist() == [0, 1]
+    assert rotated_nms(torch.zeros(0, 9), torch.zeros(0, dtype=torch.long)).tolist() == []
 
 
 def test_decode_peaks_threshold_and_top_k():

@@ -16,11 +16,10 @@ import bev
 from bev import export as bev_export
 from bev import predict_cli
 from bev.classes import DETECTION_CLASSES
-from bev.geometry import Grid
+from bev.geometry import Grid, box_corners
 from bev.inference import CAMERA_INPUTS, ring_rig
 from bev.viz import (
     DETECTION_COLORS,
-    box_corners,
     box_edges_in_image,
     draw_boxes_bev,
     render_figure,

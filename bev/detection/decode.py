@@ -1,6 +1,7 @@
 """Boxes from the detection head's maps (bev.models.centerpoint.CenterHead's outputs), per sample:
 sigmoid, 3x3 max-pool peaks, top-K over all classes, score threshold, cell + offset -> metres, exp sizes,
-atan2 yaw, velocity, then circle NMS within each class group. At most top_k boxes per sample (500: the
+atan2 yaw, velocity, then NMS within each class group: circle NMS (centre distance, CenterPoint / BEVDet) or
+rotated NMS (IoU of the boxes' footprints seen from above, BEVFusion). At most top_k boxes per sample (500: the
 devkit's limit). Boxes are rows of bev.geometry.BOX_FIELDS in the ego frame; attributes are not decided here.
 """
 
@@ -15,12 +16,14 @@ import torch.nn.functional as F
 
 from bev.classes import DETECTION_CLASSES, DETECTION_GROUPS
 from bev.detection.targets import REGRESSION_FIELDS, class_to_group, gather_regression
-from bev.geometry import Grid
+from bev.geometry import Grid, box_corners
 
 # Circle NMS thresholds per group of DETECTION_GROUPS, as the peers give them: squared centre distances
 # in m^2 (CenterPoint / BEVDet `min_radius`, compared with dx^2 + dy^2). In metres: 2, 3.46, 3.16, 1, 0.92, 0.42.
 CIRCLE_NMS_SQUARED = (4.0, 12.0, 10.0, 1.0, 0.85, 0.175)
 NMS_RADII = tuple(math.sqrt(d) for d in CIRCLE_NMS_SQUARED)
+ROTATED_NMS_IOU = 0.2  # BEVFusion's: a box overlapping a better one of its group by more is dropped
+NMS_KINDS = ("circle", "rotated", None)
 MAX_BOXES = 500
 
 
@@ -48,6 +51,32 @@ def circle_nms(xy: torch.Tensor, group: torch.Tensor, radii: torch.Tensor) -> to
     return torch.as_tensor(keep, dtype=torch.long, device=xy.device)
 
 
+def rotated_nms(boxes: torch.Tensor, group: torch.Tensor, iou_threshold: float = ROTATED_NMS_IOU) -> torch.Tensor:
+    """Greedy NMS of boxes (BOX_FIELDS rows) sorted by decreasing score: a box is dropped when a kept box of
+    the same group overlaps its footprint (the rotated base rectangle) with IoU > iou_threshold. Returns
+    the kept indices, in order."""
+    import shapely
+
+    polygons = shapely.polygons(box_corners(boxes)[:, :4, :2])
+    i, j = shapely.STRtree(polygons).query(polygons, predicate="intersects")
+    g = group.cpu().numpy()
+    pair = (i < j) & (g[i] == g[j])
+    i, j = i[pair], j[pair]
+    inter = shapely.area(shapely.intersection(polygons[i], polygons[j]))
+    area = shapely.area(polygons)
+    overlapping = inter > iou_threshold * (area[i] + area[j] - inter)
+    later = [[] for _ in range(len(polygons))]
+    for a, b in zip(i[overlapping], j[overlapping]):
+        later[a].append(b)
+    removed = np.zeros(len(polygons), dtype=bool)
+    keep = []
+    for k in range(len(polygons)):
+        if not removed[k]:
+            keep.append(k)
+            removed[later[k]] = True
+    return torch.as_tensor(keep, dtype=torch.long, device=boxes.device)
+
+
 @torch.no_grad()
 def decode(
     heatmap: torch.Tensor,
@@ -58,12 +87,14 @@ def decode(
     nms: str | None = "circle",
     nms_radii: Sequence[float] = NMS_RADII,
     groups: tuple[tuple[str, ...], ...] = DETECTION_GROUPS,
+    nms_iou: float = ROTATED_NMS_IOU,
 ) -> list[dict[str, torch.Tensor]]:
     """heatmap (B, C, X, Y) logits and regression (B, G, 10, X, Y) -> per sample {"boxes": (K, 9) float32
     per BOX_FIELDS, "scores": (K,) in decreasing order, "labels": (K,) int64 into DETECTION_CLASSES}.
-    nms: "circle" (per group, centre distance <= nms_radii[g] metres) or None."""
-    if nms not in ("circle", None):
-        raise ValueError(f"nms must be 'circle' or None, got {nms!r}")
+    nms: "circle" (per group, centre distance <= nms_radii[g] metres), "rotated" (per group, footprint IoU >
+    nms_iou) or None."""
+    if nms not in NMS_KINDS:
+        raise ValueError(f"nms must be one of {NMS_KINDS}, got {nms!r}")
     if not 0 < top_k <= MAX_BOXES:
         raise ValueError(f"top_k must be in 1..{MAX_BOXES} (the devkit's limit of boxes per sample), got {top_k}")
     if len(nms_radii) != len(groups):
@@ -83,8 +114,11 @@ def decode(
     for i in range(b):
         keep = top_scores[i] > score_threshold
         bx, sc, lb = boxes[i][keep], top_scores[i][keep], label[i][keep]
-        if nms == "circle" and len(sc):
-            kept = circle_nms(bx[:, :2], of_class[lb], radii)
+        if nms is not None and len(sc):
+            if nms == "circle":
+                kept = circle_nms(bx[:, :2], of_class[lb], radii)
+            else:
+                kept = rotated_nms(bx, of_class[lb], nms_iou)
             bx, sc, lb = bx[kept], sc[kept], lb[kept]
         results.append({"boxes": bx, "scores": sc, "labels": lb})
     return results
