@@ -84,12 +84,15 @@ train-temporal: venv
 	@echo "Checkpoints: $(TEMPORAL_RUN)/checkpoints  Metrics: $(TEMPORAL_RUN)/eval/metrics.json"
 
 # 3D detection (experiment=synthetic_det_cpu: boxes of the 10 nuScenes classes beside segmentation, scored by
-# the devkit's DetectionEval) on the same data; a second run resumes from its last.ckpt.
+# the devkit's DetectionEval) on the same data, started from `make train`'s checkpoint when there is one (the
+# two-stage recipe, better at equal steps: docs/detection.md), else from scratch; a second run resumes from
+# its own last.ckpt.
 DET_RUN ?= outputs/synthetic_det_cpu
 train-det: venv
 	@set -e; \
 	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA) --samples-per-scene $(SYNTHETIC_SAMPLES) --render-scale $(SYNTHETIC_RENDER_SCALE); \
 	$(VENV)/bin/bev-train experiment=synthetic_det_cpu data.dataroot=$(DATA) hydra.run.dir=$(DET_RUN) \
+		$(if $(wildcard $(RUN)/checkpoints/*.ckpt),model.init_from=$(RUN)/checkpoints) \
 		$(if $(wildcard $(DET_RUN)/checkpoints/last.ckpt),ckpt_path=$(DET_RUN)/checkpoints/last.ckpt)
 	$(VENV)/bin/bev-eval ckpt_path=$(DET_RUN)/checkpoints data.dataroot=$(DATA) hydra.run.dir=$(DET_RUN)/eval
 	@echo "Checkpoints: $(DET_RUN)/checkpoints  Metrics: $(DET_RUN)/eval/metrics.json  Results: $(DET_RUN)/eval/results_nusc.json"
