@@ -41,14 +41,7 @@ def circle_nms(xy: torch.Tensor, group: torch.Tensor, radii: torch.Tensor) -> to
     """Greedy NMS of boxes sorted by decreasing score: a box is dropped when a kept box of the same group
     has its centre within the group's radius (metres). Returns the kept indices, in order."""
     close = (torch.cdist(xy, xy) <= radii[group][:, None]) & (group[:, None] == group[None, :])
-    close = close.cpu().numpy()
-    removed = np.zeros(len(close), dtype=bool)
-    keep = []
-    for i in range(len(close)):
-        if not removed[i]:
-            keep.append(i)
-            removed |= close[i]
-    return torch.as_tensor(keep, dtype=torch.long, device=xy.device)
+    return _greedy(close.cpu().numpy(), xy.device)
 
 
 def rotated_nms(boxes: torch.Tensor, group: torch.Tensor, iou_threshold: float = ROTATED_NMS_IOU) -> torch.Tensor:
@@ -65,16 +58,21 @@ def rotated_nms(boxes: torch.Tensor, group: torch.Tensor, iou_threshold: float =
     inter = shapely.area(shapely.intersection(polygons[i], polygons[j]))
     area = shapely.area(polygons)
     overlapping = inter > iou_threshold * (area[i] + area[j] - inter)
-    later = [[] for _ in range(len(polygons))]
-    for a, b in zip(i[overlapping], j[overlapping]):
-        later[a].append(b)
-    removed = np.zeros(len(polygons), dtype=bool)
+    suppresses = np.zeros((len(polygons), len(polygons)), dtype=bool)
+    suppresses[i[overlapping], j[overlapping]] = True
+    return _greedy(suppresses, boxes.device)
+
+
+def _greedy(suppresses: np.ndarray, device) -> torch.Tensor:
+    """Greedy NMS over boxes in decreasing score order: (K, K) suppresses[a, b] = a, once kept, drops b.
+    Returns the kept indices, in order."""
+    removed = np.zeros(len(suppresses), dtype=bool)
     keep = []
-    for k in range(len(polygons)):
+    for k in range(len(suppresses)):
         if not removed[k]:
             keep.append(k)
-            removed[later[k]] = True
-    return torch.as_tensor(keep, dtype=torch.long, device=boxes.device)
+            removed |= suppresses[k]
+    return torch.as_tensor(keep, dtype=torch.long, device=device)
 
 
 @torch.no_grad()
