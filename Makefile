@@ -97,15 +97,18 @@ train-det: venv
 	$(VENV)/bin/bev-eval ckpt_path=$(DET_RUN)/checkpoints data.dataroot=$(DATA) hydra.run.dir=$(DET_RUN)/eval
 	@echo "Checkpoints: $(DET_RUN)/checkpoints  Metrics: $(DET_RUN)/eval/metrics.json  Results: $(DET_RUN)/eval/results_nusc.json"
 
+# One pytest worker per core (pytest-xdist; at most 4: each holds its own torch), a test file per worker.
+PYTEST := $(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile
+
 test: venv
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # The unit tests alone: no entry point run end to end (tests/conftest.py marks those e2e), nothing slow.
 test-unit: venv
-	$(PY) -m pytest -q -m "not slow and not e2e"
+	$(PYTEST) -m "not slow and not e2e"
 
 test-all: venv
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 bench: venv
 	$(PY) scripts/bench_pool.py

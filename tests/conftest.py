@@ -4,27 +4,61 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import re
 from pathlib import Path
 
-# Lightning gives its logger a StreamHandler on sys.stderr when first imported. Imported first
-# inside a capsys test, that handler would keep the test's stream, closed afterwards, and every
-# later Lightning log line would print a "Logging error" traceback into other tests' stderr.
-import lightning.pytorch  # noqa: F401
 import pytest
+
+
+def pytest_configure(config):
+    """Set up each process that runs tests. The pytest-xdist controller (make test: -n auto) runs none
+    and imports neither torch nor Lightning (seconds each)."""
+    if getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput"):
+        return
+    # Lightning gives its logger a StreamHandler on sys.stderr when first imported. Imported first
+    # inside a capsys test, that handler would keep the test's stream, closed afterwards, and every
+    # later Lightning log line would print a "Logging error" traceback into other tests' stderr.
+    import lightning.pytorch  # noqa: F401
+    import torch
+
+    # Under pytest-xdist the workers share the CPUs: each takes its share of intra-op threads instead
+    # of all of them, so that two workers on two cores do not oversubscribe.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
+def _once_per_run(tmp_path_factory, name: str, make) -> Path:
+    """make(folder) -> path, run once per test run: under pytest-xdist the first worker to ask makes it
+    under a file lock in the run's shared temporary folder, and the others wait for it and reuse it."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return make(tmp_path_factory.mktemp(name))
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent  # the workers' base folders sit side by side in it
+    done = shared / f"{name}.done"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not done.exists():
+            folder = shared / name
+            folder.mkdir()
+            done.write_text(str(make(folder)))
+    return Path(done.read_text())
 
 
 @pytest.fixture(scope="session")
 def synthetic_root(tmp_path_factory) -> Path:
-    """A small synthetic nuScenes-format dataroot, written once per test session.
+    """A small synthetic nuScenes-format dataroot, written once per test run.
 
     2 scenes x 3 key frames, seed 0: scene-0061 (mini_train) and scene-0103 (mini_val).
     Load it with NuScenes("v1.0-mini", dataroot=synthetic_root). Treat it as read-only.
     """
     from bev.synthetic.writer import make_synthetic
 
-    return make_synthetic(
-        tmp_path_factory.mktemp("synthetic") / "nuscenes", scenes=2, samples_per_scene=3, seed=0, progress=False
+    return _once_per_run(
+        tmp_path_factory,
+        "synthetic",
+        lambda folder: make_synthetic(folder / "nuscenes", scenes=2, samples_per_scene=3, seed=0, progress=False),
     )
 
 
@@ -39,21 +73,23 @@ def tiny_run(synthetic_root, tmp_path_factory) -> Path:
 
     from helpers.cli import TINY, train_cli
 
-    run = tmp_path_factory.mktemp("run")
-    mp = pytest.MonkeyPatch()
-    try:
-        args = [
-            *TINY,
-            "trainer.max_epochs=2",
-            "callbacks.bev_png.every_n_steps=0",
-            f"data.dataroot={synthetic_root}",
-            f"hydra.run.dir={run}",
-        ]
-        assert train_cli(args, mp) == 0
-    finally:
-        mp.undo()
-    assert json.loads((run / "metrics.json").read_text())["global_step"] == 2
-    return run
+    def train(run: Path) -> Path:
+        mp = pytest.MonkeyPatch()
+        try:
+            args = [
+                *TINY,
+                "trainer.max_epochs=2",
+                "callbacks.bev_png.every_n_steps=0",
+                f"data.dataroot={synthetic_root}",
+                f"hydra.run.dir={run}",
+            ]
+            assert train_cli(args, mp) == 0
+        finally:
+            mp.undo()
+        assert json.loads((run / "metrics.json").read_text())["global_step"] == 2
+        return run
+
+    return _once_per_run(tmp_path_factory, "run", train)
 
 
 @pytest.fixture(scope="session")
@@ -84,7 +120,7 @@ def fresh_compile_caches():
 
 
 _ENTRY_POINT_CALLS = re.compile(
-    r"\b(run_cli|train_cli|eval_cli)\(|\b(subprocess\.\w+|Popen)\(\s*\[\s*(sys\.executable|\"bash\")"
+    r"\b(run_cli|train_cli|eval_cli|native_check_in_subprocess)\(|main\(\s*\[|\b(subprocess\.\w+|Popen)\(\s*\[\s*(sys\.executable|\"bash\")"
 )
 
 
@@ -97,8 +133,9 @@ def _runs_an_entry_point(fn) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test that runs an entry point (bev-train, bev-eval, ... through helpers.cli) or starts a Python or
-    bash process (a script, a fresh interpreter), itself or through one of its fixtures, is marked e2e:
+    """Every test that runs an entry point (bev-train, bev-eval, ... through helpers.cli, or a command's
+    main([...])) or starts a Python or bash process (a script, a fresh interpreter), itself or through one
+    of its fixtures, is marked e2e:
     `-m "not e2e"` (make test-unit) leaves them all out."""
     for item in items:
         fixtures = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})

@@ -88,7 +88,7 @@ def test_map_mask_around_a_junction_matches_the_generator(maps):
     for loc, m in maps.items():
         road = R.road_map(SEED, loc)
         j = _four_way(road)
-        size, res = 60.0, 0.1
+        size, res = 60.0, 0.2
         n = int(size / res)
         layers = ["drivable_area", "ped_crossing", "walkway", "stop_line", "road_divider", "lane_divider"]
         got = m.get_map_mask((j.xy[0], j.xy[1], size, size), 0.0, layers, (n, n)).astype(bool)

@@ -56,7 +56,8 @@ def _project(cam: raycast.Camera, pts_ego: np.ndarray):
     return uv.numpy(), depth.numpy()
 
 
-def _world_index(nusc):
+@pytest.fixture(scope="module")
+def worlds(nusc):
     """scene name -> (scene index, world, [sample tokens]) rebuilt with the generator."""
     names = scene_names(SCENES)
     out = {}
@@ -247,7 +248,12 @@ def _id_bboxes(ids: np.ndarray, n: int) -> np.ndarray:
 
 
 def test_vehicles_never_intersect_other_objects():
+    import shapely
     from shapely.geometry import Polygon
+
+    def footprint(c, yaw, w, l):
+        R = np.array([[math.cos(yaw), -math.sin(yaw)], [math.sin(yaw), math.cos(yaw)]])
+        return Polygon(np.array([[l, w], [l, -w], [-l, -w], [-l, w]]) / 2 @ R.T + c[:2])
 
     for seed in range(3):
         world = world_model.build_world(
@@ -261,22 +267,17 @@ def test_vehicles_never_intersect_other_objects():
                 if o.category and not o.category.startswith("human.")
             ]
             boxes.append(("ego", (ego_xy, ego_yaw), (1.9, 4.6, 1.7)))
-
-            def footprint(c, yaw, w, l):
-                R = np.array([[math.cos(yaw), -math.sin(yaw)], [math.sin(yaw), math.cos(yaw)]])
-                return Polygon(np.array([[l, w], [l, -w], [-l, -w], [-l, w]]) / 2 @ R.T + c[:2])
-
-            polys = [(cat, footprint(c, yaw, w, l)) for cat, (c, yaw), (w, l, _) in boxes]
-            for a in range(len(polys)):
-                for b in range(a + 1, len(polys)):
-                    (ca, pa), (cb, pb) = polys[a], polys[b]
-                    if "vehicle." in ca + cb or "ego" in (ca, cb):
-                        assert pa.intersection(pb).area < 1e-6, (seed, t, ca, cb)
+            cats = [cat for cat, _, _ in boxes]
+            polys = [footprint(c, yaw, w, l) for _, (c, yaw), (w, l, _) in boxes]
+            # Candidate pairs from a search tree (bounding boxes touch), then the exact overlap.
+            for a, b in shapely.STRtree(polys).query(polys, predicate="intersects").T:
+                if a < b and ("vehicle." in cats[a] + cats[b] or "ego" in (cats[a], cats[b])):
+                    assert polys[a].intersection(polys[b]).area < 1e-6, (seed, t, cats[a], cats[b])
 
 
-def test_projected_boxes_land_on_their_rendered_pixels(nusc):
+def test_projected_boxes_land_on_their_rendered_pixels(nusc, worlds):
     checked_centres = visible_centres = own_centres = checked_boxes = 0
-    for name, (_si, world, tokens) in _world_index(nusc).items():
+    for name, (_si, world, tokens) in worlds.items():
         for k, tok in enumerate(tokens):
             sample = nusc.get("sample", tok)
             R, t = _ego_from_global(nusc, sample)  # global -> LIDAR_TOP ego frame
@@ -314,9 +315,9 @@ def test_projected_boxes_land_on_their_rendered_pixels(nusc):
     assert visible_centres > 20 and own_centres > 0.8 * visible_centres
 
 
-def test_visibility_matches_the_id_buffers(nusc):
+def test_visibility_matches_the_id_buffers(nusc, worlds):
     levels = defaultdict(int)
-    for _name, (_si, world, tokens) in _world_index(nusc).items():
+    for _name, (_si, world, tokens) in worlds.items():
         for k, tok in enumerate(tokens):
             t = k * world_model.SAMPLE_DT
             renders, counts = raycast.render_sample(world, t)
@@ -404,11 +405,11 @@ def test_enough_vehicles_near_the_ego(nusc):
     assert 10 <= np.mean(counts) <= 60, counts
 
 
-def test_image_shows_vehicles_in_colour(nusc, synthetic_root):
+def test_image_shows_vehicles_in_colour(nusc, synthetic_root, worlds):
     """Vehicle pixels are saturated paint or dark glass/tyres, the road is grey: learnable contrast."""
     from PIL import Image
 
-    (si, world, tokens) = _world_index(nusc)["scene-0061"]
+    (si, world, tokens) = worlds["scene-0061"]
     r = raycast.render_camera(world, 0.0, "CAM_FRONT")
     img = np.asarray(
         Image.open(

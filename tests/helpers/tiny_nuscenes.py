@@ -73,14 +73,18 @@ def cam_to_ego_rotation(yaw_deg: float) -> np.ndarray:
 
 
 def texture(seed: int) -> np.ndarray:
-    """Smooth but non-repetitive colours, so warped pixels can be compared after resampling."""
-    v, u = np.mgrid[0:H, 0:W].astype(np.float32)
-    rng = np.random.default_rng(seed)
-    ph = rng.uniform(0, 2 * np.pi, 6)
-    r = 127 + 100 * np.sin(u / 97.0 + ph[0]) * np.cos(v / 71.0 + ph[1])
-    g = 127 + 100 * np.sin((u + 2 * v) / 131.0 + ph[2])
-    b = 127 + 100 * np.cos((u - v) / 57.0 + ph[3]) * np.sin(u / 203.0 + ph[4])
-    return np.clip(np.stack([r, g, b], -1), 0, 255).astype(np.uint8)
+    """Smooth but non-repetitive colours, so warped pixels can be compared after resampling. Each channel
+    is a sum of products of a row and a column wave (sin(a + b) expanded), so no full-image trigonometry."""
+    v, u = np.arange(H, dtype=np.float32)[:, None], np.arange(W, dtype=np.float32)[None, :]
+    ph = np.random.default_rng(seed).uniform(0, 2 * np.pi, 6).astype(np.float32)
+    r = np.sin(u / 97 + ph[0]) * np.cos(v / 71 + ph[1])
+    # sin((u + 2v) / 131 + ph2), cos((u - v) / 57 + ph3):
+    g = np.sin(u / 131 + ph[2]) * np.cos(2 * v / 131) + np.cos(u / 131 + ph[2]) * np.sin(2 * v / 131)
+    b = (np.cos(u / 57 + ph[3]) * np.cos(v / 57) + np.sin(u / 57 + ph[3]) * np.sin(v / 57)) * np.sin(u / 203 + ph[4])
+    out = np.empty((H, W, 3), np.uint8)
+    for k, channel in enumerate((r, g, b)):
+        out[..., k] = np.clip(127 + 100 * channel, 0, 255)
+    return out
 
 
 LOCATION = "singapore-onenorth"
