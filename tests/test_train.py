@@ -17,24 +17,6 @@ from helpers.cli import TINY, assert_one_paragraph, eval_cli, read_csv_metric, t
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def trained_run(synthetic_root, tmp_path_factory):
-    """One tiny training run (1 epoch) shared by the tests below."""
-    run = tmp_path_factory.mktemp("run")
-    mp = pytest.MonkeyPatch()
-    try:
-        assert (
-            train_cli(
-                [*TINY, "callbacks.bev_png.every_n_steps=1", f"data.dataroot={synthetic_root}", f"hydra.run.dir={run}"],
-                mp,
-            )
-            == 0
-        )
-    finally:
-        mp.undo()
-    return run
-
-
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])  # 16-mixed is GPU-only (bf16 on CPU)
 def test_fast_dev_run(precision, synthetic_root, tmp_path, monkeypatch):
     args = [
@@ -119,26 +101,25 @@ def test_training_threads_give_way_to_other_processes(
     assert "threads: 2 (other processes kept 2.0 of the CPUs busy at the start)" in capsys.readouterr().out
 
 
-def test_run_writes_checkpoints_logs_and_pictures(trained_run):
-    ck = trained_run / "checkpoints"
+def test_run_writes_checkpoints_logs_and_pictures(tiny_run):
+    ck = tiny_run / "checkpoints"
     assert (ck / "last.ckpt").is_file() and (ck / "epoch_000.ckpt").is_file()
     assert not list(ck.glob("*.tmp"))  # atomic writes leave no temporaries behind
     ckpt = torch.load(ck / "last.ckpt", weights_only=True)
     assert ckpt["bev_config"]["grid"]["xbound"] == [-24.0, 24.0, 2.0]
-    assert list(trained_run.glob("pngs/step_*.png"))
-    assert read_csv_metric(trained_run, "val/iou") and read_csv_metric(trained_run, "train/loss_step")
-    rec = json.loads((trained_run / "metrics.json").read_text())
+    assert list(tiny_run.glob("pngs/step_*.png"))
+    assert read_csv_metric(tiny_run, "val/iou") and read_csv_metric(tiny_run, "train/loss_step")
+    rec = json.loads((tiny_run / "metrics.json").read_text())
     assert {"val/iou", "val/iou_best", "val/iou_vis", "val/iou_0_20m"} <= set(rec["metrics"])
 
 
-def test_eval_reproduces_the_logged_validation(trained_run, synthetic_root, tmp_path, monkeypatch, capsys):
+def test_eval_reproduces_the_logged_validation(tiny_run, synthetic_root, tmp_path, monkeypatch, capsys):
     out = tmp_path / "eval"
     assert (
-        eval_cli([f"ckpt_path={trained_run}", f"data.dataroot={synthetic_root}", f"hydra.run.dir={out}"], monkeypatch)
-        == 0
+        eval_cli([f"ckpt_path={tiny_run}", f"data.dataroot={synthetic_root}", f"hydra.run.dir={out}"], monkeypatch) == 0
     )
     rec = json.loads((out / "metrics.json").read_text())
-    run = json.loads((trained_run / "metrics.json").read_text())["metrics"]
+    run = json.loads((tiny_run / "metrics.json").read_text())["metrics"]
     assert rec["checkpoint"].endswith("epoch_000.ckpt")  # a run directory resolves to its best checkpoint
     assert abs(rec["metrics"]["iou"] - run["val/iou"]) <= 0.005
     assert abs(rec["metrics"]["iou"] - rec["logged_val_iou"]) <= 0.005
@@ -149,12 +130,12 @@ def test_eval_reproduces_the_logged_validation(trained_run, synthetic_root, tmp_
     assert "vehicle" in printed and "35-50m" in printed and "IoU (vis>1)" in printed  # one row per class
 
 
-def test_resume_from_last_continues_the_step_count(trained_run, synthetic_root, tmp_path, monkeypatch):
-    first = json.loads((trained_run / "metrics.json").read_text())["global_step"]
+def test_resume_from_last_continues_the_step_count(tiny_run, synthetic_root, tmp_path, monkeypatch):
+    first = json.loads((tiny_run / "metrics.json").read_text())["global_step"]
     args = [
         *TINY,
         "trainer.max_epochs=2",
-        f"ckpt_path={trained_run}/checkpoints/last.ckpt",
+        f"ckpt_path={tiny_run}/checkpoints/last.ckpt",
         f"data.dataroot={synthetic_root}",
         f"hydra.run.dir={tmp_path}",
     ]
@@ -235,18 +216,18 @@ def test_missing_checkpoint(tmp_path, monkeypatch, capsys):
     assert_one_paragraph(capsys.readouterr().err, "bev-eval: error:", "does not exist")
 
 
-def test_corrupt_checkpoint(trained_run, tmp_path, monkeypatch, capsys):
+def test_corrupt_checkpoint(tiny_run, tmp_path, monkeypatch, capsys):
     bad = tmp_path / "bad.ckpt"
-    bad.write_bytes((trained_run / "checkpoints" / "last.ckpt").read_bytes()[:5000])  # a truncated write
+    bad.write_bytes((tiny_run / "checkpoints" / "last.ckpt").read_bytes()[:5000])  # a truncated write
     assert eval_cli([f"ckpt_path={bad}", f"hydra.run.dir={tmp_path}"], monkeypatch) == 1
     assert_one_paragraph(capsys.readouterr().err, "corrupt")
 
 
-def test_checkpoint_from_an_incompatible_model(trained_run, synthetic_root, tmp_path, monkeypatch, capsys):
+def test_checkpoint_from_an_incompatible_model(tiny_run, synthetic_root, tmp_path, monkeypatch, capsys):
     args = [
         *TINY,
         "model.net.bev.widths=[8,16,32]",
-        f"ckpt_path={trained_run}/checkpoints/last.ckpt",
+        f"ckpt_path={tiny_run}/checkpoints/last.ckpt",
         f"data.dataroot={synthetic_root}",
         f"hydra.run.dir={tmp_path}",
     ]
@@ -255,12 +236,12 @@ def test_checkpoint_from_an_incompatible_model(trained_run, synthetic_root, tmp_
 
 
 def test_eval_threads_give_way_to_other_processes(
-    trained_run, synthetic_root, tmp_path, monkeypatch, capsys, two_of_four_cpus_busy
+    tiny_run, synthetic_root, tmp_path, monkeypatch, capsys, two_of_four_cpus_busy
 ):
     seen = two_of_four_cpus_busy
     before = torch.get_num_threads()
     args = [
-        f"ckpt_path={trained_run}",
+        f"ckpt_path={tiny_run}",
         f"data.dataroot={synthetic_root}",
         "data.num_workers=0",
         "threads=auto",
@@ -271,10 +252,8 @@ def test_eval_threads_give_way_to_other_processes(
     assert "threads: 2 (other processes kept 2.0 of the CPUs busy at the start)" in capsys.readouterr().out
 
 
-def test_eval_model_override_applies_to_the_checkpoint_config(
-    trained_run, synthetic_root, tmp_path, monkeypatch, capsys
-):
-    base = [f"ckpt_path={trained_run}", f"data.dataroot={synthetic_root}", "num_pngs=0"]
+def test_eval_model_override_applies_to_the_checkpoint_config(tiny_run, synthetic_root, tmp_path, monkeypatch, capsys):
+    base = [f"ckpt_path={tiny_run}", f"data.dataroot={synthetic_root}", "num_pngs=0"]
     # A setting that does not change the weights is applied on top of the checkpoint's model config...
     assert eval_cli([*base, "+model.threshold=0.3", f"hydra.run.dir={tmp_path / 'a'}"], monkeypatch) == 0
     assert json.loads((tmp_path / "a" / "metrics.json").read_text())["threshold"] == 0.3
@@ -283,11 +262,11 @@ def test_eval_model_override_applies_to_the_checkpoint_config(
     assert_one_paragraph(capsys.readouterr().err, "bev-eval: error:", "model.net.context_channels: 8 -> 16")
 
 
-def test_resume_in_the_run_dir_continues_its_metrics_log(trained_run, synthetic_root, tmp_path, monkeypatch):
+def test_resume_in_the_run_dir_continues_its_metrics_log(tiny_run, synthetic_root, tmp_path, monkeypatch):
     from bev.utils.metrics_log import read_metrics_log
 
     run = tmp_path / "run"
-    shutil.copytree(trained_run, run)
+    shutil.copytree(tiny_run, run)
     (log,) = run.glob("csv/version_*/metrics.csv")
     first = read_metrics_log(run)["train/loss_step"]
     # A run killed after logging a step past its last checkpoint: the resumed run logs that step again.
