@@ -97,8 +97,9 @@ train-det: venv
 	$(VENV)/bin/bev-eval ckpt_path=$(DET_RUN)/checkpoints data.dataroot=$(DATA) hydra.run.dir=$(DET_RUN)/eval
 	@echo "Checkpoints: $(DET_RUN)/checkpoints  Metrics: $(DET_RUN)/eval/metrics.json  Results: $(DET_RUN)/eval/results_nusc.json"
 
-# One pytest worker per core (pytest-xdist; at most 4: each holds its own torch), a test file per worker.
-PYTEST := $(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile
+# One pytest worker per core (pytest-xdist; at most 4: each holds its own torch). worksteal: the tests are
+# split evenly and a worker that runs out takes half of another's queue, so no core idles at the end.
+PYTEST := $(PY) -m pytest -q -n auto --maxprocesses 4 --dist worksteal
 
 test: venv
 	$(PYTEST) -m "not slow"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import os
 import re
@@ -19,14 +20,25 @@ def pytest_configure(config):
     # Lightning gives its logger a StreamHandler on sys.stderr when first imported. Imported first
     # inside a capsys test, that handler would keep the test's stream, closed afterwards, and every
     # later Lightning log line would print a "Logging error" traceback into other tests' stderr.
+    # The cyclic garbage collector is paused while these imports make their million objects, which are
+    # then frozen out of its reach: the collections the tests trigger skip them.
+    gc.disable()
     import lightning.pytorch  # noqa: F401
     import torch
+
+    gc.freeze()
+    gc.enable()
 
     # Under pytest-xdist the workers share the CPUs: each takes its share of intra-op threads instead
     # of all of them, so that two workers on two cores do not oversubscribe.
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
+def pytest_unconfigure(config):
+    """Skip the interpreter's last full collection of everything imported (seconds per process)."""
+    gc.freeze()
 
 
 def _once_per_run(tmp_path_factory, name: str, make) -> Path:
@@ -50,16 +62,24 @@ def _once_per_run(tmp_path_factory, name: str, make) -> Path:
 def synthetic_root(tmp_path_factory) -> Path:
     """A small synthetic nuScenes-format dataroot, written once per test run.
 
-    2 scenes x 3 key frames, seed 0: scene-0061 (mini_train) and scene-0103 (mini_val).
+    2 scenes x 3 key frames, seed 0, ray-cast at 400x225 (tests/helpers/synthetic.py): scene-0061 (mini_train)
+    and scene-0103 (mini_val).
     Load it with NuScenes("v1.0-mini", dataroot=synthetic_root). Treat it as read-only.
     """
     from bev.synthetic.writer import make_synthetic
+    from helpers.synthetic import RENDER_SCALE, SAMPLES, SCENES, SEED
 
-    return _once_per_run(
-        tmp_path_factory,
-        "synthetic",
-        lambda folder: make_synthetic(folder / "nuscenes", scenes=2, samples_per_scene=3, seed=0, progress=False),
-    )
+    def make(folder: Path) -> Path:
+        return make_synthetic(
+            folder / "nuscenes",
+            scenes=SCENES,
+            samples_per_scene=SAMPLES,
+            seed=SEED,
+            render_scale=RENDER_SCALE,
+            progress=False,
+        )
+
+    return _once_per_run(tmp_path_factory, "synthetic", make)
 
 
 @pytest.fixture(scope="session")

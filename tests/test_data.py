@@ -20,6 +20,7 @@ from PIL import Image
 from bev.data import NuScenesBEVDataset, NuScenesDataModule
 from bev.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from bev.geometry import CAMERA_NAMES, Grid, ego_to_image
+from helpers.synthetic import RENDER_SCALE
 from helpers.tiny_nuscenes import BOXES, ego_box, write_tiny
 
 HINT = "nuscenes.org/download"
@@ -549,7 +550,11 @@ def synthetic_renders(synthetic_root, nusc_syn):
                 anns.append(
                     (by_centre[tuple(np.round(ann["translation"], 6))], (np.array(ann["translation"]) - tr) @ R)
                 )
-        cams = {name: (raycast.make_camera(name), raycast.render_camera(world, t, name)) for name in CAMERA_NAMES}
+        cams = {
+            name: (cam, raycast.render_camera(world, t, cam))
+            for name in CAMERA_NAMES
+            for cam in [raycast.make_camera(name, RENDER_SCALE)]
+        }
         out.append((tok, anns, cams))
         tok, k = sample["next"], k + 1
     return out

@@ -20,8 +20,7 @@ from bev.geometry import CAMERA_NAMES, ego_to_image, quaternion_to_matrix
 from bev.synthetic import raycast
 from bev.synthetic import world as world_model
 from bev.synthetic.writer import MANIFEST, TABLES, VERSION, make_synthetic, scene_names
-
-SEED, SCENES, SAMPLES = 0, 2, 3  # what the synthetic_root fixture writes
+from helpers.synthetic import RENDER_SCALE, SAMPLES, SCENES, SEED
 
 
 @pytest.fixture(scope="module")
@@ -287,7 +286,7 @@ def test_projected_boxes_land_on_their_rendered_pixels(nusc, worlds):
             centres = (np.array([a["translation"] for a in anns]) - t) @ R
             corners = (np.concatenate([_box_corners(a) for a in anns]) - t) @ R
             for cam_name in CAMERA_NAMES:
-                cam = raycast.make_camera(cam_name)
+                cam = raycast.make_camera(cam_name, RENDER_SCALE)
                 r = raycast.render_camera(world, k * world_model.SAMPLE_DT, cam)
                 H, W = cam.shape
                 uv, d = _project(cam, centres)
@@ -320,7 +319,7 @@ def test_visibility_matches_the_id_buffers(nusc, worlds):
     for _name, (_si, world, tokens) in worlds.items():
         for k, tok in enumerate(tokens):
             t = k * world_model.SAMPLE_DT
-            renders, counts = raycast.render_sample(world, t)
+            renders, counts = raycast.render_sample(world, t, RENDER_SCALE)
             index = _object_of(world, t)
             for a in nusc.get("sample", tok)["anns"]:
                 ann = nusc.get("sample_annotation", a)
@@ -410,17 +409,17 @@ def test_image_shows_vehicles_in_colour(nusc, synthetic_root, worlds):
     from PIL import Image
 
     (si, world, tokens) = worlds["scene-0061"]
-    r = raycast.render_camera(world, 0.0, "CAM_FRONT")
+    r = raycast.render_camera(world, 0.0, "CAM_FRONT", scale=RENDER_SCALE)
     img = np.asarray(
         Image.open(
             synthetic_root / nusc.get("sample_data", nusc.get("sample", tokens[0])["data"]["CAM_FRONT"])["filename"]
         )
     )
-    small = img[::2, ::2].astype(np.float64) / 255.0  # render resolution, close enough for statistics
+    small = img[::RENDER_SCALE, ::RENDER_SCALE].astype(np.float64) / 255.0  # render resolution
     sat = small.max(-1) - small.min(-1)
     vehicle = np.isin(r.ids - 1, [i for i, o in enumerate(world.objects) if o.category.startswith("vehicle.")])
     road = (r.ids == 0) & np.isfinite(r.depth) & (np.arange(r.ids.shape[0])[:, None] > r.ids.shape[0] * 0.7)
-    assert vehicle.sum() > 1000 and road.sum() > 1000
+    assert min(vehicle.sum(), road.sum()) > 0.01 * r.ids.size
     assert sat[road].mean() < 0.08
     assert sat[vehicle].mean() > sat[road].mean() + 0.1
 
