@@ -551,9 +551,8 @@ def synthetic_renders(synthetic_root, nusc_syn):
                     (by_centre[tuple(np.round(ann["translation"], 6))], (np.array(ann["translation"]) - tr) @ R)
                 )
         cams = {
-            name: (cam, raycast.render_camera(world, t, cam))
+            name: (raycast.make_camera(name, RENDER_SCALE), raycast.render_camera(world, t, name, scale=RENDER_SCALE))
             for name in CAMERA_NAMES
-            for cam in [raycast.make_camera(name, RENDER_SCALE)]
         }
         out.append((tok, anns, cams))
         tok, k = sample["next"], k + 1
