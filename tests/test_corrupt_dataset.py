@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 import torch
 
-from bev.data.nuscenes import MAX_BOX_SIZE_M, MAX_IMAGE_SIDE, NuScenesBEVDataset
+from bev.data.nuscenes import NuScenesBEVDataset
+from bev.data.tables import MAX_BOX_SIZE_M, MAX_IMAGE_SIDE
 from helpers.tiny_nuscenes import LOCATION, write_tiny
 
 VERSION = "v1.0-mini"

@@ -1,5 +1,5 @@
 """Corrupt tables end the index build quickly with one clear error, never a hang or silently changed data:
-cycles and stray links in the sample chain (bev.data.nuscenes._scene_samples), duplicated tokens in any table
+cycles and stray links in the sample chain (bev.data.index._scene_samples), duplicated tokens in any table
 (_duplicated_token). Each case corrupts a copy of the synthetic set's JSON tables (2 scenes x 3 samples)."""
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from bev.data.nuscenes import _LINKS, TABLES, build_index, normalize_categories
+from bev.classes import normalize_categories
+from bev.data.index import build_index
+from bev.data.tables import _LINKS, TABLES
 
 VERSION = "v1.0-mini"
 TRAIN_SCENE = "scene-0061"  # mini_train; scene-0103 is mini_val

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from bev.classes import DETECTION_CLASSES
-from bev.data.nuscenes import MAX_BOXES, NuScenesBEVDataset, box_yaw, detection_item, pad_boxes
+from bev.data.detection import MAX_BOXES, detection_item, pad_boxes
+from bev.data.index import box_yaw
+from bev.data.nuscenes import NuScenesBEVDataset
 from bev.data.rig import MINI_LOCATIONS
 from bev.geometry import BOX_FIELDS
 from bev.synthetic import world as world_model

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bev.callbacks import AtomicCheckpointIO
-from bev.data.nuscenes import load_index
+from bev.data.index import load_index
 from bev.utils import io as bev_io
 from helpers.cli import TINY, assert_one_paragraph, eval_cli, train_cli
 from helpers.tiny_nuscenes import write_tiny

@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 
-import bev.data.nuscenes as reader
+import bev.data.index as reader
 from bev.data import NuScenesBEVDataset
 
 

@@ -8,8 +8,9 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader
 
+from bev.classes import object_class_names
 from bev.data.config import DataConfig
-from bev.data.nuscenes import NuScenesBEVDataset, object_class_names
+from bev.data.nuscenes import NuScenesBEVDataset
 from bev.data.temporal import collate
 
 

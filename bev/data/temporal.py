@@ -2,7 +2,7 @@
 
 Window: P + 1 + F consecutive key frames of one scene (P = past_frames, F = future_frames),
 oldest first, the present frame at position P. Windows never cross scenes; a scene with fewer
-than P + 1 + F key frames gives none. The split index (bev.data.nuscenes) already lists every
+than P + 1 + F key frames gives none. The split index (bev.data.index) already lists every
 scene's key frames in time order, so windows are runs of consecutive index rows: the cached
 index serves them and the devkit is never opened.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from bev.data.nuscenes import class_names
+from bev.classes import class_names
 from bev.geometry import Grid
 from bev.inference import ring_rig
 

@@ -1,0 +1,62 @@
+"""Detection items: one sample's boxes as fixed-size ground truth and CenterPoint targets."""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from bev.detection.targets import encode_targets
+from bev.geometry import BOX_FIELDS
+
+if TYPE_CHECKING:
+    from bev.data.nuscenes import NuScenesBEVDataset
+
+
+# Fixed number of detection boxes per item (CenterPoint's max_objs); a sample with more valid boxes keeps the
+# MAX_BOXES nearest (pad_boxes).
+MAX_BOXES = 500
+
+
+def pad_boxes(
+    boxes: np.ndarray, labels: np.ndarray, valid: np.ndarray, max_boxes: int = MAX_BOXES, where: str = "a sample"
+) -> dict[str, np.ndarray]:
+    """Fixed-size detection targets from one sample's boxes (detection_boxes): only valid boxes are kept.
+
+    det_boxes (max_boxes, 9) float32 (BOX_FIELDS; padding and NaN velocities are 0), det_labels (max_boxes,)
+    int64 (-1 for padding), det_velocity_valid (max_boxes,) bool (a real box whose velocity is known).
+    More than max_boxes valid boxes: the max_boxes nearest the ego (xy) are kept, in their order, and
+    the rest counted in a warning."""
+    boxes = np.asarray(boxes, dtype=np.float32).reshape(-1, len(BOX_FIELDS))
+    keep = np.flatnonzero(np.asarray(valid, dtype=bool) & (np.asarray(labels) >= 0))
+    if len(keep) > max_boxes:
+        dist = np.hypot(boxes[keep, 0], boxes[keep, 1])
+        warnings.warn(
+            f"{where} has {len(keep)} valid detection boxes, more than max_boxes={max_boxes}: the "
+            f"{len(keep) - max_boxes} farthest are not trained on",
+            stacklevel=2,
+        )
+        keep = np.sort(keep[np.argsort(dist, kind="stable")[:max_boxes]])
+    n = len(keep)
+    out_boxes = np.zeros((max_boxes, len(BOX_FIELDS)), np.float32)
+    out_boxes[:n] = boxes[keep]
+    vel = out_boxes[:, 7:9]
+    velocity_valid = np.isfinite(vel).all(1) & (np.arange(max_boxes) < n)
+    vel[~np.isfinite(vel)] = 0.0
+    out_labels = np.full(max_boxes, -1, np.int64)
+    out_labels[:n] = np.asarray(labels, dtype=np.int64)[keep]
+    return {"det_boxes": out_boxes, "det_labels": out_labels, "det_velocity_valid": velocity_valid}
+
+
+def detection_item(ds: NuScenesBEVDataset, i: int) -> dict[str, torch.Tensor]:
+    """The detection fields of sample i (index row) of ds as tensors: pad_boxes of ds.detection_boxes(i)
+    (det_boxes, det_labels, det_velocity_valid: the ground truth for pictures) and the CenterPoint targets
+    of those boxes on ds.grid (bev.detection.targets.encode_targets: det_heatmap, det_index, ...)."""
+    det = ds.detection_boxes(i)
+    where = f"sample {ds.index['sample_token'][i]}"
+    padded = pad_boxes(det["boxes"], det["labels"], det["valid"], where=where)
+    labels = np.where(det["valid"], det["labels"], -1)
+    targets = encode_targets(det["boxes"], labels, ds.grid, max_objects=MAX_BOXES)
+    return {k: torch.from_numpy(v) for k, v in {**padded, **targets}.items()}
