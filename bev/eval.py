@@ -33,6 +33,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(
             "no checkpoint given: bev-eval ckpt_path=<a .ckpt file, or a run directory for its best checkpoint>"
         )
+    out = _checked_output_dir(cfg)
     loaded = load_checkpoint(
         cfg.ckpt_path, cfg.get("model"), cfg.grid, cfg.data, trusted=bool(cfg.get("trust_checkpoint"))
     )
@@ -40,7 +41,6 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         cfg.grid = loaded.run_config.grid
     data_cfg = build_data_config(cfg.data, loaded.run_config)
     datamodule = instantiate(data_cfg)
-    out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     loaded.model.detection_output_dir = str(out)  # results_nusc.json and the devkit's summary, if it detects
     try:
@@ -56,6 +56,35 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     pngs = save_pngs(loaded.model, datamodule, out, int(cfg.num_pngs))
     _print_report(loaded, data_cfg, record, out, len(pngs))
     return record
+
+
+def output_files(out: Path, num_pngs: int) -> list[Path]:
+    """The files bev-eval writes in its output folder: metrics.json, a detecting model's results and devkit
+    summary, and the sample PNGs."""
+    from bev.detection.nusc_eval import RESULTS_FILE, SUMMARY_FILE
+
+    names = ["metrics.json", RESULTS_FILE, SUMMARY_FILE, *(f"sample_{i:03d}.png" for i in range(max(num_pngs, 0)))]
+    return [out / n for n in names]
+
+
+def _checked_output_dir(cfg: DictConfig) -> Path:
+    """The output folder (hydra.run.dir), once nothing there would be replaced that must not be: never a link,
+    a device or a folder, and files of an earlier evaluation only with overwrite=true."""
+    from bev.inference import overwrite_option
+    from bev.utils.io import check_output
+
+    out, overwrite = Path(cfg.paths.output_dir), overwrite_option(cfg.get("overwrite", False))
+    files = output_files(out, int(cfg.num_pngs))
+    for path in files:
+        check_output(path)
+    existing = [p for p in files if p.exists()]
+    if existing and not overwrite:
+        raise FileExistsError(
+            f"the output folder {str(out)!r} already holds {', '.join(p.name for p in existing[:3])}"
+            f"{' ...' if len(existing) > 3 else ''} of an earlier evaluation: pass overwrite=true to replace them, "
+            f"or another folder (hydra.run.dir=...)"
+        )
+    return out
 
 
 def _test_metrics(cfg: DictConfig, loaded, data_cfg: DictConfig, datamodule) -> dict[str, float]:

@@ -84,6 +84,7 @@ def _check_something_to_export(loaded, boxes: bool) -> None:
 def _checked_out(cfg: DictConfig) -> Path:
     """The output path, once format, num_cameras, the output folder and (onnx) the packages are checked."""
     from bev.inference import EXPORT_FORMATS, writable_dir
+    from bev.utils.io import check_output
 
     if cfg.format not in EXPORT_FORMATS:
         raise ValueError(f"unknown format {cfg.format!r}; choose one of {', '.join(EXPORT_FORMATS)}")
@@ -100,6 +101,7 @@ def _checked_out(cfg: DictConfig) -> Path:
             f"out={str(out)!r} names a {out.suffix} file but format={cfg.format} writes {suffix}: "
             f"pass out={out.with_suffix(suffix)}, or the format that writes {out.suffix}"
         )
+    check_output(out, _overwrite(cfg), "out")  # an earlier export, or a device node, is never replaced unasked
     writable_dir(out.parent, "out (its folder)")
     if cfg.format == "onnx":
         try:
@@ -112,12 +114,18 @@ def _checked_out(cfg: DictConfig) -> Path:
     return out
 
 
+def _overwrite(cfg: DictConfig) -> bool:
+    from bev.inference import overwrite_option
+
+    return overwrite_option(cfg.get("overwrite", False))
+
+
 def _write_onnx(net, example: tuple, expected, out: Path, cfg: DictConfig) -> float | str | None:
     """Write the ONNX model; with check=true, its max |output - PyTorch| over the outputs run by ONNX Runtime
     (or why not)."""
     from bev.inference import export_onnx, onnx_outputs
 
-    export_onnx(net, example, out, int(cfg.opset))
+    export_onnx(net, example, out, int(cfg.opset), overwrite=_overwrite(cfg))
     if not cfg.check:
         return None
     try:
@@ -138,7 +146,7 @@ def _write_program(net, example: tuple, expected, out: Path, cfg: DictConfig) ->
             "bev-export: warning: the native bev.ops build is not loaded; the program contains the pure-torch "
             "reference pooling instead of the torch.ops.bev.bev_pool node"
         )
-    export_program(net, example, out)
+    export_program(net, example, out, overwrite=_overwrite(cfg))
     if not cfg.check:
         return None
     with torch.no_grad():

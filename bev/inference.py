@@ -276,6 +276,14 @@ def boxes_option(value: Any) -> str | bool:
     raise ValueError(f"boxes={value!r}: choose auto (3D boxes when the checkpoint has a detection head), true or false")
 
 
+def overwrite_option(value: Any) -> bool:
+    """The `overwrite` setting of bev-export, bev-predict and bev-eval checked: true replaces the command's
+    existing output files, false (the default) refuses them."""
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"overwrite={value!r}: pass overwrite=true to replace existing output files, or false")
+
+
 def wants_boxes(value: Any, model: nn.Module, path: str | Path) -> bool:
     """Whether to give 3D boxes (`boxes`: auto, true, false) for the checkpoint at `path` rebuilt as `model`;
     boxes=true on a checkpoint without a trained detection head is refused with the way out."""
@@ -381,18 +389,21 @@ class ExportedMaps(nn.Module):
         return {"logits": out["bev"], "heatmap": out["heatmap"], "regression": out["regression"]}
 
 
-def export_onnx(net: nn.Module, example: tuple[torch.Tensor, ...], path: str | Path, opset: int = 18) -> Path:
+def export_onnx(
+    net: nn.Module, example: tuple[torch.Tensor, ...], path: str | Path, opset: int = 18, overwrite: bool = False
+) -> Path:
     """ONNX model of `net` (camera inputs -> "logits"; an ExportedMaps with boxes -> its DETECTION_OUTPUTS),
-    batch size dynamic, written atomically.
+    batch size dynamic, written atomically; an existing file at `path` is replaced only with overwrite=True.
 
     The splat goes through LiftSplatShoot.exportable() (ScatterND with reduction "add"), and the
     geometry only uses elementwise ops, so ONNX Runtime runs it on any execution provider.
     Uses torch.onnx.export's dynamo path (needs the onnx and onnxscript packages: pip install bev[export]).
     """
-    from bev.utils.io import atomic_open
+    from bev.utils.io import atomic_open, check_output
 
     if opset < 17:
         raise ValueError(f"opset must be >= 17, got {opset}")
+    check_output(path, overwrite)  # before the minutes of tracing
     if example[0].shape[0] == 1:  # torch.export specialises size-1 dims: trace with 2 to keep the batch dynamic
         example = tuple(torch.cat([t, t]) for t in example)
     batch = torch.export.Dim("batch", min=1, max=1024)
@@ -407,7 +418,7 @@ def export_onnx(net: nn.Module, example: tuple[torch.Tensor, ...], path: str | P
             output_names=list(getattr(net, "output_names", SEGMENTATION_OUTPUTS)),
             dynamic_shapes=tuple({0: batch} for _ in example),
         )
-    with atomic_open(path, "wb") as f:  # bytes, not onnx.save_model: that reads f.name, an fd number here
+    with atomic_open(path, "wb", overwrite) as f:  # bytes, not onnx.save_model: that reads f.name, an fd number here
         f.write(program.model_proto.SerializeToString())
     return Path(path)
 
@@ -428,17 +439,19 @@ def onnx_outputs(path: str | Path, inputs: tuple[torch.Tensor, ...]) -> dict[str
     return {n: torch.from_numpy(v) for n, v in zip(names, got)}
 
 
-def export_program(net: nn.Module, example: tuple[torch.Tensor, ...], path: str | Path):
-    """torch.export ExportedProgram of `net` saved as .pt2 (atomically); returns the program.
+def export_program(net: nn.Module, example: tuple[torch.Tensor, ...], path: str | Path, overwrite: bool = False):
+    """torch.export ExportedProgram of `net` saved as .pt2 (atomically; an existing file at `path` is replaced
+    only with overwrite=True); returns the program.
 
     Shapes are those of `example` (bev.ops takes the grid shape as plain ints, so the batch size
     is fixed). The voxel pooling stays one torch.ops.bev.bev_pool node when the native build is
     loaded; `import bev.ops` registers it before torch.export.load in another process.
     """
-    from bev.utils.io import atomic_open
+    from bev.utils.io import atomic_open, check_output
 
+    check_output(path, overwrite)  # before the tracing
     with torch.no_grad():
         program = torch.export.export(net.eval(), example)
-    with atomic_open(path, "wb") as f:
+    with atomic_open(path, "wb", overwrite) as f:
         torch.export.save(program, f)
     return program

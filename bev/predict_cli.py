@@ -46,17 +46,17 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
     model = loaded.model.to(_device(cfg.device))
     data_cfg = build_data_config(cfg.data, loaded.run_config)
     dataset, indices, split = select_samples(data_cfg, cfg.split, cfg.scene)
+    rows = present_rows(dataset)[indices]  # each item's row in the dataset index (a window's present frame)
+    identity = _index_identity(loaded, model)
+    _check_outputs(cfg, out, dataset.index, rows, identity)  # before any sample is predicted
     files = _PredictionFiles(cfg, out, model.class_names, len(model.object_classes), boxes, _draws_maps(model))
     desc = f"predicting {split}" + (f" {cfg.scene}" if cfg.scene else "")
-    rows = present_rows(dataset)[indices]  # each item's row in the dataset index (a window's present frame)
     records = _predict_samples(model, _loader(cfg, data_cfg, dataset, indices), rows, dataset.index, files, desc)
     summary = {
-        "checkpoint": str(loaded.path),
+        **identity,
         "split": split,
         "scene": cfg.scene,
-        "class_names": model.class_names,
         "npz_format": "uint8 q per class, probability = q / 255 (arrays indexed [x_index, y_index]); _-prefixed keys are metadata",
-        "grid": OmegaConf.to_container(loaded.run_config.grid),
         **(_boxes_format(float(cfg.box_threshold)) if boxes else {}),
         "gifs": files.gifs,
         "samples": records,
@@ -70,26 +70,87 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
     return summary
 
 
+def _index_identity(loaded, model) -> dict[str, Any]:
+    """What predictions.json records of the predictions it indexes: the checkpoint, the classes and the grid."""
+    return {
+        "checkpoint": str(loaded.path),
+        "class_names": list(model.class_names),
+        "grid": OmegaConf.to_container(loaded.run_config.grid),
+    }
+
+
+def _fits_index(path: Path, identity: dict[str, Any]) -> bool:
+    """Whether the predictions.json at `path` indexes predictions of the same checkpoint, classes and grid."""
+    import json
+
+    try:
+        earlier = json.loads(path.read_text())
+        return all(earlier.get(k) == json.loads(json.dumps(v)) for k, v in identity.items())
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _sample_stem(out: Path, scene: str, nth: int, token: str) -> Path:
+    """<out>/<scene>/NNN_<token> (the sample's npz and png without suffix); names from the dataset's tables are
+    made safe so that every file stays inside out=."""
+    from bev.utils.io import inside, safe_name
+
+    return inside(out, out / safe_name(scene) / f"{nth:03d}_{safe_name(token)}")
+
+
+def _planned_files(cfg: DictConfig, out: Path, index, rows) -> list[Path]:
+    """Every npz, png and GIF this run will write (the names _PredictionFiles gives), in order."""
+    from bev.utils.io import inside, safe_name
+
+    files, counts = [], {}
+    for k in rows:
+        scene = str(index["scene"][k])
+        counts[scene] = counts.get(scene, 0) + 1
+        stem = _sample_stem(out, scene, counts[scene] - 1, index["sample_token"][k])
+        files += [stem.with_suffix(".npz")] + ([stem.with_suffix(".png")] if cfg.png else [])
+    return files + [inside(out, out / f"{safe_name(s)}.gif") for s in counts if cfg.gif]
+
+
+def _check_outputs(cfg: DictConfig, out: Path, index, rows, identity: dict[str, Any]) -> None:
+    """Refuse, before predicting, to replace anything but a regular file, and (without overwrite=true) files of an
+    earlier run or another checkpoint's predictions.json; predictions.json of the same checkpoint is merged."""
+    from bev.inference import overwrite_option
+    from bev.utils.io import check_output
+
+    overwrite, index_file = overwrite_option(cfg.overwrite), out / "predictions.json"
+    planned = _planned_files(cfg, out, index, rows)
+    for path in [*planned, index_file]:
+        check_output(path)  # a link, a device node, a folder: never
+    existing = [p for p in planned if p.exists()]
+    if existing and not overwrite:
+        raise FileExistsError(
+            f"out={str(out)!r} already holds {len(existing)} of the files this run would write (e.g. {existing[0]}): "
+            f"pass overwrite=true to replace them, or another out="
+        )
+    if index_file.exists() and not overwrite and not _fits_index(index_file, identity):
+        raise FileExistsError(
+            f"{index_file} indexes predictions of another checkpoint, class list or grid (or is unreadable): pass "
+            f"overwrite=true to replace that index (the files it lists stay), or another out="
+        )
+
+
 def _merged_with_earlier(path, summary: dict[str, Any]) -> dict[str, Any]:
     """summary plus the samples and GIFs of the scenes this run did not predict, from an earlier bev-predict
-    into the same out= with the same checkpoint, classes and grid (another one's index is replaced, with a warning)."""
+    into the same out= with the same checkpoint, classes and grid (another one's index is replaced, with a warning:
+    only with overwrite=true)."""
     import json
     import warnings
 
     if not path.is_file():
         return summary
-    try:
-        earlier = json.loads(path.read_text())
-        same = all(earlier.get(k) == json.loads(json.dumps(summary[k])) for k in ("checkpoint", "class_names", "grid"))
-    except (OSError, ValueError, AttributeError):
-        same = False
-    if not same:
+    if not _fits_index(path, {k: summary[k] for k in ("checkpoint", "class_names", "grid")}):
         warnings.warn(
             f"{path} indexed predictions of another checkpoint, class list or grid (or was unreadable): "
             f"replaced by this run's; the files it listed stay in {path.parent}",
             stacklevel=2,
         )
         return summary
+    earlier = json.loads(path.read_text())
     scenes = {s["scene"] for s in summary["samples"]}
     kept = [s for s in earlier.get("samples", []) if s.get("scene") not in scenes]
     samples = sorted(kept + summary["samples"], key=lambda s: (s["scene"], s["timestamp"]))
@@ -140,9 +201,10 @@ def _check_options(cfg: DictConfig) -> None:
     _check_positive("gif_width", cfg.gif_width, "the GIFs' width in pixels, e.g. 800")
     if cfg.batch_size is not None:
         _check_positive("batch_size", cfg.batch_size, "samples per batch, or null for the checkpoint's")
-    from bev.inference import boxes_option
+    from bev.inference import boxes_option, overwrite_option
 
     boxes_option(cfg.boxes)
+    overwrite_option(cfg.overwrite)
     try:
         threshold = float(cfg.box_threshold)
     except (TypeError, ValueError):
@@ -224,14 +286,12 @@ class _PredictionFiles:
     def add(self, batch, i: int, probs, scene, timestamp: int, det=None) -> dict[str, Any]:
         """Write sample i of the batch (probabilities probs[i], boxes det) as the next of `scene`; returns its record."""
         from bev.inference import save_prediction_npz
-        from bev.utils.io import inside, safe_name
 
         if scene != self.scene:  # samples come in (scene, time) order: the previous scene is complete
             self.end_scene()
             self.scene, self.nth = str(scene), 0
         token = batch["sample_token"][i]
-        # Names come from the dataset's tables: made safe so that every file stays inside out=.
-        stem = inside(self.out, self.out / safe_name(self.scene) / f"{self.nth:03d}_{safe_name(token)}")
+        stem = _sample_stem(self.out, self.scene, self.nth, token)
         title = f"{self.scene} #{self.nth}  {token}"
         self.nth += 1
         future = {k: v[i] for k, v in probs.items()} if isinstance(probs, dict) else None

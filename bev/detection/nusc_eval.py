@@ -50,6 +50,7 @@ DEVKIT_CLASS_ORDER = (
 MAX_BOXES_PER_SAMPLE = 500  # the devkit's max_boxes_per_sample in detection_cvpr_2019
 MOVING_SPEED = 0.2  # m/s: faster is moving / with rider (BEVFusion's rule)
 RESULTS_FILE = "results_nusc.json"
+SUMMARY_FILE = "metrics_summary.json"  # the devkit's summary, written beside the results
 CAMERA_META = {"use_camera": True, "use_lidar": False, "use_radar": False, "use_map": False, "use_external": False}
 # TP error names of the devkit -> the mean's name it prints.
 TP_ERRORS = {"trans_err": "mATE", "scale_err": "mASE", "orient_err": "mAOE", "vel_err": "mAVE", "attr_err": "mAAE"}
@@ -341,7 +342,7 @@ def evaluate(
     if n_boxes == 0:
         return _empty_metrics()
     summary = _run_devkit(nusc, path, eval_split, output_dir, verbose)
-    atomic_write(output_dir / "metrics_summary.json", json.dumps(summary, indent=2))
+    atomic_write(output_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
     return _flat_metrics(summary)
 
 

@@ -40,12 +40,56 @@ def _new_temporary(path: Path) -> tuple[int, Path]:
     raise FileExistsError(errno.EEXIST, f"no free temporary file name beside {path}")
 
 
+class NotARegularFileError(OSError):
+    """An output path names something other than a regular file (a link, a device, a fifo, a folder)."""
+
+
+def _kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a named pipe"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def check_output(path: str | os.PathLike, overwrite: bool = True, key: str = "") -> Path:
+    """`path` if a file may be written there: nothing is there, or a regular file (and `overwrite`).
+
+    The rename that ends an atomic write replaces whatever the name points to, so a symbolic link, a device
+    node, a named pipe or a folder there is refused (as root, out=/dev/null would replace /dev/null). `key`
+    names the setting the path came from (out, hydra.run.dir), for the fix."""
+    path = Path(path)
+    setting = f"{key}={str(path)!r}" if key else str(path)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return path
+    if not stat.S_ISREG(mode):
+        raise NotARegularFileError(
+            f"{setting} is {_kind(mode)}, not a regular file: an output only ever replaces a regular file. "
+            f"Write to another path" + (f" ({key}=<a new file>)" if key else ""),
+        )
+    if not overwrite:
+        raise FileExistsError(
+            f"{setting} exists: pass overwrite=true to replace it, or write to another path"
+            + (f" ({key}=<a new file>)" if key else ""),
+        )
+    return path
+
+
 @contextlib.contextmanager
-def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
-    """Open a temporary file next to `path` for writing ("wb" or "w"); on success it replaces `path`."""
+def atomic_open(path: str | os.PathLike, mode: str = "wb", overwrite: bool = True) -> Iterator[IO]:
+    """Open a temporary file next to `path` for writing ("wb" or "w"); on success it replaces `path`.
+
+    Only a regular file is ever replaced (check_output); with overwrite=False an existing one is refused too,
+    before writing and again at the end (then without a window: the file is linked in, never renamed over)."""
     if mode not in ("wb", "w"):
         raise ValueError(f"atomic_open writes whole files: mode must be 'wb' or 'w', got {mode!r}")
-    path = Path(path)
+    path = check_output(path, overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = _new_temporary(path)
     try:
@@ -53,12 +97,29 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        check_output(path, overwrite)  # again: something may have appeared there while we wrote
         with contextlib.suppress(FileNotFoundError):  # a replaced file keeps its mode
             os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
-        os.replace(tmp, path)
+        _put_in_place(tmp, path, overwrite)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _put_in_place(tmp: Path, path: Path, overwrite: bool) -> None:
+    """Rename tmp to path; without overwrite as a hard link, which fails if path exists (no check-then-rename race)."""
+    if not overwrite:
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            check_output(path, overwrite)  # the clear error
+            raise
+        except OSError:  # a file system without hard links: the check above has to do
+            pass
+        else:
+            tmp.unlink()
+            return
+    os.replace(tmp, path)
 
 
 def inside(root: str | os.PathLike, path: str | os.PathLike) -> Path:
@@ -109,9 +170,9 @@ def remove_stale_temporaries(folder: str | os.PathLike, min_age_s: float = STALE
     return removed
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
-    """Write `data` (bytes or text) to `path` atomically; returns the path."""
-    with atomic_open(path, "wb" if isinstance(data, bytes) else "w") as f:
+def atomic_write(path: str | os.PathLike, data: bytes | str, overwrite: bool = True) -> Path:
+    """Write `data` (bytes or text) to `path` atomically (atomic_open); returns the path."""
+    with atomic_open(path, "wb" if isinstance(data, bytes) else "w", overwrite) as f:
         f.write(data)
     return Path(path)
 
