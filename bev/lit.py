@@ -350,7 +350,13 @@ class BEVLitModule(L.LightningModule):
             self._update_metrics(iou, map_iou, logits, batch)
         if det_out is not None and "detection" in self.heads:
             if "det_heatmap" in batch:
-                self.log(f"{stage}/det_loss", self.det_loss(det_out, batch)["loss"], on_epoch=True, batch_size=n)
+                self.log(
+                    f"{stage}/det_loss",
+                    self.det_loss(det_out, batch)["loss"],
+                    on_epoch=True,
+                    sync_dist=True,
+                    batch_size=n,
+                )
             (self.val_det if stage == "val" else self.test_det).update(det_out, batch["sample_token"])
 
     def _det_metrics(self, stage: str) -> dict[str, float]:

@@ -6,12 +6,14 @@ import os
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader
 
 from bev.classes import object_class_names
 from bev.data.config import DataConfig
 from bev.data.nuscenes import NuScenesBEVDataset
 from bev.data.temporal import collate
+from bev.utils.dist import world
 
 
 class NuScenesDataModule(L.LightningDataModule):
@@ -81,6 +83,7 @@ class NuScenesDataModule(L.LightningDataModule):
             ds,
             batch_size=self.batch_size,
             shuffle=shuffle,
+            sampler=None if shuffle else _eval_sampler(ds),
             num_workers=self.num_workers,
             pin_memory=self.config.pin_memory,
             persistent_workers=self.persistent_workers,
@@ -99,3 +102,10 @@ class NuScenesDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         self.setup("test")
         return self._loader(self.val_set, shuffle=False)
+
+
+def _eval_sampler(ds: NuScenesBEVDataset) -> UnrepeatedDistributedSampler | None:
+    """Under DDP, each evaluation sample on exactly one process: the training sampler's padding would count the
+    repeated samples twice in the split's IoU. None in one process (Lightning's default)."""
+    rank, size = world()
+    return UnrepeatedDistributedSampler(ds, num_replicas=size, rank=rank, shuffle=False) if size > 1 else None

@@ -1,5 +1,9 @@
 """Decoded boxes of a split collected over batches, then scored as the nuScenes leaderboard scores them
-(bev.detection.nusc_eval, the devkit's DetectionEval). Used by training (val/mAP, val/NDS) and bev-eval."""
+(bev.detection.nusc_eval, the devkit's DetectionEval). Used by training (val/mAP, val/NDS) and bev-eval.
+
+Under DDP each process sees its shard of the split: compute() gathers every process's boxes, scores them
+once on rank 0 (as mmdet3d's collect_results does before the devkit) and gives every process the same
+numbers, so the logged score and the checkpoint monitor are those of the whole split."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import torch
 from bev.detection.decode import decode
 from bev.detection.nusc_eval import evaluate, to_results
 from bev.geometry import Grid, matrix_to_quaternion
+from bev.utils.dist import gather_objects, on_rank_zero
 
 
 class DetectionScore:
@@ -46,9 +51,22 @@ class DetectionScore:
         rotations = [matrix_to_quaternion(r) for r in dataset.index["ego_rotation"]]
         return to_results(tokens, *zip(*cols), rotations, list(dataset.index["ego_translation"]))
 
+    def gather(self) -> None:
+        """Every process's boxes in self.boxes (a sample seen by two processes, as the distributed sampler's
+        padding repeats some, has the same boxes in both)."""
+        merged: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        for boxes in gather_objects(self.boxes):
+            merged.update(boxes)
+        self.boxes = merged
+
     def compute(self, dataset, output_dir: str | Path | None = None, verbose: bool = False) -> dict[str, float]:
-        """DetectionEval's metrics (mAP, NDS, mATE..., AP/<class>) of what update() saw, on dataset's split;
-        results_nusc.json and metrics_summary.json go to output_dir (a temporary folder when None)."""
+        """DetectionEval's metrics (mAP, NDS, mATE..., AP/<class>) of what update() saw in every process, on
+        dataset's split; results_nusc.json and metrics_summary.json go to output_dir (a temporary folder when
+        None), written by rank 0 alone."""
+        self.gather()
+        return on_rank_zero(lambda: self._score(dataset, output_dir, verbose))
+
+    def _score(self, dataset, output_dir: str | Path | None, verbose: bool) -> dict[str, float]:
         key = (dataset.dataroot, dataset.version)
         if key not in self._nusc:
             from nuscenes import NuScenes
