@@ -44,31 +44,36 @@ $(STAMP): pyproject.toml setup.py $(CSRC)
 
 build: venv
 
-# `make train` ends within TRAIN_MINUTES in all on a slow machine too: training must end by a
-# deadline, TRAIN_MINUTES after make started (installing the venv, writing the data and bev-train's
-# start-up all count) less what follows training: EVAL_RESERVE_S for starting the evaluation and
-# the plots, and the time of EVAL_RESERVE_VALIDATIONS validations as measured in this run (the
-# evaluation pass scales with the machine). bev.callbacks.TimeBudget shortens the run, with the LR
-# schedule ending there, only if it must; training gets at least 120 s.
+# `make train` ends within TRAIN_MINUTES in all on a slow machine too: bev-train must end by a deadline,
+# TRAIN_MINUTES after make started (installing the venv, writing the data and bev-train's start-up all
+# count) less EVAL_RESERVE_S for the evaluation's pictures and the plots. Before it, bev.callbacks.TimeBudget
+# keeps free what the evaluation takes as measured in this run: bev-train's start-up (bev-eval starts up
+# alike: imports, indexing the split) and EVAL_RESERVE_VALIDATIONS validations; it shortens the run, with
+# the LR schedule ending there, only if it must. Training gets at least MIN_TRAIN_S from its first step,
+# past the deadline if need be, and make says so before training starts (scripts/make_train_budget.py);
+# its last lines say how much of the schedule fitted when that is under a quarter, and what to do.
 TRAIN_MINUTES ?= 20
 EVAL_RESERVE_S ?= 45
-EVAL_RESERVE_VALIDATIONS ?= 2
+EVAL_RESERVE_VALIDATIONS ?= 1
+MIN_TRAIN_S ?= 120
 MAKE_START := $(shell date +%s)
 
-# A second `make train` resumes the run from its last.ckpt (a finished run just re-evaluates).
+# A second `make train` resumes the run from its last.ckpt: a run the time limit shortened trains on
+# towards its planned steps, a finished one is just evaluated again.
 train: venv
 	@set -e; \
 	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA) --samples-per-scene $(SYNTHETIC_SAMPLES) --render-scale $(SYNTHETIC_RENDER_SCALE); \
-	deadline=$$(( $(MAKE_START) + $(TRAIN_MINUTES) * 60 - $(EVAL_RESERVE_S) )); \
-	if [ $$deadline -lt $$(( $$(date +%s) + 120 )) ]; then deadline=$$(( $$(date +%s) + 120 )); fi; \
-	echo "training ends by $$(date -d @$$deadline +%T), $$(( deadline - $$(date +%s) )) s from now (make train: $(TRAIN_MINUTES) min in all)"; \
+	deadline=$$($(PY) scripts/make_train_budget.py deadline --make-start $(MAKE_START) --minutes $(TRAIN_MINUTES) \
+		--eval-reserve-s $(EVAL_RESERVE_S) --min-train-s $(MIN_TRAIN_S)); \
 	$(VENV)/bin/bev-train experiment=synthetic_cpu data.dataroot=$(DATA) hydra.run.dir=$(RUN) \
 		callbacks.time_budget.budget=null callbacks.time_budget.deadline=$$deadline \
 		callbacks.time_budget.reserve_validations=$(EVAL_RESERVE_VALIDATIONS) \
+		++callbacks.time_budget.min_train_s=$(MIN_TRAIN_S) ++callbacks.time_budget.reserve_startup=true \
 		$(if $(wildcard $(RUN)/checkpoints/last.ckpt),ckpt_path=$(RUN)/checkpoints/last.ckpt)
 	$(VENV)/bin/bev-eval ckpt_path=$(RUN)/checkpoints data.dataroot=$(DATA) hydra.run.dir=$(RUN)/eval
 	$(PY) scripts/plot_learning_curve.py $(RUN) --out $(RUN)/learning_curve.png
 	@echo "Checkpoints: $(RUN)/checkpoints (best by val/iou + last.ckpt)  Metrics: $(RUN)/eval/metrics.json  Pictures: $(RUN)/eval/sample_*.png, $(RUN)/pngs/, $(RUN)/learning_curve.png"
+	@$(PY) scripts/make_train_budget.py report $(RUN) --data $(DATA) --make-start $(MAKE_START) --minutes $(TRAIN_MINUTES)
 
 # The temporal model (experiment=synthetic_temporal_cpu, ~15 min of training on 2 cores) on the same data,
 # started from `make train`'s checkpoint when there is one (its best, else last.ckpt: the two-stage

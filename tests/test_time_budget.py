@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from bev.callbacks import ModelCheckpoint, TimeBudget, parse_deadline, parse_duration
-from bev.schedule import OneCycle
+from bev.schedule import OneCycle, end_schedule_at, run_length, schedule_length, step_schedulers
 
 
 def test_parse_duration():
@@ -63,6 +63,13 @@ class Tiny(L.LightningModule):
 
     def on_validation_epoch_end(self):
         self.validated_at.append(self.trainer.global_step)
+
+    def on_train_start(self):
+        # As bev.lit: a schedule restored shorter than the run (a time limit's) is stretched to it.
+        steps = run_length(self.trainer)
+        for sched in step_schedulers(self.trainer):
+            if (schedule_length(sched) or steps) < steps:
+                end_schedule_at(sched, steps, pivot=-1)
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -292,3 +299,130 @@ def test_a_machine_that_slows_down_hits_the_hard_stop():
     # A 2 s/step machine with 30 s: the plan after 12 steps already overruns; a far slower end is caught by the net.
     _, trainer, cb = fit(budget=30, step_s=2.0, margin=0.0)
     assert trainer.global_step < 100 and cb.elapsed() <= 30 + 2 + 2.5 + 1e-6
+
+
+FINAL_LR = 1e-2 / 25 / 1e4  # OneCycle's last LR in Tiny: the schedule completed
+
+
+def test_the_minimum_training_time_counts_from_the_first_step(caplog):
+    # A slow start: 168 s of start-up (imports, indexing) pass a deadline 60 s after make started.
+    # Training still gets its 30 s from its first step, the schedule ending there, and says it ends late.
+    with caplog.at_level("WARNING", logger="bev.callbacks.time_budget"):
+        model, trainer, cb = fit_to_deadline(T0 + 60, startup_s=168, min_train_s=30, val_cost_guess=0.25)
+    s = cb.summary()
+    assert 30 - 4 <= s["used_s"] <= 30 and trainer.global_step == cb.limit >= 20
+    assert model.lrs[-1] == pytest.approx(FINAL_LR, rel=1e-6) and not s["stopped_on_budget"]
+    assert "minimum training time 30 s from the first step" in cb.message
+    assert s["late_s"] >= 30 + 108 - 1 and "training gets its minimum of 30 s from this first step" in caplog.text
+    with pytest.raises(ValueError, match="min_train_s"):
+        TimeBudget(deadline=T0, min_train_s=-1)
+
+
+def test_the_minimum_training_time_changes_nothing_when_the_deadline_leaves_more():
+    _, plain, without = fit_to_deadline(T0 + 60, startup_s=0)
+    _, trainer, cb = fit_to_deadline(T0 + 60, startup_s=0, min_train_s=30)
+    assert trainer.global_step == without.limit == cb.limit and cb.summary()["late_s"] == 0
+
+
+def test_the_measured_start_up_is_kept_free_for_the_evaluation():
+    # The process started 20 s before training (its wall clock reads T0 then): bev-eval starts up alike, so
+    # with reserve_startup 20 s of the 100 until the deadline are kept for after training.
+    callback = TimeBudget(deadline=T0 + 100, measure_steps=10, skip_steps=2, margin=0.0, reserve_startup=True)
+    callback.wall_clock, callback.process_start = (lambda: T0), T0 - 20
+    _, trainer, cb = fit(callback=callback)
+    s = cb.summary()
+    assert s["startup_s"] == 20 and s["reserved_after_s"] == 20 and 80 - 4 <= s["used_s"] <= 80
+
+
+def test_a_run_resumed_at_its_step_limit_trains_on_with_a_new_deadline(tmp_path):
+    # `make train` again: the last session's 60 s ended the run at its limit; the next session's own 60 s train
+    # on towards the 100 planned steps, with the schedule ending at the new limit.
+    _, first, cb = fit_to_deadline(T0 + 60, startup_s=0)
+    trainer_ckpt = tmp_path / "last.ckpt"
+    first.save_checkpoint(trainer_ckpt)
+    callback = TimeBudget(deadline=T0 + 1060, measure_steps=10, skip_steps=2, margin=0.0)
+    callback.wall_clock = lambda: T0 + 1000
+    model, again, cb2 = fit(callback=callback, ckpt_path=trainer_ckpt)
+    assert cb.limit < again.global_step == cb2.limit < 100 and cb2.summary()["steps"] == again.global_step
+    assert model.lrs[-1] == pytest.approx(FINAL_LR, rel=1e-6)
+
+
+def _make_train_budget():
+    """scripts/make_train_budget.py as a module (what `make train` runs before bev-train and at its end)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "make_train_budget.py"
+    spec = importlib.util.spec_from_file_location("make_train_budget", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_make_train_on_a_slow_machine_trains_its_minimum_and_says_so_at_the_end(tmp_path, capsys):
+    # make train's deadline logic with a slow start: the venv and the data took 19.5 of its 20 minutes, and
+    # bev-train's start-up 60 s more. Training still gets its minimum (20 s here), and the last lines say the
+    # model is undertrained, by how much, and what to do.
+    import json
+    import time
+
+    script = _make_train_budget()
+    make_start = time.time() - 19.5 * 60
+    assert script.main(["deadline", "--make-start", str(make_start), "--minutes", "20", "--eval-reserve-s", "45",
+                        "--min-train-s", "20"]) == 0  # fmt: skip
+    out, err = capsys.readouterr()
+    deadline = int(out)
+    assert deadline == int(make_start + 20 * 60 - 45) and "it cannot end within TRAIN_MINUTES=20" in err
+    callback = TimeBudget(deadline=deadline, measure_steps=10, skip_steps=2, margin=0.0, min_train_s=20,
+                          val_cost_guess=0.25, reserve_startup=True)  # fmt: skip
+    callback.wall_clock, callback.process_start = (lambda: time.time() + 60), time.time()
+    _, trainer, cb = fit(callback=callback)
+    assert 20 - 4 <= cb.summary()["used_s"] <= 20 and trainer.global_step < 25
+    # What bev-train and bev-eval leave in the run directory (bev.train._run_record, bev.eval).
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "metrics.json").write_text(
+        json.dumps({"global_step": trainer.global_step, "time_budget": cb.summary()})
+    )
+    (tmp_path / "eval" / "metrics.json").write_text(json.dumps({"metrics": {"iou_vehicle": 0.01, "miou_map": 0.09}}))
+    assert script.main(["report", str(tmp_path), "--make-start", str(make_start), "--minutes", "20"]) == 0
+    last = capsys.readouterr().out
+    assert f"undertrained: {trainer.global_step} of its 100 planned steps" in last and "vehicle IoU 0.010" in last
+    assert "`make train` again resumes from" in last and "TRAIN_MINUTES=" in last and "GPU" in last
+
+
+def test_make_train_says_nothing_more_when_most_of_the_schedule_fitted(tmp_path):
+    import json
+
+    script = _make_train_budget()
+    budget = {"planned_steps": 100, "s_per_step": 1.0}
+    (tmp_path / "metrics.json").write_text(json.dumps({"global_step": 80, "time_budget": budget}))
+    lines = script.report(tmp_path, make_start=0.0, minutes=20, now=15 * 60)
+    assert lines == ["make train: 15.0 min in all (TRAIN_MINUTES=20)"]
+    _, plan = script.plan_deadline(now=600, make_start=0, minutes=20, eval_reserve_s=45, min_train_s=120)
+    assert len(plan) == 1 and "cannot end" not in plan[0]
+
+
+def test_make_train_passes_the_minimum_and_the_start_up_reserve_to_bev_train():
+    # `make -n train` prints the recipe with make's variables expanded: its time_budget overrides must compose
+    # into the experiment and reach TimeBudget, and the report must be make train's last command.
+    import shlex
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    import bev.data  # noqa: F401 (registers the data config schemas that configs/data names)
+    from bev.utils.config import CONFIG_DIR
+
+    if shutil.which("make") is None:
+        pytest.skip("no make here")
+    root = Path(__file__).resolve().parents[1]
+    recipe = subprocess.run(["make", "-n", "train"], cwd=root, capture_output=True, text=True, check=True).stdout
+    overrides = [a for a in shlex.split(recipe.replace("$deadline", "1800000000")) if "callbacks.time_budget." in a]
+    with initialize_config_dir(CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=synthetic_cpu", *overrides])
+    callback = instantiate(cfg.callbacks.time_budget)
+    assert callback.deadline == 1.8e9 and callback.min_train_s == 120 and callback.reserve_startup
+    assert recipe.strip().splitlines()[-1].startswith(".venv/bin/python scripts/make_train_budget.py report")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
+import os
 import time
 from typing import Any
 
@@ -74,8 +76,13 @@ class TimeBudget(L.Callback):
     `deadline` (a wall-clock time) sets the budget when training starts to the time left until then,
     so start-up counts; with `budget` too, the smaller wins. `reserve_validations` keeps that many
     measured validations' time free at the end, for an evaluation that follows training (`make
-    train`). The time used, the plan and the limit are saved in checkpoints: a resumed run spends
-    what is left.
+    train`), and `reserve_startup` this process's measured start-up (process start to the first
+    step: an evaluation process starts up alike). `min_train_s` is guaranteed from the session's
+    first training step, past the budget if need be (a slow start-up cannot leave an untrained
+    model); a line at the first step says when that makes the run end past its deadline. The time
+    used, the plan and the limit are saved in checkpoints: a resumed run spends what is left, and
+    with a new deadline (a new session's own time) a run resumed at its step limit trains on
+    towards the planned steps.
     """
 
     def __init__(
@@ -88,6 +95,8 @@ class TimeBudget(L.Callback):
         skip_epochs: int = 0,
         deadline: Any = None,
         reserve_validations: float = 0.0,
+        min_train_s: float = 0.0,
+        reserve_startup: bool = False,
     ):
         self.budget = self.configured_budget = parse_duration(budget)
         self.deadline = parse_deadline(deadline)
@@ -98,6 +107,12 @@ class TimeBudget(L.Callback):
         if float(reserve_validations) < 0:
             raise ValueError(f"reserve_validations must be >= 0, got {reserve_validations}")
         self.reserve_validations = float(reserve_validations)
+        if float(min_train_s) < 0:
+            raise ValueError(f"min_train_s must be >= 0, got {min_train_s}")
+        self.min_train_s, self.reserve_startup = float(min_train_s), bool(reserve_startup)
+        self.process_start = _process_start()  # wall clock; None where unknown (replaced in tests)
+        self.startup_s: float | None = None  # process start -> this session's first step
+        self._floor: float | None = None  # elapsed() before which training does not end (first step + min_train_s)
         self.margin = float(margin)
         # A validation batch costs about this many training steps until one is measured (its images
         # are decoded the first time).
@@ -110,6 +125,8 @@ class TimeBudget(L.Callback):
         self.stopped_on_budget = False
         self.s_per_step: float | None = None
         self.s_per_val: float | None = None
+        self.steps_done = 0  # the global step reached (summary)
+        self.late_s = 0.0  # how far past the budget the minimum training time takes the run, at least
         self.message = ""
 
     @property
@@ -148,11 +165,15 @@ class TimeBudget(L.Callback):
             "reserved_after_s": round(self._reserve(), 1),
             "used_s": round(self.elapsed(), 1),
             "planned_steps": self.planned_steps,
+            "steps": self.steps_done,
             "step_limit": self.limit,
             "shortened": self.limit is not None and self.limit < (self.planned_steps or 0),
             "stopped_on_budget": self.stopped_on_budget,
             "s_per_step": self.s_per_step and round(self.s_per_step, 4),
             "s_per_validation": self.s_per_val and round(self.s_per_val, 2),
+            "min_train_s": self.min_train_s,
+            "startup_s": self.startup_s and round(self.startup_s, 1),
+            "late_s": round(self.late_s, 1),
             "message": self.message,
         }
 
@@ -166,16 +187,43 @@ class TimeBudget(L.Callback):
         self._session_step0, self._session_epoch0 = trainer.global_step, trainer.current_epoch
         self._mark = None  # (time, validation seconds so far, step) once the unmeasured steps are done
         self._val_s, self._val_n, self._val_start = 0.0, 0, None
+        self._floor, self.steps_done = None, trainer.global_step
         if self.planned_steps is None:
             self.planned_steps = int(trainer.estimated_stepping_batches)
+        self._cap = self._last_step(trainer)
         if self.limit is not None and trainer.global_step >= self.limit:
-            trainer.should_stop = True  # resumed at the end of a shortened run: nothing left to train
-        elif self.deadline is not None and self.wall_clock() >= self.deadline:
+            self._resume_at_limit(trainer)
+        if trainer.should_stop or self.min_train_s:  # the minimum is trained whatever the time left
+            return
+        if self.deadline is not None and self.wall_clock() >= self.deadline:
             self._stop(trainer, f"the deadline {_clock_time(self.deadline)} passed before training started")
         elif self.elapsed() >= self.budget:
             self._stop(
                 trainer, f"time budget {_fmt(self.budget)} already spent ({_fmt(self.elapsed())} in earlier sessions)"
             )
+
+    def _resume_at_limit(self, trainer) -> None:
+        """Resumed at the end of a shortened run: with a deadline (this session's own time) train on towards
+        the planned steps, planned afresh (bev.lit stretches the LR schedule to them); else nothing is left."""
+        if self.deadline is None or self.limit >= self.planned_steps or self._cap <= trainer.global_step:
+            trainer.should_stop = True
+            return
+        _announce(
+            trainer,
+            f"resumed at step {trainer.global_step}, where the last session's time ran out: training on towards "
+            f"step {self._cap} of the {self.planned_steps} planned until the deadline {_clock_time(self.deadline)}",
+        )
+        self.limit = self._cap if self._cap < self.planned_steps else None  # bev.lit stretches the schedule to it
+        self.stopped_on_budget = False
+
+    def _last_step(self, trainer) -> int:
+        """The last step this session can reach: the planned steps, or fewer in a run resumed after a stop
+        inside an epoch (Lightning resumes at the next epoch)."""
+        epochs = trainer.max_epochs
+        if epochs is None or epochs < 0 or not trainer.num_training_batches:
+            return self.planned_steps
+        per_epoch = math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches)
+        return min(self.planned_steps, trainer.global_step + (epochs - trainer.current_epoch) * per_epoch)
 
     def _budget_from_deadline(self) -> None:
         """The budget becomes what earlier sessions used plus the time left until the deadline
@@ -197,9 +245,38 @@ class TimeBudget(L.Callback):
         if self._mark is not None and not trainer.should_stop:
             self._plan(trainer)
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.budget is None or getattr(self, "_start", None) is None or self._floor is not None:
+            return
+        # The session's first step: start-up is over, the minimum training time counts from here.
+        self._floor = self.elapsed() + self.min_train_s
+        if self.reserve_startup and self.process_start is not None:
+            self.startup_s = max(self.wall_clock() - self.process_start, 0.0)
+        left = self.budget - self.elapsed()
+        if self.deadline is not None:  # the budget stops at 0 when the deadline has passed: how long ago counts
+            left = min(left, self.deadline - self.wall_clock())
+        late = self.min_train_s + self._reserve() - left
+        if self.min_train_s and late > 0:
+            self.late_s = late
+            _announce(trainer, self._late_message(max(left, 0.0), late))
+
+    def _late_message(self, left: float, late: float) -> str:
+        """What the minimum training time does to the deadline (or budget), and why."""
+        until = f"the deadline {_clock_time(self.deadline)}" if self.deadline is not None else "the time budget"
+        startup = (
+            f" after a start-up of {_fmt(self.startup_s)} (loading and indexing the data)" if self.startup_s else ""
+        )
+        kept = f" and {_fmt(self._reserve())} kept for after training" if self._reserve() else ""
+        return (
+            f"{_fmt(left)} are left until {until}{startup}: training gets its minimum of {_fmt(self.min_train_s)} "
+            f"from this first step{kept}, so the run ends at least {_fmt(late)} past {until}. "
+            f"Give it more time (a later deadline, or a larger budget) or a faster machine"
+        )
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.budget is None or getattr(self, "_start", None) is None:
             return
+        self.steps_done = trainer.global_step
         if self._mark is None and self._warmed_up(trainer, batch_idx):
             self._mark = (self.clock(), self._val_s, trainer.global_step)
         elif self._mark is not None and trainer.global_step - self._mark[2] == self.measure_steps:
@@ -207,7 +284,7 @@ class TimeBudget(L.Callback):
         if self.limit is not None and trainer.global_step >= self.limit:
             trainer.should_stop = True  # Lightning validates and checkpoints when a run stops early,
             trainer.check_val_every_n_epoch = 1  # also in an epoch check_val_every_n_epoch would skip
-        elif trainer.strategy.reduce_boolean_decision(self.elapsed() >= self.budget - self._reserve(), all=False):
+        elif trainer.strategy.reduce_boolean_decision(self.elapsed() >= self._end(), all=False):
             self._stop(
                 trainer,
                 f"time budget {_fmt(self.budget)} spent at step {trainer.global_step} of "
@@ -243,11 +320,11 @@ class TimeBudget(L.Callback):
         """Set the step limit to what fits in the budget (never above the plan) when it moves by > 1%."""
         self._measure(trainer)
         step = trainer.global_step
-        current = self.limit or self.planned_steps
-        left = self.budget * (1 - self.margin) - self.elapsed() - self._reserve()
+        current = self.limit or self._cap
+        left = self._end(self.margin) - self.elapsed()
         per_step = self.s_per_step + self.s_per_val / self._steps_between_validations(trainer)
         # + the last validation; at least 2 more steps: the next step's LR is already set
-        fits = min(step + max(int((left - self.s_per_val) / per_step), 2), self.planned_steps)
+        fits = min(step + max(int((left - self.s_per_val) / per_step), 2), self._cap)
         fits = trainer.strategy.broadcast(fits, src=0)  # every process must stop at the same step
         if self.limit is None and fits >= current or abs(fits - current) <= max(1, 0.01 * self.planned_steps):
             return
@@ -260,24 +337,48 @@ class TimeBudget(L.Callback):
             if ended
             else "no per-step LR schedule"
         )
-        until = f" (until the deadline {_clock_time(self.deadline)})" if self.deadline is not None else ""
-        if self.reserve_validations:
-            until += f", {_fmt(self._reserve())} of it kept for after training"
         self.message = (
-            f"time budget {_fmt(self.budget)}{until}: measured {self.s_per_step:.2f} s/step and {self.s_per_val:.0f} s per "
-            f"validation, training {fits} of {self.planned_steps} planned steps ({100 * fits / self.planned_steps:.0f}%); {sched}"
+            f"{self._what_binds()}: measured {self.s_per_step:.2f} s/step and {self.s_per_val:.0f} s per validation, "
+            f"training {fits} of {self.planned_steps} planned steps ({100 * fits / self.planned_steps:.0f}%); {sched}"
         )
         _announce(trainer, self.message)
 
+    def _what_binds(self) -> str:
+        """The time limit the plan follows: the budget (less the reserve), or the minimum training time."""
+        if (self._floor or 0.0) > self.budget * (1 - self.margin) - self._reserve():
+            return f"minimum training time {_fmt(self.min_train_s)} from the first step (the time budget leaves less)"
+        until = f" (until the deadline {_clock_time(self.deadline)})" if self.deadline is not None else ""
+        if self._reserve():
+            until += f", {_fmt(self._reserve())} of it kept for after training"
+        return f"time budget {_fmt(self.budget)}{until}"
+
     def _reserve(self) -> float:
-        """Seconds kept free at the end of the budget: reserve_validations measured validations."""
-        return self.reserve_validations * (self.s_per_val or 0.0)
+        """Seconds kept free at the end of the budget: reserve_validations measured validations, and with
+        reserve_startup the measured start-up."""
+        return self.reserve_validations * (self.s_per_val or 0.0) + (self.startup_s or 0.0)
+
+    def _end(self, margin: float = 0.0) -> float:
+        """The elapsed() at which training ends: the budget less `margin` of it and the reserve, but not
+        before the session's first step + min_train_s."""
+        return max(self.budget * (1 - margin) - self._reserve(), self._floor or 0.0)
 
     def _stop(self, trainer, message: str) -> None:
         trainer.should_stop = True
         self.stopped_on_budget = True
         self.message = message
         _announce(trainer, message)
+
+
+def _process_start() -> float | None:
+    """When this process started (Unix seconds), from Linux's /proc; None elsewhere."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            ticks = float(f.read().rpartition(")")[2].split()[19])  # field 22: start time in clock ticks after boot
+        with open("/proc/stat") as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def _val_batches(trainer) -> float:
