@@ -40,6 +40,11 @@ CAMERA_NAMES: tuple[str, ...] = (
 
 
 BOX_FIELDS = ("x", "y", "z", "w", "l", "h", "yaw", "vx", "vy")
+# Their columns, named once: boxes[:, BOX_SIZE] is (w, l, h), boxes[:, BOX_VELOCITY] (vx, vy).
+BOX_CENTER, BOX_SIZE, BOX_YAW, BOX_VELOCITY = slice(0, 3), slice(3, 6), 6, slice(7, 9)
+# The devkit scores at most this many boxes per sample (max_boxes_per_sample of detection_cvpr_2019): decoding
+# keeps as many, and the targets and the reader's padded ground truth hold as many.
+MAX_BOXES = 500
 
 # Per-camera calibration + augmentation tensors of a sample, in the order the model takes them.
 CAMERA_GEOMETRY = ("intrinsics", "rots", "trans", "post_rots", "post_trans")

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bev.detection.decode import decode
 from bev.detection.loss import DetectionLoss
 from bev.detection.scoring import DetectionScore
 from bev.geometry import CAMERA_GEOMETRY, Grid
@@ -181,8 +182,9 @@ class BEVLitModule(L.LightningModule):
             det = dict(detection or {})
             self.detection_weight = float(det.pop("weight", 1.0))
             self.det_loss = DetectionLoss(**dict(det.pop("loss", None) or {}))
-            self.val_det = DetectionScore(grid, det.pop("decoding", None))
-            self.test_det = DetectionScore(grid, self.val_det.decoding)
+            self.det_decoding = dict(det.pop("decoding", None) or {})  # bev.detection.decode's options
+            self.val_det = DetectionScore(grid, self.det_decoding)
+            self.test_det = DetectionScore(grid, self.det_decoding)
             if det:
                 raise ValueError(f"unknown model.detection key(s) {sorted(det)}: weight, loss, decoding")
         # Where bev-eval wants results_nusc.json and the devkit's summary (None: a temporary folder).
@@ -316,11 +318,11 @@ class BEVLitModule(L.LightningModule):
         terms: dict[str, torch.Tensor] = {}
         loss = logits.new_zeros((), dtype=torch.float32)
         if depth_logits is not None:
-            terms["depth_loss"] = self.depth_loss(depth_logits, batch["depth"])
-            loss = loss + self.depth_weight * terms["depth_loss"]
+            terms["depth"] = self.depth_loss(depth_logits, batch["depth"])
+            loss = loss + self.depth_weight * terms["depth"]
         if "segmentation" in self.heads:
-            terms["seg_loss"] = self.loss(logits, batch["bev"])
-            loss = loss + terms["seg_loss"]
+            terms["seg"] = self.loss(logits, batch["bev"])
+            loss = loss + terms["seg"]
         if det_out is not None and "detection" in self.heads:
             loss = loss + self.detection_weight * self._det_terms(det_out, batch, terms)
         return loss, terms
@@ -330,33 +332,33 @@ class BEVLitModule(L.LightningModule):
         if "det_heatmap" not in batch:
             raise ValueError("model.heads has detection: the batches need its targets, set data.detection=true")
         det = self.det_loss(det_out, batch)
-        terms.update(det_loss=det["loss"], det_heatmap=det["heatmap"], det_regression=det["regression"])
+        terms.update(det=det["loss"], det_heatmap=det["heatmap"], det_regression=det["regression"])
         return det["loss"]
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
         loss, logits, terms = self.forward_loss(batch)
-        for name, value in terms.items():
-            if name != "seg_loss":
-                self.log(f"train/{name}", value, on_step=True, on_epoch=True, batch_size=logits.shape[0])
-        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=logits.shape[0])
+        self.log_losses("train", loss, terms, logits.shape[0])
         return {"loss": loss, "logits": logits.detach()}
 
+    def log_losses(self, stage: str, loss: torch.Tensor, terms: Mapping[str, torch.Tensor], batch_size: int) -> None:
+        """<stage>/loss (the weighted total) and <stage>/<term>_loss per unweighted term (docs/configs.md#log-keys):
+        per step and epoch in training, per epoch averaged over every process in evaluation."""
+        train = stage == "train"
+        kw = dict(on_step=train, on_epoch=True, sync_dist=not train, batch_size=batch_size)
+        self.log(f"{stage}/loss", loss, prog_bar=train, **kw)
+        self.log_dict({f"{stage}/{name}_loss": value for name, value in terms.items()}, **kw)
+
     def _eval_step(self, batch: dict, stage: str) -> None:
-        logits, det_out = split_outputs(self(batch))
-        n = logits.shape[0]
+        out = self(batch)
+        logits, det_out = split_outputs(out)
+        # The detection loss where the batch has its targets (bev-predict's data may not).
+        has_targets = "detection" not in self.heads or "det_heatmap" in batch
+        if has_targets:
+            self.log_losses(stage, *self.losses(out, batch), logits.shape[0])
         if "segmentation" in self.heads:
-            self.log(f"{stage}/loss", self.loss(logits, batch["bev"]), on_epoch=True, sync_dist=True, batch_size=n)
             iou, map_iou = (self.val_iou, self.val_map_iou) if stage == "val" else (self.test_iou, self.test_map_iou)
             self._update_metrics(iou, map_iou, logits, batch)
         if det_out is not None and "detection" in self.heads:
-            if "det_heatmap" in batch:
-                self.log(
-                    f"{stage}/det_loss",
-                    self.det_loss(det_out, batch)["loss"],
-                    on_epoch=True,
-                    sync_dist=True,
-                    batch_size=n,
-                )
             (self.val_det if stage == "val" else self.test_det).update(det_out, batch["sample_token"])
 
     def _det_metrics(self, stage: str) -> dict[str, float]:
@@ -400,7 +402,13 @@ class BEVLitModule(L.LightningModule):
         probs = logits.float().sigmoid()
         if det_out is None or "detection" not in self.heads:
             return probs
-        return {"bev": probs, "detections": self.val_det.decode(det_out)}
+        return {"bev": probs, "detections": self.decode_boxes(det_out)}
+
+    @torch.no_grad()
+    def decode_boxes(self, det_out: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """The detection head's maps -> per sample {"boxes", "scores", "labels"} (bev.detection.decode with
+        model.detection.decoding)."""
+        return decode(det_out["heatmap"], det_out["regression"], self.grid, **self.det_decoding)
 
     def on_test_epoch_end(self) -> None:
         results = self._compute_metrics(self.test_iou, self.test_map_iou) if "segmentation" in self.heads else {}

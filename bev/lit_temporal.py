@@ -143,16 +143,14 @@ class TemporalLitModule(BEVLitModule):
         if loss.device.type == "cpu" or self.global_step % max(1, self.trainer.log_every_n_steps) == 0:
             check_finite(loss, terms, self.global_step, self.current_epoch, batch_idx)
         B = out["bev"].shape[0]
-        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=B)
-        self.log_dict({f"train/loss_{k}": v for k, v in terms.items()}, on_step=True, on_epoch=False, batch_size=B)
+        self.log_losses("train", loss, terms, B)
         if self.past_cache_hits is not None:
             self.log("train/past_cache_hits", self.past_cache_hits, on_step=False, on_epoch=True, batch_size=B)
         return {"loss": loss}
 
     def _eval_step(self, batch: dict, stage: str) -> dict[str, torch.Tensor]:
         out = self(batch)
-        loss, _ = self.total_loss(out, batch)
-        self.log(f"{stage}/loss", loss, on_epoch=True, sync_dist=True, batch_size=out["bev"].shape[0])
+        self.log_losses(stage, *self.total_loss(out, batch), out["bev"].shape[0])
         iou, map_iou = (self.val_iou, self.val_map_iou) if stage == "val" else (self.test_iou, self.test_map_iou)
         self._update_metrics(iou, map_iou, out["bev"], batch)
         self._update_future_metrics(out, batch, stage)

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from bev.classes import DETECTION_CLASSES
-from bev.data.detection import MAX_BOXES, detection_item, pad_boxes
+from bev.data.detection import detection_item, pad_boxes
 from bev.data.index import box_yaw
 from bev.data.nuscenes import NuScenesBEVDataset
 from bev.data.rig import MINI_LOCATIONS
-from bev.geometry import BOX_FIELDS
+from bev.geometry import BOX_FIELDS, MAX_BOXES
 from bev.synthetic import world as world_model
 from bev.synthetic.writer import VERSION, make_synthetic, scene_names
 

@@ -469,7 +469,7 @@ def test_bev_train_runs_the_temporal_experiment(synthetic_root, tmp_path, monkey
         "val/future_iou_short",
         "val/vpq_long",
         "val/vpq_short",
-        "train/loss_flow",
+        "train/flow_loss_step",
     ):
         assert key in metrics, sorted(metrics)
 

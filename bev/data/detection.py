@@ -9,15 +9,10 @@ import numpy as np
 import torch
 
 from bev.detection.targets import encode_targets
-from bev.geometry import BOX_FIELDS
+from bev.geometry import BOX_FIELDS, BOX_VELOCITY, MAX_BOXES
 
 if TYPE_CHECKING:
     from bev.data.nuscenes import NuScenesBEVDataset
-
-
-# Fixed number of detection boxes per item (CenterPoint's max_objs); a sample with more valid boxes keeps the
-# MAX_BOXES nearest (pad_boxes).
-MAX_BOXES = 500
 
 
 def pad_boxes(
@@ -42,7 +37,7 @@ def pad_boxes(
     n = len(keep)
     out_boxes = np.zeros((max_boxes, len(BOX_FIELDS)), np.float32)
     out_boxes[:n] = boxes[keep]
-    vel = out_boxes[:, 7:9]
+    vel = out_boxes[:, BOX_VELOCITY]
     velocity_valid = np.isfinite(vel).all(1) & (np.arange(max_boxes) < n)
     vel[~np.isfinite(vel)] = 0.0
     out_labels = np.full(max_boxes, -1, np.int64)

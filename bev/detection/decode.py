@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from bev.classes import DETECTION_CLASSES, DETECTION_GROUPS
 from bev.detection.targets import REGRESSION_FIELDS, class_to_group, gather_regression
-from bev.geometry import Grid, box_corners
+from bev.geometry import MAX_BOXES, Grid, box_corners
 
 # Circle NMS thresholds per group of DETECTION_GROUPS, as the peers give them: squared centre distances
 # in m^2 (CenterPoint / BEVDet `min_radius`, compared with dx^2 + dy^2). In metres: 2, 3.46, 3.16, 1, 0.92, 0.42.
@@ -24,7 +24,6 @@ CIRCLE_NMS_SQUARED = (4.0, 12.0, 10.0, 1.0, 0.85, 0.175)
 NMS_RADII = tuple(math.sqrt(d) for d in CIRCLE_NMS_SQUARED)
 ROTATED_NMS_IOU = 0.2  # BEVFusion's: a box overlapping a better one of its group by more is dropped
 NMS_KINDS = ("circle", "rotated", None)
-MAX_BOXES = 500
 
 
 def _check_maps(heatmap: torch.Tensor, regression: torch.Tensor, grid: Grid, groups) -> None:

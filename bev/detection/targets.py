@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from bev.classes import DETECTION_CLASSES, DETECTION_GROUPS
-from bev.geometry import BOX_FIELDS, Grid
+from bev.geometry import BOX_FIELDS, BOX_SIZE, BOX_VELOCITY, BOX_YAW, MAX_BOXES, Grid
 
 # The regression channels of every class group, in the order of det_target's last axis and of the
 # head's `regression` maps: the centre's offset in its cell (cells), z (m), log size (m), heading, velocity.
@@ -104,7 +104,7 @@ def _check_inputs(boxes: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np
         )
     kept = labels >= 0
     geometry = boxes[kept, :7]  # velocity may be NaN (no neighbouring annotation)
-    if not np.isfinite(geometry).all() or not (geometry[:, 3:6] > 0).all():
+    if not np.isfinite(geometry).all() or not (geometry[:, BOX_SIZE] > 0).all():
         raise ValueError(
             "boxes trained on need finite x, y, z, yaw and sizes w, l, h > 0 (metres); "
             "give such a box the label -1 to leave it out"
@@ -116,7 +116,7 @@ def encode_targets(
     boxes: np.ndarray,
     labels: np.ndarray,
     grid: Grid,
-    max_objects: int = 500,
+    max_objects: int = MAX_BOXES,
     min_radius: int = 2,
     overlap: float = 0.1,
 ) -> dict[str, np.ndarray]:
@@ -150,12 +150,12 @@ def encode_targets(
     det_mask[:n] = True
     target[:n, 0:2] = cells[slots] - index[slots]
     target[:n, 2] = b[:, 2]
-    target[:n, 3:6] = np.log(b[:, 3:6])
-    target[:n, 6] = np.sin(b[:, 6])
-    target[:n, 7] = np.cos(b[:, 6])
-    has_velocity = np.isfinite(b[:, 7:9]).all(axis=1)
+    target[:n, 3:6] = np.log(b[:, BOX_SIZE])
+    target[:n, 6] = np.sin(b[:, BOX_YAW])
+    target[:n, 7] = np.cos(b[:, BOX_YAW])
+    has_velocity = np.isfinite(b[:, BOX_VELOCITY]).all(axis=1)
     det_vel_mask[:n] = has_velocity
-    target[:n, 8:10] = np.where(has_velocity[:, None], b[:, 7:9], 0.0)
+    target[:n, 8:10] = np.where(has_velocity[:, None], b[:, BOX_VELOCITY], 0.0)
     return {
         "det_heatmap": heatmap,
         "det_index": det_index,

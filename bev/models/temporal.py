@@ -30,7 +30,7 @@ from bev.geometry import FEATURE_STRIDE, Grid
 from bev.models.lss import LiftSplatShoot
 
 # Future head outputs and their channels per frame.
-HEADS = {"segmentation": 1, "centerness": 1, "offset": 2, "flow": 2}
+FUTURE_HEAD_CHANNELS = {"segmentation": 1, "centerness": 1, "offset": 2, "flow": 2}
 
 
 def planar(motion: torch.Tensor) -> torch.Tensor:
@@ -138,7 +138,7 @@ class FutureHeads(nn.Module):
         self.groups = {"instance": ("segmentation", "centerness"), "motion": ("offset", "flow")}
         self.branches = nn.ModuleDict()
         for name, heads in self.groups.items():
-            out = frames * sum(HEADS[h] for h in heads)
+            out = frames * sum(FUTURE_HEAD_CHANNELS[h] for h in heads)
             pre = [conv_bn_relu(in_channels, hidden)] if hidden else []
             self.branches[name] = nn.Sequential(*pre, nn.Conv2d(hidden or in_channels, out, 1))
 
@@ -147,9 +147,9 @@ class FutureHeads(nn.Module):
         out = {}
         for name, heads in self.groups.items():
             y = self.branches[name](x)
-            sizes = [self.frames * HEADS[h] for h in heads]
+            sizes = [self.frames * FUTURE_HEAD_CHANNELS[h] for h in heads]
             for head, part in zip(heads, y.split(sizes, dim=1)):
-                out[head] = part.view(B, self.frames, HEADS[head], X, Y)
+                out[head] = part.view(B, self.frames, FUTURE_HEAD_CHANNELS[head], X, Y)
         return out
 
 
