@@ -1,4 +1,4 @@
-"""`bev-eval ckpt_path=PATH [data=... | data.dataroot=...]`: evaluate a checkpoint on the val split.
+"""`bev-eval ckpt_path=PATH data.dataroot=DIR [data.*=...]`: evaluate a checkpoint on the val split.
 
 Rebuilds the model, grid and data settings from the config bev-train stored in the checkpoint
 (bev.inference.load_checkpoint, the loader bev-predict and bev-export use too),
@@ -27,7 +27,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     from hydra.utils import instantiate
 
     from bev.data.temporal import WindowTooLongError
-    from bev.inference import build_data_config, load_checkpoint
+    from bev.inference import build_data_config, load_checkpoint, trained_on
 
     if OmegaConf.is_missing(cfg, "ckpt_path"):
         raise ValueError(
@@ -39,7 +39,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     )
     with open_dict(cfg):
         cfg.grid = loaded.run_config.grid
-    data_cfg = build_data_config(cfg.data, loaded.run_config)
+    data_cfg = build_data_config(cfg.data, loaded.run_config, trained_on(loaded))
     datamodule = instantiate(data_cfg)
     out.mkdir(parents=True, exist_ok=True)
     loaded.model.detection_output_dir = str(out)  # results_nusc.json and the devkit's summary, if it detects

@@ -6,7 +6,8 @@
 
 load_model returns the BEVLitModule (eval mode, on `device`), not the bare network: it carries
 predict_step, the run config (`run_config`, the resolved config bev-train stored in the
-checkpoint) and works with `lightning.Trainer.predict`; the network itself is `model.net`.
+checkpoint, its settings that name places on disk set to null: bev.utils.trust.without_places) and
+works with `lightning.Trainer.predict`; the network itself is `model.net`.
 bev-eval, bev-predict and bev-export all load checkpoints through `load_checkpoint` here.
 """
 
@@ -64,12 +65,13 @@ def load_checkpoint(
     from hydra.utils import instantiate
 
     from bev.utils.checkpoint import CheckpointError, check_compatible, read_checkpoint, resolve_checkpoint
-    from bev.utils.trust import check_stored_config
+    from bev.utils.trust import check_stored_config, without_places
 
     path = resolve_checkpoint(ckpt_path)
     ckpt = read_checkpoint(path)
-    saved = ckpt.get("bev_config")
-    check_stored_config(saved, path, trusted)
+    check_stored_config(ckpt.get("bev_config"), path, trusted)
+    # Places on disk (data.dataroot, data.cache_dir, paths.*, ...) come from the user, never from the checkpoint.
+    saved = without_places(ckpt.get("bev_config"))
     if saved is None and (model_config is None or grid is None or data is None):
         raise CheckpointError(
             f"{str(path)!r} carries no bev-train config; pass model=..., data=... and grid=... matching how it was trained."
@@ -97,13 +99,36 @@ def load_checkpoint(
     return Loaded(model.eval(), run_cfg, model_cfg, ckpt, path)
 
 
-def build_data_config(given: DictConfig, run_config: DictConfig) -> DictConfig:
+def build_data_config(given: DictConfig, run_config: DictConfig, trained_on: Any = None) -> DictConfig:
     """The checkpoint's data settings, overridden by the non-null keys of `given` (a whole data
     config when it has a _target_); grid and image size always come from the checkpoint, and
-    inference never augments."""
+    inference never augments. The places on disk (data.dataroot, data.cache_dir) never come from the
+    checkpoint (load_checkpoint drops them): a data.dataroot the user did not give is refused, naming
+    the one the checkpoint was trained on (`trained_on`) as a hint."""
+    from bev.utils.trust import without_places
+
     keys = {k: v for k, v in OmegaConf.to_container(given, resolve=False).items() if v is not None}
-    base = given if "_target_" in keys else OmegaConf.merge(run_config.data, keys)
+    stored = OmegaConf.create(without_places(OmegaConf.to_container(run_config.data, resolve=False)))
+    base = given if "_target_" in keys else OmegaConf.merge(stored, keys)
+    if base.get("dataroot") is None:
+        from bev.data.config import DataConfig, refuse_unknown
+
+        refuse_unknown(
+            {k: v for k, v in base.items() if k != "_target_"}, DataConfig
+        )  # a typo is the first thing to say
+        hint = f" (this checkpoint was trained on {str(trained_on)!r})" if trained_on else ""
+        raise ValueError(
+            f"data.dataroot is not set: the data folder comes from the command, never from the checkpoint{hint}. "
+            f"Pass data.dataroot=<the folder holding <version>/*.json>"
+        )
     return OmegaConf.merge(base, {"grid": run_config.grid, "final_dim": run_config.data.final_dim, "augment": False})
+
+
+def trained_on(loaded: Loaded) -> Any:
+    """The data.dataroot the checkpoint's run trained on, as stored (for messages only: it decides nothing)."""
+    stored = loaded.checkpoint.get("bev_config")
+    data = stored.get("data") if isinstance(stored, dict) else None
+    return data.get("dataroot") if isinstance(data, dict) else None
 
 
 def load_model(ckpt_path: str | Path, device: str | torch.device = "cpu", trusted: bool = False):

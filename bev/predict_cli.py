@@ -1,4 +1,4 @@
-"""`bev-predict ckpt_path=PATH [data.dataroot=DIR] [split=... | scene=...] [out=DIR]`: run a model over data.
+"""`bev-predict ckpt_path=PATH data.dataroot=DIR [split=... | scene=...] [out=DIR]`: run a model over data.
 
 Writes per sample <out>/<scene>/NNN_<token>.npz (probabilities, bev.inference.save_prediction_npz)
 and .png (cameras + prediction over target), per scene <out>/<scene>.gif (the drive, 2 Hz),
@@ -34,6 +34,7 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
         load_checkpoint,
         present_rows,
         select_samples,
+        trained_on,
         wants_boxes,
         writable_dir,
     )
@@ -44,7 +45,7 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
     loaded = load_checkpoint(cfg.ckpt_path, trusted=bool(cfg.get("trust_checkpoint")))
     boxes = wants_boxes(cfg.boxes, loaded.model, loaded.path)
     model = loaded.model.to(_device(cfg.device))
-    data_cfg = build_data_config(cfg.data, loaded.run_config)
+    data_cfg = build_data_config(cfg.data, loaded.run_config, trained_on(loaded))
     dataset, indices, split = select_samples(data_cfg, cfg.split, cfg.scene)
     rows = present_rows(dataset)[indices]  # each item's row in the dataset index (a window's present frame)
     identity = _index_identity(loaded, model)

@@ -202,3 +202,53 @@ def test_overwrite_must_be_a_boolean(main, tmp_path, monkeypatch, capsys):
         args = [a for a in args if not a.startswith("out=")]
     assert run_cli(main._hydra_main, args, monkeypatch) == 1
     assert_one_paragraph(capsys.readouterr().err, "error:", "overwrite='maybe'")
+
+
+# ------------------------------------------------------------------------------ places from a checkpoint
+
+
+def _with_stored(tiny_run: Path, tmp_path: Path, **data) -> Path:
+    """tiny_run's last.ckpt with `data` written into its stored data config (what a shared file may carry)."""
+    import torch
+
+    ckpt = torch.load(tiny_run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    ckpt["bev_config"]["data"].update(data)
+    ckpt["bev_config"]["paths"] = {"output_dir": str(tmp_path / "stored_out"), "data_dir": str(tmp_path / "d")}
+    ckpt["bev_config"]["model"]["init_from"] = str(tmp_path / "stored_init.ckpt")
+    path = tmp_path / "shared.ckpt"
+    torch.save(ckpt, path)
+    return path
+
+
+def test_a_checkpoint_names_no_place_on_disk(tiny_run, tmp_path):
+    from omegaconf import OmegaConf
+
+    from bev.inference import build_data_config, load_checkpoint
+
+    path = _with_stored(tiny_run, tmp_path, cache_dir=str(tmp_path / "stored_cache"), dataroot="/stored/root")
+    loaded = load_checkpoint(path)
+    run = loaded.run_config
+    assert run.data.cache_dir is None and run.data.dataroot is None and run.model.init_from is None
+    assert set(run.paths.values()) == {None} and loaded.model.init_from is None
+    assert loaded.model_config.get("init_from") is None
+    assert loaded.run_config.data.final_dim == [32, 96]  # the other settings stay the checkpoint's
+    data = build_data_config(OmegaConf.create({"dataroot": str(tmp_path)}), run)
+    assert data.dataroot == str(tmp_path) and data.cache_dir is None
+
+
+def test_bev_predict_writes_no_cache_where_a_checkpoint_says(tiny_run, synthetic_root, tmp_path, monkeypatch):
+    stored_cache = tmp_path / "stored_cache"
+    path = _with_stored(tiny_run, tmp_path, cache_dir=str(stored_cache))
+    args = [*_predict_args(path, synthetic_root, tmp_path / "pred", tmp_path), "png=false"]
+    assert run_cli(predict_cli._hydra_main, args, monkeypatch) == 0
+    assert not stored_cache.exists() and not (tmp_path / "stored_out").exists()
+    assert len(list((tmp_path / "pred").rglob("*.npz"))) == 3
+
+
+def test_bev_eval_takes_the_data_folder_from_the_command_only(tiny_run, synthetic_root, tmp_path, monkeypatch, capsys):
+    path = _with_stored(tiny_run, tmp_path, dataroot=str(synthetic_root), cache_dir=str(tmp_path / "stored_cache"))
+    out = tmp_path / "eval"
+    assert eval_cli([f"ckpt_path={path}", "num_pngs=0", f"hydra.run.dir={out}"], monkeypatch) == 1
+    err = capsys.readouterr().err
+    assert_one_paragraph(err, "bev-eval: error:", "data.dataroot=", f"trained on {str(synthetic_root)!r}")
+    assert not (tmp_path / "stored_cache").exists() and not (out / "metrics.json").exists()
