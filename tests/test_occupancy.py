@@ -254,3 +254,204 @@ def test_metric_counts_sum_across_processes(tmp_path):
     finally:
         dist.destroy_process_group()
     assert torch.equal(m.confusion, before) and m.samples == 1 and m.compute().iou[4] == 1.0
+
+
+# ----------------------------------------------------------------------------- synthetic world labels
+
+
+@pytest.fixture(scope="module")
+def synthetic_sample():
+    """One sample of the test set's first scene, rendered at the test render scale, and its labels."""
+    from bev.data.rig import MINI_LOCATIONS
+    from bev.synthetic import raycast
+    from bev.synthetic.occupancy import occupancy_sample
+    from bev.synthetic.world import SAMPLE_DT, SHOWCASE_FRAME, build_world
+    from helpers.synthetic import RENDER_SCALE, SAMPLES, SEED
+
+    world = build_world(SEED, 0, SAMPLES, MINI_LOCATIONS["scene-0061"])
+    t = min(SHOWCASE_FRAME, SAMPLES - 1) * SAMPLE_DT  # every detection class stands near the ego then
+    renders, _ = raycast.render_sample(world, t, RENDER_SCALE)
+    return world, t, renders, RENDER_SCALE, occupancy_sample(world, t, renders, RENDER_SCALE)
+
+
+def test_synthetic_labels_agree_with_the_rendered_images(synthetic_sample):
+    """Where a camera ray ends, the voxel is occupied, and by the class of the object the pixel shows."""
+    from bev.synthetic import raycast
+    from bev.synthetic.occupancy import object_class
+
+    world, _, renders, scale, occ = synthetic_sample
+    ends = occupied = agree = objects = 0
+    for name, r in renders.items():
+        cam = raycast.make_camera(name, scale)
+        z, ids = r.depth.reshape(-1), r.ids.reshape(-1)
+        m = np.flatnonzero(np.isfinite(z))
+        idx, inside = G.points_to_voxels(cam.translation + z[m, None] * cam.rays.reshape(-1, 3)[m])
+        where = tuple(idx[inside].T)
+        assert occ.mask_camera[where].all()  # a ray that ends in a voxel observes it
+        sem = occ.semantics[where]
+        ends, occupied = ends + len(sem), occupied + int(np.count_nonzero(sem != G.FREE))
+        shown = ids[m][inside]
+        obj = shown > 0
+        expected = np.array([object_class(world.objects[i - 1].category) for i in shown[obj]], np.uint8)
+        agree += int(np.count_nonzero(sem[obj] == expected))
+        objects += int(obj.sum())
+    assert occupied >= 0.999 * ends and objects > 1000 and agree >= 0.99 * objects, (ends, occupied, objects, agree)
+
+
+def test_synthetic_semantics_layout(synthetic_sample):
+    from bev.synthetic.occupancy import GROUND_K, GROUND_RES
+
+    world, t, _, _, occ = synthetic_sample
+    sem = occ.semantics
+    assert sem.dtype == np.uint8 and sem.shape == SHAPE and GROUND_K == 2  # z = 0 lies in [-0.2, 0.2)
+    assert (sem[:, :, :GROUND_K] == G.FREE).all()  # below the ground: nothing observed, free as in Occ3D
+    assert not (sem[:, :, GROUND_K] == G.FREE).any()  # the ground layer is all surface
+    assert sem[100, 100, GROUND_K] == G.CLASS_ID["driveable_surface"]  # the ego drives on the road
+    names = {G.OCC3D_CLASSES[c] for c in np.unique(sem[occ.mask_camera])}
+    assert {"driveable_surface", "sidewalk", "terrain", "manmade", "free"} | set(DETECTION_CLASSES) <= names
+    # The ground layer against the map's own polygons at the column centres, taken to the map frame here.
+    import shapely
+
+    ego_t, yaw = world.ego_pose(t)
+    xy = G.voxel_centres()[:, :, 0, :2].reshape(-1, 2)
+    gxy = ego_t[:2] + xy @ np.array([[np.cos(yaw), np.sin(yaw)], [-np.sin(yaw), np.cos(yaw)]])
+    layers = world.road.layers
+    drivable, walkway = layers["drivable_area"][0]["geom"], shapely.union_all([r["geom"] for r in layers["walkway"]])
+    drive = shapely.contains_xy(drivable, gxy[:, 0], gxy[:, 1])
+    walk = shapely.contains_xy(walkway, gxy[:, 0], gxy[:, 1])
+    want = np.where(
+        drive, G.CLASS_ID["driveable_surface"], np.where(walk, G.CLASS_ID["sidewalk"], G.CLASS_ID["terrain"])
+    )
+    ground = sem[:, :, GROUND_K].reshape(-1)
+    bare = ground != G.CLASS_ID["manmade"]  # buildings stand on the ground; objects too
+    bare &= ~np.isin(ground, list(G.DETECTION_TO_OCC3D.values()))
+    assert drive.sum() > 1000 and walk.sum() > 1000 and (~drive & ~walk).sum() > 1000
+    wrong = np.flatnonzero(bare & (ground != want))  # texels of GROUND_RES: only columns at a border may differ
+    border = shapely.union_all([drivable.boundary, walkway.boundary])
+    assert (
+        len(wrong) < 0.02 * bare.sum() and shapely.distance(border, shapely.points(gxy[wrong])).max() < 1.5 * GROUND_RES
+    )
+    surfaces = {G.CLASS_ID[n] for n in ("driveable_surface", "sidewalk", "terrain")}
+    assert set(np.unique(sem[:, :, GROUND_K + 2 :]).tolist()).isdisjoint(surfaces)  # surfaces only on the ground
+
+
+def test_box_voxels_match_an_independent_overlap_test():
+    """Voxels a yaw-only box overlaps, against shapely's rectangle intersection areas and the z intervals."""
+    import shapely
+    from shapely.affinity import rotate, translate
+    from shapely.geometry import box
+
+    from bev.synthetic.occupancy import Boxes, box_voxels
+
+    rng = np.random.default_rng(5)
+    n = 40
+    xy = rng.uniform(-41, 41, (n, 2))
+    half = rng.uniform(0.03, 3.0, (n, 2))
+    z0 = rng.uniform(-1.5, 5.0, n)
+    b = Boxes(xy, rng.uniform(-np.pi, np.pi, n), half, np.stack([z0, z0 + rng.uniform(0.05, 4, n)], 1), np.ones(n))
+    vox, part = box_voxels(b)
+    got = set(zip(part.tolist(), vox.tolist()))
+    want = set()
+    cx = G.OCC_RANGE[0] + (np.arange(200) + 0.5) * 0.4
+    for p in range(n):
+        rect = translate(
+            rotate(box(-half[p, 0], -half[p, 1], half[p, 0], half[p, 1]), b.yaw[p], use_radians=True), *xy[p]
+        )
+        x0, y0, x1, y1 = rect.bounds
+        ii = np.flatnonzero((cx + 0.2 > x0) & (cx - 0.2 < x1))
+        jj = np.flatnonzero((cx + 0.2 > y0) & (cx - 0.2 < y1))
+        kk = [k for k in range(16) if -1 + 0.4 * k < b.z[p, 1] and -1 + 0.4 * (k + 1) > b.z[p, 0]]
+        for i in ii:
+            for j in jj:
+                cell = box(cx[i] - 0.2, cx[j] - 0.2, cx[i] + 0.2, cx[j] + 0.2)
+                if shapely.intersection(rect, cell).area > 1e-9:
+                    want |= {(p, (i * 200 + j) * 16 + k) for k in kk}
+    assert len(want) > 1000 and got == want
+
+
+def test_synthetic_masks_follow_the_sensors(synthetic_sample):
+    from bev.synthetic.occupancy import LIDAR_ELEVATION, _lidar_translation
+
+    _, _, _, _, occ = synthetic_sample
+    for mask in (occ.mask_camera, occ.mask_lidar):
+        assert mask.dtype == bool and not mask[:, :, :2].any()  # rays end on the ground: nothing below it
+        assert 0.1 < mask.mean() < 0.6
+    c = G.voxel_centres()
+    solid = occ.semantics == G.CLASS_ID["manmade"]
+    inner = solid.copy()  # building voxels whose six neighbours are building too: no ray reaches them
+    for a in range(3):
+        for shift in (1, -1):
+            inner &= np.roll(solid, shift, axis=a)
+    inner[[0, -1]], inner[:, [0, -1]], inner[:, :, [0, -1]] = False, False, False  # np.roll wraps around
+    assert inner.sum() > 100
+    assert not occ.mask_camera[inner].any() and not occ.mask_lidar[inner].any()
+    # The lidar sees nothing above its top beam (+10.67 degrees, from its mount).
+    d = c - np.array(_lidar_translation())
+    elevation = np.degrees(np.arctan2(d[..., 2], np.hypot(d[..., 0], d[..., 1])))
+    assert not occ.mask_lidar[elevation > LIDAR_ELEVATION[0] + 2.0].any()
+    # Free air around the car at the lidar's height: seen exactly when nothing occupied lies on the segment
+    # from the lidar to it (a march through the voxel labels, an independent occlusion test).
+    r = np.hypot(c[..., 0], c[..., 1])
+    ring = np.argwhere((r > 4) & (r < 12) & (np.abs(c[..., 2] - 1.8) < 0.5) & (occ.semantics == G.FREE))
+    steps = np.linspace(0.0, 1.0, 200)[:, None, None]
+    origin = np.array(_lidar_translation())
+    path = origin + steps * (c[tuple(ring.T)] - origin)  # (steps, voxels, 3)
+    idx, inside = G.points_to_voxels(path.reshape(-1, 3))
+    blocked = np.zeros(len(idx), bool)
+    blocked[inside] = occ.semantics[tuple(idx[inside].T)] != G.FREE
+    clear = ~blocked.reshape(len(steps), -1).any(0)
+    seen = occ.mask_lidar[tuple(ring.T)]
+    assert clear.sum() > 500 and (~clear).sum() > 50
+    # Voxel labels are fatter than the boxes (a part takes every voxel it touches), so the march may find a
+    # segment blocked that the lidar's rays pass; never the other way.
+    assert (clear & ~seen).mean() < 0.005 and (seen & ~clear).mean() < 0.1, (
+        (clear & ~seen).sum(),
+        (seen & ~clear).sum(),
+    )
+    # Cameras see the free space straight ahead of the car at their height.
+    ahead = occ.semantics[110:125, 98:102, 6] == G.FREE
+    assert occ.mask_camera[110:125, 98:102, 6][ahead].all()
+
+
+def test_write_sample_occupancy_writes_occ3d_labels(synthetic_sample, tmp_path):
+    from bev.synthetic.occupancy import write_sample_occupancy
+
+    world, t, renders, scale, occ = synthetic_sample
+    path = write_sample_occupancy(tmp_path, "scene-0061", "tok0", world, t, renders, scale)
+    assert path == tmp_path / "gts" / "scene-0061" / "tok0" / "labels.npz"
+    got = read_labels(path)
+    assert all(np.array_equal(a, b) for a, b in zip(got, (occ.semantics, occ.mask_lidar, occ.mask_camera)))
+
+
+def test_synthetic_category_table_matches_the_devkit():
+    from nuscenes.eval.detection.utils import category_to_detection_name
+
+    from bev.synthetic.occupancy import CATEGORY_DETECTION, object_class
+    from bev.synthetic.world import SIZES
+
+    assert set(CATEGORY_DETECTION) == set(SIZES)
+    assert all(category_to_detection_name(c) == d for c, d in CATEGORY_DETECTION.items())
+    assert object_class("") == G.CLASS_ID["manmade"] and object_class("animal") == G.CLASS_ID["others"]
+    assert object_class("vehicle.bus.bendy") == G.CLASS_ID["bus"]
+
+
+def test_labelling_costs_less_than_rendering(synthetic_sample):
+    """CPU time of this process (other processes' load does not count), medians of three."""
+    import time
+
+    from bev.synthetic import raycast
+    from bev.synthetic.occupancy import occupancy_sample
+
+    world, t, renders, scale, _ = synthetic_sample
+
+    def cpu(f):
+        times = []
+        for _ in range(3):
+            a = time.process_time()
+            f()
+            times.append(time.process_time() - a)
+        return sorted(times)[1]
+
+    render = cpu(lambda: raycast.render_sample(world, t, scale))
+    label = cpu(lambda: occupancy_sample(world, t, renders, scale))
+    assert label < render, (label, render)
