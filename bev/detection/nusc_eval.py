@@ -19,6 +19,7 @@ missing detections (mAP 0, NDS 0, every TP error 1) without calling it: Detectio
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import math
@@ -160,46 +161,151 @@ def _numpy(x: Any) -> Any:
     return x.detach().cpu().numpy() if hasattr(x, "detach") else x
 
 
-def _check_results(results: Mapping[str, Sequence[Mapping]], split_tokens: Sequence[str], split: str = "") -> int:
-    """Refuse what the devkit would refuse (or score wrongly); returns the number of boxes."""
+def _check_results(
+    results: Mapping[str, Sequence[Mapping]], split_tokens: Sequence[str], split: str = "", source: str = ""
+) -> int:
+    """Refuse what the devkit would refuse (or score wrongly), every field of every box; returns the number of
+    boxes. `source` ("results file <path>: ") starts the messages."""
     if not isinstance(results, Mapping):
-        raise ValueError(f"results must be a mapping {{sample_token: [box, ...]}}, got {type(results).__name__}")
+        raise ValueError(
+            f"{source}results must be a mapping {{sample_token: [box, ...]}}, got {type(results).__name__}"
+        )
     where = f"the split {split!r}" if split else "the split"
     wanted, given = set(split_tokens), set(results)
-    missing, unknown = sorted(wanted - given), sorted(given - wanted)
+    missing, unknown = sorted(wanted - given), sorted(given - wanted, key=str)
     if missing:
         raise ValueError(
-            f"the results miss {len(missing)} of the {len(wanted)} samples of {where} (e.g. {missing[:3]}): the "
+            f"{source}the results miss {len(missing)} of the {len(wanted)} samples of {where} (e.g. {missing[:3]}): the "
             f"devkit needs every sample of the split; give an empty list for a sample without boxes"
         )
     if unknown:
         raise ValueError(
-            f"the results hold {len(unknown)} samples that are not in {where} (e.g. {unknown[:3]}): score them on "
+            f"{source}the results hold {len(unknown)} samples that are not in {where} (e.g. {unknown[:3]}): score them on "
             f"the split they belong to, or drop them"
         )
     n = 0
     for token, boxes in results.items():
+        if not isinstance(boxes, list):
+            raise ValueError(
+                f"{source}sample {token}: its boxes must be a list of box objects, got {type(boxes).__name__} "
+                f"({_shown(boxes)}); give an empty list for a sample without boxes"
+            )
         if len(boxes) > MAX_BOXES_PER_SAMPLE:
             raise ValueError(
-                f"sample {token} has {len(boxes)} boxes: the devkit takes at most {MAX_BOXES_PER_SAMPLE} per sample; "
-                f"keep the best-scored (to_results does)"
+                f"{source}sample {token} has {len(boxes)} boxes: the devkit takes at most {MAX_BOXES_PER_SAMPLE} per "
+                f"sample; keep the best-scored (to_results does)"
             )
-        for box in boxes:
-            if box.get("detection_name") not in DETECTION_CLASSES:
-                raise ValueError(
-                    f"sample {token}: unknown class name {box.get('detection_name')!r}; the devkit scores "
-                    f"{', '.join(DETECTION_CLASSES)}"
-                )
-            if box.get("sample_token") != token:
-                raise ValueError(f"a box listed under sample {token} names sample {box.get('sample_token')!r}")
+        for i, box in enumerate(boxes):
+            _check_box(box, token, i, source)
         n += len(boxes)
     return n
 
 
-def _check_meta(meta: Mapping[str, Any]) -> dict[str, bool]:
+# --- the fields of a result box: each checked before the devkit sees it (its asserts vanish under python -O) ---
+
+REQUIRED_FIELDS = (
+    "sample_token",
+    "translation",
+    "size",
+    "rotation",
+    "velocity",
+    "detection_name",
+    "detection_score",
+    "attribute_name",
+)
+MAX_ABS_TRANSLATION = 1e7  # m: global coordinates (nuScenes maps are a few km; UTM-like frames stay below this)
+MAX_SIZE = 1e3  # m: no object is a kilometre long
+MAX_SPEED = 1e3  # m/s
+# field -> (length, limit of |value|, whether the values must be > 0)
+VECTOR_FIELDS = {
+    "translation": (3, MAX_ABS_TRANSLATION, False),
+    "size": (3, MAX_SIZE, True),
+    "rotation": (4, 1e6, False),
+    "velocity": (2, MAX_SPEED, False),
+    "ego_translation": (3, MAX_ABS_TRANSLATION, False),  # optional: the devkit fills it in
+}
+
+
+def _shown(value: Any) -> str:
+    """A short repr of a value from a results file, for a message."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _finite(value: Any) -> bool:
+    """A real number (not a bool, not a string) that float() keeps finite."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int too big for a float
+        return False
+
+
+def _vector_rule(value: Any, length: int, limit: float, positive: bool) -> str | None:
+    """Why `value` is not a list of `length` finite numbers within +-limit (and > 0), or None."""
+    if not isinstance(value, list) or len(value) != length:
+        return f"must be a list of {length} numbers"
+    if not all(_finite(v) for v in value):
+        return "must hold finite numbers (no NaN, inf, strings or null)"
+    if any(abs(float(v)) > limit for v in value):
+        return f"must stay within +-{limit:g}"
+    if positive and any(float(v) <= 0 for v in value):
+        return "must be > 0 (width, length, height in m)"
+    return None
+
+
+@functools.cache
+def _attribute_names() -> tuple[str, ...]:
+    from nuscenes.eval.detection.constants import ATTRIBUTE_NAMES
+
+    return tuple(ATTRIBUTE_NAMES)
+
+
+def _box_rule(box: Any) -> tuple[str, str] | None:
+    """(field, rule it breaks) for the first bad field of a result box, or None."""
+    if not isinstance(box, Mapping):
+        return "the box", f"must be an object {{field: value}}, got {type(box).__name__}"
+    missing = [f for f in REQUIRED_FIELDS if f not in box]
+    if missing:
+        return missing[0], f"is missing (a box has {', '.join(REQUIRED_FIELDS)})"
+    for field, spec in VECTOR_FIELDS.items():
+        rule = _vector_rule(box[field], *spec) if field in box else None
+        if rule:
+            return field, rule
+    if math.hypot(*map(float, box["rotation"])) < 1e-6:
+        return "rotation", "must be a unit quaternion (w, x, y, z), not zero"
+    if box["detection_name"] not in DETECTION_CLASSES:
+        return "detection_name", f"is an unknown class name; the devkit scores {', '.join(DETECTION_CLASSES)}"
+    if not _finite(box["detection_score"]):
+        return "detection_score", "must be a finite number"
+    if box["attribute_name"] != "" and box["attribute_name"] not in _attribute_names():
+        return "attribute_name", f"is an unknown attribute; the devkit knows '' and {', '.join(_attribute_names())}"
+    if "num_pts" in box and not (isinstance(box["num_pts"], int) and not isinstance(box["num_pts"], bool)):
+        return "num_pts", "must be a whole number when given"
+    return None
+
+
+def _check_box(box: Any, token: str, i: int, source: str = "") -> None:
+    """One ValueError naming the sample, the box index, the field and the rule for a bad result box."""
+    found = _box_rule(box)
+    if found is None:
+        if box["sample_token"] != token:
+            raise ValueError(f"{source}a box listed under sample {token} names sample {_shown(box['sample_token'])}")
+        return
+    field, rule = found
+    value = box.get(field) if isinstance(box, Mapping) else box
+    unknown_class = field == "detection_name"
+    got = f"unknown class name {_shown(value)}" if unknown_class else f"got {_shown(value)}"
+    raise ValueError(f"{source}sample {token}, box {i}: {field} {rule} ({got})")
+
+
+def _check_meta(meta: Mapping[str, Any], source: str = "") -> dict[str, bool]:
     if not isinstance(meta, Mapping) or set(meta) != set(CAMERA_META):
-        keys = sorted(meta) if isinstance(meta, Mapping) else type(meta).__name__
-        raise ValueError(f"results meta must have exactly the keys {sorted(CAMERA_META)} (booleans), got {keys}")
+        keys = sorted(meta, key=str) if isinstance(meta, Mapping) else type(meta).__name__
+        raise ValueError(
+            f"{source}results meta must have exactly the keys {sorted(CAMERA_META)} (booleans), got {_shown(keys)}"
+        )
     return {k: bool(meta[k]) for k in CAMERA_META}
 
 
@@ -279,16 +385,43 @@ def split_sample_tokens(nusc, split: str) -> list[str]:
 # --- evaluation --------------------------------------------------------------------------------------------
 
 
-def _load_results_file(path: Path) -> tuple[dict, dict]:
+MAX_RESULTS_BYTES = 2 << 30  # a full trainval results file (6019 samples x 500 boxes) is about 1.2 GB
+
+
+def _load_results_file(path: Path, max_bytes: int = MAX_RESULTS_BYTES) -> tuple[dict, dict]:
+    """The results and meta of a results file, with one clear error for a missing, oversized, binary or
+    malformed file (checked before it is read whole)."""
+    if path.is_dir():
+        raise IsADirectoryError(f"results file {path} is a folder: pass the results JSON file (e.g. {RESULTS_FILE})")
     try:
-        data = json.loads(path.read_text())
+        size = path.stat().st_size
     except FileNotFoundError:
         raise FileNotFoundError(f"results file {path} does not exist: write it with write_results") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"results file {path} is not valid JSON ({e})") from None
+    if size > max_bytes:
+        raise ValueError(
+            f"results file {path} is {size:,} bytes, over the {max_bytes:,} a results file may take "
+            f"(500 boxes for every sample of trainval is about 1.2 GB); pass max_bytes= to evaluate to raise it"
+        )
+    data = _parse_json(path, path.read_bytes())
     if not isinstance(data, dict) or "results" not in data or "meta" not in data:
         raise ValueError(f'results file {path} must hold {{"meta": {{...}}, "results": {{sample_token: [box, ...]}}}}')
     return data["results"], data["meta"]
+
+
+def _parse_json(path: Path, raw: bytes) -> Any:
+    """JSON from UTF-8 bytes; binary or UTF-16 text, malformed or too deeply nested JSON get one clear error."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        utf16 = raw[:2] in (b"\xff\xfe", b"\xfe\xff")
+        kind = "UTF-16 text" if utf16 else "binary (not UTF-8 text)"
+        raise ValueError(f"results file {path} is {kind}: the devkit reads UTF-8 JSON; save it as UTF-8") from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"results file {path} nests JSON too deeply: a results file is 4 levels deep") from None
+    except ValueError as e:  # JSONDecodeError, or an integer of thousands of digits
+        raise ValueError(f"results file {path} is not valid JSON ({_shown(str(e))})") from None
 
 
 def _empty_metrics() -> dict[str, float]:
@@ -319,6 +452,7 @@ def evaluate(
     output_dir: str | os.PathLike,
     verbose: bool = False,
     nusc=None,
+    max_bytes: int = MAX_RESULTS_BYTES,
 ) -> dict[str, float]:
     """Score a results file (or a {sample_token: [box, ...]} dict, written to output_dir/results_nusc.json
     with camera-only meta) on `eval_split` with DetectionEval; returns {"mAP", "NDS", "mATE", "mASE", "mAOE",
@@ -336,9 +470,9 @@ def evaluate(
         n_boxes = sum(len(b) for b in results.values())
     else:
         path = Path(results)
-        boxes, meta = _load_results_file(path)
-        _check_meta(meta)
-        n_boxes = _check_results(boxes, tokens, eval_split)
+        boxes, meta = _load_results_file(path, max_bytes)
+        _check_meta(meta, f"results file {path}: ")
+        n_boxes = _check_results(boxes, tokens, eval_split, f"results file {path}: ")
     if n_boxes == 0:
         return _empty_metrics()
     summary = _run_devkit(nusc, path, eval_split, output_dir, verbose)
