@@ -23,7 +23,7 @@ from helpers.cli import TINY, assert_one_paragraph, train_cli
 
 DATA_YAMLS = Path(CONFIG_DIR) / "data"
 LOADER_KEYS = {"batch_size", "num_workers", "pin_memory", "persistent_workers"}
-MODULE_KEYS = {"train_split", "val_split", "augment"}
+MODULE_KEYS = {"train_split", "val_split", "augment", "cbgs"}
 
 
 def compose_cfg(name: str, overrides=(), tmp_path=None):

@@ -139,6 +139,18 @@ def _label_warp(name: str, v: Any) -> str:
     return check_label_warp(v)
 
 
+def _bev_aug(name: str, v: Any):
+    from bev.data.bev_aug import BevAugRanges
+
+    return BevAugRanges.from_any(v)
+
+
+def _choice(name: str, v: Any, choices: tuple[str, ...]) -> str:
+    if v not in choices:
+        raise _fail(name, f"one of {', '.join(choices)}", v)
+    return v
+
+
 def _categories(name: str, v: Any) -> tuple[tuple[str, ...], ...]:
     return normalize_categories(v)
 
@@ -213,6 +225,11 @@ class DatasetConfig(_Checked):
     depth_target: bool = _option(False, _flag)
     # items carry 3D boxes and CenterPoint targets of the detection classes (bev.detection.targets)
     detection: bool = _option(False, _flag)
+    # detection boxes trained on: class (the devkit's class ranges, as it scores) | grid (every box in the grid
+    # with points, mmdet3d's ObjectRangeFilter; scoring still applies the class ranges)
+    det_range: str = _option("class", _choice, ("class", "grid"))
+    # training: BEV augmentation (bev.data.bev_aug): null | bevdet | {rot_lim, scale_lim, flip_x, flip_y}
+    bev_aug: Any = _option(None, _bev_aug)
     # without augmentation, MB of decoded inputs kept per loader process; 0: off
     input_memo_mb: float = _option(0.0, _memo)
     past_frames: int = _option(0, _frames)  # temporal windows: P input frames before the present (FIERY: 2)
@@ -239,6 +256,8 @@ class DataConfig(LoaderConfig, DatasetConfig):
     train_split: str = _option("mini_train", _text)  # the training split (a devkit split or <version>/splits.json)
     val_split: str = _option("mini_val", _text)  # the validation split; test = the val split
     augment: bool = _option(True, _flag)  # augment training (LSS resize/crop/flip/rotate, ncams); val never is
+    # detection training: class-balanced grouping and sampling (bev.data.cbgs; mmdet3d's CBGSDataset)
+    cbgs: bool = _option(False, _flag)
 
     @property
     def dataset(self) -> DatasetConfig:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import lightning as L
@@ -10,6 +11,7 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader
 
 from bev.classes import object_class_names
+from bev.data.cbgs import ClassBalancedSampler
 from bev.data.config import DataConfig
 from bev.data.nuscenes import NuScenesBEVDataset
 from bev.data.temporal import collate
@@ -78,30 +80,47 @@ class NuScenesDataModule(L.LightningDataModule):
         if stage in (None, "fit", "validate", "test", "predict") and self.val_set is None:
             self.val_set = self._dataset(self.val_split, False)
 
-    def _loader(self, ds: NuScenesBEVDataset, shuffle: bool) -> DataLoader:
+    def _loader(self, ds: NuScenesBEVDataset, train: bool) -> DataLoader:
+        sampler = (self._cbgs_sampler() if self.config.cbgs else None) if train else _eval_sampler(ds)
         return DataLoader(
             ds,
             batch_size=self.batch_size,
-            shuffle=shuffle,
-            sampler=None if shuffle else _eval_sampler(ds),
+            shuffle=train and sampler is None,
+            sampler=sampler,
             num_workers=self.num_workers,
             pin_memory=self.config.pin_memory,
             persistent_workers=self.persistent_workers,
-            drop_last=shuffle and len(ds) >= self.batch_size,
+            drop_last=train and len(sampler or ds) >= self.batch_size,
             collate_fn=collate,
         )
 
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
-        return self._loader(self.train_set, shuffle=True)
+        return self._loader(self.train_set, train=True)
+
+    def _cbgs_sampler(self) -> ClassBalancedSampler:
+        """CBGS over the training split (data.cbgs=true), its epoch length said once."""
+        if not self.config.detection or self.train_set.temporal:
+            raise ValueError(
+                "data.cbgs=true balances detection classes: it needs data.detection=true and no temporal windows"
+            )
+        sampler = ClassBalancedSampler(self.train_set, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
+        n = len(self.train_set)
+        print(
+            f"data.cbgs: an epoch draws {len(sampler)} samples of the {n} of {self.train_split} "
+            f"({len(sampler) / n:.2f}x: the schedule's epochs are that much longer)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return sampler
 
     def val_dataloader(self) -> DataLoader:
         self.setup("validate")
-        return self._loader(self.val_set, shuffle=False)
+        return self._loader(self.val_set, train=False)
 
     def test_dataloader(self) -> DataLoader:
         self.setup("test")
-        return self._loader(self.val_set, shuffle=False)
+        return self._loader(self.val_set, train=False)
 
 
 def _eval_sampler(ds: NuScenesBEVDataset) -> UnrepeatedDistributedSampler | None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from bev.data.bev_aug import transform_boxes
 from bev.detection.targets import encode_targets
 from bev.geometry import BOX_FIELDS, BOX_VELOCITY, MAX_BOXES
 
@@ -45,13 +46,23 @@ def pad_boxes(
     return {"det_boxes": out_boxes, "det_labels": out_labels, "det_velocity_valid": velocity_valid}
 
 
-def detection_item(ds: NuScenesBEVDataset, i: int) -> dict[str, torch.Tensor]:
+def trained_mask(det: dict[str, np.ndarray], det_range: str) -> np.ndarray:
+    """Which of a sample's detection boxes (NuScenesBEVDataset.detection_boxes) are trained on: the devkit's
+    ground-truth filter (det_range "class": points and the class range) or every box with points ("grid")."""
+    return det["valid"] if det_range == "class" else det["points"] > 0
+
+
+def detection_item(ds: NuScenesBEVDataset, i: int, bev_aug: np.ndarray | None = None) -> dict[str, torch.Tensor]:
     """The detection fields of sample i (index row) of ds as tensors: pad_boxes of ds.detection_boxes(i)
     (det_boxes, det_labels, det_velocity_valid: the ground truth for pictures) and the CenterPoint targets
-    of those boxes on ds.grid (bev.detection.targets.encode_targets: det_heatmap, det_index, ...)."""
+    of those boxes on ds.grid (bev.detection.targets.encode_targets: det_heatmap, det_index, ...). Trained boxes:
+    the devkit's ground-truth filter (ds.det_range "class") or every box with points ("grid": the targets drop
+    those outside the grid); bev_aug: the item's BEV augmentation matrix (bev.data.bev_aug), applied to them."""
     det = ds.detection_boxes(i)
     where = f"sample {ds.index['sample_token'][i]}"
-    padded = pad_boxes(det["boxes"], det["labels"], det["valid"], where=where)
-    labels = np.where(det["valid"], det["labels"], -1)
-    targets = encode_targets(det["boxes"], labels, ds.grid, max_objects=MAX_BOXES)
+    valid = trained_mask(det, ds.det_range)
+    boxes = det["boxes"] if bev_aug is None else transform_boxes(det["boxes"], bev_aug).astype(np.float32)
+    padded = pad_boxes(boxes, det["labels"], valid, where=where)
+    labels = np.where(valid, det["labels"], -1)
+    targets = encode_targets(boxes, labels, ds.grid, max_objects=MAX_BOXES)
     return {k: torch.from_numpy(v) for k, v in {**padded, **targets}.items()}

@@ -20,6 +20,7 @@ from torch.utils.data import Dataset
 
 from bev.classes import object_class_names
 from bev.data import temporal
+from bev.data.bev_aug import apply_to_geometry, warp_raster
 from bev.data.config import DatasetConfig
 from bev.data.depth import depth_targets, load_lidar
 from bev.data.detection import detection_item
@@ -111,10 +112,16 @@ class NuScenesBEVDataset(Dataset):
         self.rand_flip, self.ncams = cfg.rand_flip, cfg.ncams
         self.groups, self.map_layers = cfg.categories, cfg.map_layers
         self.raster, self.depth_target, self.detection = cfg.raster, cfg.depth_target, cfg.detection
+        self.det_range, self.bev_aug = cfg.det_range, cfg.bev_aug if self.augment else None
         self.index = load_index(
             self.dataroot, self.version, split, self.groups, cfg.cache_dir, verbose=verbose, map_layers=self.map_layers
         )
         self._init_windows(cfg.past_frames, cfg.future_frames, cfg.filter_invisible, cfg.label_warp)
+        if self.bev_aug is not None and self.temporal:
+            raise ValueError(
+                "data.bev_aug (BEV augmentation) is not supported with temporal windows (data.past_frames / "
+                "future_frames > 0) yet: set data.bev_aug=null"
+            )
         self._memo: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # sample -> packed targets (targets())
         self._memo_bytes = 0
         self._inputs_limit = int(cfg.input_memo_mb * 2**20)
@@ -332,9 +339,23 @@ class NuScenesBEVDataset(Dataset):
         }
         if depth is not None:
             item["depth"] = depth
+        bev_aug = self.bev_aug.draw() if self.bev_aug is not None else None
+        if bev_aug is not None:
+            self._augment_bev(item, i, bev_aug)
         if self.detection:
-            item.update(detection_item(self, i))
+            item.update(detection_item(self, i, bev_aug))
         return item
+
+    def _augment_bev(self, item: dict[str, Any], i: int, A: np.ndarray) -> None:
+        """Sample i's item in the BEV frame A maps to (bev.data.bev_aug), in place: the lift geometry, the object
+        targets rasterised anew from the moved footprints, the map targets resampled."""
+        apply_to_geometry(item, A)
+        box, k = self.boxes(i), self.num_object_classes
+        footprints = box["footprint"] @ A[:2, :2].T
+        objects, vis = rasterize_boxes(footprints, box["label"], box["visibility"], self.grid, k, self.raster)
+        item["bev"] = torch.cat([torch.from_numpy(objects), warp_raster(item["bev"][k:], A, self.grid)])
+        item["visibility"] = torch.from_numpy(vis)
+        item["bev_aug"] = torch.from_numpy(A.astype(np.float32))
 
     def frame_inputs(self, i: int, cams: np.ndarray, augs: Sequence[ImageAug] | None = None) -> dict[str, torch.Tensor]:
         """Sample i's images and CAMERA_GEOMETRY tensors of cameras `cams`, and depth with depth_target.
