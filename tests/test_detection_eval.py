@@ -150,6 +150,7 @@ def test_to_results_round_trips_the_devkit_ground_truth(truth):
 
 
 def test_attribute_rule():
+    """mmdet3d's nuScenes rule: moving above 0.2 m/s; a still bus is stopped, other still vehicles parked."""
     boxes = np.array([[0, 0, 0, 1, 2, 1, 0, vx, 0] for vx in (0.1, 0.3)] * 4, dtype=float)
     labels = [
         DETECTION_CLASSES.index(c)
@@ -159,7 +160,7 @@ def test_attribute_rule():
     boxes = np.concatenate([boxes, boxes[:2]])
     out = to_results(["s"], [boxes], [np.linspace(1, 0.1, 10)], [labels], [[1, 0, 0, 0]], [[0, 0, 0]])["s"]
     assert [b["attribute_name"] for b in out] == [
-        "vehicle.parked", "vehicle.moving", "vehicle.parked", "vehicle.moving", "cycle.without_rider",
+        "vehicle.parked", "vehicle.moving", "vehicle.stopped", "vehicle.moving", "cycle.without_rider",
         "cycle.with_rider", "pedestrian.standing", "pedestrian.moving", "", "",
     ]  # fmt: skip
 

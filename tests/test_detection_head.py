@@ -477,3 +477,26 @@ def test_head_exports_to_onnx_and_runtime_agrees(tmp_path):
     heatmap, regression = ort.InferenceSession(str(path)).run(None, {"features": x.numpy()})
     np.testing.assert_allclose(heatmap, expected["heatmap"].numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(regression, expected["regression"].numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_decoding_per_group_keeps_rare_classes_beside_a_crowd():
+    """CenterPoint's nuScenes decoding: top-K candidates per class group, a cap per group after NMS, then the
+    best `top_k` of all. Here 300 cars outscore 5 pedestrians: a global top 100 keeps cars only."""
+    nx, ny = GRID.bev_shape
+    heatmap = torch.full((1, len(DETECTION_CLASSES), nx, ny), -30.0)
+    regression = torch.zeros(1, len(DETECTION_GROUPS), len(REGRESSION_FIELDS), nx, ny)
+    cells = [(x, y) for x in range(2, nx - 2, 3) for y in range(2, ny - 2, 3)]  # 3 cells apart: all peaks
+    for k, (x, y) in enumerate(cells[:300]):
+        heatmap[0, CLS["car"], x, y] = 5.0 - k * 1e-3
+    for k, (x, y) in enumerate(cells[300:305]):
+        heatmap[0, CLS["pedestrian"], x, y] = 1.0 - k * 1e-3
+    (glob,) = decode(heatmap, regression, GRID, nms=None, top_k=100)
+    assert set(glob["labels"].tolist()) == {CLS["car"]}
+    (per,) = decode(heatmap, regression, GRID, nms="circle", top_k=60, pre_nms_top_k=1000, post_nms_max=50)
+    labels = per["labels"].tolist()
+    assert labels.count(CLS["car"]) == 50 and labels.count(CLS["pedestrian"]) == 5 and len(labels) == 55
+    assert (per["scores"][:-1] >= per["scores"][1:]).all()
+    (capped,) = decode(heatmap, regression, GRID, nms=None, top_k=20, pre_nms_top_k=1000, post_nms_max=50)
+    assert capped["labels"].tolist() == [CLS["car"]] * 20  # the best of all
+    with pytest.raises(ValueError, match="pre_nms_top_k must be a whole number >= 1"):
+        decode(heatmap, regression, GRID, pre_nms_top_k=0)

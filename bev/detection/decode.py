@@ -1,7 +1,8 @@
 """Boxes from the detection head's maps (bev.models.centerpoint.CenterHead's outputs), per sample:
-sigmoid, 3x3 max-pool peaks, top-K over all classes, score threshold, cell + offset -> metres, exp sizes,
-atan2 yaw, velocity, then NMS within each class group: circle NMS (centre distance, CenterPoint / BEVDet) or
-rotated NMS (IoU of the boxes' footprints seen from above, BEVFusion). At most top_k boxes per sample (500: the
+sigmoid, 3x3 max-pool peaks, the candidates (top-K over all classes, or CenterPoint's nuScenes setting: top-K
+per class group), score threshold, cell + offset -> metres, exp sizes, atan2 yaw, velocity, then NMS within
+each class group: circle NMS (centre distance, CenterPoint / BEVDet) or rotated NMS (IoU of the boxes'
+footprints seen from above, BEVFusion), then a cap per group. At most top_k boxes per sample (500: the
 devkit's limit). Boxes are rows of bev.geometry.BOX_FIELDS in the ego frame; attributes are not decided here.
 """
 
@@ -85,22 +86,29 @@ def decode(
     nms_radii: Sequence[float] = NMS_RADII,
     groups: tuple[tuple[str, ...], ...] = DETECTION_GROUPS,
     nms_iou: float = ROTATED_NMS_IOU,
+    pre_nms_top_k: int | None = None,
+    post_nms_max: int | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """heatmap (B, C, X, Y) logits and regression (B, G, 10, X, Y) -> per sample {"boxes": (K, 9) float32
     per BOX_FIELDS, "scores": (K,) in decreasing order, "labels": (K,) int64 into DETECTION_CLASSES}.
     nms: "circle" (per group, centre distance <= nms_radii[g] metres), "rotated" (per group, footprint IoU >
-    nms_iou) or None."""
+    nms_iou) or None. Candidates: the top_k peaks over all classes (pre_nms_top_k None), or the
+    pre_nms_top_k peaks of each group (BEVDet / CenterPoint: 1000); post_nms_max: at most that many boxes
+    per group after NMS (theirs: 83); then the top_k best of all."""
     if nms not in NMS_KINDS:
         raise ValueError(f"nms must be one of {NMS_KINDS}, got {nms!r}")
     if not 0 < top_k <= MAX_BOXES:
         raise ValueError(f"top_k must be in 1..{MAX_BOXES} (the devkit's limit of boxes per sample), got {top_k}")
     if len(nms_radii) != len(groups):
         raise ValueError(f"nms_radii needs one radius (metres) per class group ({len(groups)}), got {list(nms_radii)}")
+    for name, value in (("pre_nms_top_k", pre_nms_top_k), ("post_nms_max", post_nms_max)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a whole number >= 1 or null, got {value!r}")
     _check_maps(heatmap, regression, grid, groups)
     b, c, nx, ny = heatmap.shape
     scores = torch.sigmoid(heatmap.float())
     peaks = scores * (F.max_pool2d(scores, 3, stride=1, padding=1) == scores)
-    top_scores, top = peaks.flatten(1).topk(min(top_k, c * nx * ny), dim=1)  # (B, K), sorted
+    top_scores, top = _candidates(peaks, top_k, pre_nms_top_k, groups)  # (B, K)
     label = top // (nx * ny)
     cell = top % (nx * ny)
     of_class = torch.tensor(class_to_group(groups), device=heatmap.device)
@@ -117,8 +125,42 @@ def decode(
             else:
                 kept = rotated_nms(bx, of_class[lb], nms_iou)
             bx, sc, lb = bx[kept], sc[kept], lb[kept]
+        if pre_nms_top_k is not None or post_nms_max is not None:
+            kept = _best_per_group(sc, of_class[lb], post_nms_max, top_k)
+            bx, sc, lb = bx[kept], sc[kept], lb[kept]
         results.append({"boxes": bx, "scores": sc, "labels": lb})
     return results
+
+
+def _candidates(
+    peaks: torch.Tensor, top_k: int, per_group: int | None, groups: tuple[tuple[str, ...], ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores, flat class * X * Y + cell indices) of the candidate peaks, (B, K): the top_k over all classes
+    (sorted), or the `per_group` best of each group's channels (each group's sorted, groups one after another)."""
+    b, c, nx, ny = peaks.shape
+    if per_group is None:
+        return peaks.flatten(1).topk(min(top_k, c * nx * ny), dim=1)
+    scores, index, start = [], [], 0
+    for group in groups:  # contiguous channel runs (class_to_group)
+        part = peaks[:, start : start + len(group)].flatten(1)
+        s, i = part.topk(min(per_group, part.shape[1]), dim=1)
+        scores.append(s)
+        index.append(i + start * nx * ny)
+        start += len(group)
+    return torch.cat(scores, 1), torch.cat(index, 1)
+
+
+def _best_per_group(scores: torch.Tensor, group: torch.Tensor, per_group: int | None, total: int) -> torch.Tensor:
+    """Indices of the boxes kept: at most per_group of each group (the first, which are its best), then the
+    `total` best of all, in decreasing score."""
+    keep = torch.ones_like(scores, dtype=torch.bool)
+    if per_group is not None:
+        for g in group.unique():
+            members = torch.nonzero(group == g).flatten()
+            keep[members[per_group:]] = False
+    kept = torch.nonzero(keep).flatten()
+    order = torch.argsort(scores[kept], descending=True, stable=True)
+    return kept[order][:total]
 
 
 def _to_boxes(values: torch.Tensor, cell: torch.Tensor, grid: Grid) -> torch.Tensor:

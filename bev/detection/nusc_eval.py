@@ -63,6 +63,7 @@ _CYCLES = ("motorcycle", "bicycle")
 # class -> (attribute when moving, attribute when still); '' for classes without attributes.
 ATTRIBUTE_RULE: dict[str, tuple[str, str]] = {
     **{c: ("vehicle.moving", "vehicle.parked") for c in _VEHICLES},
+    "bus": ("vehicle.moving", "vehicle.stopped"),  # mmdet3d's rule: a still bus is at a stop, not parked
     **{c: ("cycle.with_rider", "cycle.without_rider") for c in _CYCLES},
     "pedestrian": ("pedestrian.moving", "pedestrian.standing"),
     "barrier": ("", ""),
@@ -71,7 +72,8 @@ ATTRIBUTE_RULE: dict[str, tuple[str, str]] = {
 
 
 def attribute_name(detection_name: str, speed: float) -> str:
-    """The attribute the devkit scores, from the class and the speed (m/s), as BEVFusion assigns it."""
+    """The attribute the devkit scores, from the class and the speed (m/s), as mmdet3d's nuScenes dataset
+    assigns it (BEVDet, BEVFusion)."""
     moving, still = ATTRIBUTE_RULE[detection_name]
     return moving if speed > MOVING_SPEED else still
 
