@@ -10,6 +10,7 @@
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -252,3 +253,47 @@ def test_bev_eval_takes_the_data_folder_from_the_command_only(tiny_run, syntheti
     err = capsys.readouterr().err
     assert_one_paragraph(err, "bev-eval: error:", "data.dataroot=", f"trained on {str(synthetic_root)!r}")
     assert not (tmp_path / "stored_cache").exists() and not (out / "metrics.json").exists()
+
+
+# ------------------------------------------------------------------------------ checkpoints that inflate
+
+
+def _inflating(tiny_run: Path, tmp_path: Path, numel: int) -> Path:
+    """tiny_run's last.ckpt with an extra tensor of `numel` zeros no loader uses, its entries deflated (a few
+    kB on disk)."""
+    import zipfile
+
+    import torch
+
+    ckpt = torch.load(tiny_run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    ckpt["unused"] = torch.zeros(numel)
+    plain, deflated = tmp_path / "plain.ckpt", tmp_path / "deflated.ckpt"
+    torch.save(ckpt, plain)
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(deflated, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info), compress_type=zipfile.ZIP_DEFLATED)
+    return deflated
+
+
+def test_a_checkpoint_that_inflates_is_refused_before_reading(tiny_run, tmp_path, monkeypatch):
+    import bev
+    from bev.utils import checkpoint
+    from bev.utils.checkpoint import CheckpointError
+
+    path = _inflating(tiny_run, tmp_path, 4 << 20)  # 16 MiB of float32 in a file of about 0.4 MB
+    monkeypatch.setattr(checkpoint, "MAX_INFLATION_BYTES", 8 << 20)  # the limit scaled down with the test
+    monkeypatch.setattr("torch.load", lambda *a, **k: pytest.fail("torch.load read an inflating checkpoint"))
+    with pytest.raises(CheckpointError) as e:
+        bev.load_model(path)
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and str(path) in msg, msg
+    assert re.search(r"declare 16\.\d MiB of data in a file of \d+\.\d KiB", msg), msg  # 16 MiB + the weights
+
+
+def test_a_checkpoint_within_the_limit_still_loads(tiny_run, tmp_path, monkeypatch):
+    import bev
+    from bev.utils import checkpoint
+
+    path = _inflating(tiny_run, tmp_path, 1 << 20)  # 4 MiB beyond the file's size
+    monkeypatch.setattr(checkpoint, "MAX_INFLATION_BYTES", 8 << 20)
+    assert bev.load_model(path).net is not None

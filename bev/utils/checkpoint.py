@@ -28,13 +28,40 @@ def write_checkpoint(checkpoint: dict[str, Any], path: str | Path) -> None:
         torch.save(checkpoint, f)
 
 
+# torch.save stores a checkpoint's entries uncompressed, so their declared sizes add up to about the file's
+# own size; an archive that declares more than this beyond it would be inflated in memory by torch.load.
+MAX_INFLATION_BYTES = 64 << 20
+
+
+def _check_declared_sizes(path: Path) -> None:
+    """Refuse a zip checkpoint whose entries declare far more data than the file holds (compressed entries:
+    a 10 MB file can inflate to gigabytes), from its central directory, before anything is read."""
+    import zipfile
+
+    from bev.utils.io import format_bytes
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            declared = sum(info.file_size for info in archive.infolist())
+    except (zipfile.BadZipFile, OSError, ValueError):  # not a zip archive (or a broken one): torch.load says so
+        return
+    size = path.stat().st_size
+    if declared > size + MAX_INFLATION_BYTES:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was refused: its entries declare {format_bytes(declared)} of data in a file of "
+            f"{format_bytes(size)} (compressed: torch.save writes them uncompressed), and loading it would inflate "
+            "all of it in memory. Use a checkpoint bev-train wrote."
+        )
+
+
 def read_checkpoint(path: str | Path) -> dict:
-    """Load a Lightning checkpoint on the CPU, with one clear error for a missing or corrupt file."""
+    """Load a Lightning checkpoint on the CPU, with one clear error for a missing, corrupt or inflating file."""
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist.")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} is not a file.")
+    _check_declared_sizes(path)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
