@@ -297,3 +297,15 @@ def test_a_checkpoint_within_the_limit_still_loads(tiny_run, tmp_path, monkeypat
     path = _inflating(tiny_run, tmp_path, 1 << 20)  # 4 MiB beyond the file's size
     monkeypatch.setattr(checkpoint, "MAX_INFLATION_BYTES", 8 << 20)
     assert bev.load_model(path).net is not None
+
+
+def test_a_dropped_place_is_not_named_as_a_model_difference(tiny_run, tmp_path):
+    from omegaconf import OmegaConf
+
+    from bev.inference import load_checkpoint
+    from bev.utils.checkpoint import CheckpointError
+
+    path = _with_stored(tiny_run, tmp_path)  # its model config names an init_from checkpoint
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(path, OmegaConf.create({"net": {"context_channels": 16}}))
+    assert "model.net.context_channels: 8 -> 16" in str(e.value) and "init_from" not in str(e.value)

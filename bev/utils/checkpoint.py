@@ -104,7 +104,10 @@ def check_compatible(module: nn.Module, ckpt: dict, path: str | Path, model_conf
     saved = stored.get("model") if isinstance(stored, dict) else None  # a trusted file may store another form
     diffs = ""
     if saved is not None and model_config is not None:
-        a, b = _flat(saved), _flat(model_config)
+        from bev.utils.trust import without_places
+
+        # places on disk (init_from, weights_path) are never taken from a checkpoint: not a difference to name
+        a, b = _flat(without_places(saved)), _flat(without_places(model_config))
         keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
         if keys:
             diffs = (
