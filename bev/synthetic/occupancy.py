@@ -5,9 +5,9 @@ arrays indexed [x, y, z] in the ego frame of the sample (the writer's LIDAR_TOP 
 synthetic sample shares it), and writes them as gts/<scene>/<sample token>/labels.npz.
 
 semantics, from the world's own geometry:
-- every part (box) of an object takes its object's class (bev.occupancy.grid.DETECTION_TO_OCC3D via the
-  devkit's category_to_detection_name; an unmapped category is "others"); scenery (buildings, traffic
-  lights) is "manmade". A voxel takes a part's class when the part's box overlaps it (a separating-axis test
+- every part (box) of an object takes its object's class (its category's detection class, the devkit's
+  category_to_detection_name, as bev.occupancy.grid.DETECTION_TO_OCC3D; a category without one is "others");
+  scenery (buildings, traffic lights) is "manmade". A voxel takes a part's class when the part's box overlaps it (a separating-axis test
   per voxel column, the z range per part), so thin parts (a bicycle's wheels, a pole) still occupy a voxel.
 - the ground (the flat world's z = 0, voxel layer GROUND_K) takes the map's surface under each column's
   centre: drivable area (roads, junctions, car parks, driveways) "driveable_surface", walkways "sidewalk",
@@ -18,13 +18,14 @@ semantics, from the world's own geometry:
 Masks, from the same ray-caster that renders the images (bev.synthetic.raycast), at the render scale:
 - mask_camera: a voxel is observed when a camera ray ends in it (the depth buffer's hit point falls in it)
   or passes through it. "Passes through" is taken per voxel: its centre projects into a camera's render
-  image in front of the visible surface at that pixel (the nearest pixel's ray stands for the rays through
-  the voxel; voxels span >= 2 pixels everywhere in the grid at render scale 4).
+  image and lies before the first surface along the nearest pixel's ray (voxels span >= 2 pixels everywhere
+  in the grid at render scale 4), the ground excepted: a known plane, it hides nothing above it, and no
+  voxel centre below it is ever passed.
 - mask_lidar: the same test with LIDAR_TOP's rays, cast as four 90-degree pinhole views from the lidar
   mount (LIDAR_ROWS x LIDAR_COLS rays each) spanning the HDL-32E's elevations +10.67 to -30.67 degrees.
-  A single scan from one place, not Occ3D's accumulation of a whole scene's sweeps: it is denser between
-  the beams (every voxel in front of a surface in the lidar's field of view counts as passed through) and
-  misses what other positions along the drive would have seen.
+  A single scan from one place, not Occ3D's accumulation of a whole scene's sweeps: denser between the
+  beams (a voxel there takes its nearest beam's answer) and blind to what other positions along the drive
+  would have seen.
 The voxel -> pixel tables depend only on the rig, so they are computed once per process.
 """
 
@@ -245,10 +246,8 @@ def view_table(cam: raycast.Camera) -> ViewTable:
         H, W = cam.shape
         u, v = uv[:, 0], uv[:, 1]  # pixel centres are at integer coordinates: the image spans [-0.5, W - 0.5)
         in_image = (u >= -0.5) & (u < W - 0.5) & (v >= -0.5) & (v < H - 0.5)
-        above_ground = (
-            _centres_tensor()[:, 2].numpy() >= 0
-        )  # below it no ray passes (the ground layer's centres are on it)
-        vox = np.flatnonzero((depth > NEAR) & in_image & above_ground)
+        # No ray passes below the ground (the ground layer's centres lie on it).
+        vox = np.flatnonzero((depth > NEAR) & in_image & (_centres_tensor()[:, 2].numpy() >= 0))
         col = np.rint(u[vox]).astype(np.int64)  # the nearest pixel's ray stands for the one through the centre
         row = np.rint(v[vox]).astype(np.int64)
         _TABLES[key] = ViewTable(vox, row * W + col, depth[vox])
@@ -269,21 +268,25 @@ def _exit_depth(cam: raycast.Camera) -> np.ndarray:
     return _TABLES[key]
 
 
+def _ray_ends(cam: raycast.Camera, z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rays (flat pixel indices) of depths `z` (H * W,) that end inside the grid, the flat voxel each ends
+    in, and whether it ends on the ground."""
+    q = np.flatnonzero(z < _exit_depth(cam))  # sky and surfaces beyond the grid are left out
+    hit = [cam.translation[a] + z[q] * cam.planes[a].reshape(-1)[q] for a in range(3)]
+    flat = 0
+    for a in range(3):
+        k = np.floor((hit[a] - OCC_RANGE[a]) / VOXEL_SIZE).astype(np.int64)
+        flat = flat * OCC_SHAPE[a] + np.clip(k, 0, OCC_SHAPE[a] - 1)  # clip: round-off at the grid's faces
+    return q, flat, np.abs(hit[2]) < GROUND_EPS
+
+
 def observed(cams: list[raycast.Camera], depths: list[np.ndarray]) -> np.ndarray:
     """(200, 200, 16) bool: voxels a ray of these cameras (render-resolution depth buffers) passes or ends in."""
     seen = np.zeros(math.prod(OCC_SHAPE), bool)
-    lo = np.asarray(OCC_RANGE[:3])
     for cam, depth in zip(cams, depths):
         z = depth.reshape(-1)
-        q = np.flatnonzero(z < _exit_depth(cam))  # rays that end inside the grid (not the sky)
-        zq, flat = z[q], 0
-        for a in range(3):  # the voxel each ray ends in, axis by axis
-            coord = (cam.translation[a] - lo[a]) + zq * cam.planes[a].reshape(-1)[q]
-            if a == 2:
-                on_ground = np.abs(coord + lo[2]) < GROUND_EPS
-            k = np.clip(np.floor(coord / VOXEL_SIZE).astype(np.int64), 0, OCC_SHAPE[a] - 1)
-            flat = flat * OCC_SHAPE[a] + k
-        seen[flat] = True
+        q, ends, on_ground = _ray_ends(cam, z)
+        seen[ends] = True
         # Passes through: the voxel centre lies before the first surface along its pixel's ray. The ground is
         # left out of the occluders: it hides nothing above it (the view tables hold no centre below it), and
         # where one pixel row spans more ground than a voxel (near the horizon, or between the lidar's beams)
@@ -297,27 +300,33 @@ def observed(cams: list[raycast.Camera], depths: list[np.ndarray]) -> np.ndarray
 
 @lru_cache(maxsize=4)
 def lidar_cameras(translation: tuple[float, float, float]) -> tuple[raycast.Camera, ...]:
-    """LIDAR_TOP's rays as four 90-degree pinhole views (forward, left, back, right) from the mount at `translation`."""
-    top, bottom = (math.tan(math.radians(e)) for e in LIDAR_ELEVATION)
+    """LIDAR_TOP's rays as four 90-degree pinhole views (forward, left, back, right) from the mount at `translation`.
+
+    A pinhole row's elevation shrinks toward the view's sides (by cos 45 degrees in tangent at the edges), so
+    the rows span the band's tangents / cos 45 and lidar_band masks the rays outside it."""
+    top, bottom = (math.tan(math.radians(e)) / math.cos(math.pi / 4) for e in LIDAR_ELEVATION)
+    rows = math.ceil(LIDAR_ROWS / math.cos(math.pi / 4))  # LIDAR_ROWS over the band at the view's centre
     fx = LIDAR_COLS / 2  # 90 degrees across
-    fy = LIDAR_ROWS / (top - bottom)
+    fy = rows / (top - bottom)
     K = np.array([[fx, 0, (LIDAR_COLS - 1) / 2], [0, fy, -0.5 + fy * top], [0, 0, 1.0]])
-    t = np.asarray(translation, np.float64)
+    v, u = np.meshgrid(np.arange(rows), np.arange(LIDAR_COLS), indexing="ij")
+    pix = np.stack([u, v, np.ones_like(u)], -1).astype(np.float64)
     cams = []
     for n, az in enumerate((0.0, math.pi / 2, math.pi, -math.pi / 2)):
         fwd = np.array([math.cos(az), math.sin(az), 0.0])
         right = np.array([math.sin(az), -math.cos(az), 0.0])
         R = np.stack([right, [0.0, 0.0, -1.0], fwd], 1)  # camera (x right, y down, z forward) -> ego
-        v, u = np.meshgrid(np.arange(LIDAR_ROWS), np.arange(LIDAR_COLS), indexing="ij")
-        pix = np.stack([u, v, np.ones_like(u)], -1).astype(np.float64)
-        rays = (pix @ np.linalg.inv(K).T) @ R.T  # unit camera depth, ego frame
-        eye = torch.eye(3, dtype=torch.float32)
-        cams.append(
-            raycast.Camera(
-                f"LIDAR_TOP_{n}", K, R, t, 1, eye, torch.zeros(3), np.ascontiguousarray(rays.astype(np.float32))
-            )
-        )
+        rays = np.ascontiguousarray(((pix @ np.linalg.inv(K).T) @ R.T).astype(np.float32))  # unit camera depth
+        t = np.asarray(translation, np.float64)
+        cams.append(raycast.Camera(f"LIDAR_TOP_{n}", K, R, t, 1, torch.eye(3), torch.zeros(3), rays))
     return tuple(cams)
+
+
+def lidar_band(cam: raycast.Camera) -> np.ndarray:
+    """(H, W) bool: the rays of a lidar view within LIDAR_ELEVATION."""
+    r = cam.rays.astype(np.float64)
+    elevation = np.degrees(np.arctan2(r[..., 2], np.hypot(r[..., 0], r[..., 1])))
+    return (elevation <= LIDAR_ELEVATION[0]) & (elevation >= LIDAR_ELEVATION[1])
 
 
 def _lidar_translation() -> tuple[float, float, float]:
@@ -330,7 +339,8 @@ def prepare(scale: int = raycast.RENDER_SCALE) -> None:
     """Build the per-process tables (cameras at `scale`, the lidar's views) now, e.g. before forking workers."""
     cams = [raycast.make_camera(name, scale) for name in CAMERA_NAMES] + list(lidar_cameras(_lidar_translation()))
     for cam in cams:
-        view_table(cam), _exit_depth(cam)
+        view_table(cam)
+        _exit_depth(cam)
 
 
 def occupancy_sample(
@@ -347,6 +357,8 @@ def occupancy_sample(
     parts = world_parts(world, t, objects)  # once for the lidar's four views and the semantics
     lidar = lidar_cameras(_lidar_translation())
     depths = [raycast.render_camera(world, t, cam, objects, parts=parts).depth for cam in lidar]
+    for cam, depth in zip(lidar, depths):
+        depth[~lidar_band(cam)] = np.nan  # outside the beams: no ray ends or passes (NaN compares false)
     return OccSample(semantics(world, t, parts), observed(list(lidar), depths), mask_camera)
 
 
