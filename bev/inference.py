@@ -121,7 +121,25 @@ def build_data_config(given: DictConfig, run_config: DictConfig, trained_on: Any
             f"data.dataroot is not set: the data folder comes from the command, never from the checkpoint{hint}. "
             f"Pass data.dataroot=<the folder holding <version>/*.json>"
         )
+    if "_target_" not in keys:
+        _check_stored_names(base, keys)
     return OmegaConf.merge(base, {"grid": run_config.grid, "final_dim": run_config.data.final_dim, "augment": False})
+
+
+# Data settings that become parts of paths (<dataroot>/<version>/, the index cache's file name): taken from a
+# checkpoint, they must be plain names, so that a stored "../x" cannot lead reads or writes elsewhere.
+NAME_KEYS = ("version", "train_split", "val_split")
+
+
+def _check_stored_names(data: DictConfig, given: Mapping[str, Any]) -> None:
+    for key in NAME_KEYS:
+        value = data.get(key)
+        plain = isinstance(value, str) and value not in ("", ".", "..") and not any(c in value for c in "/\\\0")
+        if key not in given and value is not None and not plain:
+            raise ValueError(
+                f"the checkpoint's data.{key} {str(value)[:80]!r} is not a plain name: it would become part of a path "
+                f"under data.dataroot and the index cache. Pass data.{key}=<the {key} you mean>"
+            )
 
 
 def trained_on(loaded: Loaded) -> Any:

@@ -309,3 +309,18 @@ def test_a_dropped_place_is_not_named_as_a_model_difference(tiny_run, tmp_path):
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(path, OmegaConf.create({"net": {"context_channels": 16}}))
     assert "model.net.context_channels: 8 -> 16" in str(e.value) and "init_from" not in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["version", "val_split", "train_split"])
+@pytest.mark.parametrize("value", ["../../elsewhere", "v1.0-mini/../../x", "..", "a\\b"])
+def test_a_stored_name_that_is_a_path_is_refused(key, value, tmp_path):
+    from omegaconf import OmegaConf
+
+    from bev.inference import build_data_config
+
+    data = {"_target_": "bev.data.NuScenesDataModule", "version": "v1.0-mini", "final_dim": [32, 96], key: value}
+    run = OmegaConf.create({"grid": None, "data": data})
+    with pytest.raises(ValueError, match=f"the checkpoint's data.{key} .* is not a plain name.*Pass data.{key}="):
+        build_data_config(OmegaConf.create({"dataroot": str(tmp_path)}), run)
+    given = {"dataroot": str(tmp_path), key: "v1.0-mini" if key == "version" else "mini_val"}
+    assert build_data_config(OmegaConf.create(given), run)[key] == given[key]  # the user's own value is used
