@@ -178,3 +178,30 @@ def test_without_the_configs_folder_nothing_is_trusted(monkeypatch, tmp_path):
             first_untrusted({"model": {"_target_": "bev.lit.BEVLitModule"}})
     finally:
         allowed_targets.cache_clear()
+
+
+def test_a_stored_config_names_no_place_on_disk():
+    """Every setting that names a place on disk is dropped from a stored config, wherever it sits (docs/inference.md)."""
+    from bev.utils.trust import without_places
+
+    stored = {
+        "data": {"dataroot": "/theirs", "cache_dir": "/theirs/cache", "batch_size": 2, "version": "v1.0-mini"},
+        "paths": {"output_dir": "/o", "more": {"root_dir": "/r"}, "list": ["/a"]},
+        "callbacks": {"model_checkpoint": {"dirpath": "/ck", "monitor": "val/iou"}},
+        "logger": [{"save_dir": "/logs", "name": "csv"}],
+        "trainer": {"default_root_dir": "/t", "max_epochs": 1},
+        "model": {"init_from": "/i.ckpt", "net": {"camera": {"weights_path": "/w.pth", "weights": None}}},
+        "ckpt_path": "/resume.ckpt",
+        "some_file": "/f",
+    }
+    assert without_places(stored) == {
+        "data": {"dataroot": None, "cache_dir": None, "batch_size": 2, "version": "v1.0-mini"},
+        "paths": {"output_dir": None, "more": {"root_dir": None}, "list": [None]},
+        "callbacks": {"model_checkpoint": {"dirpath": None, "monitor": "val/iou"}},
+        "logger": [{"save_dir": None, "name": "csv"}],
+        "trainer": {"default_root_dir": None, "max_epochs": 1},
+        "model": {"init_from": None, "net": {"camera": {"weights_path": None, "weights": None}}},
+        "ckpt_path": None,
+        "some_file": None,
+    }
+    assert stored["data"]["dataroot"] == "/theirs"  # a copy: the checkpoint's own dict is left as read
