@@ -141,11 +141,49 @@ def test_bad_settings_are_named(value, needle):
     assert needle in str(e.value)
 
 
-def test_temporal_windows_refuse_bev_aug(synthetic_root):
-    with pytest.raises(ValueError, match="not supported with temporal windows"):
-        NuScenesBEVDataset(
-            synthetic_root, split="mini_train", augment=True, bev_aug="bevdet", past_frames=1, verbose=False
-        )
+def test_a_temporal_window_moves_as_one(synthetic_root):
+    """Every input frame's geometry, the instance maps, the flow vectors and the ego motion of a window follow
+    the one matrix; centerness and offset are those of the moved instances."""
+    from bev.data.temporal import IGNORE, centre_targets
+
+    kw = dict(past_frames=1, future_frames=1, detection=True, det_range="grid", verbose=False)
+    aug = NuScenesBEVDataset(synthetic_root, split="mini_train", augment=True, bev_aug=STRONG, **kw)
+    plain = NuScenesBEVDataset(synthetic_root, split="mini_train", augment=True, **kw)
+    torch.manual_seed(0)
+    a = aug[0]
+    torch.manual_seed(0)
+    p = plain[0]
+    A = a["bev_aug"].double()
+    torch.testing.assert_close(a["rots"].double(), A @ p["rots"].double(), atol=1e-5, rtol=1e-5)
+    A4 = torch.eye(4, dtype=torch.float64)
+    A4[:3, :3] = A
+    want = A4 @ p["future_egomotion"].double() @ torch.linalg.inv(A4)
+    torch.testing.assert_close(a["future_egomotion"].double(), want, atol=1e-5, rtol=1e-5)
+    g = aug.grid
+    centres = torch.stack(
+        torch.meshgrid(
+            *(
+                torch.tensor(g.xbound[0] + (np.arange(n) + 0.5) * s)
+                for n, s in ((g.nx, g.xbound[2]), (g.ny, g.ybound[2]))
+            ),
+            indexing="ij",
+        ),
+        -1,
+    )
+    src = centres @ torch.linalg.inv(A[:2, :2]).T
+    ix = torch.floor((src[..., 0] - g.xbound[0]) / g.xbound[2]).long()
+    iy = torch.floor((src[..., 1] - g.ybound[0]) / g.ybound[2]).long()
+    ok = (ix >= 0) & (ix < g.nx) & (iy >= 0) & (iy < g.ny)
+    moved = torch.zeros_like(p["instance"])
+    moved[:, ok] = p["instance"][:, ix[ok], iy[ok]]
+    assert torch.equal(a["instance"], moved) and a["instance"].max() > 0
+    centerness, offset = centre_targets(a["instance"].numpy())
+    assert np.array_equal(a["centerness"].numpy(), centerness) and np.array_equal(a["offset"].numpy(), offset)
+    steps = torch.tensor([g.xbound[2], g.ybound[2]], dtype=torch.float64)
+    t, x, y = torch.nonzero((a["flow"] != IGNORE).all(1)).T
+    assert len(t) > 0
+    before = p["flow"][t, :, ix[x, y], iy[x, y]].double() * steps
+    torch.testing.assert_close(a["flow"][t, :, x, y].double() * steps, before @ A[:2, :2].T, atol=1e-4, rtol=1e-4)
 
 
 def test_cbgs_gives_each_class_its_share():
@@ -166,3 +204,9 @@ def test_cbgs_sampler_draws_the_same_epochs_in_every_process(synthetic_root):
     first, second = list(a), list(a)
     assert first == list(b) and second == list(b) and len(first) == len(a)
     assert set(first) <= set(range(len(ds)))
+
+
+def test_cbgs_over_windows_draws_windows(synthetic_root):
+    ds = NuScenesBEVDataset(synthetic_root, split="mini_train", detection=True, past_frames=1, verbose=False)
+    drawn = list(ClassBalancedSampler(ds))
+    assert drawn and set(drawn) <= set(range(len(ds)))  # window numbers, not sample rows

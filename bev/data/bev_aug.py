@@ -101,9 +101,9 @@ def _scale(A: np.ndarray) -> float:
     return float(math.sqrt(abs(np.linalg.det(A[:2, :2]))))
 
 
-def warp_raster(raster: torch.Tensor, A: np.ndarray, grid: Grid) -> torch.Tensor:
+def warp_raster(raster: torch.Tensor, A: np.ndarray, grid: Grid, fill: float = 0) -> torch.Tensor:
     """(..., X, Y) BEV raster in the frame A maps to: each cell takes the value of the source cell under
-    A^-1 of its centre (nearest; 0 where that falls outside the grid). Same dtype as the input."""
+    A^-1 of its centre (nearest; `fill` where that falls outside the grid). Same dtype as the input."""
     if raster.numel() == 0:
         return raster.clone()
     inv = np.linalg.inv(A[:2, :2])
@@ -116,7 +116,7 @@ def warp_raster(raster: torch.Tensor, A: np.ndarray, grid: Grid) -> torch.Tensor
     flat = torch.from_numpy(np.clip(ix, 0, grid.nx - 1) * grid.ny + np.clip(iy, 0, grid.ny - 1))
     src = raster.reshape(*raster.shape[:-2], -1)
     out = src[..., flat.reshape(-1)].reshape(raster.shape)
-    return torch.where(inside, out, torch.zeros((), dtype=raster.dtype))
+    return torch.where(inside, out, torch.full((), fill, dtype=raster.dtype))
 
 
 def apply_to_geometry(item: dict[str, Any], A: np.ndarray) -> None:

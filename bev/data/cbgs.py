@@ -60,9 +60,11 @@ class ClassBalancedSampler(Sampler[int]):
 
 
 def _trained_labels(dataset) -> list[np.ndarray]:
-    """Per sample, the detection labels of the boxes it trains on (as bev.data.detection.detection_item keeps)."""
+    """Per item (sample, or window: its present frame), the detection labels of the boxes it trains on (as
+    bev.data.detection.detection_item keeps)."""
     out = []
-    for i in range(len(dataset.index["sample_token"])):
+    for k in range(len(dataset)):
+        i = int(dataset.window_frames(k)[dataset.past_frames]) if dataset.temporal else k  # the present frame
         det = dataset.detection_boxes(i)
         out.append(det["labels"][trained_mask(det, dataset.det_range)])
     return out

@@ -100,10 +100,8 @@ class NuScenesDataModule(L.LightningDataModule):
 
     def _cbgs_sampler(self) -> ClassBalancedSampler:
         """CBGS over the training split (data.cbgs=true), its epoch length said once."""
-        if not self.config.detection or self.train_set.temporal:
-            raise ValueError(
-                "data.cbgs=true balances detection classes: it needs data.detection=true and no temporal windows"
-            )
+        if not self.config.detection:
+            raise ValueError("data.cbgs=true balances detection classes: it needs data.detection=true")
         sampler = ClassBalancedSampler(self.train_set, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
         n = len(self.train_set)
         print(

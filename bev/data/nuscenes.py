@@ -117,11 +117,6 @@ class NuScenesBEVDataset(Dataset):
             self.dataroot, self.version, split, self.groups, cfg.cache_dir, verbose=verbose, map_layers=self.map_layers
         )
         self._init_windows(cfg.past_frames, cfg.future_frames, cfg.filter_invisible, cfg.label_warp)
-        if self.bev_aug is not None and self.temporal:
-            raise ValueError(
-                "data.bev_aug (BEV augmentation) is not supported with temporal windows (data.past_frames / "
-                "future_frames > 0) yet: set data.bev_aug=null"
-            )
         self._memo: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # sample -> packed targets (targets())
         self._memo_bytes = 0
         self._inputs_limit = int(cfg.input_memo_mb * 2**20)

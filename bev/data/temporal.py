@@ -333,8 +333,34 @@ def window_item(ds, w: int) -> dict[str, Any]:
     item = ds.frame_item(present, cams, frames[: past + 1], augs)
     item["sample_tokens"] = [str(t) for t in ds.index["sample_token"][frames]]
     labels = window_labels(ds.index, frames, past, ds.grid, ds.filter_invisible, ds.label_warp)
+    if "bev_aug" in item:  # the frames' geometry moved with it (frame_item): the labels follow
+        labels = augment_labels(labels, item["bev_aug"].double().numpy(), ds.grid)
     item.update({k: torch.from_numpy(v) for k, v in labels.items()})
     return item
+
+
+def augment_labels(labels: dict[str, np.ndarray], A: np.ndarray, grid: Grid) -> dict[str, np.ndarray]:
+    """A window's labels in the BEV frame A maps to (bev.data.bev_aug): the instance maps resampled, centerness
+    and offset computed again on them, flow resampled and its vectors turned by A (IGNORE kept), and the ego
+    motion conjugated (A E A^-1: the motion of the augmented frames)."""
+    from bev.data.bev_aug import warp_raster
+
+    instance = warp_raster(torch.from_numpy(labels["instance"]), A, grid).numpy()
+    centerness, offset = centre_targets(instance)
+    flow = warp_raster(torch.from_numpy(labels["flow"]), A, grid, fill=IGNORE).numpy()
+    known = (flow != IGNORE).all(1, keepdims=True) & (instance[:, None] > 0)
+    steps = np.array([grid.xbound[2], grid.ybound[2]]).reshape(1, 2, 1, 1)
+    turned = np.einsum("ij,tjxy->tixy", A[:2, :2], flow * steps) / steps  # cells -> metres, turned, -> cells
+    A4 = np.eye(4)
+    A4[:3, :3] = A
+    return {
+        "future_egomotion": (A4 @ labels["future_egomotion"].astype(np.float64) @ np.linalg.inv(A4)).astype(np.float32),
+        "instance": instance,
+        "segmentation": (instance > 0).astype(np.int64),
+        "centerness": centerness,
+        "offset": offset,
+        "flow": np.where(known, turned, IGNORE).astype(np.float32),
+    }
 
 
 def collate(batch: list[dict[str, Any]]) -> dict[str, Any]:
