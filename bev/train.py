@@ -38,6 +38,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("malloc_tuning"):
         tune_malloc_in_process()  # before the model and data allocate: keep freed activations mapped
     _seed_and_matmul_precision(cfg)
+    _resolve_auto_accelerator(cfg)
     _resolve_auto_precision(cfg)
     if Path(cfg.paths.output_dir).is_dir():  # files of a killed earlier session (metrics.json, ...)
         remove_stale_temporaries(cfg.paths.output_dir)
@@ -63,6 +64,21 @@ def _seed_and_matmul_precision(cfg: DictConfig) -> None:
         L.seed_everything(cfg.seed, workers=True)
     if cfg.get("float32_matmul_precision"):
         torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
+
+
+def _resolve_auto_accelerator(cfg: DictConfig) -> None:
+    """Replace `trainer.accelerator: auto` (trainer=auto) by the device found: gpu when CUDA sees one, else
+    cpu; said once, and stored so that the precision, thread and memory checks see the device."""
+    import torch
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if str(cfg.trainer.get("accelerator")) != "auto":
+        return
+    gpu = torch.cuda.is_available()
+    cfg.trainer.accelerator = "gpu" if gpu else "cpu"
+    if rank_zero_only.rank == 0:
+        where = torch.cuda.get_device_name() if gpu else "no CUDA device visible"
+        print(f"trainer.accelerator: {cfg.trainer.accelerator} ({where})", flush=True)
 
 
 def _resolve_auto_precision(cfg: DictConfig) -> None:

@@ -114,3 +114,31 @@ def test_make_train_time_budget_overrides_compose(tmp_path):
     callback = instantiate(cfg.callbacks.time_budget)
     assert isinstance(callback, TimeBudget) and callback.budget is None and callback.deadline == 1.8e9
     assert callback.reserve_validations == 2 and callback.skip_epochs == 1  # the experiment's own setting survives
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_make_train_takes_the_gpu_when_there_is_one(cuda, tmp_path, monkeypatch, capsys):
+    """The embedded experiment resolves its device at start: a (mocked) CUDA device gets the run in bf16,
+    a machine without one the CPU as before; the CPU thread tuning applies on the CPU only."""
+    import torch
+
+    from bev.train import _resolve_auto_accelerator, _resolve_auto_precision
+    from bev.utils.precision import cpu_bf16_support
+    from bev.utils.threads import resolve_threads
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Mock GPU")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    cfg = compose_train(tmp_path, ["experiment=synthetic_cpu"])
+    assert cfg.trainer.accelerator == "auto" and cfg.trainer.precision == "auto"
+    _resolve_auto_accelerator(cfg)
+    _resolve_auto_precision(cfg)
+    out = capsys.readouterr().out
+    if cuda:
+        assert cfg.trainer.accelerator == "gpu" and cfg.trainer.precision == "bf16-mixed"
+        assert "trainer.accelerator: gpu (Mock GPU)" in out
+        assert resolve_threads(cfg.threads, 0, cfg.trainer.accelerator)[0] is None  # torch's own on a GPU
+    else:
+        assert cfg.trainer.accelerator == "cpu" and "no CUDA device visible" in out
+        assert cfg.trainer.precision == ("bf16-mixed" if cpu_bf16_support() else "32-true")
+        assert resolve_threads(cfg.threads, 0, cfg.trainer.accelerator)[0] is not None
