@@ -70,7 +70,7 @@ train: venv
 		callbacks.time_budget.reserve_validations=$(EVAL_RESERVE_VALIDATIONS) \
 		++callbacks.time_budget.min_train_s=$(MIN_TRAIN_S) ++callbacks.time_budget.reserve_startup=true \
 		$(if $(wildcard $(RUN)/checkpoints/last.ckpt),ckpt_path=$(RUN)/checkpoints/last.ckpt)
-	$(VENV)/bin/bev-eval ckpt_path=$(RUN)/checkpoints data.dataroot=$(DATA) hydra.run.dir=$(RUN)/eval
+	$(VENV)/bin/bev-eval ckpt_path=$(RUN)/checkpoints data.dataroot=$(DATA) hydra.run.dir=$(RUN)/eval overwrite=true
 	$(PY) scripts/plot_learning_curve.py $(RUN) --out $(RUN)/learning_curve.png
 	@echo "Checkpoints: $(RUN)/checkpoints (best by val/iou + last.ckpt)  Metrics: $(RUN)/eval/metrics.json  Pictures: $(RUN)/eval/sample_*.png, $(RUN)/pngs/, $(RUN)/learning_curve.png"
 	@$(PY) scripts/make_train_budget.py report $(RUN) --data $(DATA) --make-start $(MAKE_START) --minutes $(TRAIN_MINUTES)
@@ -85,7 +85,7 @@ train-temporal: venv
 	$(VENV)/bin/bev-train experiment=synthetic_temporal_cpu data.dataroot=$(DATA) hydra.run.dir=$(TEMPORAL_RUN) \
 		$(if $(wildcard $(RUN)/checkpoints/*.ckpt),model.init_from=$(RUN)/checkpoints) \
 		$(if $(wildcard $(TEMPORAL_RUN)/checkpoints/last.ckpt),ckpt_path=$(TEMPORAL_RUN)/checkpoints/last.ckpt)
-	$(VENV)/bin/bev-eval ckpt_path=$(TEMPORAL_RUN)/checkpoints data.dataroot=$(DATA) hydra.run.dir=$(TEMPORAL_RUN)/eval
+	$(VENV)/bin/bev-eval ckpt_path=$(TEMPORAL_RUN)/checkpoints data.dataroot=$(DATA) hydra.run.dir=$(TEMPORAL_RUN)/eval overwrite=true
 	@echo "Checkpoints: $(TEMPORAL_RUN)/checkpoints  Metrics: $(TEMPORAL_RUN)/eval/metrics.json"
 
 # 3D detection (experiment=synthetic_det_cpu: boxes of the 10 nuScenes classes beside segmentation, scored by
@@ -99,7 +99,7 @@ train-det: venv
 	$(VENV)/bin/bev-train experiment=synthetic_det_cpu data.dataroot=$(DATA) hydra.run.dir=$(DET_RUN) \
 		$(if $(wildcard $(RUN)/checkpoints/*.ckpt),model.init_from=$(RUN)/checkpoints) \
 		$(if $(wildcard $(DET_RUN)/checkpoints/last.ckpt),ckpt_path=$(DET_RUN)/checkpoints/last.ckpt)
-	$(VENV)/bin/bev-eval ckpt_path=$(DET_RUN)/checkpoints data.dataroot=$(DATA) hydra.run.dir=$(DET_RUN)/eval
+	$(VENV)/bin/bev-eval ckpt_path=$(DET_RUN)/checkpoints data.dataroot=$(DATA) hydra.run.dir=$(DET_RUN)/eval overwrite=true
 	@echo "Checkpoints: $(DET_RUN)/checkpoints  Metrics: $(DET_RUN)/eval/metrics.json  Results: $(DET_RUN)/eval/results_nusc.json"
 
 # One pytest worker per core (pytest-xdist; at most 4: each holds its own torch). worksteal: the tests are

@@ -244,7 +244,16 @@ def test_train_and_eval_with_map_layers(tiny_root, tmp_path, monkeypatch, capsys
     assert list(run.glob("bev_png/*.png")) or list(run.rglob("step_*.png"))
     out = tmp_path / "eval"
     assert (
-        eval_cli([f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={out}", "num_pngs=1"], monkeypatch)
+        eval_cli(
+            [
+                f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
+                f"data.dataroot={tiny_root}",
+                f"data.cache_dir={tmp_path / 'cache'}",
+                f"hydra.run.dir={out}",
+                "num_pngs=1",
+            ],
+            monkeypatch,
+        )
         == 0
     )
     printed = capsys.readouterr().out

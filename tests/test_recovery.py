@@ -79,8 +79,9 @@ def test_a_sweep_with_a_failed_run_exits_non_zero(synthetic_root, tmp_path, monk
     assert status == {"ok", "failed"}
 
 
-def _predict(ckpt, root, out, scene, monkeypatch, tmp_path):
+def _predict(ckpt, root, out, scene, monkeypatch, tmp_path, *extra):
     args = [
+        *extra,
         f"ckpt_path={ckpt}",
         f"data.dataroot={root}",
         f"out={out}",
@@ -99,11 +100,20 @@ def test_a_second_bev_predict_into_the_same_out_keeps_the_first_scene(run, synth
     assert [s["scene"] for s in both["samples"]] == ["scene-0061"] * 3 + ["scene-0103"] * 3
     assert both["samples"][:3] == first["samples"] and both["scene"] is None and both["split"] is None
     assert sorted(os.path.basename(g) for g in both["gifs"]) == ["scene-0061.gif", "scene-0103.gif"]
-    again = _predict(run, synthetic_root, out, "scene-0103", monkeypatch, tmp_path)  # redone: replaced, not doubled
+    # redone (asked for: its files exist): replaced, not doubled
+    again = _predict(run, synthetic_root, out, "scene-0103", monkeypatch, tmp_path, "overwrite=true")
     assert again["samples"] == both["samples"]
     # Another checkpoint's predictions are not mixed into one index.
     with pytest.warns(UserWarning, match="another checkpoint"):
-        other = _predict(run / "checkpoints" / "last.ckpt", synthetic_root, out, "scene-0061", monkeypatch, tmp_path)
+        other = _predict(
+            run / "checkpoints" / "last.ckpt",
+            synthetic_root,
+            out,
+            "scene-0061",
+            monkeypatch,
+            tmp_path,
+            "overwrite=true",
+        )
     assert {s["scene"] for s in other["samples"]} == {"scene-0061"}
 
 
