@@ -214,7 +214,12 @@ class TemporalLitModule(BEVLitModule):
         )
 
     def _after_init_from(self, ckpt: Mapping[str, Any], loaded: set[str]) -> str:
-        return "\n  " + self._init_future(network_kind(ckpt), loaded)
+        report = "\n  " + self._init_future(network_kind(ckpt), loaded)
+        stem = f"{_module_key(self, self.net.bev_encoder.stem[0])}.weight"
+        if self.net.concat and stem not in loaded and stem in ckpt["state_dict"]:
+            if self.net.load_present_stem(ckpt["state_dict"][stem]):
+                report += "\n  BEV encoder stem: the static one on the present frame's channels, zero on the past's"
+        return report
 
     def _init_future(self, kind: str | None, loaded: set[str]) -> str:
         """After init_from: from a static checkpoint whose head was loaded, start the future segmentation head

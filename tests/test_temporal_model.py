@@ -330,6 +330,26 @@ def test_init_from_loads_the_static_weights_and_starts_as_the_static_model(tmp_p
         assert torch.equal(module(batch)["bev"], present)
 
 
+def test_concat_fusion_from_a_static_model_starts_as_that_model(tmp_path):
+    """BEVDet4D's fusion: the BEV encoder reads the aligned frames side by side; from a static checkpoint its
+    stem takes the static weights on the present frame's channels and zero on the past's."""
+    static = static_module()
+    module, said = init_from(save_checkpoint(static, tmp_path / "static.ckpt", STATIC_CONFIG), net={"fusion": "concat"})
+    stem = module.net.bev_encoder.stem[0]
+    assert module.net.fusion is None and stem.in_channels == 8 * (P + 1)
+    assert "stem: the static one on the present frame's channels" in said
+    batch = sequence_batch()
+    module.eval(), static.eval()
+    module.past_no_grad = True
+    with torch.no_grad():
+        present = static.net(*(c[:, -1] for c in cams(batch)))
+        torch.testing.assert_close(module(batch)["bev"], present, rtol=1e-5, atol=1e-5)
+        stem.weight[:, :8].normal_()  # the past frames' channels read: the output changes with them
+        assert not torch.allclose(module(batch)["bev"], present, atol=1e-3)
+    with pytest.raises(ValueError, match="fusion must be one of"):
+        tiny_net(fusion="sum")
+
+
 def test_init_from_a_temporal_checkpoint_keeps_its_future_heads(tmp_path):
     torch.manual_seed(2)
     trained = tiny_module()

@@ -54,6 +54,19 @@ class BevEncoder(nn.Module):
         if self.channels_last:
             self.to(memory_format=torch.channels_last)
 
+    def widen_input(self, copies: int) -> None:
+        """Take `copies` inputs concatenated on channels (BEVDet4D's aligned frames, the present last): the stem
+        conv reads all of them, its weights on the last copy as before and zero on the others, so the encoder
+        starts out reading the last copy alone."""
+        old = self.stem[0]
+        new = nn.Conv2d(
+            old.in_channels * copies, old.out_channels, old.kernel_size, old.stride, old.padding, bias=False
+        )
+        with torch.no_grad():
+            new.weight.zero_()
+            new.weight[:, -old.in_channels :] = old.weight
+        self.stem[0] = new.to(memory_format=torch.channels_last) if self.channels_last else new
+
     @property
     def head(self) -> nn.Conv2d:
         """The final 1x1 conv: features -> num_classes logits."""

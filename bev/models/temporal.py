@@ -29,6 +29,9 @@ from bev.data.temporal import IGNORE
 from bev.geometry import FEATURE_STRIDE, Grid
 from bev.models.lss import LiftSplatShoot
 
+# How the aligned past frames meet the present: "residual" (TemporalFusion: a conv over all frames added to the
+# present, then the BEV encoder) or "concat" (BEVDet4D: the BEV encoder over the frames side by side).
+FUSIONS = ("residual", "concat")
 # Future head outputs and their channels per frame.
 FUTURE_HEAD_CHANNELS = {"segmentation": 1, "centerness": 1, "offset": 2, "flow": 2}
 
@@ -177,6 +180,7 @@ class TemporalLiftSplat(LiftSplatShoot):
         detection: Mapping[str, Any] | None = None,
         past_frames: int = 2,
         future_frames: int = 4,
+        fusion: str = "residual",
         fusion_channels: int | None = None,
         fusion_kernel: int = 3,
         head_channels: int = 0,
@@ -190,10 +194,15 @@ class TemporalLiftSplat(LiftSplatShoot):
             raise ValueError(f"past_frames and future_frames must be >= 0, got {past_frames} and {future_frames}")
         self.past_frames, self.future_frames = int(past_frames), int(future_frames)
         self.probabilistic, self.latent_dim = bool(probabilistic), int(latent_dim) if probabilistic else 0
+        if fusion not in FUSIONS:
+            raise ValueError(f"model.net.fusion must be one of {FUSIONS}, got {fusion!r}")
         bev_in = context_channels * self.grid.nz
-        self.fusion = (
-            TemporalFusion(bev_in, self.past_frames + 1, fusion_channels, fusion_kernel) if self.past_frames else None
-        )
+        self.concat = fusion == "concat" and self.past_frames > 0
+        self.fusion = None
+        if self.concat:  # BEVDet4D: the BEV encoder reads the aligned frames' features side by side
+            self.bev_encoder.widen_input(self.past_frames + 1)
+        elif self.past_frames:
+            self.fusion = TemporalFusion(bev_in, self.past_frames + 1, fusion_channels, fusion_kernel)
         cf = self.bev_encoder.feature_channels
         if self.probabilistic:
             frames = self.future_frames + 1
@@ -213,6 +222,18 @@ class TemporalLiftSplat(LiftSplatShoot):
             seg.weight[:frames] = 0.0  # the latent's columns too
             seg.weight[:frames, :cf] = static.weight[object_class]
             seg.bias[:frames] = static.bias[object_class]
+        return True
+
+    def load_present_stem(self, weight: torch.Tensor) -> bool:
+        """With fusion "concat": a static model's BEV encoder stem weight (O, C, k, k) on the present frame's
+        channels and zero on the past frames', so the model starts as that static model; False if it does not fit."""
+        conv = self.bev_encoder.stem[0]
+        present = conv.in_channels // (self.past_frames + 1)
+        if tuple(weight.shape) != (conv.out_channels, present, *conv.kernel_size):
+            return False
+        with torch.no_grad():
+            conv.weight.zero_()
+            conv.weight[:, -present:] = weight.to(conv.weight.dtype)
         return True
 
     def frame_features(self, cams: tuple[torch.Tensor, ...], past_no_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,10 +272,9 @@ class TemporalLiftSplat(LiftSplatShoot):
         else:
             past, present = past_features, self.lift_splat(*(c[:, -1] for c in cams))
         feats = present
-        if self.fusion is not None:
-            feats = self.fusion(
-                torch.cat([warp_to_present(past, future_egomotion, self.grid), present.unsqueeze(1)], dim=1)
-            )
+        if self.past_frames:
+            frames = torch.cat([warp_to_present(past, future_egomotion, self.grid), present.unsqueeze(1)], dim=1)
+            feats = frames.flatten(1, 2) if self.concat else self.fusion(frames)
         x = self.bev_encoder.features(feats)
         out = {"bev": self.bev_encoder.logits(x)}
         if self.det_head is not None:  # boxes of the present frame from the fused features (BEVDet4D)
