@@ -43,7 +43,6 @@ import multiprocessing as mp
 import sys
 import time
 from datetime import datetime, timezone
-from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
@@ -167,10 +166,41 @@ def _log_info(name: str, index: int) -> tuple[str, str, int]:
 # ----------------------------------------------------------------------------- rendering worker
 
 
-@lru_cache(maxsize=16)
+_WORLDS: dict[tuple, World] = {}  # (seed, scene, samples, location) -> its world, the last WORLDS_KEPT built
+WORLDS_KEPT = 16
+
+
 def _world(seed: int, scene: int, samples: int, location: str) -> World:
     """build_world, cached: the tables, the renders and the annotations all read the same world."""
-    return build_world(seed, scene, samples, location)
+    key = (seed, scene, samples, location)
+    if key not in _WORLDS:
+        _keep_world(key, build_world(*key))
+    return _WORLDS[key]
+
+
+def _keep_world(key: tuple, world: World) -> None:
+    _WORLDS[key] = world
+    while len(_WORLDS) > WORLDS_KEPT:
+        del _WORLDS[next(iter(_WORLDS))]  # the oldest
+
+
+def _build_worlds(keys: list[tuple], workers: int) -> None:
+    """Build the worlds of `keys` (_world) in `workers` forked processes when there are several: a scene's
+    world takes 1-2 s of one core, and the tables need them all before the renders start."""
+    todo = [k for k in dict.fromkeys(keys) if k not in _WORLDS]
+    if workers < 2 or len(todo) < 2 or "fork" not in mp.get_all_start_methods():
+        for key in todo:
+            _world(*key)
+        return
+    for seed, location in sorted({(k[0], k[3]) for k in todo}):
+        road_map(seed, location)  # once, before the fork: every worker (and the render workers later) shares them
+    with mp.get_context("fork").Pool(min(workers, len(todo))) as pool:
+        for key, world in zip(todo, pool.imap(_build_world_task, todo)):
+            _keep_world(key, world)
+
+
+def _build_world_task(key: tuple) -> World:
+    return build_world(*key)
 
 
 class _RenderTask(NamedTuple):
@@ -429,6 +459,7 @@ def make_synthetic(
     out = Path(out)
     _check_out(out, overwrite)
     rig = load_rig()
+    _build_worlds([(seed, si, samples_per_scene, MINI_LOCATIONS[name]) for si, name in enumerate(names)], workers)
     T = _fixed_tables(seed)
     scene_tasks = [
         _add_scene(T, rig, out, seed, si, name, samples_per_scene, render_scale) for si, name in enumerate(names)
@@ -708,6 +739,16 @@ def _map_task(task) -> None:
         raise RuntimeError(f"could not write map {path}")
 
 
+MAX_WORKERS = 8  # each render process keeps its own ground tiles (up to ~150 MB)
+
+
+def default_workers() -> int:
+    """The CPUs this process may run on, at most MAX_WORKERS (the command line's default --workers)."""
+    from bev.utils.threads import available_cpus
+
+    return max(1, min(available_cpus(), MAX_WORKERS))
+
+
 def main(argv: list[str] | None = None) -> int:
     """bev-make-synthetic: the command line of make_synthetic (exit status 1 when --out cannot be written)."""
     p = argparse.ArgumentParser(prog="bev-make-synthetic", description=__doc__.split("\n\n")[0])
@@ -720,7 +761,13 @@ def main(argv: list[str] | None = None) -> int:
         help="key frames per scene, 2 Hz (default %(default)s)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=2, help="render processes (default %(default)s)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=default_workers(),
+        help="processes that build the worlds and render, the same files for any number "
+        "(default: the CPUs available here, at most 8: %(default)s)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
     p.add_argument(
         "--render-scale",
