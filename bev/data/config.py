@@ -228,6 +228,8 @@ class DatasetConfig(_Checked):
     # detection boxes trained on: class (the devkit's class ranges, as it scores) | grid (every box in the grid
     # with points, mmdet3d's ObjectRangeFilter; scoring still applies the class ranges)
     det_range: str = _option("class", _choice, ("class", "grid"))
+    # items carry Occ3D occupancy labels from <dataroot>/gts/<scene>/<sample token>/labels.npz (bev.occupancy.data)
+    occupancy: bool = _option(False, _flag)
     # training: BEV augmentation (bev.data.bev_aug): null | bevdet | {rot_lim, scale_lim, flip_x, flip_y}
     bev_aug: Any = _option(None, _bev_aug)
     # without augmentation, MB of decoded inputs kept per loader process; 0: off

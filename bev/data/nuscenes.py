@@ -39,6 +39,7 @@ from bev.data.transforms import (
     warp_image,
 )
 from bev.geometry import BOX_FIELDS, CAMERA_GEOMETRY, CAMERA_NAMES, FEATURE_STRIDE
+from bev.occupancy.data import check_gts, occupancy_item
 
 # Per process, for NuScenesBEVDataset.targets: the synthetic set needs ~15 MB, trainval at 200x200 would
 # need ~2 GB and keeps only its first samples.
@@ -68,6 +69,8 @@ class NuScenesBEVDataset(Dataset):
     devkit's get_map_mask rule (bev.data.maps), which is the "lss" rule for polygons.
     depth_target=True adds depth (Ncam, H/16, W/16) int64: the depth bin of the nearest LIDAR_TOP
     point in each camera feature cell, -1 where none (bev.data.depth), for depth supervision.
+    occupancy=True adds occ_semantics (200, 200, 16) uint8 Occ3D class ids and occ_mask_camera, occ_mask_lidar
+    (200, 200, 16) bool, from <dataroot>/gts/<scene name>/<sample token>/labels.npz (bev.occupancy.data).
     With augment=False images get the deterministic LSS resize + crop and all 6 cameras;
     with augment=True and ncams < 6 a random subset of ncams cameras (kept in camera order).
     resize_lim, bot_pct_lim, rot_lim: None gives Lift-Splat-Shoot's ranges (bev.data.transforms);
@@ -116,6 +119,9 @@ class NuScenesBEVDataset(Dataset):
         self.index = load_index(
             self.dataroot, self.version, split, self.groups, cfg.cache_dir, verbose=verbose, map_layers=self.map_layers
         )
+        self.occupancy = cfg.occupancy
+        if self.occupancy:  # before any item: a missing Occ3D download is one clear error
+            check_gts(self.dataroot, self.index["scene"], split)
         self._init_windows(cfg.past_frames, cfg.future_frames, cfg.filter_invisible, cfg.label_warp)
         self._memo: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # sample -> packed targets (targets())
         self._memo_bytes = 0
@@ -339,6 +345,8 @@ class NuScenesBEVDataset(Dataset):
             self._augment_bev(item, i, bev_aug)
         if self.detection:
             item.update(detection_item(self, i, bev_aug))
+        if self.occupancy:  # occ_semantics, occ_mask_camera, occ_mask_lidar (bev.occupancy.data)
+            item.update(occupancy_item(self.dataroot, str(self.index["scene"][i]), item["sample_token"], bev_aug))
         return item
 
     def _augment_bev(self, item: dict[str, Any], i: int, A: np.ndarray) -> None:
