@@ -18,11 +18,7 @@ from bev.utils.malloc import MALLOC_ENV
 
 def reexec_with_malloc_env(script: str) -> None:
     """Restart `script` once with bev-train's allocator settings (glibc reads them only at start-up)."""
-    if (
-        sys.platform.startswith("linux")
-        and os.environ.get("BEV_MALLOC_TUNING", "1") != "0"
-        and not all(k in os.environ for k in MALLOC_ENV)
-    ):
+    if sys.platform.startswith("linux") and not all(k in os.environ for k in MALLOC_ENV):
         sys.stdout.flush()  # exec drops whatever is still buffered
         os.execve(
             sys.executable, [sys.executable, os.path.abspath(script), *sys.argv[1:]], {**MALLOC_ENV, **os.environ}

@@ -32,12 +32,12 @@ them, as a floor, a call that only moves the memory any implementation must (the
 output and the rows' gradient written, once each): index_add_ over it is the most any could reach.
 
 The process keeps freed memory mapped (bev.utils.malloc.tune_malloc_in_process, as the CPU
-training entry does); BEV_MALLOC_TUNING=0 measures glibc's defaults (stored separately under
-user_level.malloc_default).
+training entry does with malloc_tuning: true); --malloc default measures glibc's defaults (stored
+separately under user_level.malloc_default).
 
 Usage: python scripts/bench_pool.py [--section all|methods|user] [--sizes lss bevdet] [--repeats N]
                                     [--rounds N] [--threads N] [--device cpu|cuda]
-                                    [--dtypes float32 float16 bfloat16]
+                                    [--dtypes float32 float16 bfloat16] [--malloc tuned|default]
 Writes benchmarks/results/bench_pool_<device>.json (a single section updates its part) and
 prints tables.
 """
@@ -693,6 +693,12 @@ def parse_args(argv):
         help="input dtypes (default: float32 on the CPU; float32, float16, bfloat16 on a GPU)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    parser.add_argument(
+        "--malloc",
+        choices=["tuned", "default"],
+        default="tuned",
+        help="tuned: freed memory stays mapped, as bev-train with malloc_tuning: true; default: glibc's",
+    )
     parser.add_argument("--out", default=None)
     return parser.parse_args(argv)
 
@@ -781,7 +787,7 @@ def methods_section(args, device, repeats, baseline, malloc_tuning, report):
 def user_section(args, device, malloc_tuning, report):
     """Measure the user level (LSS size), record it under user_level.<malloc mode> in `report`, print its table."""
     load_at_start = os.getloadavg()
-    # Each allocator mode keeps its own record: a BEV_MALLOC_TUNING=0 run leaves the tuned one in place.
+    # Each allocator mode keeps its own record: a --malloc default run leaves the tuned one in place.
     user = report.setdefault("user_level", {}).setdefault(malloc_mode(malloc_tuning), {})
     user.update(
         how="fresh inputs each call (made outside the timed region), plan built in the call, out.sum().backward(); "
@@ -801,8 +807,8 @@ def user_section(args, device, malloc_tuning, report):
 def main(argv=None):
     """Run the requested sections, print their tables and write (or update) the JSON report."""
     args = parse_args(argv)
-    # As the CPU training entry does; BEV_MALLOC_TUNING=0 measures glibc's defaults.
-    malloc_tuning = tune_malloc_in_process()
+    # As the CPU training entry does (malloc_tuning: true); --malloc default measures glibc's defaults.
+    malloc_tuning = tune_malloc_in_process() if args.malloc == "tuned" else {}
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -36,10 +36,11 @@ def test_ddp_logs_the_score_of_the_whole_split(synthetic_root, tmp_path, monkeyp
         "data.val_split=mini_train",
         "data.batch_size=1",  # the same per-sample batches as the one-process evaluation below
         "callbacks.bev_png.every_n_steps=0",
+        "malloc_tuning=false",
         f"data.dataroot={synthetic_root}",
         f"hydra.run.dir={run}",
     ]
-    env = {**os.environ, "BEV_MALLOC_TUNING": "0", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "bev.train", *args], capture_output=True, text=True, env=env, timeout=600
     )

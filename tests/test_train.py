@@ -184,10 +184,11 @@ def test_ddp_on_two_cpu_processes(synthetic_root, tmp_path):
         "trainer=ddp_cpu",
         "trainer.max_epochs=2",
         "callbacks.bev_png.every_n_steps=0",
+        "malloc_tuning=false",
         f"data.dataroot={synthetic_root}",
         f"hydra.run.dir={tmp_path}",
     ]
-    env = {**os.environ, "BEV_MALLOC_TUNING": "0", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "bev.train", *args], capture_output=True, text=True, env=env, timeout=600
     )

@@ -34,10 +34,10 @@ def tune_malloc_in_process() -> dict[str, int]:
     """Keep freed memory mapped in this process (glibc mallopt); returns the settings applied.
 
     Settings whose environment variable the user set are left as glibc read them. Returns {}
-    off Linux/glibc or with BEV_MALLOC_TUNING=0. Call it once, early (memory already returned
-    to the OS is not affected); it is safe to call again.
+    off Linux/glibc. Call it once, early (memory already returned to the OS is not affected); it
+    is safe to call again. bev-train calls it when the config says `malloc_tuning: true`.
     """
-    if not sys.platform.startswith("linux") or os.environ.get("BEV_MALLOC_TUNING", "1") == "0":
+    if not sys.platform.startswith("linux"):
         return {}
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
