@@ -466,11 +466,6 @@ def export_onnx(
     return Path(path)
 
 
-def run_onnx(path: str | Path, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """Logits of an exported ONNX model under ONNX Runtime on the CPU."""
-    return onnx_outputs(path, inputs)["logits"]
-
-
 def onnx_outputs(path: str | Path, inputs: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
     """Every named output of an exported ONNX model ("logits", and a detecting model's "heatmap" and
     "regression") under ONNX Runtime on the CPU."""

@@ -187,10 +187,6 @@ class Path:
         return LineString(self.at(self.knots(), l)[0])
 
 
-def _left(h: float) -> np.ndarray:
-    return np.array([-math.sin(h), math.cos(h)])
-
-
 def _band(path: Path, l0: float, l1: float) -> Polygon:
     """The polygon between lateral offsets l0 and l1 along a path."""
     s = path.knots()
