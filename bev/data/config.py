@@ -196,9 +196,6 @@ class _Checked:
             raise ValueError("data.dataroot is required: pass data.dataroot=<the folder holding <version>/*.json>")
         return cls(**values)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.keys()}
-
 
 @dataclass(frozen=True, kw_only=True)
 class DatasetConfig(_Checked):
