@@ -27,7 +27,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     from hydra.utils import instantiate
 
     from bev.data.temporal import WindowTooLongError
-    from bev.inference import build_data_config, load_checkpoint, trained_on
+    from bev.inference import build_data_config, load_checkpoint, say_chosen, trained_on
 
     if OmegaConf.is_missing(cfg, "ckpt_path"):
         raise ValueError(
@@ -37,6 +37,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     loaded = load_checkpoint(
         cfg.ckpt_path, cfg.get("model"), cfg.grid, cfg.data, trusted=bool(cfg.get("trust_checkpoint"))
     )
+    say_chosen(loaded)
     with open_dict(cfg):
         cfg.grid = loaded.run_config.grid
     data_cfg = build_data_config(cfg.data, loaded.run_config, trained_on(loaded))

@@ -27,13 +27,23 @@ def export(cfg: DictConfig) -> dict[str, Any]:
     """Export the checkpoint's network to cfg.out; returns out, format and, with check=true, max_abs_diff."""
     import torch
 
-    from bev.inference import ExportedMaps, boxes_option, example_inputs, load_checkpoint, wants_boxes
+    from bev.inference import (
+        ExportedMaps,
+        boxes_option,
+        example_inputs,
+        load_checkpoint,
+        say_chosen,
+        wants_boxes,
+        writable_dir,
+    )
 
     boxes_option(cfg.get("boxes", "auto"))
     out = _checked_out(cfg)
     loaded = load_checkpoint(cfg.ckpt_path, trusted=bool(cfg.get("trust_checkpoint")))
+    say_chosen(loaded)
     boxes = wants_boxes(cfg.get("boxes", "auto"), loaded.model, loaded.path)
     _check_something_to_export(loaded, boxes)
+    writable_dir(out.parent, "out (its folder)")  # made now that the checkpoint is checked
     net = ExportedMaps(loaded.model.net.eval(), boxes).eval()
     example = example_inputs(loaded.model.net, int(cfg.num_cameras), int(cfg.batch_size))
     with torch.no_grad():
@@ -83,7 +93,7 @@ def _check_something_to_export(loaded, boxes: bool) -> None:
 
 def _checked_out(cfg: DictConfig) -> Path:
     """The output path, once format, num_cameras, the output folder and (onnx) the packages are checked."""
-    from bev.inference import EXPORT_FORMATS, writable_dir
+    from bev.inference import EXPORT_FORMATS, creatable_dir
     from bev.utils.io import check_output
 
     if cfg.format not in EXPORT_FORMATS:
@@ -102,7 +112,7 @@ def _checked_out(cfg: DictConfig) -> Path:
             f"pass out={out.with_suffix(suffix)}, or the format that writes {out.suffix}"
         )
     check_output(out, _overwrite(cfg), "out")  # an earlier export, or a device node, is never replaced unasked
-    writable_dir(out.parent, "out (its folder)")
+    creatable_dir(out.parent, "out (its folder)")  # not made yet: see export()
     if cfg.format == "onnx":
         try:
             import onnx  # noqa: F401

@@ -44,7 +44,8 @@ class Loaded(NamedTuple):
     run_config: DictConfig  # the resolved config of the training run (grid, data, model, trainer, ...)
     model_config: DictConfig  # the model config actually instantiated
     checkpoint: dict  # the raw checkpoint (epoch, global_step, callbacks, ...)
-    path: Path  # the checkpoint file (a run directory resolves to its best checkpoint)
+    path: Path  # the checkpoint file (a run directory resolves by bev.utils.checkpoint.choose_checkpoint's rule)
+    chosen: str = ""  # why that file, when a directory was given ("" for a file)
 
 
 def load_checkpoint(
@@ -64,10 +65,15 @@ def load_checkpoint(
     """
     from hydra.utils import instantiate
 
-    from bev.utils.checkpoint import CheckpointError, check_compatible, read_checkpoint, resolve_checkpoint
+    from bev.utils.checkpoint import (
+        CheckpointError,
+        check_compatible,
+        choose_checkpoint,
+        read_checkpoint,
+    )
     from bev.utils.trust import check_stored_config, without_places
 
-    path = resolve_checkpoint(ckpt_path)
+    path, reason = choose_checkpoint(ckpt_path)
     ckpt = read_checkpoint(path)
     check_stored_config(ckpt.get("bev_config"), path, trusted)
     # Places on disk (data.dataroot, data.cache_dir, paths.*, ...) come from the user, never from the checkpoint.
@@ -96,7 +102,13 @@ def load_checkpoint(
     check_compatible(model, ckpt, path, OmegaConf.to_container(model_cfg, resolve=True))
     model.load_state_dict(ckpt["state_dict"])
     model.run_config = OmegaConf.to_container(run_cfg, resolve=True)
-    return Loaded(model.eval(), run_cfg, model_cfg, ckpt, path)
+    return Loaded(model.eval(), run_cfg, model_cfg, ckpt, path, reason)
+
+
+def say_chosen(loaded: Loaded) -> None:
+    """Print which checkpoint a run directory given as ckpt_path resolved to, and why (nothing for a file)."""
+    if loaded.chosen:
+        print(f"checkpoint: {loaded.path} ({loaded.chosen})", flush=True)
 
 
 def build_data_config(given: DictConfig, run_config: DictConfig, trained_on: Any = None) -> DictConfig:
@@ -343,11 +355,30 @@ def wants_boxes(value: Any, model: nn.Module, path: str | Path) -> bool:
     return value
 
 
+def creatable_dir(path: str | Path, what: str = "out") -> Path:
+    """`path` if it is a folder, or could be made one, that files can be written to; nothing is created (a command
+    makes its output folder only once its inputs are checked: writable_dir)."""
+    import os
+
+    path = Path(path).expanduser()
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists() or p == p.parent)
+    problem = None
+    if not existing.is_dir():
+        problem = f"{existing} is not a folder"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{existing} is not writable"
+    if problem:
+        raise OSError(
+            f"{what}={str(path)!r} is not a writable folder ({problem}); pass {what}=<a folder you can write to>."
+        )
+    return path
+
+
 def writable_dir(path: str | Path, what: str = "out") -> Path:
     """Create `path` if needed and check a file can be written there; one clear error otherwise."""
     import tempfile
 
-    path = Path(path).expanduser()
+    path = creatable_dir(path, what)
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):

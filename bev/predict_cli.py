@@ -31,8 +31,10 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
 
     from bev.inference import (
         build_data_config,
+        creatable_dir,
         load_checkpoint,
         present_rows,
+        say_chosen,
         select_samples,
         trained_on,
         wants_boxes,
@@ -41,8 +43,9 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
     from bev.utils.io import atomic_write
 
     _check_options(cfg)
-    out = writable_dir(cfg.out, "out")
+    out = creatable_dir(cfg.out, "out")  # made below, once the checkpoint and the data are checked
     loaded = load_checkpoint(cfg.ckpt_path, trusted=bool(cfg.get("trust_checkpoint")))
+    say_chosen(loaded)
     boxes = wants_boxes(cfg.boxes, loaded.model, loaded.path)
     model = loaded.model.to(_device(cfg.device))
     data_cfg = build_data_config(cfg.data, loaded.run_config, trained_on(loaded))
@@ -50,6 +53,7 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
     rows = present_rows(dataset)[indices]  # each item's row in the dataset index (a window's present frame)
     identity = _index_identity(loaded, model)
     _check_outputs(cfg, out, dataset.index, rows, identity)  # before any sample is predicted
+    writable_dir(out, "out")
     files = _PredictionFiles(cfg, out, model.class_names, len(model.object_classes), boxes, _draws_maps(model))
     desc = f"predicting {split}" + (f" {cfg.scene}" if cfg.scene else "")
     records = _predict_samples(model, _loader(cfg, data_cfg, dataset, indices), rows, dataset.index, files, desc)

@@ -4,9 +4,11 @@ The Lightning glue (AtomicCheckpointIO, ModelCheckpoint) is in bev.callbacks.che
 
 from __future__ import annotations
 
+import math
+import re
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -54,8 +56,9 @@ def _check_declared_sizes(path: Path) -> None:
         )
 
 
-def read_checkpoint(path: str | Path) -> dict:
-    """Load a Lightning checkpoint on the CPU, with one clear error for a missing, corrupt or inflating file."""
+def read_checkpoint(path: str | Path, mmap: bool = False) -> dict:
+    """Load a Lightning checkpoint on the CPU, with one clear error for a missing, corrupt or inflating file.
+    mmap=True maps the tensors' data instead of reading it (for a look at the metadata)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist.")
@@ -63,7 +66,7 @@ def read_checkpoint(path: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {str(path)!r} is not a file.")
     _check_declared_sizes(path)
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise CheckpointError(
@@ -121,49 +124,120 @@ def check_compatible(module: nn.Module, ckpt: dict, path: str | Path, model_conf
     )
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A .ckpt file as is; a run or checkpoints directory -> its best checkpoint by val/iou.
+class Chosen(NamedTuple):
+    """The checkpoint file a path given as ckpt_path names, and why that one (said by the commands)."""
 
-    The best is the one last.ckpt names; when last.ckpt is unreadable (a corrupt file), the one the
-    newest readable epoch checkpoint names, with a warning."""
+    path: Path
+    reason: str  # "" for a file given as it is
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A .ckpt file as is; a run or checkpoints directory -> the file choose_checkpoint picks."""
+    return choose_checkpoint(path).path
+
+
+def choose_checkpoint(path: str | Path) -> Chosen:
+    """A .ckpt file as is; in a run or checkpoints directory, by this rule:
+
+    1. the newest last checkpoint (last.ckpt, or last-vN.ckpt that a second bev-train into the same folder
+       writes beside it; newest by modification time) stands for the folder's latest run: the best checkpoint
+       by the monitor (val/iou) that it names, else that last checkpoint itself;
+    2. without a readable last checkpoint: the checkpoint with the best monitored score it recorded when saved;
+    3. else the newest readable checkpoint.
+    Unreadable files (a killed save) are skipped with a warning naming them."""
     path = Path(path).expanduser()
     if not path.is_dir():
-        return path
+        return Chosen(path, "")
     ckdir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    last, epochs = ckdir / "last.ckpt", sorted(ckdir.glob("epoch_*.ckpt"))
-    unreadable: list[str] = []
-    error: CheckpointError | None = None
-    for source in [last] * last.is_file() + epochs[::-1]:
+    found = sorted(ckdir.glob("*.ckpt"))
+    if not found:
+        raise CheckpointError(
+            f"no checkpoint in {str(path)!r} (expected checkpoints/epoch_NNN.ckpt or last.ckpt): pass ckpt_path=<a "
+            ".ckpt file, or the run directory bev-train wrote>"
+        )
+    states, errors = _peek_all(found)
+    if not states:
+        names = ", ".join(p.name for p in found)
+        raise CheckpointError(f"no readable checkpoint in {str(path)!r}: {names} cannot be read ({errors[0]})")
+    chosen = _by_rule(states)
+    if errors:
+        skipped = ", ".join(p.name for p in found if p not in states)
+        warnings.warn(
+            f"{skipped} in {ckdir} cannot be read (corrupt: a killed save?); using {chosen.path.name}, {chosen.reason}",
+            stacklevel=2,
+        )
+    return chosen
+
+
+class _Peek(NamedTuple):
+    """What the choice needs of one checkpoint: its ModelCheckpoint states and how new it is."""
+
+    states: dict[str, dict]  # the ModelCheckpoint callbacks' states, by their state keys
+    newness: tuple  # (modification time, global step, name): larger is newer
+
+
+def _peek_all(files: list[Path]) -> tuple[dict[Path, _Peek], list[str]]:
+    """The readable checkpoints among `files` (tensors memory-mapped, not read) and the errors of the others."""
+    peeks, errors = {}, []
+    for f in files:
         try:
-            best = _best_named_in(source, ckdir)
+            ckpt = read_checkpoint(f, mmap=True)
         except CheckpointError as e:
-            unreadable.append(source.name)
-            error = error or e
+            errors.append(str(e))
             continue
-        if best is not None and best.name not in unreadable:
-            if unreadable:
-                warnings.warn(
-                    f"{', '.join(unreadable)} in {ckdir} cannot be read (corrupt: a killed save?); using "
-                    f"{best.name}, the best checkpoint {source.name} names",
-                    stacklevel=2,
-                )
-            return best
-    if len(epochs) == 1 and epochs[0].name not in unreadable:
-        return epochs[0]
-    if last.is_file() and "last.ckpt" not in unreadable:
-        return last
-    raise error or CheckpointError(
-        f"no readable checkpoint found in {str(path)!r} (expected checkpoints/epoch_NNN.ckpt or last.ckpt)."
-    )
+        callbacks = ckpt.get("callbacks") if isinstance(ckpt.get("callbacks"), dict) else {}
+        states = {k: v for k, v in callbacks.items() if str(k).startswith("ModelCheckpoint") and isinstance(v, dict)}
+        step = ckpt.get("global_step") if isinstance(ckpt.get("global_step"), int) else -1
+        peeks[f] = _Peek(states, (f.stat().st_mtime_ns, step, f.name))
+    return peeks, errors
 
 
-def _best_named_in(source: Path, ckdir: Path) -> Path | None:
-    """The best checkpoint (by its ModelCheckpoint state) that `source` names, when it is in ckdir."""
-    for key, state in read_checkpoint(source).get("callbacks", {}).items():
-        best = state.get("best_model_path") if key.startswith("ModelCheckpoint") else None
-        if best and (ckdir / Path(best).name).is_file():  # by name: the run dir may have moved
-            return ckdir / Path(best).name
-    return None
+def _by_rule(peeks: dict[Path, _Peek]) -> Chosen:
+    """choose_checkpoint's rule over the readable checkpoints of one folder."""
+    lasts = [p for p in peeks if p.name == "last.ckpt" or re.fullmatch(r"last-v\d+\.ckpt", p.name)]
+    newest = max(peeks, key=lambda p: peeks[p].newness)
+    if lasts:
+        last = max(lasts, key=lambda p: peeks[p].newness)
+        latest = last.name + (f" (the newest of {len(lasts)} last checkpoints)" if len(lasts) > 1 else "")
+        for key, state in peeks[last].states.items():
+            best = Path(str(state.get("best_model_path") or "")).name  # by name: the run dir may have moved
+            if best and _key_settings(key).get("monitor") and last.parent / best in peeks:
+                return Chosen(last.parent / best, f"the best by {_monitor(key)} that {latest} names")
+        return Chosen(last, f"{latest} (it names no readable best checkpoint)")
+    monitored = [(peeks[p].newness, k) for p in peeks for k in peeks[p].states if _key_settings(k).get("monitor")]
+    key = max(monitored)[1] if monitored else ""  # the newest checkpoint's monitor: scores of one metric compared
+    scored = [(s, p) for p in peeks for s in [_recorded_score(peeks[p], key)] if s is not None]
+    if scored:
+        best = max(scored, key=lambda sp: (sp[0], peeks[sp[1]].newness))[1]
+        return Chosen(best, f"the best by {_monitor(key)} the checkpoints recorded (no readable last checkpoint)")
+    return Chosen(newest, "the newest checkpoint (none records a monitored score, no readable last.ckpt)")
+
+
+def _monitor(key: str) -> str:
+    """'val/iou (max)' from a ModelCheckpoint state key such as "ModelCheckpoint{'monitor': 'val/iou', 'mode': 'max', ...}"."""
+    settings = _key_settings(key)
+    return f"{settings.get('monitor')} ({settings.get('mode', 'min')})" if settings.get("monitor") else "its monitor"
+
+
+def _key_settings(key: str) -> dict:
+    import ast
+
+    try:  # a literal only: the key comes from the file
+        settings = ast.literal_eval(key.removeprefix("ModelCheckpoint"))
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+        return {}
+    return settings if isinstance(settings, dict) else {}
+
+
+def _recorded_score(peek: _Peek, key: str) -> float | None:
+    """The score of the ModelCheckpoint `key` a checkpoint recorded when saved, signed so that larger is better."""
+    score = peek.states.get(key, {}).get("current_score")
+    if not isinstance(score, (torch.Tensor, float, int)) or (isinstance(score, torch.Tensor) and score.numel() != 1):
+        return None
+    value = float(score)
+    if not math.isfinite(value):
+        return None
+    return value if _key_settings(key).get("mode") == "max" else -value
 
 
 def logged_val_iou(ckpt: dict) -> float | None:
