@@ -112,6 +112,25 @@ def tiny_run(synthetic_root, tmp_path_factory) -> Path:
     return _once_per_run(tmp_path_factory, "run", train)
 
 
+@pytest.fixture(scope="module")
+def nusc(synthetic_root):
+    """The devkit's NuScenes tables of `synthetic_root`, one per test module. Treat it as read-only."""
+    from nuscenes.nuscenes import NuScenes
+
+    from bev.synthetic.writer import VERSION
+
+    return NuScenes(version=VERSION, dataroot=str(synthetic_root), verbose=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_root(tmp_path_factory) -> Path:
+    """A hand-written nuScenes dataroot of 2 key frames with a map (tests/helpers/tiny_nuscenes.py), one per
+    test module."""
+    from helpers.tiny_nuscenes import write_tiny
+
+    return write_tiny(tmp_path_factory.mktemp("tiny") / "nuscenes", samples=2)
+
+
 @pytest.fixture(scope="session")
 def emu(request):
     """The CUDA kernels of bev.ops compiled for the CPU under the SIMT emulation (skips without a C++ compiler)."""

@@ -15,12 +15,6 @@ from bev.geometry import Grid, depth_bins_in_grid
 from helpers.cli import TINY, assert_one_paragraph, eval_cli, run_cli, train_cli
 
 
-@pytest.fixture
-def run(tiny_run):
-    """The session's tiny training run (read-only here)."""
-    return tiny_run
-
-
 def test_more_training_processes_than_batches_is_refused_once(synthetic_root, tmp_path):
     # A subprocess: were the check missing, Lightning would launch the 4 processes by re-running the command.
     args = [*TINY, "trainer.devices=4", f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path}"]
@@ -66,8 +60,10 @@ def test_synthetic_writer_refuses_a_negative_seed(tmp_path, capsys):
     assert not (tmp_path / "set").exists()
 
 
-def test_bev_eval_with_a_model_group_reads_the_checkpoints_grid_and_data(run, synthetic_root, tmp_path, monkeypatch):
-    base = [f"ckpt_path={run}", f"data.dataroot={synthetic_root}", "num_pngs=0"]
+def test_bev_eval_with_a_model_group_reads_the_checkpoints_grid_and_data(
+    tiny_run, synthetic_root, tmp_path, monkeypatch
+):
+    base = [f"ckpt_path={tiny_run}", f"data.dataroot={synthetic_root}", "num_pngs=0"]
     assert eval_cli([*base, f"hydra.run.dir={tmp_path / 'plain'}"], monkeypatch) == 0
     model = ["model=lss_small", *(a for a in TINY if a.startswith("model."))]  # the group the run was trained with
     assert eval_cli([*base, *model, f"hydra.run.dir={tmp_path / 'group'}"], monkeypatch) == 0
@@ -78,9 +74,9 @@ def test_bev_eval_with_a_model_group_reads_the_checkpoints_grid_and_data(run, sy
 
 
 def test_bev_eval_with_a_model_group_that_does_not_fit_names_the_differences(
-    run, synthetic_root, tmp_path, monkeypatch, capsys
+    tiny_run, synthetic_root, tmp_path, monkeypatch, capsys
 ):
-    args = [f"ckpt_path={run}", f"data.dataroot={synthetic_root}", "model=lss", f"hydra.run.dir={tmp_path}"]
+    args = [f"ckpt_path={tiny_run}", f"data.dataroot={synthetic_root}", "model=lss", f"hydra.run.dir={tmp_path}"]
     assert eval_cli(args, monkeypatch) == 1
     err = capsys.readouterr().err
     assert_one_paragraph(err, "bev-eval: error:", "different model config", "model.net.camera.backbone")

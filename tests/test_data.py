@@ -21,14 +21,9 @@ from bev.data import NuScenesBEVDataset, NuScenesDataModule
 from bev.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from bev.geometry import CAMERA_NAMES, Grid, ego_to_image
 from helpers.synthetic import RENDER_SCALE
-from helpers.tiny_nuscenes import BOXES, ego_box, write_tiny
+from helpers.tiny_nuscenes import BOXES, ego_box
 
 HINT = "nuscenes.org/download"
-
-
-@pytest.fixture(scope="module")
-def tiny_root(tmp_path_factory) -> Path:
-    return write_tiny(tmp_path_factory.mktemp("tiny") / "nuscenes", samples=2)
 
 
 @pytest.fixture()
@@ -466,13 +461,6 @@ def test_input_memo_is_bounded_and_checked(tiny_root, tmp_path):
 # ---------------------------------------------------------------- the synthetic dataset
 
 
-@pytest.fixture(scope="module")
-def nusc_syn(synthetic_root):
-    from nuscenes.nuscenes import NuScenes
-
-    return NuScenes("v1.0-mini", str(synthetic_root), verbose=False)
-
-
 def test_synthetic_splits_and_shapes(synthetic_root, tmp_path):
     from nuscenes.utils.splits import create_splits_scenes
 
@@ -487,12 +475,12 @@ def test_synthetic_splits_and_shapes(synthetic_root, tmp_path):
 
 
 @pytest.mark.parametrize("augment", [False, True])
-def test_synthetic_boxes_project_onto_the_same_scene_points(synthetic_root, nusc_syn, tmp_path, augment):
+def test_synthetic_boxes_project_onto_the_same_scene_points(synthetic_root, nusc, tmp_path, augment):
     torch.manual_seed(2)
     ds = _ds(synthetic_root, tmp_path, split="mini_val", augment=augment)
     diffs = []
     for i in range(len(ds)):
-        d, _ = _check_projection(ds, nusc_syn, i)
+        d, _ = _check_projection(ds, nusc, i)
         diffs += d
     assert len(diffs) >= 10
     # Rendered scenes have sharp edges, so a few points near an edge may differ after resampling;
@@ -500,17 +488,17 @@ def test_synthetic_boxes_project_onto_the_same_scene_points(synthetic_root, nusc
     assert np.median(diffs) < 8.0, np.median(diffs)
 
 
-def test_synthetic_bev_matches_devkit_boxes(synthetic_root, nusc_syn, tmp_path):
+def test_synthetic_bev_matches_devkit_boxes(synthetic_root, nusc, tmp_path):
     from pyquaternion import Quaternion
 
     ds = _ds(synthetic_root, tmp_path, split="mini_train")
     for i in range(len(ds)):
         s = ds[i]
-        sample = nusc_syn.get("sample", s["sample_token"])
-        ego = nusc_syn.get("ego_pose", nusc_syn.get("sample_data", sample["data"]["LIDAR_TOP"])["ego_pose_token"])
+        sample = nusc.get("sample", s["sample_token"])
+        ego = nusc.get("ego_pose", nusc.get("sample_data", sample["data"]["LIDAR_TOP"])["ego_pose_token"])
         expected = np.zeros(ds.grid.bev_shape, bool)
         for tok in sample["anns"]:
-            box = nusc_syn.get_box(tok)
+            box = nusc.get_box(tok)
             if not box.name.startswith("vehicle."):
                 continue
             box.translate(-np.array(ego["translation"]))
@@ -523,7 +511,7 @@ def test_synthetic_bev_matches_devkit_boxes(synthetic_root, nusc_syn, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def synthetic_renders(synthetic_root, nusc_syn):
+def synthetic_renders(synthetic_root, nusc):
     """The generator's own renders (image + instance ids) of the mini_val samples of synthetic_root,
     with the vehicle annotations as (object index, ego centre, visibility). Seed/size as in conftest."""
     from bev.geometry import quaternion_to_matrix
@@ -532,20 +520,18 @@ def synthetic_renders(synthetic_root, nusc_syn):
     from bev.synthetic.writer import scene_names
 
     names = scene_names(2)
-    (scene,) = [s for s in nusc_syn.scene if s["name"] == "scene-0103"]
-    world = world_model.build_world(
-        0, names.index(scene["name"]), 3, nusc_syn.get("log", scene["log_token"])["location"]
-    )
+    (scene,) = [s for s in nusc.scene if s["name"] == "scene-0103"]
+    world = world_model.build_world(0, names.index(scene["name"]), 3, nusc.get("log", scene["log_token"])["location"])
     out, tok, k = [], scene["first_sample_token"], 0
     while tok:
-        sample = nusc_syn.get("sample", tok)
+        sample = nusc.get("sample", tok)
         t = k * world_model.SAMPLE_DT
-        pose = nusc_syn.get("ego_pose", nusc_syn.get("sample_data", sample["data"]["LIDAR_TOP"])["ego_pose_token"])
+        pose = nusc.get("ego_pose", nusc.get("sample_data", sample["data"]["LIDAR_TOP"])["ego_pose_token"])
         R, tr = quaternion_to_matrix(pose["rotation"]), np.array(pose["translation"])
         by_centre = {tuple(np.round(world.object_global(o, t)[0], 6)): i for i, o in enumerate(world.objects)}
         anns = []
         for a in sample["anns"]:
-            ann = nusc_syn.get("sample_annotation", a)
+            ann = nusc.get("sample_annotation", a)
             if ann["category_name"].startswith("vehicle."):
                 anns.append(
                     (by_centre[tuple(np.round(ann["translation"], 6))], (np.array(ann["translation"]) - tr) @ R)

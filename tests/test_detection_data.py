@@ -38,13 +38,6 @@ ATTRIBUTES = {
 
 
 @pytest.fixture(scope="module")
-def nusc(synthetic_root):
-    from nuscenes.nuscenes import NuScenes
-
-    return NuScenes(version=VERSION, dataroot=str(synthetic_root), verbose=False)
-
-
-@pytest.fixture(scope="module")
 def val_ds(synthetic_root, tmp_path_factory):
     return NuScenesBEVDataset(
         synthetic_root, split="mini_val", cache_dir=tmp_path_factory.mktemp("cache"), verbose=False

@@ -22,13 +22,6 @@ from bev.geometry import quaternion_to_matrix
 VERSION, SPLIT = "v1.0-mini", "mini_val"
 
 
-@pytest.fixture(scope="module")
-def nusc(synthetic_root):
-    from nuscenes import NuScenes
-
-    return NuScenes(VERSION, dataroot=str(synthetic_root), verbose=False)
-
-
 def _ego_pose(nusc, token):
     sample = nusc.get("sample", token)
     pose = nusc.get("ego_pose", nusc.get("sample_data", sample["data"]["LIDAR_TOP"])["ego_pose_token"])

@@ -16,13 +16,6 @@ VERSION, SPLIT = "v1.0-mini", "mini_val"
 
 
 @pytest.fixture(scope="module")
-def nusc(synthetic_root):
-    from nuscenes import NuScenes
-
-    return NuScenes(VERSION, dataroot=str(synthetic_root), verbose=False)
-
-
-@pytest.fixture(scope="module")
 def tokens(nusc):
     return nusc_eval.split_sample_tokens(nusc, SPLIT)
 

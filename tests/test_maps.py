@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,11 +26,6 @@ LAYERS = (
     "road_divider",
     "lane_divider",
 )
-
-
-@pytest.fixture(scope="module")
-def tiny_root(tmp_path_factory) -> Path:
-    return write_tiny(tmp_path_factory.mktemp("tiny_map") / "nuscenes", samples=2)
 
 
 @pytest.fixture(scope="module")

@@ -63,24 +63,18 @@ def _val_sample_tokens(root: Path) -> list[str]:
     return [s["token"] for s in _tables(root, "sample") if s["scene_token"] == scene["token"]]
 
 
-@pytest.fixture
-def run(tiny_run):
-    """The session's tiny training run (read-only here)."""
-    return tiny_run
-
-
 def _files_under(folder: Path) -> set[Path]:
     return {Path(d, f).resolve() for d, _, fs in os.walk(folder) for f in fs}
 
 
-def test_bev_predict_never_writes_outside_out(run, synthetic_root, tmp_path, monkeypatch):
+def test_bev_predict_never_writes_outside_out(tiny_run, synthetic_root, tmp_path, monkeypatch):
     tokens = _val_sample_tokens(synthetic_root)
     # out/scene-0103/000_<token>.npz: four levels up from there is tmp_path/box, outside out=.
     evil = {tokens[0]: "../../../../escaped_npz", tokens[1]: "x/../../../../../escaped_too", tokens[2]: ".."}
     root = _copy_with(synthetic_root, tmp_path / "box" / "data", evil)
     out = tmp_path / "box" / "sub" / "pred"
     before = _files_under(tmp_path)
-    args = [f"ckpt_path={run}", f"data.dataroot={root}", f"out={out}", f"hydra.run.dir={tmp_path / 'box' / 'run'}"]
+    args = [f"ckpt_path={tiny_run}", f"data.dataroot={root}", f"out={out}", f"hydra.run.dir={tmp_path / 'box' / 'run'}"]
     assert run_cli(predict_cli._hydra_main, args, monkeypatch) == 0
     new = _files_under(tmp_path) - before
     outside = {
@@ -111,12 +105,12 @@ def test_inside_refuses_a_folder_that_a_link_leads_out_of(tmp_path):
         inside(out, out / "scene" / "a.npz")
 
 
-def test_bev_predict_never_follows_a_link_out_of_out(run, synthetic_root, tmp_path, monkeypatch, capsys):
+def test_bev_predict_never_follows_a_link_out_of_out(tiny_run, synthetic_root, tmp_path, monkeypatch, capsys):
     out, elsewhere = tmp_path / "pred", tmp_path / "elsewhere"
     out.mkdir()
     elsewhere.mkdir()
     (out / "scene-0103").symlink_to(elsewhere, target_is_directory=True)  # the val scene's folder
-    args = [f"ckpt_path={run}", f"data.dataroot={synthetic_root}", f"out={out}", f"hydra.run.dir={tmp_path / 'r'}"]
+    args = [f"ckpt_path={tiny_run}", f"data.dataroot={synthetic_root}", f"out={out}", f"hydra.run.dir={tmp_path / 'r'}"]
     assert run_cli(predict_cli._hydra_main, args, monkeypatch) != 0
     assert not any(elsewhere.iterdir())
     assert_one_paragraph(capsys.readouterr().err, "bev-predict: error:", "remove the link")
@@ -144,7 +138,7 @@ def test_sample_data_paths_leaving_the_dataroot_are_refused(sensor, bad, synthet
     assert len(msg.splitlines()) == 1
 
 
-def test_bev_predict_names_the_refused_path(run, synthetic_root, tmp_path, monkeypatch, capsys):
+def test_bev_predict_names_the_refused_path(tiny_run, synthetic_root, tmp_path, monkeypatch, capsys):
     sd = next(
         s
         for s in _tables(synthetic_root, "sample_data")
@@ -154,7 +148,7 @@ def test_bev_predict_names_the_refused_path(run, synthetic_root, tmp_path, monke
     )
     root = _copy_with(synthetic_root, tmp_path / "data", {sd["filename"]: "/etc/hostname"})
     args = [
-        f"ckpt_path={run}",
+        f"ckpt_path={tiny_run}",
         f"data.dataroot={root}",
         f"out={tmp_path / 'pred'}",
         f"hydra.run.dir={tmp_path / 'run'}",

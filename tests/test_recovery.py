@@ -19,7 +19,7 @@ from helpers.cli import TINY, assert_one_paragraph, run_cli, train_cli
 
 
 @pytest.fixture
-def run(tiny_run, tmp_path):
+def tiny_run_copy(tiny_run, tmp_path):
     """A copy of the session's tiny training run, which these tests litter."""
     return Path(shutil.copytree(tiny_run, tmp_path / "trained"))
 
@@ -52,9 +52,9 @@ def test_a_new_session_removes_the_litter_of_killed_saves(synthetic_root, tmp_pa
     assert not any(p.exists() for p in old) and live.exists()
 
 
-def test_load_model_of_a_run_with_a_corrupt_last_ckpt_uses_its_best_checkpoint(run, tmp_path):
+def test_load_model_of_a_run_with_a_corrupt_last_ckpt_uses_its_best_checkpoint(tiny_run, tmp_path):
     copy = tmp_path / "run"
-    shutil.copytree(run / "checkpoints", copy / "checkpoints")
+    shutil.copytree(tiny_run / "checkpoints", copy / "checkpoints")
     last = copy / "checkpoints" / "last.ckpt"
     last.write_bytes(last.read_bytes()[:4000])  # a save killed half-way
     with pytest.warns(UserWarning, match="last.ckpt .* cannot be read.*using epoch_000.ckpt"):
@@ -93,20 +93,22 @@ def _predict(ckpt, root, out, scene, monkeypatch, tmp_path, *extra):
     return json.loads((out / "predictions.json").read_text())
 
 
-def test_a_second_bev_predict_into_the_same_out_keeps_the_first_scene(run, synthetic_root, tmp_path, monkeypatch):
+def test_a_second_bev_predict_into_the_same_out_keeps_the_first_scene(
+    tiny_run_copy, synthetic_root, tmp_path, monkeypatch
+):
     out = tmp_path / "pred"
-    first = _predict(run, synthetic_root, out, "scene-0061", monkeypatch, tmp_path)
-    both = _predict(run, synthetic_root, out, "scene-0103", monkeypatch, tmp_path)
+    first = _predict(tiny_run_copy, synthetic_root, out, "scene-0061", monkeypatch, tmp_path)
+    both = _predict(tiny_run_copy, synthetic_root, out, "scene-0103", monkeypatch, tmp_path)
     assert [s["scene"] for s in both["samples"]] == ["scene-0061"] * 3 + ["scene-0103"] * 3
     assert both["samples"][:3] == first["samples"] and both["scene"] is None and both["split"] is None
     assert sorted(os.path.basename(g) for g in both["gifs"]) == ["scene-0061.gif", "scene-0103.gif"]
     # redone (asked for: its files exist): replaced, not doubled
-    again = _predict(run, synthetic_root, out, "scene-0103", monkeypatch, tmp_path, "overwrite=true")
+    again = _predict(tiny_run_copy, synthetic_root, out, "scene-0103", monkeypatch, tmp_path, "overwrite=true")
     assert again["samples"] == both["samples"]
     # Another checkpoint's predictions are not mixed into one index.
     with pytest.warns(UserWarning, match="another checkpoint"):
         other = _predict(
-            run / "checkpoints" / "last.ckpt",
+            tiny_run_copy / "checkpoints" / "last.ckpt",
             synthetic_root,
             out,
             "scene-0061",

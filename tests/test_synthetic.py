@@ -22,14 +22,6 @@ from bev.synthetic import world as world_model
 from bev.synthetic.writer import MANIFEST, TABLES, VERSION, make_synthetic, scene_names
 from helpers.synthetic import RENDER_SCALE, SAMPLES, SCENES, SEED
 
-
-@pytest.fixture(scope="module")
-def nusc(synthetic_root):
-    from nuscenes.nuscenes import NuScenes
-
-    return NuScenes(version=VERSION, dataroot=str(synthetic_root), verbose=False)
-
-
 QUICK = {"progress": False, "render_scale": 4}  # the coarse render, where a test checks files, not pixels
 
 
