@@ -68,6 +68,7 @@ def load_checkpoint(
     from bev.utils.checkpoint import (
         CheckpointError,
         check_compatible,
+        check_stored_sections,
         choose_checkpoint,
         read_checkpoint,
     )
@@ -78,6 +79,7 @@ def load_checkpoint(
     check_stored_config(ckpt.get("bev_config"), path, trusted)
     # Places on disk (data.dataroot, data.cache_dir, paths.*, ...) come from the user, never from the checkpoint.
     saved = without_places(ckpt.get("bev_config"))
+    check_stored_sections(saved, path, model_given=model_config is not None and "_target_" in model_config)
     if saved is None and (model_config is None or grid is None or data is None):
         raise CheckpointError(
             f"{str(path)!r} carries no bev-train config; pass model=..., data=... and grid=... matching how it was trained."

@@ -167,3 +167,17 @@ def test_bev_export_to_a_file_named_for_the_other_format_is_refused(tmp_path, mo
     ]
     assert run_cli(bev_export._hydra_main, args, monkeypatch) == 1
     assert_one_paragraph(capsys.readouterr().err, "bev-export: error:", f"names a {out[out.rfind('.') :]} file", fix)
+
+
+@pytest.mark.parametrize(
+    "value,needle",
+    [("[1,2]", "model.optimizer.lr=[1, 2] is refused by torch.optim"), ("-1.0", "model.optimizer.lr=-1.0 is refused")],
+)
+def test_an_optimizer_setting_torch_refuses_is_named_before_the_data_is_read(
+    value, needle, tmp_path, monkeypatch, capsys
+):
+    # data.dataroot does not exist: a check made after the data is indexed would report that instead.
+    args = [*TINY, f"model.optimizer.lr={value}", f"data.dataroot={tmp_path / 'nowhere'}", f"hydra.run.dir={tmp_path}"]
+    assert train_cli(args, monkeypatch) == 1
+    assert_one_paragraph(capsys.readouterr().err, "bev-train: error:", needle, "(its default: lr=0.001)")
+    assert not (tmp_path / "checkpoints").exists()

@@ -205,3 +205,38 @@ def test_a_stored_config_names_no_place_on_disk():
         "some_file": None,
     }
     assert stored["data"]["dataroot"] == "/theirs"  # a copy: the checkpoint's own dict is left as read
+
+
+DELETE = object()
+SHAPES = {  # name -> (where in the stored config, the node put there, the key the refusal names)
+    "model-a-string": (("model",), "lss", "config's model is of type str ('lss')"),
+    "model-null": (("model",), None, "config's model is null"),
+    "model-a-list": (("model",), [1, 2], "config's model is of type list"),
+    "net-a-string": (("model", "net"), "x", "config's model.net is of type str"),
+    "camera-missing": (("model", "net", "camera"), DELETE, "config's model.net.camera is missing"),
+    "grid-a-string": (("grid",), "x", "config's grid is of type str"),
+    "data-a-number": (("data",), 5, "config's data is of type int"),
+    "trainer-a-string": (("trainer",), "x", "config's trainer is of type str"),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_stored_config_of_the_wrong_shape_is_refused_naming_the_key(shape, run, tmp_path):
+    from bev.utils.checkpoint import CheckpointError
+
+    where, node, said = SHAPES[shape]
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    parent = ckpt["bev_config"]
+    for k in where[:-1]:
+        parent = parent[k]
+    if node is DELETE:
+        del parent[where[-1]]
+    else:
+        parent[where[-1]] = node
+    path = tmp_path / f"{shape}.ckpt"
+    torch.save(ckpt, path)
+    with pytest.raises(CheckpointError) as e:
+        bev.load_model(path)
+    msg = str(e.value)
+    assert said in msg and str(path) in msg and "Use a checkpoint bev-train wrote" in msg, msg
+    assert len(msg.splitlines()) == 1

@@ -15,10 +15,14 @@ import torch
 from bev.geometry import Grid, ego_to_image
 
 LIDAR_COLUMNS = 5  # nuScenes .pcd.bin: x, y, z, intensity, ring index (float32)
+# Far beyond any LiDAR's reach (nuScenes' returns end near 100 m): a coordinate this large, NaN or infinite
+# is a damaged record, dropped before any product (where it would poison sums and print numpy's warnings).
+MAX_LIDAR_COORD_M = 1000.0
 
 
 def load_lidar(path: str) -> np.ndarray:
-    """(P, 3) float32 lidar points (sensor frame) of a nuScenes .pcd.bin file."""
+    """(P, 3) float32 lidar points (sensor frame) of a nuScenes .pcd.bin file; points with a NaN, infinite or
+    absurd (MAX_LIDAR_COORD_M) coordinate are dropped, counted in one warning naming the file."""
     try:
         raw = np.fromfile(path, dtype=np.float32)
     except FileNotFoundError:
@@ -36,7 +40,23 @@ def load_lidar(path: str) -> np.ndarray:
             f"lidar file {path!r} has {raw.size} floats, not a multiple of {LIDAR_COLUMNS} "
             "(x, y, z, intensity, ring): the file is damaged"
         )
-    return raw.reshape(-1, LIDAR_COLUMNS)[:, :3]
+    return _plausible_points(raw.reshape(-1, LIDAR_COLUMNS)[:, :3], path)
+
+
+def _plausible_points(points: np.ndarray, path: str) -> np.ndarray:
+    with np.errstate(invalid="ignore"):  # NaN compares False: dropped below
+        ok = (np.abs(points) < MAX_LIDAR_COORD_M).all(axis=1)
+    if ok.all():
+        return points
+    import warnings
+
+    warnings.warn(
+        f"lidar file {path!r}: dropped {int((~ok).sum())} of {len(points)} points with a NaN, infinite or absurd "
+        f"(>= {MAX_LIDAR_COORD_M:g} m) coordinate; the file is damaged: re-download it (or regenerate the "
+        "synthetic set)",
+        stacklevel=3,
+    )
+    return points[ok]
 
 
 def depth_targets(

@@ -78,6 +78,34 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> dict:
     return ckpt
 
 
+# The nodes of a stored config load_checkpoint reads as mappings: anything else there (a string, a list) is an
+# edited or damaged file, refused naming the key instead of failing inside OmegaConf.
+STORED_MAPPINGS = ("grid", "data", "model", "model.net", "model.net.camera")
+
+
+def check_stored_sections(config: Any, path: str | Path, model_given: bool = False) -> None:
+    """Raise CheckpointError naming the first node of STORED_MAPPINGS (and trainer, when present) of a stored
+    config that is not a mapping; the model's nodes are not read when a whole model config is given."""
+    if not isinstance(config, dict):  # None: no stored config; other forms: bev.utils.trust refuses them
+        return
+    keys = [k for k in STORED_MAPPINGS if not (model_given and k.startswith("model"))]
+    for key in keys + (["trainer"] if "trainer" in config else []):
+        node: Any = config
+        for part in key.split("."):
+            node = node.get(part, _ABSENT) if isinstance(node, dict) else _ABSENT
+        if not isinstance(node, dict):
+            what = {id(_ABSENT): "missing", id(None): "null"}.get(id(node), f"of type {type(node).__name__}")
+            what += f" ({str(node)[:60]!r})" if node not in (_ABSENT, None) else ""
+            fix = ", or pass model=<the model config it was trained with>" if key.startswith("model") else ""
+            raise CheckpointError(
+                f"checkpoint {str(path)!r}: its stored config's {key} is {what}, not the mapping bev-train stores "
+                f"(an edited or damaged file). Use a checkpoint bev-train wrote{fix}"
+            )
+
+
+_ABSENT = object()
+
+
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(d, dict):
         out = {}

@@ -76,3 +76,53 @@ def register_resolvers() -> None:
 
 
 register_resolvers()
+
+
+def check_optimizer(cfg: DictConfig) -> None:
+    """Build model.optimizer once over a stand-in parameter, before the data is indexed and the model built: a
+    value the optimiser refuses (lr=[1,2], lr=-1) is named with its key at the start, not minutes into the run."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.select(cfg, "model.optimizer")
+    if node is None:
+        return
+    factory = instantiate(node)
+    try:
+        factory(params=_stand_in())
+    except Exception as e:
+        raise ValueError(_optimizer_refusal(factory, e)) from None
+
+
+def _stand_in() -> list:
+    import torch
+
+    return [torch.nn.Parameter(torch.zeros(1))]
+
+
+def _optimizer_refusal(factory, error: Exception) -> str:
+    """Which model.optimizer settings the optimiser refuses alone (each tried by itself), with its own words."""
+    import inspect
+
+    cls = getattr(factory, "func", factory)
+    name = f"{getattr(cls, '__module__', '')}.{getattr(cls, '__qualname__', cls)}".lstrip(".")
+    given = dict(getattr(factory, "keywords", {}) or {})
+    bad = [k for k, v in given.items() if _refuses(cls, {k: v})]
+    why = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+    if not bad:
+        return f"model.optimizer ({name}) cannot be built ({why}): check its settings {sorted(given)}"
+    try:
+        defaults = {k: p.default for k, p in inspect.signature(cls).parameters.items()}
+    except (TypeError, ValueError):
+        defaults = {}
+    settings = ", ".join(f"model.optimizer.{k}={given[k]!r}" for k in bad)
+    example = next((f" (its default: {k}={defaults[k]!r})" for k in bad if k in defaults), "")
+    return f"{settings} is refused by {name} ({why}): pass a value it takes{example}"
+
+
+def _refuses(cls, kwargs: dict) -> bool:
+    try:
+        cls(_stand_in(), **kwargs)
+    except Exception:
+        return True
+    return False
