@@ -20,12 +20,6 @@ from helpers.cli import assert_one_paragraph, eval_cli, run_cli
 EXPERIMENTS = sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml"))
 
 
-@pytest.fixture
-def run(tiny_run):
-    """The session's tiny training run: its last.ckpt is the honest checkpoint the attacks start from."""
-    return tiny_run
-
-
 def _touch(marker: Path) -> dict:
     return {"_target_": "pathlib.Path.touch", "self": str(marker)}
 
@@ -60,14 +54,14 @@ def crafted(run: Path, tmp_path: Path, attack: str) -> tuple[Path, Path, str]:
     return path, marker, key
 
 
-def test_an_honest_checkpoint_loads(run):
-    assert first_untrusted(torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["bev_config"]) is None
-    assert bev.load_model(run).net is not None
+def test_an_honest_checkpoint_loads(tiny_run):
+    assert first_untrusted(torch.load(tiny_run / "checkpoints" / "last.ckpt", weights_only=True)["bev_config"]) is None
+    assert bev.load_model(tiny_run).net is not None
 
 
 @pytest.mark.parametrize("attack", list(ATTACKS))
-def test_load_model_refuses_and_runs_nothing(attack, run, tmp_path):
-    path, marker, key = crafted(run, tmp_path, attack)
+def test_load_model_refuses_and_runs_nothing(attack, tiny_run, tmp_path):
+    path, marker, key = crafted(tiny_run, tmp_path, attack)
     with pytest.raises(UntrustedCheckpointError) as e:
         bev.load_model(path)
     msg = str(e.value)
@@ -77,8 +71,8 @@ def test_load_model_refuses_and_runs_nothing(attack, run, tmp_path):
 
 
 @pytest.mark.parametrize("attack", ["touch", "os_system_deep", "touch_in_data"])
-def test_bev_eval_and_predict_refuse_and_run_nothing(attack, run, synthetic_root, tmp_path, monkeypatch, capsys):
-    path, marker, key = crafted(run, tmp_path, attack)
+def test_bev_eval_and_predict_refuse_and_run_nothing(attack, tiny_run, synthetic_root, tmp_path, monkeypatch, capsys):
+    path, marker, key = crafted(tiny_run, tmp_path, attack)
     common = [f"ckpt_path={path}", f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path / 'run'}"]
     assert eval_cli(common, monkeypatch) == 1
     assert_one_paragraph(capsys.readouterr().err, "bev-eval: error:", key, "trust_checkpoint=true")
@@ -87,8 +81,8 @@ def test_bev_eval_and_predict_refuse_and_run_nothing(attack, run, synthetic_root
     assert not marker.exists() and not list((tmp_path / "pred").rglob("*.npz"))
 
 
-def test_bev_export_refuses_and_runs_nothing(run, tmp_path, monkeypatch, capsys):
-    path, marker, key = crafted(run, tmp_path, "touch")
+def test_bev_export_refuses_and_runs_nothing(tiny_run, tmp_path, monkeypatch, capsys):
+    path, marker, key = crafted(tiny_run, tmp_path, "touch")
     args = [
         f"ckpt_path={path}",
         f"out={tmp_path / 'm.pt2'}",
@@ -100,8 +94,8 @@ def test_bev_export_refuses_and_runs_nothing(run, tmp_path, monkeypatch, capsys)
     assert not marker.exists() and not (tmp_path / "m.pt2").exists()
 
 
-def test_trusting_a_file_is_an_explicit_choice(run, tmp_path):
-    path, marker, _ = crafted(run, tmp_path, "touch")
+def test_trusting_a_file_is_an_explicit_choice(tiny_run, tmp_path):
+    path, marker, _ = crafted(tiny_run, tmp_path, "touch")
     bev.load_model(path, trusted=True)  # the user vouched for the file: its config is used as stored
     assert marker.exists()
 
@@ -221,11 +215,11 @@ SHAPES = {  # name -> (where in the stored config, the node put there, the key t
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_a_stored_config_of_the_wrong_shape_is_refused_naming_the_key(shape, run, tmp_path):
+def test_a_stored_config_of_the_wrong_shape_is_refused_naming_the_key(shape, tiny_run, tmp_path):
     from bev.utils.checkpoint import CheckpointError
 
     where, node, said = SHAPES[shape]
-    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    ckpt = torch.load(tiny_run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     parent = ckpt["bev_config"]
     for k in where[:-1]:
         parent = parent[k]
