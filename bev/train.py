@@ -15,7 +15,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import bev.data  # noqa: F401 (registers the data/ config schemas: bev.data.config)
-from bev.utils.config import CONFIG_DIR, check_optimizer, instantiate_list, task_overrides
+from bev.utils.config import CONFIG_DIR, check_optimizer, instantiate_list, resolve_depth_stride, task_overrides
 from bev.utils.errors import report_errors
 from bev.utils.io import remove_stale_temporaries, run_dir_lock, write_run_metrics
 from bev.utils.malloc import tune_malloc_in_process
@@ -36,6 +36,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     from hydra.utils import instantiate
 
     check_optimizer(cfg)  # a refused setting named now, not after the data is indexed
+    resolve_depth_stride(cfg)
     if cfg.get("malloc_tuning"):
         tune_malloc_in_process()  # before the model and data allocate: keep freed activations mapped
     _seed_and_matmul_precision(cfg)

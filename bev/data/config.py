@@ -151,6 +151,21 @@ def _choice(name: str, v: Any, choices: tuple[str, ...]) -> str:
     return v
 
 
+DEPTH_STRIDES = (8, 16)  # the camera encoder's strides (bev.models.camera.STRIDES)
+
+
+def _depth_stride(name: str, v: Any) -> int | None:
+    if v is None:
+        return None
+    try:
+        n = None if isinstance(v, bool) else operator.index(v)  # 8, not 8.0 or "8"
+    except TypeError:
+        n = None
+    if n not in DEPTH_STRIDES:
+        raise _fail(name, "8 or 16 (model.net.downsample), or null for the model's stride", v)
+    return n
+
+
 def _categories(name: str, v: Any) -> tuple[tuple[str, ...], ...]:
     return normalize_categories(v)
 
@@ -220,6 +235,8 @@ class DatasetConfig(_Checked):
     raster: str = _option("center", _raster)
     # items carry the depth bin of the nearest LIDAR_TOP point per feature cell
     depth_target: bool = _option(False, _flag)
+    # the feature cells' stride in pixels: 8 or 16; null: the model's (bev-train sets model.net.downsample), else 16
+    depth_stride: int | None = _option(None, _depth_stride)
     # items carry 3D boxes and CenterPoint targets of the detection classes (bev.detection.targets)
     detection: bool = _option(False, _flag)
     # detection boxes trained on: class (the devkit's class ranges, as it scores) | grid (every box in the grid

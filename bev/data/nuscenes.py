@@ -67,8 +67,9 @@ class NuScenesBEVDataset(Dataset):
     raster="center": a cell is filled when its centre lies in a box footprint; raster="lss":
     lift-splat-shoot's rounded-corner fill (bev.data.rasterize). Map channels follow the
     devkit's get_map_mask rule (bev.data.maps), which is the "lss" rule for polygons.
-    depth_target=True adds depth (Ncam, H/16, W/16) int64: the depth bin of the nearest LIDAR_TOP
-    point in each camera feature cell, -1 where none (bev.data.depth), for depth supervision.
+    depth_target=True adds depth (Ncam, H/s, W/s) int64: the depth bin of the nearest LIDAR_TOP point in each
+    camera feature cell at stride s = depth_stride (the model's model.net.downsample; 16 when null), -1 where
+    none (bev.data.depth), for depth supervision.
     occupancy=True adds occ_semantics (200, 200, 16) uint8 Occ3D class ids and occ_mask_camera, occ_mask_lidar
     (200, 200, 16) bool, from <dataroot>/gts/<scene name>/<sample token>/labels.npz (bev.occupancy.data).
     With augment=False images get the deterministic LSS resize + crop and all 6 cameras;
@@ -115,6 +116,7 @@ class NuScenesBEVDataset(Dataset):
         self.rand_flip, self.ncams = cfg.rand_flip, cfg.ncams
         self.groups, self.map_layers = cfg.categories, cfg.map_layers
         self.raster, self.depth_target, self.detection = cfg.raster, cfg.depth_target, cfg.detection
+        self.depth_stride = cfg.depth_stride or FEATURE_STRIDE
         self.det_range, self.bev_aug = cfg.det_range, cfg.bev_aug if self.augment else None
         self.index = load_index(
             self.dataroot, self.version, split, self.groups, cfg.cache_dir, verbose=verbose, map_layers=self.map_layers
@@ -386,7 +388,7 @@ class NuScenesBEVDataset(Dataset):
                     self.lidar_points(i),
                     *(out[k] for k in CAMERA_GEOMETRY),
                     self.final_dim,
-                    FEATURE_STRIDE,
+                    self.depth_stride,
                     self.grid,
                     torch.from_numpy(self.index["image_hw"][i, cams]),
                 )
