@@ -236,7 +236,15 @@ class BEVLitModule(L.LightningModule):
         file = resolve_checkpoint(self.init_from)
         ckpt = read_checkpoint(file)
         loaded, report = load_matching(self, ckpt, file)
-        return report + self._after_init_from(ckpt, loaded)
+        return report + self._init_task_decoder(loaded) + self._after_init_from(ckpt, loaded)
+
+    def _init_task_decoder(self, loaded: set[str]) -> str:
+        """With bev.task_decoders and a checkpoint without a detection decoder: start it as the segmentation one."""
+        encoder = self.net.bev_encoder
+        if encoder.det_up1 is None or any(".det_up1." in k for k in loaded):
+            return ""
+        encoder.copy_decoder_to_detection()
+        return "\n  detection decoder: a copy of the loaded segmentation decoder"
 
     def _init_from_unset(self) -> str | None:
         """What to say when training starts without model.init_from (nothing: training from scratch is the plan)."""

@@ -202,3 +202,27 @@ def test_training_step_never_waits_for_the_host(splat, loss):
     with HostTraffic() as traffic:
         torch.tensor([1.0, 2.0]).sum().item()
     assert traffic.seen == ["lift_fresh", "_local_scalar_dense"]
+
+
+def test_task_decoders_share_the_encoder_and_start_alike():
+    """bev.task_decoders: the detection head reads a decoder of its own; copied from the segmentation decoder
+    (what init_from does from a static checkpoint) both give the same features, and each trains on its own."""
+    from bev.models.bev_encoder import BevEncoder
+
+    torch.manual_seed(0)
+    enc = BevEncoder(8, 3, widths=(8, 16, 16), blocks=1, task_decoders=True).eval()
+    x = torch.randn(2, 8, 24, 20)
+    seg, det = enc.task_features(x)
+    assert seg.shape == det.shape == (2, enc.feature_channels, 24, 20) and not torch.allclose(seg, det)
+    torch.testing.assert_close(seg, enc.features(x))
+    enc.copy_decoder_to_detection()
+    seg, det = enc.task_features(x)
+    torch.testing.assert_close(seg, det)
+    enc.train()
+    seg, det = enc.task_features(x)
+    det.sum().backward()
+    assert enc.det_up2[0].weight.grad is not None and enc.stem[0].weight.grad is not None
+    # the segmentation decoder gets no gradient from the boxes
+    assert all(p.grad is None for p in [*enc.up1.parameters(), *enc.up2.parameters()])
+    seg, det = BevEncoder(8, 3, widths=(8, 16, 16), blocks=1).task_features(x)
+    assert seg is det  # without task decoders both tasks read the one decoder

@@ -26,6 +26,7 @@ class BevEncoder(nn.Module):
         widths: tuple[int, int, int] = (64, 128, 256),
         blocks: int = 2,
         channels_last: bool | str = False,
+        task_decoders: bool = False,
     ):
         super().__init__()
         if len(widths) != 3:
@@ -46,6 +47,10 @@ class BevEncoder(nn.Module):
             nn.ReLU(inplace=True),
             nn.Conv2d(w1, num_classes, 1),
         )
+        # task_decoders: a second up path of the same shape for the detection head (BEVFusion's neck per task): the
+        # encoder is shared, segmentation and boxes each get their own decoder.
+        self.det_up1 = Up(w2 + w0, w2) if task_decoders else None
+        self.det_up2 = self._decoder_tail(w2, w1) if task_decoders else None
         # Zero-init the last BN of each residual block (torchvision's zero_init_residual), as LSS does.
         for m in self.modules():
             if hasattr(m, "bn2") and isinstance(m.bn2, nn.BatchNorm2d):
@@ -76,15 +81,41 @@ class BevEncoder(nn.Module):
     def feature_channels(self) -> int:
         return self.head.in_channels
 
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, Cin, X, Y) -> (B, feature_channels, X, Y), the input of `head`."""
-        size = x.shape[-2:]
+    @staticmethod
+    def _decoder_tail(w2: int, w1: int) -> nn.Sequential:
+        return nn.Sequential(nn.Conv2d(w2, w1, 3, padding=1, bias=False), nn.BatchNorm2d(w1), nn.ReLU(inplace=True))
+
+    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, Cin, X, Y) -> the skip (stride 2) and the deepest (stride 8) features, shared by every decoder."""
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         x1 = self.layer1(self.stem(x))
-        x = self.up1(self.layer3(self.layer2(x1)), x1)
-        x = F.interpolate(x, size=size, mode="bilinear", align_corners=True)
-        return self.up2[:-1](x)
+        return x1, self.layer3(self.layer2(x1))
+
+    @staticmethod
+    def _decode(up1: nn.Module, tail: nn.Module, x1: torch.Tensor, x3: torch.Tensor, size) -> torch.Tensor:
+        x = F.interpolate(up1(x3, x1), size=size, mode="bilinear", align_corners=True)
+        return tail(x)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, Cin, X, Y) -> (B, feature_channels, X, Y), the input of `head`."""
+        return self._decode(self.up1, self.up2[:-1], *self._encode(x), x.shape[-2:])
+
+    def task_features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(segmentation features, detection features), each (B, feature_channels, X, Y): one encoder pass, then
+        each task's decoder (the same features twice without task_decoders)."""
+        x1, x3 = self._encode(x)
+        seg = self._decode(self.up1, self.up2[:-1], x1, x3, x.shape[-2:])
+        if self.det_up1 is None:
+            return seg, seg
+        return seg, self._decode(self.det_up1, self.det_up2, x1, x3, x.shape[-2:])
+
+    def copy_decoder_to_detection(self) -> None:
+        """Start the detection decoder as a copy of the segmentation decoder (a static checkpoint has only that)."""
+        with torch.no_grad():
+            for mine, theirs in ((self.det_up1, self.up1), (self.det_up2, self.up2[:-1])):
+                for a, b in zip(mine.state_dict().values(), theirs.state_dict().values()):
+                    a.copy_(b)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """head(features) in the default memory layout (the features may be channels_last)."""

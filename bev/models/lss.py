@@ -148,12 +148,18 @@ class LiftSplatShoot(nn.Module):
         feats = self.bev_encoder.features(voxels)
         return (feats, depth_logits) if return_depth else feats
 
+    def heads(self, voxels: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """BEV voxel features -> the segmentation logits, and with a detection head {"bev": those, "heatmap",
+        "regression"} (each task from its own decoder with bev.task_decoders)."""
+        if self.det_head is None:
+            return self.bev_encoder.logits(self.bev_encoder.features(voxels))
+        seg, det = self.bev_encoder.task_features(voxels)
+        return {"bev": self.bev_encoder.logits(seg), **self.det_head(det)}
+
     def forward(self, images, intrinsics, rots, trans, post_rots, post_trans, return_depth: bool = False):
         """BEV logits (B, K, X, Y); a model with a detection head gives {"bev": those, "heatmap": (B, 10, X, Y),
         "regression": (B, G, 10, X, Y)} (bev.models.centerpoint); with return_depth also the depth logits
         (B, N, D, fH, fW)."""
-        feats, depth_logits = self.bev_features(images, intrinsics, rots, trans, post_rots, post_trans, True)
-        out = self.bev_encoder.logits(feats)
-        if self.det_head is not None:
-            out = {"bev": out, **self.det_head(feats)}
+        voxels, depth_logits = self.lift_splat(images, intrinsics, rots, trans, post_rots, post_trans, True)
+        out = self.heads(voxels)
         return (out, depth_logits) if return_depth else out

@@ -275,10 +275,10 @@ class TemporalLiftSplat(LiftSplatShoot):
         if self.past_frames:
             frames = torch.cat([warp_to_present(past, future_egomotion, self.grid), present.unsqueeze(1)], dim=1)
             feats = frames.flatten(1, 2) if self.concat else self.fusion(frames)
-        x = self.bev_encoder.features(feats)
+        x, det = self.bev_encoder.task_features(feats)
         out = {"bev": self.bev_encoder.logits(x)}
         if self.det_head is not None:  # boxes of the present frame from the fused features (BEVDet4D)
-            out.update(self.det_head(x))
+            out.update(self.det_head(det))
         if self.probabilistic:
             x = self._with_latent(x, out, future_labels)
         out.update(self.future(x))
