@@ -43,6 +43,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     data_cfg = build_data_config(cfg.data, loaded.run_config, trained_on(loaded))
     datamodule = instantiate(data_cfg)
     out.mkdir(parents=True, exist_ok=True)
+    if tuple(getattr(loaded.model, "heads", ())) == ("occupancy",):
+        return _evaluate_occupancy(cfg, loaded, data_cfg, datamodule, out)
     loaded.model.detection_output_dir = str(out)  # results_nusc.json and the devkit's summary, if it detects
     try:
         metrics = _test_metrics(cfg, loaded, data_cfg, datamodule)
@@ -56,6 +58,39 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     atomic_write(out / "metrics.json", json.dumps(record, indent=2))
     pngs = save_pngs(loaded.model, datamodule, out, int(cfg.num_pngs))
     _print_report(loaded, data_cfg, record, out, len(pngs))
+    return record
+
+
+def _evaluate_occupancy(cfg: DictConfig, loaded, data_cfg: DictConfig, datamodule, out: Path) -> dict[str, Any]:
+    """An occupancy checkpoint: Occ3D's mIoU (per class, mean over 0-16, per distance band) printed and in
+    metrics.json, and the predictions in the challenge's format in <out>/predictions/<sample token>.npz."""
+    from bev.inference import overwrite_option
+    from bev.occupancy.metric import format_table
+
+    pred_dir = out / "predictions"
+    earlier = sorted(pred_dir.glob("*.npz")) if pred_dir.is_dir() else []
+    if earlier and not overwrite_option(cfg.get("overwrite", False)):
+        raise FileExistsError(
+            f"{str(pred_dir)!r} already holds {len(earlier)} predictions of an earlier evaluation: pass overwrite=true "
+            "to replace them, or another folder (hydra.run.dir=...)"
+        )
+    for path in earlier:  # a submission folder holds this evaluation's samples only
+        path.unlink()
+    loaded.model.prediction_dir = str(pred_dir)
+    metrics = _test_metrics(cfg, loaded, data_cfg, datamodule)
+    bev_only = ("threshold", "visibility_filter", "object_classes", "map_classes", "map_protocol")
+    record = {k: v for k, v in _eval_record(loaded, data_cfg, metrics).items() if k not in bev_only}
+    record["predictions"] = str(pred_dir)
+    record["distance_bands_m"] = "voxel-column centre distance from the ego origin: [0,20), [20,40), [40,inf)"
+    record["metric"] = (
+        "Occ3D's Metric_mIoU: 18x18 confusion over the voxels of mask_camera, per-class IoU, mIoU = mean over "
+        "classes 0-16 (fractions here; x 100 printed)"
+    )
+    atomic_write(out / "metrics.json", json.dumps(record, indent=2))
+    mask = str(loaded.model.metric_mask)
+    print(f"Checkpoint {loaded.path} on {data_cfg.dataroot} {data_cfg.version}/{data_cfg.val_split}:")
+    print(format_table(metrics, mask=mask))
+    print(f"Metrics: {out / 'metrics.json'}  Predictions (challenge format): {pred_dir}")
     return record
 
 

@@ -67,8 +67,8 @@ def test_the_lift_grid_must_span_occ3d():
         OccupancyNet(_grid(zstep=0.6), (32, 96), 16, 8, SMALL_CAMERA, occupancy={"kind": "voxel3d"})
     with pytest.raises(ValueError, match="kind must be one of"):
         OccupancyNet(_grid(), (32, 96), 16, 8, SMALL_CAMERA, occupancy={"kind": "voxels"})
-    with pytest.raises(ValueError, match=r"unknown model.net.occupancy key\(s\) \['widths'\]"):
-        OccupancyNet(_grid(), (32, 96), 16, 8, SMALL_CAMERA, occupancy={"kind": "channel_to_height", "widths": [8]})
+    with pytest.raises(ValueError, match=r"unknown model.net.occupancy key\(s\) \['width'\]"):
+        OccupancyNet(_grid(), (32, 96), 16, 8, SMALL_CAMERA, occupancy={"kind": "channel_to_height", "width": [8]})
 
 
 # ----------------------------------------------------------------------------- losses

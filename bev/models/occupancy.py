@@ -140,8 +140,9 @@ class OccupancyNet(LiftSplatShoot):
     """Cameras -> (B, 18, 200, 200, 16) Occ3D logits indexed [x, y, z] (module doc). The camera encoder, the lift
     and the splat are LiftSplatShoot's; `occupancy` chooses the rest:
       kind: voxel3d | channel_to_height
-      voxel3d: widths, blocks (VoxelEncoder3d), channels (the encoder's output and the head's width)
-      channel_to_height: channels (what the 2D BEV encoder gives each cell, FlashOcc's out_dim)
+      channels: voxel3d: the 3D encoder's output and the head's width; channel_to_height: what the 2D BEV
+        encoder gives each cell (FlashOcc's out_dim)
+      widths, blocks: voxel3d's VoxelEncoder3d stages (ignored by channel_to_height)
     `bev` configures the 2D BEV encoder of channel_to_height (LSS's BevEncoder); voxel3d has none."""
 
     def __init__(
@@ -164,17 +165,15 @@ class OccupancyNet(LiftSplatShoot):
         check_grid(self.grid, kind)
         self.kind, self.num_classes = kind, NUM_CLASSES
         C, Z = context_channels, self.grid.nz
+        _refuse(occ, {"widths", "blocks", "channels"})
         if kind == "voxel3d":
-            known = {"widths", "blocks", "channels"}
-            _refuse(occ, known, kind)
             channels = int(occ.get("channels", 32))
             self.bev_encoder = None  # no 2D encoder: the voxels keep their heights
             self.voxel_encoder = VoxelEncoder3d(
                 C, occ.get("widths", (32, 64, 128)), occ.get("blocks", (1, 2, 4)), channels
             )
             self.occ_head = Voxel3dHead(channels, channels)
-        else:
-            _refuse(occ, {"channels"}, kind)
+        else:  # widths and blocks are voxel3d's: ignored, so that one override switches the kind
             channels = int(occ.get("channels", 256))
             self.bev_encoder = BevEncoder(C * Z, channels, **dict(bev or {}))  # its 1x1 head gives `channels`
             self.occ_head = ChannelToHeightHead(channels)
@@ -198,12 +197,10 @@ class OccupancyNet(LiftSplatShoot):
         return (out, depth_logits) if return_depth else out
 
 
-def _refuse(options: Mapping[str, Any], known: set[str], kind: str) -> None:
+def _refuse(options: Mapping[str, Any], known: set[str]) -> None:
     unknown = sorted(set(options) - known)
     if unknown:
-        raise ValueError(
-            f"unknown model.net.occupancy key(s) {unknown} for kind {kind}; known: kind, {', '.join(sorted(known))}"
-        )
+        raise ValueError(f"unknown model.net.occupancy key(s) {unknown}; known: kind, {', '.join(sorted(known))}")
 
 
 __all__ = ["KINDS", "ChannelToHeightHead", "OccupancyNet", "Voxel3dHead", "VoxelEncoder3d", "check_grid"]

@@ -155,3 +155,24 @@ class OccupancyMIoU:
 
 def _band_name(lo: float, hi: float) -> str:
     return f"{lo:g}m+" if math.isinf(hi) else f"{lo:g}-{hi:g}m"
+
+
+def format_table(metrics: dict[str, float], prefix: str = "occ_", mask: str = "camera") -> str:
+    """Occ3D's report of a flat metrics dict (occ_iou_<class>, occ_miou, occ_miou_<band>; fractions): per-class IoU
+    and the mIoU over classes 0-16, x 100 as Occ3D prints them, then the mIoU per distance band."""
+
+    def pct(v) -> str:
+        return "   nan" if v is None or not math.isfinite(v) else f"{100 * v:6.2f}"
+
+    lines = [f"Occ3D mIoU (x 100), {'every voxel' if mask == 'none' else f'voxels of mask_{mask}'}:"]
+    lines += [
+        f"  {c:>2} {OCC3D_CLASSES[c]:<22}{pct(metrics.get(f'{prefix}iou_{OCC3D_CLASSES[c]}'))}" for c in range(FREE)
+    ]
+    lines.append(f"  mIoU over classes 0-16     {pct(metrics.get(f'{prefix}miou'))}")
+    bands = [k[len(f"{prefix}miou_") :] for k in metrics if k.startswith(f"{prefix}miou_")]
+    if bands:
+        lines.append(
+            "  by xy distance from the ego: "
+            + ", ".join(f"{b} {pct(metrics[f'{prefix}miou_{b}']).strip()}" for b in bands)
+        )
+    return "\n".join(lines)

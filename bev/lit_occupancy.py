@@ -1,0 +1,155 @@
+"""LightningModule for 3D semantic occupancy (Occ3D-nuScenes): an OccupancyNet (bev.models.occupancy) trained on
+the items of data.occupancy=true with bev.occupancy.loss, scored by Occ3D's mIoU (bev.occupancy.metric).
+
+Logged (docs/configs.md#log-keys): <stage>/loss the weighted total, <stage>/occ_loss (cross-entropy),
+<stage>/lovasz_loss and <stage>/depth_loss when on; val/occ_miou (Occ3D's mIoU over classes 0-16, a fraction),
+val/occ_miou_best, val/occ_iou_<class>, val/occ_miou_<band> (xy distance bands 0-20, 20-40, 40+ m); the same
+under test/. The confusion is summed over every process before it is scored (OccupancyMIoU.all_reduce), so
+the numbers are the split's whatever the number of processes. val/iou_best (bev-train's summary) holds the
+best val/occ_miou.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from bev.lit import CAMERA_KEYS, BEVLitModule
+from bev.occupancy.grid import FREE, OCC3D_CLASSES
+from bev.occupancy.io import write_prediction
+from bev.occupancy.loss import OccupancyLoss, check_loss_options
+from bev.occupancy.metric import DEFAULT_BANDS, MASKS, OccScores, OccupancyMIoU
+
+LABEL_KEY, MASK_KEYS = "occ_semantics", ("occ_mask_camera", "occ_mask_lidar")
+
+
+def score_dict(scores: OccScores, bands: Mapping[str, OccScores]) -> dict[str, float]:
+    """occ_miou, occ_iou_<class> (classes 0-16) and occ_miou_<band> of a computed OccupancyMIoU."""
+    out = {"occ_miou": scores.miou}
+    out.update({f"occ_iou_{OCC3D_CLASSES[c]}": float(scores.iou[c]) for c in range(FREE)})
+    out.update({f"occ_miou_{name}": s.miou for name, s in bands.items()})
+    return out
+
+
+class OccupancyLitModule(BEVLitModule):
+    """The static module's optimiser, schedule, compile and init_from, with occupancy's loss and metric.
+
+    loss: {class_weight: null | log_frequency | [18] | {class: w}, lovasz_weight: 0, visible_only: true}
+    (bev.occupancy.loss.OccupancyLoss). metric_mask: the voxels scored, "camera" as Occ3D (or "lidar", "none").
+    depth_weight > 0: the camera depth supervised by lidar depth bins as in BEVLitModule (data.depth_target=true).
+    prediction_dir: where test batches write their predictions in the challenge's format (bev-eval sets it).
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        scheduler_interval: str = "step",
+        compile: bool | str | None = False,
+        loss: Mapping[str, Any] | None = None,
+        metric_mask: str = "camera",
+        depth_weight: float = 0.0,
+        init_from: str | None = None,
+    ):
+        super().__init__(
+            net,
+            optimizer,
+            scheduler,
+            scheduler_interval,
+            compile=compile,
+            object_classes=OCC3D_CLASSES,
+            depth_weight=depth_weight,
+            init_from=init_from,
+        )
+        self.heads = ("occupancy",)
+        self.occ_loss = OccupancyLoss(**check_loss_options(loss))
+        if metric_mask not in MASKS:
+            raise ValueError(f"model.metric_mask must be one of {', '.join(MASKS)}, got {metric_mask!r}")
+        self.metric_mask = metric_mask
+        self._scores: dict[str, OccupancyMIoU] = {}
+        self.prediction_dir: str | None = None
+
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        config = getattr(dm, "config", None)
+        if config is not None and not getattr(config, "occupancy", False):
+            raise ValueError("an occupancy model trains and scores on Occ3D labels: set data.occupancy=true")
+        if self.compile and stage == "fit":
+            self.net.compile(mode=self.compile, fullgraph=True)
+
+    # ------------------------------------------------------------------ loss
+
+    def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(total loss, logits (B, 18, X, Y, Z), the unweighted terms: occ, lovasz, depth)."""
+        if self.depth_weight and "depth" not in batch:
+            raise ValueError(
+                "model.depth_weight > 0 needs lidar depth targets in the batch: set data.depth_target=true"
+            )
+        cams = [batch[k] for k in CAMERA_KEYS]
+        logits, depth_logits = self.run_net(*cams, return_depth=True) if self.depth_weight else (self(batch), None)
+        loss, terms = self.losses(logits, batch, depth_logits)
+        return loss, logits, terms
+
+    def losses(self, logits, batch: dict, depth_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        if LABEL_KEY not in batch:
+            raise ValueError("an occupancy model trains on Occ3D labels: the batches need data.occupancy=true")
+        terms = self.occ_loss(logits, batch[LABEL_KEY], batch.get(MASK_KEYS[0]))
+        loss = self.occ_loss.total(terms)
+        if depth_logits is not None:
+            terms["depth"] = self.depth_loss(depth_logits, batch["depth"])
+            loss = loss + self.depth_weight * terms["depth"]
+        return loss, terms
+
+    def training_step(self, batch: dict, batch_idx: int) -> dict:
+        loss, logits, terms = self.forward_loss(batch)
+        self.log_losses("train", loss, terms, logits.shape[0])
+        return {"loss": loss}  # no BEV "logits": the BEV picture callback has nothing to draw
+
+    # ------------------------------------------------------------------ evaluation
+
+    def scores(self, stage: str) -> OccupancyMIoU:
+        """The stage's accumulator, on this module's device (made on first use)."""
+        if stage not in self._scores or self._scores[stage].confusion.device != self.device:
+            self._scores[stage] = OccupancyMIoU(self.metric_mask, DEFAULT_BANDS, device=self.device)
+        return self._scores[stage]
+
+    def _eval_step(self, batch: dict, stage: str) -> None:
+        logits = self(batch)
+        if LABEL_KEY not in batch:
+            raise ValueError("an occupancy model is scored on Occ3D labels: the batches need data.occupancy=true")
+        self.log_losses(stage, *self.losses(logits, batch), logits.shape[0])
+        pred = logits.argmax(1)
+        masks = {k.removeprefix("occ_"): batch.get(k) for k in MASK_KEYS}
+        self.scores(stage).update(pred, batch[LABEL_KEY], **masks)
+        if stage == "test" and self.prediction_dir:
+            for token, p in zip(batch["sample_token"], pred.to(torch.uint8).cpu().numpy()):
+                write_prediction(self.prediction_dir, token, p)
+
+    def _epoch_scores(self, stage: str) -> dict[str, float]:
+        """The split's scores (every process's confusion summed), then the accumulator is reset."""
+        acc = self.scores(stage)
+        acc.all_reduce()
+        out = score_dict(acc.compute(), acc.compute_bands())
+        acc.reset()
+        return out
+
+    def on_validation_epoch_end(self) -> None:
+        results = self._epoch_scores("val")
+        miou = results.pop("occ_miou")
+        if not self.trainer.sanity_checking and math.isfinite(miou):
+            self.val_iou_best.fill_(max(float(self.val_iou_best), miou))
+        self.log("val/occ_miou", miou, prog_bar=True)
+        self.log("val/occ_miou_best", float(self.val_iou_best), prog_bar=True)
+        self.log_dict({f"val/{k}": v for k, v in results.items()})
+
+    def on_test_epoch_end(self) -> None:
+        self.log_dict({f"test/{k}": v for k, v in self._epoch_scores("test").items()})
+
+    def predict_step(self, batch: dict, batch_idx: int = 0, dataloader_idx: int = 0) -> dict[str, torch.Tensor]:
+        """{"occupancy": (B, 200, 200, 16) uint8 class ids (the argmax), indexed [x, y, z]}."""
+        return {"occupancy": self(batch).argmax(1).to(torch.uint8)}

@@ -1,0 +1,117 @@
+"""Occupancy experiments compose with their published settings and train two steps on the synthetic set; bev-eval on
+an occupancy checkpoint prints and writes Occ3D's mIoU and the predictions in the challenge's format."""
+
+import json
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+from test_occupancy_data import occ_root  # noqa: F401 (the synthetic set with Occ3D labels)
+
+from bev.train import CONFIG_DIR
+from helpers.cli import eval_cli, train_cli
+
+EXPERIMENTS = ["synthetic_occ_cpu", "bevdet_occ_nuscenes", "flashocc_nuscenes"]
+# Only what a CPU test must change: the synthetic set, a small input, no ImageNet download, two steps.
+SMALL = [
+    "data.version=v1.0-mini",
+    "data.train_split=mini_train",
+    "data.val_split=mini_val",
+    "data.final_dim=[64,176]",
+    "data.batch_size=1",
+    "data.num_workers=0",
+    "data.pin_memory=false",
+    "model.net.camera.weights=null",
+    "trainer=cpu",
+    "+trainer.max_steps=2",
+    "trainer.max_epochs=1",
+    "+trainer.limit_val_batches=1",
+    "++trainer.val_check_interval=2",
+    "trainer.check_val_every_n_epoch=1",
+    "trainer.enable_progress_bar=false",
+    "callbacks.bev_png.every_n_steps=0",
+    "callbacks.time_budget.budget=null",
+]
+# The published heads at 1.6 m lift cells (the logits are still 200 x 200 x 16; a 3D encoder at 0.4 m costs
+# minutes per step on a CPU), behind a ResNet-18 (ResNet-50's checkpoints take most of a run's time here).
+COARSE = ["grid.xbound=[-40,40,1.6]", "grid.ybound=[-40,40,1.6]", "grid.dbound=[2,46,4]", "data.final_dim=[32,96]"]
+NUSCENES_SMALL = [*COARSE, "model.net.camera.backbone=resnet18"]
+
+
+def _compose(experiment, *overrides):
+    with initialize_config_dir(CONFIG_DIR, version_base="1.3"):
+        return compose("train", overrides=[f"experiment={experiment}", *overrides])
+
+
+def test_the_published_settings_are_in_the_experiments():
+    bevdet, flash = _compose("bevdet_occ_nuscenes"), _compose("flashocc_nuscenes")
+    for cfg in (bevdet, flash):
+        assert cfg.data.occupancy and list(cfg.data.final_dim) == [256, 704] and list(cfg.grid.dbound) == [1, 45, 0.5]
+        assert (
+            list(cfg.grid.xbound) == [-40, 40, 0.4]
+            and cfg.data.bev_aug.flip_x == 0.5
+            and cfg.data.bev_aug.rot_lim == [0, 0]
+        )
+        assert (
+            cfg.model.optimizer.lr == 1e-4 and cfg.model.optimizer.weight_decay == 1e-2 and cfg.trainer.max_epochs == 24
+        )
+        assert cfg.model.loss.visible_only and cfg.model.net.camera.backbone == "resnet50"
+        assert cfg.callbacks.model_checkpoint.monitor == "val/occ_miou"
+    occ = bevdet.model.net.occupancy
+    assert occ.kind == "voxel3d" and list(occ.widths) == [32, 64, 128] and list(occ.blocks) == [1, 2, 4]
+    assert bevdet.model.net.context_channels == 32 and list(bevdet.grid.zbound) == [-1, 5.4, 0.4]
+    assert flash.model.net.occupancy.kind == "channel_to_height" and flash.model.net.occupancy.channels == 256
+    assert flash.model.net.context_channels == 64 and list(flash.grid.zbound) == [-1, 5.4, 6.4]
+    assert list(flash.model.net.bev.widths) == [128, 256, 512]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_the_experiment_trains_two_steps(experiment, occ_root, tmp_path, monkeypatch, capsys):  # noqa: F811
+    extra = COARSE if experiment == "synthetic_occ_cpu" else NUSCENES_SMALL
+    extra = extra + (["grid.zbound=[-1,5.4,1.6]"] if experiment != "flashocc_nuscenes" else [])
+    args = [f"experiment={experiment}", *SMALL, *extra, f"data.dataroot={occ_root}", f"hydra.run.dir={tmp_path}"]
+    assert train_cli(args, monkeypatch) == 0, capsys.readouterr().err[-3000:]
+    rec = json.loads((tmp_path / "metrics.json").read_text())
+    m = rec["metrics"]
+    assert rec["global_step"] == 2 and 0 <= m["val/occ_miou"] <= 1 and "val/occ_iou_car" in m
+    assert m["train/occ_loss_step"] > 0 and "val/occ_miou_0-20m" in m and m["val/iou_best"] == m["val/occ_miou_best"]
+
+
+@pytest.mark.e2e
+def test_bev_eval_scores_and_writes_challenge_predictions(occ_root, tmp_path, monkeypatch, capsys):  # noqa: F811
+    from bev.occupancy.io import labels_path, read_prediction
+
+    run = tmp_path / "run"
+    small = [*SMALL, "grid.xbound=[-40,40,1.6]", "grid.ybound=[-40,40,1.6]", "grid.zbound=[-1,5.4,1.6]"]
+    args = ["experiment=synthetic_occ_cpu", *small, "model.net.occupancy.kind=channel_to_height"]
+    assert train_cli([*args, f"data.dataroot={occ_root}", f"hydra.run.dir={run}"], monkeypatch) == 0
+    out = tmp_path / "eval"
+    eval_args = [f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"data.dataroot={occ_root}", f"hydra.run.dir={out}"]
+    capsys.readouterr()
+    assert eval_cli(eval_args, monkeypatch) == 0, capsys.readouterr().err[-3000:]
+    printed = capsys.readouterr().out
+    assert "Occ3D mIoU (x 100), voxels of mask_camera" in printed and "mIoU over classes 0-16" in printed
+    rec = json.loads((out / "metrics.json").read_text())
+    # The printed and written mIoU is Occ3D's over the written predictions and the label files.
+    tokens = [p.stem for p in sorted((out / "predictions").glob("*.npz"))]
+    assert len(tokens) == 3  # mini_val: one scene of three samples
+    scene = json.loads((occ_root / "v1.0-mini" / "scene.json").read_text())
+    names = {s["token"]: s["name"] for s in scene}
+    samples = {
+        s["token"]: names[s["scene_token"]] for s in json.loads((occ_root / "v1.0-mini" / "sample.json").read_text())
+    }
+    hist = np.zeros((18, 18), np.int64)
+    for t in tokens:
+        pred = read_prediction(out / "predictions" / f"{t}.npz")
+        with np.load(labels_path(occ_root, samples[t], t)) as z:
+            gt, mask = z["semantics"], z["mask_camera"] > 0
+        hist += np.bincount(18 * gt[mask].astype(np.int64) + pred[mask], minlength=324).reshape(18, 18)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iou = np.diag(hist) / (hist.sum(0) + hist.sum(1) - np.diag(hist))
+    assert rec["metrics"]["occ_miou"] == pytest.approx(np.nanmean(iou[:17]), abs=1e-9)
+    assert rec["metrics"]["occ_iou_car"] == pytest.approx(iou[4], nan_ok=True)
+    assert f"{100 * np.nanmean(iou[:17]):6.2f}" in printed
+    # A second evaluation into the same folder is refused without overwrite=true.
+    assert eval_cli(eval_args, monkeypatch) != 0
+    assert "already holds" in capsys.readouterr().err
