@@ -90,8 +90,28 @@ def _evaluate_occupancy(cfg: DictConfig, loaded, data_cfg: DictConfig, datamodul
     mask = str(loaded.model.metric_mask)
     print(f"Checkpoint {loaded.path} on {data_cfg.dataroot} {data_cfg.version}/{data_cfg.val_split}:")
     print(format_table(metrics, mask=mask))
-    print(f"Metrics: {out / 'metrics.json'}  Predictions (challenge format): {pred_dir}")
+    pngs = _occupancy_pngs(loaded.model, datamodule, out, int(cfg.num_pngs))
+    print(f"Metrics: {out / 'metrics.json'}  Predictions (challenge format): {pred_dir}  Pictures: {len(pngs)} PNGs")
     return record
+
+
+def _occupancy_pngs(model, datamodule, out: Path, n: int) -> list[Path]:
+    """Cameras, then top-down and side views of the prediction beside the camera-visible ground truth, for the first
+    n validation samples (bev.occupancy.viz)."""
+    from bev.inference import predict
+    from bev.occupancy.viz import render_occupancy
+    from bev.viz import camera_grid, save_png
+
+    paths: list[Path] = []
+    for batch in datamodule.test_dataloader() if n > 0 else ():
+        pred = predict(model, batch)["occupancy"].cpu()
+        for i in range(min(len(pred), n - len(paths))):
+            cams = camera_grid(batch["images"][i], batch["cam_ids"][i])
+            img = render_occupancy(pred[i], batch["occ_semantics"][i], batch["occ_mask_camera"][i], cams)
+            paths.append(Path(save_png(out / f"sample_{len(paths):03d}.png", img)))
+        if len(paths) >= n:
+            break
+    return paths
 
 
 def output_files(out: Path, num_pngs: int) -> list[Path]:

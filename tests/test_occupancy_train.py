@@ -112,6 +112,7 @@ def test_bev_eval_scores_and_writes_challenge_predictions(occ_root, tmp_path, mo
     assert rec["metrics"]["occ_miou"] == pytest.approx(np.nanmean(iou[:17]), abs=1e-9)
     assert rec["metrics"]["occ_iou_car"] == pytest.approx(iou[4], nan_ok=True)
     assert f"{100 * np.nanmean(iou[:17]):6.2f}" in printed
+    assert len(list(out.glob("sample_*.png"))) == 3  # cameras and the occupancy views of each val sample
     # A second evaluation into the same folder is refused without overwrite=true.
     assert eval_cli(eval_args, monkeypatch) != 0
     assert "already holds" in capsys.readouterr().err
