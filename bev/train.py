@@ -237,6 +237,9 @@ def _build_trainer(cfg: DictConfig):
 
 def _fit(cfg: DictConfig, trainer, model, datamodule, ckpt_path: str | None) -> float:
     """trainer.fit under the configured intra-op threads (bev.utils.threads); returns its wall time in seconds."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from bev.callbacks.checkpoint import interrupted
     from bev.callbacks.threads import threads_following_load
 
     start = time.time()
@@ -247,7 +250,10 @@ def _fit(cfg: DictConfig, trainer, model, datamodule, ckpt_path: str | None) -> 
         cfg.trainer.get("devices", 1),
     ) as follow:
         trainer.callbacks.extend(follow)
-        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+        try:
+            trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+        except SIGTERMException:  # SIGTERM or a Ctrl-C: stopped after a finished step, saved in last.ckpt
+            raise interrupted(trainer) from None
     return time.time() - start
 
 

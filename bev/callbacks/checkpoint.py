@@ -1,8 +1,12 @@
-"""Checkpoint callbacks: atomic saves (bev.utils.checkpoint) and last.ckpt after every epoch."""
+"""Checkpoint callbacks: atomic saves (bev.utils.checkpoint), last.ckpt after every epoch and at an interrupt."""
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import threading
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -48,6 +52,58 @@ class ModelCheckpoint(L.pytorch.callbacks.ModelCheckpoint):
             for tmp in remove_stale_temporaries(self.dirpath):  # saves killed in an earlier session
                 rank_zero_info(f"removed {tmp.name}, left in {self.dirpath} by a killed checkpoint save")
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._stop_gently_on_sigint()  # now: Lightning registers its SIGTERM handler after setup and on_fit_start
+
+    # ------------------------------------------------------------------ interrupts (SIGINT, SIGTERM)
+    # Lightning sets a flag on SIGTERM and stops at the end of the current step (or validation batch) with a
+    # SIGTERMException; a Ctrl-C is made to do the same, so that the state saved is that of a finished step
+    # (a KeyboardInterrupt can land in the middle of an optimiser step). A second Ctrl-C stops at once.
+    stopped_by: str | None = None  # "SIGINT" or "SIGTERM" once an interrupt stopped the run
+
+    def _stop_gently_on_sigint(self) -> None:
+        """Ctrl-C -> SIGTERM to this process (Lightning's handler, registered for the fit, sets its flag); only in
+        the main thread, where signal handlers live, and when Lightning's SIGTERM handler is there to take it."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN, None):
+            return
+        # Lightning's teardown puts back the handlers found when its fit started: this one goes with the fit.
+        signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.stopped_by:  # the second Ctrl-C
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        self.stopped_by = "SIGINT"
+        print(
+            "\nbev-train: SIGINT: stopping after the current step, saving it to last.ckpt (Ctrl-C again: stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """At a SIGTERM (or a first Ctrl-C): last.ckpt of the last finished step, unless it is saved already. Any
+        other exception saves nothing (the state may be half a step); the message names the last save."""
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if not isinstance(exception, SIGTERMException):
+            if isinstance(exception, KeyboardInterrupt) and trainer.is_global_zero:
+                print(f"bev-train: stopped at once (SIGINT); {resume_hint(self)}", file=sys.stderr, flush=True)
+            return
+        self.stopped_by = self.stopped_by or "SIGTERM"
+        if self.save_last and self._saving_allowed(trainer) and self._last_step_in_last != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    _last_step_in_last: int = -1  # the global step last.ckpt holds, as written by this run
+
+    def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict[str, Any]) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        if self.save_last:
+            self._last_step_in_last = trainer.global_step
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "rng": _rng_states()}
 
@@ -89,6 +145,29 @@ class ModelCheckpoint(L.pytorch.callbacks.ModelCheckpoint):
         """last.ckpt now, unless this step is saved already (or nothing is to be saved: sanity check, fast_dev_run)."""
         if self.save_last and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+def resume_hint(callback: ModelCheckpoint | None) -> str:
+    """Where an interrupted run resumes from: the last.ckpt this run wrote (or found), or that there is none."""
+    last = callback.last_model_path if callback is not None else ""
+    if last and Path(last).is_file():
+        return f"resume with the same command and ckpt_path={last}"
+    return "no checkpoint was saved yet: run the command again to start over"
+
+
+def interrupted(trainer: L.Trainer) -> SystemExit:
+    """After a run stopped by SIGINT or SIGTERM (Lightning's SIGTERMException): one line saying at which step and
+    how to resume; the exit status is 128 + the signal's number, as the shell gives a process the signal ended."""
+    callback = trainer.checkpoint_callback if isinstance(trainer.checkpoint_callback, ModelCheckpoint) else None
+    name = (callback.stopped_by if callback else None) or "SIGTERM"
+    if trainer.is_global_zero:
+        print(
+            f"bev-train: stopped by {name} after step {trainer.global_step} (epoch {trainer.current_epoch}); "
+            f"{resume_hint(callback)}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return SystemExit(128 + int(getattr(signal, name)))
 
 
 def _rng_states() -> dict[str, Any]:

@@ -58,8 +58,9 @@ def report_errors(prog: str) -> Callable:
         def run(cfg: DictConfig) -> Any:
             try:
                 return task(cfg)
-            except KeyboardInterrupt:
-                raise
+            except KeyboardInterrupt:  # Ctrl-C outside training (bev-train stops its training loop itself)
+                print(f"\n{prog}: interrupted (SIGINT): stopped before finishing", file=sys.stderr, flush=True)
+                sys.exit(130)
             except Exception as e:
                 if os.environ.get("HYDRA_FULL_ERROR") == "1":
                     raise
@@ -98,9 +99,25 @@ class RunDirCheck(HydraCallback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config, "hydra.run.dir")
+        if config.get("task_name") == "train":
+            self._refuse_if_in_use(config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config, "hydra.sweep.dir")
+
+    @staticmethod
+    def _refuse_if_in_use(config: DictConfig) -> None:
+        """A bev-train into a run directory another one is training in: refused before Hydra replaces that run's
+        .hydra/ files and appends to its log (bev-train's own run_dir_lock would refuse it later)."""
+        from omegaconf import OmegaConf
+
+        from bev.utils.io import in_use_message, run_dir_holder
+
+        folder = OmegaConf.select(config, "hydra.run.dir")
+        holder = run_dir_holder(folder) if folder else None
+        if holder:
+            print(f"bev-train: error: {in_use_message(folder, holder)}", file=sys.stderr, flush=True)
+            sys.exit(1)
 
     @staticmethod
     def _check(config: DictConfig, key: str) -> None:

@@ -260,11 +260,7 @@ def run_dir_lock(folder: str | os.PathLike) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
-            holder = f.read().strip() or "another process"
-            raise RuntimeError(
-                f"run directory {str(folder)!r} is in use by {holder}: wait for that run to end, or train into "
-                "another directory (hydra.run.dir=...)"
-            ) from None
+            raise RuntimeError(in_use_message(folder, f.read().strip())) from None
         except OSError as e:  # a file system without locks (some network mounts): train unlocked
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 raise
@@ -273,3 +269,30 @@ def run_dir_lock(folder: str | os.PathLike) -> Iterator[None]:
         f.write(f"bev-train pid {os.getpid()}")
         f.flush()
         yield
+
+
+def in_use_message(folder: str | os.PathLike, holder: str) -> str:
+    return (
+        f"run directory {str(folder)!r} is in use by {holder or 'another process'}: wait for that run to end, or train "
+        "into another directory (hydra.run.dir=...)"
+    )
+
+
+def run_dir_holder(folder: str | os.PathLike) -> str | None:
+    """Who holds `folder`'s run_dir_lock now ("bev-train pid N"), or None: nobody, or a file system without locks.
+    Only a look (the lock is taken and dropped at once): a bev-train checks it before Hydra writes its files there."""
+    import fcntl
+
+    try:
+        f = open(Path(folder) / LOCK_NAME)
+    except OSError:  # no lock file: never trained into
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "another process"
+        except OSError:
+            return None
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
