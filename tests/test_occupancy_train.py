@@ -84,7 +84,7 @@ def test_bev_eval_scores_and_writes_challenge_predictions(occ_root, tmp_path, mo
 
     run = tmp_path / "run"
     small = [*SMALL, "grid.xbound=[-40,40,1.6]", "grid.ybound=[-40,40,1.6]", "grid.zbound=[-1,5.4,1.6]"]
-    args = ["experiment=synthetic_occ_cpu", *small, "model.net.occupancy.kind=channel_to_height"]
+    args = ["experiment=synthetic_occ_cpu", *small, "model.net.occupancy.kind=voxel3d"]
     assert train_cli([*args, f"data.dataroot={occ_root}", f"hydra.run.dir={run}"], monkeypatch) == 0
     out = tmp_path / "eval"
     eval_args = [f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"data.dataroot={occ_root}", f"hydra.run.dir={out}"]
