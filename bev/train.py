@@ -35,8 +35,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 def _train(cfg: DictConfig) -> dict[str, Any]:
     from hydra.utils import instantiate
 
+    from bev.utils.checkpoint import warn_of_an_earlier_run
+
     check_optimizer(cfg)  # a refused setting named now, not after the data is indexed
     resolve_depth_stride(cfg)
+    if not cfg.get("ckpt_path"):
+        warn_of_an_earlier_run(cfg.paths.output_dir)  # a forgotten ckpt_path: its checkpoints go beside the old
     if cfg.get("malloc_tuning"):
         tune_malloc_in_process()  # before the model and data allocate: keep freed activations mapped
     _seed_and_matmul_precision(cfg)

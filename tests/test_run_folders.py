@@ -96,7 +96,10 @@ def two_runs(tiny_run, synthetic_root, tmp_path, monkeypatch):
     """tiny_run's folder after a second bev-train into it (no ckpt_path): last-v1.ckpt beside last.ckpt."""
     run = Path(shutil.copytree(tiny_run, tmp_path / "run"))
     args = [*TINY, "callbacks.bev_png.every_n_steps=0", f"data.dataroot={synthetic_root}", f"hydra.run.dir={run}"]
-    assert train_cli(args, monkeypatch) == 0
+    with pytest.warns(
+        UserWarning, match=r"holds an earlier run's checkpoints \(last.ckpt\).*pass ckpt_path=.*last.ckpt"
+    ):
+        assert train_cli(args, monkeypatch) == 0
     assert (run / "checkpoints" / "last-v1.ckpt").is_file()
     return run
 

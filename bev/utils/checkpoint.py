@@ -268,6 +268,20 @@ def _recorded_score(peek: _Peek, key: str) -> float | None:
     return value if _key_settings(key).get("mode") == "max" else -value
 
 
+def warn_of_an_earlier_run(run_dir: str | Path) -> None:
+    """Warn a bev-train without ckpt_path into a run directory that holds an earlier run's last checkpoint: its own
+    are saved beside them (last-v1.ckpt, ...), and the directory then resolves to the newest run (choose_checkpoint)."""
+    ckdir = Path(run_dir) / "checkpoints"
+    lasts = [p for p in ckdir.glob("last*.ckpt") if p.is_file()] if ckdir.is_dir() else []
+    if lasts:
+        newest = max(lasts, key=lambda p: p.stat().st_mtime_ns)
+        warnings.warn(
+            f"{ckdir} holds an earlier run's checkpoints ({newest.name}): this run saves its own beside them and the "
+            f"folder then resolves to this run's. To continue the earlier run instead, pass ckpt_path={newest}",
+            stacklevel=2,
+        )
+
+
 def logged_val_iou(ckpt: dict) -> float | None:
     """The val/iou the training run logged for the epoch this checkpoint was saved at."""
     for key, state in ckpt.get("callbacks", {}).items():
