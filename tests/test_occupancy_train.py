@@ -116,3 +116,40 @@ def test_bev_eval_scores_and_writes_challenge_predictions(occ_root, tmp_path, mo
     # A second evaluation into the same folder is refused without overwrite=true.
     assert eval_cli(eval_args, monkeypatch) != 0
     assert "already holds" in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_ddp_logs_the_miou_of_the_whole_split(occ_root, tmp_path, monkeypatch):  # noqa: F811
+    """Two processes each score part of the val split; the logged mIoU is the whole split's, as bev-eval's in one."""
+    import os
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    args = [
+        "experiment=synthetic_occ_cpu",
+        *[a for a in SMALL if not a.startswith(("trainer=", "+trainer.limit_val_batches"))],  # every val sample
+        *COARSE,
+        "grid.zbound=[-1,5.4,1.6]",
+        "trainer=ddp_cpu",
+        "trainer.precision=32-true",
+        "malloc_tuning=false",
+        "threads=null",
+        f"data.dataroot={occ_root}",
+        f"hydra.run.dir={run}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bev.train", *args], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logged = json.loads((run / "metrics.json").read_text())["metrics"]
+    ev = tmp_path / "eval"
+    ckpt = run / "checkpoints" / "last.ckpt"
+    eval_args = [f"ckpt_path={ckpt}", f"data.dataroot={occ_root}", "threads=1", "num_pngs=0", f"hydra.run.dir={ev}"]
+    assert eval_cli(eval_args, monkeypatch) == 0
+    scored = json.loads((ev / "metrics.json").read_text())["metrics"]
+    keys = [k for k in scored if k.startswith("occ_") and not k.endswith("_loss")]
+    assert len(keys) == 1 + 17 + 3
+    for k in keys:
+        assert logged[f"val/{k}"] == pytest.approx(scored[k], abs=1e-6, nan_ok=True), k
