@@ -157,3 +157,21 @@ def test_augmented_items_carry_the_labels_in_the_augmented_frame(occ_root):
     np.testing.assert_array_equal(item["occ_semantics"].numpy(), sem)
     np.testing.assert_array_equal(item["occ_mask_camera"].numpy(), cam)
     np.testing.assert_array_equal(item["occ_mask_lidar"].numpy(), lidar)
+
+
+def test_labels_share_the_frame_of_the_annotations(occ_root):
+    """Each annotated box's centre column holds its class: labels (from the world) and boxes (from the nuScenes
+    tables, through the devkit and the index) agree on the ego frame and the [x, y, z] order."""
+    from bev.classes import DETECTION_CLASSES
+    from bev.occupancy.grid import DETECTION_TO_OCC3D, points_to_voxels
+
+    ds = _dataset(occ_root, split="mini_train", augment=False, detection=True)
+    hits = total = 0
+    for i in range(len(ds)):
+        sem = ds[i]["occ_semantics"].numpy()
+        boxes = ds.detection_boxes(i)
+        idx, inside = points_to_voxels(boxes["boxes"][:, :3])
+        for (x, y, _), label in zip(idx[inside], boxes["labels"][inside]):
+            total += 1
+            hits += int((sem[x, y] == DETECTION_TO_OCC3D[DETECTION_CLASSES[label]]).any())
+    assert total > 20 and hits == total
