@@ -69,6 +69,8 @@ class ModelCheckpoint(L.pytorch.callbacks.ModelCheckpoint):
             return
         if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN, None):
             return
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started ignoring it (nohup, a background job)
+            return
         # Lightning's teardown puts back the handlers found when its fit started: this one goes with the fit.
         signal.signal(signal.SIGINT, self._on_sigint)
 

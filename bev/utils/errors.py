@@ -109,10 +109,13 @@ class RunDirCheck(HydraCallback):
     def _refuse_if_in_use(config: DictConfig) -> None:
         """A bev-train into a run directory another one is training in: refused before Hydra replaces that run's
         .hydra/ files and appends to its log (bev-train's own run_dir_lock would refuse it later)."""
+        from lightning.pytorch.utilities import rank_zero_only
         from omegaconf import OmegaConf
 
         from bev.utils.io import in_use_message, run_dir_holder
 
+        if rank_zero_only.rank != 0:  # a multi-process run's other processes, started into rank 0's locked directory
+            return
         folder = OmegaConf.select(config, "hydra.run.dir")
         holder = run_dir_holder(folder) if folder else None
         if holder:
