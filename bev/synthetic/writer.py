@@ -36,6 +36,7 @@ error: v1.0-mini has 10 scene names, so ask for more samples per scene instead.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import math
@@ -196,11 +197,16 @@ def _build_worlds(keys: list[tuple], workers: int) -> None:
         road_map(seed, location)  # once, before the fork: every worker (and the render workers later) shares them
     with mp.get_context("fork").Pool(min(workers, len(todo))) as pool:
         for key, world in zip(todo, pool.imap(_build_world_task, todo)):
+            world.road = road_map(key[0], key[3])
             _keep_world(key, world)
 
 
 def _build_world_task(key: tuple) -> World:
-    return build_world(*key)
+    """A world without its road map, which the parent has: one copy per location, as if built there (a copy per
+    world would multiply the objects every forked render worker's garbage collections go through)."""
+    world = build_world(*key)
+    world.road = None
+    return world
 
 
 class _RenderTask(NamedTuple):
@@ -223,6 +229,9 @@ def _worker_init() -> None:
     import torch
 
     torch.set_num_threads(1)  # one process per core; torch threads would only contend
+    # What the parent built (worlds, tables) stays out of this process's garbage collections: they would go
+    # through it all again and again, copying each page they touch from the parent.
+    gc.freeze()
 
 
 def lidar_points(
