@@ -35,6 +35,7 @@ def _start(args: list[str]) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        start_new_session=True,  # its own process group: a signal to the group reaches it as a terminal's Ctrl-C does
     )
 
 
@@ -60,15 +61,25 @@ def _step_of(ckpt: Path) -> int:
     return torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"]
 
 
+def _send(proc: subprocess.Popen, sig: str) -> None:
+    """Ctrl-C as a terminal sends it, to the whole process group (the loader process too); SIGTERM as `kill PID`,
+    a container stop or a scheduler's signal to the job's process."""
+    if sig == "SIGINT":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM)
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_an_interrupt_mid_epoch_saves_the_last_step_and_a_second_bev_train_resumes_it(sig, synthetic_root, tmp_path):
     run = tmp_path / "run"
     common = [f"data.dataroot={synthetic_root}", f"hydra.run.dir={run}"]
-    proc = _start(common)
+    # A loader process started anew each epoch, after training began: it shares the training process's handlers.
+    proc = _start([*common, "data.num_workers=1", "data.persistent_workers=false"])
     try:
-        _wait_for_line(proc, "step 2")  # mid-epoch: step 2 of the first epoch's 3
-        proc.send_signal(getattr(signal, sig))
+        _wait_for_line(proc, "step 4")  # mid-epoch: step 1 of the second epoch's 3
+        _send(proc, sig)
     finally:
         code, err = _finish(proc)
     last = run / "checkpoints" / "last.ckpt"
@@ -76,9 +87,10 @@ def test_an_interrupt_mid_epoch_saves_the_last_step_and_a_second_bev_train_resum
     assert "Traceback" not in err, err[-3000:]
     said = [line for line in err.splitlines() if line.startswith("bev-train: stopped by")]
     assert said == [
-        f"bev-train: stopped by {sig} after step 2 (epoch 0); resume with the same command and ckpt_path={last}"
+        f"bev-train: stopped by {sig} after step 4 (epoch 1); resume with the same command and ckpt_path={last}"
     ]
-    assert _step_of(last) == 2
+    assert _step_of(last) == 4
+    assert err.count("bev-train: SIGINT: stopping after the current step") == (sig == "SIGINT")  # said once
 
     resumed = _start([*common, f"ckpt_path={last}"])
     code, err = _finish(resumed)

@@ -72,9 +72,12 @@ class ModelCheckpoint(L.pytorch.callbacks.ModelCheckpoint):
         if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started ignoring it (nohup, a background job)
             return
         # Lightning's teardown puts back the handlers found when its fit started: this one goes with the fit.
+        self._main_pid = os.getpid()
         signal.signal(signal.SIGINT, self._on_sigint)
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self._main_pid:  # a loader worker forked with this handler: the training process stops it
+            return
         if self.stopped_by:  # the second Ctrl-C
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
