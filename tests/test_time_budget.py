@@ -318,6 +318,14 @@ def test_the_minimum_training_time_counts_from_the_first_step(caplog):
         TimeBudget(deadline=T0, min_train_s=-1)
 
 
+def test_a_minimum_inside_the_unmeasured_first_epoch_still_ends_the_schedule():
+    # make train leaves the first epoch unmeasured (skip_epochs 1); when the minimum binds from the first step and
+    # is shorter than that epoch, the plan comes early enough for the LR schedule to end with the run.
+    model, trainer, cb = fit_to_deadline(T0 + 60, startup_s=168, min_train_s=15, val_cost_guess=0.25, skip_epochs=1)
+    assert not cb.stopped_on_budget and trainer.global_step == cb.limit < 20 and cb.summary()["used_s"] <= 15
+    assert model.lrs[-1] == pytest.approx(FINAL_LR, rel=1e-6) and model.validated_at == [cb.limit]
+
+
 def test_the_minimum_training_time_changes_nothing_when_the_deadline_leaves_more():
     _, plain, without = fit_to_deadline(T0 + 60, startup_s=0)
     _, trainer, cb = fit_to_deadline(T0 + 60, startup_s=0, min_train_s=30)

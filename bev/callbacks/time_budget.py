@@ -186,6 +186,7 @@ class TimeBudget(L.Callback):
         self._start = self.clock()
         self._session_step0, self._session_epoch0 = trainer.global_step, trainer.current_epoch
         self._mark = None  # (time, validation seconds so far, step) once the unmeasured steps are done
+        self._measured = False  # whether the first plan was made (later ones follow validations)
         self._val_s, self._val_n, self._val_start = 0.0, 0, None
         self._floor, self.steps_done = None, trainer.global_step
         if self.planned_steps is None:
@@ -279,7 +280,8 @@ class TimeBudget(L.Callback):
         self.steps_done = trainer.global_step
         if self._mark is None and self._warmed_up(trainer, batch_idx):
             self._mark = (self.clock(), self._val_s, trainer.global_step)
-        elif self._mark is not None and trainer.global_step - self._mark[2] == self.measure_steps:
+        elif self._mark is not None and not self._measured and self._measured_enough(trainer):
+            self._measured = True
             self._plan(trainer)
         if self.limit is not None and trainer.global_step >= self.limit:
             trainer.should_stop = True  # Lightning validates and checkpoints when a run stops early,
@@ -292,10 +294,20 @@ class TimeBudget(L.Callback):
             )
 
     def _warmed_up(self, trainer, batch_idx: int) -> bool:
-        """Whether steps from now on are measured (see skip_steps, skip_epochs)."""
-        if self.skip_epochs:
+        """Whether steps from now on are measured (see skip_steps, skip_epochs; when the minimum training time
+        binds from the first step, the skipped epochs would outlast it: skip_steps only)."""
+        if self.skip_epochs and not self.late_s:
             return trainer.current_epoch - self._session_epoch0 >= self.skip_epochs and batch_idx + 1 >= self.skip_steps
         return trainer.global_step - self._session_step0 >= self.skip_steps
+
+    def _measured_enough(self, trainer) -> bool:
+        """Whether to plan now: after measure_steps steps, or when the minimum training time binds (the run ends
+        within it), after an eighth of it and 2 steps, so that the LR schedule can still end with the run."""
+        t0, _, step0 = self._mark
+        steps = trainer.global_step - step0
+        if steps >= self.measure_steps:
+            return True
+        return bool(self.late_s) and steps >= 2 and self.clock() - t0 >= self.min_train_s / 8
 
     # ------------------------------------------------------------------ planning
     def _measure(self, trainer) -> None:
