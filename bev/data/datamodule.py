@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 from bev.classes import object_class_names
 from bev.data.cbgs import ClassBalancedSampler
 from bev.data.config import DataConfig
+from bev.data.index import load_indexes
 from bev.data.nuscenes import NuScenesBEVDataset
 from bev.data.temporal import collate
 from bev.utils.dist import world
@@ -70,9 +71,12 @@ class NuScenesDataModule(L.LightningDataModule):
         return NuScenesBEVDataset(split=split, augment=augment, config=self.config.dataset)
 
     def prepare_data(self) -> None:
-        # Build (and cache) the split indexes once, in the main process, before workers start.
-        self._dataset(self.train_split, False)
-        self._dataset(self.val_split, False)
+        # Build (and cache) the split indexes once, in the main process, before workers start: the devkit's
+        # tables are read and checked once for both splits.
+        c = self.config
+        load_indexes(
+            c.dataroot, c.version, [self.train_split, self.val_split], c.categories, c.cache_dir, True, c.map_layers
+        )
 
     def setup(self, stage: str | None = None) -> None:
         if stage in (None, "fit") and self.train_set is None:

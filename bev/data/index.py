@@ -18,7 +18,7 @@ import math
 import os
 import warnings
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,19 +67,44 @@ def load_index(
     map_layers: Any = None,
 ) -> dict:
     """The split index: from the cache when its key matches, else built from the devkit and cached."""
+    return load_indexes(dataroot, version, [split], categories, cache_dir, verbose, map_layers)[split]
+
+
+def load_indexes(
+    dataroot: str | os.PathLike,
+    version: str,
+    splits: Sequence[str],
+    categories: Any = ("vehicle.",),
+    cache_dir: str | os.PathLike | None = None,
+    verbose: bool = True,
+    map_layers: Any = None,
+) -> dict[str, dict]:
+    """load_index of several splits; the devkit's tables are read (and checked) once for all those not cached."""
     table_root = check_dataroot(dataroot, version)
-    splits = split_scenes()
-    if split not in splits:
-        raise ValueError(f"unknown nuScenes split {split!r}; choose one of {sorted(splits)} (mini_* for v1.0-mini)")
+    known = split_scenes()
+    unknown = [s for s in splits if s not in known]
+    if unknown:
+        raise ValueError(f"unknown nuScenes split {unknown[0]!r}; choose one of {sorted(known)} (mini_* for v1.0-mini)")
     groups = normalize_categories(categories)
     layers = normalize_map_layers(map_layers)
-    key = cache_key(dataroot, table_root, version, split, groups, layers, cache_root(dataroot, cache_dir))
-    path = cache_file(dataroot, cache_dir, key)
-    cached = read_cache(path, key)
-    if cached is not None:
-        return cached
-    index = build_index(dataroot, version, split, groups, verbose=verbose, map_layers=layers)
-    _check_built(index, dataroot, table_root, version, split, splits[split])
+    out: dict[str, dict] = {}
+    nusc = None
+    for split in dict.fromkeys(splits):
+        key = cache_key(dataroot, table_root, version, split, groups, layers, cache_root(dataroot, cache_dir))
+        path = cache_file(dataroot, cache_dir, key)
+        cached = read_cache(path, key)
+        if cached is None:
+            nusc = nusc or open_tables(Path(dataroot), version, "/".join(splits), verbose)
+            cached = _build_and_cache(dataroot, version, split, groups, layers, nusc, key, path, known[split], verbose)
+        out[split] = cached
+    return out
+
+
+def _build_and_cache(
+    dataroot, version: str, split: str, groups, layers, nusc, key: dict, path: Path, scenes: list[str], verbose: bool
+) -> dict:
+    index = build_index(dataroot, version, split, groups, verbose=verbose, map_layers=layers, nusc=nusc)
+    _check_built(index, dataroot, Path(dataroot) / version, version, split, scenes)
     try:
         save_npz(index, key, path)
     except OSError as e:  # read-only dataset mounts still work, just without a cache
@@ -112,11 +137,13 @@ def build_index(
     groups,
     verbose: bool = True,
     map_layers: tuple[str, ...] = (),
+    nusc=None,
 ) -> dict:
-    """Walk the devkit tables once and return the flat index of one split (see module doc)."""
+    """Walk the devkit tables once and return the flat index of one split (see module doc); `nusc`: the
+    tables already opened (bev.data.tables.open_tables), for several splits at once."""
     root = Path(dataroot)
     scenes_of_split = set(split_scenes()[split])
-    nusc = open_tables(root, version, split, verbose)
+    nusc = nusc or open_tables(root, version, split, verbose)
     scenes = sorted((s for s in nusc.scene if s["name"] in scenes_of_split), key=lambda s: s["name"])
     cols = _walk_scenes(nusc, scenes, groups, f"indexing {version}/{split}", verbose)
     _warn_skipped_boxes(cols.pop("skipped_boxes", []), split)
@@ -222,8 +249,14 @@ def _add_sample(
     detections = 0
     for ann_token in sample["anns"]:
         ann = nusc.get("sample_annotation", ann_token)
-        _add_box(ann, groups, vis_level, Re, te, cols)
-        detections += _add_detection_box(nusc, ann, Re, te, cols)
+        problem = box_problem(ann)  # checked once for both kinds of box
+        if problem:  # one broken annotation should not stop a dataset: skipped, counted, named (build_index)
+            if _label(ann["category_name"], groups) >= 0 or _detection_name(ann) is not None:
+                cols["skipped_boxes"].append(f"{ann['token']} ({problem})")
+            continue
+        Rb = quaternion_to_matrix(ann["rotation"])
+        _add_box(ann, Rb, groups, vis_level, Re, te, cols)
+        detections += _add_detection_box(nusc, ann, Rb, Re, te, cols)
     cols["box_offsets"].append(len(cols["box_label"]))
     cols["det_count"].append(detections)
     _append(
@@ -254,17 +287,14 @@ def _add_camera(nusc, sd: dict, Re: np.ndarray, te: np.ndarray, cols: dict[str, 
 
 
 def _add_box(
-    ann: dict, groups, vis_level: dict[str, int], Re: np.ndarray, te: np.ndarray, cols: dict[str, list]
+    ann: dict, Rb: np.ndarray, groups, vis_level: dict[str, int], Re: np.ndarray, te: np.ndarray, cols: dict[str, list]
 ) -> None:
-    """Append one annotation as a target box in the ego frame (Re, te), unless no category group has it."""
+    """Append one (checked) annotation, box -> global rotation Rb, as a target box in the ego frame (Re, te),
+    unless no category group has it."""
     k = _label(ann["category_name"], groups)
     if k < 0:
         return
-    problem = box_problem(ann)
-    if problem:  # one broken annotation should not stop a dataset: skipped, counted, named (build_index)
-        cols["skipped_boxes"].append(f"{ann['token']} ({problem})")
-        return
-    Rb, tb = quaternion_to_matrix(ann["rotation"]), np.asarray(ann["translation"], dtype=np.float64)
+    tb = np.asarray(ann["translation"], dtype=np.float64)
     _append(
         cols,
         box_center=Re.T @ (tb - te),
@@ -291,22 +321,20 @@ def box_yaw(R: np.ndarray) -> float:
     return yaw if yaw < math.pi else -math.pi
 
 
-def _add_detection_box(nusc, ann: dict, Re: np.ndarray, te: np.ndarray, cols: dict[str, list]) -> bool:
-    """Append one annotation as a detection box (det_* columns, ego frame (Re, te)) when the devkit's
-    category_to_detection_name maps it to a class of DETECTION_CLASSES; whether it did.
+def _detection_name(ann: dict) -> str | None:
+    from nuscenes.eval.detection.utils import category_to_detection_name
+
+    return category_to_detection_name(ann["category_name"])
+
+
+def _add_detection_box(nusc, ann: dict, Rb: np.ndarray, Re: np.ndarray, te: np.ndarray, cols: dict[str, list]) -> bool:
+    """Append one (checked) annotation, box -> global rotation Rb, as a detection box (det_* columns, ego frame
+    (Re, te)) when the devkit's category_to_detection_name maps it to a class of DETECTION_CLASSES; whether it did.
 
     valid is the devkit's own ground-truth filter: num_lidar_pts + num_radar_pts > 0 and the xy
     distance from the ego under the class range; boxes not valid are not trained on."""
-    from nuscenes.eval.detection.utils import category_to_detection_name
-
-    name = category_to_detection_name(ann["category_name"])
+    name = _detection_name(ann)
     if name is None:
-        return False
-    problem = box_problem(ann)
-    if problem:  # counted once with the target boxes' (build_index names them)
-        entry = f"{ann['token']} ({problem})"
-        if entry not in cols["skipped_boxes"][-1:]:
-            cols["skipped_boxes"].append(entry)
         return False
     if len(ann["attribute_tokens"]) > 1:
         raise ValueError(
@@ -323,7 +351,7 @@ def _add_detection_box(nusc, ann: dict, Re: np.ndarray, te: np.ndarray, cols: di
         det_label=DETECTION_CLASSES.index(name),
         det_center=Re.T @ (tb - te),
         det_size=ann["size"],
-        det_yaw=box_yaw(Re.T @ quaternion_to_matrix(ann["rotation"])),
+        det_yaw=box_yaw(Re.T @ Rb),
         det_velocity=velocity[:2],
         det_attribute=attribute,
         det_points=points,
