@@ -146,3 +146,11 @@ def test_loss_options_and_lovasz_term():
             class_weights(bad)
     with pytest.raises(ValueError, match="occ_mask_camera"):
         OccupancyLoss()(logits, sem, None)
+
+
+def test_voxel3d_runs_its_3d_part_in_fp32_under_autocast():
+    """bf16-mixed on a CPU drove the 3D encoder to NaN within 5 steps of synthetic_occ_cpu: it runs in fp32."""
+    net = _net("voxel3d", widths=[8], blocks=[1], channels=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        voxels = torch.randn(1, 8 * net.grid.nz, net.grid.nx, net.grid.ny).to(torch.bfloat16)
+        assert net.occupancy_logits(voxels).dtype == torch.float32

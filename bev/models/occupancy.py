@@ -183,8 +183,11 @@ class OccupancyNet(LiftSplatShoot):
         if self.kind == "channel_to_height":
             return self.occ_head(self.bev_encoder(voxels), OCC_SHAPE[:2])
         B, _, X, Y = voxels.shape
-        feats = self.voxel_encoder(voxels.view(B, self.context_channels, self.grid.nz, X, Y))
-        logits = self.occ_head(feats)  # (B, K, Z, X, Y)
+        # The 3D part in fp32 even under autocast: with bf16-mixed on a CPU it diverged to NaN within 5 steps
+        # of experiment=synthetic_occ_cpu (fp32 and channel_to_height under bf16 did not).
+        with torch.autocast(voxels.device.type, enabled=False):
+            feats = self.voxel_encoder(voxels.float().view(B, self.context_channels, self.grid.nz, X, Y))
+            logits = self.occ_head(feats)  # (B, K, Z, X, Y)
         target = (OCC_SHAPE[2], *OCC_SHAPE[:2])
         if tuple(logits.shape[-3:]) != target:
             logits = F.interpolate(logits, size=target, mode="trilinear", align_corners=False)
