@@ -68,7 +68,7 @@ train: venv
 	$(VENV)/bin/bev-train experiment=synthetic_cpu data.dataroot=$(DATA) hydra.run.dir=$(RUN) \
 		callbacks.time_budget.budget=null callbacks.time_budget.deadline=$$deadline \
 		callbacks.time_budget.reserve_validations=$(EVAL_RESERVE_VALIDATIONS) \
-		++callbacks.time_budget.min_train_s=$(MIN_TRAIN_S) ++callbacks.time_budget.reserve_startup=true \
+		callbacks.time_budget.min_train_s=$(MIN_TRAIN_S) callbacks.time_budget.reserve_startup=true \
 		$(if $(wildcard $(RUN)/checkpoints/last.ckpt),ckpt_path=$(RUN)/checkpoints/last.ckpt)
 	$(VENV)/bin/bev-eval ckpt_path=$(RUN)/checkpoints data.dataroot=$(DATA) hydra.run.dir=$(RUN)/eval overwrite=true
 	$(PY) scripts/plot_learning_curve.py $(RUN) --out $(RUN)/learning_curve.png

@@ -317,6 +317,12 @@ class BEVLitModule(L.LightningModule):
             )
         else:
             out, depth_logits = self.run_net(*(batch[k] for k in CAMERA_KEYS), return_depth=True)
+            if batch["depth"].shape[-2:] != depth_logits.shape[-2:]:
+                raise ValueError(
+                    f"depth targets of {tuple(batch['depth'].shape[-2:])} cells but depth logits of "
+                    f"{tuple(depth_logits.shape[-2:])}: the targets follow another camera stride; set "
+                    "data.depth_stride to model.net.downsample"
+                )
         loss, terms = self.losses(out, batch, depth_logits)
         return loss, split_outputs(out)[0], terms
 

@@ -108,12 +108,15 @@ def test_make_train_time_budget_overrides_compose(tmp_path):
             "experiment=synthetic_cpu",
             "callbacks.time_budget.budget=null",
             "callbacks.time_budget.deadline=1800000000",
-            "callbacks.time_budget.reserve_validations=2",
+            "callbacks.time_budget.reserve_validations=1",
+            "callbacks.time_budget.min_train_s=120",
+            "callbacks.time_budget.reserve_startup=true",
         ],
     )
     callback = instantiate(cfg.callbacks.time_budget)
     assert isinstance(callback, TimeBudget) and callback.budget is None and callback.deadline == 1.8e9
-    assert callback.reserve_validations == 2 and callback.skip_epochs == 1  # the experiment's own setting survives
+    assert callback.reserve_validations == 1 and callback.skip_epochs == 1  # the experiment's own setting survives
+    assert callback.min_train_s == 120 and callback.reserve_startup
 
 
 @pytest.mark.parametrize("cuda", [False, True])

@@ -96,6 +96,7 @@ class NuScenesDataModule(L.LightningDataModule):
             persistent_workers=self.persistent_workers,
             drop_last=train and len(sampler or ds) >= self.batch_size,
             collate_fn=collate,
+            worker_init_fn=_worker_init if self.num_workers else None,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -123,6 +124,19 @@ class NuScenesDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         self.setup("test")
         return self._loader(self.val_set, train=False)
+
+
+def _worker_init(worker_id: int) -> None:
+    """Loader processes leave Ctrl-C and SIGTERM to the training process, which stops after its step and saves
+    it (a whole process group signalled, as SLURM's scancel does, would otherwise kill them mid-batch); they still
+    end with it. Then Lightning's seeding of each worker, which a worker_init_fn of our own replaces."""
+    import signal
+
+    from lightning.fabric.utilities.seed import pl_worker_init_function
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pl_worker_init_function(worker_id)
 
 
 def _eval_sampler(ds: NuScenesBEVDataset) -> UnrepeatedDistributedSampler | None:
