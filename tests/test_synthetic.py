@@ -610,3 +610,20 @@ def test_default_dataset_is_the_mini_split(tmp_path):
     names = sorted(s["name"] for s in nusc.scene)
     assert names == sorted(splits["mini_train"] + splits["mini_val"])
     assert len(nusc.sample) == 10 * DEFAULT_SAMPLES >= 200
+
+
+def test_every_sample_has_its_occ3d_labels(synthetic_root):
+    """bev-make-synthetic writes Occ3D-format occupancy for every sample (gts/<scene>/<token>/labels.npz), which
+    the checked reader takes, with roads, objects and free space in the camera-visible voxels."""
+    import json
+
+    from bev.occupancy.grid import CLASS_ID
+    from bev.occupancy.io import read_labels
+
+    scenes = {s["token"]: s["name"] for s in json.loads((synthetic_root / VERSION / "scene.json").read_text())}
+    samples = json.loads((synthetic_root / VERSION / "sample.json").read_text())
+    seen = set()
+    for s in samples:
+        labels = read_labels(synthetic_root / "gts" / scenes[s["scene_token"]] / s["token"] / "labels.npz")
+        seen |= set(np.unique(labels.semantics[labels.mask_camera.astype(bool)]).tolist())
+    assert {CLASS_ID[c] for c in ("driveable_surface", "car", "free")} <= seen

@@ -8,6 +8,7 @@
     DIR/samples/LIDAR_TOP/<logfile>__LIDAR_TOP__<timestamp>.pcd.bin
     DIR/maps/<token>.png                                       drivable-area mask, 0.1 m/pixel
     DIR/maps/expansion/<location>.json                         HD map, map expansion v1.3 (bev.synthetic.mapjson)
+    DIR/gts/<scene name>/<sample token>/labels.npz             Occ3D-format occupancy (bev.synthetic.occupancy)
     DIR/.bev_synthetic_manifest.json                           what this writer wrote (all --overwrite deletes)
 
 which the unmodified devkit loads with `NuScenes("v1.0-mini", dataroot=DIR)` and
@@ -55,6 +56,8 @@ from bev.data.rig import IMAGE_H, IMAGE_W, MINI_LOCATIONS, load_rig, mini_splits
 from bev.geometry import CAMERA_NAMES, quaternion_to_matrix, yaw_to_quaternion
 from bev.synthetic import raycast
 from bev.synthetic.mapjson import map_expansion
+from bev.synthetic.occupancy import labels_path, write_sample_occupancy
+from bev.synthetic.occupancy import prepare as prepare_occupancy
 from bev.synthetic.raycast import visibility_level
 from bev.synthetic.roads import fill, road_map
 from bev.synthetic.world import SAMPLE_DT, World, annotated_objects, build_world
@@ -222,6 +225,7 @@ class _RenderTask(NamedTuple):
     lidar_file: str
     annotated: list[int]
     scale: int  # render_scale
+    scene_name: str  # the occupancy labels' folder: gts/<scene name>/<sample token>
 
 
 def _worker_init() -> None:
@@ -317,10 +321,11 @@ def _points_in_boxes(cloud: np.ndarray, boxes: list[tuple]) -> tuple[np.ndarray,
 
 def _render_task(task):
     """Render and write one sample's files; return per-object visibility and lidar counts."""
-    out, seed, scene, sample, samples, location, cam_files, lidar_file, annotated, scale = task
+    out, seed, scene, sample, samples, location, cam_files, lidar_file, annotated, scale, scene_name = task
     world = _world(seed, scene, samples, location)
     t = sample * SAMPLE_DT
     images, counts = raycast.render_sample(world, t, scale)
+    write_sample_occupancy(out, scene_name, _token(seed, "sample", scene, sample), world, t, images, scale)
     for name in CAMERA_NAMES:
         img = (images[name].image * 255.0 + 0.5).clip(0, 255).astype(np.uint8)
         # RGB -> BGR before upscaling (same pixels): a contiguous array encodes ~3x faster than a flipped view.
@@ -549,6 +554,7 @@ def _add_scene(
                 files["LIDAR_TOP"],
                 annotated_objects(world, k * SAMPLE_DT),
                 render_scale,
+                name,
             )
         )
     return tasks
@@ -631,6 +637,7 @@ def _add_maps(T: dict, out: Path, seed: int, names: list[str]) -> list[tuple]:
 def _dataset_files(tasks: list[_RenderTask], maps: list[dict], names: list[str]) -> list[str]:
     """Every file of the dataset, relative to out (what the manifest records)."""
     files = [f for task in tasks for f in (*task.cam_files.values(), task.lidar_file)] + [m["filename"] for m in maps]
+    files += [labels_path("", t.scene_name, _token(t.seed, "sample", t.scene, t.sample)).as_posix() for t in tasks]
     return (
         files + [f"maps/expansion/{loc}.json" for loc in _map_groups(names)] + [f"{VERSION}/{n}.json" for n in TABLES]
     )
@@ -653,6 +660,7 @@ def _render(
     """Write every sample's images and lidar cloud and the map PNGs; return (scene, sample) -> (visibility, lidar counts)."""
     for ch in CAMERA_NAMES:  # per-camera rays, computed once and inherited by forked workers
         raycast.make_camera(ch, render_scale)
+    prepare_occupancy(render_scale)  # the occupancy masks' voxel -> pixel tables, likewise
     results = {}
     bar = tqdm(total=len(tasks), desc="bev-make-synthetic", unit="sample", disable=not progress)
     # Runs of consecutive frames per chunk: a worker reuses the world and ground tiles it built.
