@@ -33,10 +33,11 @@ def _samples_of(root: Path) -> list[tuple[str, int, list[str]]]:
 
 
 def link_copy(src: Path, dst: Path) -> Path:
-    """A dataroot at dst that links to every entry of src (no index cache): the synthetic set without copying it."""
+    """A dataroot at dst that links to every entry of src but its index cache and occupancy labels: the synthetic set
+    without copying it, and without labels whether its writer wrote them or not."""
     dst.mkdir(parents=True)
     for entry in src.iterdir():
-        if entry.name != ".bev_cache":
+        if entry.name not in (".bev_cache", "gts"):
             (dst / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
     return dst
 
