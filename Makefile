@@ -22,7 +22,7 @@ BUILD_ENV = CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST="$(TORCH_CUDA_ARCH_LIST)
 	CPATH="$$($(PY) -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cu13", "include"))' 2>/dev/null):$$CPATH"
 endif
 
-.PHONY: venv build train train-temporal train-det test test-unit test-all bench gpu-check gpu-wheels clean
+.PHONY: venv build train train-temporal train-det train-occ test test-unit test-all bench gpu-check gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -101,6 +101,20 @@ train-det: venv
 		$(if $(wildcard $(DET_RUN)/checkpoints/last.ckpt),ckpt_path=$(DET_RUN)/checkpoints/last.ckpt)
 	$(VENV)/bin/bev-eval ckpt_path=$(DET_RUN)/checkpoints data.dataroot=$(DATA) hydra.run.dir=$(DET_RUN)/eval overwrite=true
 	@echo "Checkpoints: $(DET_RUN)/checkpoints  Metrics: $(DET_RUN)/eval/metrics.json  Results: $(DET_RUN)/eval/results_nusc.json"
+
+# 3D semantic occupancy (experiment=synthetic_occ_cpu: Occ3D-format labels, Occ3D's mIoU) on the same data; a set
+# written before the writer wrote occupancy labels (no gts/) is written again, the same seed giving the same files.
+OCC_RUN ?= outputs/synthetic_occ_cpu
+train-occ: venv
+	@set -e; \
+	if ! test -d $(DATA)/gts; then \
+		if test -f $(DATA)/v1.0-mini/scene.json; then echo "$(DATA) has no occupancy labels (gts/): writing the set again with them"; fi; \
+		$(VENV)/bin/bev-make-synthetic --out $(DATA) --samples-per-scene $(SYNTHETIC_SAMPLES) --render-scale $(SYNTHETIC_RENDER_SCALE) --overwrite; \
+	fi; \
+	$(VENV)/bin/bev-train experiment=synthetic_occ_cpu data.dataroot=$(DATA) hydra.run.dir=$(OCC_RUN) \
+		$(if $(wildcard $(OCC_RUN)/checkpoints/last.ckpt),ckpt_path=$(OCC_RUN)/checkpoints/last.ckpt)
+	$(VENV)/bin/bev-eval ckpt_path=$(OCC_RUN)/checkpoints data.dataroot=$(DATA) hydra.run.dir=$(OCC_RUN)/eval overwrite=true
+	@echo "Checkpoints: $(OCC_RUN)/checkpoints  Metrics: $(OCC_RUN)/eval/metrics.json  Predictions: $(OCC_RUN)/eval/predictions/"
 
 # One pytest worker per core (pytest-xdist; at most 4: each holds its own torch). worksteal: the tests are
 # split evenly and a worker that runs out takes half of another's queue, so no core idles at the end.
