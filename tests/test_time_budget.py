@@ -427,7 +427,9 @@ def test_make_train_passes_the_minimum_and_the_start_up_reserve_to_bev_train():
     if shutil.which("make") is None:
         pytest.skip("no make here")
     root = Path(__file__).resolve().parents[1]
-    recipe = subprocess.run(["make", "-n", "train"], cwd=root, capture_output=True, text=True, check=True).stdout
+    # --no-print-directory: under `make test` this make is a sub-make, which would print directory lines
+    make = ["make", "--no-print-directory", "-n", "train"]
+    recipe = subprocess.run(make, cwd=root, capture_output=True, text=True, check=True).stdout
     overrides = [a for a in shlex.split(recipe.replace("$deadline", "1800000000")) if "callbacks.time_budget." in a]
     with initialize_config_dir(CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=["experiment=synthetic_cpu", *overrides])
