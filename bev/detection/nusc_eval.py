@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from bev.classes import DETECTION_CLASSES
-from bev.geometry import BOX_FIELDS, quaternion_to_matrix, yaw_to_quaternion
+from bev.geometry import BOX_FIELDS, MAX_BOXES, quaternion_to_matrix, yaw_to_quaternion
 from bev.utils.io import atomic_write
 
 DETECTION_CONFIG = "detection_cvpr_2019"
@@ -48,7 +48,6 @@ DEVKIT_CLASS_ORDER = (
     "traffic_cone",
     "barrier",
 )
-MAX_BOXES_PER_SAMPLE = 500  # the devkit's max_boxes_per_sample in detection_cvpr_2019
 MOVING_SPEED = 0.2  # m/s: faster is moving / with rider (BEVFusion's rule)
 RESULTS_FILE = "results_nusc.json"
 SUMMARY_FILE = "metrics_summary.json"  # the devkit's summary, written beside the results
@@ -112,7 +111,7 @@ def _sample_boxes(token: str, boxes, scores, labels, ego_rotation, ego_translati
     q_ego = np.asarray(ego_rotation, dtype=np.float64).reshape(4)
     q_ego = q_ego / np.linalg.norm(q_ego)
     rot, trans = quaternion_to_matrix(q_ego), np.asarray(ego_translation, dtype=np.float64).reshape(3)
-    keep = np.argsort(-scores, kind="stable")[:MAX_BOXES_PER_SAMPLE]
+    keep = np.argsort(-scores, kind="stable")[:MAX_BOXES]
     centres = boxes[keep, :3] @ rot.T + trans
     velocities = np.concatenate([boxes[keep, 7:9], np.zeros((len(keep), 1))], axis=1) @ rot.T
     out = []
@@ -192,9 +191,9 @@ def _check_results(
                 f"{source}sample {token}: its boxes must be a list of box objects, got {type(boxes).__name__} "
                 f"({_shown(boxes)}); give an empty list for a sample without boxes"
             )
-        if len(boxes) > MAX_BOXES_PER_SAMPLE:
+        if len(boxes) > MAX_BOXES:
             raise ValueError(
-                f"{source}sample {token} has {len(boxes)} boxes: the devkit takes at most {MAX_BOXES_PER_SAMPLE} per "
+                f"{source}sample {token} has {len(boxes)} boxes: the devkit takes at most {MAX_BOXES} per "
                 f"sample; keep the best-scored (to_results does)"
             )
         for i, box in enumerate(boxes):
