@@ -182,6 +182,16 @@ def test_metric_matches_a_hand_computed_confusion():
     assert s.miou == pytest.approx((0.5 + 0 + 1 / 3) / 3) and s.miou_x100 == 27.78 and s.voxels == 7
 
 
+def test_the_ground_truth_as_prediction_scores_one():
+    rng = np.random.default_rng(0)
+    gt = rng.integers(0, 18, SHAPE).astype(np.uint8)
+    mask = rng.random(SHAPE) < 0.3
+    m = OccupancyMIoU()
+    m.update(gt, gt, mask_camera=mask)
+    s = m.compute()
+    assert s.miou == 1.0 and s.miou_x100 == 100.0 and np.all(s.iou == 1.0)
+
+
 @pytest.mark.parametrize("mask", ["camera", "lidar", "none"])
 def test_metric_matches_an_independent_formula_on_random_batches(mask):
     rng = np.random.default_rng(3)
