@@ -121,7 +121,7 @@ def test_boxes_transform_as_the_matrix_says():
     (out,) = transform_boxes(box, A)
     np.testing.assert_allclose(out[:3], [10.0, 20.0, 2.0])  # (10, 5) -> (-10, 20) -> (10, 20)
     np.testing.assert_allclose(out[3:6], [4.0, 8.0, 3.0])
-    np.testing.assert_allclose(out[7:9], [-2.0, 6.0])  # (3, -1) -> (2, 6) * ... rotated, scaled, flipped
+    np.testing.assert_allclose(out[7:9], [-2.0, 6.0])  # (3, -1) -> (1, 3) rotated -> (2, 6) scaled -> flipped
     corners = box_corners(out[None])[0, :4, :2]
     np.testing.assert_allclose(np.sort(corners, 0), np.sort(box_corners(box)[0, :4, :2] @ A[:2, :2].T, 0), atol=1e-9)
 

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bev.data.bev_aug import warp_raster
 from bev.data.maps import ego_yaw
 from bev.data.rasterize import lss_fill
 from bev.geometry import Grid
@@ -343,8 +344,6 @@ def augment_labels(labels: dict[str, np.ndarray], A: np.ndarray, grid: Grid) -> 
     """A window's labels in the BEV frame A maps to (bev.data.bev_aug): the instance maps resampled, centerness
     and offset computed again on them, flow resampled and its vectors turned by A (IGNORE kept), and the ego
     motion conjugated (A E A^-1: the motion of the augmented frames)."""
-    from bev.data.bev_aug import warp_raster
-
     instance = warp_raster(torch.from_numpy(labels["instance"]), A, grid).numpy()
     centerness, offset = centre_targets(instance)
     flow = warp_raster(torch.from_numpy(labels["flow"]), A, grid, fill=IGNORE).numpy()
