@@ -4,7 +4,6 @@ target channels: object classes (vehicle, ...) then HD-map classes (drivable_are
 from __future__ import annotations
 
 import inspect
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -19,6 +18,8 @@ from bev.detection.scoring import DetectionScore
 from bev.geometry import CAMERA_GEOMETRY, Grid
 from bev.metrics import BevIoU, MapIoU
 from bev.schedule import end_schedule_at, run_length, schedule_length, step_schedulers
+from bev.utils.checkpoint import load_matching
+from bev.utils.speed import compile_mode, fused_default
 
 CAMERA_KEYS = ("images",) + CAMERA_GEOMETRY
 LOSSES = ("bce", "focal")
@@ -43,25 +44,6 @@ def split_outputs(out) -> tuple[torch.Tensor, dict | None]:
     return (out["bev"], out) if isinstance(out, Mapping) else (out, None)
 
 
-# torch.compile modes model.compile takes ("off" / false: eager; true: "default"). "reduce-overhead" adds CUDA
-# graphs on a GPU (on a CPU it compiles as "default"); "max-autotune" also benchmarks kernel choices.
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
-
-
-def compile_mode(value) -> str | None:
-    """model.compile -> the torch.compile mode, or None for eager (false, null, "off")."""
-    if value is None or value is False or (isinstance(value, str) and value.lower() in ("off", "false", "none")):
-        return None
-    if value is True or (isinstance(value, str) and value.lower() in ("true", "on")):
-        return "default"
-    if isinstance(value, str) and value in COMPILE_MODES:
-        return value
-    raise ValueError(
-        f"model.compile must be false (eager), true (= default) or a torch.compile mode "
-        f"({', '.join(COMPILE_MODES)}), got {value!r}"
-    )
-
-
 def _class_names(net: nn.Module, object_classes, map_classes) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(object, map) channel names; checkpoints from before map classes name their one channel "vehicle"."""
     map_classes = tuple(str(c) for c in (map_classes or ()))
@@ -78,23 +60,6 @@ def _class_names(net: nn.Module, object_classes, map_classes) -> tuple[tuple[str
             f"{list(map_classes)} name {len(object_classes) + len(map_classes)} channels"
         )
     return object_classes, map_classes
-
-
-def fused_default(
-    factory: Callable[..., torch.optim.Optimizer], device_type: str, precision: str | None = None
-) -> dict:
-    """{"fused": True} for Adam or AdamW on CUDA parameters when the config chose neither fused nor foreach.
-
-    On a GPU the default multi-tensor step still loops over every parameter tensor in Python (two
-    scalars per tensor), host time that a launch-bound step cannot hide; the fused kernel does not.
-    Only the two measured optimisers (others' fused kernels may be CPU-only, e.g. Adagrad's), and not
-    under fp16 "16-mixed", where the gradients are still scaled when Lightning clips them. CPUs keep
-    the default: fused did not pay there, and CPU runs stay as they were measured."""
-    given = getattr(factory, "keywords", {})
-    cls = getattr(factory, "func", factory)
-    if device_type != "cuda" or precision == "16-mixed" or "fused" in given or "foreach" in given:
-        return {}
-    return {"fused": True} if inspect.isclass(cls) and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)) else {}
 
 
 def _per_class(spec, names: tuple[str, ...], what: str = "pos_weight") -> torch.Tensor:
@@ -473,34 +438,3 @@ class BEVLitModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.run_config is not None:
             checkpoint["bev_config"] = self.run_config
-
-
-def load_matching(module: nn.Module, ckpt: Mapping[str, Any], file: Any) -> tuple[set[str], str]:
-    """Load the `net.*` tensors of checkpoint `ckpt` (read from `file`) whose names and shapes match `module`'s; returns their names and a summary of what was loaded, what is new and
-    what was skipped."""
-    theirs = {k: v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
-    own = module.state_dict()
-    take = {k: v for k, v in theirs.items() if k in own and tuple(own[k].shape) == tuple(v.shape)}
-    if not take:
-        raise ValueError(
-            f"model.init_from: none of {file}'s network tensors fit this model "
-            f"(a different camera, grid or BEV encoder config?)"
-        )
-    module.load_state_dict(take, strict=False)
-    new = [k for k in own if k.startswith("net.") and k not in take]
-    skipped = [k for k in theirs if k not in take]
-
-    def parts(keys) -> str:
-        counts = Counter(k.split(".")[1] for k in keys)
-        return ", ".join(f"{name} ({n})" for name, n in counts.items()) or "none"
-
-    lines = [
-        f"model.init_from: loaded {len(take)} tensors from {file}: {parts(take)}",
-        f"  new (trained from scratch): {parts(new)}",
-    ]
-    if skipped:
-        lines.append(
-            f"  skipped (not in this model or shaped differently): {', '.join(skipped[:8])}"
-            + (f" and {len(skipped) - 8} more" if len(skipped) > 8 else "")
-        )
-    return set(take), "\n".join(lines)

@@ -9,8 +9,6 @@ the first step.
 
 from __future__ import annotations
 
-import importlib
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,12 +18,11 @@ from torch import nn
 from bev.data.temporal import IGNORE
 from bev.instances import DECODINGS, decode_sequence
 from bev.lit import CAMERA_KEYS, BEVLitModule
-from bev.losses import TemporalLoss
+from bev.losses import TemporalLoss, check_finite
 from bev.metrics import FIERY_RANGES, FutureIoU, PanopticQuality, crop_to_range
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The training loss became NaN or infinite."""
+from bev.models.past_cache import PastFeatureCache, frame_keys
+from bev.models.temporal import network_kind
+from bev.utils.config import plain
 
 
 class TemporalLitModule(BEVLitModule):
@@ -241,66 +238,6 @@ class TemporalLitModule(BEVLitModule):
         return "future segmentation head: every frame starts as the static head's vehicle logits"
 
 
-class PastFeatureCache:
-    """BEV features of frames, each in its own ego frame, kept to serve as later windows' past frames.
-
-    With past_no_grad the past frames only feed features forward; a frame that an earlier step
-    already lifted (as a window's present or past frame) is taken from here instead of running the
-    camera encoder again: features of the weights of that step (as streaming video training reuses
-    its history). Keyed by sample token and image augmentation (post_rots, post_trans); the least
-    recently used entries go first past limit_mb; entries older than max_age steps are not used.
-    """
-
-    def __init__(self, limit_mb: float, max_age: int | None = None):
-        if limit_mb < 0 or (max_age is not None and max_age < 0):
-            raise ValueError(f"past_cache_mb and past_cache_max_age must be >= 0, got {limit_mb} and {max_age}")
-        self.limit, self.max_age = int(limit_mb * 2**20), max_age
-        self.entries: OrderedDict[Any, tuple[int, torch.Tensor]] = OrderedDict()
-        self.bytes = 0
-
-    def get(self, key: Any, step: int) -> torch.Tensor | None:
-        entry = self.entries.get(key)
-        if entry is None or (self.max_age is not None and step - entry[0] > self.max_age):
-            return None
-        self.entries.move_to_end(key)
-        return entry[1]
-
-    def put(self, key: Any, feats: torch.Tensor, step: int) -> None:
-        old = self.entries.pop(key, None)
-        if old is not None:
-            self.bytes -= old[1].nbytes
-        if feats.nbytes > self.limit:
-            return
-        while self.bytes + feats.nbytes > self.limit:
-            self.bytes -= self.entries.popitem(last=False)[1][1].nbytes
-        self.entries[key] = (step, feats)
-        self.bytes += feats.nbytes
-
-
-def frame_keys(batch: Mapping[str, Any], past_frames: int) -> list[list]:
-    """Per window, the PastFeatureCache keys of its P + 1 input frames: (sample token, augmentation bytes)."""
-    tokens = batch.get("sample_tokens")
-    if tokens is None:
-        raise ValueError("model.past_cache_mb > 0 needs the windows' sample_tokens in the batch (data.past_frames > 0)")
-    aug = (
-        torch.cat([batch["post_rots"].flatten(3), batch["post_trans"]], dim=-1).detach().cpu().numpy()
-    )  # (B, T, N, 12)
-    return [[(tokens[b][t], aug[b, t].tobytes()) for t in range(past_frames + 1)] for b in range(len(tokens))]
-
-
-def plain(value: Any) -> Any:
-    """Config values (OmegaConf containers, tuples) as plain dicts, lists and scalars; objects by their repr."""
-    from omegaconf import DictConfig, ListConfig, OmegaConf
-
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    if isinstance(value, Mapping):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    return value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)
-
-
 def check_sequence_batch(batch: Mapping[str, torch.Tensor], net: nn.Module) -> None:
     """One clear error when a batch is not what the temporal model takes (e.g. static data)."""
     images = batch.get("images")
@@ -324,40 +261,6 @@ def check_sequence_batch(batch: Mapping[str, torch.Tensor], net: nn.Module) -> N
             f"the batch has labels for {seg.shape[1]} frames, the model predicts {want}: "
             f"data.future_frames must equal model.net.future_frames"
         )
-
-
-def check_finite(loss: torch.Tensor, terms: Mapping[str, torch.Tensor], step: int, epoch: int, batch_idx: int) -> None:
-    """Stop training at a NaN or infinite loss, naming the step and the terms that went bad."""
-    if bool(torch.isfinite(loss)):
-        return
-    bad = [k for k, v in terms.items() if not bool(torch.isfinite(v).all())]
-    raise NonFiniteLossError(
-        f"the training loss is {float(loss.detach())} at step {step} (epoch {epoch}, batch {batch_idx}); non-finite terms: "
-        f"{', '.join(bad) if bad else 'none (their weighting overflowed)'}. Start from a static checkpoint "
-        f"(model.init_from=<static run>/checkpoints), lower model.optimizer.lr, or keep trainer.gradient_clip_val set."
-    )
-
-
-def network_kind(ckpt: Mapping[str, Any]) -> str | None:
-    """What a checkpoint's network is, as its stored bev-train config says (model.net._target_): "temporal"
-    (a TemporalLiftSplat), "static" (another LiftSplatShoot), or None (no stored config, or other code)."""
-    from bev.models.lss import LiftSplatShoot
-    from bev.models.temporal import TemporalLiftSplat
-
-    target = (((ckpt.get("bev_config") or {}).get("model") or {}).get("net") or {}).get("_target_")
-    # Only the project's own modules are imported: a checkpoint must not make us import anything else.
-    if not isinstance(target, str) or not target.startswith("bev."):
-        return None
-    module, _, name = target.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
-    if not isinstance(cls, type):
-        return None
-    if issubclass(cls, TemporalLiftSplat):
-        return "temporal"
-    return "static" if issubclass(cls, LiftSplatShoot) else None
 
 
 def _module_key(root: nn.Module, module: nn.Module) -> str:

@@ -180,3 +180,19 @@ class TemporalLoss(nn.Module):
             terms["kl"] = kl
             total = total + self.weights["kl"] * kl
         return total, terms
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss became NaN or infinite."""
+
+
+def check_finite(loss: torch.Tensor, terms: Mapping[str, torch.Tensor], step: int, epoch: int, batch_idx: int) -> None:
+    """Stop training at a NaN or infinite loss, naming the step and the terms that went bad."""
+    if bool(torch.isfinite(loss)):
+        return
+    bad = [k for k, v in terms.items() if not bool(torch.isfinite(v).all())]
+    raise NonFiniteLossError(
+        f"the training loss is {float(loss.detach())} at step {step} (epoch {epoch}, batch {batch_idx}); non-finite terms: "
+        f"{', '.join(bad) if bad else 'none (their weighting overflowed)'}. Start from a static checkpoint "
+        f"(model.init_from=<static run>/checkpoints), lower model.optimizer.lr, or keep trainer.gradient_clip_val set."
+    )

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from bev.geometry import Grid
-from bev.lit import COMPILE_MODES, BEVLitModule, compile_mode
+from bev.lit import BEVLitModule
 from bev.models import LiftSplatShoot
+from bev.utils.speed import COMPILE_MODES, compile_mode
 from helpers.models import GRID, SIZE, TINY_NET, model_inputs
 
 LOSS_RTOL = 1e-5

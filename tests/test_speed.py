@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from bev.lit import fused_default
 from bev.models import BevEncoder, CameraEncoder
 from bev.utils import precision as P
+from bev.utils.speed import fused_default
 
 
 # ----------------------------------------------------------------------------- precision

@@ -16,10 +16,10 @@ from bev.data.temporal import IGNORE
 from bev.geometry import Grid
 from bev.inference import ring_rig
 from bev.lit import BEVLitModule
-from bev.lit_temporal import NonFiniteLossError, TemporalLitModule, network_kind, present_copied
-from bev.losses import UncertaintyWeights, regression_loss, segmentation_loss
+from bev.lit_temporal import TemporalLitModule, present_copied
+from bev.losses import NonFiniteLossError, UncertaintyWeights, regression_loss, segmentation_loss
 from bev.models.lss import LiftSplatShoot
-from bev.models.temporal import TemporalLiftSplat, warp_to_present
+from bev.models.temporal import TemporalLiftSplat, network_kind, warp_to_present
 
 GRID = {
     "xbound": [-24.0, 24.0, 2.0],
@@ -567,7 +567,7 @@ def test_past_cache_serves_frames_earlier_steps_computed():
 
 
 def test_past_cache_keys_age_and_size():
-    from bev.lit_temporal import PastFeatureCache, frame_keys
+    from bev.models.past_cache import PastFeatureCache, frame_keys
 
     batch = scene_windows([0, 1])
     keys = frame_keys(batch, P)

@@ -18,6 +18,7 @@ with an untrained fusion the temporal model's "bev" is the static model's logits
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -312,3 +313,22 @@ class TemporalLiftSplat(LiftSplatShoot):
 def _no_ignore(t: torch.Tensor) -> torch.Tensor:
     """Labels with the IGNORE value replaced by zero (an input, not a target)."""
     return torch.where(t == IGNORE, torch.zeros_like(t), t).float()
+
+
+def network_kind(ckpt: Mapping[str, Any]) -> str | None:
+    """What a checkpoint's network is, as its stored bev-train config says (model.net._target_): "temporal"
+    (a TemporalLiftSplat), "static" (another LiftSplatShoot), or None (no stored config, or other code)."""
+    target = (((ckpt.get("bev_config") or {}).get("model") or {}).get("net") or {}).get("_target_")
+    # Only the project's own modules are imported: a checkpoint must not make us import anything else.
+    if not isinstance(target, str) or not target.startswith("bev."):
+        return None
+    module, _, name = target.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+    if not isinstance(cls, type):
+        return None
+    if issubclass(cls, TemporalLiftSplat):
+        return "temporal"
+    return "static" if issubclass(cls, LiftSplatShoot) else None

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import re
 import warnings
+from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -288,3 +290,34 @@ def logged_val_iou(ckpt: dict) -> float | None:
         if key.startswith("ModelCheckpoint") and "val/iou" in key and state.get("current_score") is not None:
             return float(state["current_score"])
     return None
+
+
+def load_matching(module: nn.Module, ckpt: Mapping[str, Any], file: Any) -> tuple[set[str], str]:
+    """Load the `net.*` tensors of checkpoint `ckpt` (read from `file`) whose names and shapes match `module`'s; returns their names and a summary of what was loaded, what is new and
+    what was skipped."""
+    theirs = {k: v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
+    own = module.state_dict()
+    take = {k: v for k, v in theirs.items() if k in own and tuple(own[k].shape) == tuple(v.shape)}
+    if not take:
+        raise ValueError(
+            f"model.init_from: none of {file}'s network tensors fit this model "
+            f"(a different camera, grid or BEV encoder config?)"
+        )
+    module.load_state_dict(take, strict=False)
+    new = [k for k in own if k.startswith("net.") and k not in take]
+    skipped = [k for k in theirs if k not in take]
+
+    def parts(keys) -> str:
+        counts = Counter(k.split(".")[1] for k in keys)
+        return ", ".join(f"{name} ({n})" for name, n in counts.items()) or "none"
+
+    lines = [
+        f"model.init_from: loaded {len(take)} tensors from {file}: {parts(take)}",
+        f"  new (trained from scratch): {parts(new)}",
+    ]
+    if skipped:
+        lines.append(
+            f"  skipped (not in this model or shaped differently): {', '.join(skipped[:8])}"
+            + (f" and {len(skipped) - 8} more" if len(skipped) > 8 else "")
+        )
+    return set(take), "\n".join(lines)

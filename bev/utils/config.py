@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -145,3 +147,16 @@ def resolve_depth_stride(cfg: DictConfig) -> None:
             f"encoder's stride-{stride} depth cells with targets at stride {given}. Leave data.depth_stride unset (it "
             f"follows the model) or pass data.depth_stride={stride}"
         )
+
+
+def plain(value: Any) -> Any:
+    """Config values (OmegaConf containers, tuples) as plain dicts, lists and scalars; objects by their repr."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)
