@@ -8,7 +8,11 @@ the vehicles in their instance colours with their predicted paths (bev.viz.rende
 checkpoint that detects (boxes=auto, the default, or boxes=true) the npz adds the decoded 3D boxes
 (det_boxes, det_scores, det_labels: bev.inference.save_prediction_npz), each predictions.json record
 lists those at score >= box_threshold, and the pictures draw them (bev.viz.render_figure) over the
-ground truth. The module is not bev/predict.py because `bev.predict` is the Python API function
+ground truth. With an occupancy checkpoint (model heads ("occupancy",), as bev-eval tells it) each sample's
+prediction is written in the Occ3D challenge's format instead, <out>/predictions/<sample token>.npz (one
+(200, 200, 16) uint8 array of class ids, bev.occupancy.io.write_prediction), and the pictures show the
+cameras above the top-down and side views of the prediction beside the camera-visible ground truth
+(bev.occupancy.viz.render_occupancy). The module is not bev/predict.py because `bev.predict` is the Python API function
 (bev.inference.predict).
 """
 
@@ -52,16 +56,19 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
     dataset, indices, split = select_samples(data_cfg, cfg.split, cfg.scene)
     rows = present_rows(dataset)[indices]  # each item's row in the dataset index (a window's present frame)
     identity = _index_identity(loaded, model)
-    _check_outputs(cfg, out, dataset.index, rows, identity)  # before any sample is predicted
+    occupancy = _is_occupancy(model)
+    _check_outputs(cfg, out, dataset.index, rows, identity, occupancy)  # before any sample is predicted
     writable_dir(out, "out")
-    files = _PredictionFiles(cfg, out, model.class_names, len(model.object_classes), boxes, _draws_maps(model))
+    files = _PredictionFiles(
+        cfg, out, model.class_names, len(model.object_classes), boxes, _draws_maps(model), occupancy
+    )
     desc = f"predicting {split}" + (f" {cfg.scene}" if cfg.scene else "")
     records = _predict_samples(model, _loader(cfg, data_cfg, dataset, indices), rows, dataset.index, files, desc)
     summary = {
         **identity,
         "split": split,
         "scene": cfg.scene,
-        "npz_format": "uint8 q per class, probability = q / 255 (arrays indexed [x_index, y_index]); _-prefixed keys are metadata",
+        "npz_format": OCCUPANCY_FORMAT if occupancy else NPZ_FORMAT,
         **(_boxes_format(float(cfg.box_threshold)) if boxes else {}),
         "gifs": files.gifs,
         "samples": records,
@@ -73,6 +80,30 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
         f"{len(files.gifs)} GIF(s), files in {out}"
     )
     return summary
+
+
+NPZ_FORMAT = (
+    "uint8 q per class, probability = q / 255 (arrays indexed [x_index, y_index]); _-prefixed keys are metadata"
+)
+OCCUPANCY_FORMAT = (
+    "Occ3D challenge format: predictions/<sample token>.npz holds one (200, 200, 16) uint8 array (key arr_0) of "
+    "Occ3D class ids (class_names; 17 free), indexed [x, y, z] over [-40, 40] x [-40, 40] x [-1, 5.4] m at 0.4 m "
+    "in the ego frame of the sample's LIDAR_TOP (bev.occupancy.grid)"
+)
+OCCUPANCY_DIR = "predictions"  # <out>/predictions/<sample token>.npz: a folder in the challenge's layout
+
+
+def _is_occupancy(model) -> bool:
+    """Whether the model predicts Occ3D occupancy only (its heads are ("occupancy",), as bev-eval tells it)."""
+    return tuple(getattr(model, "heads", ())) == ("occupancy",)
+
+
+def _npz_path(out: Path, stem: Path, token: str, occupancy: bool) -> Path:
+    """A sample's npz: beside its PNG (<stem>.npz), or for occupancy the challenge's <out>/predictions/<token>.npz."""
+    from bev.occupancy.io import prediction_path
+    from bev.utils.io import inside
+
+    return inside(out, prediction_path(out / OCCUPANCY_DIR, token)) if occupancy else stem.with_suffix(".npz")
 
 
 def _index_identity(loaded, model) -> dict[str, Any]:
@@ -103,7 +134,7 @@ def _sample_stem(out: Path, scene: str, nth: int, token: str) -> Path:
     return inside(out, out / safe_name(scene) / f"{nth:03d}_{safe_name(token)}")
 
 
-def _planned_files(cfg: DictConfig, out: Path, index, rows) -> list[Path]:
+def _planned_files(cfg: DictConfig, out: Path, index, rows, occupancy: bool = False) -> list[Path]:
     """Every npz, png and GIF this run will write (the names _PredictionFiles gives), in order."""
     from bev.utils.io import inside, safe_name
 
@@ -111,19 +142,20 @@ def _planned_files(cfg: DictConfig, out: Path, index, rows) -> list[Path]:
     for k in rows:
         scene = str(index["scene"][k])
         counts[scene] = counts.get(scene, 0) + 1
-        stem = _sample_stem(out, scene, counts[scene] - 1, index["sample_token"][k])
-        files += [stem.with_suffix(".npz")] + ([stem.with_suffix(".png")] if cfg.png else [])
+        token = index["sample_token"][k]
+        stem = _sample_stem(out, scene, counts[scene] - 1, token)
+        files += [_npz_path(out, stem, token, occupancy)] + ([stem.with_suffix(".png")] if cfg.png else [])
     return files + [inside(out, out / f"{safe_name(s)}.gif") for s in counts if cfg.gif]
 
 
-def _check_outputs(cfg: DictConfig, out: Path, index, rows, identity: dict[str, Any]) -> None:
+def _check_outputs(cfg: DictConfig, out: Path, index, rows, identity: dict[str, Any], occupancy: bool = False) -> None:
     """Refuse, before predicting, to replace anything but a regular file, and (without overwrite=true) files of an
     earlier run or another checkpoint's predictions.json; predictions.json of the same checkpoint is merged."""
     from bev.inference import overwrite_option
     from bev.utils.io import check_output
 
     overwrite, index_file = overwrite_option(cfg.overwrite), out / "predictions.json"
-    planned = _planned_files(cfg, out, index, rows)
+    planned = _planned_files(cfg, out, index, rows, occupancy)
     for path in [*planned, index_file]:
         check_output(path)  # a link, a device node, a folder: never
     existing = [p for p in planned if p.exists()]
@@ -265,6 +297,8 @@ def _predict_samples(model, loader, indices, index, files: _PredictionFiles, des
         dets = None
         if isinstance(probs, dict) and "detections" in probs:  # a detecting model: maps and boxes
             probs, dets = probs["bev"], probs["detections"]
+        elif files.occupancy:  # (B, 200, 200, 16) uint8 class ids, the argmax over the classes
+            probs = probs["occupancy"]
         for i in range(len(batch["sample_token"])):
             k = int(indices[position])  # the sample's row in the dataset index
             position += 1
@@ -280,10 +314,18 @@ class _PredictionFiles:
     """Writes the files of one sample after another: npz (+ png) per sample, a GIF per scene, numbered per scene."""
 
     def __init__(
-        self, cfg: DictConfig, out, class_names: list[str], n_objects: int = 1, boxes: bool = False, maps: bool = True
+        self,
+        cfg: DictConfig,
+        out,
+        class_names: list[str],
+        n_objects: int = 1,
+        boxes: bool = False,
+        maps: bool = True,
+        occupancy: bool = False,
     ):
         self.cfg, self.out, self.class_names, self.n_objects = cfg, out, class_names, n_objects
         self.boxes, self.maps = boxes, maps  # write and draw 3D boxes; draw the BEV maps (trained)
+        self.occupancy = occupancy  # Occ3D class ids in the challenge's format and pictures
         self.scene, self.nth = None, 0  # the scene being written and the number of its next sample
         self.frames: list = []  # that scene's GIF frames so far
         self.gifs: list[str] = []
@@ -299,6 +341,8 @@ class _PredictionFiles:
         stem = _sample_stem(self.out, self.scene, self.nth, token)
         title = f"{self.scene} #{self.nth}  {token}"
         self.nth += 1
+        if self.occupancy:
+            return self._add_occupancy(batch, i, probs, timestamp, stem, title)
         future = {k: v[i] for k, v in probs.items()} if isinstance(probs, dict) else None
         present = future["bev"] if future else probs[i]
         rec = {
@@ -325,11 +369,24 @@ class _PredictionFiles:
             self._pictures(rec, stem, title, batch, i, probs, det)
         return rec
 
+    def _add_occupancy(self, batch, i: int, labels, timestamp: int, stem, title: str) -> dict[str, Any]:
+        """Write sample i's class ids labels[i] in the challenge's format (and its pictures); returns its record."""
+        from bev.occupancy.io import write_prediction
+
+        token = batch["sample_token"][i]
+        path = write_prediction(self.out / OCCUPANCY_DIR, token, labels[i].numpy())
+        rec = {"scene": self.scene, "sample_token": token, "timestamp": timestamp, "npz": str(path)}
+        if self.cfg.png or self.cfg.gif:
+            self._pictures(rec, stem, title, batch, i, labels)
+        return rec
+
     def _pictures(self, rec: dict[str, Any], stem, title: str, batch, i: int, probs, det=None) -> None:
         """Render sample i once for its PNG (named in rec) and its scene's GIF frame, as configured."""
         from bev.viz import batch_sample, gif_frame, render_sample, render_temporal, save_png
 
-        if isinstance(probs, dict):
+        if self.occupancy:
+            img = _occupancy_picture(batch, i, probs[i], title)
+        elif isinstance(probs, dict):
             pred = {k: v[i] for k, v in probs.items()}
             img = render_temporal(
                 batch_sample(batch, i),
@@ -362,6 +419,17 @@ class _PredictionFiles:
             gif = inside(self.out, self.out / f"{safe_name(self.scene)}.gif")
             self.gifs.append(save_gif(gif, self.frames, float(self.cfg.gif_fps)))
         self.frames.clear()
+
+
+def _occupancy_picture(batch, i: int, labels, title: str):
+    """The cameras above the top-down and side views of the predicted class ids, beside the camera-visible ground
+    truth when the items carry Occ3D labels (data.occupancy=true)."""
+    from bev.occupancy.viz import render_occupancy
+    from bev.viz import camera_grid
+
+    cams = camera_grid(batch["images"][i], batch["cam_ids"][i] if "cam_ids" in batch else None)
+    gt, seen = batch.get("occ_semantics"), batch.get("occ_mask_camera")
+    return render_occupancy(labels, None if gt is None else gt[i], None if seen is None else seen[i], cams, title=title)
 
 
 def _box_records(det, threshold: float) -> dict[str, Any]:

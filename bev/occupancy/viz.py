@@ -74,10 +74,12 @@ def top_image(semantics: Any, observed: Any = None) -> np.ndarray:
     return colorize(top_class(semantics, observed))[::-1, ::-1]
 
 
-def render_occupancy(pred: Any, gt: Any = None, observed: Any = None, cameras: np.ndarray | None = None) -> np.ndarray:
+def render_occupancy(
+    pred: Any, gt: Any = None, observed: Any = None, cameras: np.ndarray | None = None, title: str | None = None
+) -> np.ndarray:
     """An (H, W, 3) uint8 picture: top-down and side views of the prediction (and of the ground truth, both
-    restricted to `observed` voxels, e.g. mask_camera, when given), a class legend, and `cameras` (an RGB camera
-    grid, e.g. bev.viz.camera_grid) above them when given."""
+    restricted to `observed` voxels, e.g. mask_camera, when given), a class legend, `cameras` (an RGB camera
+    grid, e.g. bev.viz.camera_grid) above them when given, and `title` at the top when given."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -102,13 +104,18 @@ def render_occupancy(pred: Any, gt: Any = None, observed: Any = None, cameras: n
         ax.tick_params(labelsize=6)
         side = fig.add_subplot(grid[rows - 1, c])
         side.imshow(
-            colorize(side_class(vol, shown)).transpose(1, 0, 2)[::-1], extent=(xlo, xhi, zlo, zhi), aspect="auto"
+            colorize(side_class(vol, shown)).transpose(1, 0, 2)[::-1],
+            extent=(xlo, xhi, zlo, zhi),
+            aspect="auto",
+            interpolation="nearest",
         )
         side.set_title(f"{name}: side view from the left", fontsize=8)
         side.set_xlabel("x (m, forward >)", fontsize=7)
         side.tick_params(labelsize=6)
     handles = [Patch(color=OCC3D_COLORS[i] / 255.0, label=OCC3D_CLASSES[i]) for i in range(FREE)]
     fig.legend(handles=handles, loc="center right", fontsize=6, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=9)
     fig.subplots_adjust(right=1 - 2.0 / fig.get_figwidth(), hspace=0.35)
     fig.canvas.draw()
     return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
