@@ -62,9 +62,13 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _evaluate_occupancy(cfg: DictConfig, loaded, data_cfg: DictConfig, datamodule, out: Path) -> dict[str, Any]:
-    """An occupancy checkpoint: Occ3D's mIoU (per class, mean over 0-16, per distance band) printed and in
-    metrics.json, and the predictions in the challenge's format in <out>/predictions/<sample token>.npz."""
+    """An occupancy checkpoint: Occ3D's mIoU (per class, mean over 0-16, per distance band) and, unless rayiou=false,
+    SparseOcc's RayIoU at 1, 2, 4 m and their mean, printed and in metrics.json, and the predictions in the challenge's
+    format in <out>/predictions/<sample token>.npz."""
+    import time
+
     from bev.inference import overwrite_option
+    from bev.occupancy import rayiou
     from bev.occupancy.metric import format_table
 
     pred_dir = out / "predictions"
@@ -86,10 +90,21 @@ def _evaluate_occupancy(cfg: DictConfig, loaded, data_cfg: DictConfig, datamodul
         "Occ3D's Metric_mIoU: 18x18 confusion over the voxels of mask_camera, per-class IoU, mIoU = mean over "
         "classes 0-16 (fractions here; x 100 printed)"
     )
+    rays = None
+    if cfg.get("rayiou", True):  # of the files just written, against the split's labels
+        start, index = time.perf_counter(), datamodule.val_set.index
+        rays = rayiou.score_predictions(index, data_cfg.dataroot, pred_dir, rayiou.device_for(str(cfg.accelerator)))
+        seconds = time.perf_counter() - start
+        print(f"RayIoU: {len(index['sample_token'])} samples, {rays.rays} scored rays, {seconds:.1f} s", flush=True)
+        record["metrics"].update(rays.as_dict())
+        record["rayiou_per_class"] = rays.per_class()
+        record["rayiou_metric"] = rayiou.DEFINITION
     atomic_write(out / "metrics.json", json.dumps(record, indent=2))
     mask = str(loaded.model.metric_mask)
     print(f"Checkpoint {loaded.path} on {data_cfg.dataroot} {data_cfg.version}/{data_cfg.val_split}:")
     print(format_table(metrics, mask=mask))
+    if rays is not None:
+        print(rayiou.format_table(rays))
     pngs = _occupancy_pngs(loaded.model, datamodule, out, int(cfg.num_pngs))
     print(f"Metrics: {out / 'metrics.json'}  Predictions (challenge format): {pred_dir}  Pictures: {len(pngs)} PNGs")
     return record

@@ -1,5 +1,5 @@
 """3D semantic occupancy in Occ3D-nuScenes's format: its grid and classes (grid), reading and writing its
-files (io), its mIoU (metric). See docs/occupancy.md."""
+files (io), its mIoU (metric), SparseOcc's RayIoU (rayiou). See docs/occupancy.md."""
 
 from bev.occupancy.grid import (
     CLASS_ID,

@@ -41,6 +41,21 @@ def mean_iou(iou: np.ndarray) -> float:
     return float(np.nanmean(scored)) if np.isfinite(scored).any() else math.nan
 
 
+def check_class_ids(pred: torch.Tensor, gt: torch.Tensor) -> None:
+    """Refuse a prediction and truth that are not class ids of one shape (..., 200, 200, 16), or predicted ids outside
+    0..17, with one ValueError saying what to pass."""
+    if pred.shape != gt.shape or tuple(gt.shape[-3:]) != OCC_SHAPE:
+        raise ValueError(
+            f"prediction {tuple(pred.shape)} and truth {tuple(gt.shape)} must both be (..., {', '.join(map(str, OCC_SHAPE))})"
+        )
+    if pred.is_floating_point() or gt.is_floating_point():
+        raise ValueError("pass class ids (integers), not scores: take the argmax over the class axis first")
+    if pred.numel() and (int(pred.min()) < 0 or int(pred.max()) >= NUM_CLASSES):
+        raise ValueError(
+            f"predicted class ids must be in 0..{NUM_CLASSES - 1}, got {int(pred.min())}..{int(pred.max())}"
+        )
+
+
 @dataclass(frozen=True)
 class OccScores:
     """What one confusion scores: per-class IoU (18, fractions), mIoU over 0..16, and mIoU x 100 rounded as Occ3D prints it."""
@@ -98,7 +113,7 @@ class OccupancyMIoU:
         """Add a sample (or a batch of samples) to the confusion."""
         dev = self.confusion.device
         pred, gt = torch.as_tensor(pred, device=dev), torch.as_tensor(gt, device=dev)
-        self._check(pred, gt)
+        check_class_ids(pred, gt)
         keep = (gt >= 0) & (gt < NUM_CLASSES)  # Occ3D skips ids outside 0..17 (e.g. 255) in the truth
         chosen = {"camera": mask_camera, "lidar": mask_lidar, "none": None}[self.mask]
         if self.mask != "none":
@@ -113,18 +128,6 @@ class OccupancyMIoU:
         n = self.confusion.numel()
         self.confusion += torch.bincount(cell[keep], minlength=n).view_as(self.confusion)
         self.samples += int(math.prod(gt.shape[:-3]))
-
-    def _check(self, pred: torch.Tensor, gt: torch.Tensor) -> None:
-        if pred.shape != gt.shape or tuple(gt.shape[-3:]) != OCC_SHAPE:
-            raise ValueError(
-                f"prediction {tuple(pred.shape)} and truth {tuple(gt.shape)} must both be (..., {', '.join(map(str, OCC_SHAPE))})"
-            )
-        if pred.is_floating_point() or gt.is_floating_point():
-            raise ValueError("pass class ids (integers), not scores: take the argmax over the class axis first")
-        if pred.numel() and (int(pred.min()) < 0 or int(pred.max()) >= NUM_CLASSES):
-            raise ValueError(
-                f"predicted class ids must be in 0..{NUM_CLASSES - 1}, got {int(pred.min())}..{int(pred.max())}"
-            )
 
     def merge(self, other: OccupancyMIoU) -> OccupancyMIoU:
         """Add another accumulator's counts (same mask and bands) to this one."""
