@@ -146,12 +146,16 @@ class BEVLitModule(L.LightningModule):
         if "detection" in self.heads:
             det = dict(detection or {})
             self.detection_weight = float(det.pop("weight", 1.0))
-            self.det_loss = DetectionLoss(**dict(det.pop("loss", None) or {}))
-            self.det_decoding = dict(det.pop("decoding", None) or {})  # bev.detection.decode's options
+            # Where the head regresses velocity: one choice for the loss and every decoding of its maps.
+            frame = {"velocity_frame": det.pop("velocity_frame", "ego")}
+            self.det_loss = DetectionLoss(**dict(det.pop("loss", None) or {}), **frame)
+            self.det_decoding = {**dict(det.pop("decoding", None) or {}), **frame}  # bev.detection.decode's options
             self.val_det = DetectionScore(grid, self.det_decoding)
             self.test_det = DetectionScore(grid, self.det_decoding)
             if det:
-                raise ValueError(f"unknown model.detection key(s) {sorted(det)}: weight, loss, decoding")
+                raise ValueError(
+                    f"unknown model.detection key(s) {sorted(det)}: weight, loss, decoding, velocity_frame"
+                )
         # Where bev-eval wants results_nusc.json and the devkit's summary (None: a temporary folder).
         self.detection_output_dir: str | None = None
         # Best val/iou so far; a buffer so it survives resume from a checkpoint.

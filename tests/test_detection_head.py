@@ -500,3 +500,27 @@ def test_decoding_per_group_keeps_rare_classes_beside_a_crowd():
     assert capped["labels"].tolist() == [CLS["car"]] * 20  # the best of all
     with pytest.raises(ValueError, match="pre_nms_top_k must be a whole number >= 1"):
         decode(heatmap, regression, GRID, pre_nms_top_k=0)
+
+
+def test_box_frame_velocity_decodes_to_the_ego_frame_and_is_the_loss_target():
+    """velocity_frame="box": the head's (along, across the heading) velocity; maps holding it, computed here by
+    hand from yaw, decode to the annotated ego-frame velocity and give a zero loss, and the ego-frame maps do not."""
+    boxes, labels = _random_scene(np.random.default_rng(3))
+    t = encode_targets(boxes, labels, GRID)
+    heatmap, regression = _perfect_maps(t)
+    box_maps = regression.clone()
+    for slot in np.flatnonzero(t["det_mask"]):
+        ix, iy = divmod(int(t["det_index"][slot]), GRID.ny)
+        g = GROUP_OF[DETECTION_CLASSES[int(t["det_label"][slot])]]
+        sin, cos, vx, vy = (float(v) for v in t["det_target"][slot, 6:10])
+        box_maps[0, g, 8:, ix, iy] = torch.tensor([cos * vx + sin * vy, -sin * vx + cos * vy])
+    (out,) = decode(heatmap, box_maps, GRID, nms=None, velocity_frame="box")
+    got = out["boxes"].numpy()
+    order, got_order = np.lexsort((boxes[:, 1], boxes[:, 0])), np.lexsort((got[:, 1], got[:, 0]))
+    np.testing.assert_allclose(got[got_order, 7:], boxes[order, 7:], atol=1e-4)
+    batch = _batch([t])
+    loss = DetectionLoss(velocity_frame="box")
+    assert loss({"heatmap": heatmap, "regression": box_maps}, batch)["regression"].item() < 1e-5
+    assert loss({"heatmap": heatmap, "regression": regression}, batch)["regression"].item() > 0.1
+    with pytest.raises(ValueError, match="velocity_frame"):
+        DetectionLoss(velocity_frame="world")

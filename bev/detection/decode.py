@@ -16,7 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from bev.classes import DETECTION_CLASSES, DETECTION_GROUPS
-from bev.detection.targets import REGRESSION_FIELDS, class_to_group, gather_regression
+from bev.detection.targets import (
+    REGRESSION_FIELDS,
+    check_velocity_frame,
+    class_to_group,
+    gather_regression,
+    rotate_velocity,
+)
 from bev.geometry import MAX_BOXES, Grid, box_corners
 
 # Circle NMS thresholds per group of DETECTION_GROUPS, as the peers give them: squared centre distances
@@ -88,13 +94,16 @@ def decode(
     nms_iou: float = ROTATED_NMS_IOU,
     pre_nms_top_k: int | None = None,
     post_nms_max: int | None = None,
+    velocity_frame: str = "ego",
 ) -> list[dict[str, torch.Tensor]]:
     """heatmap (B, C, X, Y) logits and regression (B, G, 10, X, Y) -> per sample {"boxes": (K, 9) float32
     per BOX_FIELDS, "scores": (K,) in decreasing order, "labels": (K,) int64 into DETECTION_CLASSES}.
     nms: "circle" (per group, centre distance <= nms_radii[g] metres), "rotated" (per group, footprint IoU >
     nms_iou) or None. Candidates: the top_k peaks over all classes (pre_nms_top_k None), or the
     pre_nms_top_k peaks of each group (BEVDet / CenterPoint: 1000); post_nms_max: at most that many boxes
-    per group after NMS (theirs: 83); then the top_k best of all."""
+    per group after NMS (theirs: 83); then the top_k best of all. velocity_frame: where the head regresses
+    velocity (bev.detection.targets.VELOCITY_FRAMES); boxes carry it in the ego frame."""
+    check_velocity_frame(velocity_frame)
     if nms not in NMS_KINDS:
         raise ValueError(f"nms must be one of {NMS_KINDS}, got {nms!r}")
     if not 0 < top_k <= MAX_BOXES:
@@ -114,7 +123,7 @@ def decode(
     of_class = torch.tensor(class_to_group(groups), device=heatmap.device)
     radii = torch.tensor(nms_radii, dtype=torch.float32, device=heatmap.device)
     values = gather_regression(regression.float(), cell, label, of_class)  # (B, K, R)
-    boxes = _to_boxes(values, cell, grid)
+    boxes = _to_boxes(values, cell, grid, velocity_frame)
     results = []
     for i in range(b):
         keep = top_scores[i] > score_threshold
@@ -163,7 +172,7 @@ def _best_per_group(scores: torch.Tensor, group: torch.Tensor, per_group: int | 
     return kept[order][:total]
 
 
-def _to_boxes(values: torch.Tensor, cell: torch.Tensor, grid: Grid) -> torch.Tensor:
+def _to_boxes(values: torch.Tensor, cell: torch.Tensor, grid: Grid, velocity_frame: str = "ego") -> torch.Tensor:
     """(B, K, R) regression at cells (B, K) flat x * Y + y -> (B, K, 9) BOX_FIELDS rows."""
     ny = grid.ny
     ix, iy = (cell // ny).float(), (cell % ny).float()
@@ -172,4 +181,7 @@ def _to_boxes(values: torch.Tensor, cell: torch.Tensor, grid: Grid) -> torch.Ten
     size = values[..., 3:6].exp()
     yaw = torch.atan2(values[..., 6], values[..., 7])
     yaw = torch.where(yaw >= math.pi, yaw - 2 * math.pi, yaw)  # BOX_FIELDS: yaw in [-pi, pi)
-    return torch.cat([x[..., None], y[..., None], values[..., 2:3], size, yaw[..., None], values[..., 8:10]], -1)
+    velocity = values[..., 8:10]
+    if velocity_frame == "box":
+        velocity = rotate_velocity(velocity, torch.sin(yaw), torch.cos(yaw))
+    return torch.cat([x[..., None], y[..., None], values[..., 2:3], size, yaw[..., None], velocity], -1)

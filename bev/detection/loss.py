@@ -16,7 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from bev.classes import DETECTION_GROUPS
-from bev.detection.targets import REGRESSION_FIELDS, VELOCITY_SLICE, class_to_group, gather_regression
+from bev.detection.targets import (
+    REGRESSION_FIELDS,
+    VELOCITY_SLICE,
+    check_velocity_frame,
+    class_to_group,
+    gather_regression,
+    rotate_velocity,
+)
 
 # L1 weight per REGRESSION_FIELDS channel: 1, and 0.2 for the velocity (CenterPoint's code_weights).
 CODE_WEIGHTS = (1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.2, 0.2)
@@ -46,15 +53,20 @@ def regression_l1_loss(
     group_matrix: torch.Tensor,
     code_weights: torch.Tensor,
     velocity_channels: torch.Tensor,
+    velocity_frame: str = "ego",
 ) -> torch.Tensor:
     """Weighted L1 of the gathered regression vs det_target, velocity only where det_vel_mask, summed over
     groups of (group's loss / max(1, group's number of boxes)). code_weights and velocity_channels (0/1)
-    are (R,) per REGRESSION_FIELDS."""
+    are (R,) per REGRESSION_FIELDS; velocity_frame "box": the velocity target turned into the true box's frame."""
     pred = gather_regression(regression.float(), targets["det_index"], targets["det_label"], class_group)
+    target = targets["det_target"].float()
+    if velocity_frame == "box":
+        box_v = rotate_velocity(target[..., VELOCITY_SLICE], target[..., 6], target[..., 7], inverse=True)
+        target = torch.cat([target[..., :8], box_v], -1)
     mask = targets["det_mask"].float()
     has_velocity = targets["det_vel_mask"].float()[..., None]  # (B, N, 1)
     weights = code_weights * (1 - velocity_channels + velocity_channels * has_velocity)  # (B, N, R)
-    per_box = ((pred - targets["det_target"].float()).abs() * weights).sum(-1) * mask  # (B, N)
+    per_box = ((pred - target).abs() * weights).sum(-1) * mask  # (B, N)
     # (B, N, C) by comparison: F.one_hot checks its input's range, a host sync on a GPU.
     classes = torch.arange(group_matrix.shape[1], device=mask.device)
     onehot = (targets["det_label"][..., None] == classes).float() * mask[..., None]
@@ -74,8 +86,10 @@ class DetectionLoss(nn.Module):
         code_weights: Sequence[float] = CODE_WEIGHTS,
         alpha: float = 2.0,
         gamma: float = 4.0,
+        velocity_frame: str = "ego",
     ):
         super().__init__()
+        self.velocity_frame = check_velocity_frame(velocity_frame)
         if len(code_weights) != len(REGRESSION_FIELDS):
             raise ValueError(
                 f"code_weights needs one weight per regression field {REGRESSION_FIELDS}, got {list(code_weights)}"
@@ -109,5 +123,6 @@ class DetectionLoss(nn.Module):
             self.group_matrix,
             self.code_weights,
             self.velocity_channels,
+            self.velocity_frame,
         )
         return {"loss": heat + self.regression_weight * reg, "heatmap": heat, "regression": reg}

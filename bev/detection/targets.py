@@ -28,6 +28,22 @@ from bev.geometry import BOX_FIELDS, BOX_SIZE, BOX_VELOCITY, BOX_YAW, MAX_BOXES,
 # head's `regression` maps: the centre's offset in its cell (cells), z (m), log size (m), heading, velocity.
 REGRESSION_FIELDS = ("dx", "dy", "z", "log_w", "log_l", "log_h", "sin_yaw", "cos_yaw", "vx", "vy")
 VELOCITY_SLICE = slice(8, 10)
+# Where the head regresses velocity: "ego" (the targets' frame, the peers') or "box" (along and across the
+# box's heading): a car's velocity in the ego frame is its speed times its heading, a product that the light
+# head's last linear layer cannot form from features that hold the speed; in the box frame it is the speed.
+VELOCITY_FRAMES = ("ego", "box")
+
+
+def check_velocity_frame(frame: str) -> str:
+    if frame not in VELOCITY_FRAMES:
+        raise ValueError(f"model.detection.velocity_frame must be one of {VELOCITY_FRAMES}, got {frame!r}")
+    return frame
+
+
+def rotate_velocity(v: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """(..., 2) velocities rotated by the yaw of (sin, cos): box frame -> ego frame, or ego -> box with inverse."""
+    s = -sin if inverse else sin
+    return torch.stack([cos * v[..., 0] - s * v[..., 1], s * v[..., 0] + cos * v[..., 1]], -1)
 
 
 def class_to_group(groups: tuple[tuple[str, ...], ...] = DETECTION_GROUPS) -> tuple[int, ...]:
