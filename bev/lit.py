@@ -16,6 +16,7 @@ from bev.detection.decode import decode
 from bev.detection.loss import DetectionLoss
 from bev.detection.scoring import DetectionScore
 from bev.geometry import CAMERA_GEOMETRY, Grid
+from bev.losses import UncertaintyWeights
 from bev.metrics import BevIoU, MapIoU
 from bev.schedule import end_schedule_at, run_length, schedule_length, step_schedulers
 from bev.utils.checkpoint import load_matching
@@ -24,6 +25,7 @@ from bev.utils.speed import compile_mode, fused_default
 CAMERA_KEYS = ("images",) + CAMERA_GEOMETRY
 LOSSES = ("bce", "focal")
 HEADS = ("segmentation", "detection")
+TASK_WEIGHTS = ("fixed", "uncertainty")
 
 
 def _check_heads(heads: Sequence[str], net: nn.Module) -> tuple[str, ...]:
@@ -100,6 +102,9 @@ class BEVLitModule(L.LightningModule):
     through the shared encoders is otherwise 1/K.
     depth_weight > 0 adds that times the cross-entropy of the camera depth logits against the
     lidar depth bins (data.depth_target=true; cells without a target are ignored), as BEVDepth.
+    task_weights: how segmentation and detection add up: "fixed" (1 and detection.weight) or "uncertainty"
+    (Kendall et al.'s learned weights, bev.losses.UncertaintyWeights, each started at its first batch's loss:
+    a detection loss of about 20 beside a segmentation loss of 0.2 otherwise takes the shared encoders).
     """
 
     def __init__(
@@ -120,6 +125,7 @@ class BEVLitModule(L.LightningModule):
         heads: Sequence[str] = ("segmentation",),
         detection: Mapping[str, Any] | None = None,
         init_from: str | None = None,
+        task_weights: str = "fixed",
     ):
         super().__init__()
         self.init_from = init_from
@@ -143,6 +149,10 @@ class BEVLitModule(L.LightningModule):
         self.val_map_iou = MapIoU(self.map_classes)
         self.test_map_iou = MapIoU(self.map_classes)
         self.heads = _check_heads(heads, net)
+        if task_weights not in TASK_WEIGHTS:
+            raise ValueError(f"model.task_weights must be one of {TASK_WEIGHTS}, got {task_weights!r}")
+        tasks = tuple(t for t in ("seg", "det") if {"seg": "segmentation", "det": "detection"}[t] in self.heads)
+        self.task_weights = UncertaintyWeights(tasks, init="loss") if task_weights == "uncertainty" else None
         if "detection" in self.heads:
             det = dict(detection or {})
             self.detection_weight = float(det.pop("weight", 1.0))
@@ -299,16 +309,18 @@ class BEVLitModule(L.LightningModule):
         """(total loss, its terms) of the network's output `out` on a batch: segmentation, detection and depth."""
         logits, det_out = split_outputs(out)
         terms: dict[str, torch.Tensor] = {}
+        tasks: dict[str, torch.Tensor] = {}
         loss = logits.new_zeros((), dtype=torch.float32)
         if depth_logits is not None:
             terms["depth"] = self.depth_loss(depth_logits, batch["depth"])
             loss = loss + self.depth_weight * terms["depth"]
         if "segmentation" in self.heads:
-            terms["seg"] = self.loss(logits, batch["bev"])
-            loss = loss + terms["seg"]
+            tasks["seg"] = terms["seg"] = self.loss(logits, batch["bev"])
         if det_out is not None and "detection" in self.heads:
-            loss = loss + self.detection_weight * self._det_terms(det_out, batch, terms)
-        return loss, terms
+            tasks["det"] = self.detection_weight * self._det_terms(det_out, batch, terms)
+        if self.task_weights is not None and len(tasks) == len(self.task_weights.log_vars):
+            return loss + self.task_weights(tasks), terms
+        return loss + sum(tasks.values()), terms
 
     def _det_terms(self, det_out: dict, batch: dict, terms: dict) -> torch.Tensor:
         """The detection loss (adds its parts to terms); needs the targets of data.detection=true."""

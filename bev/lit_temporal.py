@@ -55,6 +55,11 @@ class TemporalLitModule(BEVLitModule):
     ):
         if static.get("depth_weight"):
             raise ValueError("model.depth_weight > 0 is not supported by the temporal model: set model.depth_weight=0")
+        if static.get("task_weights", "fixed") != "fixed":
+            raise ValueError(
+                "model.task_weights is the static model's: the temporal model weights its terms with "
+                "model.temporal_loss.uncertainty and model.detection.weight"
+            )
         super().__init__(net, optimizer, **static)
         # Plain containers only: checkpoints are read with torch.load(weights_only=True).
         self.save_hyperparameters(

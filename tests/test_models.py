@@ -226,3 +226,28 @@ def test_task_decoders_share_the_encoder_and_start_alike():
     assert all(p.grad is None for p in [*enc.up1.parameters(), *enc.up2.parameters()])
     seg, det = BevEncoder(8, 3, widths=(8, 16, 16), blocks=1).task_features(x)
     assert seg is det  # without task decoders both tasks read the one decoder
+
+
+def test_uncertainty_task_weights_start_each_task_at_its_first_loss():
+    """model.task_weights=uncertainty: at the first training batch each task's log-variance is its loss, so
+    segmentation and detection enter the total alike (1/2 each, plus log L / 2) whatever their units; they are
+    parameters the optimiser trains, and "fixed" adds the tasks as they are."""
+    from bev.lit import BEVLitModule
+    from helpers.train_step import detection_targets
+
+    torch.manual_seed(0)
+    net = LiftSplatShoot(GRID, SIZE, detection={"head_channels": 0, "shared_channels": 8}, **TINY_NET)
+    batch = {"bev": (torch.rand(2, 1, *GRID.bev_shape) > 0.9).float(), **detection_targets(GRID, 2, seed=0)}
+    heads = ["segmentation", "detection"]
+    fixed = BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], heads=heads)
+    learned = BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], heads=heads, task_weights="uncertainty")
+    out = net(*model_inputs())
+    total, terms = fixed.losses(out, batch)
+    torch.testing.assert_close(total, terms["seg"] + terms["det"])
+    total, terms = learned.train().losses(out, batch)
+    seg, det = terms["seg"].detach(), terms["det"].detach()
+    torch.testing.assert_close(total.detach(), 1 + 0.5 * (seg.log() + det.log()))
+    log_vars = dict(learned.task_weights.log_vars.items())
+    assert set(log_vars) == {"seg", "det"} and all(p in set(learned.parameters()) for p in log_vars.values())
+    with pytest.raises(ValueError, match="task_weights"):
+        BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], heads=heads, task_weights="equal")
