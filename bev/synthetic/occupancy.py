@@ -344,19 +344,27 @@ def prepare(scale: int = raycast.RENDER_SCALE) -> None:
 
 
 def occupancy_sample(
-    world: World, t: float, renders: dict | None = None, scale: int = raycast.RENDER_SCALE
+    world: World,
+    t: float,
+    renders: dict | None = None,
+    scale: int = raycast.RENDER_SCALE,
+    parts: raycast.Parts | None = None,
 ) -> OccSample:
     """Semantics and both masks of the world at time t. `renders` ({camera: CameraRender}, as
-    raycast.render_sample returns them at `scale`) saves re-rendering the six cameras."""
+    raycast.render_sample returns them at `scale`) saves re-rendering the six cameras; `parts` (the ego-frame
+    parts the renders drew, raycast.sample_parts) saves placing the objects again."""
     if renders is None:
         renders, _ = raycast.render_sample(world, t, scale)
     cams = [raycast.make_camera(name, scale) for name in CAMERA_NAMES]
     mask_camera = observed(cams, [renders[name].depth for name in CAMERA_NAMES])
     # Only what reaches into the grid: a ray from inside the grid to a voxel never leaves it.
     objects = visible_objects(world, t, GRID_REACH + MAX_HALF_LENGTH)
-    parts = world_parts(world, t, objects)  # once for the lidar's four views and the semantics
+    if parts is None:
+        parts = world_parts(world, t, objects)  # once for the lidar's four views and the semantics
+    else:  # the drawn parts of these objects: the same rows, in the same order
+        parts = raycast.Parts(*(x[np.isin(parts.obj, objects)] for x in parts))
     lidar = lidar_cameras(_lidar_translation())
-    depths = [raycast.render_camera(world, t, cam, objects, parts=parts).depth for cam in lidar]
+    depths = [raycast.render_depth(world, t, cam, parts=parts) for cam in lidar]
     for cam, depth in zip(lidar, depths):
         depth[~lidar_band(cam)] = np.nan  # outside the beams: no ray ends or passes (NaN compares false)
     return OccSample(semantics(world, t, parts), observed(list(lidar), depths), mask_camera)
@@ -370,7 +378,8 @@ def write_sample_occupancy(
     t: float,
     renders: dict | None = None,
     scale: int = raycast.RENDER_SCALE,
+    parts: raycast.Parts | None = None,
 ) -> Path:
     """Label one sample (occupancy_sample) and write <out_root>/gts/<scene name>/<sample token>/labels.npz."""
-    occ = occupancy_sample(world, t, renders, scale)
+    occ = occupancy_sample(world, t, renders, scale, parts)
     return write_labels(labels_path(out_root, scene_name, sample_token), occ.semantics, occ.mask_lidar, occ.mask_camera)

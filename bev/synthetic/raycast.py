@@ -109,6 +109,19 @@ class Camera:
             torch.set_num_threads(threads)
         return uv.numpy().reshape(*shape, 2), depth.numpy().reshape(shape)
 
+    def project_uv(self, pts: np.ndarray) -> np.ndarray:
+        """project's (u, v) in numpy: the same maths without torch's per-call cost (tiny arrays, one per camera
+        and frame); within round-off of project, which is all the renderer's padded part rectangles need."""
+        if not hasattr(self, "_uv_maps"):
+            post = self.post_rot.double().numpy()
+            self._uv_maps = (self.rotation, self.intrinsic.T, post.T, self.post_tran.double().numpy())
+        R, KT, postT, post_t = self._uv_maps
+        cam = (pts - self.translation) @ R  # rows: R^T (p - t)
+        pix = cam @ KT
+        depth = cam[..., 2]
+        uvd = np.stack([pix[..., 0] / depth, pix[..., 1] / depth, depth], axis=-1)
+        return (uvd @ postT + post_t)[..., :2]
+
 
 def downscale(scale: int) -> tuple[torch.Tensor, torch.Tensor]:
     """post_rot/post_tran of a 1/scale resize with the pixel-centre convention of bev.geometry."""
@@ -213,14 +226,37 @@ def _textured(label: np.ndarray, tx: int, ty: int) -> np.ndarray:
     return colours.take(cell * len(GROUND) + label, axis=0)
 
 
-@lru_cache(maxsize=2)
-def _mosaic(seed: int, location: str, t0x: int, t0y: int, n: int) -> np.ndarray:
-    """n x n tiles from (t0x, t0y) as one (n * TILE, n * TILE, 3) array (shared by the six cameras of a frame)."""
-    out = np.empty((n * TILE, n * TILE, 3), np.uint8)
-    for j in range(n):
-        for i in range(n):
-            out[j * TILE : (j + 1) * TILE, i * TILE : (i + 1) * TILE] = _tile(seed, location, t0x + i, t0y + j)
-    return out
+class _Ring:
+    """The tiles around the ego in one array, tile (tx, ty) in slot (tx % RING, ty % RING): as the ego drives on,
+    only the tiles that come into view are copied in (a mosaic rebuilt for every new window copies them all)."""
+
+    def __init__(self, seed: int, location: str):
+        self.key = (seed, location)
+        self.texels = np.zeros((RING * TILE, RING * TILE, 3), np.uint8)
+        self.held: dict[tuple[int, int], tuple[int, int]] = {}  # slot (x, y) -> the tile (tx, ty) in it
+        self.window = None
+
+    def fill(self, t0x: int, t0y: int, n: int) -> np.ndarray:
+        """The (RING * TILE) ** 2 x 3 texels, holding the n x n tiles from (t0x, t0y)."""
+        if self.window != (t0x, t0y, n):  # (the six cameras of a frame share it)
+            for ty in range(t0y, t0y + n):
+                for tx in range(t0x, t0x + n):
+                    sx, sy = tx % RING, ty % RING
+                    if self.held.get((sx, sy)) != (tx, ty):
+                        self.texels[sy * TILE : (sy + 1) * TILE, sx * TILE : (sx + 1) * TILE] = _tile(*self.key, tx, ty)
+                        self.held[sx, sy] = (tx, ty)
+            self.window = (t0x, t0y, n)
+        return self.texels.reshape(-1, 3)
+
+
+RING = 8  # slots per axis, a power of two (indices wrap with a mask) above the most tiles a window spans (6)
+_RINGS: list[_Ring] = []  # this process's ring, of the location it drew last
+
+
+def _ring(seed: int, location: str) -> _Ring:
+    if not _RINGS or _RINGS[0].key != (seed, location):
+        _RINGS[:] = [_Ring(seed, location)]
+    return _RINGS[0]
 
 
 def ground_colour(seed: int, location: str, x: np.ndarray, y: np.ndarray, centre) -> np.ndarray:
@@ -231,12 +267,14 @@ def ground_colour(seed: int, location: str, x: np.ndarray, y: np.ndarray, centre
     n = int(math.floor((centre[0] + TEX_RANGE) / tile_m)) - t0x + 1
     n = max(n, int(math.floor((centre[1] + TEX_RANGE) / tile_m)) - t0y + 1)
     size = n * TILE
-    col = np.floor(x * (1 / TEX_RES)).astype(np.int64) - t0x * TILE
-    row = np.floor(y * (1 / TEX_RES)).astype(np.int64) - t0y * TILE
-    # Negative indices view as huge unsigned ones: one test per axis for "off the mosaic".
+    gcol = np.floor(x * (1 / TEX_RES)).astype(np.int64)  # global texel indices
+    grow = np.floor(y * (1 / TEX_RES)).astype(np.int64)
+    col, row = gcol - t0x * TILE, grow - t0y * TILE  # on the n x n window of tiles from (t0x, t0y)
+    # Negative indices view as huge unsigned ones: one test per axis for "off the window".
     outside = np.flatnonzero((col.view(np.uint64) >= size) | (row.view(np.uint64) >= size))
-    texels = _mosaic(seed, location, t0x, t0y, n).reshape(-1, 3)
-    out = texels.take(row * size + col, axis=0, mode="clip") * np.float32(1 / 255)
+    texels = _ring(seed, location).fill(t0x, t0y, n)
+    side = RING * TILE
+    out = texels.take((grow & (side - 1)) * side + (gcol & (side - 1)), axis=0, mode="clip") * np.float32(1 / 255)
     out.reshape(-1, 3)[outside] = _PALETTE[_CLASS["grass"]]
     return out
 
@@ -270,7 +308,7 @@ def _object_parts_ego(world: World, t: float, obj_indices) -> Parts:
     R_eg = np.array([[c, s, 0], [-s, c, 0], [0, 0, 1.0]])  # global -> ego rotation
     objs = [world.objects[i] for i in obj_indices]
     n = [len(o.parts) for o in objs]
-    pose = [world.object_global(o, t) for o in objs]
+    pose = [world.object_pose(i, t) for i in obj_indices]
     R_obj = [
         ((math.cos(a), -math.sin(a), 0), (math.sin(a), math.cos(a), 0), (0, 0, 1.0))
         for a in (yaw - ego_yaw for _, yaw in pose)
@@ -318,7 +356,7 @@ def _part_rects(cam: Camera, parts: Parts) -> np.ndarray:
     crossing = (da - NEAR) * (db - NEAR) < 0
     pts = np.concatenate([corners, cut], axis=1)
     valid = np.concatenate([depth > NEAR, crossing], axis=1)
-    uv, _ = cam.project(pts)
+    uv = cam.project_uv(pts)
     H, W = cam.shape
     big = 1e9
     umin = np.where(valid, uv[..., 0], big).min(1)
@@ -360,10 +398,10 @@ def _directions(rx: np.ndarray, ry: np.ndarray, rz: np.ndarray, c: np.ndarray, s
 MISS = np.int32(0x7FFFFFFF)  # depth bits of a pair that hits nothing: above every float's
 
 
-def _slab(cam: Camera, parts: Parts, rects: np.ndarray):
+def _slab(cam: Camera, parts: Parts, rects: np.ndarray, faces: bool = True):
     """Slab test of every pixel's ray in each part's (non-empty) rectangle against the part, in the part
     frames, rectangle by rectangle in row-major order and about CHUNK pairs at a time: z-buffer key
-    (_slab_chunk), hit and entry face per pair.
+    (_slab_chunk), hit and entry face per pair (the key alone when not `faces`).
 
     Call under np.errstate(divide="ignore", invalid="ignore"): rays parallel to a slab give inf / nan."""
     o, yaw = _part_frames(cam, parts)
@@ -371,11 +409,11 @@ def _slab(cam: Camera, parts: Parts, rects: np.ndarray):
     per_part = np.concatenate([yaw, near, far], 1).T  # (8, P)
     n = (rects[:, 1] - rects[:, 0]) * (rects[:, 3] - rects[:, 2])
     ends, a = np.cumsum(n), 0
-    out = [np.empty(n.sum(), dt) for dt in (np.int64, bool, np.int8)]
+    out = [np.empty(n.sum(), dt) for dt in ((np.int64, bool, np.int8) if faces else (np.int64,))]
     while a < len(n):
         b = max(a + 1, int(np.searchsorted(ends, ends[a] - n[a] + CHUNK, "right")))
         pairs = slice(ends[a] - n[a], ends[b - 1])
-        res = _slab_chunk(_rect_pixels(cam.planes, rects[a:b]), per_part[:, a:b], n[a:b], a)
+        res = _slab_chunk(_rect_pixels(cam.planes, rects[a:b]), per_part[:, a:b], n[a:b], a, faces)
         for x, r in zip(out, res):
             x[pairs] = r
         a = b
@@ -392,9 +430,10 @@ def _rect_pixels(planes: np.ndarray, rects: np.ndarray) -> np.ndarray:
     return out
 
 
-def _slab_chunk(rays: np.ndarray, per_part: np.ndarray, n: np.ndarray, first: int):
+def _slab_chunk(rays: np.ndarray, per_part: np.ndarray, n: np.ndarray, first: int, faces: bool = True):
     """The slab test of the pairs of parts first, first + 1, ... (n pairs each) with rays (3, N)
-    and per-part values (_slab). np.where is ~10x slower than arithmetic here: the face is int8 sums."""
+    and per-part values (_slab): (key, hit, face), or (key,) when not `faces`. np.where is ~10x slower
+    than arithmetic here: the face is int8 sums."""
     rx, ry, rz = rays
     c, s, *bounds = (np.repeat(x, n) for x in per_part)
     d = _directions(rx, ry, rz, c, s)
@@ -411,6 +450,8 @@ def _slab_chunk(rays: np.ndarray, per_part: np.ndarray, n: np.ndarray, first: in
     # drawing the ground and then the parts in order with a strict depth test would show.
     bits = np.maximum(tnear.view(np.int32), ~hit * MISS)
     key = (bits.astype(np.int64) << 32) | np.repeat(np.arange(first + 1, first + len(n) + 1), n)
+    if not faces:
+        return (key,)
     # The entry face is the axis whose slab was entered last (the last axis on a tie); the ray
     # enters the + face when it travels towards -axis.
     neg = [(dk < 0).view(np.int8) for dk in d]
@@ -514,20 +555,13 @@ def render_camera(
     `objects` defaults to everything within RENDER_RANGE; `parts` (from render_sample) skips
     recomputing the ego-frame boxes per camera.
     """
-    cam = make_camera(camera, scale) if isinstance(camera, str) else camera
-    if objects is None:
-        objects = visible_objects(world, t, RENDER_RANGE)
-    if parts is None:
-        parts = _object_parts_ego(world, t, objects)
+    cam, parts = _camera_parts(world, t, camera, objects, scale, parts)
     H, W = cam.shape
     img, zbuf = _ground_render(world, t, cam)
     ids = np.zeros((H, W), np.int32)
     # Every (part, pixel) pair in the parts' projected rectangles is ray-cast at once; the
     # nearest hit per pixel wins.
-    rects = _part_rects(cam, parts)
-    seen = np.flatnonzero((rects[:, 1] > rects[:, 0]) & (rects[:, 3] > rects[:, 2]))
-    parts, rects = Parts(*(x[seen] for x in parts)), rects[seen]
-    pix = _pixel_pairs(rects, W)
+    parts, rects, pix = _in_view(cam, parts)
     with np.errstate(divide="ignore", invalid="ignore"):
         key, hit, face = _slab(cam, parts, rects)
     coverage = _coverage(parts, rects, hit)
@@ -540,19 +574,55 @@ def render_camera(
     return CameraRender(img, ids, zbuf, coverage)
 
 
+def _in_view(cam: Camera, parts: Parts) -> tuple[Parts, np.ndarray, np.ndarray]:
+    """The parts whose rectangles (_part_rects) hold pixels, their rectangles and their pairs' pixels (_pixel_pairs)."""
+    rects = _part_rects(cam, parts)
+    seen = np.flatnonzero((rects[:, 1] > rects[:, 0]) & (rects[:, 3] > rects[:, 2]))
+    parts, rects = Parts(*(x[seen] for x in parts)), rects[seen]
+    return parts, rects, _pixel_pairs(rects, cam.shape[1])
+
+
+def _camera_parts(world: World, t: float, camera, objects, scale: int, parts) -> tuple[Camera, Parts]:
+    """render_camera's camera and parts from its arguments."""
+    cam = make_camera(camera, scale) if isinstance(camera, str) else camera
+    if parts is None:
+        parts = _object_parts_ego(world, t, visible_objects(world, t, RENDER_RANGE) if objects is None else objects)
+    return cam, parts
+
+
+def render_depth(
+    world: World, t: float, camera: str | Camera, scale: int = RENDER_SCALE, parts: Parts | None = None
+) -> np.ndarray:
+    """render_camera's depth alone, (H, W) float32, the same values: no colours, ids or coverage to compute."""
+    cam, parts = _camera_parts(world, t, camera, None, scale, parts)
+    parts, rects, pix = _in_view(cam, parts)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        (key,) = _slab(cam, parts, rects, faces=False)
+    best = cam.ground_key.copy()  # the ground's depth bits (inf above the horizon), part field 0
+    np.minimum.at(best, pix, key)
+    # The upper half of the least key is the depth of what the pixel shows, the ground's included.
+    return (best >> 32).astype(np.int32).view(np.float32).reshape(cam.shape)
+
+
 def visibility_level(visible: int, unoccluded: int) -> str:
     """nuScenes visibility token from visible / unoccluded pixels: '1' 0-40%, '2' 40-60%, '3' 60-80%, '4' 80-100%."""
     frac = visible / unoccluded if unoccluded > 0 else 0.0
     return "1" if frac < 0.4 else "2" if frac < 0.6 else "3" if frac < 0.8 else "4"
 
 
-def render_sample(world: World, t: float, scale: int = RENDER_SCALE):
-    """All six cameras: ({camera: CameraRender}, {object index: (visible px, unoccluded px) summed over cameras})."""
-    objects = visible_objects(world, t, RENDER_RANGE)
-    parts = _object_parts_ego(world, t, objects)
+def sample_parts(world: World, t: float) -> Parts:
+    """The ego-frame parts render_sample draws at time t: every object within RENDER_RANGE."""
+    return _object_parts_ego(world, t, visible_objects(world, t, RENDER_RANGE))
+
+
+def render_sample(world: World, t: float, scale: int = RENDER_SCALE, parts: Parts | None = None):
+    """All six cameras: ({camera: CameraRender}, {object index: (visible px, unoccluded px) summed over cameras}).
+    `parts`: sample_parts(world, t), if the caller has them."""
+    if parts is None:
+        parts = sample_parts(world, t)
     out, counts = {}, {}
     for name in CAMERA_NAMES:
-        r = render_camera(world, t, name, objects, scale, parts)
+        r = render_camera(world, t, name, None, scale, parts)
         out[name] = r
         vis = np.bincount(r.ids.ravel(), minlength=len(world.objects) + 1)
         for i, n in r.coverage.items():

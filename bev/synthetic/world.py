@@ -78,7 +78,7 @@ class World:
     wobble: tuple[float, float, float]  # lateral wobble within the lane (amplitude, angular freq, phase)
     sun: np.ndarray  # unit vector to the sun, global frame
     objects: list[Obj]
-    _xy: dict = field(default_factory=dict, repr=False)
+    _xy: dict = field(default_factory=dict, repr=False)  # t -> poses(t)
 
     def ego_pose(self, t: float) -> tuple[np.ndarray, float]:
         """Global translation (3,) and yaw of the ego at time t (flat world: z = 0)."""
@@ -92,19 +92,41 @@ class World:
         xy, yaw = obj.pose(t)
         return np.array([xy[0], xy[1], obj.size[2] / 2]), float(yaw)
 
+    def object_pose(self, i: int, t: float) -> tuple[np.ndarray, float]:
+        """object_global of object i, the same values, from the poses of time t (poses)."""
+        xy, yaw = self.poses(t)
+        return np.array([xy[i, 0], xy[i, 1], self.objects[i].size[2] / 2]), float(yaw[i])
+
     def positions(self, t: float) -> np.ndarray:
-        """(N, 2) global xy of every object at time t (cached; after the first time only moving objects
-        are recomputed: most objects are static)."""
+        """(N, 2) global xy of every object at time t (poses)."""
+        return self.poses(t)[0]
+
+    def poses(self, t: float) -> tuple[np.ndarray, np.ndarray]:
+        """Global xy (N, 2) and yaw (N,) of every object at time t (cached; after the first time only moving
+        objects are recomputed: most objects are static)."""
         if t not in self._xy:
             if self._xy:
-                xy = next(iter(self._xy.values())).copy()
+                xy, yaw = (a.copy() for a in next(iter(self._xy.values())))
                 for i, o in enumerate(self.objects):
                     if o.path is not None:
-                        xy[i] = o.pose(t)[0]
-                self._xy[t] = xy
+                        xy[i], yaw[i] = o.pose(t)
             else:
-                self._xy[t] = np.array([o.pose(t)[0] for o in self.objects]).reshape(-1, 2)
+                xy, yaw = np.zeros((len(self.objects), 2)), np.zeros(len(self.objects))
+                for i, o in enumerate(self.objects):
+                    xy[i], yaw[i] = o.pose(t)
+            self._xy[t] = xy, yaw
         return self._xy[t]
+
+    def cache_poses(self, times) -> None:
+        """poses(t) for every t of `times`, the same values, with one path lookup per moving object for them all."""
+        todo = [t for t in dict.fromkeys(float(t) for t in times) if t not in self._xy]
+        if not todo:
+            return
+        xy, yaw = np.zeros((len(todo), len(self.objects), 2)), np.zeros((len(todo), len(self.objects)))
+        for i, o in enumerate(self.objects):
+            xy[:, i], yaw[:, i] = o.pose(np.array(todo))
+        for k, t in enumerate(todo):
+            self._xy[t] = xy[k], yaw[k]
 
 
 def visible_objects(world: World, t: float, radius: float) -> list[int]:
@@ -404,25 +426,45 @@ class _Fleet:
     """Footprints of the vehicles, barriers and cones placed so far, at every key frame."""
 
     def __init__(self):
-        self.xy = self.yaw = self.half = None
+        self.n = 0  # footprints held: the first n rows of the buffers (grown by doubling, not by a copy per add)
+        self.x = self.y = self.yaw = self.half = None  # (capacity, T) centres and yaws, (capacity, 2) half sizes
+        self.lo = self.hi = None  # (capacity, 2) corners of each track's bounding box
 
     def add(self, xy: np.ndarray, yaw: np.ndarray, size) -> bool:
         """Place a footprint track ((T, 2) centres, (T,) yaws) unless it overlaps one already placed."""
         half = np.array([size[1], size[0]]) / 2 + CLEARANCE / 2
-        if self.xy is not None:
-            d2 = np.square(self.xy - xy).sum(2)  # (N, T)
-            n, k = np.nonzero(d2 < np.square(np.linalg.norm(self.half, axis=1) + np.linalg.norm(half))[:, None])
+        n_ = self.n
+        if n_:
+            reach = np.linalg.norm(self.half[:n_], axis=1) + np.linalg.norm(half)
+            # Only tracks whose bounding boxes come within reach can come within reach at a key frame.
+            lo, hi = xy.min(0), xy.max(0)
+            gap = np.maximum(np.maximum(self.lo[:n_] - hi, lo - self.hi[:n_]), 0.0).max(1)
+            rows = np.flatnonzero(gap <= reach + 1.0)
+            # x and y apart: the squared distance is the same sum, without a reduction over a 2-long axis
+            d2 = np.square(self.x[rows] - xy[:, 0]) + np.square(self.y[rows] - xy[:, 1])  # (rows, T)
+            n, k = np.nonzero(d2 < np.square(reach[rows])[:, None])
+            n = rows[n]
             if (
                 len(n)
                 and rectangles_overlap(
-                    self.xy[n, k], self.yaw[n, k], self.half[n], xy[k], yaw[k], np.broadcast_to(half, (len(k), 2))
+                    np.stack([self.x[n, k], self.y[n, k]], -1),
+                    self.yaw[n, k],
+                    self.half[n],
+                    xy[k],
+                    yaw[k],
+                    np.broadcast_to(half, (len(k), 2)),
                 ).any()
             ):
                 return False
-            self.xy, self.yaw = np.concatenate([self.xy, xy[None]]), np.concatenate([self.yaw, yaw[None]])
-            self.half = np.concatenate([self.half, half[None]])
-        else:
-            self.xy, self.yaw, self.half = xy[None], yaw[None], half[None]
+        if self.x is None or n_ == len(self.x):
+            grow = lambda a, shape: np.concatenate([a[:n_], np.empty(shape)]) if n_ else np.empty(shape)  # noqa: E731
+            cap = max(64, 2 * n_)
+            self.x, self.y = grow(self.x, (cap, len(xy))), grow(self.y, (cap, len(xy)))
+            self.yaw, self.half = grow(self.yaw, (cap, len(yaw))), grow(self.half, (cap, 2))
+            self.lo, self.hi = grow(self.lo, (cap, 2)), grow(self.hi, (cap, 2))
+        self.x[n_], self.y[n_], self.yaw[n_], self.half[n_] = xy[:, 0], xy[:, 1], yaw, half
+        self.lo[n_], self.hi[n_] = xy.min(0), xy.max(0)  # the track's bounding box
+        self.n = n_ + 1
         return True
 
 

@@ -39,11 +39,14 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import itertools
 import json
 import math
 import multiprocessing as mp
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple
@@ -198,18 +201,46 @@ def _build_worlds(keys: list[tuple], workers: int) -> None:
         return
     for seed, location in sorted({(k[0], k[3]) for k in todo}):
         road_map(seed, location)  # once, before the fork: every worker (and the render workers later) shares them
-    with mp.get_context("fork").Pool(min(workers, len(todo))) as pool:
-        for key, world in zip(todo, pool.imap(_build_world_task, todo)):
-            world.road = road_map(key[0], key[3])
-            _keep_world(key, world)
+    built = dict(_in_workers(_build_world_task, todo, workers))
+    for key in todo:  # in the order asked (the cache keeps the last WORLDS_KEPT)
+        built[key].road = road_map(key[0], key[3])
+        _keep_world(key, built[key])
 
 
-def _build_world_task(key: tuple) -> World:
+def _build_world_task(key: tuple) -> tuple[tuple, World]:
     """A world without its road map, which the parent has: one copy per location, as if built there (a copy per
     world would multiply the objects every forked render worker's garbage collections go through)."""
     world = build_world(*key)
     world.road = None
-    return world
+    return key, world
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed or died: the message says which and what to do."""
+
+
+def _in_workers(fn, jobs: list, workers: int, initializer=None):
+    """fn(job) for every job in `workers` processes (forked: they share what this one built; spawned where fork
+    does not exist), each result yielded as it comes, in any order. A job's exception is raised here as soon as it
+    comes, and a worker that dies (killed, out of memory) raises WorkerError: the other jobs are cancelled and
+    the workers stopped, never waited for."""
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    pool = ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx, initializer=initializer)
+    done = False
+    try:
+        for future in as_completed([pool.submit(fn, job) for job in jobs]):
+            yield future.result()
+        done = True
+    except BrokenProcessPool:
+        raise WorkerError(
+            "a bev-make-synthetic worker process died (killed, or out of memory?); run it again, "
+            "with fewer --workers if memory is short"
+        ) from None
+    finally:
+        if not done:  # an error, or the caller stopped early: stop the workers now
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                proc.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 class _RenderTask(NamedTuple):
@@ -233,6 +264,7 @@ def _worker_init() -> None:
     import torch
 
     torch.set_num_threads(1)  # one process per core; torch threads would only contend
+    cv2.setNumThreads(0)  # the same for OpenCV's resize threads (0: none, the caller's thread only)
     # What the parent built (worlds, tables) stays out of this process's garbage collections: they would go
     # through it all again and again, copying each page they touch from the parent.
     gc.freeze()
@@ -292,7 +324,7 @@ def _object_points(
     boxes, pts = [], []
     for i in annotated:
         obj = world.objects[i]
-        centre, yaw = world.object_global(obj, t)
+        centre, yaw = world.object_pose(i, t)
         a = yaw - ego_yaw
         R = np.array([[math.cos(a), -math.sin(a), 0], [math.sin(a), math.cos(a), 0], [0, 0, 1.0]])  # object -> ego
         c_ego = R_ge.T @ (centre - ego_t)
@@ -324,8 +356,9 @@ def _render_task(task):
     out, seed, scene, sample, samples, location, cam_files, lidar_file, annotated, scale, scene_name = task
     world = _world(seed, scene, samples, location)
     t = sample * SAMPLE_DT
-    images, counts = raycast.render_sample(world, t, scale)
-    write_sample_occupancy(out, scene_name, _token(seed, "sample", scene, sample), world, t, images, scale)
+    parts = raycast.sample_parts(world, t)  # placed once for the cameras, the occupancy labels and its lidar views
+    images, counts = raycast.render_sample(world, t, scale, parts)
+    write_sample_occupancy(out, scene_name, _token(seed, "sample", scene, sample), world, t, images, scale, parts)
     for name in CAMERA_NAMES:
         img = (images[name].image * 255.0 + 0.5).clip(0, 255).astype(np.uint8)
         # RGB -> BGR before upscaling (same pixels): a contiguous array encodes ~3x faster than a flipped view.
@@ -481,12 +514,12 @@ def make_synthetic(
     tasks = [task for scene in scene_tasks for task in scene]
     map_tasks = _add_maps(T, out, seed, names)
     _begin(out, _dataset_files(tasks, T["map"], names))
-    _write_map_expansions(out, seed, names)
+    map_tasks += [("expansion", out, seed, loc) for loc in _map_groups(names)]  # HD maps, written alongside too
     results = _render(tasks, map_tasks, workers, render_scale, samples_per_scene, progress)
     for scene in scene_tasks:
         _add_annotations(T, scene, results)
     for name in TABLES:
-        _write_atomic(out / VERSION / f"{name}.json", json.dumps(T[name], indent=0))
+        _write_atomic(out / VERSION / f"{name}.json", _table_json(T[name]))
     return out
 
 
@@ -511,6 +544,7 @@ def _add_scene(
     """Append scene `si`'s log, calibrated_sensor, scene and per-sample rows; return its samples' render tasks."""
     location = MINI_LOCATIONS[name]
     world = _world(seed, si, samples, location)
+    world.cache_poses([k * SAMPLE_DT for k in range(samples)])  # the render workers forked later inherit them
     logfile, date, t0 = _log_info(name, si)
     log_tok, scene_tok = _token(seed, "log", si), _token(seed, "scene", si)
     T["log"].append(
@@ -643,10 +677,35 @@ def _dataset_files(tasks: list[_RenderTask], maps: list[dict], names: list[str])
     )
 
 
-def _write_map_expansions(out: Path, seed: int, names: list[str]) -> None:
-    """Write each location's HD map (maps/expansion/<location>.json)."""
-    for loc in _map_groups(names):
-        _write_atomic(out / "maps" / "expansion" / f"{loc}.json", json.dumps(map_expansion(road_map(seed, loc), seed)))
+_COMPACT = json.JSONEncoder(separators=(",\n", ": "))  # indent=0's separators, in the C encoder (indent has none)
+
+
+def _table_json(rows: list[dict]) -> str:
+    """json.dumps(rows, indent=0), the same text, in about half the time for the big tables: the C encoder writes
+    indent=0's items and separators but not its line breaks inside brackets, which are put in by replacing every
+    bracket; so only for rows of one set of keys, each a column of one flat type (or of flat lists), and no
+    bracket in any string; else json.dumps itself."""
+    keys = list(rows[0]) if rows else []
+    if not rows or any(list(r) != keys for r in rows):
+        return json.dumps(rows, indent=0)
+    for k in keys:
+        column = [r[k] for r in rows]
+        kinds = set(map(type, column))
+        if kinds == {list}:
+            column = list(itertools.chain.from_iterable(column))
+            kinds = set(map(type, column))
+        if (
+            len(kinds) > 1
+            or not kinds <= {str, int, float, bool}
+            or (kinds == {str} and _BRACKETS & set("".join(column)))
+        ):
+            return json.dumps(rows, indent=0)
+    text = _COMPACT.encode(rows)
+    text = text.replace("[", "[\n").replace("{", "{\n").replace("]", "\n]").replace("}", "\n}")
+    return text.replace("[\n\n]", "[]").replace("{\n\n}", "{}")
+
+
+_BRACKETS = set("[]{}")
 
 
 def _render(
@@ -662,28 +721,51 @@ def _render(
         raycast.make_camera(ch, render_scale)
     prepare_occupancy(render_scale)  # the occupancy masks' voxel -> pixel tables, likewise
     results = {}
-    bar = tqdm(total=len(tasks), desc="bev-make-synthetic", unit="sample", disable=not progress)
-    # Runs of consecutive frames per chunk: a worker reuses the world and ground tiles it built.
-    for r in _run_tasks(tasks, map_tasks, workers, chunksize=max(1, samples_per_scene // 4)):
-        results[r[0], r[1]] = r[2:]
-        bar.update()
-    bar.close()
+    # Runs of consecutive frames per job: a worker reuses the ground tiles it built (longer runs rebuild fewer,
+    # shorter ones balance the workers' last jobs better and show progress more often).
+    with tqdm(total=len(tasks), desc="bev-make-synthetic", unit="sample", disable=not progress) as bar:
+        for r in _run_tasks(tasks, map_tasks, workers, chunksize=max(1, min(samples_per_scene // 4, CHUNK))):
+            results[r[0], r[1]] = r[2:]
+            bar.update()
     return results
+
+
+CHUNK = 16  # samples per render job at most
 
 
 def _run_tasks(tasks: list[_RenderTask], map_tasks: list[tuple], workers: int, chunksize: int):
     """Run the map and render tasks (in `workers` processes when there are several); yield the render results."""
     if workers > 1 and len(tasks) > 1:
-        # fork shares the built worlds and camera rays; spawn where fork does not exist.
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        with ctx.Pool(min(workers, len(tasks)), initializer=_worker_init) as pool:
-            maps = pool.map_async(_map_task, map_tasks)  # big PNGs, encoded alongside the renders
-            yield from pool.imap_unordered(_render_task, tasks, chunksize=chunksize)
-            maps.get()
+        # The maps are written alongside the renders; runs of `chunksize` samples per job.
+        jobs = [("map", [t]) for t in map_tasks]
+        jobs += [("render", tasks[i : i + chunksize]) for i in range(0, len(tasks), chunksize)]
+        for kind, results in _in_workers(_run_job, jobs, workers, _worker_init):
+            if kind == "render":
+                yield from results
     else:
         for task in map_tasks:
             _map_task(task)
         yield from map(_render_task, tasks)
+
+
+def _run_job(job: tuple[str, list]) -> tuple[str, list]:
+    """A worker's job: ("map", [map task]) or ("render", [render tasks]); a sample that fails is named in the
+    error (a WorkerError, or its OSError as it is: bev-make-synthetic reports those as a dataset it cannot write)."""
+    kind, items = job
+    if kind == "map":
+        return kind, [_map_task(t) for t in items]
+    results = []
+    for task in items:
+        try:
+            results.append(_render_task(task))
+        except OSError:
+            raise
+        except Exception as e:
+            raise WorkerError(
+                f"writing sample {task.sample} of scene {task.scene_name} failed: {type(e).__name__}: {e} "
+                "(--workers 1 shows where)"
+            ) from e
+    return kind, results
 
 
 def _add_annotations(T: dict, tasks: list[_RenderTask], results: dict) -> None:
@@ -715,7 +797,7 @@ def _annotation(world: World, task: _RenderTask, i: int, visibility: str, num_li
     """The sample_annotation row of object i in the task's sample (prev/next are linked per track)."""
     seed, si, k = task.seed, task.scene, task.sample
     obj = world.objects[i]
-    centre, yaw = world.object_global(obj, k * SAMPLE_DT)
+    centre, yaw = world.object_pose(i, k * SAMPLE_DT)
     return {
         "token": _token(seed, "sample_annotation", si, k, i),
         "sample_token": _token(seed, "sample", si, k),
@@ -741,7 +823,12 @@ def _map_groups(names: list[str]) -> dict[str, list[int]]:
 
 
 def _map_task(task) -> None:
-    """Write one location's drivable-area PNG (MAP_RES m/pixel over the map canvas, global frame)."""
+    """Write one location's drivable-area PNG (MAP_RES m/pixel over the map canvas, global frame), or for
+    ("expansion", out, seed, location) its HD map (maps/expansion/<location>.json)."""
+    if task[0] == "expansion":
+        _, out, seed, loc = task
+        _write_atomic(out / "maps" / "expansion" / f"{loc}.json", json.dumps(map_expansion(road_map(seed, loc), seed)))
+        return
     path, seed, location = task
     road = road_map(seed, location)
     w, h = (int(math.ceil(c / MAP_RES)) for c in road.canvas)
@@ -813,6 +900,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     except OSError as e:  # e.g. a read-only or full --out: one line, no traceback
         print(f"bev-make-synthetic: error: cannot write the dataset to {args.out}: {e}", file=sys.stderr)
+        return 1
+    except WorkerError as e:  # one line, not a worker's traceback
+        print(f"bev-make-synthetic: error: {e}", file=sys.stderr)
         return 1
     print(
         f"wrote {args.scenes} scenes x {args.samples_per_scene} samples to {out} in {time.time() - start:.1f} s",
