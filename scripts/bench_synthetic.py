@@ -8,12 +8,16 @@ extracted to a temporary folder and run with PYTHONPATH), in the same run:
   (time.process_time: other processes' load does not count; nested timed calls are taken out of their
   callers). Per-sample stages are reported as the median and mean per sample; world building, tables, maps
   and JSON per run (and per scene for the worlds).
-- end to end: `python -m bev.synthetic.writer` as a subprocess per variant (tree x --workers), alternated
-  over --repeats rounds so that load changes hit every variant alike: wall, CPU (the writer and its worker
-  processes), samples/s, the load average, and an md5 of every file written (the variants' outputs compared).
+- end to end: `python -m bev.synthetic.writer` as a subprocess per variant (tree x --workers x --occupancy),
+  alternated over --repeats rounds so that load changes hit every variant alike: wall, CPU (the writer and its
+  worker processes), samples/s, the load average, and an md5 of every file written (the variants' outputs
+  compared). `--occupancy with without` writes the set with and without the Occ3D labels (--no-occupancy, as
+  `make train` does), then adds them to the latter (--occupancy-only, as `make train-occ` does): its md5 must be
+  the full write's.
 
     python scripts/bench_synthetic.py --before HEAD~1                      # make train's set, 10 x 192 samples
     python scripts/bench_synthetic.py --e2e-samples 24 --stage-samples 24   # quicker
+    python scripts/bench_synthetic.py --skip-stages --workers 2 --occupancy with without   # the labels' cost
 """
 
 from __future__ import annotations
@@ -160,11 +164,14 @@ def _tree_md5(root: Path) -> tuple[str, int]:
     return h.hexdigest(), n
 
 
-def _end_to_end(src: Path, workers: int, scenes: int, samples: int, scale: int, out: Path) -> dict:
-    """One `python -m bev.synthetic.writer` run from the package in `src`: wall, CPU, samples/s, output md5."""
+def _end_to_end(
+    src: Path, workers: int, scenes: int, samples: int, scale: int, out: Path, flags: tuple = (), keep: bool = False
+) -> dict:
+    """One `python -m bev.synthetic.writer [flags]` run from the package in `src`: wall, CPU, samples/s, output
+    md5 (the output removed after unless `keep`)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "bev.synthetic.writer", "--out", str(out), "--scenes", str(scenes)]
-    cmd += ["--samples-per-scene", str(samples), "--render-scale", str(scale), "--workers", str(workers)]
+    cmd += ["--samples-per-scene", str(samples), "--render-scale", str(scale), "--workers", str(workers), *flags]
     before, load = resource.getrusage(resource.RUSAGE_CHILDREN), os.getloadavg()[0]
     start = time.perf_counter()
     done = subprocess.run(cmd, env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True)
@@ -174,7 +181,8 @@ def _end_to_end(src: Path, workers: int, scenes: int, samples: int, scale: int, 
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     md5, files = _tree_md5(out)
-    shutil.rmtree(out)
+    if not keep:
+        shutil.rmtree(out)
     n = scenes * samples
     return {
         "workers": workers,
@@ -205,6 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--render-scale", type=int, default=4)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="end-to-end variants")
     p.add_argument("--repeats", type=int, default=1, help="end-to-end rounds (variants alternated in each)")
+    p.add_argument(
+        "--occupancy",
+        nargs="+",
+        choices=OCCUPANCY,
+        default=["with"],
+        help="end-to-end variants: with the occupancy labels, and/or without them (--no-occupancy) and then "
+        "the labels added (--occupancy-only)",
+    )
     p.add_argument("--stage-scenes", type=int, default=2, help="scenes of the in-process stage profile")
     p.add_argument("--stage-samples", type=int, default=48, help="samples per scene of the stage profile")
     p.add_argument("--skip-stages", action="store_true")
@@ -228,15 +244,17 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_end_to_end:
             for r in range(args.repeats):
                 for w in args.workers:
-                    for name, src in trees.items():
-                        res = _end_to_end(src, w, args.scenes, args.e2e_samples, args.render_scale, scratch / "e2e")
-                        report["end_to_end"].append({"tree": name, "round": r, **res})
-                        print(
-                            f"{name:6s} workers={w}: wall {res['wall_s']:6.1f} s, CPU {res['cpu_s']:6.1f} s "
-                            f"({res['cpu_ms_per_sample']:.1f} ms/sample), {res['samples_per_s']:.2f} samples/s, "
-                            f"load {res['load_before']:.1f}-{res['load_after']:.1f}, {res['files']} files md5 {res['md5'][:8]}",
-                            flush=True,
-                        )
+                    for occ in args.occupancy:
+                        for name, src in trees.items():
+                            for res in _variant(src, w, occ, args, scratch / "e2e"):
+                                report["end_to_end"].append({"tree": name, "round": r, **res})
+                                print(
+                                    f"{name:6s} workers={w} occupancy={res['occupancy']}: wall {res['wall_s']:6.1f} s, "
+                                    f"CPU {res['cpu_s']:6.1f} s ({res['cpu_ms_per_sample']:.1f} ms/sample), "
+                                    f"{res['samples_per_s']:.2f} samples/s, load {res['load_before']:.1f}-"
+                                    f"{res['load_after']:.1f}, {res['files']} files md5 {res['md5'][:8]}",
+                                    flush=True,
+                                )
             report["summary"] = _summary(report["end_to_end"])
             print(json.dumps(report["summary"], indent=1))
         from bench_common import write_report
@@ -246,6 +264,22 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
+
+
+OCCUPANCY = ("with", "without")
+
+
+def _variant(src: Path, workers: int, occupancy: str, args, out: Path) -> list[dict]:
+    """The end-to-end runs of one variant: the set with its labels, or without them and then the labels added."""
+    run = (src, workers, args.scenes, args.e2e_samples, args.render_scale, out)
+    if occupancy == "with":
+        return [{"occupancy": "with", **_end_to_end(*run)}]
+    bare = {"occupancy": "without", **_end_to_end(*run, flags=("--no-occupancy",), keep=True)}
+    try:
+        added = {"occupancy": "added", **_end_to_end(*run, flags=("--occupancy-only",))}
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return [bare, added]
 
 
 def _report_header(args) -> dict:
@@ -295,14 +329,16 @@ def _print_stages(name: str, s: dict) -> None:
 
 
 def _summary(rows: list[dict]) -> dict:
-    """Medians per (tree, workers) and the md5s seen (equal md5s: byte-identical datasets)."""
+    """Medians per (tree, workers, occupancy) and the md5s seen (equal md5s: byte-identical datasets)."""
     out = {}
-    for key in sorted({(r["tree"], r["workers"]) for r in rows}):
-        rs = [r for r in rows if (r["tree"], r["workers"]) == key]
-        out[f"{key[0]} workers={key[1]}"] = {
+    variant = lambda r: (r["tree"], r["workers"], r.get("occupancy", "with"))  # noqa: E731
+    for key in sorted({variant(r) for r in rows}):
+        rs = [r for r in rows if variant(r) == key]
+        out[f"{key[0]} workers={key[1]}" + ("" if key[2] == "with" else f" occupancy={key[2]}")] = {
             k: statistics.median(r[k] for r in rs) for k in ("wall_s", "cpu_s", "samples_per_s", "cpu_ms_per_sample")
         }
-    out["outputs_identical"] = len({r["md5"] for r in rows}) == 1
+    # The full sets' md5s: a set written with its labels, or without them and the labels added after.
+    out["outputs_identical"] = len({r["md5"] for r in rows if r.get("occupancy", "with") != "without"}) == 1
     return out
 
 

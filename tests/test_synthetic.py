@@ -469,8 +469,11 @@ def test_render_scale_changes_detail_not_content(tmp_path):
     b = _tree(make_synthetic(tmp_path / "b", render_scale=4, **kw))
     assert a.keys() == b.keys()
     for k in a:
-        if k.endswith(".json") and not k.endswith("sample_annotation.json"):
+        if k.endswith(".json") and not k.endswith(("sample_annotation.json", MANIFEST)):
             assert a[k] == b[k], k
+    man_a, man_b = (json.loads(t[MANIFEST]) for t in (a, b))  # the same files; the render scale recorded
+    assert man_a["parameters"].pop("render_scale") == 2 and man_b["parameters"].pop("render_scale") == 4
+    assert man_a == man_b
     ann_a, ann_b = (json.loads(t[f"{VERSION}/sample_annotation.json"]) for t in (a, b))
     assert [(r["token"], r["translation"], r["size"]) for r in ann_a] == [
         (r["token"], r["translation"], r["size"]) for r in ann_b

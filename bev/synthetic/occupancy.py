@@ -351,12 +351,15 @@ def occupancy_sample(
     parts: raycast.Parts | None = None,
 ) -> OccSample:
     """Semantics and both masks of the world at time t. `renders` ({camera: CameraRender}, as
-    raycast.render_sample returns them at `scale`) saves re-rendering the six cameras; `parts` (the ego-frame
-    parts the renders drew, raycast.sample_parts) saves placing the objects again."""
-    if renders is None:
-        renders, _ = raycast.render_sample(world, t, scale)
+    raycast.render_sample returns them at `scale`, or {camera: its (H, W) depth buffer}) saves re-rendering the
+    six cameras; without it only their depths are cast (raycast.render_depth: the same values, no colours).
+    `parts` (the ego-frame parts the renders drew, raycast.sample_parts) saves placing the objects again."""
     cams = [raycast.make_camera(name, scale) for name in CAMERA_NAMES]
-    mask_camera = observed(cams, [renders[name].depth for name in CAMERA_NAMES])
+    if renders is None:
+        drawn = raycast.sample_parts(world, t) if parts is None else parts
+        renders = {cam.name: raycast.render_depth(world, t, cam, parts=drawn) for cam in cams}
+    depths = [getattr(renders[name], "depth", renders[name]) for name in CAMERA_NAMES]
+    mask_camera = observed(cams, depths)
     # Only what reaches into the grid: a ray from inside the grid to a voxel never leaves it.
     objects = visible_objects(world, t, GRID_REACH + MAX_HALF_LENGTH)
     if parts is None:

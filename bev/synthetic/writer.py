@@ -10,6 +10,11 @@
     DIR/maps/expansion/<location>.json                         HD map, map expansion v1.3 (bev.synthetic.mapjson)
     DIR/gts/<scene name>/<sample token>/labels.npz             Occ3D-format occupancy (bev.synthetic.occupancy)
     DIR/.bev_synthetic_manifest.json                           what this writer wrote (all --overwrite deletes)
+                                                               and with which parameters
+
+The occupancy labels cost about a quarter of the writing; `occupancy=False` (--no-occupancy) leaves gts/ out
+and writes every other file the same, and `add_occupancy` (--occupancy-only) adds it later to a set written
+so: the files a full write gives, byte for byte, its manifest included.
 
 which the unmodified devkit loads with `NuScenes("v1.0-mini", dataroot=DIR)` and
 `NuScenesMap(DIR, log["location"])`. Each scene drives through the road network of its real
@@ -43,6 +48,7 @@ import itertools
 import json
 import math
 import multiprocessing as mp
+import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -257,6 +263,7 @@ class _RenderTask(NamedTuple):
     annotated: list[int]
     scale: int  # render_scale
     scene_name: str  # the occupancy labels' folder: gts/<scene name>/<sample token>
+    occupancy: bool = True  # write the sample's occupancy labels too
 
 
 def _worker_init() -> None:
@@ -351,14 +358,25 @@ def _points_in_boxes(cloud: np.ndarray, boxes: list[tuple]) -> tuple[np.ndarray,
     return under, inside
 
 
-def _render_task(task):
+def _render_task(task: _RenderTask):
     """Render and write one sample's files; return per-object visibility and lidar counts."""
-    out, seed, scene, sample, samples, location, cam_files, lidar_file, annotated, scale, scene_name = task
+    files, vis, per_obj = _sample_files(task)
+    for rel, data in files.items():
+        (task.out / rel).write_bytes(data)
+    return task.scene, task.sample, vis, per_obj
+
+
+def _sample_files(task: _RenderTask) -> tuple[dict[str, bytes], dict, dict]:
+    """Render one sample: ({file relative to out: its bytes} of the images and the lidar cloud, per-object
+    visibility, per-object lidar counts); its occupancy labels are written here when task.occupancy."""
+    out, seed, scene, sample, samples, location, cam_files, lidar_file, annotated, scale, scene_name, occ = task
     world = _world(seed, scene, samples, location)
     t = sample * SAMPLE_DT
     parts = raycast.sample_parts(world, t)  # placed once for the cameras, the occupancy labels and its lidar views
     images, counts = raycast.render_sample(world, t, scale, parts)
-    write_sample_occupancy(out, scene_name, _token(seed, "sample", scene, sample), world, t, images, scale, parts)
+    if occ:
+        write_sample_occupancy(out, scene_name, _token(seed, "sample", scene, sample), world, t, images, scale, parts)
+    files = {}
     for name in CAMERA_NAMES:
         img = (images[name].image * 255.0 + 0.5).clip(0, 255).astype(np.uint8)
         # RGB -> BGR before upscaling (same pixels): a contiguous array encodes ~3x faster than a flipped view.
@@ -366,12 +384,22 @@ def _render_task(task):
         ok, buf = cv2.imencode(".jpg", big, [cv2.IMWRITE_JPEG_QUALITY, JPEG_QUALITY])
         if not ok:
             raise RuntimeError(f"JPEG encoding failed for {cam_files[name]}")
-        (out / cam_files[name]).write_bytes(buf.tobytes())
+        files[cam_files[name]] = buf.tobytes()
     rng = np.random.default_rng([seed, scene, sample, 7])
     cloud, per_obj = lidar_points(world, t, annotated, counts, rng, scale)
-    (out / lidar_file).write_bytes(cloud.tobytes())
+    files[lidar_file] = cloud.tobytes()
     vis = {i: visibility_level(*counts.get(i, (0, 0))) for i in annotated}
-    return scene, sample, vis, per_obj
+    return files, vis, per_obj
+
+
+def _occupancy_task(task: _RenderTask):
+    """Write one sample's occupancy labels alone (under task.out): the six cameras' depths are all they need of
+    the renders (raycast.render_depth, the same values as render_sample's)."""
+    world = _world(task.seed, task.scene, task.samples, task.location)
+    t = task.sample * SAMPLE_DT
+    token = _token(task.seed, "sample", task.scene, task.sample)
+    write_sample_occupancy(task.out, task.scene_name, token, world, t, None, task.scale, raycast.sample_parts(world, t))
+    return task.scene, task.sample
 
 
 # ----------------------------------------------------------------------------- tables
@@ -383,12 +411,15 @@ def _write_atomic(path: Path, data: bytes | str) -> None:
 
 
 def _read_manifest(out: Path) -> dict:
-    """The manifest of the dataset this writer left in `out`, checked (every path inside `out`)."""
+    """The manifest of the dataset this writer left in `out`, checked (every path inside `out`): files, dirs and
+    parameters (None in a manifest of a writer that did not record them)."""
     path = out / MANIFEST
     try:
         m = json.loads(path.read_text())
-        files, dirs = list(m["files"]), list(m["dirs"])
-    except (ValueError, KeyError, TypeError) as e:
+        files, dirs, params = list(m["files"]), list(m["dirs"]), m.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise TypeError(f"parameters is {params!r}")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(
             f"{path} is not a bev-make-synthetic manifest ({e}); remove the dataset by hand or choose another --out"
         ) from None
@@ -398,7 +429,7 @@ def _read_manifest(out: Path) -> dict:
             raise ValueError(
                 f"{path} lists {rel!r}, which is not inside {out}; remove the dataset by hand or choose another --out"
             )
-    return {"files": files, "dirs": dirs}
+    return {"files": files, "dirs": dirs, "parameters": params}
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
@@ -429,10 +460,12 @@ def _check_out(out: Path, overwrite: bool) -> None:
         )
 
 
-def _begin(out: Path, files: list[str]) -> None:
+def _begin(out: Path, files: list[str], parameters: dict) -> None:
     """Remove the previous dataset this writer recorded in `out` (only its files, and its directories left
-    empty), create the directories of `files` and record them all in the manifest before writing any."""
+    empty), create the directories of `files` and record them all in the manifest, with the parameters that
+    write them, before writing any."""
     if (out / MANIFEST).is_file():
+        shutil.rmtree(out / STAGING, ignore_errors=True)  # an interrupted add_occupancy's labels
         old = _read_manifest(out)
         for rel in old["files"]:
             (out / rel).unlink(missing_ok=True)
@@ -448,10 +481,32 @@ def _begin(out: Path, files: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for d in created:
         (out / d).mkdir(exist_ok=True)
-    _write_atomic(
-        out / MANIFEST,
-        json.dumps({"written_by": "bev-make-synthetic", "files": sorted(files), "dirs": created}, indent=0),
-    )
+    _write_manifest(out, files, created, parameters)
+
+
+def _write_manifest(out: Path, files: list[str], dirs: list[str], parameters: dict) -> None:
+    """out/MANIFEST: the same bytes for the same dataset (sorted lists, parameters in _parameters' order)."""
+    record = {
+        "written_by": "bev-make-synthetic",
+        "parameters": parameters,
+        "files": sorted(files),
+        "dirs": sorted(dirs),
+    }
+    _write_atomic(out / MANIFEST, json.dumps(record, indent=0))
+
+
+def _parameters(scenes: int, samples_per_scene: int, seed: int, render_scale: int, occupancy: bool) -> dict:
+    """What decides a dataset's bytes, as the manifest records it (workers do not)."""
+    return {
+        "scenes": scenes,
+        "samples_per_scene": samples_per_scene,
+        "seed": seed,
+        "render_scale": render_scale,
+        "occupancy": occupancy,
+    }
+
+
+STAGING = ".bev_synthetic_gts.partial"  # add_occupancy writes gts/ here, then moves it into place whole
 
 
 RENDER_SCALES = (1, 2, 4)  # divisors of 1600x900 that keep whole pixels
@@ -490,6 +545,7 @@ def make_synthetic(
     workers: int = 2,
     progress: bool = True,
     render_scale: int = raycast.RENDER_SCALE,
+    occupancy: bool = True,
 ) -> Path:
     """Write the synthetic nuScenes-format dataset to `out` and return its path (the dataroot).
 
@@ -498,22 +554,19 @@ def make_synthetic(
     a directory holding a nuScenes dataset without that manifest is refused. `workers` render processes
     share the samples; the result is identical for any number of workers. `render_scale` (one of
     RENDER_SCALES) ray-casts at 1600x900 / render_scale: 4 (400x225) is 3-4x faster to write and
-    still above the 352x128 input of the embedded default (an LSS resize of ~0.22).
+    still above the 352x128 input of the embedded default (an LSS resize of ~0.22). `occupancy=False` leaves the
+    Occ3D labels (gts/, about a quarter of the work) out; add_occupancy adds them later.
     """
     names = _validate(scenes, samples_per_scene, seed, workers)
     render_scale = _check_render_scale(render_scale)
     samples_per_scene, seed, workers = int(samples_per_scene), int(seed), int(workers)  # numpy ints -> JSON-safe
     out = Path(out)
     _check_out(out, overwrite)
-    rig = load_rig()
-    _build_worlds([(seed, si, samples_per_scene, MINI_LOCATIONS[name]) for si, name in enumerate(names)], workers)
-    T = _fixed_tables(seed)
-    scene_tasks = [
-        _add_scene(T, rig, out, seed, si, name, samples_per_scene, render_scale) for si, name in enumerate(names)
-    ]
+    T, scene_tasks = _plan(out, names, samples_per_scene, seed, workers, render_scale, bool(occupancy))
     tasks = [task for scene in scene_tasks for task in scene]
     map_tasks = _add_maps(T, out, seed, names)
-    _begin(out, _dataset_files(tasks, T["map"], names))
+    params = _parameters(len(names), samples_per_scene, seed, render_scale, bool(occupancy))
+    _begin(out, _dataset_files(tasks, T["map"], names, bool(occupancy)), params)
     map_tasks += [("expansion", out, seed, loc) for loc in _map_groups(names)]  # HD maps, written alongside too
     results = _render(tasks, map_tasks, workers, render_scale, samples_per_scene, progress)
     for scene in scene_tasks:
@@ -521,6 +574,123 @@ def make_synthetic(
     for name in TABLES:
         _write_atomic(out / VERSION / f"{name}.json", _table_json(T[name]))
     return out
+
+
+class NotTheSameSet(ValueError):
+    """add_occupancy's --out was not written by this bev-make-synthetic with these parameters: the message says
+    what differs and what to do."""
+
+
+def add_occupancy(
+    out,
+    scenes: int = DEFAULT_SCENES,
+    samples_per_scene: int = DEFAULT_SAMPLES,
+    seed: int = 0,
+    workers: int = 2,
+    progress: bool = True,
+    render_scale: int = raycast.RENDER_SCALE,
+) -> int:
+    """Add the Occ3D labels (gts/) to a set make_synthetic(occupancy=False) wrote in `out` with the same
+    parameters; return how many label files were written (0: the set has them all already).
+
+    Nothing else is rewritten: the result, manifest included, is byte for byte what make_synthetic with the
+    labels writes. The set is checked first, and refused (NotTheSameSet, nothing written) unless its manifest
+    records these parameters (or, from a writer that did not record them, lists the files they give), its tables
+    that do not depend on the renders (scenes, samples, sample_data, ego poses, sensors, maps) are the bytes these
+    parameters give, and the first sample of its first and last scenes renders to its images and LiDAR cloud
+    (which catches another render scale or another version of the renderer). The labels are written to
+    out/STAGING and moved to gts/ when all are there, so a gts/ folder is always complete.
+    """
+    names = _validate(scenes, samples_per_scene, seed, workers)
+    render_scale = _check_render_scale(render_scale)
+    samples_per_scene, seed, workers = int(samples_per_scene), int(seed), int(workers)
+    out = Path(out)
+    again = f"write it with bev-make-synthetic --out {out} (--overwrite replaces a set it wrote)"
+    if not out.is_dir():
+        raise NotTheSameSet(
+            f"--out {out} holds no set to add occupancy labels to: write it with bev-make-synthetic --out {out}"
+        )
+    if not (out / MANIFEST).is_file():
+        raise NotTheSameSet(
+            f"--out {out} holds no set written by bev-make-synthetic (no {MANIFEST}), and --occupancy-only adds labels "
+            "only to its own sets: write one, with its labels, with bev-make-synthetic --out <an empty directory>"
+        )
+    manifest = _read_manifest(out)
+    params = _parameters(len(names), samples_per_scene, seed, render_scale, True)
+    recorded = manifest["parameters"]
+    if recorded is not None:
+        differ = [k for k in params if k != "occupancy" and recorded.get(k) != params[k]]
+        if differ:
+            had = " ".join(f"--{k.replace('_', '-')} {recorded.get(k)}" for k in differ)
+            asked = " ".join(f"--{k.replace('_', '-')} {params[k]}" for k in differ)
+            raise NotTheSameSet(
+                f"--out {out} was written with {had} (its {MANIFEST}), not {asked}: pass the same parameters to "
+                f"add its occupancy labels, or {again}"
+            )
+    T, scene_tasks = _plan(out, names, samples_per_scene, seed, workers, render_scale, True)
+    tasks = [task for scene in scene_tasks for task in scene]
+    _add_maps(T, out, seed, names)
+    labels = _label_files(tasks)
+    others = set(_dataset_files(tasks, T["map"], names, occupancy=False))
+    listed = set(manifest["files"])
+    if listed - set(labels) != others:
+        raise NotTheSameSet(
+            f"--out {out} does not hold the files bev-make-synthetic writes with --scenes {len(names)} "
+            f"--samples-per-scene {samples_per_scene} --seed {seed} (its {MANIFEST} lists others): pass the "
+            f"parameters it was written with, or {again}"
+        )
+    if set(labels) <= listed and (out / "gts").is_dir() and all((out / f).is_file() for f in labels):
+        return 0  # a full write, or added before
+    _check_written_alike(out, T, scene_tasks, params, again)
+    # Recorded before any label is written (so --overwrite removes them even after an interruption).
+    gts_dirs = sorted({str(q) for f in labels for q in Path(f).parents if str(q) != "."})
+    created = [d for d in gts_dirs if not (out / d).exists()]
+    _write_manifest(out, sorted(listed | set(labels)), sorted(set(manifest["dirs"]) | set(created)), params)
+    shutil.rmtree(out / STAGING, ignore_errors=True)
+    in_place = (out / "gts").exists()  # an older set's partial gts/: rewritten where it is
+    root = out if in_place else out / STAGING
+    _render([t._replace(out=root) for t in tasks], [], workers, render_scale, samples_per_scene, progress, "occupancy")
+    if not in_place:
+        (out / STAGING / "gts").rename(out / "gts")
+        (out / STAGING).rmdir()
+    return len(labels)
+
+
+def _check_written_alike(out: Path, T: dict, scene_tasks: list[list[_RenderTask]], params: dict, again: str) -> None:
+    """add_occupancy's checks of the set against what these parameters write: the tables that do not depend on
+    the renders, and the images and cloud of the first sample of the first and last scenes."""
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in params.items() if k != "occupancy")
+    for name in TABLES:
+        if name in ("sample_annotation", "instance"):  # these need every render
+            continue
+        path = out / VERSION / f"{name}.json"
+        if not path.is_file() or path.read_text() != _table_json(T[name]):
+            raise NotTheSameSet(
+                f"{path} is not what this bev-make-synthetic writes with {flags}: the set was written with other "
+                f"parameters or by another version; {again}"
+            )
+    for task in [scene_tasks[0][0]] + ([scene_tasks[-1][0]] if len(scene_tasks) > 1 else []):
+        files, _, _ = _sample_files(task._replace(occupancy=False))
+        for rel, data in files.items():
+            path = out / rel
+            if not path.is_file() or path.read_bytes() != data:
+                raise NotTheSameSet(
+                    f"{path} is not what this bev-make-synthetic renders with {flags} (another --render-scale, or "
+                    f"another version of the writer); {again}"
+                )
+
+
+def _plan(
+    out: Path, names: list[str], samples: int, seed: int, workers: int, render_scale: int, occupancy: bool
+) -> tuple[dict, list[list[_RenderTask]]]:
+    """Build the scenes' worlds; return the tables that do not need the renders and each scene's sample tasks."""
+    rig = load_rig()
+    _build_worlds([(seed, si, samples, MINI_LOCATIONS[name]) for si, name in enumerate(names)], workers)
+    T = _fixed_tables(seed)
+    scene_tasks = [
+        _add_scene(T, rig, out, seed, si, name, samples, render_scale, occupancy) for si, name in enumerate(names)
+    ]
+    return T, scene_tasks
 
 
 def _fixed_tables(seed: int) -> dict[str, list[dict]]:
@@ -539,7 +709,7 @@ def _fixed_tables(seed: int) -> dict[str, list[dict]]:
 
 
 def _add_scene(
-    T: dict, rig: dict, out: Path, seed: int, si: int, name: str, samples: int, render_scale: int
+    T: dict, rig: dict, out: Path, seed: int, si: int, name: str, samples: int, render_scale: int, occupancy: bool
 ) -> list[_RenderTask]:
     """Append scene `si`'s log, calibrated_sensor, scene and per-sample rows; return its samples' render tasks."""
     location = MINI_LOCATIONS[name]
@@ -589,6 +759,7 @@ def _add_scene(
                 annotated_objects(world, k * SAMPLE_DT),
                 render_scale,
                 name,
+                occupancy,
             )
         )
     return tasks
@@ -668,13 +839,19 @@ def _add_maps(T: dict, out: Path, seed: int, names: list[str]) -> list[tuple]:
     return map_tasks
 
 
-def _dataset_files(tasks: list[_RenderTask], maps: list[dict], names: list[str]) -> list[str]:
-    """Every file of the dataset, relative to out (what the manifest records)."""
+def _dataset_files(tasks: list[_RenderTask], maps: list[dict], names: list[str], occupancy: bool = True) -> list[str]:
+    """Every file of the dataset, relative to out (what the manifest records); the occupancy labels if `occupancy`."""
     files = [f for task in tasks for f in (*task.cam_files.values(), task.lidar_file)] + [m["filename"] for m in maps]
-    files += [labels_path("", t.scene_name, _token(t.seed, "sample", t.scene, t.sample)).as_posix() for t in tasks]
+    if occupancy:
+        files += _label_files(tasks)
     return (
         files + [f"maps/expansion/{loc}.json" for loc in _map_groups(names)] + [f"{VERSION}/{n}.json" for n in TABLES]
     )
+
+
+def _label_files(tasks: list[_RenderTask]) -> list[str]:
+    """The occupancy labels of the tasks' samples, relative to out."""
+    return [labels_path("", t.scene_name, _token(t.seed, "sample", t.scene, t.sample)).as_posix() for t in tasks]
 
 
 _COMPACT = json.JSONEncoder(separators=(",\n", ": "))  # indent=0's separators, in the C encoder (indent has none)
@@ -715,16 +892,20 @@ def _render(
     render_scale: int,
     samples_per_scene: int,
     progress: bool,
+    kind: str = "render",
 ) -> dict:
-    """Write every sample's images and lidar cloud and the map PNGs; return (scene, sample) -> (visibility, lidar counts)."""
+    """Write every sample's images and lidar cloud (and its occupancy labels when its task says so) and the map
+    PNGs; return (scene, sample) -> (visibility, lidar counts). kind="occupancy": the labels alone (_occupancy_task),
+    (scene, sample) -> ()."""
     for ch in CAMERA_NAMES:  # per-camera rays, computed once and inherited by forked workers
         raycast.make_camera(ch, render_scale)
-    prepare_occupancy(render_scale)  # the occupancy masks' voxel -> pixel tables, likewise
+    if any(t.occupancy for t in tasks):
+        prepare_occupancy(render_scale)  # the occupancy masks' voxel -> pixel tables, likewise
     results = {}
     # Runs of consecutive frames per job: a worker reuses the ground tiles it built (longer runs rebuild fewer,
     # shorter ones balance the workers' last jobs better and show progress more often).
     with tqdm(total=len(tasks), desc="bev-make-synthetic", unit="sample", disable=not progress) as bar:
-        for r in _run_tasks(tasks, map_tasks, workers, chunksize=max(1, min(samples_per_scene // 4, CHUNK))):
+        for r in _run_tasks(tasks, map_tasks, workers, chunksize=max(1, min(samples_per_scene // 4, CHUNK)), kind=kind):
             results[r[0], r[1]] = r[2:]
             bar.update()
     return results
@@ -733,19 +914,20 @@ def _render(
 CHUNK = 16  # samples per render job at most
 
 
-def _run_tasks(tasks: list[_RenderTask], map_tasks: list[tuple], workers: int, chunksize: int):
-    """Run the map and render tasks (in `workers` processes when there are several); yield the render results."""
+def _run_tasks(tasks: list[_RenderTask], map_tasks: list[tuple], workers: int, chunksize: int, kind: str = "render"):
+    """Run the map and the `kind` ("render" or "occupancy") tasks (in `workers` processes when there are several);
+    yield the sample tasks' results."""
     if workers > 1 and len(tasks) > 1:
         # The maps are written alongside the renders; runs of `chunksize` samples per job.
         jobs = [("map", [t]) for t in map_tasks]
-        jobs += [("render", tasks[i : i + chunksize]) for i in range(0, len(tasks), chunksize)]
-        for kind, results in _in_workers(_run_job, jobs, workers, _worker_init):
-            if kind == "render":
+        jobs += [(kind, tasks[i : i + chunksize]) for i in range(0, len(tasks), chunksize)]
+        for done, results in _in_workers(_run_job, jobs, workers, _worker_init):
+            if done != "map":
                 yield from results
     else:
         for task in map_tasks:
             _map_task(task)
-        yield from map(_render_task, tasks)
+        yield from map(_sample_job(kind), tasks)
 
 
 def _run_job(job: tuple[str, list]) -> tuple[str, list]:
@@ -757,7 +939,7 @@ def _run_job(job: tuple[str, list]) -> tuple[str, list]:
     results = []
     for task in items:
         try:
-            results.append(_render_task(task))
+            results.append(_sample_job(kind)(task))
         except OSError:
             raise
         except Exception as e:
@@ -766,6 +948,11 @@ def _run_job(job: tuple[str, list]) -> tuple[str, list]:
                 "(--workers 1 shows where)"
             ) from e
     return kind, results
+
+
+def _sample_job(kind: str):
+    """The function of a sample job of this kind, looked up when called (a profiler may have wrapped it)."""
+    return globals()[{"render": "_render_task", "occupancy": "_occupancy_task"}[kind]]
 
 
 def _add_annotations(T: dict, tasks: list[_RenderTask], results: dict) -> None:
@@ -874,6 +1061,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
     p.add_argument(
+        "--occupancy",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write the Occ3D occupancy labels, gts/<scene>/<sample token>/labels.npz (default; about a quarter of "
+        "the work: --no-occupancy leaves them out, --occupancy-only adds them later)",
+    )
+    p.add_argument(
+        "--occupancy-only",
+        action="store_true",
+        help="add the occupancy labels to a set written in --out with --no-occupancy and the same --scenes, "
+        "--samples-per-scene, --seed and --render-scale, rewriting nothing else (the same bytes as a full write)",
+    )
+    p.add_argument(
         "--render-scale",
         type=int,
         default=raycast.RENDER_SCALE,
@@ -883,11 +1083,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     start = time.time()
+    if args.occupancy_only and (args.overwrite or not args.occupancy):
+        p.error("--occupancy-only adds the labels to the set in --out: it takes neither --overwrite nor --no-occupancy")
     try:
         _validate(args.scenes, args.samples_per_scene, args.seed, args.workers)
-        _check_out(Path(args.out), args.overwrite)
+        if not args.occupancy_only:
+            _check_out(Path(args.out), args.overwrite)
     except (ValueError, TypeError, FileExistsError) as e:
         p.error(str(e))
+    if args.occupancy_only:
+        return _main_occupancy_only(p, args, start)
     try:
         out = make_synthetic(
             args.out,
@@ -897,6 +1102,7 @@ def main(argv: list[str] | None = None) -> int:
             overwrite=args.overwrite,
             workers=args.workers,
             render_scale=args.render_scale,
+            occupancy=args.occupancy,
         )
     except OSError as e:  # e.g. a read-only or full --out: one line, no traceback
         print(f"bev-make-synthetic: error: cannot write the dataset to {args.out}: {e}", file=sys.stderr)
@@ -905,9 +1111,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bev-make-synthetic: error: {e}", file=sys.stderr)
         return 1
     print(
-        f"wrote {args.scenes} scenes x {args.samples_per_scene} samples to {out} in {time.time() - start:.1f} s",
+        f"wrote {args.scenes} scenes x {args.samples_per_scene} samples to {out}"
+        f"{'' if args.occupancy else ' without occupancy labels'} in {time.time() - start:.1f} s",
         file=sys.stderr,
     )
+    return 0
+
+
+def _main_occupancy_only(p: argparse.ArgumentParser, args, start: float) -> int:
+    """bev-make-synthetic --occupancy-only: add_occupancy from the command line."""
+    try:
+        n = add_occupancy(
+            args.out, args.scenes, args.samples_per_scene, args.seed, args.workers, render_scale=args.render_scale
+        )
+    except NotTheSameSet as e:  # the set in --out is not one these parameters write: nothing written
+        print(f"bev-make-synthetic: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError) as e:
+        p.error(str(e))
+    except OSError as e:
+        print(f"bev-make-synthetic: error: cannot write the occupancy labels to {args.out}: {e}", file=sys.stderr)
+        return 1
+    except WorkerError as e:
+        print(f"bev-make-synthetic: error: {e}", file=sys.stderr)
+        return 1
+    if n:
+        print(
+            f"added the occupancy labels of {n} samples to {args.out} in {time.time() - start:.1f} s", file=sys.stderr
+        )
+    else:
+        print(f"{args.out} has its occupancy labels already: nothing written", file=sys.stderr)
     return 0
 
 
