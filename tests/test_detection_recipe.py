@@ -48,3 +48,22 @@ def test_the_experiment_trains_two_steps(experiment, synthetic_root, tmp_path, m
     assert "data.cbgs: an epoch draws" in capsys.readouterr().err
     rec = json.loads((tmp_path / "metrics.json").read_text())
     assert rec["global_step"] == 2 and "val/NDS" in rec["metrics"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("experiment", ["synthetic_det_cpu", "synthetic_det_temporal_cpu"])
+def test_the_synthetic_detection_experiments_train_two_steps(experiment, synthetic_root, tmp_path, monkeypatch, capsys):
+    """The embedded detection experiments as configured: the static one with a decoder per task and learned task
+    weights, the temporal one with its own weighting."""
+    small = [("++" + a.lstrip("+")) if a.startswith(("+trainer", "trainer.val_check")) else a for a in SMALL]
+    small = [a for a in small if not a.startswith("callbacks.bev_png")] + ["callbacks.bev_png=null"]
+    args = [
+        f"experiment={experiment}",
+        *small,
+        "++trainer.check_val_every_n_epoch=1",
+        f"data.dataroot={synthetic_root}",
+    ]
+    args.append(f"hydra.run.dir={tmp_path}")
+    assert train_cli(args, monkeypatch) == 0, capsys.readouterr().err[-3000:]
+    rec = json.loads((tmp_path / "metrics.json").read_text())
+    assert rec["global_step"] == 2 and "val/NDS" in rec["metrics"]
