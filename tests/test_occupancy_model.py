@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from bev.occupancy.grid import FREE, NUM_CLASSES, OCC_SHAPE
-from bev.occupancy.loss import IGNORE, OccupancyLoss, class_weights, lovasz_softmax
+from bev.occupancy.loss import IGNORE, OCC3D_NUSC_FREQUENCIES, OccupancyLoss, class_weights, lovasz_softmax
 
 SMALL_CAMERA = {"backbone": "small", "widths": [8, 8, 16, 16, 16], "blocks": 1, "mid_channels": 16}
 
@@ -146,6 +146,26 @@ def test_loss_options_and_lovasz_term():
             class_weights(bad)
     with pytest.raises(ValueError, match="occ_mask_camera"):
         OccupancyLoss()(logits, sem, None)
+
+
+def test_inverse_sqrt_frequency_weights():
+    """sqrt(f_free / f_c) of Occ3D-nuScenes's voxel counts: free space 1; a class's voxels together weigh
+    sqrt(f_c / f_free) of free space's, far more than under log_frequency's 1.8x span."""
+    w = class_weights("inverse_sqrt_frequency")
+    freq = torch.tensor(OCC3D_NUSC_FREQUENCIES, dtype=torch.float64)
+    assert w.dtype == torch.float32 and w.shape == (NUM_CLASSES,) and w[FREE] == 1.0
+    assert w[4] == pytest.approx(10.56, abs=0.01) and w[2] == pytest.approx(111.44, abs=0.01)  # car, bicycle
+    share = w.double() * freq / freq[FREE]
+    torch.testing.assert_close(share, (freq / freq[FREE]).sqrt())
+    lf = class_weights("log_frequency")
+    assert w.max() / w.min() > 100 > 2 > lf.max() / lf.min()
+    # As a loss weight: a voxel of the rare class costs w_c times a free one in the weighted mean.
+    logits, sem = torch.zeros(1, NUM_CLASSES, 2, 1, 1), torch.tensor([[[[2]], [[FREE]]]], dtype=torch.uint8)
+    logits[0, FREE] = 5.0  # both voxels predicted free: only the bicycle voxel is wrong
+    loss = OccupancyLoss(class_weight="inverse_sqrt_frequency", visible_only=False)(logits, sem)["occ"]
+    nll = -logits[0, :, :, 0, 0].log_softmax(0)
+    want = (w[2] * nll[2, 0] + w[FREE] * nll[FREE, 1]) / (w[2] + w[FREE])
+    torch.testing.assert_close(loss, want)
 
 
 def test_voxel3d_runs_its_3d_part_in_fp32_under_autocast():

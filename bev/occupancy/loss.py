@@ -24,23 +24,37 @@ IGNORE = 255  # bev.occupancy.data.IGNORE: voxels without a label
 
 # Voxels per class over Occ3D-nuScenes's training set, as FlashOCC's bev_occ_head.py lists them
 # (nusc_class_frequencies, github.com/Yzichen/FlashOCC); its class_balance option weighs class c by
-# 1 / log(frequency_c + 0.001). Order: OCC3D_CLASSES.
+# 1 / log(frequency_c + 0.001) ("log_frequency"). Order: OCC3D_CLASSES.
 OCC3D_NUSC_FREQUENCIES = (
     944004, 1897170, 152386, 2391677, 16957802, 724139, 189027, 2074468, 413451, 2384460, 5916653,
     175883646, 4275424, 51393615, 61411620, 105975596, 116424404, 1892500630,
 )  # fmt: skip
-CLASS_WEIGHT_PRESETS = ("log_frequency",)
+CLASS_WEIGHT_PRESETS = ("log_frequency", "inverse_sqrt_frequency")
+
+
+def preset_weights(name: str) -> torch.Tensor:
+    """The presets, both from OCC3D_NUSC_FREQUENCIES (f_c):
+    log_frequency: 1 / log(f_c + 0.001), FlashOCC's class_balance: from free space (0.047) to the rarest class,
+        bicycle (0.084), they span only 1.8x, so free space and the ground still dominate the loss;
+    inverse_sqrt_frequency: sqrt(f_free / f_c), free space 1, manmade 4.2, car 10.6, bicycle 111: a rare class's
+        voxels together weigh sqrt(f_c / f_free) of free space's instead of f_c / f_free."""
+    freq = np.asarray(OCC3D_NUSC_FREQUENCIES, np.float64)
+    if name == "log_frequency":
+        w = 1.0 / np.log(freq + 0.001)
+    elif name == "inverse_sqrt_frequency":
+        w = np.sqrt(freq[-1] / freq)
+    else:
+        raise ValueError(f"model.loss.class_weight {name!r}: choose null, {CLASS_WEIGHT_PRESETS}, a list or a map")
+    return torch.tensor(w, dtype=torch.float32)
 
 
 def class_weights(spec) -> torch.Tensor | None:
-    """model.loss.class_weight -> (18,) weights: null (none), "log_frequency" (FlashOCC's class balance), a list of
-    18 numbers, or {class name: weight} (unlisted classes 1.0)."""
+    """model.loss.class_weight -> (18,) weights: null (none), a preset of CLASS_WEIGHT_PRESETS (preset_weights), a
+    list of 18 numbers, or {class name: weight} (unlisted classes 1.0)."""
     if spec is None:
         return None
     if isinstance(spec, str):
-        if spec not in CLASS_WEIGHT_PRESETS:
-            raise ValueError(f"model.loss.class_weight {spec!r}: choose null, {CLASS_WEIGHT_PRESETS}, a list or a map")
-        return torch.tensor(1.0 / np.log(np.asarray(OCC3D_NUSC_FREQUENCIES, np.float64) + 0.001), dtype=torch.float32)
+        return preset_weights(spec)
     if isinstance(spec, Mapping):
         unknown = sorted(set(spec) - set(OCC3D_CLASSES))
         if unknown:
@@ -129,4 +143,11 @@ def check_loss_options(options: Mapping | None) -> dict:
     return options
 
 
-__all__: Sequence[str] = ("IGNORE", "OccupancyLoss", "class_weights", "lovasz_softmax", "check_loss_options")
+__all__: Sequence[str] = (
+    "IGNORE",
+    "OccupancyLoss",
+    "class_weights",
+    "preset_weights",
+    "lovasz_softmax",
+    "check_loss_options",
+)
