@@ -62,7 +62,7 @@ MAKE_START := $(shell date +%s)
 # towards its planned steps, a finished one is just evaluated again.
 train: venv
 	@set -e; \
-	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA) --samples-per-scene $(SYNTHETIC_SAMPLES) --render-scale $(SYNTHETIC_RENDER_SCALE); \
+	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA) --samples-per-scene $(SYNTHETIC_SAMPLES) --render-scale $(SYNTHETIC_RENDER_SCALE) --no-occupancy; \
 	deadline=$$($(PY) scripts/make_train_budget.py deadline --make-start $(MAKE_START) --minutes $(TRAIN_MINUTES) \
 		--eval-reserve-s $(EVAL_RESERVE_S) --min-train-s $(MIN_TRAIN_S)); \
 	$(VENV)/bin/bev-train experiment=synthetic_cpu data.dataroot=$(DATA) hydra.run.dir=$(RUN) \
@@ -81,7 +81,7 @@ train: venv
 TEMPORAL_RUN ?= outputs/synthetic_temporal_cpu
 train-temporal: venv
 	@set -e; \
-	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA) --samples-per-scene $(SYNTHETIC_SAMPLES) --render-scale $(SYNTHETIC_RENDER_SCALE); \
+	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA) --samples-per-scene $(SYNTHETIC_SAMPLES) --render-scale $(SYNTHETIC_RENDER_SCALE) --no-occupancy; \
 	$(VENV)/bin/bev-train experiment=synthetic_temporal_cpu data.dataroot=$(DATA) hydra.run.dir=$(TEMPORAL_RUN) \
 		$(if $(wildcard $(RUN)/checkpoints/*.ckpt),model.init_from=$(RUN)/checkpoints) \
 		$(if $(wildcard $(TEMPORAL_RUN)/checkpoints/last.ckpt),ckpt_path=$(TEMPORAL_RUN)/checkpoints/last.ckpt)
@@ -95,7 +95,7 @@ train-temporal: venv
 DET_RUN ?= outputs/synthetic_det_cpu
 train-det: venv
 	@set -e; \
-	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA) --samples-per-scene $(SYNTHETIC_SAMPLES) --render-scale $(SYNTHETIC_RENDER_SCALE); \
+	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA) --samples-per-scene $(SYNTHETIC_SAMPLES) --render-scale $(SYNTHETIC_RENDER_SCALE) --no-occupancy; \
 	$(VENV)/bin/bev-train experiment=synthetic_det_cpu data.dataroot=$(DATA) hydra.run.dir=$(DET_RUN) \
 		$(if $(wildcard $(RUN)/checkpoints/*.ckpt),model.init_from=$(RUN)/checkpoints) \
 		$(if $(wildcard $(DET_RUN)/checkpoints/last.ckpt),ckpt_path=$(DET_RUN)/checkpoints/last.ckpt)
@@ -103,16 +103,18 @@ train-det: venv
 	@echo "Checkpoints: $(DET_RUN)/checkpoints  Metrics: $(DET_RUN)/eval/metrics.json  Results: $(DET_RUN)/eval/results_nusc.json"
 
 # 3D semantic occupancy (experiment=synthetic_occ_cpu: Occ3D-format labels, Occ3D's mIoU, ~20 min of training on
-# 2 cores) on the same data; a set written before the writer wrote occupancy labels (no gts/) is written again, the
-# same seed giving the same files. Started from `make train`'s checkpoint when there is one (its camera and BEV
-# encoders: the two-stage recipe, better at equal time: docs/occupancy.md), else from scratch; a second run resumes
-# from its own last.ckpt.
+# 2 cores) on the same data; to a set written without occupancy labels (no gts/: `make train` leaves them out, a
+# quarter of its data step) they are added (--occupancy-only), nothing else rewritten. Started from `make train`'s
+# checkpoint when there is one (its camera and BEV encoders: the two-stage recipe, better at equal time:
+# docs/occupancy.md), else from scratch; a second run resumes from its own last.ckpt.
 OCC_RUN ?= outputs/synthetic_occ_cpu
 train-occ: venv
 	@set -e; \
-	if ! test -d $(DATA)/gts; then \
-		if test -f $(DATA)/v1.0-mini/scene.json; then echo "$(DATA) has no occupancy labels (gts/): writing the set again with them"; fi; \
-		$(VENV)/bin/bev-make-synthetic --out $(DATA) --samples-per-scene $(SYNTHETIC_SAMPLES) --render-scale $(SYNTHETIC_RENDER_SCALE) --overwrite; \
+	if ! test -f $(DATA)/v1.0-mini/scene.json; then \
+		$(VENV)/bin/bev-make-synthetic --out $(DATA) --samples-per-scene $(SYNTHETIC_SAMPLES) --render-scale $(SYNTHETIC_RENDER_SCALE); \
+	elif ! test -d $(DATA)/gts; then \
+		echo "$(DATA) has no occupancy labels (gts/): adding them"; \
+		$(VENV)/bin/bev-make-synthetic --out $(DATA) --samples-per-scene $(SYNTHETIC_SAMPLES) --render-scale $(SYNTHETIC_RENDER_SCALE) --occupancy-only; \
 	fi; \
 	$(VENV)/bin/bev-train experiment=synthetic_occ_cpu data.dataroot=$(DATA) hydra.run.dir=$(OCC_RUN) \
 		$(if $(wildcard $(RUN)/checkpoints/*.ckpt),model.init_from=$(RUN)/checkpoints) \
