@@ -24,7 +24,8 @@ ITEM_KEYS = ("occ_semantics", "occ_mask_camera", "occ_mask_lidar")
 DOWNLOAD = (
     "download Occ3D-nuScenes's ground truth (gts.tar.gz: the 'Download' section of "
     "github.com/CVPR2023-3D-Occupancy-Prediction/CVPR2023-3D-Occupancy-Prediction) and extract it into the "
-    "nuScenes folder, next to samples/ and the table folder; the synthetic set writes its own (bev-make-synthetic)"
+    "nuScenes folder, next to samples/ and the table folder; a synthetic set written without them (make train's) gets them with "
+    "bev-make-synthetic --out <dataroot> <its options> --occupancy-only"
 )
 
 
