@@ -38,7 +38,8 @@ def score_dict(scores: OccScores, bands: Mapping[str, OccScores]) -> dict[str, f
 class OccupancyLitModule(BEVLitModule):
     """The static module's optimiser, schedule, compile and init_from, with occupancy's loss and metric.
 
-    loss: {class_weight: null | log_frequency | [18] | {class: w}, lovasz_weight: 0, visible_only: true}
+    loss: {class_weight: null | log_frequency | inverse_sqrt_frequency | [18] | {class: w}, lovasz_weight: 0,
+    visible_only: true}
     (bev.occupancy.loss.OccupancyLoss). metric_mask: the voxels scored, "camera" as Occ3D (or "lidar", "none").
     depth_weight > 0: the camera depth supervised by lidar depth bins as in BEVLitModule (data.depth_target=true).
     prediction_dir: where test batches write their predictions in the challenge's format (bev-eval sets it).
