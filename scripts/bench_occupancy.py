@@ -118,6 +118,8 @@ def _model_step(kind: str, device):
     from bev.utils.config import CONFIG_DIR
 
     overrides = ["experiment=synthetic_occ_cpu", f"model.net.occupancy.kind={kind}", "model.depth_weight=0"]
+    # Both kinds on the one lift the comparison is of: 8 height bins of 16 channels, 2 m depth bins from 2 to 46 m.
+    overrides += ["grid.zbound=[-1.0,5.4,0.8]", "grid.dbound=[2.0,46.0,2.0]", "model.net.context_channels=16"]
     overrides += ["model.net.camera.channels_last=false", "model.net.bev.channels_last=false", "trainer.precision=32"]
     with initialize_config_dir(CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=overrides)
