@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
-import itertools
 import json
 import math
 import multiprocessing as mp
@@ -854,35 +853,9 @@ def _label_files(tasks: list[_RenderTask]) -> list[str]:
     return [labels_path("", t.scene_name, _token(t.seed, "sample", t.scene, t.sample)).as_posix() for t in tasks]
 
 
-_COMPACT = json.JSONEncoder(separators=(",\n", ": "))  # indent=0's separators, in the C encoder (indent has none)
-
-
 def _table_json(rows: list[dict]) -> str:
-    """json.dumps(rows, indent=0), the same text, in about half the time for the big tables: the C encoder writes
-    indent=0's items and separators but not its line breaks inside brackets, which are put in by replacing every
-    bracket; so only for rows of one set of keys, each a column of one flat type (or of flat lists), and no
-    bracket in any string; else json.dumps itself."""
-    keys = list(rows[0]) if rows else []
-    if not rows or any(list(r) != keys for r in rows):
-        return json.dumps(rows, indent=0)
-    for k in keys:
-        column = [r[k] for r in rows]
-        kinds = set(map(type, column))
-        if kinds == {list}:
-            column = list(itertools.chain.from_iterable(column))
-            kinds = set(map(type, column))
-        if (
-            len(kinds) > 1
-            or not kinds <= {str, int, float, bool}
-            or (kinds == {str} and _BRACKETS & set("".join(column)))
-        ):
-            return json.dumps(rows, indent=0)
-    text = _COMPACT.encode(rows)
-    text = text.replace("[", "[\n").replace("{", "{\n").replace("]", "\n]").replace("}", "\n}")
-    return text.replace("[\n\n]", "[]").replace("{\n\n}", "{}")
-
-
-_BRACKETS = set("[]{}")
+    """A table's text, as the devkit's files have it (one item per line)."""
+    return json.dumps(rows, indent=0)
 
 
 def _render(
