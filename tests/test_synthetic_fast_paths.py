@@ -3,7 +3,6 @@ processes fail loudly: a sample's error or a dead worker ends the run with one m
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -163,21 +162,3 @@ def test_a_failing_worker_ends_the_run_with_one_message(tmp_path, monkeypatch, c
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("bev-make-synthetic: error: ") and message in err[-1]
     assert "Traceback" not in "\n".join(err)
-
-
-@pytest.mark.parametrize(
-    "rows",
-    [
-        [],
-        [
-            {"token": "a", "size": [1.5, 2.0, 0.1], "tags": [], "n": 3, "ok": True},
-            {"token": "b", "size": [1e-7, 2, 3], "tags": ["x"], "n": -1, "ok": False},
-        ],
-        [{"description": "brackets [in] {a} string"}],  # json.dumps itself
-        [{"a": 1}, {"b": 2}],  # rows of different keys
-        [{"a": [[1], {}]}],  # nested containers
-        [{"a": "x"}, {"a": None}],  # a column of two types
-    ],
-)
-def test_table_json_is_json_dumps_indent_0(rows):
-    assert writer._table_json(rows) == json.dumps(rows, indent=0)
