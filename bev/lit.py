@@ -15,6 +15,7 @@ from torch import nn
 from bev.detection.decode import decode
 from bev.detection.loss import DetectionLoss
 from bev.detection.scoring import DetectionScore
+from bev.detection.tracking import TrackVelocity
 from bev.geometry import CAMERA_GEOMETRY, Grid
 from bev.losses import UncertaintyWeights
 from bev.metrics import BevIoU, MapIoU
@@ -160,11 +161,14 @@ class BEVLitModule(L.LightningModule):
             frame = {"velocity_frame": det.pop("velocity_frame", "ego")}
             self.det_loss = DetectionLoss(**dict(det.pop("loss", None) or {}), **frame)
             self.det_decoding = {**dict(det.pop("decoding", None) or {}), **frame}  # bev.detection.decode's options
-            self.val_det = DetectionScore(grid, self.det_decoding)
-            self.test_det = DetectionScore(grid, self.det_decoding)
+            track = det.pop("track_velocity", None)  # velocity from the boxes' tracks (bev.detection.tracking)
+            track = None if track is None else TrackVelocity(**dict(track))
+            self.val_det = DetectionScore(grid, self.det_decoding, track)
+            self.test_det = DetectionScore(grid, self.det_decoding, track)
             if det:
                 raise ValueError(
-                    f"unknown model.detection key(s) {sorted(det)}: weight, loss, decoding, velocity_frame"
+                    f"unknown model.detection key(s) {sorted(det)}: weight, loss, decoding, velocity_frame, "
+                    "track_velocity"
                 )
         # Where bev-eval wants results_nusc.json and the devkit's summary (None: a temporary folder).
         self.detection_output_dir: str | None = None

@@ -17,6 +17,7 @@ import torch
 
 from bev.detection.decode import decode
 from bev.detection.nusc_eval import evaluate, to_results
+from bev.detection.tracking import TrackVelocity, sample_links, track_velocity
 from bev.geometry import Grid, matrix_to_quaternion
 from bev.utils.dist import gather_objects, on_rank_zero
 
@@ -24,10 +25,11 @@ from bev.utils.dist import gather_objects, on_rank_zero
 class DetectionScore:
     """update() with the head's maps of a batch and its sample tokens; compute() scores every sample seen
     (samples of the split never seen get no box) on the dataset's split. `decoding`: options of
-    bev.detection.decode (score_threshold, top_k, nms)."""
+    bev.detection.decode (score_threshold, top_k, nms); `track`: velocities from the boxes' tracks over the
+    split's past key frames (bev.detection.tracking) instead of the head's, None to keep the head's."""
 
-    def __init__(self, grid: Grid, decoding: Mapping[str, Any] | None = None):
-        self.grid, self.decoding = grid, dict(decoding or {})
+    def __init__(self, grid: Grid, decoding: Mapping[str, Any] | None = None, track: TrackVelocity | None = None):
+        self.grid, self.decoding, self.track = grid, dict(decoding or {}), track
         self.boxes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._nusc: dict[tuple[str, str], Any] = {}  # the devkit's tables, loaded once per dataroot and version
 
@@ -73,6 +75,8 @@ class DetectionScore:
 
             self._nusc[key] = NuScenes(version=dataset.version, dataroot=dataset.dataroot, verbose=False)
         results = self.results(dataset)
+        if self.track is not None:
+            results = track_velocity(results, sample_links(self._nusc[key]), self.track)
         if output_dir is not None:
             return evaluate(results, *key, dataset.split, output_dir, verbose, nusc=self._nusc[key])
         with tempfile.TemporaryDirectory(prefix="bev-det-") as tmp:
