@@ -72,6 +72,11 @@ def test_epoch_summary_sums_the_train_loss_without_reading_it_every_step(capsys)
     line = capsys.readouterr().out
     assert "train/loss 1.0000" in line and "val/loss 0.2500" in line and "val/iou_best -" in line
     assert cb.loss_n == 0 and float(cb.loss_sum) == 0.0
+    # A run judged by another metric (detection, occupancy) shows it too.
+    trainer.checkpoint_callback = SimpleNamespace(monitor="val/occ_miou")
+    trainer.callback_metrics["val/occ_miou"] = torch.tensor(0.3125)
+    cb.on_validation_end(trainer, None)
+    assert "val/occ_miou 0.3125" in capsys.readouterr().out
 
 
 def test_bev_png_logger_writes_the_png_and_logs_it_to_image_loggers(tmp_path):
