@@ -277,8 +277,10 @@ def _finish(cfg: DictConfig, trainer, metrics: dict[str, float], out: Path, wall
     if not trainer.is_global_zero:
         return
     write_run_metrics(out, _run_record(cfg, trainer, metrics, wall, budget, best))
+    judged = cfg.get("optimized_metric")  # the experiment's headline (val/occ_miou_best for occupancy)
+    judged = judged if judged in metrics else "val/iou_best"
     print(
-        f"Training done in {wall / 60:.1f} min, {trainer.global_step} steps: val/iou_best={metrics['val/iou_best']:.4f}. "
+        f"Training done in {wall / 60:.1f} min, {trainer.global_step} steps: {judged}={metrics[judged]:.4f}. "
         f"Best checkpoint: {best or '(none)'}; run dir: {out}"
     )
     if budget and budget["message"]:
