@@ -6,7 +6,8 @@ and <out>/predictions.json. With a temporal checkpoint each sample is the window
 present frame): the npz adds the future frames' segmentation and vehicle ids, and the pictures show
 the vehicles in their instance colours with their predicted paths (bev.viz.render_temporal). With a
 checkpoint that detects (boxes=auto, the default, or boxes=true) the npz adds the decoded 3D boxes
-(det_boxes, det_scores, det_labels: bev.inference.save_prediction_npz), each predictions.json record
+(det_boxes, det_scores, det_labels: bev.inference.save_prediction_npz; velocities from the boxes' tracks
+over the key frames before when the checkpoint scores them so, model.detection.track_velocity), each predictions.json record
 lists those at score >= box_threshold, and the pictures draw them (bev.viz.render_figure) over the
 ground truth. With an occupancy checkpoint (model heads ("occupancy",), as bev-eval tells it) each sample's
 prediction is written in the Occ3D challenge's format instead, <out>/predictions/<sample token>.npz (one
@@ -290,7 +291,8 @@ def _predict_samples(model, loader, indices, index, files: _PredictionFiles, des
     from bev.inference import predict
 
     scenes, times = index["scene"], index["timestamp"]
-    records, position = [], 0
+    tracks = _box_tracks(model)
+    records, position, last = [], 0, None
     bar = tqdm(total=len(indices), desc=desc, unit="sample")
     for batch in loader:
         probs = _cpu(predict(model, batch))
@@ -303,11 +305,49 @@ def _predict_samples(model, loader, indices, index, files: _PredictionFiles, des
             k = int(indices[position])  # the sample's row in the dataset index
             position += 1
             det = dets[i] if dets is not None and files.boxes else None
+            if det is not None and tracks is not None:
+                det = _tracked(tracks, det, index, k, consecutive=last == k - 1 and scenes[k] == scenes[k - 1])
+            last = k
             records.append(files.add(batch, i, probs, scenes[k], int(times[k]), det))
             bar.update(1)
     bar.close()
     files.end_scene()
     return records
+
+
+def _box_tracks(model):
+    """A Tracker when the checkpoint scores velocities from tracks (model.detection.track_velocity), else None."""
+    from bev.detection.tracking import Tracker
+
+    options = getattr(getattr(model, "test_det", None), "track", None)
+    return None if options is None else Tracker(options)
+
+
+def _tracked(tracker, det: dict, index, k: int, consecutive: bool) -> dict:
+    """The sample's boxes with the velocities of their tracks over the key frames before (as bev-eval scores them);
+    `consecutive`: the sample predicted before this one is its previous key frame."""
+    import torch
+
+    from bev.detection.tracking import track_ego_boxes
+
+    token = str(index["sample_token"][k])
+    prev = str(index["sample_token"][k - 1]) if consecutive else ""
+    boxes = track_ego_boxes(
+        tracker,
+        token,
+        prev,
+        int(index["timestamp"][k]) / 1e6,
+        _numpy(det["boxes"]),
+        _numpy(det["scores"]),
+        _numpy(det["labels"]),
+        index["ego_rotation"][k],
+        index["ego_translation"][k],
+    )
+    return {**det, "boxes": torch.as_tensor(boxes, dtype=torch.as_tensor(det["boxes"]).dtype)}
+
+
+def _numpy(x):
+    return x.numpy() if hasattr(x, "numpy") else x
 
 
 class _PredictionFiles:

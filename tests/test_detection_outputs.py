@@ -144,6 +144,8 @@ def det_run(synthetic_root, tmp_path_factory):
             "data.detection=true",
             "model.net.detection={shared_channels: 8, head_channels: 0}",
             "model.heads=[segmentation,detection]",
+            # Velocities from tracks, with every past box starting one: an untrained head's boxes match often.
+            "+model.detection={track_velocity: {past_frames: 2, gate: 6.0, min_past_score: 0.0, still_speed: 0.0}}",
             "trainer.max_epochs=1",
             "callbacks.bev_png.every_n_steps=0",
             f"data.dataroot={synthetic_root}",
@@ -185,6 +187,7 @@ def test_bev_predict_writes_and_draws_the_boxes(det_run, synthetic_root, tmp_pat
             np.testing.assert_allclose(z["det_boxes"], expected["boxes"].numpy(), atol=1e-5)
         assert Image.open(s["png"]).size[0] > 0
     assert Image.open(out / "scene-0103.gif").n_frames == 3
+    _check_tracked_velocities(rec["samples"], synthetic_root)
     # The boxes are drawn: the same sample's picture without them differs.
     with_boxes = np.asarray(Image.open(rec["samples"][0]["png"]).convert("RGB"))
     out2 = tmp_path / "pred2"
@@ -194,6 +197,44 @@ def test_bev_predict_writes_and_draws_the_boxes(det_run, synthetic_root, tmp_pat
     assert "boxes" not in rec2["samples"][0] and "det_boxes" not in np.load(rec2["samples"][0]["npz"])
     without = np.asarray(Image.open(rec2["samples"][0]["png"]).convert("RGB"))
     assert with_boxes.shape == without.shape and (with_boxes != without).any()
+
+
+def _check_tracked_velocities(samples, dataroot):
+    """bev-predict's boxes carry the velocities bev-eval scores: those of track_velocity over the same boxes in the
+    global frame (ego poses from the devkit's tables here), turned back into each sample's ego frame."""
+    from nuscenes import NuScenes
+
+    from bev.detection.tracking import TrackVelocity, sample_links, track_velocity
+    from bev.geometry import quaternion_to_matrix
+
+    nusc = NuScenes("v1.0-mini", dataroot=str(dataroot), verbose=False)
+    results, ego, heads = {}, {}, {}
+    for s in samples:
+        z, token = np.load(s["npz"]), s["sample_token"]
+        sd = nusc.get("sample_data", nusc.get("sample", token)["data"]["LIDAR_TOP"])
+        pose = nusc.get("ego_pose", sd["ego_pose_token"])
+        rot, trans = quaternion_to_matrix(pose["rotation"]), np.asarray(pose["translation"])
+        centres = z["det_boxes"][:, :3] @ rot.T + trans
+        ego[token], heads[token] = rot, z["det_boxes"][:, 7:9]
+        results[token] = [
+            {
+                "translation": c.tolist(),
+                "velocity": [0.0, 0.0],
+                "detection_name": DETECTION_CLASSES[int(label)],
+                "detection_score": float(score),
+                "attribute_name": "",
+            }
+            for c, label, score in zip(centres, z["det_labels"], z["det_scores"])
+        ]
+    options = TrackVelocity(past_frames=2, gate=6.0, min_past_score=0.0, still_speed=0.0)
+    tracked = track_velocity(results, sample_links(nusc), options)
+    matched = 0
+    for token, boxes in tracked.items():
+        for box, head in zip(boxes, heads[token]):
+            if box["velocity"] != [0.0, 0.0]:  # a track's: in bev-predict's box, turned into the ego frame
+                matched += 1
+                np.testing.assert_allclose(head, (np.array([*box["velocity"], 0.0]) @ ego[token])[:2], atol=1e-3)
+    assert matched > 10
 
 
 @pytest.mark.e2e

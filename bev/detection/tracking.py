@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bev.classes import DETECTION_CLASSES
 from bev.detection.nusc_eval import UNSCORED, attribute_name
+from bev.geometry import BOX_FIELDS
 
 UNTRACKED = frozenset(c for c, errors in UNSCORED.items() if "vel_err" in errors)
 
@@ -56,27 +58,80 @@ def sample_links(nusc) -> dict[str, tuple[str, float]]:
     return {s["token"]: (s["prev"], s["timestamp"] / 1e6) for s in nusc.sample}
 
 
+class Tracker:
+    """Online tracks of one scene's key frames, fed in time order: update() gives each box's velocity from its track.
+
+    Boxes are given as class names (N,), scores (N,) and global x, y centres (N, 2); a frame whose `prev` is not the
+    last one fed starts the tracks afresh (a new scene, a gap)."""
+
+    def __init__(self, options: TrackVelocity):
+        self.options = options
+        self.token: str | None = None
+        self.past: tuple[list[str], np.ndarray, list] | None = None  # the last frame's names, scores, tracks
+
+    def update(self, token: str, prev: str, t: float, names, scores, centres) -> np.ndarray:
+        """(N, 2) velocities (m/s, global frame) of the frame's boxes; NaN for a box without a past match."""
+        centres = np.asarray(centres, dtype=np.float64).reshape(-1, 2)
+        names, scores = [str(n) for n in names], np.asarray(scores, dtype=np.float64).reshape(-1)
+        tracks = [[(t, c)] for c in centres]
+        velocity = np.full((len(centres), 2), np.nan)
+        if self.past is not None and prev and prev == self.token:
+            for i, j in _match(names, centres, *self.past, t, self.options):
+                tracks[i] = (self.past[2][j] + tracks[i])[-(self.options.past_frames + 1) :]
+                velocity[i] = _velocity(tracks[i], self.options.still_speed)
+        self.token, self.past = token, (names, scores, tracks)
+        return velocity
+
+
+def track_ego_boxes(
+    tracker: Tracker, token: str, prev: str, t: float, boxes, scores, labels, ego_rotation, ego_translation
+):
+    """One key frame's ego-frame boxes ((K, 9) BOX_FIELDS, scores, labels into DETECTION_CLASSES; the ego pose:
+    rotation (3, 3) ego -> global, translation (3,)) -> a float64 copy of the boxes whose matched ones carry their
+    track's velocity, turned into the ego frame (bev-predict's boxes)."""
+    boxes = np.array(boxes, dtype=np.float64).reshape(-1, len(BOX_FIELDS))
+    rot = np.asarray(ego_rotation, dtype=np.float64)
+    centres = boxes[:, :3] @ rot.T + np.asarray(ego_translation, dtype=np.float64)
+    names = [DETECTION_CLASSES[int(label)] for label in np.asarray(labels).reshape(-1)]
+    velocity = tracker.update(token, prev, t, names, scores, centres[:, :2])
+    found = np.isfinite(velocity).all(1)
+    in_ego = np.concatenate([velocity[found], np.zeros((found.sum(), 1))], 1) @ rot  # global -> ego: R^T v
+    boxes[found, 7:9] = in_ego[:, :2]
+    return boxes
+
+
 def track_velocity(
     results: Mapping[str, list[dict]], links: Mapping[str, tuple[str, float]], options: TrackVelocity
 ) -> dict[str, list[dict]]:
     """{token: [devkit result box, ...]} -> the same boxes (new dicts) with velocity and attribute from tracks.
     links: sample_links(); a sample whose previous key frame is not in `results` starts its tracks afresh."""
-    history: dict[str, list[list[tuple[float, np.ndarray]]]] = {}
     out: dict[str, list[dict]] = {}
-    for token in sorted(results, key=lambda t: links[t][1]):  # a key frame after the one before it
-        prev, t = links[token]
-        boxes = [dict(b) for b in results[token]]
-        tracks = [[(t, np.asarray(b["translation"][:2], dtype=np.float64))] for b in boxes]
-        if prev in history:
-            past = results[prev]
-            for i, j in _match(boxes, tracks, past, history[prev], t, options):
-                tracks[i] = (history[prev][j] + tracks[i])[-(options.past_frames + 1) :]
-                v = _velocity(tracks[i], options.still_speed)
-                boxes[i]["velocity"] = v.tolist()
-                boxes[i]["attribute_name"] = attribute_name(boxes[i]["detection_name"], float(np.hypot(*v)))
-        history[token], out[token] = tracks, boxes
-        history.pop(prev, None)  # a key frame has one successor
+    for chain in _chains(results, links):
+        tracker = Tracker(options)
+        for token in chain:
+            boxes = [dict(b) for b in results[token]]
+            names = [b["detection_name"] for b in boxes]
+            scores = [b["detection_score"] for b in boxes]
+            centres = [b["translation"][:2] for b in boxes]
+            for box, v in zip(boxes, tracker.update(token, links[token][0], links[token][1], names, scores, centres)):
+                if np.isfinite(v).all():
+                    box["velocity"] = v.tolist()
+                    box["attribute_name"] = attribute_name(box["detection_name"], float(np.hypot(*v)))
+            out[token] = boxes
     return out
+
+
+def _chains(results: Mapping[str, list[dict]], links: Mapping[str, tuple[str, float]]) -> list[list[str]]:
+    """The tokens of `results` as runs of consecutive key frames (each run in time order)."""
+    following = {links[t][0]: t for t in results if links[t][0] in results}
+    chains = []
+    for token in sorted(results, key=lambda t: links[t][1]):
+        if links[token][0] not in results:  # the first of its run
+            chain = [token]
+            while chain[-1] in following:
+                chain.append(following[chain[-1]])
+            chains.append(chain)
+    return chains
 
 
 def _velocity(track: list[tuple[float, np.ndarray]], still_speed: float) -> np.ndarray:
@@ -85,22 +140,17 @@ def _velocity(track: list[tuple[float, np.ndarray]], still_speed: float) -> np.n
     return v if np.hypot(*v) >= still_speed else np.zeros(2)
 
 
-def _match(boxes, tracks, past, past_tracks, t: float, options: TrackVelocity) -> list[tuple[int, int]]:
+def _match(names, centres, past_names, past_scores, past_tracks, t: float, options: TrackVelocity):
     """(box, past box) pairs: per class, closest pairs first, each box and past box once, within the gate of the
     past track's centre moved on to time t."""
     pairs = []
-    for name in {b["detection_name"] for b in boxes} - UNTRACKED:
-        mine = [i for i, b in enumerate(boxes) if b["detection_name"] == name]
-        theirs = [
-            j
-            for j, b in enumerate(past)
-            if b["detection_name"] == name and b["detection_score"] >= options.min_past_score
-        ]
+    for name in set(names) - UNTRACKED:
+        mine = [i for i, n in enumerate(names) if n == name]
+        theirs = [j for j, n in enumerate(past_names) if n == name and past_scores[j] >= options.min_past_score]
         if not theirs:
             continue
         ahead = np.stack([_predict(past_tracks[j], t, options.still_speed) for j in theirs])
-        here = np.stack([tracks[i][-1][1] for i in mine])
-        dist = np.linalg.norm(here[:, None] - ahead[None], axis=-1)
+        dist = np.linalg.norm(centres[mine][:, None] - ahead[None], axis=-1)
         for a, b in zip(*np.nonzero(dist < options.gate)):
             pairs.append((dist[a, b], mine[a], theirs[b]))
     used_box, used_past, matched = set(), set(), []
