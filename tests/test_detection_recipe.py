@@ -53,8 +53,8 @@ def test_the_experiment_trains_two_steps(experiment, synthetic_root, tmp_path, m
 @pytest.mark.e2e
 @pytest.mark.parametrize("experiment", ["synthetic_det_cpu", "synthetic_det_temporal_cpu"])
 def test_the_synthetic_detection_experiments_train_two_steps(experiment, synthetic_root, tmp_path, monkeypatch, capsys):
-    """The embedded detection experiments as configured: the static one with a decoder per task and learned task
-    weights, the temporal one with its own weighting."""
+    """The embedded detection experiments as configured: the static one with a decoder per task and detection
+    weighted 0.05, the temporal one with its own weighting; both score velocities from tracks."""
     small = [("++" + a.lstrip("+")) if a.startswith(("+trainer", "trainer.val_check")) else a for a in SMALL]
     small = [a for a in small if not a.startswith("callbacks.bev_png")] + ["callbacks.bev_png=null"]
     args = [
