@@ -138,3 +138,66 @@ def test_ground_truth_boxes_track_as_the_devkits_instance_links(nusc):
 def test_bad_options_name_the_key(kw, name):
     with pytest.raises(ValueError, match=rf"model\.detection\.track_velocity\.{name} must be"):
         TrackVelocity(**kw)
+
+
+@pytest.mark.e2e
+def test_the_scoring_script_scores_both_velocities(nusc, synthetic_root, tmp_path):
+    """scripts/track_velocity_scores.py on the devkit's own val boxes written with zero velocity: the same mAP both
+    ways, and the tracks' velocities score a lower mAVE than the zeros (they are the true displacements)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from nuscenes.eval.detection.utils import category_to_detection_name
+
+    from bev.detection.nusc_eval import attribute_name, split_sample_tokens
+
+    results = {}
+    for token in split_sample_tokens(nusc, "mini_val"):
+        boxes = []
+        for a in (nusc.get("sample_annotation", t) for t in nusc.get("sample", token)["anns"]):
+            name = category_to_detection_name(a["category_name"])
+            if name is not None:
+                boxes.append(
+                    {
+                        "sample_token": token,
+                        "translation": a["translation"],
+                        "size": a["size"],
+                        "rotation": a["rotation"],
+                        "velocity": [0.0, 0.0],
+                        "detection_name": name,
+                        "detection_score": 0.9,
+                        "attribute_name": attribute_name(name, 0.0),
+                    }
+                )
+        results[token] = boxes
+    meta = {"use_camera": True, "use_lidar": False, "use_radar": False, "use_map": False, "use_external": False}
+    path = tmp_path / "run" / "eval" / "results_nusc.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"meta": meta, "results": results}))
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "scores.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(repo / "scripts/track_velocity_scores.py"),
+            str(path),
+            "--dataroot",
+            str(synthetic_root),
+            "--out",
+            str(out),
+            "--options",
+            '{"past_frames": 2, "gate": 6.0, "min_past_score": 0.2, "still_speed": 0.0}',
+        ],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    scores = json.loads(out.read_text())["runs"]["run"]
+    assert scores["head"]["mAP"] == scores["tracks"]["mAP"]
+    assert scores["tracks"]["mAVE"] < scores["head"]["mAVE"]
