@@ -79,6 +79,8 @@ def test_gate_score_and_class_keep_the_heads_velocity():
     results, links = _frames([[(0.0, 0.0)], [(4.0, 0.0)]])
     results["s1"][0]["detection_name"] = "bus"  # a box of another class is another object
     assert track_velocity(results, links, OPTIONS)["s1"][0]["velocity"] == [0.5, 0.5]
+    links["s1"] = ("s0", links["s0"][1])  # two key frames at one time (a broken table): no speed from them
+    assert track_velocity(*_frames([[(0.0, 0.0)], [(4.0, 0.0)]])[:1], links, OPTIONS)["s1"][0]["velocity"] == [0.5, 0.5]
 
 
 def test_ground_truth_boxes_track_as_the_devkits_instance_links(nusc):

@@ -67,6 +67,7 @@ class Tracker:
     def __init__(self, options: TrackVelocity):
         self.options = options
         self.token: str | None = None
+        self.time = -np.inf
         self.past: tuple[list[str], np.ndarray, list] | None = None  # the last frame's names, scores, tracks
 
     def update(self, token: str, prev: str, t: float, names, scores, centres) -> np.ndarray:
@@ -75,11 +76,11 @@ class Tracker:
         names, scores = [str(n) for n in names], np.asarray(scores, dtype=np.float64).reshape(-1)
         tracks = [[(t, c)] for c in centres]
         velocity = np.full((len(centres), 2), np.nan)
-        if self.past is not None and prev and prev == self.token:
+        if self.past is not None and prev and prev == self.token and t > self.time:  # no time between: no speed
             for i, j in _match(names, centres, *self.past, t, self.options):
                 tracks[i] = (self.past[2][j] + tracks[i])[-(self.options.past_frames + 1) :]
                 velocity[i] = _velocity(tracks[i], self.options.still_speed)
-        self.token, self.past = token, (names, scores, tracks)
+        self.token, self.time, self.past = token, t, (names, scores, tracks)
         return velocity
 
 
