@@ -337,17 +337,13 @@ def _tracked(tracker, det: dict, index, k: int, consecutive: bool) -> dict:
         token,
         prev,
         int(index["timestamp"][k]) / 1e6,
-        _numpy(det["boxes"]),
-        _numpy(det["scores"]),
-        _numpy(det["labels"]),
+        det["boxes"],  # on the CPU (_cpu): numpy reads them as they are
+        det["scores"],
+        det["labels"],
         index["ego_rotation"][k],
         index["ego_translation"][k],
     )
     return {**det, "boxes": torch.as_tensor(boxes, dtype=torch.as_tensor(det["boxes"]).dtype)}
-
-
-def _numpy(x):
-    return x.numpy() if hasattr(x, "numpy") else x
 
 
 class _PredictionFiles:
