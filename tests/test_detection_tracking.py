@@ -79,6 +79,8 @@ def test_gate_score_and_class_keep_the_heads_velocity():
     results, links = _frames([[(0.0, 0.0)], [(4.0, 0.0)]])
     results["s1"][0]["detection_name"] = "bus"  # a box of another class is another object
     assert track_velocity(results, links, OPTIONS)["s1"][0]["velocity"] == [0.5, 0.5]
+    loop = {"s0": ("s1", 1000.0), "s1": ("s0", 1000.5)}  # prev links in a loop (a broken table): boxes kept as they are
+    assert track_velocity(*_frames([[(0.0, 0.0)], [(4.0, 0.0)]])[:1], loop, OPTIONS)["s1"][0]["velocity"] == [0.5, 0.5]
     links["s1"] = ("s0", links["s0"][1])  # two key frames at one time (a broken table): no speed from them
     assert track_velocity(*_frames([[(0.0, 0.0)], [(4.0, 0.0)]])[:1], links, OPTIONS)["s1"][0]["velocity"] == [0.5, 0.5]
 

@@ -123,16 +123,18 @@ def track_velocity(
 
 
 def _chains(results: Mapping[str, list[dict]], links: Mapping[str, tuple[str, float]]) -> list[list[str]]:
-    """The tokens of `results` as runs of consecutive key frames (each run in time order)."""
+    """The tokens of `results` as runs of consecutive key frames (each run in time order). Every token is in one run:
+    one whose prev links never lead to a first frame (a loop in a broken table) is a run of its own."""
     following = {links[t][0]: t for t in results if links[t][0] in results}
-    chains = []
+    chains, seen = [], set()
     for token in sorted(results, key=lambda t: links[t][1]):
         if links[token][0] not in results:  # the first of its run
             chain = [token]
             while chain[-1] in following:
                 chain.append(following[chain[-1]])
             chains.append(chain)
-    return chains
+            seen.update(chain)
+    return chains + [[t] for t in results if t not in seen]
 
 
 def _velocity(track: list[tuple[float, np.ndarray]], still_speed: float) -> np.ndarray:
