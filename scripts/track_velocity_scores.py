@@ -2,13 +2,13 @@
 """The same boxes scored with the head's velocities and with velocities from their tracks (bev.detection.tracking).
 
     .venv/bin/python scripts/track_velocity_scores.py outputs/synthetic_det_cpu/eval/results_nusc.json ... \
-        --dataroot data/synthetic [--version v1.0-mini] [--split mini_val] --out scores.json
+        --dataroot data/synthetic [--version v1.0-mini] [--split mini_val] --out scores.json [--overwrite]
 
 Each results file (bev-eval's, from a checkpoint trained with or without model.detection.track_velocity) is
 scored by DetectionEval as it is, then again with every velocity and attribute replaced from the tracks, with
 experiment=synthetic_det_cpu's track_velocity options (or --options JSON). Positions, sizes, headings and scores
 are untouched, so mAP stays and only the velocity and attribute errors (and NDS through them) move.
-Writes JSON to --out atomically.
+Writes JSON to --out atomically (an existing file only with --overwrite).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 from bev.detection.nusc_eval import evaluate  # noqa: E402
 from bev.detection.tracking import TrackVelocity, sample_links, track_velocity  # noqa: E402
-from bev.utils.io import atomic_write  # noqa: E402
+from bev.utils.io import atomic_write, check_output  # noqa: E402
 
 KEYS = ("mAP", "NDS", "mAVE", "mAAE", "AP/car", "vel_err/car")
 VELOCITY_CLASSES = ("car", "truck", "bus", "trailer", "construction_vehicle", "pedestrian", "motorcycle", "bicycle")
@@ -56,7 +56,16 @@ def main(argv=None) -> int:
     ap.add_argument("--split", default="mini_val")
     ap.add_argument("--options", type=json.loads, default=None, help="TrackVelocity options as JSON")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = ap.parse_args(argv)
+    try:  # before minutes of scoring, not after
+        check_output(args.out, args.overwrite, "--out")
+    except FileExistsError:
+        sys.exit(
+            f"track_velocity_scores.py: --out {args.out} exists: pass --overwrite to replace it, or write elsewhere"
+        )
+    except OSError as e:  # not a regular file
+        sys.exit(f"track_velocity_scores.py: {e}")
     from nuscenes import NuScenes
 
     nusc = NuScenes(version=args.version, dataroot=args.dataroot, verbose=False)
@@ -76,7 +85,9 @@ def main(argv=None) -> int:
             f" mAAE {h['mAAE']:.3f} | tracks NDS {t['NDS']:.3f} mAVE {t['mAVE']:.3f} car AVE {t['vel_err/car']:.2f}"
             f" mAAE {t['mAAE']:.3f}"
         )
-    atomic_write(args.out, json.dumps({"options": options, "split": args.split, "runs": rows}, indent=2))
+    atomic_write(
+        args.out, json.dumps({"options": options, "split": args.split, "runs": rows}, indent=2), args.overwrite
+    )
     return 0
 
 

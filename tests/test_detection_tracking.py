@@ -205,3 +205,7 @@ def test_the_scoring_script_scores_both_velocities(nusc, synthetic_root, tmp_pat
     scores = json.loads(out.read_text())["runs"]["run"]
     assert scores["head"]["mAP"] == scores["tracks"]["mAP"]
     assert scores["tracks"]["mAVE"] < scores["head"]["mAVE"]
+    again = subprocess.run(
+        done.args, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True, text=True
+    )
+    assert again.returncode != 0 and "exists" in again.stderr  # --out is replaced only with --overwrite
