@@ -19,7 +19,10 @@ DETECTION = [
     "data.detection=true",
     "model.net.detection={shared_channels: 8, head_channels: 0}",
     "model.heads=[segmentation,detection]",
-    "model.detection={decoding: {score_threshold: 0.0, top_k: 500, nms: circle}}",
+    # Velocities from tracks too: consecutive key frames fall to different processes, so they are tracked only
+    # once every process's boxes are gathered.
+    "model.detection={decoding: {score_threshold: 0.0, top_k: 500, nms: circle}, track_velocity: {past_frames: 2, "
+    "gate: 6.0, min_past_score: 0.0, still_speed: 0.0}}",
 ]
 
 
