@@ -162,7 +162,7 @@ class BEVLitModule(L.LightningModule):
             self.det_loss = DetectionLoss(**dict(det.pop("loss", None) or {}), **frame)
             self.det_decoding = {**dict(det.pop("decoding", None) or {}), **frame}  # bev.detection.decode's options
             track = det.pop("track_velocity", None)  # velocity from the boxes' tracks (bev.detection.tracking)
-            track = None if track is None else TrackVelocity(**dict(track))
+            track = None if track is None else TrackVelocity.from_config(track)
             self.val_det = DetectionScore(grid, self.det_decoding, track)
             self.test_det = DetectionScore(grid, self.det_decoding, track)
             if det:

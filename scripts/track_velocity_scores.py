@@ -70,7 +70,7 @@ def main(argv=None) -> int:
 
     nusc = NuScenes(version=args.version, dataroot=args.dataroot, verbose=False)
     options = args.options or experiment_options()
-    track = TrackVelocity(**options)
+    track = TrackVelocity.from_config(options)
     rows = {}
     for path in args.results:
         results = json.loads(path.read_text())["results"]

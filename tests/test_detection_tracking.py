@@ -209,3 +209,13 @@ def test_the_scoring_script_scores_both_velocities(nusc, synthetic_root, tmp_pat
         done.args, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True, text=True
     )
     assert again.returncode != 0 and "exists" in again.stderr  # --out is replaced only with --overwrite
+
+
+def test_options_from_a_config_are_checked():
+    good = {"past_frames": 2, "gate": 6.0, "min_past_score": 0.2, "still_speed": 2.5}
+    assert TrackVelocity.from_config(good) == OPTIONS
+    for bad in ({**good, "extra": 1}, {"gate": 6.0}, [2, 6.0, 0.2, 2.5]):
+        with pytest.raises(ValueError, match="track_velocity needs exactly past_frames, gate"):
+            TrackVelocity.from_config(bad)
+    with pytest.raises(ValueError, match=r"track_velocity\.gate must be"):
+        TrackVelocity.from_config({**good, "gate": "6"})

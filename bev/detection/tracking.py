@@ -14,7 +14,7 @@ the devkit does not score (barrier, traffic cone) are left alone.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -44,13 +44,26 @@ class TrackVelocity:
                 isinstance(self.past_frames, int) and not isinstance(self.past_frames, bool) and self.past_frames >= 1,
                 "a whole number >= 1",
             ),
-            ("gate", self.gate > 0, "> 0 (metres)"),
-            ("min_past_score", 0 <= self.min_past_score <= 1, "in [0, 1]"),
-            ("still_speed", self.still_speed >= 0, ">= 0 (m/s)"),
+            ("gate", _number(self.gate) and self.gate > 0, "> 0 (metres)"),
+            ("min_past_score", _number(self.min_past_score) and 0 <= self.min_past_score <= 1, "in [0, 1]"),
+            ("still_speed", _number(self.still_speed) and self.still_speed >= 0, ">= 0 (m/s)"),
         )
         for name, ok, what in checks:
             if not ok:
                 raise ValueError(f"model.detection.track_velocity.{name} must be {what}, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_config(cls, options) -> TrackVelocity:
+        """From model.detection.track_velocity (a mapping of the four options), with the unknown keys named."""
+        names = [f.name for f in fields(cls)]
+        if not isinstance(options, Mapping) or set(options) != set(names):
+            given = sorted(options) if isinstance(options, Mapping) else repr(options)
+            raise ValueError(f"model.detection.track_velocity needs exactly {', '.join(names)} (or null), got {given}")
+        return cls(**{k: options[k] for k in names})
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x)
 
 
 def sample_links(nusc) -> dict[str, tuple[str, float]]:
