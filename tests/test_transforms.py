@@ -89,6 +89,29 @@ def test_train_augmentations_stay_in_range():
     assert flips == {True, False}
 
 
+def test_smaller_images_show_the_same_field_of_view():
+    """resize_lim is for 1600x900: a 400x225 image (the synthetic set's --image-size render) draws 4x the
+    resize and the same crop, so an output pixel sees the same scene point, up to a pixel of rounding."""
+    for seed in range(50):
+        augs = []
+        for raw in ((H, W), (H // 4, W // 4)):
+            torch.manual_seed(seed)
+            augs.append(sample_augmentation(raw, (128, 352), True, (0.193, 0.225), (0.0, 0.22), (-5.4, 5.4), True))
+        big, small = augs
+        assert small.resize == pytest.approx(4 * big.resize, rel=1e-12)
+        assert (small.flip, small.rotate) == (big.flip, big.rotate)
+        assert np.abs(np.subtract(small.crop, big.crop)).max() <= 1
+        # Full-resolution pixel centres map to the small image's by u' + 0.5 = (u + 0.5) / 4.
+        A_big, b_big = big.affine()
+        A_small, b_small = small.affine()
+        uv = np.array([[100.5, 300.0], [1200.0, 700.25]]).T
+        out_big = A_big @ uv + b_big[:, None]
+        out_small = A_small @ ((uv + 0.5) / 4 - 0.5) + b_small[:, None]
+        assert np.abs(out_big - out_small).max() <= 1.5
+    val = [sample_augmentation(raw, (128, 352), train=False) for raw in ((H, W), (H // 4, W // 4))]
+    assert val[1].resize == pytest.approx(4 * val[0].resize) and val[1].crop == val[0].crop
+
+
 @pytest.mark.parametrize("use_draft", [True, False])
 @pytest.mark.parametrize("seed", range(4))
 def test_warp_matches_independent_reference(jpeg_bytes, seed, use_draft):

@@ -99,11 +99,13 @@ def sample_augmentation(
     fraction in bot_pct_lim, random horizontal crop offset, flip, rotation in rot_lim degrees.
     Validation: resize = max(fH/H, fW/W), crop_h = int((1 - mean(bot_pct_lim)) * newH) - fH,
     centred crop_w, no flip/rotation (128x352 from 900x1600: scale 0.22, crop (0, 48)).
+    resize_lim is for 1600x900 images: another size scales it by the ratio of the two validation scales,
+    so that every size shows the same field of view (a 400x225 image draws 4x the resize).
     """
     H, W = raw_hw
     fH, fW = int(final_dim[0]), int(final_dim[1])
     if train:
-        resize = _uniform(*resize_lim)
+        resize = _uniform(*resize_lim) * max(fH / H, fW / W) / max(fH / IMAGE_H, fW / IMAGE_W)
         newW, newH = int(W * resize), int(H * resize)
         crop_h = int((1 - _uniform(*bot_pct_lim)) * newH) - fH
         crop_w = int(_uniform(0, max(0, newW - fW)))
