@@ -18,6 +18,10 @@ extracted to a temporary folder and run with PYTHONPATH), in the same run:
     python scripts/bench_synthetic.py --before HEAD~1                      # make train's set, 10 x 192 samples
     python scripts/bench_synthetic.py --e2e-samples 24 --stage-samples 24   # quicker
     python scripts/bench_synthetic.py --skip-stages --workers 2 --occupancy with without   # the labels' cost
+    python scripts/bench_synthetic.py --workers 2 --occupancy without --image-size full render   # the JPEGs' size
+
+--image-size variants write the JPEGs at 1600x900 (full, the renders upscaled) or at the render resolution
+(render, what `make train` writes); the md5s are compared within one image size.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ TIMED = [
 PER_RUN = ("world", "tables", "maps", "json")  # stage name prefixes counted per run, not per sample
 
 
-def _stages(scenes: int, samples: int, scale: int, out: Path) -> dict:
+def _stages(scenes: int, samples: int, scale: int, out: Path, image_size: str = "full") -> dict:
     """Exclusive CPU time per stage of one in-process make_synthetic(workers=1) (module docstring)."""
 
     from bev.synthetic import occupancy, raycast, writer
@@ -123,8 +127,9 @@ def _stages(scenes: int, samples: int, scale: int, out: Path) -> dict:
     Path.write_bytes = timed(real_write, "files: images and lidar")
     start = time.process_time()
     try:
+        size = {} if image_size == "full" else {"image_size": image_size}  # (an older writer has full alone)
         writer.make_synthetic(
-            out, scenes=scenes, samples_per_scene=samples, workers=1, render_scale=scale, progress=False
+            out, scenes=scenes, samples_per_scene=samples, workers=1, render_scale=scale, progress=False, **size
         )
     finally:
         for mod, attr, fn in saved:
@@ -145,6 +150,7 @@ def _stages(scenes: int, samples: int, scale: int, out: Path) -> dict:
         "scenes": scenes,
         "samples_per_scene": samples,
         "render_scale": scale,
+        "image_size": image_size,
         "cpu_s": total,
         "per_sample": rows,
         "per_run_s": per_run,
@@ -221,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         help="end-to-end variants: with the occupancy labels, and/or without them (--no-occupancy) and then "
         "the labels added (--occupancy-only)",
     )
+    p.add_argument(
+        "--image-size", nargs="+", choices=("full", "render"), default=["full"], help="variants (module docstring)"
+    )
     p.add_argument("--stage-scenes", type=int, default=2, help="scenes of the in-process stage profile")
     p.add_argument("--stage-samples", type=int, default=48, help="samples per scene of the stage profile")
     p.add_argument("--skip-stages", action="store_true")
@@ -231,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="bench_synthetic_"))
     try:
         if args.stages_only_json:
-            print(json.dumps(_stages(args.stage_scenes, args.stage_samples, args.render_scale, scratch / "s")))
+            size = args.image_size[0]
+            print(json.dumps(_stages(args.stage_scenes, args.stage_samples, args.render_scale, scratch / "s", size)))
             return 0
         trees = {"after": REPO}
         if args.before:
@@ -239,17 +249,20 @@ def main(argv: list[str] | None = None) -> int:
         report = _report_header(args)
         if not args.skip_stages:
             for name, src in trees.items():
-                report["stages"][name] = _stages_in(src, args, scratch)
-                _print_stages(name, report["stages"][name])
+                for size in args.image_size:
+                    key = name if size == "full" else f"{name} image_size={size}"
+                    report["stages"][key] = _stages_in(src, args, scratch, size)
+                    _print_stages(key, report["stages"][key])
         if not args.skip_end_to_end:
             for r in range(args.repeats):
                 for w in args.workers:
-                    for occ in args.occupancy:
+                    for occ, size in ((o, z) for o in args.occupancy for z in args.image_size):
                         for name, src in trees.items():
-                            for res in _variant(src, w, occ, args, scratch / "e2e"):
+                            for res in _variant(src, w, occ, args, scratch / "e2e", size):
                                 report["end_to_end"].append({"tree": name, "round": r, **res})
                                 print(
-                                    f"{name:6s} workers={w} occupancy={res['occupancy']}: wall {res['wall_s']:6.1f} s, "
+                                    f"{name:6s} workers={w} occupancy={res['occupancy']} image_size={size}: "
+                                    f"wall {res['wall_s']:6.1f} s, "
                                     f"CPU {res['cpu_s']:6.1f} s ({res['cpu_ms_per_sample']:.1f} ms/sample), "
                                     f"{res['samples_per_s']:.2f} samples/s, load {res['load_before']:.1f}-"
                                     f"{res['load_after']:.1f}, {res['files']} files md5 {res['md5'][:8]}",
@@ -269,14 +282,19 @@ def main(argv: list[str] | None = None) -> int:
 OCCUPANCY = ("with", "without")
 
 
-def _variant(src: Path, workers: int, occupancy: str, args, out: Path) -> list[dict]:
+def _variant(src: Path, workers: int, occupancy: str, args, out: Path, image_size: str = "full") -> list[dict]:
     """The end-to-end runs of one variant: the set with its labels, or without them and then the labels added."""
     run = (src, workers, args.scenes, args.e2e_samples, args.render_scale, out)
+    size = () if image_size == "full" else ("--image-size", image_size)
     if occupancy == "with":
-        return [{"occupancy": "with", **_end_to_end(*run)}]
-    bare = {"occupancy": "without", **_end_to_end(*run, flags=("--no-occupancy",), keep=True)}
+        return [{"occupancy": "with", "image_size": image_size, **_end_to_end(*run, flags=size)}]
+    bare = {
+        "occupancy": "without",
+        "image_size": image_size,
+        **_end_to_end(*run, flags=("--no-occupancy", *size), keep=True),
+    }
     try:
-        added = {"occupancy": "added", **_end_to_end(*run, flags=("--occupancy-only",))}
+        added = {"occupancy": "added", "image_size": image_size, **_end_to_end(*run, flags=("--occupancy-only", *size))}
     finally:
         shutil.rmtree(out, ignore_errors=True)
     return [bare, added]
@@ -302,7 +320,7 @@ def _report_header(args) -> dict:
     }
 
 
-def _stages_in(src: Path, args, scratch: Path) -> dict:
+def _stages_in(src: Path, args, scratch: Path, image_size: str = "full") -> dict:
     """The stage profile of the writer in `src`, in a fresh process (its own imports and caches)."""
     env = {
         **os.environ,
@@ -310,6 +328,7 @@ def _stages_in(src: Path, args, scratch: Path) -> dict:
     }
     cmd = [sys.executable, os.path.abspath(__file__), "--stages-only-json", "--render-scale", str(args.render_scale)]
     cmd += ["--stage-scenes", str(args.stage_scenes), "--stage-samples", str(args.stage_samples)]
+    cmd += ["--image-size", image_size]
     done = subprocess.run(cmd, env=env, cwd=scratch, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"the stage profile of {src} failed:\n{done.stderr[-3000:]}")
@@ -331,14 +350,19 @@ def _print_stages(name: str, s: dict) -> None:
 def _summary(rows: list[dict]) -> dict:
     """Medians per (tree, workers, occupancy) and the md5s seen (equal md5s: byte-identical datasets)."""
     out = {}
-    variant = lambda r: (r["tree"], r["workers"], r.get("occupancy", "with"))  # noqa: E731
+    variant = lambda r: (r["tree"], r["workers"], r.get("occupancy", "with"), r.get("image_size", "full"))  # noqa: E731
     for key in sorted({variant(r) for r in rows}):
         rs = [r for r in rows if variant(r) == key]
-        out[f"{key[0]} workers={key[1]}" + ("" if key[2] == "with" else f" occupancy={key[2]}")] = {
+        name = f"{key[0]} workers={key[1]}" + ("" if key[2] == "with" else f" occupancy={key[2]}")
+        out[name + ("" if key[3] == "full" else f" image_size={key[3]}")] = {
             k: statistics.median(r[k] for r in rs) for k in ("wall_s", "cpu_s", "samples_per_s", "cpu_ms_per_sample")
         }
-    # The full sets' md5s: a set written with its labels, or without them and the labels added after.
-    out["outputs_identical"] = len({r["md5"] for r in rows if r.get("occupancy", "with") != "without"}) == 1
+    # The full sets' md5s, per image size: a set written with its labels, or without them and the labels added after.
+    for size in sorted({r.get("image_size", "full") for r in rows}):
+        md5s = {
+            r["md5"] for r in rows if r.get("occupancy", "with") != "without" and r.get("image_size", "full") == size
+        }
+        out["outputs_identical" + ("" if size == "full" else f" image_size={size}")] = len(md5s) <= 1
     return out
 
 

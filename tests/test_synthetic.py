@@ -630,3 +630,73 @@ def test_every_sample_has_its_occ3d_labels(synthetic_root):
         labels = read_labels(synthetic_root / "gts" / scenes[s["scene_token"]] / s["token"] / "labels.npz")
         seen |= set(np.unique(labels.semantics[labels.mask_camera.astype(bool)]).tolist())
     assert {CLASS_ID[c] for c in ("driveable_surface", "car", "free")} <= seen
+
+
+# ----------------------------------------------------------------------------- image size
+
+
+@pytest.fixture(scope="module")
+def sized_sets(tmp_path_factory) -> dict[str, Path]:
+    """One scene x 2 samples at render scale 4, the JPEGs at 1600x900 ("full") and at 400x225 ("render")."""
+    root = tmp_path_factory.mktemp("sized")
+    kw = dict(scenes=1, samples_per_scene=2, seed=3, workers=1, **QUICK)
+    return {size: make_synthetic(root / size, image_size=size, **kw) for size in ("full", "render")}
+
+
+def test_render_size_images_are_the_renders_with_their_intrinsics(sized_sets):
+    """image_size="render": the same files and annotations, the intrinsics and sizes of 400x225 images, which hold
+    the full-size JPEGs' pixels at a quarter of the resolution; the devkit projects a box to the same place."""
+    full, small = (_tree(sized_sets[k]) for k in ("full", "render"))
+    assert full.keys() == small.keys()
+    differ = {k for k in full if full[k] != small[k]}
+    jpgs = {k for k in full if k.endswith(".jpg")}
+    assert differ == jpgs | {f"{VERSION}/calibrated_sensor.json", f"{VERSION}/sample_data.json", MANIFEST}
+    man_full, man_small = (json.loads(t[MANIFEST]) for t in (full, small))
+    assert man_full["parameters"].pop("image_size") == "full" and man_small["parameters"].pop("image_size") == "render"
+    assert man_full == man_small
+    for k in jpgs:
+        big = np.asarray(Image.open(io.BytesIO(full[k])).convert("L"), np.float32)
+        im = np.asarray(Image.open(io.BytesIO(small[k])).convert("L"), np.float32)
+        assert im.shape == (225, 400)
+        assert np.abs(big.reshape(225, 4, 400, 4).mean((1, 3)) - im).mean() < 2.5  # grey levels: resampling only
+    from nuscenes.nuscenes import NuScenes
+    from nuscenes.utils.geometry_utils import view_points
+
+    nusc = {k: NuScenes(VERSION, dataroot=str(sized_sets[k]), verbose=False) for k in sized_sets}
+    checked = 0
+    for sd_full in nusc["full"].sample_data:
+        if sd_full["sensor_modality"] != "camera":
+            continue
+        sd_small = nusc["render"].get("sample_data", sd_full["token"])
+        assert (sd_small["width"], sd_small["height"]) == (400, 225)
+        assert (sd_full["width"], sd_full["height"]) == (1600, 900)
+        _, boxes, K_full = nusc["full"].get_sample_data(sd_full["token"])
+        _, _, K_small = nusc["render"].get_sample_data(sd_full["token"])
+        for box in boxes:
+            if box.center[2] > 1.0:
+                uv_full = view_points(box.center[:, None], K_full, normalize=True)[:2, 0]
+                uv_small = view_points(box.center[:, None], K_small, normalize=True)[:2, 0]
+                np.testing.assert_allclose(uv_small, (uv_full + 0.5) / 4 - 0.5, atol=1e-9)
+                checked += 1
+    assert checked > 10
+
+
+def test_the_loader_sees_the_same_scene_in_either_image_size(sized_sets):
+    """NuScenesBEVDataset on the two sets, the same augmentation drawn: the model's inputs agree (pixels up to
+    resampling, every ego point projected to the same crop pixel up to the crop's rounding)."""
+    from bev.data.nuscenes import NuScenesBEVDataset
+
+    items = {}
+    for size, root in sized_sets.items():
+        ds = NuScenesBEVDataset(root, split="mini_train", augment=True, verbose=False, cache_dir=root / "cache")
+        torch.manual_seed(0)
+        items[size] = [ds[i] for i in range(len(ds))]
+    pts = torch.tensor([[x, y, z] for x in (-30.0, -8.0, 8.0, 30.0) for y in (-20.0, 0.0, 20.0) for z in (0.0, 2.0)])
+    for a, b in zip(items["full"], items["render"]):
+        assert a["images"].shape == b["images"].shape
+        assert (a["images"] - b["images"]).abs().mean() < 0.1  # normalised units (~6 grey levels of 255)
+        geo = [[x[k].double() for k in ("intrinsics", "rots", "trans", "post_rots", "post_trans")] for x in (a, b)]
+        (uv_a, d_a), (uv_b, d_b) = (ego_to_image(pts.double()[None].expand(len(g[0]), -1, -1), *g) for g in geo)
+        torch.testing.assert_close(d_a, d_b)
+        front = d_a > 1.0
+        assert front.sum() > 10 and (uv_a - uv_b)[front].abs().max() <= 1.0  # pixels (measured 0.35)

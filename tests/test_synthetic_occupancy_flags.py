@@ -52,7 +52,8 @@ def test_no_occupancy_writes_everything_else_the_same(sets):
         f: h for f, h in full_files.items() if f not in labels and f != MANIFEST
     }
     full_m, bare_m = (json.loads((r / MANIFEST).read_text()) for r in (full, bare))
-    assert full_m["parameters"] == {**ARGS, "occupancy": True} and bare_m["parameters"] == {**ARGS, "occupancy": False}
+    assert full_m["parameters"] == {**ARGS, "occupancy": True, "image_size": "full"}
+    assert bare_m["parameters"] == {**ARGS, "occupancy": False, "image_size": "full"}
     assert set(bare_m["files"]) == set(full_m["files"]) - labels
 
 
@@ -120,6 +121,7 @@ def test_occupancy_only_refuses_other_parameters(tmp_path, sets, capsys):
     _refused(out, r"written with --samples-per-scene 2 .*not --samples-per-scene 3", samples_per_scene=3)
     _refused(out, r"written with --render-scale 4 .*not --render-scale 2", render_scale=2)
     _refused(out, r"written with --seed 0 .*not --seed 1", seed=1)
+    _refused(out, r"written with --image-size full .*not --image-size render", image_size="render")
     assert writer.main(["--out", str(out), *CLI[:-1], "2", "--occupancy-only"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("bev-make-synthetic: error: ") and "--render-scale 4" in err[0]
@@ -138,6 +140,7 @@ def test_occupancy_only_checks_a_set_whose_manifest_has_no_parameters(tmp_path, 
     (out / MANIFEST).write_text(json.dumps(manifest, indent=0))
     _refused(out, "lists others", seed=1)  # other tokens, other file names
     _refused(out, "another --render-scale", render_scale=2)  # the same names, other pixels
+    _refused(out, "calibrated_sensor.json is not what", image_size="render")  # the same names, other intrinsics
     ego = out / "v1.0-mini" / "ego_pose.json"
     text = ego.read_text()
     ego.write_text(text.replace('"timestamp": ', '"timestamp": 1', 1))  # one pose's time moved
@@ -145,3 +148,18 @@ def test_occupancy_only_checks_a_set_whose_manifest_has_no_parameters(tmp_path, 
     ego.write_text(text)
     assert add_occupancy(out, workers=1, progress=False, **ARGS) == 4
     assert _tree(out) == _tree(full)  # the manifest now records the parameters
+
+
+def test_occupancy_only_with_render_size_images(tmp_path):
+    """--image-size render: the labels added later are a full write's too; a manifest from before image_size was
+    recorded stands for full-size JPEGs."""
+    kw = {**ARGS, "scenes": 1, "progress": False, "workers": 1}
+    full = make_synthetic(tmp_path / "full", image_size="render", **kw)
+    bare = make_synthetic(tmp_path / "bare", image_size="render", occupancy=False, **kw)
+    assert add_occupancy(bare, image_size="render", **kw) == 2 and _tree(bare) == _tree(full)
+    old = make_synthetic(tmp_path / "old", occupancy=False, **kw)
+    manifest = json.loads((old / MANIFEST).read_text())
+    del manifest["parameters"]["image_size"]
+    (old / MANIFEST).write_text(json.dumps(manifest, indent=0))
+    _refused(old, r"written with --image-size full .*not --image-size render", image_size="render", scenes=1)
+    assert add_occupancy(old, **kw) == 2

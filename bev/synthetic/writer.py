@@ -4,7 +4,8 @@
 
     DIR/v1.0-mini/{attribute,calibrated_sensor,category,ego_pose,instance,log,map,sample,
                    sample_annotation,sample_data,scene,sensor,visibility}.json
-    DIR/samples/CAM_*/<logfile>__<CAM>__<timestamp>.jpg      1600x900 renders (bev.synthetic.raycast)
+    DIR/samples/CAM_*/<logfile>__<CAM>__<timestamp>.jpg      1600x900 renders (bev.synthetic.raycast), or
+                                                               at the render resolution (image_size="render")
     DIR/samples/LIDAR_TOP/<logfile>__LIDAR_TOP__<timestamp>.pcd.bin
     DIR/maps/<token>.png                                       drivable-area mask, 0.1 m/pixel
     DIR/maps/expansion/<location>.json                         HD map, map expansion v1.3 (bev.synthetic.mapjson)
@@ -23,7 +24,8 @@ only (2 Hz); every sensor of a sample shares the sample's timestamp and ego pose
 ego frame of the LIDAR_TOP sample_data is exactly the frame the cameras were rendered in.
 
 Images are ray-cast at 1600x900 / render_scale (default bev.synthetic.raycast.RENDER_SCALE = 2:
-800x450) and upscaled bilinearly to 1600x900 JPEGs; visibility tokens come from the
+800x450) and upscaled bilinearly to 1600x900 JPEGs (image_size="render": written as they are, with the
+intrinsics of that size); visibility tokens come from the
 render-resolution instance-id buffers (visible pixels of an object over the pixels it covers
 with nothing in front, summed over the six cameras). Objects within 60 m of the ego are annotated,
 with what the devkit's DetectionEval reads: a category of each of its 10 detection classes, at most
@@ -263,6 +265,7 @@ class _RenderTask(NamedTuple):
     scale: int  # render_scale
     scene_name: str  # the occupancy labels' folder: gts/<scene name>/<sample token>
     occupancy: bool = True  # write the sample's occupancy labels too
+    upscale: bool = True  # JPEGs at 1600x900 (image_size "full"), else at the render resolution
 
 
 def _worker_init() -> None:
@@ -368,7 +371,7 @@ def _render_task(task: _RenderTask):
 def _sample_files(task: _RenderTask) -> tuple[dict[str, bytes], dict, dict]:
     """Render one sample: ({file relative to out: its bytes} of the images and the lidar cloud, per-object
     visibility, per-object lidar counts); its occupancy labels are written here when task.occupancy."""
-    out, seed, scene, sample, samples, location, cam_files, lidar_file, annotated, scale, scene_name, occ = task
+    out, seed, scene, sample, samples, location, cam_files, lidar_file, annotated, scale, scene_name, occ, up = task
     world = _world(seed, scene, samples, location)
     t = sample * SAMPLE_DT
     parts = raycast.sample_parts(world, t)  # placed once for the cameras, the occupancy labels and its lidar views
@@ -379,8 +382,10 @@ def _sample_files(task: _RenderTask) -> tuple[dict[str, bytes], dict, dict]:
     for name in CAMERA_NAMES:
         img = (images[name].image * 255.0 + 0.5).clip(0, 255).astype(np.uint8)
         # RGB -> BGR before upscaling (same pixels): a contiguous array encodes ~3x faster than a flipped view.
-        big = cv2.resize(cv2.cvtColor(img, cv2.COLOR_RGB2BGR), (IMAGE_W, IMAGE_H), interpolation=cv2.INTER_LINEAR)
-        ok, buf = cv2.imencode(".jpg", big, [cv2.IMWRITE_JPEG_QUALITY, JPEG_QUALITY])
+        img = cv2.cvtColor(img, cv2.COLOR_RGB2BGR)
+        if up and scale > 1:
+            img = cv2.resize(img, (IMAGE_W, IMAGE_H), interpolation=cv2.INTER_LINEAR)
+        ok, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, JPEG_QUALITY])
         if not ok:
             raise RuntimeError(f"JPEG encoding failed for {cam_files[name]}")
         files[cam_files[name]] = buf.tobytes()
@@ -494,7 +499,9 @@ def _write_manifest(out: Path, files: list[str], dirs: list[str], parameters: di
     _write_atomic(out / MANIFEST, json.dumps(record, indent=0))
 
 
-def _parameters(scenes: int, samples_per_scene: int, seed: int, render_scale: int, occupancy: bool) -> dict:
+def _parameters(
+    scenes: int, samples_per_scene: int, seed: int, render_scale: int, occupancy: bool, image_size: str
+) -> dict:
     """What decides a dataset's bytes, as the manifest records it (workers do not)."""
     return {
         "scenes": scenes,
@@ -502,6 +509,7 @@ def _parameters(scenes: int, samples_per_scene: int, seed: int, render_scale: in
         "seed": seed,
         "render_scale": render_scale,
         "occupancy": occupancy,
+        "image_size": image_size,
     }
 
 
@@ -509,6 +517,29 @@ STAGING = ".bev_synthetic_gts.partial"  # add_occupancy writes gts/ here, then m
 
 
 RENDER_SCALES = (1, 2, 4)  # divisors of 1600x900 that keep whole pixels
+# The JPEGs' size: "full" 1600x900 as nuScenes' cameras (the renders upscaled), or "render" the render resolution
+# itself, with the intrinsics of that size (the same scene, no pixels made up: a 1/scale**2 of the JPEG work).
+IMAGE_SIZES = ("full", "render")
+
+
+def _check_image_size(image_size) -> str:
+    if image_size not in IMAGE_SIZES:
+        raise ValueError(f"image_size must be one of {', '.join(map(repr, IMAGE_SIZES))}, got {image_size!r}")
+    return image_size
+
+
+def image_scale(render_scale: int, image_size: str) -> int:
+    """How many times smaller than 1600x900 the written JPEGs are."""
+    return render_scale if image_size == "render" else 1
+
+
+def scaled_intrinsic(K, scale: int) -> list[list[float]]:
+    """A 1600x900 camera matrix for its image 1/scale the size: pixel centres map by u' + 0.5 = (u + 0.5) / scale,
+    as raycast.downscale's post_rot / post_tran."""
+    post_rot, post_tran = raycast.downscale(scale)
+    P = post_rot.double().numpy()
+    P[:2, 2] = post_tran[:2].double().numpy()
+    return (P @ np.asarray(K, np.float64)).tolist()
 
 
 def _check_render_scale(scale) -> int:
@@ -545,6 +576,7 @@ def make_synthetic(
     progress: bool = True,
     render_scale: int = raycast.RENDER_SCALE,
     occupancy: bool = True,
+    image_size: str = "full",
 ) -> Path:
     """Write the synthetic nuScenes-format dataset to `out` and return its path (the dataroot).
 
@@ -554,17 +586,18 @@ def make_synthetic(
     share the samples; the result is identical for any number of workers. `render_scale` (one of
     RENDER_SCALES) ray-casts at 1600x900 / render_scale: 4 (400x225) is 3-4x faster to write and
     still above the 352x128 input of the embedded default (an LSS resize of ~0.22). `occupancy=False` leaves the
-    Occ3D labels (gts/, about a quarter of the work) out; add_occupancy adds them later.
+    Occ3D labels (gts/, about a quarter of the work) out; add_occupancy adds them later. `image_size` (IMAGE_SIZES):
+    "render" writes the JPEGs at the render resolution with their intrinsics, not upscaled to 1600x900.
     """
     names = _validate(scenes, samples_per_scene, seed, workers)
-    render_scale = _check_render_scale(render_scale)
+    render_scale, image_size = _check_render_scale(render_scale), _check_image_size(image_size)
     samples_per_scene, seed, workers = int(samples_per_scene), int(seed), int(workers)  # numpy ints -> JSON-safe
     out = Path(out)
     _check_out(out, overwrite)
-    T, scene_tasks = _plan(out, names, samples_per_scene, seed, workers, render_scale, bool(occupancy))
+    params = _parameters(len(names), samples_per_scene, seed, render_scale, bool(occupancy), image_size)
+    T, scene_tasks = _plan(out, names, workers, params)
     tasks = [task for scene in scene_tasks for task in scene]
     map_tasks = _add_maps(T, out, seed, names)
-    params = _parameters(len(names), samples_per_scene, seed, render_scale, bool(occupancy))
     _begin(out, _dataset_files(tasks, T["map"], names, bool(occupancy)), params)
     map_tasks += [("expansion", out, seed, loc) for loc in _map_groups(names)]  # HD maps, written alongside too
     results = _render(tasks, map_tasks, workers, render_scale, samples_per_scene, progress)
@@ -588,6 +621,7 @@ def add_occupancy(
     workers: int = 2,
     progress: bool = True,
     render_scale: int = raycast.RENDER_SCALE,
+    image_size: str | None = None,
 ) -> int:
     """Add the Occ3D labels (gts/) to a set make_synthetic(occupancy=False) wrote in `out` with the same
     parameters; return how many label files were written (0: the set has them all already).
@@ -597,11 +631,14 @@ def add_occupancy(
     records these parameters (or, from a writer that did not record them, lists the files they give), its tables
     that do not depend on the renders (scenes, samples, sample_data, ego poses, sensors, maps) are the bytes these
     parameters give, and the first sample of its first and last scenes renders to its images and LiDAR cloud
-    (which catches another render scale or another version of the renderer). The labels are written to
+    (which catches another render scale or another version of the renderer). `image_size` None: the one the
+    manifest records ("full" if it records none). The labels are written to
     out/STAGING and moved to gts/ when all are there, so a gts/ folder is always complete.
     """
     names = _validate(scenes, samples_per_scene, seed, workers)
     render_scale = _check_render_scale(render_scale)
+    if image_size is not None:
+        _check_image_size(image_size)
     samples_per_scene, seed, workers = int(samples_per_scene), int(seed), int(workers)
     out = Path(out)
     again = f"write it with bev-make-synthetic --out {out} (--overwrite replaces a set it wrote)"
@@ -615,8 +652,12 @@ def add_occupancy(
             "only to its own sets: write one, with its labels, with bev-make-synthetic --out <an empty directory>"
         )
     manifest = _read_manifest(out)
-    params = _parameters(len(names), samples_per_scene, seed, render_scale, True)
     recorded = manifest["parameters"]
+    if recorded is not None:
+        recorded = {"image_size": "full", **recorded}  # a writer from before image_size wrote full-size JPEGs
+    if image_size is None:
+        image_size = _check_image_size((recorded or {}).get("image_size", "full"))
+    params = _parameters(len(names), samples_per_scene, seed, render_scale, True, image_size)
     if recorded is not None:
         differ = [k for k in params if k != "occupancy" and recorded.get(k) != params[k]]
         if differ:
@@ -626,7 +667,7 @@ def add_occupancy(
                 f"--out {out} was written with {had} (its {MANIFEST}), not {asked}: pass the same parameters to "
                 f"add its occupancy labels, or {again}"
             )
-    T, scene_tasks = _plan(out, names, samples_per_scene, seed, workers, render_scale, True)
+    T, scene_tasks = _plan(out, names, workers, params)
     tasks = [task for scene in scene_tasks for task in scene]
     _add_maps(T, out, seed, names)
     labels = _label_files(tasks)
@@ -679,16 +720,14 @@ def _check_written_alike(out: Path, T: dict, scene_tasks: list[list[_RenderTask]
                 )
 
 
-def _plan(
-    out: Path, names: list[str], samples: int, seed: int, workers: int, render_scale: int, occupancy: bool
-) -> tuple[dict, list[list[_RenderTask]]]:
-    """Build the scenes' worlds; return the tables that do not need the renders and each scene's sample tasks."""
+def _plan(out: Path, names: list[str], workers: int, params: dict) -> tuple[dict, list[list[_RenderTask]]]:
+    """Build the scenes' worlds; return the tables that do not need the renders and each scene's sample tasks
+    (params: _parameters)."""
     rig = load_rig()
+    seed, samples = params["seed"], params["samples_per_scene"]
     _build_worlds([(seed, si, samples, MINI_LOCATIONS[name]) for si, name in enumerate(names)], workers)
     T = _fixed_tables(seed)
-    scene_tasks = [
-        _add_scene(T, rig, out, seed, si, name, samples, render_scale, occupancy) for si, name in enumerate(names)
-    ]
+    scene_tasks = [_add_scene(T, rig, out, si, name, params) for si, name in enumerate(names)]
     return T, scene_tasks
 
 
@@ -707,10 +746,10 @@ def _fixed_tables(seed: int) -> dict[str, list[dict]]:
     return T
 
 
-def _add_scene(
-    T: dict, rig: dict, out: Path, seed: int, si: int, name: str, samples: int, render_scale: int, occupancy: bool
-) -> list[_RenderTask]:
+def _add_scene(T: dict, rig: dict, out: Path, si: int, name: str, params: dict) -> list[_RenderTask]:
     """Append scene `si`'s log, calibrated_sensor, scene and per-sample rows; return its samples' render tasks."""
+    seed, samples, render_scale = params["seed"], params["samples_per_scene"], params["render_scale"]
+    shrink = image_scale(render_scale, params["image_size"])
     location = MINI_LOCATIONS[name]
     world = _world(seed, si, samples, location)
     world.cache_poses([k * SAMPLE_DT for k in range(samples)])  # the render workers forked later inherit them
@@ -719,7 +758,7 @@ def _add_scene(
     T["log"].append(
         {"token": log_tok, "logfile": logfile, "vehicle": logfile[:4], "date_captured": date, "location": location}
     )
-    _add_calibrated_sensors(T, rig, seed, si)
+    _add_calibrated_sensors(T, rig, seed, si, shrink)
     sample_toks = [_token(seed, "sample", si, k) for k in range(samples)]
     T["scene"].append(
         {
@@ -744,7 +783,7 @@ def _add_scene(
                 "scene_token": scene_tok,
             }
         )
-        files = _add_sample_data(T, world, seed, si, k, samples, tok, ts, logfile)
+        files = _add_sample_data(T, world, seed, si, k, samples, tok, ts, logfile, shrink)
         tasks.append(
             _RenderTask(
                 out,
@@ -758,14 +797,16 @@ def _add_scene(
                 annotated_objects(world, k * SAMPLE_DT),
                 render_scale,
                 name,
-                occupancy,
+                params["occupancy"],
+                shrink == 1,
             )
         )
     return tasks
 
 
-def _add_calibrated_sensors(T: dict, rig: dict, seed: int, si: int) -> None:
-    """Append scene `si`'s calibrated_sensor rows: the rig's six cameras, then the lidar mount."""
+def _add_calibrated_sensors(T: dict, rig: dict, seed: int, si: int, shrink: int = 1) -> None:
+    """Append scene `si`'s calibrated_sensor rows: the rig's six cameras (for images 1/shrink of 1600x900), then
+    the lidar mount."""
     for ch in CAMERA_NAMES:
         cal = rig["cameras"][ch]
         T["calibrated_sensor"].append(
@@ -774,7 +815,9 @@ def _add_calibrated_sensors(T: dict, rig: dict, seed: int, si: int) -> None:
                 "sensor_token": _token(seed, "sensor", ch),
                 "translation": cal["translation"],
                 "rotation": cal["rotation"],
-                "camera_intrinsic": cal["camera_intrinsic"],
+                "camera_intrinsic": scaled_intrinsic(cal["camera_intrinsic"], shrink)
+                if shrink > 1
+                else cal["camera_intrinsic"],
             }
         )
     T["calibrated_sensor"].append(
@@ -789,7 +832,7 @@ def _add_calibrated_sensors(T: dict, rig: dict, seed: int, si: int) -> None:
 
 
 def _add_sample_data(
-    T: dict, world: World, seed: int, si: int, k: int, samples: int, sample_tok: str, ts: int, logfile: str
+    T: dict, world: World, seed: int, si: int, k: int, samples: int, sample_tok: str, ts: int, logfile: str, shrink: int
 ) -> dict[str, str]:
     """Append sample k's ego_pose and sample_data rows, one per channel; return channel -> file (relative to out)."""
     ego_t, ego_yaw = world.ego_pose(k * SAMPLE_DT)
@@ -811,8 +854,8 @@ def _add_sample_data(
                 "timestamp": ts,
                 "fileformat": "jpg" if cam else "pcd",
                 "is_key_frame": True,
-                "height": IMAGE_H if cam else 0,
-                "width": IMAGE_W if cam else 0,
+                "height": IMAGE_H // shrink if cam else 0,
+                "width": IMAGE_W // shrink if cam else 0,
                 "filename": files[ch],
                 "prev": _token(seed, "sample_data", si, k - 1, ch) if k else "",
                 "next": _token(seed, "sample_data", si, k + 1, ch) if k + 1 < samples else "",
@@ -1044,7 +1087,8 @@ def main(argv: list[str] | None = None) -> int:
         "--occupancy-only",
         action="store_true",
         help="add the occupancy labels to a set written in --out with --no-occupancy and the same --scenes, "
-        "--samples-per-scene, --seed and --render-scale, rewriting nothing else (the same bytes as a full write)",
+        "--samples-per-scene, --seed, --render-scale and --image-size, rewriting nothing else (the same bytes as a "
+        "full write)",
     )
     p.add_argument(
         "--render-scale",
@@ -1053,6 +1097,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=RENDER_SCALES,
         help="ray-cast at 1600x900 / this, then upscale (default %(default)s; 4 writes 3-4x faster, "
         "enough for inputs up to ~400x225)",
+    )
+    p.add_argument(
+        "--image-size",
+        choices=IMAGE_SIZES,
+        help="the JPEGs' size: full (default) 1600x900 as nuScenes' cameras, the renders upscaled; render: the "
+        "render resolution itself with its intrinsics, the same scene in a 1/scale^2 of the JPEG work and disk "
+        "(with --occupancy-only, default: the size the set was written in)",
     )
     args = p.parse_args(argv)
     start = time.time()
@@ -1076,6 +1127,7 @@ def main(argv: list[str] | None = None) -> int:
             workers=args.workers,
             render_scale=args.render_scale,
             occupancy=args.occupancy,
+            image_size=args.image_size or "full",
         )
     except OSError as e:  # e.g. a read-only or full --out: one line, no traceback
         print(f"bev-make-synthetic: error: cannot write the dataset to {args.out}: {e}", file=sys.stderr)
@@ -1095,7 +1147,13 @@ def _main_occupancy_only(p: argparse.ArgumentParser, args, start: float) -> int:
     """bev-make-synthetic --occupancy-only: add_occupancy from the command line."""
     try:
         n = add_occupancy(
-            args.out, args.scenes, args.samples_per_scene, args.seed, args.workers, render_scale=args.render_scale
+            args.out,
+            args.scenes,
+            args.samples_per_scene,
+            args.seed,
+            args.workers,
+            render_scale=args.render_scale,
+            image_size=args.image_size,
         )
     except NotTheSameSet as e:  # the set in --out is not one these parameters write: nothing written
         print(f"bev-make-synthetic: error: {e}", file=sys.stderr)
