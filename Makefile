@@ -11,6 +11,11 @@ SYNTHETIC_SAMPLES ?= 192
 # The embedded default reads 352x128 crops of the LSS resize (~0.22 of 1600x900): a 400x225 ray-cast
 # (render scale 4) is enough and writes the set in about half the time of the 800x450 default.
 SYNTHETIC_RENDER_SCALE ?= 4
+# The JPEGs at that render resolution (400x225, with its intrinsics) rather than upscaled to nuScenes' 1600x900:
+# the same scene and inputs (resize_lim scales with the image size), a quarter less CPU to write, a third of the disk.
+SYNTHETIC_IMAGE_SIZE ?= render
+SYNTHETIC_SET = --samples-per-scene $(SYNTHETIC_SAMPLES) --render-scale $(SYNTHETIC_RENDER_SCALE)
+SYNTHETIC_ARGS = $(SYNTHETIC_SET) --image-size $(SYNTHETIC_IMAGE_SIZE)
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 
 # Compile the CUDA kernels too when nvcc is present (no GPU needed to compile).
@@ -62,7 +67,7 @@ MAKE_START := $(shell date +%s)
 # towards its planned steps, a finished one is just evaluated again.
 train: venv
 	@set -e; \
-	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA) --samples-per-scene $(SYNTHETIC_SAMPLES) --render-scale $(SYNTHETIC_RENDER_SCALE) --no-occupancy; \
+	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA) $(SYNTHETIC_ARGS) --no-occupancy; \
 	deadline=$$($(PY) scripts/make_train_budget.py deadline --make-start $(MAKE_START) --minutes $(TRAIN_MINUTES) \
 		--eval-reserve-s $(EVAL_RESERVE_S) --min-train-s $(MIN_TRAIN_S)); \
 	$(VENV)/bin/bev-train experiment=synthetic_cpu data.dataroot=$(DATA) hydra.run.dir=$(RUN) \
@@ -81,7 +86,7 @@ train: venv
 TEMPORAL_RUN ?= outputs/synthetic_temporal_cpu
 train-temporal: venv
 	@set -e; \
-	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA) --samples-per-scene $(SYNTHETIC_SAMPLES) --render-scale $(SYNTHETIC_RENDER_SCALE) --no-occupancy; \
+	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA) $(SYNTHETIC_ARGS) --no-occupancy; \
 	$(VENV)/bin/bev-train experiment=synthetic_temporal_cpu data.dataroot=$(DATA) hydra.run.dir=$(TEMPORAL_RUN) \
 		$(if $(wildcard $(RUN)/checkpoints/*.ckpt),model.init_from=$(RUN)/checkpoints) \
 		$(if $(wildcard $(TEMPORAL_RUN)/checkpoints/last.ckpt),ckpt_path=$(TEMPORAL_RUN)/checkpoints/last.ckpt)
@@ -95,7 +100,7 @@ train-temporal: venv
 DET_RUN ?= outputs/synthetic_det_cpu
 train-det: venv
 	@set -e; \
-	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA) --samples-per-scene $(SYNTHETIC_SAMPLES) --render-scale $(SYNTHETIC_RENDER_SCALE) --no-occupancy; \
+	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA) $(SYNTHETIC_ARGS) --no-occupancy; \
 	$(VENV)/bin/bev-train experiment=synthetic_det_cpu data.dataroot=$(DATA) hydra.run.dir=$(DET_RUN) \
 		$(if $(wildcard $(RUN)/checkpoints/*.ckpt),model.init_from=$(RUN)/checkpoints) \
 		$(if $(wildcard $(DET_RUN)/checkpoints/last.ckpt),ckpt_path=$(DET_RUN)/checkpoints/last.ckpt)
@@ -104,17 +109,17 @@ train-det: venv
 
 # 3D semantic occupancy (experiment=synthetic_occ_cpu: Occ3D-format labels, Occ3D's mIoU, ~20 min of training on
 # 2 cores) on the same data; to a set written without occupancy labels (no gts/: `make train` leaves them out, a
-# quarter of its data step) they are added (--occupancy-only), nothing else rewritten. Started from `make train`'s
-# checkpoint when there is one (its camera and BEV encoders: the two-stage recipe, better at equal time:
-# docs/occupancy.md), else from scratch; a second run resumes from its own last.ckpt.
+# quarter of its data step) they are added (--occupancy-only, in the image size the set records), nothing else
+# rewritten. Started from `make train`'s checkpoint when there is one (its camera and BEV encoders: the two-stage
+# recipe, better at equal time: docs/occupancy.md), else from scratch; a second run resumes from its own last.ckpt.
 OCC_RUN ?= outputs/synthetic_occ_cpu
 train-occ: venv
 	@set -e; \
 	if ! test -f $(DATA)/v1.0-mini/scene.json; then \
-		$(VENV)/bin/bev-make-synthetic --out $(DATA) --samples-per-scene $(SYNTHETIC_SAMPLES) --render-scale $(SYNTHETIC_RENDER_SCALE); \
+		$(VENV)/bin/bev-make-synthetic --out $(DATA) $(SYNTHETIC_ARGS); \
 	elif ! test -d $(DATA)/gts; then \
 		echo "$(DATA) has no occupancy labels (gts/): adding them"; \
-		$(VENV)/bin/bev-make-synthetic --out $(DATA) --samples-per-scene $(SYNTHETIC_SAMPLES) --render-scale $(SYNTHETIC_RENDER_SCALE) --occupancy-only; \
+		$(VENV)/bin/bev-make-synthetic --out $(DATA) $(SYNTHETIC_SET) --occupancy-only; \
 	fi; \
 	$(VENV)/bin/bev-train experiment=synthetic_occ_cpu data.dataroot=$(DATA) hydra.run.dir=$(OCC_RUN) \
 		$(if $(wildcard $(RUN)/checkpoints/*.ckpt),model.init_from=$(RUN)/checkpoints) \

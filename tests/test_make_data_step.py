@@ -24,9 +24,12 @@ def test_make_train_writes_no_labels_and_train_occ_adds_them():
         ).stdout
         lines = [ln for ln in recipe.splitlines() if "bev-make-synthetic" in ln]
         assert len(lines) == 1 and "--no-occupancy" in lines[0] and "--overwrite" not in lines[0], target
+        assert "--render-scale 4 --image-size render" in lines[0], target  # the JPEGs at the 400x225 render
     recipe = subprocess.run(
         ["make", "--no-print-directory", "-n", "train-occ"], cwd=root, capture_output=True, text=True, check=True
     ).stdout
     lines = [ln for ln in recipe.splitlines() if "bev-make-synthetic" in ln]
     assert len(lines) == 2 and "--occupancy-only" in lines[1]
     assert not any("--overwrite" in ln or "--no-occupancy" in ln for ln in lines)
+    # A new set as make train writes it; labels added in the image size the set records (an older full-size one too).
+    assert "--image-size render" in lines[0] and "--image-size" not in lines[1]
