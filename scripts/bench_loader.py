@@ -10,7 +10,12 @@ with the training augmentation (6 full-HD JPEGs per sample). It also times singl
 decoding with and without JPEG draft (DCT-scaled) decoding. Windows (FIERY's baseline, 2 past
 and 4 future frames, by default) decode the 3 input frames' JPEGs with the training augmentation;
 their labels' share and validation windows served by the input memo are timed single-process.
---windows-only skips the single-frame measurements. Writes JSON to --out.
+--windows-only skips the single-frame measurements. --versus DIR times the training items of --dataroot and of
+DIR (the same set written with another --image-size, say) alternately in one process, and nothing else:
+
+    .venv/bin/python scripts/bench_loader.py --dataroot data/synthetic --versus /tmp/full --out /tmp/versus.json
+
+Writes JSON to --out.
 """
 
 from __future__ import annotations
@@ -140,6 +145,8 @@ def parse_args(argv):
     p.add_argument("--past-frames", type=int, default=2, help="windows: input frames before the present")
     p.add_argument("--future-frames", type=int, default=4, help="windows: label-only frames after it")
     p.add_argument("--windows-only", action="store_true", help="time the temporal windows only")
+    p.add_argument("--versus", metavar="DIR", help="a second dataroot: single-process items/s of the two alone")
+    p.add_argument("--rounds", type=int, default=5, help="--versus: alternated rounds (medians)")
     p.add_argument("--out", default="benchmarks/results/bench_loader_cpu.json")
     return p.parse_args(argv)
 
@@ -282,11 +289,52 @@ def single_frame(dataroot: str, a, cache_dir: str) -> dict:
     }
 
 
+def versus(a) -> dict:
+    """Single-process training items/s (ms of CPU per item) of --dataroot and --versus, alternated over --rounds
+    rounds of the same items and augmentations; medians."""
+    import statistics
+
+    roots = {"dataroot": a.dataroot, "versus": a.versus}
+    sets = {}
+    with tempfile.TemporaryDirectory(prefix="bench_cache_") as cache:
+        for k, root in roots.items():
+            sets[k] = build_dataset(root, a, str(Path(cache) / k))[0]
+        n = min(16, *(len(ds) for ds in sets.values()))
+        cpu = {k: [] for k in sets}
+        for _ in range(a.rounds):
+            for k, ds in sets.items():
+                torch.manual_seed(0)
+                t = time.process_time()
+                for i in range(n):
+                    ds[i]
+                cpu[k].append(1000 * (time.process_time() - t) / n)
+    out = {k: {"root": roots[k], "cpu_ms_per_item": round(statistics.median(v), 2)} for k, v in cpu.items()}
+    out["items"], out["rounds"] = n, a.rounds
+    out["ratio_versus_over_dataroot"] = round(out["versus"]["cpu_ms_per_item"] / out["dataroot"]["cpu_ms_per_item"], 3)
+    return out
+
+
 def main(argv=None) -> int:
     """Time indexing, decoding, the DataLoader settings and the windows, then write and print the report."""
     a = parse_args(argv)
     if a.torch_threads:
         torch.set_num_threads(a.torch_threads)
+    if a.versus:
+        if a.dataroot is None:
+            raise SystemExit("bench_loader.py: --versus needs --dataroot too")
+        report = {
+            "benchmark": "training items of two datasets, alternated in one process (ms of CPU per item, medians)",
+            "command": "python scripts/bench_loader.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "split": a.split,
+            "final_dim": list(a.final_dim),
+            **versus(a),
+            "main_torch_threads": torch.get_num_threads(),
+            "host": host(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        write_report(Path(a.out), report)
+        print(json.dumps(report, indent=2))
+        return 0
     # Both temp folders must outlive the dataset, which reads from them: keep them until main returns.
     dataroot, tmp = synthetic_root() if a.dataroot is None else (a.dataroot, None)
     cache = tempfile.TemporaryDirectory(prefix="bench_cache_")

@@ -68,6 +68,15 @@ def test_bench_loader_times_frames_and_windows(synthetic_root, tmp_path):
     assert sorted((synthetic_root / ".bev_cache").glob("*")) == caches_before  # its index cache is its own
 
 
+def test_bench_loader_versus_times_two_sets_alone(synthetic_root, tmp_path):
+    out = tmp_path / "versus.json"
+    args = ["--dataroot", str(synthetic_root), "--versus", str(synthetic_root), "--rounds", "1", "--out", str(out)]
+    run_script("bench_loader.py", *args)
+    r = json.loads(out.read_text())
+    assert r["items"] == 3 and r["dataroot"]["cpu_ms_per_item"] > 0 and r["versus"]["cpu_ms_per_item"] > 0
+    assert r["ratio_versus_over_dataroot"] > 0 and "loader" not in r and "windows" not in r
+
+
 @pytest.mark.slow  # one round of the user-level section in its own process (it tunes malloc process-wide)
 def test_bench_pool_user_level_reports_the_memory_traffic_floor(tmp_path):
     out = tmp_path / "pool.json"
