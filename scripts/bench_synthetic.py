@@ -22,6 +22,11 @@ extracted to a temporary folder and run with PYTHONPATH), in the same run:
 
 --image-size variants write the JPEGs at 1600x900 (full, the renders upscaled) or at the render resolution
 (render, what `make train` writes); the md5s are compared within one image size.
+
+--make-train-step with --before REV times `make train`'s data step as each tree's Makefile writes it (the
+bev-make-synthetic arguments of `make -n train`), instead of the variants above:
+
+    python scripts/bench_synthetic.py --before 543fc06 --make-train-step --skip-stages --repeats 2
 """
 
 from __future__ import annotations
@@ -203,6 +208,25 @@ def _end_to_end(
     }
 
 
+def _make_train_flags(makefile: Path) -> list[str]:
+    """The bev-make-synthetic arguments, less --out, of `make train`'s data step in this Makefile."""
+    cmd = ["make", "--no-print-directory", "-n", "-f", str(makefile), "train", "DATA=/nonexistent/set"]
+    recipe = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
+    line = next(ln for ln in recipe.splitlines() if "bev-make-synthetic" in ln)
+    words = line.split("bev-make-synthetic", 1)[1].split(";")[0].split()
+    out = words.index("--out")
+    return words[:out] + words[out + 2 :]
+
+
+def _make_train_step(src: Path, makefile: Path, workers: int, out: Path) -> dict:
+    """One run of `make train`'s data step of the tree in `src` (its Makefile's arguments), as _end_to_end."""
+    flags = _make_train_flags(makefile)
+    words = dict(zip(flags, flags[1:]))
+    scenes, samples = int(words.get("--scenes", 10)), int(words["--samples-per-scene"])
+    res = _end_to_end(src, workers, scenes, samples, int(words["--render-scale"]), out, tuple(flags))
+    return {"make_train_flags": " ".join(flags), **res}
+
+
 def _extract(rev: str, into: Path) -> Path:
     """bev/ of git revision `rev` under `into` (a package folder to put first on PYTHONPATH)."""
     into.mkdir(parents=True)
@@ -233,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stage-scenes", type=int, default=2, help="scenes of the in-process stage profile")
     p.add_argument("--stage-samples", type=int, default=48, help="samples per scene of the stage profile")
     p.add_argument("--skip-stages", action="store_true")
+    p.add_argument(
+        "--make-train-step", action="store_true", help="time make train's data step of each tree (module docstring)"
+    )
     p.add_argument("--skip-end-to-end", action="store_true")
     p.add_argument("--stages-only-json", action="store_true", help=argparse.SUPPRESS)  # the --before tree's stages
     p.add_argument("--out", default=str(REPO / "benchmarks/results/synthetic_data_step_cpu.json"))
@@ -244,8 +271,15 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(_stages(args.stage_scenes, args.stage_samples, args.render_scale, scratch / "s", size)))
             return 0
         trees = {"after": REPO}
+        makefiles = {"after": REPO / "Makefile"}
         if args.before:
             trees = {"before": _extract(args.before, scratch / "before"), **trees}
+            makefiles["before"] = scratch / "Makefile.before"
+            makefiles["before"].write_bytes(
+                subprocess.run(
+                    ["git", "show", f"{args.before}:Makefile"], cwd=REPO, capture_output=True, check=True
+                ).stdout
+            )
         report = _report_header(args)
         if not args.skip_stages:
             for name, src in trees.items():
@@ -253,7 +287,20 @@ def main(argv: list[str] | None = None) -> int:
                     key = name if size == "full" else f"{name} image_size={size}"
                     report["stages"][key] = _stages_in(src, args, scratch, size)
                     _print_stages(key, report["stages"][key])
-        if not args.skip_end_to_end:
+        if args.make_train_step:
+            for r in range(args.repeats):
+                for name, src in trees.items():
+                    res = _make_train_step(src, makefiles[name], args.workers[-1], scratch / "e2e")
+                    report["end_to_end"].append({"tree": name, "round": r, "variant": "make train", **res})
+                    print(
+                        f"{name:6s} make train's data step ({res['make_train_flags']}): wall {res['wall_s']:6.1f} s, "
+                        f"CPU {res['cpu_s']:6.1f} s ({res['cpu_ms_per_sample']:.1f} ms/sample), load "
+                        f"{res['load_before']:.1f}-{res['load_after']:.1f}",
+                        flush=True,
+                    )
+            report["summary"] = _summary(report["end_to_end"])
+            print(json.dumps(report["summary"], indent=1))
+        elif not args.skip_end_to_end:
             for r in range(args.repeats):
                 for w in args.workers:
                     for occ, size in ((o, z) for o in args.occupancy for z in args.image_size):
@@ -350,6 +397,18 @@ def _print_stages(name: str, s: dict) -> None:
 def _summary(rows: list[dict]) -> dict:
     """Medians per (tree, workers, occupancy) and the md5s seen (equal md5s: byte-identical datasets)."""
     out = {}
+    steps = [r for r in rows if r.get("variant") == "make train"]
+    if steps:
+        for tree in sorted({r["tree"] for r in steps}):
+            rs = [r for r in steps if r["tree"] == tree]
+            out[f"{tree}: make train's data step"] = {
+                "flags": rs[0]["make_train_flags"],
+                **{
+                    k: statistics.median(r[k] for r in rs)
+                    for k in ("wall_s", "cpu_s", "samples_per_s", "cpu_ms_per_sample")
+                },
+            }
+        return out
     variant = lambda r: (r["tree"], r["workers"], r.get("occupancy", "with"), r.get("image_size", "full"))  # noqa: E731
     for key in sorted({variant(r) for r in rows}):
         rs = [r for r in rows if variant(r) == key]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -86,3 +87,35 @@ def test_bench_pool_user_level_reports_the_memory_traffic_floor(tmp_path):
     floor = next(r for r in lss["rows"] if r["method"] == "memory traffic only (floor)")
     assert floor["fwd_bwd_ms"] > 0 and lss["ratios"]["index_add_ / memory traffic only (floor)"] > 0
     assert {"index_add_ / native voxel_sum", "index_add_ / native bev_pool"} <= set(lss["ratios"])
+
+
+def test_bench_synthetic_reads_make_trains_data_step_from_a_makefile(tmp_path):
+    """--make-train-step times what each Makefile's `make train` writes: the arguments of its bev-make-synthetic."""
+    if shutil.which("make") is None:
+        pytest.skip("no make here")
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import bench_synthetic
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    flags = bench_synthetic._make_train_flags(SCRIPTS.parent / "Makefile")
+    assert flags == ["--samples-per-scene", "192", "--render-scale", "4", "--image-size", "render", "--no-occupancy"]
+    older = tmp_path / "Makefile"  # a Makefile of before --image-size and --no-occupancy
+    text = (SCRIPTS.parent / "Makefile").read_text()
+    older.write_text(text.replace("$(SYNTHETIC_ARGS) --no-occupancy", "$(SYNTHETIC_SET)", 1))
+    assert bench_synthetic._make_train_flags(older) == ["--samples-per-scene", "192", "--render-scale", "4"]
+    rows = [
+        {
+            "tree": t,
+            "variant": "make train",
+            "make_train_flags": t,
+            "wall_s": w,
+            "cpu_s": w,
+            "samples_per_s": 1.0,
+            "cpu_ms_per_sample": w,
+        }
+        for t, w in (("before", 3.0), ("after", 1.0), ("before", 5.0), ("after", 2.0))
+    ]
+    summary = bench_synthetic._summary(rows)
+    assert summary["before: make train's data step"]["wall_s"] == 4.0
+    assert summary["after: make train's data step"]["cpu_ms_per_sample"] == 1.5
