@@ -500,6 +500,7 @@ def test_render_scale_changes_detail_not_content(tmp_path):
         ({"scenes": 1.5}, TypeError, "scenes must be an integer"),
         ({"workers": 0}, ValueError, "workers must be >= 1"),
         ({"render_scale": 3}, ValueError, "render_scale must be one of 1, 2, 4"),
+        ({"image_size": "half"}, ValueError, "image_size must be one of 'full', 'render'"),
     ],
 )
 def test_bad_arguments(tmp_path, kwargs, error, match):
