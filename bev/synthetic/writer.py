@@ -25,9 +25,8 @@ ego frame of the LIDAR_TOP sample_data is exactly the frame the cameras were ren
 
 Images are ray-cast at 1600x900 / render_scale (default bev.synthetic.raycast.RENDER_SCALE = 2:
 800x450) and upscaled bilinearly to 1600x900 JPEGs (image_size="render": written as they are, with the
-intrinsics of that size); visibility tokens come from the
-render-resolution instance-id buffers (visible pixels of an object over the pixels it covers
-with nothing in front, summed over the six cameras). Objects within 60 m of the ego are annotated,
+intrinsics of that size); visibility tokens come from the render-resolution instance-id buffers (visible
+pixels of an object over the pixels it covers with nothing in front, summed over the six cameras). Objects within 60 m of the ego are annotated,
 with what the devkit's DetectionEval reads: a category of each of its 10 detection classes, at most
 one attribute (vehicle.moving/parked/stopped, cycle.with_rider/without_rider,
 pedestrian.moving/standing; none for barriers and cones), num_lidar_pts counted in the LIDAR_TOP
