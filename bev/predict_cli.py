@@ -7,8 +7,8 @@ present frame): the npz adds the future frames' segmentation and vehicle ids, an
 the vehicles in their instance colours with their predicted paths (bev.viz.render_temporal). With a
 checkpoint that detects (boxes=auto, the default, or boxes=true) the npz adds the decoded 3D boxes
 (det_boxes, det_scores, det_labels: bev.inference.save_prediction_npz; velocities from the boxes' tracks
-over the key frames before when the checkpoint scores them so, model.detection.track_velocity), each predictions.json record
-lists those at score >= box_threshold, and the pictures draw them (bev.viz.render_figure) over the
+over the key frames before when the checkpoint scores them so, model.detection.track_velocity), each
+predictions.json record lists those at score >= box_threshold, and the pictures draw them (bev.viz.render_figure) over the
 ground truth. With an occupancy checkpoint (model heads ("occupancy",), as bev-eval tells it) each sample's
 prediction is written in the Occ3D challenge's format instead, <out>/predictions/<sample token>.npz (one
 (200, 200, 16) uint8 array of class ids, bev.occupancy.io.write_prediction), and the pictures show the

@@ -26,11 +26,11 @@ ego frame of the LIDAR_TOP sample_data is exactly the frame the cameras were ren
 Images are ray-cast at 1600x900 / render_scale (default bev.synthetic.raycast.RENDER_SCALE = 2:
 800x450) and upscaled bilinearly to 1600x900 JPEGs (image_size="render": written as they are, with the
 intrinsics of that size); visibility tokens come from the render-resolution instance-id buffers (visible
-pixels of an object over the pixels it covers with nothing in front, summed over the six cameras). Objects within 60 m of the ego are annotated,
-with what the devkit's DetectionEval reads: a category of each of its 10 detection classes, at most
-one attribute (vehicle.moving/parked/stopped, cycle.with_rider/without_rider,
-pedestrian.moving/standing; none for barriers and cones), num_lidar_pts counted in the LIDAR_TOP
-cloud written with the images, num_radar_pts 0 (no radar is written), and prev/next links along each
+pixels of an object over the pixels it covers with nothing in front, summed over the six cameras). Objects
+within 60 m of the ego are annotated, with what the devkit's DetectionEval reads: a category of each of its 10
+detection classes, at most one attribute (vehicle.moving/parked/stopped, cycle.with_rider/without_rider,
+pedestrian.moving/standing; none for barriers and cones), num_lidar_pts counted in the LIDAR_TOP cloud written
+with the images, num_radar_pts 0 (no radar is written), and prev/next links along each
 object's track, so that `nusc.box_velocity` gives its velocity.
 
 Scene names (so `create_splits_scenes()["mini_train"/"mini_val"]` work unchanged): the
@@ -655,7 +655,7 @@ def add_occupancy(
     if recorded is not None:
         recorded = {"image_size": "full", **recorded}  # a writer from before image_size wrote full-size JPEGs
     if image_size is None:
-        image_size = _check_image_size((recorded or {}).get("image_size", "full"))
+        image_size = _check_image_size(recorded["image_size"] if recorded is not None else "full")
     params = _parameters(len(names), samples_per_scene, seed, render_scale, True, image_size)
     if recorded is not None:
         differ = [k for k in params if k != "occupancy" and recorded.get(k) != params[k]]
