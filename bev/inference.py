@@ -6,7 +6,7 @@
 
 load_model returns the BEVLitModule (eval mode, on `device`), not the bare network: it carries
 predict_step, the run config (`run_config`, the resolved config bev-train stored in the
-checkpoint, its settings that name places on disk set to null: bev.utils.trust.without_places) and
+checkpoint, its settings that name places on disk set to null: bev.utils.checkpoint.without_places) and
 works with `lightning.Trainer.predict`; the network itself is `model.net`.
 bev-eval, bev-predict and bev-export all load checkpoints through `load_checkpoint` here.
 """
@@ -71,8 +71,9 @@ def load_checkpoint(
         check_stored_sections,
         choose_checkpoint,
         read_checkpoint,
+        without_places,
     )
-    from bev.utils.trust import check_stored_config, without_places
+    from bev.utils.trust import check_stored_config
 
     path, reason = choose_checkpoint(ckpt_path)
     ckpt = read_checkpoint(path)
@@ -119,7 +120,7 @@ def build_data_config(given: DictConfig, run_config: DictConfig, trained_on: Any
     inference never augments. The places on disk (data.dataroot, data.cache_dir) never come from the
     checkpoint (load_checkpoint drops them): a data.dataroot the user did not give is refused, naming
     the one the checkpoint was trained on (`trained_on`) as a hint."""
-    from bev.utils.trust import without_places
+    from bev.utils.checkpoint import without_places
 
     keys = {k: v for k, v in OmegaConf.to_container(given, resolve=False).items() if v is not None}
     stored = OmegaConf.create(without_places(OmegaConf.to_container(run_config.data, resolve=False)))

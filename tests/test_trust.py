@@ -176,7 +176,7 @@ def test_without_the_configs_folder_nothing_is_trusted(monkeypatch, tmp_path):
 
 def test_a_stored_config_names_no_place_on_disk():
     """Every setting that names a place on disk is dropped from a stored config, wherever it sits (docs/inference.md)."""
-    from bev.utils.trust import without_places
+    from bev.utils.checkpoint import without_places
 
     stored = {
         "data": {"dataroot": "/theirs", "cache_dir": "/theirs/cache", "batch_size": 2, "version": "v1.0-mini"},

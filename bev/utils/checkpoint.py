@@ -20,6 +20,27 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable, or does not fit the model being built."""
 
 
+# Settings that name places on disk. A checkpoint's stored config never decides where files are read or
+# written: these come from the user's command or the config defaults (docs/inference.md).
+PLACE_KEYS = frozenset({"dataroot", "init_from", "paths", "ckpt_path", "weights_path"})
+PLACE_SUFFIXES = ("_dir", "dirpath", "_path", "_root", "_file")
+
+
+def names_a_place(key: Any) -> bool:
+    """Whether a config key names a place on disk (data.dataroot, data.cache_dir, paths.*, *_dir, *_path, ...)."""
+    return isinstance(key, str) and (key in PLACE_KEYS or key.endswith(PLACE_SUFFIXES))
+
+
+def without_places(config: Any, place: bool = False) -> Any:
+    """A copy of a stored config with every setting that names a place on disk (names_a_place), and every
+    value under one (paths.*), set to None; the keys stay, so interpolations of them still resolve."""
+    if isinstance(config, dict):
+        return {k: without_places(v, place or names_a_place(k)) for k, v in config.items()}
+    if isinstance(config, list):
+        return [without_places(v, place) for v in config]
+    return None if place else config
+
+
 def write_checkpoint(checkpoint: dict[str, Any], path: str | Path) -> None:
     """torch.save through bev.utils.io.atomic_open (same-directory temp file, fsync, os.replace), so a
     crash never leaves a truncated checkpoint. A full disk ends in one clear DiskFullError naming the
@@ -137,8 +158,6 @@ def check_compatible(module: nn.Module, ckpt: dict, path: str | Path, model_conf
     saved = stored.get("model") if isinstance(stored, dict) else None  # a trusted file may store another form
     diffs = ""
     if saved is not None and model_config is not None:
-        from bev.utils.trust import without_places
-
         # places on disk (init_from, weights_path) are never taken from a checkpoint: not a difference to name
         a, b = _flat(without_places(saved)), _flat(without_places(model_config))
         keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]

@@ -40,27 +40,6 @@ SAFE_RESOLVERS = ("oc.select",)  # besides the project's own (bev.*)
 _RESOLVER_CALL = re.compile(r"\$\{\s*([^\s:{}'\"]+)\s*:")
 
 
-# Settings that name places on disk. A checkpoint's stored config never decides where files are read or
-# written: these come from the user's command or the config defaults (docs/inference.md).
-PLACE_KEYS = frozenset({"dataroot", "init_from", "paths", "ckpt_path", "weights_path"})
-PLACE_SUFFIXES = ("_dir", "dirpath", "_path", "_root", "_file")
-
-
-def names_a_place(key: Any) -> bool:
-    """Whether a config key names a place on disk (data.dataroot, data.cache_dir, paths.*, *_dir, *_path, ...)."""
-    return isinstance(key, str) and (key in PLACE_KEYS or key.endswith(PLACE_SUFFIXES))
-
-
-def without_places(config: Any, place: bool = False) -> Any:
-    """A copy of a stored config with every setting that names a place on disk (names_a_place), and every
-    value under one (paths.*), set to None; the keys stay, so interpolations of them still resolve."""
-    if isinstance(config, dict):
-        return {k: without_places(v, place or names_a_place(k)) for k, v in config.items()}
-    if isinstance(config, list):
-        return [without_places(v, place) for v in config]
-    return None if place else config
-
-
 class UntrustedCheckpointError(CheckpointError):
     """A checkpoint's stored config names code this project does not define."""
 
