@@ -249,7 +249,7 @@ def test_pad_boxes_keeps_the_nearest_when_too_many():
 
 
 def test_detection_item(val_ds):
-    item = detection_item(val_ds, 0)
+    item = detection_item(val_ds.detection_boxes(0), val_ds.grid, val_ds.det_range)
     targets = {"det_heatmap", "det_index", "det_label", "det_mask", "det_target", "det_vel_mask"}
     assert set(item) == {"det_boxes", "det_labels", "det_velocity_valid"} | targets
     assert item["det_boxes"].shape == (MAX_BOXES, 9) and item["det_boxes"].dtype == torch.float32
@@ -276,7 +276,7 @@ def test_detection_boxes_of_an_empty_sample_are_empty(val_ds, monkeypatch):
     monkeypatch.setattr(val_ds, "index", ix)
     det = val_ds.detection_boxes(1)
     assert det["boxes"].shape == (0, 9) and det["labels"].shape == (0,) and det["attributes"].shape == (0,)
-    assert (detection_item(val_ds, 1)["det_labels"] == -1).all()
+    assert (detection_item(det, val_ds.grid)["det_labels"] == -1).all()
 
 
 # ----------------------------------------------------------------------------- the devkit's own score

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
 from bev.data.bev_aug import transform_boxes
 from bev.detection.targets import encode_targets
-from bev.geometry import BOX_FIELDS, BOX_VELOCITY, MAX_BOXES
-
-if TYPE_CHECKING:
-    from bev.data.nuscenes import NuScenesBEVDataset
+from bev.geometry import BOX_FIELDS, BOX_VELOCITY, MAX_BOXES, Grid
 
 
 def pad_boxes(
@@ -52,17 +49,39 @@ def trained_mask(det: dict[str, np.ndarray], det_range: str) -> np.ndarray:
     return det["valid"] if det_range == "class" else det["points"] > 0
 
 
-def detection_item(ds: NuScenesBEVDataset, i: int, bev_aug: np.ndarray | None = None) -> dict[str, torch.Tensor]:
-    """The detection fields of sample i (index row) of ds as tensors: pad_boxes of ds.detection_boxes(i)
-    (det_boxes, det_labels, det_velocity_valid: the ground truth for pictures) and the CenterPoint targets
-    of those boxes on ds.grid (bev.detection.targets.encode_targets: det_heatmap, det_index, ...). Trained boxes:
-    the devkit's ground-truth filter (ds.det_range "class") or every box with points ("grid": the targets drop
-    those outside the grid); bev_aug: the item's BEV augmentation matrix (bev.data.bev_aug), applied to them."""
-    det = ds.detection_boxes(i)
-    where = f"sample {ds.index['sample_token'][i]}"
-    valid = trained_mask(det, ds.det_range)
+def detection_boxes(index: Mapping[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
+    """Sample i's detection boxes from a split's index (bev.data.index): boxes (M, 9) float32 rows of
+    bev.geometry.BOX_FIELDS (ego frame; velocity NaN where the devkit has none), labels (M,) int64 into
+    DETECTION_CLASSES, attributes (M,) str ("" for none), points (M,) int64 (lidar + radar), valid (M,) bool (the
+    devkit's GT filter), tokens (M,) str (sample_annotation)."""
+    a, b = index["det_offsets"][i], index["det_offsets"][i + 1]
+    velocity = np.where(index["det_velocity_known"][a:b, None], index["det_velocity"][a:b], np.nan)
+    boxes = np.concatenate([index["det_center"][a:b], index["det_size"][a:b], index["det_yaw"][a:b, None], velocity], 1)
+    return {
+        "boxes": boxes.astype(np.float32).reshape(-1, len(BOX_FIELDS)),
+        "labels": index["det_label"][a:b].copy(),
+        "attributes": index["det_attribute_names"][index["det_attribute"][a:b]].astype(str),
+        "points": index["det_points"][a:b].copy(),
+        "valid": index["det_valid"][a:b].copy(),
+        "tokens": np.asarray([t.decode() for t in index["det_token"][a:b]], dtype=str),
+    }
+
+
+def detection_item(
+    det: Mapping[str, np.ndarray],
+    grid: Grid,
+    det_range: str = "class",
+    bev_aug: np.ndarray | None = None,
+    where: str = "a sample",
+) -> dict[str, torch.Tensor]:
+    """The detection fields of one sample's boxes (detection_boxes) as tensors: pad_boxes of them (det_boxes,
+    det_labels, det_velocity_valid: the ground truth for pictures) and their CenterPoint targets on the grid
+    (bev.detection.targets.encode_targets: det_heatmap, det_index, ...). Trained boxes: the devkit's ground-truth
+    filter (det_range "class") or every box with points ("grid": the targets drop those outside the grid);
+    bev_aug: the item's BEV augmentation matrix (bev.data.bev_aug), applied to them."""
+    valid = trained_mask(det, det_range)
     boxes = det["boxes"] if bev_aug is None else transform_boxes(det["boxes"], bev_aug).astype(np.float32)
     padded = pad_boxes(boxes, det["labels"], valid, where=where)
     labels = np.where(valid, det["labels"], -1)
-    targets = encode_targets(boxes, labels, ds.grid, max_objects=MAX_BOXES)
+    targets = encode_targets(boxes, labels, grid, max_objects=MAX_BOXES)
     return {k: torch.from_numpy(v) for k, v in {**padded, **targets}.items()}

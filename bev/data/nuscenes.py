@@ -23,7 +23,7 @@ from bev.data import temporal
 from bev.data.bev_aug import apply_to_geometry, warp_raster
 from bev.data.config import DatasetConfig
 from bev.data.depth import depth_targets, load_lidar
-from bev.data.detection import detection_item
+from bev.data.detection import detection_boxes, detection_item
 from bev.data.index import load_index
 from bev.data.maps import rasterize_map
 from bev.data.rasterize import rasterize_boxes
@@ -38,7 +38,7 @@ from bev.data.transforms import (
     sample_augmentation,
     warp_image,
 )
-from bev.geometry import BOX_FIELDS, CAMERA_GEOMETRY, CAMERA_NAMES, FEATURE_STRIDE
+from bev.geometry import CAMERA_GEOMETRY, CAMERA_NAMES, FEATURE_STRIDE
 from bev.occupancy.data import check_gts, occupancy_item
 
 # Per process, for NuScenesBEVDataset.targets: the synthetic set needs ~15 MB, trainval at 200x200 would
@@ -221,22 +221,8 @@ class NuScenesBEVDataset(Dataset):
         return out
 
     def detection_boxes(self, i: int) -> dict[str, np.ndarray]:
-        """Sample i's detection boxes: boxes (M, 9) float32 rows of bev.geometry.BOX_FIELDS (ego frame;
-        velocity NaN where the devkit has none), labels (M,) int64 into DETECTION_CLASSES, attributes (M,)
-        str ("" for none), points (M,) int64 (lidar + radar), valid (M,) bool (the devkit's GT filter),
-        tokens (M,) str (sample_annotation)."""
-        a, b = self.index["det_offsets"][i], self.index["det_offsets"][i + 1]
-        ix = self.index
-        velocity = np.where(ix["det_velocity_known"][a:b, None], ix["det_velocity"][a:b], np.nan)
-        boxes = np.concatenate([ix["det_center"][a:b], ix["det_size"][a:b], ix["det_yaw"][a:b, None], velocity], 1)
-        return {
-            "boxes": boxes.astype(np.float32).reshape(-1, len(BOX_FIELDS)),
-            "labels": ix["det_label"][a:b].copy(),
-            "attributes": ix["det_attribute_names"][ix["det_attribute"][a:b]].astype(str),
-            "points": ix["det_points"][a:b].copy(),
-            "valid": ix["det_valid"][a:b].copy(),
-            "tokens": np.asarray([t.decode() for t in ix["det_token"][a:b]], dtype=str),
-        }
+        """Sample i's detection boxes (bev.data.detection.detection_boxes)."""
+        return detection_boxes(self.index, i)
 
     def image_path(self, i: int, cam: int) -> str:
         """Absolute path of sample i's image from camera CAMERA_NAMES[cam]."""
@@ -346,7 +332,8 @@ class NuScenesBEVDataset(Dataset):
         if bev_aug is not None:
             self._augment_bev(item, i, bev_aug)
         if self.detection:
-            item.update(detection_item(self, i, bev_aug))
+            where = f"sample {item['sample_token']}"
+            item.update(detection_item(self.detection_boxes(i), self.grid, self.det_range, bev_aug, where))
         if self.occupancy:  # occ_semantics, occ_mask_camera, occ_mask_lidar (bev.occupancy.data)
             item.update(occupancy_item(self.dataroot, str(self.index["scene"][i]), item["sample_token"], bev_aug))
         return item
