@@ -55,7 +55,7 @@ build: venv
 # keeps free what the evaluation takes as measured in this run: bev-train's start-up (bev-eval starts up
 # alike: imports, indexing the split) and EVAL_RESERVE_VALIDATIONS validations; it shortens the run, with
 # the LR schedule ending there, only if it must. Training gets at least MIN_TRAIN_S from its first step,
-# past the deadline if need be, and make says so before training starts (scripts/make_train_budget.py);
+# past the deadline if need be, and make says so before training starts (bev/make_train.py);
 # its last lines say how much of the schedule fitted when that is under a quarter, and what to do.
 TRAIN_MINUTES ?= 20
 EVAL_RESERVE_S ?= 45
@@ -68,7 +68,7 @@ MAKE_START := $(shell date +%s)
 train: venv
 	@set -e; \
 	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA) $(SYNTHETIC_ARGS) --no-occupancy; \
-	deadline=$$($(PY) scripts/make_train_budget.py deadline --make-start $(MAKE_START) --minutes $(TRAIN_MINUTES) \
+	deadline=$$($(PY) -m bev.make_train deadline --make-start $(MAKE_START) --minutes $(TRAIN_MINUTES) \
 		--eval-reserve-s $(EVAL_RESERVE_S) --min-train-s $(MIN_TRAIN_S)); \
 	$(VENV)/bin/bev-train experiment=synthetic_cpu data.dataroot=$(DATA) hydra.run.dir=$(RUN) \
 		callbacks.time_budget.budget=null callbacks.time_budget.deadline=$$deadline \
@@ -76,9 +76,9 @@ train: venv
 		callbacks.time_budget.min_train_s=$(MIN_TRAIN_S) callbacks.time_budget.reserve_startup=true \
 		$(if $(wildcard $(RUN)/checkpoints/last.ckpt),ckpt_path=$(RUN)/checkpoints/last.ckpt)
 	$(VENV)/bin/bev-eval ckpt_path=$(RUN)/checkpoints data.dataroot=$(DATA) hydra.run.dir=$(RUN)/eval overwrite=true
-	$(PY) scripts/plot_learning_curve.py $(RUN) --out $(RUN)/learning_curve.png
+	$(PY) -m bev.make_train plot $(RUN) --out $(RUN)/learning_curve.png
 	@echo "Checkpoints: $(RUN)/checkpoints (best by val/iou + last.ckpt)  Metrics: $(RUN)/eval/metrics.json  Pictures: $(RUN)/eval/sample_*.png, $(RUN)/pngs/, $(RUN)/learning_curve.png"
-	@$(PY) scripts/make_train_budget.py report $(RUN) --data $(DATA) --make-start $(MAKE_START) --minutes $(TRAIN_MINUTES)
+	@$(PY) -m bev.make_train report $(RUN) --data $(DATA) --make-start $(MAKE_START) --minutes $(TRAIN_MINUTES)
 
 # The temporal model (experiment=synthetic_temporal_cpu, ~15 min of training on 2 cores) on the same data,
 # started from `make train`'s checkpoint when there is one (its best, else last.ckpt: the two-stage

@@ -356,15 +356,10 @@ def test_a_run_resumed_at_its_step_limit_trains_on_with_a_new_deadline(tmp_path)
 
 
 def _make_train_budget():
-    """scripts/make_train_budget.py as a module (what `make train` runs before bev-train and at its end)."""
-    import importlib.util
-    from pathlib import Path
+    """bev.make_train (what `make train` runs before bev-train and at its end)."""
+    from bev import make_train
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "make_train_budget.py"
-    spec = importlib.util.spec_from_file_location("make_train_budget", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return make_train
 
 
 def test_make_train_on_a_slow_machine_trains_its_minimum_and_says_so_at_the_end(tmp_path, capsys):
@@ -435,4 +430,4 @@ def test_make_train_passes_the_minimum_and_the_start_up_reserve_to_bev_train():
         cfg = compose("train", overrides=["experiment=synthetic_cpu", *overrides])
     callback = instantiate(cfg.callbacks.time_budget)
     assert callback.deadline == 1.8e9 and callback.min_train_s == 120 and callback.reserve_startup
-    assert recipe.strip().splitlines()[-1].startswith(".venv/bin/python scripts/make_train_budget.py report")
+    assert recipe.strip().splitlines()[-1].startswith(".venv/bin/python -m bev.make_train report")

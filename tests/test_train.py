@@ -312,23 +312,3 @@ def test_metrics_log_merges_versions_in_numeric_order(tmp_path):
     assert read_metrics_log(tmp_path)["val/iou"] == ([3], [0.1])
     write_log(tmp_path, 11, [{"step": s, "train/loss_step": 3.0} for s in range(2)])  # a new run from scratch
     assert read_metrics_log(tmp_path)["train/loss_step"] == ([0, 1], [3.0, 3.0])
-
-
-def test_plot_learning_curve_script(tmp_path):
-    write_log(
-        tmp_path,
-        2,
-        [{"step": s, "train/loss_step": 1.0 - s / 10} for s in range(4)] + [{"step": 3, "epoch": 0, "val/iou": 0.2}],
-    )
-    write_log(
-        tmp_path,
-        10,
-        [{"step": s, "train/loss_step": 0.5} for s in range(3, 6)] + [{"step": 5, "epoch": 1, "val/iou": 0.3}],
-    )
-    out = tmp_path / "curve.png"
-    script = Path(__file__).parents[1] / "scripts" / "plot_learning_curve.py"  # what `make train` runs
-    run = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), "--out", str(out)], capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stderr
-    assert out.stat().st_size > 1000 and "wrote" in run.stdout

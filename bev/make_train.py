@@ -1,15 +1,18 @@
-"""`make train`'s time limit, before training and after the evaluation (standard library only: it runs in ~0.1 s).
+"""`make train`'s helpers: its time limit before training, its last lines, its learning curve.
 
-    python scripts/make_train_budget.py deadline --make-start S --minutes 20 --eval-reserve-s 45 --min-train-s 120
+    python -m bev.make_train deadline --make-start S --minutes 20 --eval-reserve-s 45 --min-train-s 120
         prints the deadline bev-train gets (Unix seconds) on stdout; on stderr when it is, and one line saying
         why make train cannot end within its minutes when too little is left for the minimum training
-    python scripts/make_train_budget.py report outputs/synthetic_cpu --make-start S --minutes 20
+    python -m bev.make_train report outputs/synthetic_cpu --make-start S --minutes 20
         the last lines of make train: how long it took, and when the time left a small part of the schedule,
         how much, what the model scores, and how to train it further
+    python -m bev.make_train plot outputs/synthetic_cpu --out outputs/synthetic_cpu/learning_curve.png
+        val/iou and train/loss against the optimiser step, from the run's CSV log
 
 The deadline is TRAIN_MINUTES after make started less what follows bev-train (EVAL_RESERVE_S); bev-train's
 TimeBudget keeps this run's measured start-up and a validation free before it for bev-eval, and guarantees
-the minimum training time from the first training step (bev/callbacks/time_budget.py).
+the minimum training time from the first training step (bev/callbacks/time_budget.py). `deadline` and
+`report` need the standard library only (they run in ~0.1 s); `plot` loads matplotlib and Lightning.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ import time
 from pathlib import Path
 
 UNDERTRAINED = 0.25  # below this fraction of the planned steps the last lines say the model is undertrained
-# What the whole schedule of experiment=synthetic_cpu scores (README, make train on idle 2-core CPUs).
-FULL_SCHEDULE = {"iou_vehicle": ("vehicle IoU", 0.41), "miou_map": ("map mIoU", 0.56)}
+# What the whole schedule of experiment=synthetic_cpu scores: the README's row for it, to two decimals
+# (tests/test_make_train.py holds the two together).
+FULL_SCHEDULE = {"iou_vehicle": ("vehicle IoU", 0.42), "miou_map": ("map mIoU", 0.56)}
 
 
 def _clock(unix_s: float) -> str:
@@ -118,8 +122,44 @@ def _undertrained(
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def plot(run: Path, out: Path, title: str | None = None) -> None:
+    """Draw the run's training loss and validation IoUs against the step on twin axes, save it to `out`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bev.utils.metrics_log import read_metrics_log
+
+    log = read_metrics_log(run)  # every csv/version_* merged, one value per step
+    fig, ax_loss = plt.subplots(figsize=(8, 4.5), dpi=120)
+    loss_styles = {"train/loss_step": dict(color="tab:gray", alpha=0.5, lw=0.8), "train/loss_epoch": dict(color="k")}
+    for key, style in loss_styles.items():
+        if key in log:
+            ax_loss.plot(*log[key], label=key.replace("_step", " (step)").replace("_epoch", " (epoch)"), **style)
+    ax_loss.set_xlabel("optimiser step")
+    ax_loss.set_ylabel("BCE loss")
+    ax_iou = ax_loss.twinx()
+    for key, style in (("val/iou", "o-"), ("val/iou_vis", "s--"), ("val/miou_map", "^-")):
+        if key in log:
+            ax_iou.plot(*log[key], style, ms=4, label=key)
+    ax_iou.set_ylabel("IoU")
+    ax_iou.set_ylim(0, 1)
+    steps, ious = log.get("val/iou", ([], []))
+    if ious:
+        best = max(ious)
+        ax_iou.annotate(f"best {best:.3f}", (steps[ious.index(best)], best), textcoords="offset points", xytext=(5, 5))
+    lines = ax_loss.get_lines() + ax_iou.get_lines()
+    ax_loss.legend(lines, [ln.get_label() for ln in lines], loc="center right")
+    ax_loss.set_title(title or f"learning curve: {run}")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bev.make_train", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("deadline", help="print bev-train's deadline (Unix seconds); the plan goes to stderr")
     r = sub.add_parser("report", help="the last lines of make train")
@@ -130,14 +170,29 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--minutes", type=float, required=True, help="TRAIN_MINUTES")
     d.add_argument("--eval-reserve-s", type=float, required=True, help="seconds kept after bev-train")
     d.add_argument("--min-train-s", type=float, required=True, help="training guaranteed from its first step")
-    args = p.parse_args(argv)
+    g = sub.add_parser("plot", help="the learning curve of a run (its csv/version_*/metrics.csv)")
+    g.add_argument("run", type=Path, help="a bev-train run directory")
+    g.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    g.add_argument("--title", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     now = time.time()
     if args.command == "deadline":
         deadline, lines = plan_deadline(now, args.make_start, args.minutes, args.eval_reserve_s, args.min_train_s)
         print("\n".join(lines), file=sys.stderr)
         print(deadline)
-    else:
+    elif args.command == "report":
         print("\n".join(report(args.run, args.make_start, args.minutes, now, args.data)))
+    else:
+        try:
+            plot(args.run, args.out, args.title)
+        except FileNotFoundError as e:  # no CSV log in the run directory
+            print(f"make_train plot: error: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.out}")
     return 0
 
 
