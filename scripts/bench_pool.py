@@ -1,45 +1,20 @@
 #!/usr/bin/env python
-"""Benchmark the voxel-pooling ("splat") implementations of bev.ops on real-rig geometry.
+"""Benchmark the voxel-pooling ("splat") implementations of bev.ops on real-rig geometry (`make bench`).
 
-Frustum coordinates come from the real nuScenes rig (bev/data/nuscenes_rig.json): each
-camera's frustum is unprojected with bev.geometry and floor-binned into the grid, so the
-collision pattern (many points per occupied cell, a few percent outside) is the real one.
+Frustum coordinates come from the real nuScenes rig (bev/data/nuscenes_rig.json), unprojected with
+bev.geometry and floor-binned into the grid, so the collision pattern is the real one.
 
-Methods (all produce the same (B, C, Z, X, Y) grid; timings include building the plan from
-the coordinates, as in training where the geometry changes every sample, unless noted):
-  reference voxel_sum      the pure-torch reference (backend="torch": per-voxel segment sums)
-  quickcumsum voxel_sum    LSS's prefix-sum trick (backend="quickcumsum", float64 prefix)
-  index_add_               index_add_ into the flat grid (autograd backward: index_select)
-  native voxel_sum         our kernels on the materialised product
-  materialise+native vs    depth x feats product, then native voxel_sum (the unfused path)
-  native bev_pool          fused lift+splat, the product is never built
-  native bev_pool (plan)   fused, with a precomputed plan (fixed calibration)
-  bevfusion-style (GPU)    one thread per (interval, channel) over the sorted product, as in
-                           BEVFusion's bev_pool (our own re-implementation, for comparison)
+methods (--section methods; sizes lss and bevdet): forward and forward + backward time and peak memory of
+  the torch reference, LSS's QuickCumsum, index_add_, native voxel_sum on the materialised depth x feature
+  product, and the fused native bev_pool (with and without a precomputed plan); on a GPU per dtype. Peak
+  memory is what torch allocates during the call above what existed before it (CPU: replayed from
+  torch.profiler events; GPU: max_memory_allocated).
+user level (--section user; LSS size): each method as a training step calls it (fresh inputs, the plan
+  built in the call, out.sum().backward()), methods alternated within each round, medians of wall and CPU
+  time; beside them a floor that only moves the memory any implementation must.
 
-Peak memory is the peak of bytes allocated by torch during the call above what existed
-before it (inputs excluded; outputs, intermediates, saved tensors and gradients included).
-CPU: replayed from the allocation/free events of torch.profiler(profile_memory=True).
-GPU: torch.cuda.max_memory_allocated after reset_peak_memory_stats.
-
-GPU: achieved forward bandwidth of the fused op (unique bytes moved / time) vs the device's
-measured copy bandwidth and its theoretical peak (memory clock x bus width), per dtype.
-
-User level (--section user, LSS size): each method called as a training step calls it: fresh
-input tensors every call, the plan built in the call, out.sum().backward() (an expanded,
-stride-0 gradient); methods alternate within each round; medians of wall and CPU time. Beside
-them, as a floor, a call that only moves the memory any implementation must (the rows read, the
-output and the rows' gradient written, once each): index_add_ over it is the most any could reach.
-
-The process keeps freed memory mapped (bev.utils.malloc.tune_malloc_in_process, as the CPU
-training entry does with malloc_tuning: true); --malloc default measures glibc's defaults (stored
-separately under user_level.malloc_default).
-
-Usage: python scripts/bench_pool.py [--section all|methods|user] [--sizes lss bevdet] [--repeats N]
-                                    [--rounds N] [--threads N] [--device cpu|cuda]
-                                    [--dtypes float32 float16 bfloat16] [--malloc tuned|default]
-Writes benchmarks/results/bench_pool_<device>.json (a single section updates its part) and
-prints tables.
+The process keeps freed memory mapped, as bev-train does with malloc_tuning: true.
+Writes benchmarks/results/bench_pool_<device>.json (--out; a single section updates its part) and prints tables.
 """
 
 from __future__ import annotations
@@ -54,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when run with runpy
-from bench_common import write_report  # noqa: E402
+from bench_common import processor_name, write_report  # noqa: E402
 
 # The benchmark machines are shared: spinning OpenMP workers that wait for a descheduled
 # sibling turn every small parallel op into a time slice. Passive waiting keeps the numbers
@@ -151,112 +126,24 @@ def index_add_pool(points, coords4, grid):
     return out[:-1].view(B, Z * X * Y, -1).transpose(1, 2).reshape(B, -1, Z, X, Y)
 
 
+def _voxel_sum(backend: str) -> dict:
+    """voxel_sum of the materialised product (the leaf) on `backend`."""
+    return dict(leaf="points", fn=lambda s: ops.voxel_sum(s["points"], s["coords4"], s["grid"], backend=backend))
+
+
+def _product_then_native(s):
+    return ops.voxel_sum(materialise(s["depth"], s["feats"]), s["coords4"], s["grid"], backend="native")
+
+
 METHODS = {
-    "reference voxel_sum": dict(
-        leaf="points", fn=lambda s: ops.voxel_sum(s["points"], s["coords4"], s["grid"], backend="torch")
-    ),
-    "quickcumsum voxel_sum": dict(
-        leaf="points", fn=lambda s: ops.voxel_sum(s["points"], s["coords4"], s["grid"], backend="quickcumsum")
-    ),
+    "reference voxel_sum": _voxel_sum("torch"),
+    "quickcumsum voxel_sum": _voxel_sum("quickcumsum"),
     "index_add_": dict(leaf="points", fn=lambda s: index_add_pool(s["points"], s["coords4"], s["grid"])),
-    "native voxel_sum": dict(
-        leaf="points", fn=lambda s: ops.voxel_sum(s["points"], s["coords4"], s["grid"], backend="native")
-    ),
-    "materialise+reference": dict(
-        leaf="frustum",
-        fn=lambda s: ops.voxel_sum(materialise(s["depth"], s["feats"]), s["coords4"], s["grid"], backend="torch"),
-    ),
-    "materialise+native vs": dict(
-        leaf="frustum",
-        fn=lambda s: ops.voxel_sum(materialise(s["depth"], s["feats"]), s["coords4"], s["grid"], backend="native"),
-    ),
-    "native bev_pool": dict(
-        leaf="frustum", fn=lambda s: ops.bev_pool(s["depth"], s["feats"], s["coords"], s["grid"], backend="native")
-    ),
-    "native bev_pool (plan)": dict(
-        leaf="frustum", fn=lambda s: ops.bev_pool(s["depth"], s["feats"], plan=s["plan"], backend="native")
-    ),
+    "native voxel_sum": _voxel_sum("native"),
+    "materialise+native vs": dict(leaf="frustum", fn=_product_then_native),
+    "native bev_pool": dict(leaf="frustum", fn=lambda s: ops.bev_pool(s["depth"], s["feats"], s["coords"], s["grid"])),
+    "native bev_pool (plan)": dict(leaf="frustum", fn=lambda s: ops.bev_pool(s["depth"], s["feats"], plan=s["plan"])),
 }
-
-
-# ---------------------------------------------------------------------------------------------
-# BEVFusion-style baseline kernel (GPU only): one thread per (interval, channel) over the
-# product sorted by voxel; written here from the published description, for comparison.
-# ---------------------------------------------------------------------------------------------
-BASELINE_CUDA = r"""
-#include <torch/extension.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-
-__global__ void interval_channel_kernel(const float* __restrict__ sorted_points, const int* __restrict__ starts,
-                                        const int* __restrict__ lengths, const int* __restrict__ voxel_of_interval,
-                                        float* __restrict__ out, int intervals, int C, int S) {
-  int idx = blockIdx.x * blockDim.x + threadIdx.x;  // int32 indexing, as in the original
-  int interval = idx / C, c = idx % C;
-  if (interval >= intervals) return;
-  float acc = 0.f;
-  const float* row = sorted_points + starts[interval] * C + c;
-  for (int i = 0; i < lengths[interval]; ++i) acc += row[i * C];
-  int v = voxel_of_interval[interval];
-  int b = v / S, s = v % S;
-  out[(b * C + c) * S + s] = acc;
-}
-
-torch::Tensor interval_pool(torch::Tensor sorted_points, torch::Tensor starts, torch::Tensor lengths,
-                            torch::Tensor voxel_of_interval, int64_t B, int64_t S) {
-  const int C = sorted_points.size(1), intervals = starts.size(0);
-  auto out = torch::zeros({B, C, S}, sorted_points.options());
-  const int threads = 256, blocks = (intervals * C + threads - 1) / threads;
-  interval_channel_kernel<<<blocks, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      sorted_points.data_ptr<float>(), starts.data_ptr<int>(), lengths.data_ptr<int>(),
-      voxel_of_interval.data_ptr<int>(), out.data_ptr<float>(), intervals, C, S);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
-}
-"""
-
-
-def load_baseline():
-    """Compile the BEVFusion-style kernel (GPU) with torch's inline extension loader."""
-    from torch.utils.cpp_extension import load_inline
-
-    return load_inline(
-        name="bev_bench_interval_baseline",
-        cpp_sources="torch::Tensor interval_pool(torch::Tensor sorted_points, "
-        "torch::Tensor starts, torch::Tensor lengths, torch::Tensor voxel_of_interval, int64_t B, int64_t S);",
-        cuda_sources=BASELINE_CUDA,
-        functions=["interval_pool"],
-        verbose=False,
-    )
-
-
-def add_baseline_methods(state, baseline):
-    """Intervals (non-empty voxels) from the plan: computed once, outside the timed region."""
-    plan = state["plan"]
-    counts = plan.offsets[1:] - plan.offsets[:-1]
-    occupied = torch.nonzero(counts).squeeze(1)
-    state["intervals"] = (
-        plan.offsets[:-1][occupied].int().contiguous(),
-        counts[occupied].int().contiguous(),
-        occupied.int().contiguous(),
-    )
-    B, Z, X, Y = state["grid"]
-    S = Z * X * Y
-
-    def bevfusion_style(s):
-        """Materialise, sort by voxel, then the interval kernel (the full BEVFusion-style path)."""
-        points = materialise(s["depth"], s["feats"]).index_select(0, s["plan"].order)
-        out = baseline.interval_pool(points.contiguous(), *s["intervals"], B, S)
-        return out.view(B, -1, Z, X, Y)
-
-    def bevfusion_kernel_only(s):
-        """The interval kernel alone, on the product sorted outside the timed region."""
-        return baseline.interval_pool(s["sorted_points"], *s["intervals"], B, S).view(B, -1, Z, X, Y)
-
-    return {
-        "bevfusion-style (plan)": dict(leaf="frustum", fn=bevfusion_style, forward_only=True),
-        "bevfusion kernel only": dict(leaf="frustum", fn=bevfusion_kernel_only, forward_only=True),
-    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,46 +226,6 @@ def peak_memory(method, state, grad_out, backward, device):
     return peak_cpu_bytes(call)
 
 
-def product_bytes(depth, feats):
-    """Bytes of the materialised depth x feats product."""
-    return depth.numel() * feats.shape[-1] * feats.element_size()
-
-
-def fused_forward_bytes(depth, feats, grid):
-    """Unique bytes a fused forward must move: depth, feats, plan (order + offsets), output."""
-    B, Z, X, Y = grid
-    V = B * Z * X * Y
-    return (
-        depth.numel() * depth.element_size()
-        + feats.numel() * feats.element_size()
-        + depth.numel() * 8
-        + (V + 1) * 8
-        + V * feats.shape[-1] * feats.element_size()
-    )
-
-
-def copy_bandwidth(device):
-    """Achievable device memory bandwidth, from a 1 GiB clone (read + write)."""
-    x = torch.empty(2**28, dtype=torch.float32, device=device)
-    times = []
-    for _ in range(6):
-        sync(device)
-        t0 = time.perf_counter()
-        y = x.clone()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-        del y
-    return 2 * x.numel() * 4 / statistics.median(times[1:])
-
-
-def peak_bandwidth(device):
-    """The device's theoretical memory bandwidth (bytes/s) from its memory clock and bus width
-    (double data rate), or None where torch does not report them."""
-    props = torch.cuda.get_device_properties(device)
-    clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
-    return 2 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else None
-
-
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -403,55 +250,31 @@ def geometry_info(depth, feats, coords, grid, plan) -> dict:
         inside_fraction=float(inside.float().mean()),
         occupied_voxels=occupied,
         points_per_occupied_voxel=float(inside.sum()) / max(occupied, 1),
-        product_mb=product_bytes(depth, feats) / 2**20,
+        product_mb=depth.numel() * feats.shape[-1] * feats.element_size() / 2**20,
     )
-
-
-def method_state(label, method, depth, feats, coords, grid, plan, baseline):
-    """A method's inputs, made outside the timed region (for the bevfusion ones: intervals, sorted product)."""
-    state = make_state(depth, feats, coords, grid, method["leaf"])
-    state["plan"] = plan
-    if "bevfusion" in label:
-        add_baseline_methods(state, baseline)
-        state["sorted_points"] = materialise(depth, feats).index_select(0, plan.order).contiguous()
-    return state
 
 
 def measure(method, state, grad_out, repeats, device) -> dict:
-    """Median and min ms and peak MB of the forward and, unless the method is forward-only, fwd+bwd."""
+    """Median and min ms and peak MB of the forward and of forward + backward."""
     row = {}
-    median, fastest = time_it(method, state, grad_out, False, repeats, device)
-    row["forward_ms"], row["forward_ms_min"] = 1e3 * median, 1e3 * fastest
-    row["forward_peak_mb"] = peak_memory(method, state, grad_out, False, device) / 2**20
-    if not method.get("forward_only"):
-        median, fastest = time_it(method, state, grad_out, True, repeats, device)
-        row["fwd_bwd_ms"], row["fwd_bwd_ms_min"] = 1e3 * median, 1e3 * fastest
-        row["fwd_bwd_peak_mb"] = peak_memory(method, state, grad_out, True, device) / 2**20
+    for key, backward in (("forward", False), ("fwd_bwd", True)):
+        median, fastest = time_it(method, state, grad_out, backward, repeats, device)
+        row[f"{key}_ms"], row[f"{key}_ms_min"] = 1e3 * median, 1e3 * fastest
+        row[f"{key}_peak_mb"] = peak_memory(method, state, grad_out, backward, device) / 2**20
     return row
 
 
-def print_method_row(name, label, row):
-    """One method's progress line."""
-    print(
-        f"  {name:7s} {label:24s} fwd {row['forward_ms']:9.2f} ms  fwd+bwd "
-        f"{row.get('fwd_bwd_ms', float('nan')):9.2f} ms  peak fwd+bwd {row.get('fwd_bwd_peak_mb', float('nan')):8.1f} MB",
-        flush=True,
-    )
-
-
-def bench_size(name, size, device, repeats, methods, baseline, dtype=torch.float32):
+def bench_size(name, size, device, repeats, methods, dtype=torch.float32):
     """Every method at one size and dtype: difference from the first method's output, times, peak memory."""
     coords, grid = real_rig_coords(size, device)
     depth, feats, grad_out = random_inputs(coords, grid, size["channels"], device, dtype)
     plan = ops.bev_pool_plan(coords, grid, backend="native")
     info = geometry_info(depth, feats, coords, grid, plan)
-    all_methods = dict(methods)
-    if baseline is not None and dtype == torch.float32:  # the baseline kernel is fp32-only, as the original
-        all_methods.update(add_baseline_methods(dict(plan=plan, grid=grid), baseline))
     rows = []
     reference_out = None
-    for label, method in all_methods.items():
-        state = method_state(label, method, depth, feats, coords, grid, plan, baseline)
+    for label, method in methods.items():
+        state = make_state(depth, feats, coords, grid, method["leaf"])
+        state["plan"] = plan
         with torch.no_grad():
             out = method["fn"](state)
         if reference_out is None:  # every method is checked against the first one's output
@@ -459,21 +282,14 @@ def bench_size(name, size, device, repeats, methods, baseline, dtype=torch.float
         row = dict(method=label, max_abs_diff_vs_first=float((out.double() - reference_out).abs().max()))
         del out
         row.update(measure(method, state, grad_out, repeats, device))
-        if device.type == "cuda" and label.startswith("native bev_pool"):
-            row["forward_gb_per_s"] = fused_forward_bytes(depth, feats, grid) / (row["forward_ms"] / 1e3) / 1e9
         rows.append(row)
-        print_method_row(name, label, row)
+        print(f"  {name} {label}: fwd+bwd {row['fwd_bwd_ms']:.2f} ms, {row['fwd_bwd_peak_mb']:.1f} MB", flush=True)
         del state
-    info["fused_forward_bytes"] = fused_forward_bytes(depth, feats, grid)
     return dict(size=name, dtype=str(dtype).replace("torch.", ""), **info, rows=rows)
 
 
-# ---------------------------------------------------------------------------------------------
-# user level: each call as a training step makes it. Fresh input tensors every call (made
-# outside the timed region: a previous layer allocates them), the plan built inside the call,
-# and out.sum().backward(), whose gradient is expanded (stride 0). Methods alternate within
-# each round (order reversed every other round) so load changes hit them alike.
-# ---------------------------------------------------------------------------------------------
+# user level: fresh inputs every call (a previous layer allocates them), the plan built inside the call,
+# out.sum().backward(); methods alternate within each round, the order reversed every other round.
 class _TrafficOnly(torch.autograd.Function):
     """Not a pooling: the memory traffic a voxel_sum call cannot avoid and nothing else, as a floor to
     compare with. Forward reads the rows once and writes a zero output once; backward writes the rows'
@@ -519,14 +335,8 @@ def user_level(name, size, device, rounds, skip=()):
     gen = torch.Generator(device="cpu").manual_seed(0)
     depth = torch.randn(B, Nc, D, fH, fW, generator=gen).softmax(2).to(device)
     feats = torch.randn(B, Nc, fH, fW, size["channels"], generator=gen).to(device)
-    base = dict(
-        grid=grid,
-        coords=coords,
-        coords4=flat_coords(coords),
-        depth=depth,
-        feats=feats,
-        points=materialise(depth, feats),
-    )
+    base = dict(grid=grid, coords=coords, coords4=flat_coords(coords), depth=depth, feats=feats)
+    base["points"] = materialise(depth, feats)
     methods = {k: v for k, v in USER_METHODS.items() if k not in skip}
     times = {label: [] for label in methods}
     cpu_times = {label: [] for label in methods}
@@ -555,11 +365,6 @@ def user_level(name, size, device, rounds, skip=()):
         )
         for label, t in times.items()
     ]
-    for row in rows:
-        print(
-            f"  {name:7s} user level {row['method']:24s} fwd+bwd {row['fwd_bwd_ms']:8.2f} ms (min {row['fwd_bwd_ms_min']:.2f})",
-            flush=True,
-        )
     return dict(size=name, rows=rows)
 
 
@@ -578,319 +383,168 @@ def user_level_ratios(result, key="fwd_bwd_ms"):
     return ratios
 
 
-def user_level_targets(user, device):
-    """The issue's user-level targets (CPU, LSS size), evaluated on this run's ratios."""
+# The issue's targets (reported, never asserted): (size, faster method, slower method, measure, factor).
+TARGETS = (
+    ("lss", "native voxel_sum", "quickcumsum voxel_sum", "fwd_bwd_ms", 10),
+    ("lss", "native voxel_sum", "index_add_", "fwd_bwd_ms", 2),
+    ("lss", "native bev_pool", "materialise+native vs", "fwd_bwd_ms", 1),
+    ("bevdet", "native bev_pool", "materialise+native vs", "fwd_bwd_peak_mb", 5),
+)
+
+
+def targets(results) -> list[dict]:
+    """Each target whose methods this run measured (fp32), with the ratio it reached."""
+    by = {r["size"]: {row["method"]: row for row in r["rows"]} for r in results if r["dtype"] == "float32"}
     checks = []
-    ratios = user.get("lss", {}).get("ratios", {})
-    if device.type == "cpu" and ratios:
-        for other, goal in (("quickcumsum voxel_sum", 10), ("index_add_", 3)):
-            key = f"{other} / native voxel_sum"
-            if key in ratios:
-                checks.append(
-                    dict(
-                        target=f"LSS user level: native voxel_sum fwd+bwd >= {goal}x faster than {other}",
-                        ratio=ratios[key],
-                        met=ratios[key] >= goal,
-                    )
-                )
+    for size, mine, other, key, goal in TARGETS:
+        rows = by.get(size, {})
+        if mine in rows and other in rows:
+            ratio = rows[other][key] / rows[mine][key]
+            what = "peak memory" if key.endswith("_mb") else "fwd+bwd time"
+            checks.append(
+                dict(target=f"{size}: {mine} {what} >= {goal}x below {other}", ratio=ratio, met=ratio >= goal)
+            )
     return checks
 
 
-def targets(results, device):
-    """The issue's targets, evaluated on this run's numbers (reported, never asserted)."""
-    try:
-        return _targets(results, device)
-    except KeyError as e:  # a method the target needs was left out with --skip
-        print(f"targets not evaluated: method {e} was skipped")
-        return []
-
-
-def _targets(results, device):
-    """The method-level targets; raises KeyError when a method they compare was skipped."""
-    # Targets are stated for fp32 (the other dtypes are reported alongside).
-    results = [r for r in results if r.get("dtype", "float32") == "float32"]
-    by = {r["size"]: {row["method"]: row for row in r["rows"]} for r in results}
+def user_level_targets(ratios: dict) -> list[dict]:
+    """The user-level targets (LSS size) on this run's wall-time ratios."""
     checks = []
-    if "lss" in by and device.type == "cpu":
-        m = by["lss"]
-        ref, iadd = m["quickcumsum voxel_sum"]["fwd_bwd_ms"], m["index_add_"]["fwd_bwd_ms"]
-        nvs = m["native voxel_sum"]["fwd_bwd_ms"]
-        checks.append(
-            dict(
-                target="LSS: native voxel_sum fwd+bwd >= 10x faster than the QuickCumsum reference",
-                ratio=ref / nvs,
-                met=ref / nvs >= 10,
-            )
-        )
-        checks.append(
-            dict(
-                target="LSS: native voxel_sum fwd+bwd >= 2x faster than index_add_",
-                ratio=iadd / nvs,
-                met=iadd / nvs >= 2,
-            )
-        )
-        unfused, fused = m["materialise+native vs"]["fwd_bwd_ms"], m["native bev_pool"]["fwd_bwd_ms"]
-        checks.append(
-            dict(
-                target="LSS: fused bev_pool fwd+bwd faster than materialise + native voxel_sum",
-                ratio=unfused / fused,
-                met=fused < unfused,
-            )
-        )
-    if "bevdet" in by:
-        m = by["bevdet"]
-        unfused, fused = m["materialise+native vs"]["fwd_bwd_peak_mb"], m["native bev_pool"]["fwd_bwd_peak_mb"]
-        checks.append(
-            dict(
-                target="BEVDet: fused bev_pool fwd+bwd peak memory >= 5x below materialise + voxel_sum",
-                ratio=unfused / fused,
-                met=unfused / fused >= 5,
-            )
-        )
-        if device.type == "cuda":
-            info = next(r for r in results if r["size"] == "bevdet")
-            bound_ms = info["fused_forward_bytes"] / info["copy_bandwidth_gb_per_s"] / 1e6
-            fused_ms = m["native bev_pool (plan)"]["forward_ms"]
-            checks.append(
-                dict(
-                    target="GPU BEVDet: fused bev_pool forward within 2x of the bandwidth bound",
-                    ratio=fused_ms / bound_ms,
-                    met=fused_ms <= 2 * bound_ms,
-                )
-            )
-            if "bevfusion-style (plan)" in m:
-                base = m["bevfusion-style (plan)"]["forward_ms"]
-                checks.append(
-                    dict(
-                        target="GPU BEVDet: fused bev_pool forward faster than bevfusion-style",
-                        ratio=base / fused_ms,
-                        met=fused_ms < base,
-                    )
-                )
+    for other, goal in (("quickcumsum voxel_sum", 10), ("index_add_", 3)):
+        key = f"{other} / native voxel_sum"
+        if key in ratios:
+            checks.append(dict(target=f"LSS user level: {key} >= {goal}x", ratio=ratios[key], met=ratios[key] >= goal))
     return checks
 
 
 def parse_args(argv):
     """The command line (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument(
-        "--section",
-        choices=["all", "methods", "user"],
-        default="all",
-        help="methods: each method's forward / fwd+bwd time and peak memory; user: the user-level "
-        "fwd+bwd (LSS size only). A single section updates just its part of the JSON",
-    )
+    parser.add_argument("--section", choices=["all", "methods", "user"], default="all")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (median)")
     parser.add_argument("--rounds", type=int, default=15, help="user level: alternating rounds (median)")
     parser.add_argument("--skip", nargs="*", default=[], help="method labels to skip")
     parser.add_argument(
-        "--dtypes",
-        nargs="+",
-        default=None,
-        choices=list(DTYPES),
-        help="input dtypes (default: float32 on the CPU; float32, float16, bfloat16 on a GPU)",
+        "--dtypes", nargs="+", default=None, choices=list(DTYPES), help="default: float32 on a CPU, all on a GPU"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
-    parser.add_argument(
-        "--malloc",
-        choices=["tuned", "default"],
-        default="tuned",
-        help="tuned: freed memory stays mapped, as bev-train with malloc_tuning: true; default: glibc's",
-    )
     parser.add_argument("--out", default=None)
     return parser.parse_args(argv)
 
 
-def malloc_mode(malloc_tuning: dict) -> str:
-    """ "malloc_tuned" when freed memory stays mapped (tuned here or by the environment), else "malloc_default"."""
-    return "malloc_tuned" if malloc_tuning or all(k in os.environ for k in MALLOC_ENV) else "malloc_default"
+def device_name(device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else processor_name()
 
 
-def malloc_settings(malloc_tuning: dict) -> dict:
-    """Each allocator setting as the environment gives it, else as tune_malloc_in_process applied it."""
-    return {k: os.environ.get(k, str(malloc_tuning.get(k))) for k in MALLOC_ENV}
-
-
-def load_report(out: Path, section: str) -> dict:
-    """The report to fill: a single section updates the existing one (keeping the other section), else a new one."""
-    return json.loads(out.read_text()) if section != "all" and out.exists() else {}
-
-
-def host_fields(device, device_name) -> dict:
-    """The report's device and software fields, refreshed by every run."""
+def host_fields(device, malloc: dict) -> dict:
+    """The report's device, software and allocator fields, refreshed by every run."""
     return dict(
         device=str(device),
-        device_name=device_name,
+        device_name=device_name(device),
         torch=torch.__version__,
         threads=torch.get_num_threads(),
         cpu_count=os.cpu_count(),
         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
         python=platform.python_version(),
+        malloc={k: os.environ.get(k, str(malloc.get(k))) for k in MALLOC_ENV},
     )
 
 
-def add_bandwidth(result, bandwidth, peak):
-    """Record the GPU's copy and theoretical bandwidth in `result`, and the fused rows' fractions of them."""
-    result["copy_bandwidth_gb_per_s"] = bandwidth / 1e9
-    result["peak_bandwidth_gb_per_s"] = peak / 1e9 if peak else None
-    for row in result["rows"]:
-        if "forward_gb_per_s" in row:
-            row["forward_fraction_of_copy"] = row["forward_gb_per_s"] / result["copy_bandwidth_gb_per_s"]
-            row["forward_fraction_of_peak"] = row["forward_gb_per_s"] * 1e9 / peak if peak else None
-
-
-def bench_all_sizes(args, device, repeats, baseline) -> list[dict]:
-    """bench_size for every dtype and size (dtype by dtype), with the bandwidth figures on a GPU."""
+def methods_section(args, device, repeats, report):
+    """Every method at every dtype and size, recorded in `report` with the targets; prints the table."""
     methods = {k: v for k, v in METHODS.items() if k not in args.skip}
-    bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
-    peak = peak_bandwidth(device) if device.type == "cuda" else None
-    dtypes = args.dtypes or (list(DTYPES) if device.type == "cuda" else ["float32"])
-    results = []
-    for dtype in dtypes:
+    load_at_start, results = os.getloadavg(), []
+    for dtype in args.dtypes or (list(DTYPES) if device.type == "cuda" else ["float32"]):
         for name in args.sizes:
             print(f"{name} {dtype}", flush=True)
-            result = bench_size(name, SIZES[name], device, repeats, methods, baseline, DTYPES[dtype])
-            if bandwidth:
-                add_bandwidth(result, bandwidth, peak)
-            results.append(result)
-    return results
-
-
-def methods_section(args, device, repeats, baseline, malloc_tuning, report):
-    """Measure every method, record the results and how they were measured in `report`, print the table."""
-    load_at_start = os.getloadavg()
-    results = bench_all_sizes(args, device, repeats, baseline)
-    checks = targets(results, device)
+            results.append(bench_size(name, SIZES[name], device, repeats, methods, DTYPES[dtype]))
     report.update(
-        malloc=malloc_settings(malloc_tuning),
-        malloc_mode=malloc_mode(malloc_tuning),
         load_average_at_start=load_at_start,
         load_average_at_end=os.getloadavg(),
         repeats=repeats,
-        statistic=f"median of repeats, of 3 where they passed {MEASURE_BUDGET_S} s (min also recorded; a shared CPU machine adds other jobs load)",
-        memory_method=(
-            "torch.cuda.max_memory_allocated above the pre-call allocation"
-            if device.type == "cuda"
-            else "peak of torch allocations during the call, replayed from torch.profiler(profile_memory=True) "
-            "events (inputs excluded)"
-        ),
+        statistic=f"median of repeats, of 3 where they passed {MEASURE_BUDGET_S} s (min also recorded)",
         date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         results=results,
-        targets=checks,
+        targets=targets(results),
     )
-    report.pop("malloc_env", None)  # older key, now "malloc"
-    print_table(results, checks)
+    print_table(results, report["targets"])
 
 
-def user_section(args, device, malloc_tuning, report):
-    """Measure the user level (LSS size), record it under user_level.<malloc mode> in `report`, print its table."""
+def user_section(args, device, report):
+    """The user level (LSS size), recorded under user_level.malloc_tuned in `report`; prints its table."""
     load_at_start = os.getloadavg()
-    # Each allocator mode keeps its own record: a --malloc default run leaves the tuned one in place.
-    user = report.setdefault("user_level", {}).setdefault(malloc_mode(malloc_tuning), {})
-    user.update(
-        how="fresh inputs each call (made outside the timed region), plan built in the call, out.sum().backward(); "
-        "methods alternate within each round; median of the rounds after one warm-up round",
-        rounds=args.rounds,
-        malloc=malloc_settings(malloc_tuning),
-        date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-    )
     result = user_level("lss", SIZES["lss"], device, args.rounds, args.skip)
     result["ratios"] = user_level_ratios(result)
     result["cpu_time_ratios"] = user_level_ratios(result, "fwd_bwd_cpu_ms")
-    user.update(lss=result, load_average_at_start=load_at_start, load_average_at_end=os.getloadavg())
-    user["targets"] = user_level_targets(user, device)
-    print_user_table(report["user_level"])
+    report.setdefault("user_level", {})["malloc_tuned"] = dict(
+        how="fresh inputs each call (made outside the timed region), plan built in the call, out.sum().backward(); "
+        "methods alternate within each round; median of the rounds after one warm-up round",
+        rounds=args.rounds,
+        date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        lss=result,
+        load_average_at_start=load_at_start,
+        load_average_at_end=os.getloadavg(),
+        targets=user_level_targets(result["ratios"]) if device.type == "cpu" else [],
+    )
+    print_user_table(report["user_level"]["malloc_tuned"])
 
 
 def main(argv=None):
     """Run the requested sections, print their tables and write (or update) the JSON report."""
     args = parse_args(argv)
-    # As the CPU training entry does (malloc_tuning: true); --malloc default measures glibc's defaults.
-    malloc_tuning = tune_malloc_in_process() if args.malloc == "tuned" else {}
+    malloc = tune_malloc_in_process()  # as the CPU training entry does (malloc_tuning: true)
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     repeats = args.repeats or (20 if device.type == "cuda" else 5)
     if not ops.native_available(device):
-        sys.exit(f"native kernels are not available for {device}: build the extension first")
-    baseline = load_baseline() if device.type == "cuda" and args.section != "user" else None
-    device_name = describe_device(device)
-    print(
-        f"bench_pool on {device_name} ({device}), torch {torch.__version__}, threads {torch.get_num_threads()}, "
-        f"{malloc_mode(malloc_tuning)}, median of {repeats} (user level: {args.rounds} rounds)",
-        flush=True,
-    )
+        sys.exit(f"bench_pool: error: native kernels are not available for {device}: build the extension first")
+    print(f"bench_pool on {device_name(device)}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"bench_pool_{device.type}.json"
-    report = load_report(out, args.section)
-    report.update(host_fields(device, device_name))
+    # A single section updates the existing report, keeping the other section's record.
+    report = json.loads(out.read_text()) if args.section != "all" and out.exists() else {}
+    report.update(host_fields(device, malloc))
     if args.section in ("all", "methods"):
-        methods_section(args, device, repeats, baseline, malloc_tuning, report)
+        methods_section(args, device, repeats, report)
     if args.section in ("all", "user"):
-        user_section(args, device, malloc_tuning, report)
+        user_section(args, device, report)
     write_report(out, report)
     print(f"wrote {out}")
 
 
-def describe_device(device) -> str:
-    """The GPU's name, or the CPU's model name from /proc/cpuinfo (else what platform knows)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def fmt(v, spec) -> str:
+    return format(v, spec) if v is not None else "-"
 
 
-def print_user_table(user_level):
-    """The user-level table of every allocator mode the report holds, with ratios and targets."""
-    for mode, user in user_level.items():
-        if "lss" not in user:
-            continue
-        load = user.get("load_average_at_start", [float("nan")])[0]
-        print(f"\nLSS user level, {mode} (load average {load:.1f} at start, median of {user['rounds']} rounds)")
-        print("| method | fwd+bwd ms | min ms | CPU ms |\n|---|---:|---:|---:|")
-        for row in user["lss"]["rows"]:
-            print(
-                f"| {row['method']} | {row['fwd_bwd_ms']:.2f} | {row['fwd_bwd_ms_min']:.2f} | {row['fwd_bwd_cpu_ms']:.2f} |"
-            )
-        for key, ratio in user["lss"]["ratios"].items():
-            print(f"  {key}: {ratio:.2f}x wall, {user['lss']['cpu_time_ratios'][key]:.2f}x CPU time")
-        for c in user.get("targets", []):
-            print(f"[{'MET' if c['met'] else 'MISSED'}] {c['target']}: {c['ratio']:.2f}x")
+def print_user_table(user: dict) -> None:
+    """The user-level table with its ratios and targets."""
+    print(f"\nLSS user level (load average {user['load_average_at_start'][0]:.1f}, median of {user['rounds']} rounds)")
+    print("| method | fwd+bwd ms | min ms | CPU ms |\n|---|---:|---:|---:|")
+    for row in user["lss"]["rows"]:
+        print(
+            f"| {row['method']} | {row['fwd_bwd_ms']:.2f} | {row['fwd_bwd_ms_min']:.2f} | {row['fwd_bwd_cpu_ms']:.2f} |"
+        )
+    for key, ratio in user["lss"]["ratios"].items():
+        print(f"  {key}: {ratio:.2f}x wall, {user['lss']['cpu_time_ratios'][key]:.2f}x CPU time")
+    for c in user["targets"]:
+        print(f"[{'MET' if c['met'] else 'MISSED'}] {c['target']}: {c['ratio']:.2f}x")
 
 
 def print_table(results, checks):
-    """The methods table, bandwidths, geometry per size, and the targets."""
-    header = "| size | dtype | method | fwd ms | fwd+bwd ms | fwd peak MB | fwd+bwd peak MB | GB/s | % of peak |"
-    print("\n" + header + "\n|---|---|---|---:|---:|---:|---:|---:|---:|")
-
-    def fmt(v, spec):
-        return format(v, spec) if v is not None else "-"
-
+    """The methods table, the geometry per size, and the targets."""
+    print("\n| size | dtype | method | fwd ms | fwd+bwd ms | fwd+bwd peak MB |\n|---|---|---|---:|---:|---:|")
     for r in results:
         for row in r["rows"]:
-            peak = row.get("forward_fraction_of_peak")
             print(
-                f"| {r['size']} | {r.get('dtype', 'float32')} | {row['method']} | {fmt(row['forward_ms'], '.2f')} | "
-                f"{fmt(row.get('fwd_bwd_ms'), '.2f')} | {fmt(row['forward_peak_mb'], '.1f')} | "
-                f"{fmt(row.get('fwd_bwd_peak_mb'), '.1f')} | {fmt(row.get('forward_gb_per_s'), '.0f')} | "
-                f"{fmt(100 * peak if peak else None, '.0f')} |"
-            )
-    for r in results:
-        if r.get("copy_bandwidth_gb_per_s"):
-            print(
-                f"{r['size']} {r['dtype']}: device copy bandwidth {r['copy_bandwidth_gb_per_s']:.0f} GB/s, "
-                f"theoretical peak {fmt(r.get('peak_bandwidth_gb_per_s'), '.0f')} GB/s"
+                f"| {r['size']} | {r['dtype']} | {row['method']} | {fmt(row['forward_ms'], '.2f')} | "
+                f"{fmt(row.get('fwd_bwd_ms'), '.2f')} | {fmt(row.get('fwd_bwd_peak_mb'), '.1f')} |"
             )
     for r in results:
         print(
-            f"{r['size']}: {r['points']} points, {r['inside_fraction']:.1%} inside, {r['occupied_voxels']} occupied voxels, "
-            f"{r['points_per_occupied_voxel']:.1f} points per occupied voxel, product {r['product_mb']:.0f} MB"
+            f"{r['size']}: {r['points']} points, {r['inside_fraction']:.1%} inside, {r['occupied_voxels']} occupied "
+            f"voxels, {r['points_per_occupied_voxel']:.1f} points per occupied voxel, product {r['product_mb']:.0f} MB"
         )
     for c in checks:
         print(f"[{'MET' if c['met'] else 'MISSED'}] {c['target']}: {c['ratio']:.2f}x")

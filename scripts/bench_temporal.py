@@ -4,23 +4,15 @@
     .venv/bin/python scripts/bench_temporal.py [--steps 5] [--warmup 2] [--threads 2] [--device cuda]
     .venv/bin/python scripts/bench_temporal.py --variants fiery_static fiery     # FIERY's baseline setting
 
-Variants, built from the Hydra configs as bev-train builds them and alternated round-robin:
-"static" (experiment=synthetic_cpu: one frame, its depth loss included), "temporal"
-(experiment=synthetic_temporal_cpu with every frame trained: 3 input frames, 5 frames of future heads),
-"temporal+past_no_grad" (the past frames' camera encoder and splat without gradient), the latter with
-a 3x3 temporal block (model.net.fusion_kernel=3), and "temporal+past_no_grad+past_cache" (the
-experiment as configured: the past frames' features also taken from the cache of earlier steps; the
-same batch every step, so every past frame is found after the first step: the step of a full cache,
-which an epoch of make train's data reaches from its second epoch on). "fiery" and "fiery_static" are
-experiment=fiery_nuscenes and its single-frame first stage at batch 1 (3 frames x 6 cameras of 224x480,
-200x200 grid), left out unless named. A step is
-forward + losses under the precision bev-train resolves on the device (bf16 autocast on native-bf16
-CPUs and on GPUs that have bf16),
-backward, gradient clipping and the optimiser's step. Inputs: random images with the real rig and
-the validation crop, ego motions of a car driving 2-5 m per frame, random labels. Reports the median
-and the fastest of the measured steps and each variant's ratios to "static" (on a machine shared with
-other work, contention only slows steps down: the fastest steps are the cleaner comparison); writes
-JSON to --out atomically.
+Variants, built from the Hydra configs as bev-train builds them and alternated round-robin: "static"
+(experiment=synthetic_cpu), "temporal" (experiment=synthetic_temporal_cpu with every frame trained),
+"temporal+past_no_grad" (the past frames without gradient; also with a 3x3 temporal block) and
+"temporal+past_no_grad+past_cache" (the experiment as configured, the cache full: the same batch every
+step); "fiery_static" and "fiery" are experiment=fiery_nuscenes's two stages at batch 1, only when named.
+A step is forward + losses under the precision bev-train resolves on the device, backward, gradient
+clipping and the optimiser's step, on random images with the real rig, ego motions of a car driving 2-5 m
+per frame and random labels. Reports the median and fastest step and the ratios to the single-frame
+variant; writes JSON to --out atomically.
 """
 
 from __future__ import annotations
@@ -61,11 +53,6 @@ VARIANTS = {
     "fiery": ["experiment=fiery_nuscenes", "data.batch_size=1", "model.net.camera.weights=null"],
 }
 EMBEDDED = [v for v in VARIANTS if not v.startswith("fiery")]
-
-
-def baseline_of(name: str) -> str:
-    """The single-frame variant a variant's ratios are taken to."""
-    return "fiery_static" if name.startswith("fiery") else "static"
 
 
 def sequence_batch(cfg, batch_size: int, seed: int = 0) -> dict:
@@ -192,7 +179,7 @@ def main(argv=None) -> int:
     for v in runs:
         med, best = statistics.median(v.times), min(v.times)
         ratios = {}
-        static = by_name.get(baseline_of(v.name))
+        static = by_name.get("fiery_static" if v.name.startswith("fiery") else "static")  # its single-frame step
         if static is not None:
             ratios = {
                 "vs_static": round(med / statistics.median(static.times), 3),
@@ -206,14 +193,8 @@ def main(argv=None) -> int:
             "precision": v.precision,
             **ratios,
         }
-        shown = (
-            f"  {ratios['vs_static']:.2f}x {static.name} (fastest steps: {ratios['vs_static_min']:.2f}x)"
-            if ratios
-            else ""
-        )
-        print(
-            f"{v.name:32s} {med * 1e3:8.1f} ms/step median, {best * 1e3:8.1f} fastest (batch {v.batch_size}, {v.precision}){shown}"
-        )
+        shown = f"  {ratios['vs_static']:.2f}x {static.name}" if ratios else ""
+        print(f"{v.name:32s} {med * 1e3:8.1f} ms/step median, {best * 1e3:8.1f} fastest ({v.precision}){shown}")
     report = {
         "script": "scripts/bench_temporal.py",
         "commit": checkout_commit(),

@@ -1,28 +1,14 @@
 #!/usr/bin/env python
 """Training-step benchmark: forward + loss + backward + gradient clipping + optimiser step.
 
-    .venv/bin/python scripts/bench_train.py [--quick] [--configs paper embedded] [--steps 4]
+    .venv/bin/python scripts/bench_train.py [--configs paper embedded embedded_det] [--variants fp32 ...]
 
-Models are built from the Hydra configs (compose + instantiate), so it measures what
-`bev-train` runs: "paper" is experiment=lss_nuscenes_trainval (EfficientNet-B0, 128x352, D=41,
-C=64, 200x200 grid, ResNet-18 BEV encoder, batch 4; random init), "embedded" is
-experiment=synthetic_cpu with its configured defaults. Inputs are random images with the real
-nuScenes rig and the LSS validation crop (geometry decides how many points share a voxel).
-
-Variants, alternated round-robin in one process with the same initial weights: fp32 eager
-NCHW, channels_last, bf16 autocast, both, torch.compile (fp32 NCHW), torch.compile with
-channels_last + bf16, and on a GPU the latter with torch.compile's CUDA graphs (compile mode
-"reduce-overhead").
-Medians over --steps measured steps after --warmup steps (compile time is reported separately).
-The eager variants also get a per-part breakdown (camera encoder, geometry, splat, BEV encoder,
-loss, backward, optimiser). On --device cuda the forward is not
-split (a clock inside it would wait for the GPU and serialise the host's launches with the
-GPU's work, the very overlap that decides a GPU step), and cuDNN autotuning is on as in
-trainer=gpu. With --loader it also times the configured data loader on a small synthetic set
-(scripts/bench_loader.py) to compare its samples/s with the model's. --batch-size replaces the
-configs' batch size. --profile N then profiles N more steps of each variant (torch.profiler, no
-clock inside a step). The optimiser is built as bev-train builds it (fused on CUDA). Writes JSON
-to --out atomically.
+Models are built from the Hydra configs as bev-train builds them: "paper" is experiment=lss_nuscenes_trainval
+(random init), "embedded" experiment=synthetic_cpu, "embedded_det" the same with the detection head; inputs
+are random images with the real nuScenes rig and the LSS validation crop. Variants (layout, bf16 autocast,
+torch.compile mode, CUDA graphs on a GPU) alternate round-robin in one process from the same initial weights;
+medians over --steps steps after --warmup steps (the first compiles). --lss adds lift-splat-shoot's own step
+from a checkout; --profile N profiles N more steps of each variant. Writes JSON to --out atomically.
 """
 
 from __future__ import annotations
@@ -81,7 +67,7 @@ VARIANTS = {
     "cudagraphs+channels_last": (True, False, "reduce-overhead"),
     "cudagraphs+channels_last+bf16": (True, True, "reduce-overhead"),
 }
-PARTS = ("camera_encoder", "geometry", "splat", "bev_encoder", "det_head", "loss", "backward", "optimizer")
+PARTS = ("forward", "loss", "backward", "optimizer")
 
 
 def compose_config(overrides: list[str]):
@@ -166,44 +152,6 @@ def detection_targets(grid, batch_size: int, seed: int, boxes_per_sample: int = 
     return {k: torch.from_numpy(np.stack([s[k] for s in samples])) for k in samples[0]}
 
 
-class PartTimer:
-    """Wall time of the forward parts of an eager LiftSplatShoot, via hooks (the model code is untouched)."""
-
-    def __init__(self, net):
-        """Hook the encoders and wrap the geometry and splat methods of `net`."""
-        self.t: dict[str, float] = {}
-        self._start: dict[str, float] = {}
-        for name in ("camera_encoder", "det_head"):
-            mod = getattr(net, name, None)
-            if mod is not None:
-                mod.register_forward_pre_hook(lambda m, a, n=name: self._begin(n))
-                mod.register_forward_hook(lambda m, a, o, n=name: self._end(n))
-        methods = ((net, "geometry", "voxel_coords"), (net, "splat", "splat"))
-        methods += ((net.bev_encoder, "bev_encoder", "features"), (net.bev_encoder, "bev_encoder", "logits"))
-        for owner, name, attr in methods:
-            setattr(owner, attr, self._wrap(name, getattr(owner, attr)))
-
-    def _begin(self, name):
-        """Start the clock of one part."""
-        self._start[name] = clock()
-
-    def _end(self, name):
-        """Add the time since _begin to the part's total (a part may run more than once per step)."""
-        self.t[name] = self.t.get(name, 0.0) + clock() - self._start[name]
-
-    def _wrap(self, name, fn):
-        """`fn`, timed as the part `name`."""
-
-        def timed(*args, **kwargs):
-            """The wrapped call between _begin and _end."""
-            self._begin(name)
-            out = fn(*args, **kwargs)
-            self._end(name)
-            return out
-
-        return timed
-
-
 class Variant:
     """One variant's model, optimiser and measurements."""
 
@@ -216,7 +164,6 @@ class Variant:
         self.lit = build(cfg, channels_last).to(DEVICE)
         self.lit.train()
         self.net = self.lit.net
-        self.parts = None if self.compiled or DEVICE == "cuda" else PartTimer(self.net)
         if self.compiled:
             self.net.compile(mode=self.compiled, fullgraph=True)  # as model.compile does (bev.lit)
         self.opt = self.lit.make_optimizer()
@@ -232,9 +179,6 @@ class Variant:
         """One training step as Lightning runs it (autocast around forward + loss); returns seconds."""
         import torch
 
-        t = {}
-        if self.parts:
-            self.parts.t.clear()
         t0 = clock(self.wait)
         if self.compiled == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # a new iteration: the last step's graph outputs are dead
@@ -250,13 +194,7 @@ class Variant:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         t4 = clock(self.wait)
-        if self.parts:
-            t = dict(self.parts.t)
-            t["forward_other"] = (t1 - t0) - sum(t.values())
-        else:
-            t["forward"] = t1 - t0
-        t.update(loss=t2 - t1, backward=t3 - t2, optimizer=t4 - t3)
-        self.last_breakdown = t
+        self.last_breakdown = dict(forward=t1 - t0, loss=t2 - t1, backward=t3 - t2, optimizer=t4 - t3)
         return t4 - t0
 
     def profile(self, steps: int) -> dict:
@@ -311,7 +249,7 @@ class LssOriginal(Variant):
 
         grid = {k: list(cfg.grid[k]) for k in ("xbound", "ybound", "zbound", "dbound")}
         torch.manual_seed(0)
-        self.name, self.bf16, self.compiled, self.parts = name, False, None, None
+        self.name, self.bf16, self.compiled = name, False, None
         self.lit = self.net = compile_model(grid, {"final_dim": tuple(cfg.data.final_dim)}, outC=1).to(DEVICE).train()
         self.loss_fn = SimpleLoss(2.13).to(DEVICE)
         self.opt = torch.optim.Adam(self.net.parameters(), lr=1e-3, weight_decay=1e-7)
@@ -415,8 +353,7 @@ def variant_record(v: Variant, batch_size: int, base: float | None, flops: int) 
         first_step_s=round(v.first_step_s, 2),
         gflop_per_s=round(flops / med / 1e9, 1),
     )
-    keys = [k for k in ("forward", *PARTS, "forward_other") if k in v.breakdown[0]]
-    rec["breakdown_s"] = {k: round(median([b[k] for b in v.breakdown]), 4) for k in keys}
+    rec["breakdown_s"] = {k: round(median([b[k] for b in v.breakdown]), 4) for k in PARTS}
     return rec
 
 
@@ -459,40 +396,6 @@ def bench_config(
     return out
 
 
-def bench_loader(cfg_key: str, batches: int) -> dict:
-    """samples/s of the configured DataLoader (workers, batch size, augmentation) on a small synthetic set."""
-    import tempfile
-
-    from hydra.utils import instantiate
-
-    from bev.data import make_synthetic
-
-    with tempfile.TemporaryDirectory(prefix="bench_train_data_") as tmp:
-        root = make_synthetic(Path(tmp) / "nuscenes", scenes=2, samples_per_scene=16, seed=0, progress=False)
-        cfg = compose_config([*CONFIGS[cfg_key], f"data.dataroot={root}"])
-        dm = instantiate(cfg.data)
-        dm.setup("fit")
-        dl = dm.train_dataloader()
-        it = iter(dl)
-        next(it)  # worker start-up and the first batch are not steady-state throughput
-        t, n, done = time.perf_counter(), 0, 0
-        while done < batches:
-            try:
-                b = next(it)
-            except StopIteration:
-                it = iter(dl)
-                continue
-            n += b["images"].shape[0]
-            done += 1
-        dt = time.perf_counter() - t
-        return {
-            "num_workers": int(cfg.data.num_workers),
-            "batch_size": int(cfg.data.batch_size),
-            "samples": n,
-            "samples_per_s": round(n / dt, 2),
-        }
-
-
 def print_profile(pr: dict) -> None:
     """A variant's profile: wall vs kernel time per step, launches, the top ops."""
     gpu = (
@@ -505,51 +408,34 @@ def print_profile(pr: dict) -> None:
 
 
 def print_table(results: dict) -> None:
-    """Per config: one line per variant with its step time, speed-up and part breakdown; then the loader."""
-    if "matmul_gflop_per_s" in results:
-        print(
-            "matrix products on this device, GFLOP/s (the % after a variant's rate): "
-            + ", ".join(f"{k} {v:.0f}" for k, v in results["matmul_gflop_per_s"].items())
-        )
+    """Per config: one line per variant with its step time, speed-up, arithmetic rate and part breakdown."""
     for key, r in results["configs"].items():
         print(
             f"\n{key}: {' '.join(r['overrides'])}  (batch {r['batch_size']}, {r['final_dim'][0]}x{r['final_dim'][1]}, "
             f"{r['parameters'] / 1e6:.1f} M parameters, {r['gflop_per_step']:.0f} GFLOP per step)"
         )
-        cols = ["camera_encoder", "geometry", "splat", "bev_encoder", "backward", "optimizer"]
         print(
-            f"  {'variant':28s} {'step s':>8s} {'speedup':>8s} {'GFLOP/s':>14s} {'1st step':>9s}  "
-            + " ".join(f"{c[:10]:>10s}" for c in cols)
+            f"  {'variant':28s} {'step s':>8s} {'speedup':>8s} {'GFLOP/s':>8s} {'1st step':>9s}  "
+            + " ".join(f"{c:>10s}" for c in PARTS)
         )
         for name, v in r["variants"].items():
             if "error" in v:
                 print(f"  {name:28s} failed: {v['error']}")
                 continue
-            parts = " ".join(f"{v['breakdown_s'].get(c, float('nan')):10.3f}" for c in cols)
-            rate = (
-                f"{v['gflop_per_s']:.1f} ({100 * v['of_matmul_rate']:.0f}%)"
-                if "of_matmul_rate" in v
-                else f"{v['gflop_per_s']:.1f}"
-            )
+            parts = " ".join(f"{v['breakdown_s'][c]:10.3f}" for c in PARTS)
             print(
-                f"  {name:28s} {v['step_s']:8.3f} {v['speedup_vs_fp32'] or 0:7.2f}x {rate:>14s} "
+                f"  {name:28s} {v['step_s']:8.3f} {v['speedup_vs_fp32'] or 0:7.2f}x {v['gflop_per_s']:8.1f} "
                 f"{v['first_step_s']:9.1f}  {parts}"
             )
             if "profile" in v:
                 print_profile(v["profile"])
-    if "loader" in results:
-        ld = results["loader"]
-        print(
-            f"\nloader ({ld['num_workers']} workers): {ld['samples_per_s']:.1f} samples/s;  model at the embedded default: "
-            f"{ld.get('model_samples_per_s')} samples/s -> {'loader keeps up' if ld.get('keeps_up') else 'LOADER IS THE BOTTLENECK'}"
-        )
     print(
         f"\nload average (1 min) at start {results['host']['load_average_1m_start']}, at end {results['host']['load_average_1m_end']}"
     )
 
 
 def parse_args(argv):
-    """The command line (see the module docstring); --quick sets --steps, --warmup and --no-compile."""
+    """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     p.add_argument(
@@ -557,158 +443,48 @@ def parse_args(argv):
         nargs="+",
         choices=list(VARIANTS),
         default=None,
-        help="default: all; at the paper config the bf16 ones only on CPUs with native bf16 "
-        "(emulated they take minutes per step; the embedded config still shows them)",
+        help="default: all the device runs (the paper config's bf16 ones only on CPUs with native bf16)",
     )
     p.add_argument("--steps", type=int, default=3, help="measured steps per variant (medians)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps per variant (the first compiles)")
-    p.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=True, help="include the torch.compile variants"
-    )
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=None,
-        help="instead of the configs' batch size (4): e.g. to see where bf16 starts to pay on a GPU",
-    )
-    p.add_argument("--quick", action="store_true", help="2 measured steps, 1 warm-up, no compiled variants")
-    p.add_argument(
-        "--loader",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also time the embedded config's data loader",
-    )
-    p.add_argument(
-        "--device",
-        choices=["cpu", "cuda"],
-        default="cpu",
-        help="cuda: the same variants on the GPU (bf16 autocast on the GPU; --threads is ignored)",
-    )
-    p.add_argument(
-        "--profile",
-        type=int,
-        default=0,
-        metavar="N",
-        help="after the measurement, profile N more steps of each variant (torch.profiler, no clock "
-        "inside a step): wall vs GPU kernel time, launches per step, the ops with the most self time",
-    )
-    p.add_argument(
-        "--lss",
-        type=Path,
-        default=None,
-        help="a checkout of github.com/nv-tlabs/lift-splat-shoot (needs efficientnet_pytorch): its own "
-        "training step joins the paper config's variants as lss_original",
-    )
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="the compiled variants")
+    p.add_argument("--threads", type=int, default=2, help="torch's CPU threads")
+    p.add_argument("--batch-size", type=int, default=None, help="instead of the configs' batch size")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="then profile N more steps of each variant")
+    p.add_argument("--lss", type=Path, default=None, help="a lift-splat-shoot checkout: its own step as lss_original")
     p.add_argument("--out", default=None, help="default benchmarks/results/bench_train_<device>.json")
     a = p.parse_args(argv)
     a.out = a.out or str(REPO / f"benchmarks/results/bench_train_{a.device}.json")
-    if a.quick:
-        a.steps, a.warmup, a.compile = 2, 1, False
     return a
 
 
-def gpu_only(variant: str) -> bool:
-    """Whether the variant means something only on a GPU (CUDA graphs)."""
-    return VARIANTS[variant][2] == "reduce-overhead"
-
-
 def variants_to_run(a) -> dict[str, list[str]]:
-    """Each config's variants: --variants or all, less emulated bf16 at the paper size and compiled ones with --no-compile."""
+    """Each config's variants: --variants, else all the device runs (no CUDA graphs on a CPU, no emulated bf16 at
+    the paper size: minutes per step), less the compiled ones with --no-compile."""
     from bev.utils.precision import cpu_bf16_support
 
-    variants = {
-        key: list(a.variants or [v for v in VARIANTS if a.device == "cuda" or not gpu_only(v)]) for key in a.configs
-    }
-    if a.variants is None and "paper" in variants and a.device == "cpu" and not cpu_bf16_support():
-        variants["paper"] = [v for v in variants["paper"] if not VARIANTS[v][1]]
-    if not a.compile:
-        variants = {k: [v for v in vs if not VARIANTS[v][2]] for k, vs in variants.items()}
+    on_cpu, bf16 = a.device == "cpu", cpu_bf16_support()
+    variants = {}
+    for key in a.configs:
+        names = a.variants or [
+            v
+            for v, (_, b, mode) in VARIANTS.items()
+            if not on_cpu or (mode != "reduce-overhead" and (bf16 or not b or key != "paper"))
+        ]
+        variants[key] = [v for v in names if a.compile or not VARIANTS[v][2]]
     if a.lss and "paper" in variants:
         variants["paper"].append("lss_original")
     return variants
 
 
 def bench_configs(a, variants: dict[str, list[str]]) -> dict:
-    """bench_config for each config under one progress bar, with the default variants it left out and why."""
+    """bench_config for each config under one progress bar."""
     from tqdm import tqdm
 
-    configs = {}
+    extra = [f"data.batch_size={a.batch_size}"] if a.batch_size else []
     with tqdm(total=sum(len(v) + a.steps for v in variants.values()), desc="bench_train", file=sys.stderr) as bar:
-        for key in a.configs:
-            extra = [f"data.batch_size={a.batch_size}"] if a.batch_size else []
-            configs[key] = bench_config(key, variants[key], a.steps, a.warmup, bar, extra, a.profile)
-            skipped = {
-                v: "--no-compile"
-                if VARIANTS[v][2] and not a.compile
-                else "CUDA graphs: GPU only"
-                if gpu_only(v)
-                else "no native bf16 on this CPU"
-                for v in VARIANTS
-                if v not in variants[key] and a.variants is None
-            }
-            if skipped:
-                configs[key]["skipped"] = skipped
-    return configs
-
-
-def embedded_default_variant() -> str:
-    """The variant bev-train runs by default at the embedded config on this CPU (layout and precision resolved)."""
-    from bev.utils.precision import resolve_channels_last, resolve_precision
-
-    cfg = compose_config(CONFIGS["embedded"])
-    return (
-        "+".join(
-            ["channels_last"] * resolve_channels_last(cfg.model.net.camera.channels_last)
-            + ["bf16"] * resolve_precision("auto", "cpu")[0].startswith("bf16")
-        )
-        or "fp32"
-    )
-
-
-def loader_vs_model(embedded: dict) -> dict:
-    """The embedded config's loader samples/s next to its model's at the default variant (fp32 if not measured)."""
-    ld = bench_loader("embedded", batches=12)
-    default = embedded_default_variant()
-    best = embedded.get(default) or embedded.get("fp32")
-    ld["model_variant"] = default
-    ld["model_samples_per_s"] = best.get("samples_per_s")
-    ld["keeps_up"] = bool(best.get("samples_per_s") and ld["samples_per_s"] >= best["samples_per_s"])
-    return ld
-
-
-def matmul_rates() -> dict:
-    """GFLOP/s of square fp32 and bf16 matrix products on the device (median of 5 after 2 warm-ups): the
-    arithmetic rate the step's convolutions can at best approach. (On a GPU the fp32 product runs without
-    TF32, which cuDNN's fp32 convolutions use by default.)"""
-    import torch
-
-    from bev.utils.precision import cpu_bf16_support
-
-    n = 3072 if DEVICE == "cpu" else 8192
-    rates = {}
-    # Without native bf16 a CPU emulates it: minutes for this product, and no rate worth reporting.
-    dtypes = (torch.float32, torch.bfloat16) if DEVICE != "cpu" or cpu_bf16_support() else (torch.float32,)
-    for dtype in dtypes:
-        a, b = (torch.randn(n, n, device=DEVICE, dtype=dtype) for _ in range(2))
-        times = []
-        for i in range(7):
-            t0 = clock()
-            a @ b
-            if i >= 2:
-                times.append(clock() - t0)
-        rates[str(dtype).removeprefix("torch.")] = round(2 * n**3 / median(times) / 1e9, 1)
-    return rates
-
-
-def add_matmul_fractions(results: dict) -> None:
-    """Each variant's GFLOP/s as a fraction of the matrix-product rate of its precision."""
-    for c in results["configs"].values():
-        for name, v in c["variants"].items():
-            bf16 = VARIANTS.get(name, (False, False, None))[1]
-            rate = results["matmul_gflop_per_s"].get("bfloat16" if bf16 else "float32")
-            if "gflop_per_s" in v and rate:
-                v["of_matmul_rate"] = round(v["gflop_per_s"] / rate, 3)
+        return {key: bench_config(key, variants[key], a.steps, a.warmup, bar, extra, a.profile) for key in a.configs}
 
 
 def host(load0: float) -> dict:
@@ -729,7 +505,7 @@ def host(load0: float) -> dict:
 
 
 def main(argv=None) -> int:
-    """Time every config's variants (and the loader), then write the report and print its table."""
+    """Time every config's variants, then write the report and print its table."""
     global DEVICE, LSS_ROOT
     a = parse_args(argv)
     DEVICE = a.device
@@ -741,19 +517,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     torch.backends.cudnn.benchmark = a.device == "cuda"  # as trainer=gpu
     load0 = os.getloadavg()[0]
-    rates = matmul_rates()
     results = {
         "benchmark": f"training step (forward, loss, backward, clip, optimiser step), {a.device}",
         "device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or platform.machine(),
         "steps": a.steps,
         "warmup": a.warmup,
         "threads": a.threads,
-        "matmul_gflop_per_s": rates,
         "configs": bench_configs(a, variants),
     }
-    add_matmul_fractions(results)
-    if a.loader and "embedded" in a.configs and a.device == "cpu":
-        results["loader"] = loader_vs_model(results["configs"]["embedded"]["variants"])
     results["host"] = host(load0)
     results["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     write_report(a.out, results)

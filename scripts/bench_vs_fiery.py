@@ -1,25 +1,17 @@
 #!/usr/bin/env python
 """The training step at FIERY's baseline setting: FIERY's own model against this project's, in one run.
 
-    .venv/bin/python scripts/bench_vs_fiery.py --fiery /tmp/fiery [--site /tmp/fiery_site] [--steps 3] [--threads 2]
+    .venv/bin/python scripts/bench_vs_fiery.py --fiery /tmp/fiery [--site /tmp/fiery_site] [--steps 3] [--stride8]
 
---fiery is a checkout (or `git archive`) of github.com/wayveai/fiery; its code is loaded from there, as
-it is, never copied into this project. It needs efficientnet_pytorch and fvcore (pip install --target
-DIR efficientnet_pytorch fvcore yacs iopath portalocker termcolor tabulate; pass DIR as --site). Its
-trainer imports pytorch_lightning 1.2, which no longer installs: the few names it uses are stood in
-for here, in this process only.
-
-The setting (FIERY's configs/baseline.yml at batch 1): 3 input frames x 6 cameras of 224x480, depth
-2-50 m in 1 m bins, a 200x200 grid of 0.5 m, the present and 4 future frames of labels, FIERY's
-probabilistic future. FIERY's step is its TrainingModule.shared_step (label warps, forward, losses)
-+ backward + gradient clipping 5 + Adam, in fp32 as its code runs on a CPU. This project's step is
-experiment=fiery_nuscenes (EfficientNet-B4 at stride 16, the deterministic future) as bev-train runs
-it on this machine (bf16-mixed on a native-bf16 CPU), built by scripts/bench_temporal.py; with
---ours-fp32 also in fp32. That step lifts a quarter of FIERY's frustum points: with --stride8 also
-at equal work, "ours_stride8": FIERY's stride-8 encoder setting (model.net.downsample=8: its
-EfficientNet-B4 up to stride 16, fused into stride 8 through 128 channels, so the same 28x60 x 48
-frustum points per camera as FIERY's). Random inputs with the real nuScenes rig. Variants alternate round-robin;
-medians of the measured steps. Writes JSON to --out atomically.
+--fiery is a checkout of github.com/wayveai/fiery, loaded from there as it is (never copied into this
+project); it needs efficientnet_pytorch and fvcore (pip install --target DIR efficientnet_pytorch fvcore yacs
+iopath portalocker termcolor tabulate; pass DIR as --site); the pytorch_lightning 1.2 names its trainer
+imports are stood in for, in this process only. The setting: FIERY's configs/baseline.yml at batch 1
+(3 frames x 6 cameras of 224x480, a 200x200 grid of 0.5 m, 4 future frames). FIERY's step is its
+TrainingModule.shared_step + backward + clipping + Adam in fp32; ours is experiment=fiery_nuscenes as
+bev-train runs it here (scripts/bench_temporal.py; --ours-fp32 also in fp32), and with --stride8 also at
+equal work (model.net.downsample=8: as many frustum points as FIERY's). Random inputs with the real rig;
+variants alternate round-robin; medians of the measured steps. Writes JSON to --out atomically.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""bev.metrics.PanopticQuality (and bev.instances) vs FIERY's own code, on many sequences.
+"""bev.metrics.PanopticQuality vs FIERY's own metric, on many sequences.
 
     .venv/bin/python scripts/check_vpq_vs_fiery.py --fiery /tmp/fiery [--cases 3000] [--seed 0]
 
---fiery is a checkout (or `git archive`) of github.com/wayveai/fiery: its fiery/metrics.py and
-fiery/utils/instance.py are loaded from there, never copied into this project. They were written
+--fiery is a checkout (or `git archive`) of github.com/wayveai/fiery: its fiery/metrics.py is loaded
+from there, never copied into this project. They were written
 for pytorch_lightning 1.2, whose `metrics` package is gone: the few names they import are stood
 in for here, in this process only (a Metric base with add_state, stat_scores_multiple_classes,
 reduce).
@@ -16,8 +16,6 @@ both metrics, with and without temporal consistency, one fresh metric per case a
 over all cases; void cells (ignore_index) go through FIERY's own void rule. Reported: the maximum
 absolute difference of pq, sq and rq, and whether tp/fp/fn agree exactly. Where a ratio is
 undefined (nothing to score, or no TP) ours is NaN and FIERY's 0: those are counted apart.
-Decoding: random heads through bev.instances.predict_instances and FIERY's
-predict_instance_segmentation_and_trajectories; reported: the share of frames with identical ids.
 Writes JSON to --out atomically.
 """
 
@@ -39,7 +37,6 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bev.instances import predict_instances  # noqa: E402
 from bev.metrics import PanopticQuality  # noqa: E402
 from bev.utils.io import atomic_write  # noqa: E402
 
@@ -89,7 +86,7 @@ def _stub_lightning() -> dict:
 
 
 def load_fiery(root: Path):
-    """(fiery.metrics, fiery.utils.instance) from a FIERY checkout, with the stand-ins in place."""
+    """fiery.metrics from a FIERY checkout, with the stand-ins in place."""
     if not (root / "fiery" / "metrics.py").is_file():
         raise SystemExit(f"{root} is not a FIERY checkout (no fiery/metrics.py): clone github.com/wayveai/fiery")
     saved = _stub_lightning()
@@ -97,15 +94,13 @@ def load_fiery(root: Path):
         spec = importlib.util.spec_from_file_location("fiery_metrics", root / "fiery" / "metrics.py")
         metrics = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(metrics)
-        sys.path.insert(0, str(root))
-        from fiery.utils import instance
     finally:
         for n, m in saved.items():
             if m is None:
                 sys.modules.pop(n, None)
             else:
                 sys.modules[n] = m
-    return metrics, instance
+    return metrics
 
 
 def fiery_vpq(fm, pred, gt, consistent=True, ignore_index=None) -> dict:
@@ -339,77 +334,24 @@ def _pooled(fm, pooled, state_sums, everything) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- decoding
-def random_heads(rng, T, X, Y):
-    """Segmentation logits (1, T, 2, X, Y), centerness, offsets towards true centres, flows, for moving boxes."""
-    gt = random_gt(rng, 1, T, X, Y, int(rng.integers(1, 7)))[0]
-    seg = torch.zeros(T, 2, X, Y)
-    seg[:, 1] = torch.from_numpy(gt > 0).float() * 2 - 1
-    heat = torch.zeros(T, 1, X, Y)
-    offset = torch.zeros(T, 2, X, Y)
-    flow = torch.from_numpy(rng.normal(0, rng.uniform(0.2, 2.0), size=(T, 2, X, Y))).float()
-    xs, ys = torch.meshgrid(torch.arange(X).float(), torch.arange(Y).float(), indexing="ij")
-    for t in range(T):
-        for k in np.unique(gt[t])[1:]:
-            m = torch.from_numpy(gt[t] == k)
-            cx, cy = xs[m].mean().round(), ys[m].mean().round()
-            heat[t, 0] = torch.maximum(heat[t, 0], torch.exp(-((xs - cx) ** 2 + (ys - cy) ** 2) / 9))
-            offset[t, 0][m], offset[t, 1][m] = (cx - xs)[m], (cy - ys)[m]
-    heat += torch.from_numpy(rng.normal(0, 0.05, size=heat.shape)).float()
-    offset += torch.from_numpy(rng.normal(0, 0.7, size=offset.shape)).float()
-    return seg[None], heat[None], offset[None], flow[None]
-
-
-def check_decoding(fi, n_cases: int, seed: int) -> dict:
-    rng = np.random.default_rng(seed)
-    frames = same = skipped = 0
-    for _ in range(n_cases):
-        T, X, Y = int(rng.integers(2, 6)), int(rng.integers(12, 40)), int(rng.integers(12, 40))
-        seg, heat, offset, flow = random_heads(rng, T, X, Y)
-        theirs = fi.predict_instance_segmentation_and_trajectories(
-            {"segmentation": seg, "instance_center": heat, "instance_offset": offset, "instance_flow": flow},
-            compute_matched_centers=False,
-            make_consistent=True,
-        )[0]
-        ours = predict_instances(seg[0].argmax(1) == 1, heat[0], offset[0], flow[0])
-        if (ours.flatten(1).amax(1) == 0)[:-1].any():
-            skipped += 1  # after a frame without instances FIERY reuses ids on purpose not reproduced
-            continue
-        frames += T
-        same += int((ours == theirs).flatten(1).all(1).sum())
-    return {
-        "sequences": n_cases - skipped,
-        "frames": frames,
-        "identical_frames": same,
-        "identical_share": same / max(frames, 1),
-        "skipped_after_empty_frame": skipped,
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--fiery", required=True, type=Path, help="a checkout of github.com/wayveai/fiery")
     p.add_argument("--cases", type=int, default=3000, help="random VPQ cases (besides the hand-made ones)")
-    p.add_argument("--decoding-cases", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "vpq_vs_fiery.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    fm, fi = load_fiery(args.fiery)
+    fm = load_fiery(args.fiery)
     t0 = time.time()
     vpq = check_vpq(fm, args.cases, args.seed)
-    decoding = check_decoding(fi, args.decoding_cases, args.seed + 1)
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "seed": args.seed,
         "fiery_metrics_sha256": hashlib.sha256((args.fiery / "fiery" / "metrics.py").read_bytes()).hexdigest(),
-        "fiery_instance_sha256": hashlib.sha256(
-            (args.fiery / "fiery" / "utils" / "instance.py").read_bytes()
-        ).hexdigest(),
         "torch": torch.__version__,
         "seconds": round(time.time() - t0, 1),
         "vpq": vpq,
-        "decoding": decoding,
     }
     s = vpq["per_case"]
     print(
@@ -418,7 +360,6 @@ def main(argv: list[str] | None = None) -> int:
         + f", count mismatches {s['count_mismatches']}; void cases {vpq['void']['cases']}, max |diff| "
         + ", ".join(f"{k} {v:.2e}" for k, v in vpq["void"]["max_abs_diff"].items())
     )
-    print(f"decoding: {decoding['identical_frames']}/{decoding['frames']} frames identical")
     atomic_write(args.out, json.dumps(result, indent=1))
     print(f"wrote {args.out}")
     return 0

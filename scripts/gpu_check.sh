@@ -1,39 +1,28 @@
 #!/usr/bin/env bash
-# One command that proves bev.ops on a GPU machine (`make gpu-check`), in about 10 minutes:
-#   1. builds the extension in place for this device (TORCH_CUDA_ARCH_LIST from its capability) and
-#      checks that a C++ error inside it raises (where it crashes: rebuilds with the system's g++),
-#   2. runs the CUDA tests (tests/test_ops_cuda.py; tests/test_train_cuda.py: a training step that never
-#      synchronises), the emulated ones
+# One command that proves bev.ops and training on a GPU machine (`make gpu-check`), in about 10 minutes:
+#   1. builds the extension in place for this device and checks that a C++ error inside it raises
+#      (where it crashes: rebuilds with the system's g++),
+#   2. runs the CUDA tests (tests/test_ops_cuda.py, tests/test_train_cuda.py), the emulated ones
 #      (tests/test_ops_cuda_emulated.py) and the native kernels' value tests under compute-sanitizer memcheck,
-#   3. runs the GPU benchmarks: the op (scripts/bench_pool.py --device cuda: bandwidth vs the
-#      device's peak, the BEVFusion-style baseline, fused vs materialised, fp32/fp16/bf16) and the
-#      training step at the LSS paper config (scripts/bench_train.py --device cuda: fp32 NCHW vs
-#      channels_last / channels_last + bf16, at the paper's
-#      batch 4 (also profiled: GPU kernel time, launches), where bf16 did not pay on an H200, and at
-#      16, where channels_last + bf16 gave 1.70x there),
-#   4. trains the embedded experiment on the GPU for a few hundred steps (bf16-mixed) on a small
-#      synthetic set, and checks that the training loss went down (and reports its s/step),
-# and after each stage writes benchmarks/results/gpu_<device>.json and gpu_<device>.md (a short
-# summary; scripts/gpu_check_report.py), so that a check cut short keeps what it finished.
+#   3. runs the GPU benchmarks: the op (scripts/bench_pool.py --device cuda), the paper-config training step
+#      at batch 4 (profiled) and 16 (scripts/bench_train.py) and the temporal step (scripts/bench_temporal.py),
+#   4. trains the embedded experiment for a few hundred steps (bf16-mixed) on a small synthetic set and
+#      checks that the training loss went down,
+# and after each stage writes benchmarks/results/gpu_<device>.json and .md (scripts/gpu_check_report.py),
+# so that a check cut short keeps what it finished.
 #
-# Needs: python with torch (CUDA build), lightning, pytest, hypothesis, ninja, nvcc; for step 4
-# also hydra-core, omegaconf, antlr4-python3-runtime and nuscenes-devkit (+ pyquaternion,
-# shapely, descartes, ...). Where those cannot be installed, carry them as wheels in .whl/ (`make
-# gpu-wheels` downloads them on a machine with an index): they
-# are installed with `pip install --no-index --no-deps --target` into a private directory.
+# Needs: python with torch (CUDA build), lightning, pytest, hypothesis, ninja, nvcc; for step 4 also
+# hydra-core, omegaconf, antlr4-python3-runtime and nuscenes-devkit (+ pyquaternion, shapely, descartes).
+# Without a package index, carry them as wheels in .whl/ (`make gpu-wheels`): they are installed with
+# `pip install --no-index --no-deps --target` into a private directory.
 #
 # Usage: scripts/gpu_check.sh [--dry-run] [--steps N] [--skip-train] [--skip-bench] [--step-only] [--compile-step]
-#   --dry-run   check the machine and print the commands, run nothing (works without a GPU)
-#   --step-only the training step's checks alone, for a short lease: the build, tests/test_train_cuda.py,
-#               the paper-config step at batch 4, the temporal step (scripts/bench_temporal.py) and the training run (the op's tests, memcheck and
-#               benchmarks and the batch-16 step, all run on an H200 before, are left out)
-#   --compile-step the compiled step alone, in under 9 minutes: the build, then the no-sync / CUDA-graph
-#               tests (tests/test_compile.py, tests/test_train_cuda.py) on half the cores beside the benchmark
-#               on the other half: the paper-config step at batch 4 and 16 in fp32 and bf16, eager and
-#               compiled (reduce-overhead = CUDA graphs), alternated in one process with lift-splat-shoot's
-#               own step when $LSS is a checkout of it, and with a FIERY checkout in $FIERY (its deps in
-#               $FIERY_SITE or carried wheels) the temporal step against FIERY's at stride 16 and at equal
-#               work (stride 8); no training run
+#   --dry-run      check the machine and print the commands, run nothing (works without a GPU)
+#   --step-only    the build, tests/test_train_cuda.py, the batch-4 paper step, the temporal step, the training run
+#   --compile-step the build, the no-sync / CUDA-graph tests (tests/test_compile.py, tests/test_train_cuda.py) on
+#                  half the cores beside the paper step at batch 4 and 16, eager and with CUDA graphs, fp32 and
+#                  bf16, with lift-splat-shoot's own step when $LSS is a checkout of it and FIERY's against ours
+#                  when $FIERY is one (its deps in $FIERY_SITE or carried wheels); no training run
 # Environment: PYTHON (default python3), GPU_CHECK_DIR (work dir, default outputs/gpu_check).
 set -euo pipefail
 cd "$(dirname "$0")/.."
