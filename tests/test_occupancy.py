@@ -83,7 +83,7 @@ def test_prediction_uses_the_challenge_format(tmp_path):
     path = write_prediction(tmp_path, "tok", pred)
     assert path.name == "tok.npz"
     with np.load(path) as z:
-        assert z.files == ["arr_0"] and z["arr_0"].dtype == np.uint8  # np.savez_compressed(path, pred)
+        assert z.files == ["arr_0", "pred"] and z["arr_0"].dtype == np.uint8  # the challenge's key, SparseOcc's
     assert np.array_equal(read_prediction(path), pred)
     with pytest.raises(OccupancyFileError, match="class id 18"):
         write_prediction(tmp_path, "bad", np.full(SHAPE, 18))
@@ -107,7 +107,7 @@ def _bad_files(tmp_path):
     (t / "flipped.npz").write_bytes(bytes(data))
     np.save(t / "one.npy", sem)
     (t / "one.npy").rename(t / "npy.npz")
-    np.savez(t / "pickled.npz", semantics=np.array([{}], dtype=object))  # needs pickle: never loaded
+    np.savez(t / "pickled.npz", semantics=np.array([{}], dtype=object), mask_lidar=m8, mask_camera=c8)  # never loaded
     return [
         (_save(t / "nokey.npz", semantics=sem, mask_lidar=m8), "missing array(s) ['mask_camera']"),
         (_save(t / "shape.npz", semantics=sem[:100], mask_lidar=m8, mask_camera=c8), "shape (100, 200, 16)"),

@@ -3,6 +3,7 @@ BEV augmentation moves the voxel labels with everything else."""
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -111,6 +112,22 @@ def test_a_bad_labels_file_names_itself(synthetic_root, occ_root, tmp_path):
     np.savez(path, semantics=labels.semantics.astype(np.int32), mask_camera=labels.mask_camera)
     with pytest.raises(OccupancyFileError, match="missing array"):
         ds[0]
+
+
+def test_a_named_pipe_as_labels_fails_the_item_at_once(synthetic_root, occ_root, tmp_path):
+    """Training's first item: a fifo at labels.npz is one clear error, not a read that waits for a writer."""
+    from bev.occupancy.io import OccupancyFileError
+    from helpers.occupancy_files import run_guarded
+
+    root = link_copy(Path(synthetic_root), tmp_path / "fifo")
+    shutil.copytree(occ_root / "gts", root / "gts")
+    ds = _dataset(root, augment=False)
+    path = labels_path(root, str(ds.index["scene"][0]), str(ds.index["sample_token"][0]))
+    path.unlink()
+    os.mkfifo(path)
+    hung, raised = run_guarded(lambda: ds[0], path)
+    assert not hung and isinstance(raised, OccupancyFileError), raised
+    assert str(path) in str(raised) and "a named pipe, not a regular file" in str(raised)
 
 
 # ----------------------------------------------------------------------------- BEV augmentation

@@ -55,9 +55,10 @@ def test_bev_predict_writes_challenge_files_and_pictures(occ_run, occ_root, tmp_
     for rec in records:
         path = out / "predictions" / f"{rec['sample_token']}.npz"
         assert rec["npz"] == str(path)
-        with np.load(path) as z:  # the challenge's layout, read without the project's reader
-            assert z.files == ["arr_0"]
+        with np.load(path) as z:  # the challenge's key and SparseOcc's, read without the project's reader
+            assert z.files == ["arr_0", "pred"]
             pred = z["arr_0"]
+            np.testing.assert_array_equal(z["pred"], pred)
         assert pred.shape == OCC_SHAPE and pred.dtype == np.uint8 and int(pred.max()) < NUM_CLASSES
         np.testing.assert_array_equal(pred, want[rec["sample_token"]])
         assert rec["png"].endswith(".png") and os.path.isfile(rec["png"])
