@@ -129,37 +129,65 @@ def _check_grid_fits_memory(cfg: DictConfig) -> None:
 
 
 def _check_data_fits(cfg: DictConfig, datamodule) -> None:
-    """Before any training process starts: every process gets a batch, and the depth bins reach the grid."""
+    """Before any training process starts: every process gets a batch and a validation sample, and the depth bins
+    reach the grid."""
     if not hasattr(datamodule, "train_set"):  # another data module: nothing known to check
         return
     datamodule.setup("fit")  # idempotent: Lightning's own setup reuses the datasets
     _check_batches_per_process(cfg.trainer, len(datamodule.train_set), datamodule.batch_size, datamodule.train_split)
+    _check_val_samples_per_process(cfg.trainer, len(datamodule.val_set), datamodule.val_split)
     if len(datamodule.val_set):
         _check_depth_reach(datamodule.grid, datamodule.val_set[0], datamodule.val_split)
+
+
+def _processes(trainer_cfg: DictConfig) -> tuple[int, int] | None:
+    """(processes per node, nodes) of trainer.devices and trainer.num_nodes; None where Lightning counts them."""
+    from omegaconf import ListConfig
+
+    devices, nodes = trainer_cfg.get("devices", 1), int(trainer_cfg.get("num_nodes", 1) or 1)
+    if isinstance(devices, (list, ListConfig)):
+        return len(devices), nodes
+    if str(devices).isdigit():
+        return int(devices), nodes
+    return None  # auto, -1
 
 
 def _check_batches_per_process(trainer_cfg: DictConfig, samples: int, batch_size: int, split: str) -> None:
     """Refuse a world size that leaves each process less than one full batch (nothing to train: total_steps 0)."""
     import math
 
-    from omegaconf import ListConfig
-
-    devices, nodes = trainer_cfg.get("devices", 1), int(trainer_cfg.get("num_nodes", 1) or 1)
-    if isinstance(devices, (list, ListConfig)):
-        per_node = len(devices)
-    elif str(devices).isdigit():
-        per_node = int(devices)
-    else:  # auto, -1: Lightning counts them
+    counted = _processes(trainer_cfg)
+    if counted is None:
         return
+    per_node, nodes = counted
     _warn_processes_over_cores(trainer_cfg, per_node)
     world = per_node * nodes
     each = math.ceil(samples / max(world, 1))
     if samples >= batch_size > each:  # the loader drops the last partial batch
         raise ValueError(
-            f"trainer.devices={devices} x trainer.num_nodes={nodes} = {world} training processes share the {samples} "
-            f"samples of {split!r}: {each} each, less than data.batch_size={batch_size}, so no process gets a full "
-            f"batch and there is nothing to train. Use fewer processes (trainer.devices=1 on a CPU) or a smaller "
-            f"data.batch_size."
+            f"trainer.devices={trainer_cfg.get('devices')} x trainer.num_nodes={nodes} = {world} training processes "
+            f"share the {samples} samples of {split!r}: {each} each, less than data.batch_size={batch_size}, so no "
+            f"process gets a full batch and there is nothing to train. Use fewer processes (trainer.devices=1 on a "
+            f"CPU) or a smaller data.batch_size."
+        )
+
+
+def _check_val_samples_per_process(trainer_cfg: DictConfig, samples: int, split: str) -> None:
+    """Refuse more processes than validation samples when validation runs. Each sample is validated on exactly one
+    process (no padding: a repeated sample would count twice), so a process would get none, skip the validation
+    loop and leave the others waiting in the gathering of the split's scores (devkit, IoU, mIoU)."""
+    counted = _processes(trainer_cfg)
+    limit = trainer_cfg.get("limit_val_batches")
+    if counted is None or samples == 0 or (limit is not None and float(limit) == 0):
+        return
+    per_node, nodes = counted
+    world = per_node * nodes
+    if samples < world:
+        raise ValueError(
+            f"trainer.devices={trainer_cfg.get('devices')} x trainer.num_nodes={nodes} = {world} processes share the "
+            f"{samples} validation sample(s) of {split!r}: each sample is validated on one process, so {world - samples} "
+            f"would validate none and the others would wait for it. Use at most {samples} process(es) in all "
+            f"(trainer.devices x trainer.num_nodes), or a validation split of at least {world} samples (data.val_split)."
         )
 
 
