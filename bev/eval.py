@@ -38,12 +38,14 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         cfg.ckpt_path, cfg.get("model"), cfg.grid, cfg.data, trusted=bool(cfg.get("trust_checkpoint"))
     )
     say_chosen(loaded)
+    occupancy = tuple(getattr(loaded.model, "heads", ())) == ("occupancy",)
+    _check_output_folders(cfg, out, loaded.model, occupancy)  # before the data is read and the model runs
     with open_dict(cfg):
         cfg.grid = loaded.run_config.grid
     data_cfg = build_data_config(cfg.data, loaded.run_config, trained_on(loaded))
     datamodule = instantiate(data_cfg)
     out.mkdir(parents=True, exist_ok=True)
-    if tuple(getattr(loaded.model, "heads", ())) == ("occupancy",):
+    if occupancy:
         return _evaluate_occupancy(cfg, loaded, data_cfg, datamodule, out)
     loaded.model.detection_output_dir = str(out)  # results_nusc.json and the devkit's summary, if it detects
     try:
@@ -67,18 +69,11 @@ def _evaluate_occupancy(cfg: DictConfig, loaded, data_cfg: DictConfig, datamodul
     format in <out>/predictions/<sample token>.npz."""
     import time
 
-    from bev.inference import overwrite_option
     from bev.occupancy import rayiou
     from bev.occupancy.metric import format_table
 
-    pred_dir = out / "predictions"
-    earlier = sorted(pred_dir.glob("*.npz")) if pred_dir.is_dir() else []
-    if earlier and not overwrite_option(cfg.get("overwrite", False)):
-        raise FileExistsError(
-            f"{str(pred_dir)!r} already holds {len(earlier)} predictions of an earlier evaluation: pass overwrite=true "
-            "to replace them, or another folder (hydra.run.dir=...)"
-        )
-    for path in earlier:  # a submission folder holds this evaluation's samples only
+    pred_dir = out / PREDICTIONS_DIR
+    for path in _earlier_predictions(pred_dir):  # a submission folder holds this evaluation's samples only
         path.unlink()
     loaded.model.prediction_dir = str(pred_dir)
     metrics = _test_metrics(cfg, loaded, data_cfg, datamodule)
@@ -142,12 +137,12 @@ def _checked_output_dir(cfg: DictConfig) -> Path:
     """The output folder (hydra.run.dir), once nothing there would be replaced that must not be: never a link,
     a device or a folder, and files of an earlier evaluation only with overwrite=true."""
     from bev.inference import overwrite_option
-    from bev.utils.io import check_output
+    from bev.utils.io import check_output, inside
 
     out, overwrite = Path(cfg.paths.output_dir), overwrite_option(cfg.get("overwrite", False))
     files = output_files(out, int(cfg.num_pngs))
     for path in files:
-        check_output(path)
+        check_output(inside(out, path))
     existing = [p for p in files if p.exists()]
     if existing and not overwrite:
         raise FileExistsError(
@@ -156,6 +151,32 @@ def _checked_output_dir(cfg: DictConfig) -> Path:
             f"or another folder (hydra.run.dir=...)"
         )
     return out
+
+
+PREDICTIONS_DIR = "predictions"  # an occupancy checkpoint's predictions in the challenge's format
+PLOTS_DIR = "plots"  # made by the devkit's DetectionEval beside the results
+
+
+def _check_output_folders(cfg: DictConfig, out: Path, model, occupancy: bool) -> None:
+    """The folders bev-eval writes in (or has made) for this model stay inside the output folder and are folders;
+    an occupancy model's earlier predictions there are replaced only with overwrite=true."""
+    from bev.inference import overwrite_option
+    from bev.utils.io import check_output_folder
+
+    if occupancy:
+        pred_dir = check_output_folder(out, out / PREDICTIONS_DIR, "challenge-format predictions")
+        earlier = _earlier_predictions(pred_dir)
+        if earlier and not overwrite_option(cfg.get("overwrite", False)):
+            raise FileExistsError(
+                f"{str(pred_dir)!r} already holds {len(earlier)} predictions of an earlier evaluation: pass "
+                "overwrite=true to replace them, or another folder (hydra.run.dir=...)"
+            )
+    elif "detection" in tuple(getattr(model, "heads", ())):
+        check_output_folder(out, out / PLOTS_DIR, "devkit's plots")
+
+
+def _earlier_predictions(pred_dir: Path) -> list[Path]:
+    return sorted(p for p in pred_dir.glob("*.npz") if not p.is_dir()) if pred_dir.is_dir() else []
 
 
 def _test_metrics(cfg: DictConfig, loaded, data_cfg: DictConfig, datamodule) -> dict[str, float]:

@@ -16,7 +16,15 @@ from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig
 
 from bev.utils.config import is_multirun, output_dir, task_overrides
-from bev.utils.io import atomic_write, disk_full_error, write_run_metrics
+from bev.utils.io import (
+    atomic_write,
+    check_output,
+    check_output_folder,
+    claim_run_dir,
+    disk_full_error,
+    release_run_dir,
+    write_run_metrics,
+)
 
 
 def one_line(e: BaseException) -> str:
@@ -94,32 +102,51 @@ def unwritable_dir(path: str | os.PathLike) -> str | None:
 
 
 class RunDirCheck(HydraCallback):
-    """Hydra callback: check that the run (sweep) directory is writable before Hydra sets up its log file
-    there, which would otherwise fail with a raw "Unable to configure handler 'file'" traceback."""
+    """Hydra callback, before Hydra writes anything in the run directory: check that the run (sweep) directory is
+    writable (else a raw "Unable to configure handler 'file'" traceback), that no link there leads Hydra's files out
+    of it, and for bev-train, lock it (a directory another run holds is refused, untouched)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config, "hydra.run.dir")
+        self._refuse_links_out(config)
         if config.get("task_name") == "train":
-            self._refuse_if_in_use(config)
+            self._claim(config)
+
+    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.get("task_name") == "train":  # bev-train's run took the claim over and dropped it: this is a no-op
+            release_run_dir(config.hydra.run.dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config, "hydra.sweep.dir")
 
     @staticmethod
-    def _refuse_if_in_use(config: DictConfig) -> None:
-        """A bev-train into a run directory another one is training in: refused before Hydra replaces that run's
-        .hydra/ files and appends to its log (bev-train's own run_dir_lock would refuse it later)."""
+    def _claim(config: DictConfig) -> None:
+        """Lock the run directory for this bev-train now, before Hydra writes its .hydra/ files and log there: a run
+        into a directory another one holds is refused without touching it, and of two started at once into one new
+        directory, the one refused finds the other's lock, not its files (bev-train's run_dir_lock keeps the claim)."""
         from lightning.pytorch.utilities import rank_zero_only
-        from omegaconf import OmegaConf
-
-        from bev.utils.io import in_use_message, run_dir_holder
 
         if rank_zero_only.rank != 0:  # a multi-process run's other processes, started into rank 0's locked directory
             return
-        folder = OmegaConf.select(config, "hydra.run.dir")
-        holder = run_dir_holder(folder) if folder else None
-        if holder:
-            print(f"bev-train: error: {in_use_message(folder, holder)}", file=sys.stderr, flush=True)
+        try:
+            claim_run_dir(config.hydra.run.dir)
+        except RuntimeError as e:
+            print(f"bev-train: error: {e}", file=sys.stderr, flush=True)
+            sys.exit(1)
+
+    @staticmethod
+    def _refuse_links_out(config: DictConfig) -> None:
+        """Hydra writes .hydra/*.yaml and <job>.log in the run directory, following links: refuse a link there that
+        would make it write elsewhere (a user's file out of the run directory replaced), before it writes."""
+        run = Path(config.hydra.run.dir)
+        try:
+            if config.hydra.output_subdir is not None:
+                saved = check_output_folder(run, run / config.hydra.output_subdir, "run's composed config files")
+                for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+                    check_output(saved / name)
+            check_output(run / f"{config.hydra.job.name}.log")
+        except (OSError, ValueError) as e:
+            print(f"bev-{config.task_name}: error: {e}", file=sys.stderr, flush=True)
             sys.exit(1)
 
     @staticmethod

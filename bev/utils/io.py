@@ -125,15 +125,41 @@ def _put_in_place(tmp: Path, path: Path, overwrite: bool) -> None:
 def inside(root: str | os.PathLike, path: str | os.PathLike) -> Path:
     """`path` (a file to write under `root`) if its folder stays inside `root` with symbolic links followed;
     else a clear error, so that outputs never follow a link out of the folder a user named."""
-    root, path = Path(root), Path(path)
-    real_root, real_dir = root.resolve(), path.parent.resolve()
-    if real_dir != real_root and real_root not in real_dir.parents:
-        raise ValueError(
-            f"{path} would be written to {real_dir / path.name}, outside {root}: a symbolic link inside {root} "
-            f"leads out of it. Outputs never follow a link out of their folder: remove the link or choose "
-            f"another folder"
-        )
+    path = Path(path)
+    _stays_inside(root, path.parent, f"{path} would be written to {path.parent.resolve() / path.name}")
     return path
+
+
+def check_output_folder(root: str | os.PathLike, folder: str | os.PathLike, made_for: str = "outputs") -> Path:
+    """`folder` (a folder of `made_for` under `root`) if files may be written in it: nothing is there yet, or a
+    folder whose real place, symbolic links followed, stays inside `root`. Else one clear error, raised before any
+    work: a link that leads out of `root` (ValueError), or a file, a device or a dangling link there
+    (NotADirectoryError)."""
+    folder = Path(folder)
+    _stays_inside(root, folder, f"{folder} leads to {folder.resolve()}")
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise NotADirectoryError(
+            f"{folder} is {_not_folder_kind(folder)}, not a folder: it is where the {made_for} go. Move it away, or "
+            "choose another output folder"
+        )
+    return folder
+
+
+def _not_folder_kind(path: Path) -> str:
+    if path.is_symlink():
+        return "a symbolic link to a file" if path.exists() else "a symbolic link to nothing"
+    mode = os.lstat(path).st_mode
+    return "a file" if stat.S_ISREG(mode) else _kind(mode)
+
+
+def _stays_inside(root: str | os.PathLike, folder: Path, where: str) -> None:
+    """Refuse a folder (to write in) whose real place, symbolic links followed, is outside `root`."""
+    real_root, real = Path(root).resolve(), folder.resolve()
+    if real != real_root and real_root not in real.parents:
+        raise ValueError(
+            f"{where}, outside {root}: a symbolic link inside {root} leads out of it. Outputs never follow a link "
+            "out of their folder: remove the link or choose another folder"
+        )
 
 
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9._+-]")
@@ -246,29 +272,66 @@ def explain_disk_full(path: str | os.PathLike, fix: str = RUN_DIR_FIX) -> Iterat
 LOCK_NAME = ".bev-train.lock"
 
 
-@contextlib.contextmanager
-def run_dir_lock(folder: str | os.PathLike) -> Iterator[None]:
-    """Hold an exclusive lock on a run directory while training writes into it; a second process that
-    wants the same directory gets a clear error instead of mixing its files in. The OS drops the lock
-    when the process ends, however it ends, so a killed run leaves no stale lock behind."""
+# Run folders whose lock this process took ahead of its run (claim_run_dir), with the open lock file that holds it.
+_CLAIMED: dict[Path, IO] = {}
+
+
+def _take_lock(folder: str | os.PathLike) -> IO:
+    """Open `folder`'s lock file and lock it for this process; the open file holds the lock until it is closed, or
+    the process ends however it ends (no stale lock). A RuntimeError naming the holder if another one has it."""
     import fcntl
 
     path = Path(folder) / LOCK_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            raise RuntimeError(in_use_message(folder, f.read().strip())) from None
-        except OSError as e:  # a file system without locks (some network mounts): train unlocked
-            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                raise
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         f.seek(0)
-        f.truncate()
-        f.write(f"bev-train pid {os.getpid()}")
-        f.flush()
+        holder = f.read().strip()
+        f.close()
+        raise RuntimeError(in_use_message(folder, holder)) from None
+    except OSError as e:  # a file system without locks (some network mounts): train unlocked
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            f.close()
+            raise
+    f.seek(0)
+    f.truncate()
+    f.write(f"bev-train pid {os.getpid()}")
+    f.flush()
+    return f
+
+
+def claim_run_dir(folder: str | os.PathLike) -> None:
+    """Take `folder`'s run_dir_lock now, ahead of the run, and keep it: Hydra's RunDirCheck calls this before Hydra
+    writes .hydra/ and the log there, so that of two runs started at once into one folder the refused one writes
+    nothing. The run's run_dir_lock takes the claim over; release_run_dir drops one that no run took."""
+    key = Path(folder).resolve()
+    if key not in _CLAIMED:
+        _CLAIMED[key] = _take_lock(folder)
+
+
+def release_run_dir(folder: str | os.PathLike) -> None:
+    """Drop this process's claim on `folder` (claim_run_dir), if it holds one."""
+    f = _CLAIMED.pop(Path(folder).resolve(), None)
+    if f is not None:
+        f.close()
+
+
+@contextlib.contextmanager
+def run_dir_lock(folder: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive lock on a run directory while training writes into it; a second process that
+    wants the same directory gets a clear error instead of mixing its files in. A lock this process claimed
+    before the run started (claim_run_dir) is the one held, and dropped at the end."""
+    claimed = Path(folder).resolve() in _CLAIMED
+    f = None if claimed else _take_lock(folder)
+    try:
         yield
+    finally:
+        if claimed:
+            release_run_dir(folder)
+        else:
+            f.close()
 
 
 def in_use_message(folder: str | os.PathLike, holder: str) -> str:
@@ -276,23 +339,3 @@ def in_use_message(folder: str | os.PathLike, holder: str) -> str:
         f"run directory {str(folder)!r} is in use by {holder or 'another process'}: wait for that run to end, or train "
         "into another directory (hydra.run.dir=...)"
     )
-
-
-def run_dir_holder(folder: str | os.PathLike) -> str | None:
-    """Who holds `folder`'s run_dir_lock now ("bev-train pid N"), or None: nobody, or a file system without locks.
-    Only a look (the lock is taken and dropped at once): a bev-train checks it before Hydra writes its files there."""
-    import fcntl
-
-    try:
-        f = open(Path(folder) / LOCK_NAME)
-    except OSError:  # no lock file: never trained into
-        return None
-    with f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return f.read().strip() or "another process"
-        except OSError:
-            return None
-        fcntl.flock(f, fcntl.LOCK_UN)
-    return None
