@@ -701,3 +701,108 @@ def test_the_loader_sees_the_same_scene_in_either_image_size(sized_sets):
         torch.testing.assert_close(d_a, d_b)
         front = d_a > 1.0
         assert front.sum() > 10 and (uv_a - uv_b)[front].abs().max() <= 1.0  # pixels (measured 0.35)
+
+
+def test_cli_refuses_samples_per_scene_past_the_bound_before_building_anything(tmp_path, capsys):
+    from bev.synthetic.writer import MAX_SAMPLES_PER_SCENE, main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(tmp_path / "set"), "--samples-per-scene", "1000000000"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"samples_per_scene must be >= 1 and <= {MAX_SAMPLES_PER_SCENE}, got 1000000000" in err
+    assert "nuScenes trainval" in err and "Traceback" not in err
+    assert not (tmp_path / "set").exists()
+
+
+def _one_error_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    (line,) = [x for x in err.splitlines() if x.startswith("bev-make-synthetic: error:")]
+    return line
+
+
+def test_cli_under_a_file_size_limit_names_the_cause(tmp_path):
+    import resource
+    import subprocess
+    import sys
+
+    out = tmp_path / "set"
+    limit = 64 * 1024  # above the manifest, below a map PNG and a JPEG
+    done = subprocess.run(
+        [sys.executable, "-m", "bev.synthetic.writer", "--out", str(out), "--scenes", "1", "--samples-per-scene", "1"]
+        + ["--render-scale", "4", "--workers", "1"],
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    line = _one_error_line(done.stderr)
+    assert "File too large" in line and "ulimit -f" in line and str(out) in line
+    assert (out / MANIFEST).is_file() and not (out / VERSION / "scene.json").exists()  # incomplete, and says so
+
+
+def test_cli_ctrl_c_ends_in_one_line_with_status_130(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "set"
+    args = ["--out", str(out), "--scenes", "2", "--samples-per-scene", "16", "--render-scale", "4", "--workers", "2"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bev.synthetic.writer", *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group: the Ctrl-C of a terminal reaches the workers too
+    )
+    deadline = time.monotonic() + 120
+    while not (out / MANIFEST).exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)  # the workers render
+    os.killpg(proc.pid, signal.SIGINT)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 130
+    line = _one_error_line(err)
+    assert "interrupted" in line and "incomplete" in line and "--overwrite" in line
+    assert not (out / VERSION / "scene.json").exists()
+
+
+def test_the_tables_end_with_scene_json_so_a_set_cut_short_never_looks_whole(tmp_path, monkeypatch, capsys):
+    from bev.synthetic import writer
+
+    real = writer._write_atomic
+
+    def interrupted_at_sensor(path, data):
+        if Path(path).name == "sensor.json":
+            raise KeyboardInterrupt
+        real(path, data)
+
+    monkeypatch.setattr(writer, "_write_atomic", interrupted_at_sensor)
+    out = tmp_path / "set"
+    args = ["--out", str(out), "--scenes", "1", "--samples-per-scene", "1", "--render-scale", "4", "--workers", "1"]
+    assert writer.main(args) == 130
+    assert "incomplete" in _one_error_line(capsys.readouterr().err)
+    assert (out / VERSION / "sample.json").is_file() and not (out / VERSION / "scene.json").exists()
+
+
+def test_overwrite_removes_scene_json_first_and_keeps_its_manifest(tmp_path, monkeypatch, capsys):
+    from bev.synthetic import writer
+
+    out = make_synthetic(tmp_path / "set", scenes=1, samples_per_scene=1, **QUICK)
+    real, calls = Path.unlink, []
+
+    def interrupted_second(self, *args, **kwargs):
+        calls.append(self)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", interrupted_second)
+    args = ["--out", str(out), "--scenes", "1", "--samples-per-scene", "1", "--render-scale", "4", "--workers", "1"]
+    assert writer.main([*args, "--overwrite", "--seed", "3"]) == 130
+    monkeypatch.undo()
+    assert "incomplete" in _one_error_line(capsys.readouterr().err)
+    assert not (out / VERSION / "scene.json").exists() and (out / MANIFEST).is_file()
+    assert writer.main([*args, "--overwrite"]) == 0  # the manifest still lets --overwrite replace it
+    assert (out / VERSION / "scene.json").is_file()

@@ -43,14 +43,19 @@ error: v1.0-mini has 10 scene names, so ask for more samples per scene instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import functools
 import gc
 import hashlib
 import json
 import math
 import multiprocessing as mp
 import shutil
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from datetime import datetime, timezone
@@ -75,6 +80,9 @@ from bev.utils.io import atomic_write
 VERSION = "v1.0-mini"
 DEFAULT_SCENES = 10
 DEFAULT_SAMPLES = 24
+# More than 10 scenes x 5000 key frames is more than nuScenes trainval's 34,149, and a world's building time grows
+# with the square of its drive (one scene: 2000 samples 10 s, 5000 37 s, 10000 100 s on one core).
+MAX_SAMPLES_PER_SCENE = 5000
 JPEG_QUALITY = 90
 TABLES = (
     "attribute",
@@ -146,6 +154,8 @@ LIDAR_TRANSLATION = [0.943713, 0.0, 1.84023]
 LIDAR_ROTATION = yaw_to_quaternion(-math.pi / 2)
 LIDAR_PX_PER_POINT = 100  # one lidar point inside an object's box per 100 visible full-resolution pixels (max 200)
 MANIFEST = ".bev_synthetic_manifest.json"  # what this writer wrote in --out: all it ever deletes
+# Written last and removed first: a set that has it is whole (`make train` tests it before writing a set).
+COMPLETE_MARK = f"{VERSION}/scene.json"
 MAP_RES = 0.1  # metres per pixel of the maps/<token>.png drivable-area masks (as in nuScenes)
 
 
@@ -231,7 +241,8 @@ def _in_workers(fn, jobs: list, workers: int, initializer=None):
     comes, and a worker that dies (killed, out of memory) raises WorkerError: the other jobs are cancelled and
     the workers stopped, never waited for."""
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    pool = ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx, initializer=initializer)
+    start = functools.partial(_start_worker, initializer)
+    pool = ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx, initializer=start)
     done = False
     try:
         for future in as_completed([pool.submit(fn, job) for job in jobs]):
@@ -265,6 +276,13 @@ class _RenderTask(NamedTuple):
     scene_name: str  # the occupancy labels' folder: gts/<scene name>/<sample token>
     occupancy: bool = True  # write the sample's occupancy labels too
     upscale: bool = True  # JPEGs at 1600x900 (image_size "full"), else at the render resolution
+
+
+def _start_worker(initializer=None) -> None:
+    """A worker leaves Ctrl-C to the parent, which stops it: no traceback per worker."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if initializer is not None:
+        initializer()
 
 
 def _worker_init() -> None:
@@ -363,7 +381,8 @@ def _render_task(task: _RenderTask):
     """Render and write one sample's files; return per-object visibility and lidar counts."""
     files, vis, per_obj = _sample_files(task)
     for rel, data in files.items():
-        (task.out / rel).write_bytes(data)
+        with _naming(task.out / rel):
+            (task.out / rel).write_bytes(data)
     return task.scene, task.sample, vis, per_obj
 
 
@@ -410,7 +429,19 @@ def _occupancy_task(task: _RenderTask):
 
 def _write_atomic(path: Path, data: bytes | str) -> None:
     """Write a file whole or not at all (bev.utils.io.atomic_write: the umask applies)."""
-    atomic_write(path, data.encode() if isinstance(data, str) else data)
+    with _naming(path):
+        atomic_write(path, data.encode() if isinstance(data, str) else data)
+
+
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """An OSError of a write names the file (a failed write() does not)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 def _read_manifest(out: Path) -> dict:
@@ -470,6 +501,8 @@ def _begin(out: Path, files: list[str], parameters: dict) -> None:
     if (out / MANIFEST).is_file():
         shutil.rmtree(out / STAGING, ignore_errors=True)  # an interrupted add_occupancy's labels
         old = _read_manifest(out)
+        if COMPLETE_MARK in old["files"]:  # first: a set cut short from here on is not taken for a whole one
+            (out / COMPLETE_MARK).unlink(missing_ok=True)
         for rel in old["files"]:
             (out / rel).unlink(missing_ok=True)
         for rel in sorted(old["dirs"], key=lambda d: -len(Path(d).parts)):
@@ -477,7 +510,7 @@ def _begin(out: Path, files: list[str], parameters: dict) -> None:
                 (out / rel).rmdir()
             except OSError:  # not empty (someone else's files) or already gone
                 pass
-        (out / MANIFEST).unlink()
+        # The old manifest stays until the new one replaces it: a set cut short meanwhile is still this writer's.
     # Sorted by name: the manifest is the same bytes every run, and a parent (a prefix) is created before its children.
     dirs = sorted({str(p) for f in files for p in Path(f).parents if str(p) != "."})
     created = [d for d in dirs if not (out / d).exists()]
@@ -556,8 +589,12 @@ def _validate(scenes, samples_per_scene, seed, workers) -> list[str]:
     for name, v in (("scenes", scenes), ("samples_per_scene", samples_per_scene), ("seed", seed), ("workers", workers)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
             raise TypeError(f"{name} must be an integer, got {v!r}")
-    if samples_per_scene < 1:
-        raise ValueError(f"samples_per_scene must be >= 1, got {samples_per_scene}")
+    if not 1 <= samples_per_scene <= MAX_SAMPLES_PER_SCENE:
+        raise ValueError(
+            f"samples_per_scene must be >= 1 and <= {MAX_SAMPLES_PER_SCENE}, got {samples_per_scene}: 10 scenes x "
+            f"{MAX_SAMPLES_PER_SCENE} is more key frames than nuScenes trainval, and a scene's world takes time growing "
+            "with the square of its length (5000: ~40 s)"
+        )
     if seed < 0:  # NumPy seeds are non-negative
         raise ValueError(f"seed must be >= 0, got {seed}")
     if workers < 1:
@@ -602,7 +639,7 @@ def make_synthetic(
     results = _render(tasks, map_tasks, workers, render_scale, samples_per_scene, progress)
     for scene in scene_tasks:
         _add_annotations(T, scene, results)
-    for name in TABLES:
+    for name in sorted(TABLES, key=lambda n: f"{VERSION}/{n}.json" == COMPLETE_MARK):  # the mark last
         _write_atomic(out / VERSION / f"{name}.json", _table_json(T[name]))
     return out
 
@@ -1041,8 +1078,10 @@ def _map_task(task) -> None:
         lambda xy: np.stack([xy[:, 0] / MAP_RES, h - xy[:, 1] / MAP_RES], -1),
         255,
     )
-    if not cv2.imwrite(str(path), mask, [cv2.IMWRITE_PNG_COMPRESSION, 1]):
-        raise RuntimeError(f"could not write map {path}")
+    ok, png = cv2.imencode(".png", mask, [cv2.IMWRITE_PNG_COMPRESSION, 1])
+    if not ok:
+        raise RuntimeError(f"PNG encoding failed for map {path}")
+    _write_atomic(Path(path), png.tobytes())  # a failed write raises its OSError (File too large, ...)
 
 
 MAX_WORKERS = 8  # each render process keeps its own ground tiles (up to ~150 MB)
@@ -1129,11 +1168,11 @@ def main(argv: list[str] | None = None) -> int:
             image_size=args.image_size or "full",
         )
     except OSError as e:  # e.g. a read-only or full --out: one line, no traceback
-        print(f"bev-make-synthetic: error: cannot write the dataset to {args.out}: {e}", file=sys.stderr)
-        return 1
+        return _error(f"cannot write the dataset to {args.out}: {_os_error(e)}")
     except WorkerError as e:  # one line, not a worker's traceback
-        print(f"bev-make-synthetic: error: {e}", file=sys.stderr)
-        return 1
+        return _error(str(e))
+    except KeyboardInterrupt:
+        return _error(_interrupted(Path(args.out)), INTERRUPTED)
     print(
         f"wrote {args.scenes} scenes x {args.samples_per_scene} samples to {out}"
         f"{'' if args.occupancy else ' without occupancy labels'} in {time.time() - start:.1f} s",
@@ -1155,16 +1194,19 @@ def _main_occupancy_only(p: argparse.ArgumentParser, args, start: float) -> int:
             image_size=args.image_size,
         )
     except NotTheSameSet as e:  # the set in --out is not one these parameters write: nothing written
-        print(f"bev-make-synthetic: error: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e), 2)
     except (ValueError, TypeError) as e:
         p.error(str(e))
     except OSError as e:
-        print(f"bev-make-synthetic: error: cannot write the occupancy labels to {args.out}: {e}", file=sys.stderr)
-        return 1
+        return _error(f"cannot write the occupancy labels to {args.out}: {_os_error(e)}")
     except WorkerError as e:
-        print(f"bev-make-synthetic: error: {e}", file=sys.stderr)
-        return 1
+        return _error(str(e))
+    except KeyboardInterrupt:
+        return _error(
+            f"interrupted: the occupancy labels of {args.out} are not all written (the rest of the set is as it "
+            "was); run the same command again to add them",
+            INTERRUPTED,
+        )
     if n:
         print(
             f"added the occupancy labels of {n} samples to {args.out} in {time.time() - start:.1f} s", file=sys.stderr
@@ -1172,6 +1214,34 @@ def _main_occupancy_only(p: argparse.ArgumentParser, args, start: float) -> int:
     else:
         print(f"{args.out} has its occupancy labels already: nothing written", file=sys.stderr)
     return 0
+
+
+INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
+
+
+def _error(message: str, status: int = 1) -> int:
+    """Print bev-make-synthetic's one-line error; return the exit status."""
+    print(f"bev-make-synthetic: error: {message}", file=sys.stderr)
+    return status
+
+
+def _os_error(e: OSError) -> str:
+    """An OSError in words, with the fix where the cause is a limit of this process."""
+    if e.errno == errno.EFBIG:
+        return f"{e} (a file-size limit, ulimit -f, stops the writes: raise it or lift it)"
+    return str(e)
+
+
+def _interrupted(out: Path) -> str:
+    """What a Ctrl-C of make_synthetic left in `out`."""
+    if (out / MANIFEST).is_file() and not (out / COMPLETE_MARK).is_file():
+        return (
+            f"interrupted: the set in {out} is incomplete (no {COMPLETE_MARK}: loaders do not take it for a dataset); "
+            "run the command again with --overwrite to write it anew"
+        )
+    if (out / COMPLETE_MARK).is_file():
+        return f"interrupted before the set in {out} was touched: it is as it was"
+    return f"interrupted before anything was written to {out}"
 
 
 if __name__ == "__main__":
