@@ -80,8 +80,8 @@ from bev.utils.io import atomic_write
 VERSION = "v1.0-mini"
 DEFAULT_SCENES = 10
 DEFAULT_SAMPLES = 24
-# More than 10 scenes x 5000 key frames is more than nuScenes trainval's 34,149, and a world's building time grows
-# with the square of its drive (one scene: 2000 samples 10 s, 5000 37 s, 10000 100 s on one core).
+# 10 scenes x 5000 key frames are more than nuScenes trainval's 34,149, and a world's building time grows faster
+# than its drive (one scene on one core: 2000 samples 10 s, 5000 37 s, 10000 102 s).
 MAX_SAMPLES_PER_SCENE = 5000
 JPEG_QUALITY = 90
 TABLES = (
@@ -592,8 +592,8 @@ def _validate(scenes, samples_per_scene, seed, workers) -> list[str]:
     if not 1 <= samples_per_scene <= MAX_SAMPLES_PER_SCENE:
         raise ValueError(
             f"samples_per_scene must be >= 1 and <= {MAX_SAMPLES_PER_SCENE}, got {samples_per_scene}: 10 scenes x "
-            f"{MAX_SAMPLES_PER_SCENE} is more key frames than nuScenes trainval, and a scene's world takes time growing "
-            "with the square of its length (5000: ~40 s)"
+            f"{MAX_SAMPLES_PER_SCENE} are more key frames than nuScenes trainval, and a scene's world takes longer to "
+            "build than its drive grows (5000: ~40 s)"
         )
     if seed < 0:  # NumPy seeds are non-negative
         raise ValueError(f"seed must be >= 0, got {seed}")
