@@ -117,7 +117,7 @@ def _undertrained(
     else:
         lines.append("  with more time: `make train TRAIN_MINUTES=<minutes>`;")
     lines.append(
-        f"  or on a GPU: `bev-train experiment=synthetic_cpu trainer=gpu data.dataroot={data}` (docs/gpu.md: ~33 ms/step)."
+        f"  or on a GPU: `bev-train experiment=synthetic_cpu trainer=gpu data.dataroot={data}` (minutes there: docs/gpu.md)."
     )
     return lines
 

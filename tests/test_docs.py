@@ -1,8 +1,10 @@
 """The user documentation holds together: README.md and docs/*.md link only to files and headings that
-exist, and the README stays short and reaches every docs/ page."""
+exist, the README stays short and reaches every docs/ page, and every figure in the README's results table
+and in docs/benchmarks.md is one its linked result file holds."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -101,3 +103,105 @@ def test_every_docs_page_is_reachable_from_the_readme():
                 todo.append(dest)
     unreached = [p.name for p in DOC_PAGES if p.resolve() not in seen]
     assert unreached == [], "docs pages no link path from README.md reaches"
+
+
+# ---------------------------------------------------------------- figures against their result files
+RESULTS = ROOT / "benchmarks" / "results"
+FIGURE_COLUMNS = ("value", "figure")  # the README's results table, docs/benchmarks.md's table
+# A number as a page shows it, with the unit that says how its file may store it (ms as s, min as s, % as a fraction).
+NUMBER = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?(?:e-?\d+)?)(?:\s*(ms|min|s|%|x|×)(?![\w]))?(?![\w.])")
+SCALES = {"ms": (1, 1e-3), "min": (1, 60), "%": (1, 0.01)}
+
+
+def table_rows(page: Path) -> list[dict[str, str]]:
+    """Each row of the page's Markdown tables (outside code blocks) as {header: cell}, "_row" the whole line."""
+    rows, header = [], None
+    for line in FENCE.sub("", page.read_text()).splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = [c.lower() for c in cells]
+        elif not all(set(c) <= set(":-") for c in cells):
+            rows.append({**dict(zip(header, cells)), "_row": line})
+    return rows
+
+
+def json_numbers(path: Path) -> list[float]:
+    """Every number a JSON file holds, at any depth (not the ones inside its strings)."""
+
+    def walk(x):
+        if isinstance(x, dict):
+            for v in x.values():
+                yield from walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                yield from walk(v)
+        elif isinstance(x, (int, float)) and not isinstance(x, bool):
+            yield float(x)
+
+    return list(walk(json.loads(path.read_text())))
+
+
+def held(shown: str, unit: str | None, values: list[float]) -> bool:
+    """Whether a number shown with its digits is one of `values` rounded to those digits (in the unit's scales)."""
+    mantissa = shown.split("e")[0]
+    decimals = len(mantissa.partition(".")[2])
+    half = 0.5 * 10.0 ** (-decimals) * (10.0 ** int(shown.split("e")[1]) if "e" in shown else 1.0)
+    for scale in SCALES.get(unit, (1,)):
+        target = float(shown) * scale
+        if any(abs(v - target) <= half * scale * (1 + 1e-9) + 1e-12 for v in values):
+            return True
+    return False
+
+
+def unheld_figures(page: Path) -> list[str]:
+    """The figures of the page's results tables that no result file linked from their row holds."""
+    problems = []
+    for row in table_rows(page):
+        column = next((c for c in FIGURE_COLUMNS if c in row), None)
+        if column is None:
+            continue
+        files = [(page.parent / t).resolve() for t in LINK.findall(row["_row"]) if t.endswith(".json")]
+        files = [f for f in files if f.exists()]
+        if not files:
+            problems.append(f"{row[column][:60]}: the row links no result file (benchmarks/results/*.json)")
+            continue
+        values = [v for f in files for v in json_numbers(f)]
+        for shown, unit in NUMBER.findall(CODE.sub("", row[column])):
+            if not held(shown, unit or None, values):
+                problems.append(f"{shown}{unit} ({row[column][:50]}...): not in {', '.join(f.name for f in files)}")
+    return problems
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/benchmarks.md"])
+def test_every_figure_of_the_results_tables_is_in_its_result_file(page):
+    assert unheld_figures(ROOT / page) == []
+
+
+def test_figure_check_finds_a_figure_its_file_does_not_hold(tmp_path):
+    (tmp_path / "r.json").write_text(json.dumps({"a": {"iou": 0.4177, "time_s": 650, "ok": True}, "b": [2.344]}))
+    page = tmp_path / "p.md"
+    page.write_text(
+        "| what | figure | file |\n|---|---|---|\n"
+        "| ok | IoU 0.418, 10.8 min, 2.34x, `--flag 7` | [j](r.json) |\n"
+        "| drift | IoU 0.420 in 650 s | [j](r.json) |\n"
+        "| none | 13.2x | [page](p.md) |\n"
+    )
+    assert unheld_figures(page) == [
+        "0.420 (IoU 0.420 in 650 s...): not in r.json",
+        "13.2x: the row links no result file (benchmarks/results/*.json)",
+    ]
+
+
+COMMIT_ID = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
+
+
+def test_benchmarks_page_is_one_short_table_of_current_figures():
+    page = ROOT / "docs" / "benchmarks.md"
+    rows = table_rows(page)
+    assert len(rows) <= 20, f"{len(rows)} table rows: one row per benchmark, at most 20"
+    assert max(len(r["_row"]) for r in rows) <= 400, "a row longer than 400 characters: details go in its result file"
+    text = page.read_text()
+    assert "removed script" not in text and COMMIT_ID.findall(text) == [], "the result file names the commit"

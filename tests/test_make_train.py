@@ -57,3 +57,16 @@ def test_make_train_runs_the_package_helpers_not_scripts():
     for command in ("deadline", "plot", "report"):
         assert re.search(rf"python -m bev\.make_train {command} ", recipe), command
     assert "scripts/" not in recipe
+
+
+def test_the_whole_schedule_the_warning_quotes_is_the_readmes_result_file():
+    """make train's undertrained warning quotes what the whole schedule scores: the result file the README's
+    whole-schedule row cites, to two decimals."""
+    import json
+
+    name = "make_train_fresh_clone_epyc_fp32_whole_schedule.json"
+    assert f"(benchmarks/results/{name})" in (ROOT / "README.md").read_text()
+    metrics = json.loads((ROOT / "benchmarks" / "results" / name).read_text())["metrics"]
+    assert {k: v for k, (_, v) in make_train.FULL_SCHEDULE.items()} == {
+        k: round(metrics[k], 2) for k in metrics if k in make_train.FULL_SCHEDULE
+    }
