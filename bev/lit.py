@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bev.detection.decode import decode
+from bev.detection.decode import check_decoding, decode
 from bev.detection.loss import DetectionLoss
 from bev.detection.scoring import DetectionScore
-from bev.detection.tracking import TrackVelocity
+from bev.detection.tracking import TrackVelocity, check_past
 from bev.geometry import CAMERA_GEOMETRY, Grid
 from bev.losses import UncertaintyWeights
 from bev.metrics import BevIoU, MapIoU
@@ -161,8 +161,10 @@ class BEVLitModule(L.LightningModule):
             frame = {"velocity_frame": det.pop("velocity_frame", "ego")}
             self.det_loss = DetectionLoss(**dict(det.pop("loss", None) or {}), **frame)
             self.det_decoding = {**dict(det.pop("decoding", None) or {}), **frame}  # bev.detection.decode's options
+            check_decoding(self.det_decoding)
             track = det.pop("track_velocity", None)  # velocity from the boxes' tracks (bev.detection.tracking)
             track = None if track is None else TrackVelocity.from_config(track)
+            check_past(int(getattr(net, "past_frames", 0) or 0), track)  # the detection task's 0.5 s of past
             self.val_det = DetectionScore(grid, self.det_decoding, track)
             self.test_det = DetectionScore(grid, self.det_decoding, track)
             if det:

@@ -6,7 +6,8 @@
 
 Each results file (bev-eval's, from a checkpoint trained with or without model.detection.track_velocity) is
 scored by DetectionEval as it is, then again with every velocity and attribute replaced from the tracks, with
-experiment=synthetic_det_cpu's track_velocity options (or --options JSON). Positions, sizes, headings and scores
+experiment=synthetic_det_cpu's track_velocity options (or --options JSON: one key frame of past at most, the nuScenes
+detection rules'; scripts/det_rules_scores.py measures more). Positions, sizes, headings and scores
 are untouched, so mAP stays and only the velocity and attribute errors (and NDS through them) move.
 Writes JSON to --out atomically (an existing file only with --overwrite).
 """
@@ -66,11 +67,14 @@ def main(argv=None) -> int:
         )
     except OSError as e:  # not a regular file
         sys.exit(f"track_velocity_scores.py: {e}")
+    options = args.options or experiment_options()
+    try:
+        track = TrackVelocity.from_config(options)
+    except ValueError as e:  # e.g. more past than the detection rules allow
+        sys.exit(f"track_velocity_scores.py: --options: {e}")
     from nuscenes import NuScenes
 
     nusc = NuScenes(version=args.version, dataroot=args.dataroot, verbose=False)
-    options = args.options or experiment_options()
-    track = TrackVelocity.from_config(options)
     rows = {}
     for path in args.results:
         results = json.loads(path.read_text())["results"]

@@ -21,7 +21,7 @@ DETECTION = [
     "model.heads=[segmentation,detection]",
     # Velocities from tracks too: consecutive key frames fall to different processes, so they are tracked only
     # once every process's boxes are gathered.
-    "model.detection={decoding: {score_threshold: 0.0, top_k: 500, nms: circle}, track_velocity: {past_frames: 2, "
+    "model.detection={decoding: {score_threshold: 0.0, top_k: 500, nms: circle}, track_velocity: {past_frames: 1, "
     "gate: 6.0, min_past_score: 0.0, still_speed: 0.0}}",
 ]
 

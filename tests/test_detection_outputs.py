@@ -145,7 +145,7 @@ def det_run(synthetic_root, tmp_path_factory):
             "model.net.detection={shared_channels: 8, head_channels: 0}",
             "model.heads=[segmentation,detection]",
             # Velocities from tracks, with every past box starting one: an untrained head's boxes match often.
-            "+model.detection={track_velocity: {past_frames: 2, gate: 6.0, min_past_score: 0.0, still_speed: 0.0}}",
+            "+model.detection={track_velocity: {past_frames: 1, gate: 6.0, min_past_score: 0.0, still_speed: 0.0}}",
             "trainer.max_epochs=1",
             "callbacks.bev_png.every_n_steps=0",
             f"data.dataroot={synthetic_root}",
@@ -226,7 +226,7 @@ def _check_tracked_velocities(samples, dataroot):
             }
             for c, label, score in zip(centres, z["det_labels"], z["det_scores"])
         ]
-    options = TrackVelocity(past_frames=2, gate=6.0, min_past_score=0.0, still_speed=0.0)
+    options = TrackVelocity(past_frames=1, gate=6.0, min_past_score=0.0, still_speed=0.0)
     tracked = track_velocity(results, sample_links(nusc), options)
     matched = 0
     for token, boxes in tracked.items():

@@ -36,7 +36,8 @@ def test_the_recipe_is_in_the_experiment(experiment):
     data, decoding = cfg.data, cfg.model.detection.decoding
     assert data.cbgs and data.bev_aug == "bevdet" and data.det_range == "grid"
     assert list(data.resize_lim) == [0.38, 0.55] and list(data.rot_lim) == [-5.4, 5.4] and data.rand_flip
-    assert decoding.pre_nms_top_k == 1000 and decoding.post_nms_max == 83
+    assert decoding.pre_nms_top_k == 500 and decoding.post_nms_max == 83  # BEVDet's bbox coder max_num per task
+    assert decoding.nms == "scale_nms" and decoding.max_pool is False  # its Scale-NMS, no max-pool peak filter
     assert cfg.model.optimizer.lr == 2e-4 and cfg.trainer.max_epochs == 24
 
 
@@ -54,7 +55,7 @@ def test_the_experiment_trains_two_steps(experiment, synthetic_root, tmp_path, m
 @pytest.mark.parametrize("experiment", ["synthetic_det_cpu", "synthetic_det_temporal_cpu"])
 def test_the_synthetic_detection_experiments_train_two_steps(experiment, synthetic_root, tmp_path, monkeypatch, capsys):
     """The embedded detection experiments as configured: the static one with a decoder per task and detection
-    weighted 0.05, the temporal one with its own weighting; both score velocities from tracks."""
+    weighted 0.05 and velocities from tracks, the temporal one with its own weighting and the head's velocities."""
     small = [("++" + a.lstrip("+")) if a.startswith(("+trainer", "trainer.val_check")) else a for a in SMALL]
     small = [a for a in small if not a.startswith("callbacks.bev_png")] + ["callbacks.bev_png=null"]
     args = [

@@ -4,7 +4,8 @@ Each class c has the samples that hold at least one of its trained boxes, S_c. A
 |S_c| * (1 / C) / (|S_c| / D) = D / C samples from S_c with replacement, D = sum_c |S_c| and C the classes
 that occur: every class is then in about 1 / C of the drawn samples, and the epoch holds D samples (on
 nuScenes about 4-5 times the split). A sample with several classes can be drawn under each of them. Unlike
-mmdet3d, which draws once, every epoch draws anew.
+mmdet3d, which draws once, every epoch draws anew, from the seed and the epoch's number: a run resumed at
+epoch k draws what the uninterrupted run drew at epoch k (the trainer says the epoch through set_epoch).
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ def cbgs_epoch(per_class: Sequence[np.ndarray], generator: torch.Generator) -> n
 
 class ClassBalancedSampler(Sampler[int]):
     """CBGS over a detection dataset (NuScenesBEVDataset with detection=true); len() is the epoch length.
-    The draws depend on `seed` and the epoch count only, so every DDP process draws the same epoch."""
+    The draws depend on `seed` and the epoch number only, so every DDP process draws the same epoch. The epoch
+    is the one set_epoch() gave (Lightning calls it at the start of every epoch, a resumed one included), then
+    counts on with each pass."""
 
     def __init__(self, dataset, seed: int = 0):
         self.per_class = class_samples(_trained_labels(dataset), len(DETECTION_CLASSES))
@@ -52,6 +55,9 @@ class ClassBalancedSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.length
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
 
     def __iter__(self) -> Iterator[int]:
         g = torch.Generator().manual_seed(self.seed + self.epoch)

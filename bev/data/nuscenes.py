@@ -188,12 +188,18 @@ class NuScenesBEVDataset(Dataset):
         self.label_warp = temporal.check_label_warp(label_warp)
         self.temporal = self.past_frames + self.future_frames > 0
         self.windows = np.zeros(0, np.int64)
+        # Scored boxes need every sample: a detection set that does not train pads the past (bev.data.temporal).
+        self.pad_past = self.temporal and self.detection and not self.augment
+        self._first_rows = temporal.scene_first_rows(self.index["scene"])
         if self.temporal:
-            self.windows, short = temporal.window_index(self.index["scene"], self.past_frames, self.future_frames)
+            self.windows, short = temporal.window_index(
+                self.index["scene"], self.past_frames, self.future_frames, self.pad_past
+            )
             if short:
+                presents = self.index["scene"][self.windows + self.past_frames]
                 print(
-                    f"{self.split}: skipped {len(short)} of {len(short) + len(set(self.index['scene'][self.windows]))} "
-                    f"scenes shorter than a window of {self.window_length} key frames",
+                    f"{self.split}: skipped {len(short)} of {len(short) + len(set(presents))} scenes shorter than a "
+                    f"window of {self.future_frames + 1 if self.pad_past else self.window_length} key frames",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -204,7 +210,7 @@ class NuScenesBEVDataset(Dataset):
 
     def window_frames(self, w: int) -> np.ndarray:
         """Sample (index row) numbers of window w, oldest first; the present is at position past_frames."""
-        return self.windows[w] + np.arange(self.window_length)
+        return temporal.window_rows(self.windows[w], self.past_frames, self.window_length, self._first_rows)
 
     def choose_cams(self) -> np.ndarray:
         n = len(CAMERA_NAMES)

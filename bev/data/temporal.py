@@ -4,7 +4,10 @@ Window: P + 1 + F consecutive key frames of one scene (P = past_frames, F = futu
 oldest first, the present frame at position P. Windows never cross scenes; a scene with fewer
 than P + 1 + F key frames gives none. The split index (bev.data.index) already lists every
 scene's key frames in time order, so windows are runs of consecutive index rows: the cached
-index serves them and the devkit is never opened.
+index serves them and the devkit is never opened. With pad_past (scoring boxes: every sample of the
+split needs its boxes) every key frame with F future frames is a present: past frames before the
+scene's first key frame are that first frame again (BEVDet4D takes the present as its own past
+when there is none), and a window is given by its start row, which may lie before the scene.
 
 Ego motion (`future_egomotion`, as FIERY): entry t is the 4x4 transform that maps a point from
 frame t's ego coordinates to frame t+1's, inv(pose_{t+1}) @ pose_t of the LIDAR_TOP ego poses,
@@ -94,25 +97,43 @@ def check_label_warp(label_warp: str) -> str:
     return label_warp
 
 
-def window_index(scenes: np.ndarray, past: int, future: int) -> tuple[np.ndarray, list[str]]:
+def window_index(scenes: np.ndarray, past: int, future: int, pad_past: bool = False) -> tuple[np.ndarray, list[str]]:
     """(W,) int64 index row of the oldest frame of every window, and the scenes too short for one.
 
     scenes: (N,) scene name of every index row; a scene's key frames are consecutive rows in time order.
+    pad_past: a window for every key frame with `future` frames after it, its start `past` rows before it even
+    where that is before the scene (window_rows repeats the scene's first frame there).
     Raises ValueError when no scene is long enough for a single window.
     """
     length = past + 1 + future
+    needed = 1 + future if pad_past else length
     scenes = np.asarray(scenes)
     cuts = np.flatnonzero(scenes[1:] != scenes[:-1]) + 1
     starts, short, longest = [], [], 0
     for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(scenes)]):
         longest = max(longest, b - a)
-        if b - a < length:
+        if b - a < needed:
             short.append(str(scenes[a]))
         else:
-            starts.extend(range(a, b - length + 1))
+            first = a - past if pad_past else a
+            starts.extend(range(first, b - length + 1))
     if not starts:
         raise WindowTooLongError(past, future, longest)
     return np.asarray(starts, dtype=np.int64), short
+
+
+def scene_first_rows(scenes: np.ndarray) -> np.ndarray:
+    """(N,) int64: for every index row, the row of its scene's first key frame."""
+    scenes = np.asarray(scenes)
+    new = np.r_[True, scenes[1:] != scenes[:-1]] if len(scenes) else np.zeros(0, bool)
+    return np.maximum.accumulate(np.where(new, np.arange(len(scenes)), 0)).astype(np.int64)
+
+
+def window_rows(start: int, past: int, length: int, first_rows: np.ndarray) -> np.ndarray:
+    """Index rows of the window starting at `start` (window_index), oldest first: rows before the present's
+    scene are its first key frame (first_rows: scene_first_rows)."""
+    rows = int(start) + np.arange(length)
+    return np.maximum(rows, first_rows[int(start) + past])
 
 
 def _yaw_matrix(a: float) -> np.ndarray:

@@ -49,6 +49,9 @@ DEVKIT_CLASS_ORDER = (
     "barrier",
 )
 MOVING_SPEED = 0.2  # m/s: faster is moving / with rider (BEVFusion's rule)
+# The detection task's rule: at inference at most 0.5 s of past sensor data, one key frame before the present.
+KEY_FRAME_SECONDS = 0.5  # nuScenes key frames are 2 Hz
+MAX_PAST_KEY_FRAMES = 1
 RESULTS_FILE = "results_nusc.json"
 SUMMARY_FILE = "metrics_summary.json"  # the devkit's summary, written beside the results
 CAMERA_META = {"use_camera": True, "use_lidar": False, "use_radar": False, "use_map": False, "use_external": False}
