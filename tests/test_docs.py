@@ -205,3 +205,35 @@ def test_benchmarks_page_is_one_short_table_of_current_figures():
     assert max(len(r["_row"]) for r in rows) <= 400, "a row longer than 400 characters: details go in its result file"
     text = page.read_text()
     assert "removed script" not in text and COMMIT_ID.findall(text) == [], "the result file names the commit"
+
+
+# ---------------------------------------------------------------- what the pages cite exists
+# A script or result file named in a page's text (inline code included), not a path inside another project's tree.
+CITED = re.compile(r"(?<![\w/.-])((?:scripts|benchmarks/results)/[\w.-]+\.[a-z]+)")
+# docs/detection.md cites scripts/det_range_errors.py, which is gone: its owner adds the page here when fixed.
+CITE_CHECKED = [p for p in [*PAGES, ROOT / "benchmarks" / "README.md"] if p.name != "detection.md"]
+
+
+def missing_cited_files(page: Path, root: Path = ROOT) -> list[str]:
+    return [p for p in sorted(set(CITED.findall(page.read_text()))) if not (root / p).exists()]
+
+
+@pytest.mark.parametrize("page", CITE_CHECKED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_cited_scripts_and_result_files_exist(page):
+    assert missing_cited_files(page) == [], f"{page.relative_to(ROOT)} cites files that do not exist"
+
+
+def test_cite_check_finds_a_missing_script_and_skips_other_projects_paths(tmp_path):
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "here.py").write_text("")
+    page = tmp_path / "p.md"
+    page.write_text("`python scripts/here.py` (`benchmarks/results/gone.json`), `projects/configs/x/scripts/y.py`\n")
+    assert missing_cited_files(page, tmp_path) == ["benchmarks/results/gone.json"]
+
+
+@pytest.mark.parametrize("page", ["docs/occupancy.md", "docs/inference.md"])
+def test_occupancy_pages_name_every_key_a_prediction_file_holds(page):
+    from bev.occupancy.io import PREDICTION_KEYS
+
+    text = (ROOT / page).read_text()
+    assert [k for k in PREDICTION_KEYS if f"`{k}`" not in text and f'"{k}"' not in text] == []
