@@ -131,8 +131,15 @@ def test_boxes_transform_as_the_matrix_says():
     [
         ("bevdt", "one of ['bevdet']"),
         ({"rot": [0, 1]}, "rot_lim"),
-        ({"scale_lim": [0, 1]}, "lo > 0"),
-        ({"flip_x": 2}, "[0, 1]"),
+        ({"scale_lim": [0, 1]}, "0.5 <= lo <= hi <= 2"),
+        # Out of the sane ranges: every occupancy voxel ignored, boxes of infinite size, turns past a full circle.
+        ({"scale_lim": [1e30, 1e30]}, "data.bev_aug.scale_lim must be [lo, hi] with 0.5 <= lo <= hi <= 2"),
+        ({"scale_lim": [1e-30, 1e-30]}, "data.bev_aug.scale_lim"),
+        ({"scale_lim": [0.9, float("nan")]}, "data.bev_aug.scale_lim"),
+        ({"rot_lim": [-720, 720]}, "data.bev_aug.rot_lim must be [lo, hi] with -180 <= lo <= hi <= 180"),
+        ({"rot_lim": 5}, "data.bev_aug.rot_lim must be [lo, hi], two numbers"),
+        ({"scale_lim": ["a", 1]}, "data.bev_aug.scale_lim must be [lo, hi], two numbers"),
+        ({"flip_x": 2}, "data.bev_aug.flip_x must be a probability in [0, 1]"),
     ],
 )
 def test_bad_settings_are_named(value, needle):

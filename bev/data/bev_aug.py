@@ -15,7 +15,7 @@ that anything in the augmented frame maps back with its inverse.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,11 +50,7 @@ class BevAugRanges:
             value = PRESETS[value]
         if not isinstance(value, Mapping) or set(value) - set(BEVDET):
             raise ValueError(f"{fix}, got {value!r}")
-        try:
-            ranges = cls(**{k: _checked(k, v) for k, v in value.items()})
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{fix}: {e}") from None
-        return ranges
+        return cls(**{k: _checked(k, v) for k, v in value.items()})
 
     def draw(self) -> np.ndarray:
         """One random (3, 3) float64 matrix A, from torch's generator (seeded per loader worker)."""
@@ -64,17 +60,29 @@ class BevAugRanges:
         return bev_matrix(angle, scale, -1.0 if u[2] < self.flip_x else 1.0, -1.0 if u[3] < self.flip_y else 1.0)
 
 
+# Sane ranges: a rotation is within +-180 degrees; a scale s moves what lies at r to s r, so at 2 the outer half
+# of the grid (3/4 of its cells) leaves it and at 0.5 the outer half is left empty. BEVDet draws 0.95-1.05.
+LIMITS = {"rot_lim": (-180.0, 180.0), "scale_lim": (0.5, 2.0)}
+
+
 def _checked(name: str, v: Any) -> Any:
+    """A field's value, checked and normalised; an error names data.bev_aug.<name> and its range."""
     if name in ("flip_x", "flip_y"):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
-            raise ValueError(f"{name} must be a probability in [0, 1], got {v!r}")
+            raise ValueError(f"data.bev_aug.{name} must be a probability in [0, 1], got {v!r}")
         return float(v)
-    lo, hi = (float(x) for x in v)
-    if not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi) or (name == "scale_lim" and lo <= 0):
+    lo, hi = LIMITS[name]
+    pair = None if isinstance(v, (str, bytes)) or not isinstance(v, Sequence) or len(v) != 2 else tuple(v)
+    if pair is None or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in pair):
+        raise ValueError(f"data.bev_aug.{name} must be [lo, hi], two numbers within [{lo:g}, {hi:g}], got {v!r}")
+    a, b = (float(x) for x in pair)
+    if not (lo <= a <= b <= hi):  # NaN fails too
+        unit = "degrees" if name == "rot_lim" else "the factor that moves what lies at r to s r"
         raise ValueError(
-            f"{name} must be [lo, hi] with lo <= hi{' and lo > 0' if name == 'scale_lim' else ''}, got {v!r}"
+            f"data.bev_aug.{name} must be [lo, hi] with {lo:g} <= lo <= hi <= {hi:g} ({unit}; BEVDet's: "
+            f"{list(BEVDET[name])}), got {v!r}"
         )
-    return (lo, hi)
+    return (a, b)
 
 
 def bev_matrix(angle: float, scale: float = 1.0, flip_x: float = 1.0, flip_y: float = 1.0) -> np.ndarray:
