@@ -17,7 +17,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import bev.data  # noqa: F401 (registers the data/ config schemas: bev.data.config)
-from bev.utils.config import CONFIG_DIR
+from bev.utils.config import CONFIG_DIR, check_flags
 from bev.utils.errors import report_errors
 from bev.utils.io import atomic_write
 
@@ -33,6 +33,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(
             "no checkpoint given: bev-eval ckpt_path=<a .ckpt file, or a run directory for its best checkpoint>"
         )
+    check_flags(cfg, ("rayiou", "trust_checkpoint"))  # "maybe" is not read as true
     out = _checked_output_dir(cfg)
     loaded = load_checkpoint(
         cfg.ckpt_path, cfg.get("model"), cfg.grid, cfg.data, trusted=bool(cfg.get("trust_checkpoint"))

@@ -95,7 +95,7 @@ class UncertaintyWeights(nn.Module):
     def __init__(self, names: tuple[str, ...], init: str = "zero"):
         super().__init__()
         if init not in ("zero", "loss"):
-            raise ValueError(f"uncertainty init must be 'zero' or 'loss', got {init!r}")
+            raise ValueError(f"model.temporal_loss.uncertainty_init must be 'zero' or 'loss', got {init!r}")
         self.log_vars = nn.ParameterDict({n: nn.Parameter(torch.zeros(())) for n in names})
         self.register_buffer("pending", torch.tensor(init == "loss"))  # saved: a resumed run does not start over
         self._pending_read = False  # the buffer is read from the device once: no host sync in later steps
@@ -143,8 +143,20 @@ class TemporalLoss(nn.Module):
         self.weights = {n: 1.0 for n in (*names, "kl")}
         unknown = [k for k in (weights or {}) if k not in self.weights]
         if unknown:
-            raise ValueError(f"loss weights name unknown term(s) {unknown}; terms: {list(self.weights)}")
+            raise ValueError(
+                f"model.temporal_loss.weights names unknown term(s) {unknown}; terms: {list(self.weights)}"
+            )
+        for k, v in (weights or {}).items():
+            _check_number(f"weights.{k}", v, "a finite number >= 0 (0 leaves the term out)", lambda x: x >= 0)
         self.weights.update({k: float(v) for k, v in (weights or {}).items()})
+        _check_number("future_discount", future_discount, "in (0, 1] (frame t weighs discount^t)", lambda g: 0 < g <= 1)
+        _check_number("seg_pos_weight", seg_pos_weight, "a finite number >= 0", lambda w: w >= 0)
+        if seg_top_k is not None:
+            _check_number(
+                "seg_top_k", seg_top_k, "in (0, 1] (the fraction of cells kept), or null", lambda k: 0 < k <= 1
+            )
+        if not isinstance(uncertainty, bool):  # "maybe" would read as true
+            raise ValueError(f"model.temporal_loss.uncertainty must be true or false, got {uncertainty!r}")
         self.future_discount, self.seg_pos_weight, self.seg_top_k = (
             float(future_discount),
             float(seg_pos_weight),
@@ -180,6 +192,13 @@ class TemporalLoss(nn.Module):
             terms["kl"] = kl
             total = total + self.weights["kl"] * kl
         return total, terms
+
+
+def _check_number(key: str, value, want: str, ok) -> None:
+    """model.temporal_loss.<key> is a finite number for which ok(value) holds, else a ValueError naming it."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not (number and ok(value)):
+        raise ValueError(f"model.temporal_loss.{key} must be {want}, got {value!r}")
 
 
 class NonFiniteLossError(FloatingPointError):

@@ -15,7 +15,14 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import bev.data  # noqa: F401 (registers the data/ config schemas: bev.data.config)
-from bev.utils.config import CONFIG_DIR, check_optimizer, instantiate_list, resolve_depth_stride, task_overrides
+from bev.utils.config import (
+    CONFIG_DIR,
+    check_optimizer,
+    check_settings,
+    instantiate_list,
+    resolve_depth_stride,
+    task_overrides,
+)
 from bev.utils.errors import report_errors
 from bev.utils.io import remove_stale_temporaries, run_dir_lock, write_run_metrics
 from bev.utils.malloc import tune_malloc_in_process
@@ -38,6 +45,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     from bev.utils.checkpoint import warn_of_an_earlier_run
 
     check_optimizer(cfg)  # a refused setting named now, not after the data is indexed
+    check_settings(cfg)  # likewise model.* and the training data settings
     resolve_depth_stride(cfg)
     if not cfg.get("ckpt_path"):
         warn_of_an_earlier_run(cfg.paths.output_dir)  # a forgotten ckpt_path: its checkpoints go beside the old

@@ -181,3 +181,36 @@ def test_an_optimizer_setting_torch_refuses_is_named_before_the_data_is_read(
     assert train_cli(args, monkeypatch) == 1
     assert_one_paragraph(capsys.readouterr().err, "bev-train: error:", needle, "(its default: lr=0.001)")
     assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("model.depth_weight=nan", "model.depth_weight=nan is not a finite number"),
+        ("model.net.image_size=[64,176]", "model.net.image_size=[64, 176] differs from data.final_dim=[32, 96]"),
+        ("data.final_dim=[31,96]", "data.final_dim=[31, 96] is not a multiple of model.net.downsample=16"),
+        ("data.bev_aug=bevdet", "data.bev_aug=bevdet does nothing with data.augment=false"),
+    ],
+)
+def test_a_model_or_training_setting_is_named_before_the_data_is_read(override, needle, tmp_path, monkeypatch, capsys):
+    # data.dataroot does not exist: a check made after the data is indexed would report that instead.
+    args = [*TINY, override, f"data.dataroot={tmp_path / 'nowhere'}", f"hydra.run.dir={tmp_path}"]
+    assert train_cli(args, monkeypatch) == 1
+    err = capsys.readouterr().err
+    assert_one_paragraph(err, "bev-train: error:", needle)
+    assert "nowhere" not in err and not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("option", ["rayiou", "trust_checkpoint"])
+def test_bev_eval_takes_only_true_or_false_for_its_switches(option, tmp_path, monkeypatch, capsys):
+    # The checkpoint does not exist: a check made after loading it would report that instead.
+    args = [
+        f"ckpt_path={tmp_path / 'none.ckpt'}",
+        "data.dataroot=/nowhere",
+        f"{option}=maybe",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    assert eval_cli(args, monkeypatch) == 1
+    err = capsys.readouterr().err
+    assert_one_paragraph(err, "bev-eval: error:", f"{option}='maybe' must be true or false")
+    assert "none.ckpt" not in err

@@ -299,6 +299,19 @@ def refuse_unknown(options: Mapping[str, Any], cls: type[_Checked] = DataConfig)
     )
 
 
+def check_training(data: Mapping[str, Any]) -> None:
+    """What bev-train refuses in the `data:` node that a DataConfig alone takes (bev-eval and bev-predict build
+    theirs with augment off): BEV augmentation without data.augment, which would be silently skipped."""
+    bev_aug = data.get("bev_aug")
+    if bev_aug is not None and data.get("augment") is False:
+        shown = bev_aug if isinstance(bev_aug, str) else dict(bev_aug) if isinstance(bev_aug, Mapping) else bev_aug
+        raise ValueError(
+            f"data.bev_aug={shown} does nothing with data.augment=false: BEV augmentation is training augmentation "
+            "and follows data.augment. Pass data.augment=true (which turns the image augmentation on too) or "
+            "data.bev_aug=null"
+        )
+
+
 # ---------------------------------------------------------------- Hydra schemas
 
 

@@ -11,6 +11,7 @@ probabilities it equals 1 - IoU of each class exactly (a test holds it to that).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -48,9 +49,12 @@ def preset_weights(name: str) -> torch.Tensor:
     return torch.tensor(w, dtype=torch.float32)
 
 
+CLASS_WEIGHT_FORMS = f"null, a preset {CLASS_WEIGHT_PRESETS}, a list of {NUM_CLASSES} numbers or {{class: weight}}"
+
+
 def class_weights(spec) -> torch.Tensor | None:
     """model.loss.class_weight -> (18,) weights: null (none), a preset of CLASS_WEIGHT_PRESETS (preset_weights), a
-    list of 18 numbers, or {class name: weight} (unlisted classes 1.0)."""
+    list of 18 numbers, or {class name: weight} (unlisted classes 1.0). Each a finite number >= 0, not all 0."""
     if spec is None:
         return None
     if isinstance(spec, str):
@@ -61,11 +65,26 @@ def class_weights(spec) -> torch.Tensor | None:
             raise ValueError(
                 f"model.loss.class_weight names unknown class(es) {unknown}; classes: {list(OCC3D_CLASSES)}"
             )
-        spec = [spec.get(name, 1.0) for name in OCC3D_CLASSES]
-    w = torch.tensor([float(v) for v in spec], dtype=torch.float32)
-    if w.shape != (NUM_CLASSES,) or (w < 0).any() or not w.sum() > 0:
-        raise ValueError(f"model.loss.class_weight needs {NUM_CLASSES} weights >= 0, not all 0; got {list(spec)}")
-    return w
+        values = {name: spec.get(name, 1.0) for name in OCC3D_CLASSES}
+    elif isinstance(spec, Sequence) and not isinstance(spec, bytes):
+        values = dict(zip(OCC3D_CLASSES, spec))
+        if len(spec) != NUM_CLASSES:
+            raise ValueError(
+                f"model.loss.class_weight has {len(spec)} weights, not {NUM_CLASSES}: choose {CLASS_WEIGHT_FORMS}"
+            )
+    else:
+        raise ValueError(f"model.loss.class_weight={spec!r}: choose {CLASS_WEIGHT_FORMS}")
+    bad = {k: v for k, v in values.items() if not _weight(v)}
+    if bad:
+        raise ValueError(f"model.loss.class_weight: the weights of {bad} are not finite numbers >= 0")
+    if not sum(values.values()) > 0:
+        raise ValueError(f"model.loss.class_weight: the weights are all 0; choose {CLASS_WEIGHT_FORMS}")
+    return torch.tensor([float(v) for v in values.values()], dtype=torch.float32)
+
+
+def _weight(v) -> bool:
+    """A finite number >= 0 (not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
 
 def lovasz_grad(truth_sorted: torch.Tensor) -> torch.Tensor:
@@ -99,10 +118,12 @@ class OccupancyLoss(nn.Module):
         super().__init__()
         w = class_weights(class_weight)
         self.register_buffer("class_weight", w, persistent=False)
+        if not _weight(lovasz_weight):
+            raise ValueError(f"model.loss.lovasz_weight must be a finite number >= 0 (0: off), got {lovasz_weight!r}")
         self.lovasz_weight = float(lovasz_weight)
-        if self.lovasz_weight < 0:
-            raise ValueError(f"model.loss.lovasz_weight must be >= 0, got {lovasz_weight}")
-        self.visible_only = bool(visible_only)
+        if not isinstance(visible_only, bool):  # "maybe" would read as true
+            raise ValueError(f"model.loss.visible_only must be true or false, got {visible_only!r}")
+        self.visible_only = visible_only
 
     def targets(self, semantics: torch.Tensor, mask_camera: torch.Tensor | None) -> torch.Tensor:
         """int64 class ids with IGNORE wherever a voxel does not count."""
