@@ -447,16 +447,16 @@ def test_deterministic_per_seed(tmp_path):
 def test_worlds_built_in_worker_processes_write_the_same_dataset(tmp_path, monkeypatch):
     # With workers > 1 the scenes' worlds are built in forked processes and sent back (none in this one):
     # the dataset is the same bytes as with the worlds built here.
-    from bev.synthetic import writer
+    from bev.synthetic import pool
 
     built_here = []
-    build = writer.build_world
-    monkeypatch.setattr(writer, "build_world", lambda *key: built_here.append(key) or build(*key))
+    build = pool.build_world
+    monkeypatch.setattr(pool, "build_world", lambda *key: built_here.append(key) or build(*key))
     kw = dict(scenes=2, samples_per_scene=2, seed=5, **QUICK)
-    monkeypatch.setattr(writer, "_WORLDS", {})
+    monkeypatch.setattr(pool, "_WORLDS", {})
     a = _tree(make_synthetic(tmp_path / "a", workers=2, **kw))
     assert built_here == []
-    monkeypatch.setattr(writer, "_WORLDS", {})
+    monkeypatch.setattr(pool, "_WORLDS", {})
     b = _tree(make_synthetic(tmp_path / "b", workers=1, **kw))
     assert len(built_here) == 2 and a.keys() == b.keys() and all(a[k] == b[k] for k in a)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from bev.data.rig import MINI_LOCATIONS
-from bev.synthetic import occupancy, raycast, writer
+from bev.synthetic import occupancy, raycast, samples, writer
 from bev.synthetic import world as world_model
 from helpers.synthetic import RENDER_SCALE, SEED
 
@@ -125,7 +125,7 @@ def test_fleet_places_what_a_brute_force_test_places():
 
 
 def _failing_lidar(how: str):
-    real = writer.lidar_points
+    real = samples.lidar_points
 
     def lidar_points(world, t, *a, **k):
         if t >= world_model.SAMPLE_DT:  # the second sample of each scene
@@ -146,7 +146,7 @@ def _failing_lidar(how: str):
     ],
 )
 def test_a_failing_worker_ends_the_run_with_one_message(tmp_path, monkeypatch, capsys, how, message):
-    monkeypatch.setattr(writer, "lidar_points", _failing_lidar(how))
+    monkeypatch.setattr(samples, "lidar_points", _failing_lidar(how))
     monkeypatch.setattr(writer, "default_workers", lambda: 2)
     signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the run hung"))
     signal.alarm(120)

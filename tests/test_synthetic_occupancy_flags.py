@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bev.synthetic import writer
+from bev.synthetic import samples, writer
 from bev.synthetic.writer import MANIFEST, STAGING, NotTheSameSet, add_occupancy, make_synthetic
 
 ARGS = {"scenes": 2, "samples_per_scene": 2, "seed": 0, "render_scale": 4}
@@ -75,7 +75,7 @@ def test_an_interrupted_occupancy_only_leaves_no_gts_and_is_run_again(sets, tmp_
     """The labels go to a staging folder moved to gts/ once all are there: a gts/ folder is always whole."""
     full, bare = sets
     out = _copy(bare, tmp_path / "set")
-    real, calls = writer._occupancy_task, []
+    real, calls = samples._occupancy_task, []
 
     def fail_second(task):
         calls.append(task)
@@ -83,16 +83,16 @@ def test_an_interrupted_occupancy_only_leaves_no_gts_and_is_run_again(sets, tmp_
             raise RuntimeError("interrupted")
         return real(task)
 
-    monkeypatch.setattr(writer, "_occupancy_task", fail_second)
+    monkeypatch.setattr(samples, "_occupancy_task", fail_second)
     with pytest.raises(RuntimeError, match="interrupted"):
         add_occupancy(out, workers=1, progress=False, **ARGS)
     assert not (out / "gts").exists() and (out / STAGING).is_dir()
-    monkeypatch.setattr(writer, "_occupancy_task", real)
+    monkeypatch.setattr(samples, "_occupancy_task", real)
     assert add_occupancy(out, workers=1, progress=False, **ARGS) == 4
     assert _tree(out) == _tree(full)
     # --overwrite after an interruption removes the staged labels too.
     again = _copy(bare, tmp_path / "again")
-    monkeypatch.setattr(writer, "_occupancy_task", fail_second)
+    monkeypatch.setattr(samples, "_occupancy_task", fail_second)
     calls.clear()
     with pytest.raises(RuntimeError, match="interrupted"):
         add_occupancy(again, workers=1, progress=False, **ARGS)

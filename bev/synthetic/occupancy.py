@@ -47,6 +47,7 @@ from bev.occupancy.grid import voxel_centres as _voxel_centres
 from bev.occupancy.io import labels_path, write_labels
 from bev.synthetic import raycast
 from bev.synthetic.roads import RoadMap, fill, road_map
+from bev.synthetic.sensors import LIDAR_TRANSLATION
 from bev.synthetic.world import World, visible_objects
 
 GROUND_K = int(math.floor((0.0 - OCC_RANGE[2]) / VOXEL_SIZE))  # the voxel layer holding the ground z = 0 (2)
@@ -330,8 +331,6 @@ def lidar_band(cam: raycast.Camera) -> np.ndarray:
 
 
 def _lidar_translation() -> tuple[float, float, float]:
-    from bev.synthetic.writer import LIDAR_TRANSLATION  # imported late: the writer imports this module
-
     return tuple(float(v) for v in LIDAR_TRANSLATION)
 
 
