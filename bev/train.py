@@ -15,10 +15,10 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import bev.data  # noqa: F401 (registers the data/ config schemas: bev.data.config)
+from bev.config_checks import check_settings
 from bev.utils.config import (
     CONFIG_DIR,
     check_optimizer,
-    check_settings,
     instantiate_list,
     resolve_depth_stride,
     task_overrides,

@@ -25,7 +25,7 @@ def test_as_many_cpu_processes_as_cores_or_a_gpu_trainer_is_not_warned(recwarn):
     assert not [w for w in recwarn if "CPU training processes" in str(w.message)]
 
 
-# --- model.* and the training data settings, checked with the composed config (bev.utils.config.check_settings)
+# --- model.* and the training data settings, checked with the composed config (bev.config_checks.check_settings)
 
 OCC, DET, TEMPORAL, STATIC = (
     "experiment=synthetic_occ_cpu",
@@ -36,7 +36,7 @@ OCC, DET, TEMPORAL, STATIC = (
 
 
 def _check(*overrides):
-    from bev.utils.config import check_settings
+    from bev.config_checks import check_settings
     from helpers.train_step import compose_train
 
     check_settings(compose_train(list(overrides)))
