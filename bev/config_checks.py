@@ -38,6 +38,23 @@ def check_settings(cfg: DictConfig) -> None:
     if data is not None:
         check_training(data)
     check_model(cfg)
+    check_headline(cfg)
+
+
+def check_headline(cfg: DictConfig) -> None:
+    """headline: a val/ metric of one of the model's tasks (bev.tasks): its own headline, or another val/ key."""
+    from bev.tasks import TASKS
+
+    head, model = cfg.get("headline"), cfg.get("model") or {}
+    target = str(model.get("_target_", ""))
+    tasks = ["occupancy"] if target.endswith("OccupancyLitModule") else list(model.get("tasks") or ["segmentation"])
+    if not isinstance(head, str) or not head.startswith("val/"):
+        raise ValueError(f"headline={head!r} must be a val/ metric, e.g. {TASKS[tasks[0]].headline}")
+    occupancy_metric = head.startswith("val/occ_")
+    if occupancy_metric != (tasks == ["occupancy"]):
+        raise ValueError(
+            f"headline={head} is not a metric of this model's tasks {tasks}: e.g. headline={TASKS[tasks[0]].headline}"
+        )
 
 
 def check_model(cfg: DictConfig) -> None:
@@ -219,7 +236,7 @@ def _build_losses(model: Mapping) -> None:
 
         builds.append(("model.temporal_loss", lambda o: TemporalLoss(**o), model.get("temporal_loss")))
     detection = model.get("detection")
-    if "detection" in (model.get("heads") or ()) and isinstance(detection, Mapping):
+    if "detection" in (model.get("tasks") or ()) and isinstance(detection, Mapping):
         from bev.detection.loss import DetectionLoss
 
         builds.append(("model.detection.loss", lambda o: DetectionLoss(**o), detection.get("loss")))

@@ -39,7 +39,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         cfg.ckpt_path, cfg.get("model"), cfg.grid, cfg.data, trusted=bool(cfg.get("trust_checkpoint"))
     )
     say_chosen(loaded)
-    occupancy = tuple(getattr(loaded.model, "heads", ())) == ("occupancy",)
+    occupancy = loaded.model.tasks == ("occupancy",)
     _check_output_folders(cfg, out, loaded.model, occupancy)  # before the data is read and the model runs
     with open_dict(cfg):
         cfg.grid = loaded.run_config.grid
@@ -172,7 +172,7 @@ def _check_output_folders(cfg: DictConfig, out: Path, model, occupancy: bool) ->
                 f"{str(pred_dir)!r} already holds {len(earlier)} predictions of an earlier evaluation: pass "
                 "overwrite=true to replace them, or another folder (hydra.run.dir=...)"
             )
-    elif "detection" in tuple(getattr(model, "heads", ())):
+    elif "detection" in model.tasks:
         check_output_folder(out, out / PLOTS_DIR, "devkit's plots")
 
 
@@ -236,15 +236,15 @@ def _print_report(loaded, data_cfg: DictConfig, record: dict[str, Any], out: Pat
     from bev.metrics import format_table
 
     ckpt, metrics, logged = loaded.checkpoint, record["metrics"], record["logged_val_iou"]
-    heads = getattr(loaded.model, "heads", ("segmentation",))
+    tasks = loaded.model.tasks
     print(
         f"Checkpoint {loaded.path} (epoch {ckpt.get('epoch')}, step {ckpt.get('global_step')}) on "
         f"{data_cfg.dataroot} {data_cfg.version}/{data_cfg.val_split}, threshold {record['threshold']}:"
     )
-    if "detection" in heads:
+    if "detection" in tasks:
         print(f"3D detection, scored by the nuScenes devkit's DetectionEval (results: {out / RESULTS_FILE}):")
         print(detection_table(metrics))
-    if "segmentation" not in heads:
+    if "segmentation" not in tasks:
         print(f"Metrics: {out / 'metrics.json'}  Pictures: {num_pngs} PNGs in {out}")
         return
     print(format_table(metrics, loaded.model.object_classes, loaded.model.map_classes))
@@ -269,7 +269,7 @@ def save_pngs(model, datamodule, out: Path, n: int) -> list[Path]:
                 return paths
             path = out / f"sample_{len(paths):03d}.png"
             if isinstance(pred, dict) and "detections" in pred:
-                maps = "segmentation" in tuple(getattr(model, "heads", ("segmentation",)))  # else untrained
+                maps = "segmentation" in model.tasks  # else untrained
                 save_sample_png(
                     path,
                     batch_sample(batch, i),

@@ -83,11 +83,11 @@ def _max_diff(got, expected: dict[str, Any]) -> float:
 
 def _check_something_to_export(loaded, boxes: bool) -> None:
     """boxes=false on a model trained to detect only would export untrained BEV logits: refuse it."""
-    heads = tuple(getattr(loaded.model, "heads", ("segmentation",)))
-    if not boxes and "segmentation" not in heads:
+    tasks = loaded.model.tasks
+    if not boxes and "segmentation" not in tasks:
         raise ValueError(
-            f"boxes=false but the checkpoint {str(loaded.path)!r} trains only detection (model.heads "
-            f"{list(heads)}): its BEV logits are untrained; pass boxes=auto to export the detection maps"
+            f"boxes=false but the checkpoint {str(loaded.path)!r} trains only detection (model.tasks "
+            f"{list(tasks)}): its BEV logits are untrained; pass boxes=auto to export the detection maps"
         )
 
 

@@ -98,6 +98,7 @@ def load_checkpoint(
     model_cfg = OmegaConf.merge(model_cfg, {"net": {"grid": run_cfg.grid, "image_size": run_cfg.data.final_dim}})
     for key in RETIRED_MODEL_KEYS:  # settings older checkpoints stored that no longer exist
         model_cfg.pop(key, None)
+    _within_detection_rules(model_cfg, path)
     # The checkpoint holds the weights: do not download or read the pretrained backbone again.
     model_cfg.net.camera.weights = None
     model_cfg.net.camera.weights_path = None
@@ -106,6 +107,24 @@ def load_checkpoint(
     model.load_state_dict(ckpt["state_dict"])
     model.run_config = OmegaConf.to_container(run_cfg, resolve=True)
     return Loaded(model.eval(), run_cfg, model_cfg, ckpt, path, reason)
+
+
+def _within_detection_rules(model_cfg: DictConfig, path: Path) -> None:
+    """Checkpoints of before the detection rules were kept may score velocities from tracks over more past key
+    frames than the rules allow (bev.detection.tracking.check_past): they are scored within them, with a warning."""
+    import warnings
+
+    from bev.detection.tracking import MAX_PAST_KEY_FRAMES
+
+    track = OmegaConf.select(model_cfg, "detection.track_velocity")
+    past = track.get("past_frames") if isinstance(track, DictConfig) else None
+    if isinstance(past, int) and past > MAX_PAST_KEY_FRAMES:
+        warnings.warn(
+            f"{str(path)!r} scores velocities from tracks over {past} past key frames, beyond the nuScenes detection "
+            f"rules: they are scored over {MAX_PAST_KEY_FRAMES} (model.detection.track_velocity.past_frames)",
+            stacklevel=3,
+        )
+        track.past_frames = MAX_PAST_KEY_FRAMES
 
 
 def say_chosen(loaded: Loaded) -> None:
@@ -203,7 +222,7 @@ def predict(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor | dict[s
     "segmentation" (B, T, 1, X, Y) probabilities, the heads' "centerness", "offset" and "flow", and
     "instances" (B, T, X, Y) int64: vehicle ids decoded from them, consistent over the T = F + 1 frames
     (bev.instances.decode_sequence, by the model's instance_decoding).
-    A model that detects (model.heads has detection) returns {"bev": (B, K, X, Y) probabilities,
+    A model that detects (model.tasks has detection) returns {"bev": (B, K, X, Y) probabilities,
     "detections": per sample {"boxes" (M, 9) bev.geometry.BOX_FIELDS in the ego frame of the sample's
     LIDAR_TOP, "scores" (M,), "labels" (M,) into bev.classes.DETECTION_CLASSES}}.
     """
@@ -320,9 +339,9 @@ def _detection_arrays(det: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def detects(model: nn.Module) -> bool:
-    """Whether `model` (what load_model returns) gives 3D boxes: a detection head that model.heads trains."""
+    """Whether `model` (what load_model returns) gives 3D boxes: a detection head that model.tasks trains."""
     net = getattr(model, "net", model)
-    return "detection" in tuple(getattr(model, "heads", ())) and getattr(net, "det_head", None) is not None
+    return "detection" in model.tasks and getattr(net, "det_head", None) is not None
 
 
 def boxes_option(value: Any) -> str | bool:
@@ -350,10 +369,10 @@ def wants_boxes(value: Any, model: nn.Module, path: str | Path) -> bool:
         return detects(model)
     if value and not detects(model):
         raise ValueError(
-            f"boxes=true but the checkpoint {str(path)!r} has no detection head (model.heads "
-            f"{list(getattr(model, 'heads', ('segmentation',)))}): it gives BEV maps only. Pass boxes=auto or "
+            f"boxes=true but the checkpoint {str(path)!r} has no detection head (model.tasks "
+            f"{list(model.tasks)}): it gives BEV maps only. Pass boxes=auto or "
             f"boxes=false, or train a detecting model: data.detection=true model.net.detection={{...}} "
-            f"model.heads=[segmentation,detection]"
+            f"model.tasks=[segmentation,detection]"
         )
     return value
 

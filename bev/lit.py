@@ -4,6 +4,7 @@ target channels: object classes (vehicle, ...) then HD-map classes (drivable_are
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -20,26 +21,24 @@ from bev.geometry import CAMERA_GEOMETRY, Grid
 from bev.losses import UncertaintyWeights
 from bev.metrics import BevIoU, MapIoU
 from bev.schedule import end_schedule_at, run_length, schedule_length, step_schedulers
-from bev.utils.checkpoint import load_matching
+from bev.tasks import check_tasks
+from bev.utils.checkpoint import load_matching, upgrade_checkpoint
 from bev.utils.speed import compile_mode, fused_default
 
 CAMERA_KEYS = ("images",) + CAMERA_GEOMETRY
 LOSSES = ("bce", "focal")
-HEADS = ("segmentation", "detection")
+TASKS = ("segmentation", "detection")
 TASK_WEIGHTS = ("fixed", "uncertainty")
 
 
-def _check_heads(heads: Sequence[str], net: nn.Module) -> tuple[str, ...]:
-    heads = tuple(str(h) for h in ([heads] if isinstance(heads, str) else heads))
-    unknown = [h for h in heads if h not in HEADS]
-    if unknown or not heads:
-        raise ValueError(f"model.heads {list(heads)}: choose one or both of {list(HEADS)}")
-    if "detection" in heads and getattr(net, "det_head", None) is None:
+def _check_tasks(tasks: Sequence[str], net: nn.Module) -> tuple[str, ...]:
+    tasks = check_tasks(tasks, TASKS)
+    if "detection" in tasks and getattr(net, "det_head", None) is None:
         raise ValueError(
-            "model.heads has detection but the network has no detection head: set model.net.detection "
+            "model.tasks has detection but the network has no detection head: set model.net.detection "
             "(e.g. model.net.detection={head_channels: 0}: see experiment=synthetic_det_cpu)"
         )
-    return heads
+    return tasks
 
 
 def split_outputs(out) -> tuple[torch.Tensor, dict | None]:
@@ -123,10 +122,11 @@ class BEVLitModule(L.LightningModule):
         focal_gamma: float = 2.0,
         class_weight: float | Sequence[float] | Mapping[str, float] | None = None,
         depth_weight: float = 0.0,
-        heads: Sequence[str] = ("segmentation",),
+        tasks: Sequence[str] = ("segmentation",),
         detection: Mapping[str, Any] | None = None,
         init_from: str | None = None,
         task_weights: str = "fixed",
+        headline: str = "val/iou",
     ):
         super().__init__()
         self.init_from = init_from
@@ -149,12 +149,12 @@ class BEVLitModule(L.LightningModule):
         self.test_iou = BevIoU(grid, threshold, self.object_classes)
         self.val_map_iou = MapIoU(self.map_classes)
         self.test_map_iou = MapIoU(self.map_classes)
-        self.heads = _check_heads(heads, net)
+        self.tasks = _check_tasks(tasks, net)
         if task_weights not in TASK_WEIGHTS:
             raise ValueError(f"model.task_weights must be one of {TASK_WEIGHTS}, got {task_weights!r}")
-        tasks = tuple(t for t in ("seg", "det") if {"seg": "segmentation", "det": "detection"}[t] in self.heads)
-        self.task_weights = UncertaintyWeights(tasks, init="loss") if task_weights == "uncertainty" else None
-        if "detection" in self.heads:
+        terms = tuple(t for t in ("seg", "det") if {"seg": "segmentation", "det": "detection"}[t] in self.tasks)
+        self.task_weights = UncertaintyWeights(terms, init="loss") if task_weights == "uncertainty" else None
+        if "detection" in self.tasks:
             det = dict(detection or {})
             self.detection_weight = float(det.pop("weight", 1.0))
             # Where the head regresses velocity: one choice for the loss and every decoding of its maps.
@@ -174,8 +174,12 @@ class BEVLitModule(L.LightningModule):
                 )
         # Where bev-eval wants results_nusc.json and the devkit's summary (None: a temporary folder).
         self.detection_output_dir: str | None = None
-        # Best val/iou so far; a buffer so it survives resume from a checkpoint.
-        self.register_buffer("val_iou_best", torch.tensor(0.0))
+        # The experiment's headline metric (a val/ key, maximised) and its best so far: a buffer, so it survives resume
+        # (checkpoints of before the headline hold it as val_iou_best: bev.utils.checkpoint.upgrade_checkpoint).
+        self.headline = str(headline)
+        if not self.headline.startswith("val/"):
+            raise ValueError(f"headline={self.headline!r} must be a validation metric, e.g. val/iou or val/NDS")
+        self.register_buffer("val_headline_best", torch.tensor(0.0))
         # The resolved run config (set by bev.train); stored in checkpoints so bev-eval can rebuild the model.
         self.run_config: dict | None = None
 
@@ -320,9 +324,9 @@ class BEVLitModule(L.LightningModule):
         if depth_logits is not None:
             terms["depth"] = self.depth_loss(depth_logits, batch["depth"])
             loss = loss + self.depth_weight * terms["depth"]
-        if "segmentation" in self.heads:
+        if "segmentation" in self.tasks:
             tasks["seg"] = terms["seg"] = self.loss(logits, batch["bev"])
-        if det_out is not None and "detection" in self.heads:
+        if det_out is not None and "detection" in self.tasks:
             tasks["det"] = self.detection_weight * self._det_terms(det_out, batch, terms)
         if self.task_weights is not None and len(tasks) == len(self.task_weights.log_vars):
             return loss + self.task_weights(tasks), terms
@@ -331,7 +335,7 @@ class BEVLitModule(L.LightningModule):
     def _det_terms(self, det_out: dict, batch: dict, terms: dict) -> torch.Tensor:
         """The detection loss (adds its parts to terms); needs the targets of data.detection=true."""
         if "det_heatmap" not in batch:
-            raise ValueError("model.heads has detection: the batches need its targets, set data.detection=true")
+            raise ValueError("model.tasks has detection: the batches need its targets, set data.detection=true")
         det = self.det_loss(det_out, batch)
         terms.update(det=det["loss"], det_heatmap=det["heatmap"], det_regression=det["regression"])
         return det["loss"]
@@ -353,18 +357,18 @@ class BEVLitModule(L.LightningModule):
         out = self(batch)
         logits, det_out = split_outputs(out)
         # The detection loss where the batch has its targets (bev-predict's data may not).
-        has_targets = "detection" not in self.heads or "det_heatmap" in batch
+        has_targets = "detection" not in self.tasks or "det_heatmap" in batch
         if has_targets:
             self.log_losses(stage, *self.losses(out, batch), logits.shape[0])
-        if "segmentation" in self.heads:
+        if "segmentation" in self.tasks:
             iou, map_iou = (self.val_iou, self.val_map_iou) if stage == "val" else (self.test_iou, self.test_map_iou)
             self._update_metrics(iou, map_iou, logits, batch)
-        if det_out is not None and "detection" in self.heads:
+        if det_out is not None and "detection" in self.tasks:
             (self.val_det if stage == "val" else self.test_det).update(det_out, batch["sample_token"])
 
     def _det_metrics(self, stage: str) -> dict[str, float]:
         """DetectionEval's mAP, NDS, ... of the boxes of this epoch's evaluation ({} without a detection head)."""
-        if "detection" not in self.heads:
+        if "detection" not in self.tasks:
             return {}
         score = self.val_det if stage == "val" else self.test_det
         dm = getattr(self.trainer, "datamodule", None)
@@ -379,19 +383,33 @@ class BEVLitModule(L.LightningModule):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._eval_step(batch, "val")
 
+    def validation_results(self) -> dict[str, float]:
+        """The split's scores of this validation, keyed without the val/ prefix (each task's metrics reset)."""
+        results = {k: v for k, v in self._det_metrics("val").items() if "/" not in k}
+        if "segmentation" in self.tasks:
+            # Per-threshold map IoUs go to test (bev-eval's metrics.json) only, to keep the training log readable.
+            seg = self._compute_metrics(self.val_iou, self.val_map_iou)
+            results.update({k: v for k, v in seg.items() if "@" not in k})
+        return results
+
     def on_validation_epoch_end(self) -> None:
-        det = self._det_metrics("val")
-        self.log_dict({f"val/{k}": v for k, v in det.items() if "/" not in k})
-        if "segmentation" not in self.heads:
-            return
-        results = self._compute_metrics(self.val_iou, self.val_map_iou)
-        # Per-threshold map IoUs go to test (bev-eval's metrics.json) only, to keep the training log readable.
-        results = {k: v for k, v in results.items() if "@" not in k}
-        if not self.trainer.sanity_checking:
-            self.val_iou_best.fill_(max(float(self.val_iou_best), results["iou"]))
-        self.log("val/iou", results.pop("iou"), prog_bar=True)
-        self.log_dict({f"val/{k}": v for k, v in results.items()})
-        self.log("val/iou_best", float(self.val_iou_best), prog_bar=True)
+        """Logs validation_results() as val/<key>, the headline and its best so far (<headline>_best) on the
+        progress bar."""
+        results = {f"val/{k}": v for k, v in self.validation_results().items()}
+        if self.headline not in results:
+            if self.trainer.sanity_checking or not results:
+                self.log_dict(results)
+                return
+            raise ValueError(
+                f"headline={self.headline} is not logged by this model (tasks {list(self.tasks)}); it logs "
+                f"{sorted(results)[:12]}: set headline to one of them"
+            )
+        value = results.pop(self.headline)
+        if not self.trainer.sanity_checking and math.isfinite(value):
+            self.val_headline_best.fill_(max(float(self.val_headline_best), value))
+        self.log(self.headline, value, prog_bar=True)
+        self.log(f"{self.headline}_best", float(self.val_headline_best), prog_bar=True)
+        self.log_dict(results)
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
         self._eval_step(batch, "test")
@@ -401,7 +419,7 @@ class BEVLitModule(L.LightningModule):
         {"bev": those, "detections": per sample {"boxes" (K, 9) BOX_FIELDS, "scores", "labels"}}."""
         logits, det_out = split_outputs(self(batch))
         probs = logits.float().sigmoid()
-        if det_out is None or "detection" not in self.heads:
+        if det_out is None or "detection" not in self.tasks:
             return probs
         return {"bev": probs, "detections": self.decode_boxes(det_out)}
 
@@ -412,7 +430,7 @@ class BEVLitModule(L.LightningModule):
         return decode(det_out["heatmap"], det_out["regression"], self.grid, **self.det_decoding)
 
     def on_test_epoch_end(self) -> None:
-        results = self._compute_metrics(self.test_iou, self.test_map_iou) if "segmentation" in self.heads else {}
+        results = self._compute_metrics(self.test_iou, self.test_map_iou) if "segmentation" in self.tasks else {}
         results.update(self._det_metrics("test"))
         self.log_dict({f"test/{k}": v for k, v in results.items()})
 
@@ -456,6 +474,9 @@ class BEVLitModule(L.LightningModule):
                 kwargs[name] = steps
         scheduler = self.scheduler_factory(optimizer=optimizer, **kwargs)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler_interval}}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        upgrade_checkpoint(checkpoint)  # a run resumed from a checkpoint of an earlier layout
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.run_config is not None:

@@ -5,13 +5,11 @@ Logged (docs/configs.md#log-keys): <stage>/loss the weighted total, <stage>/occ_
 <stage>/lovasz_loss and <stage>/depth_loss when on; val/occ_miou (Occ3D's mIoU over classes 0-16, a fraction),
 val/occ_miou_best, val/occ_iou_<class>, val/occ_miou_<band> (xy distance bands 0-20, 20-40, 40+ m); the same
 under test/. The confusion is summed over every process before it is scored (OccupancyMIoU.all_reduce), so
-the numbers are the split's whatever the number of processes. val/iou_best (bev-train's summary) holds the
-best val/occ_miou.
+the numbers are the split's whatever the number of processes.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -56,6 +54,7 @@ class OccupancyLitModule(BEVLitModule):
         metric_mask: str = "camera",
         depth_weight: float = 0.0,
         init_from: str | None = None,
+        headline: str = "val/occ_miou",
     ):
         super().__init__(
             net,
@@ -66,8 +65,9 @@ class OccupancyLitModule(BEVLitModule):
             object_classes=OCC3D_CLASSES,
             depth_weight=depth_weight,
             init_from=init_from,
+            headline=headline,
         )
-        self.heads = ("occupancy",)
+        self.tasks = ("occupancy",)
         self.occ_loss = OccupancyLoss(**check_loss_options(loss))
         if metric_mask not in MASKS:
             raise ValueError(f"model.metric_mask must be one of {', '.join(MASKS)}, got {metric_mask!r}")
@@ -139,14 +139,8 @@ class OccupancyLitModule(BEVLitModule):
         acc.reset()
         return out
 
-    def on_validation_epoch_end(self) -> None:
-        results = self._epoch_scores("val")
-        miou = results.pop("occ_miou")
-        if not self.trainer.sanity_checking and math.isfinite(miou):
-            self.val_iou_best.fill_(max(float(self.val_iou_best), miou))
-        self.log("val/occ_miou", miou, prog_bar=True)
-        self.log("val/occ_miou_best", float(self.val_iou_best), prog_bar=True)
-        self.log_dict({f"val/{k}": v for k, v in results.items()})
+    def validation_results(self) -> dict[str, float]:
+        return self._epoch_scores("val")
 
     def on_test_epoch_end(self) -> None:
         self.log_dict({f"test/{k}": v for k, v in self._epoch_scores("test").items()})

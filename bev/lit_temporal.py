@@ -61,6 +61,7 @@ class TemporalLitModule(BEVLitModule):
                 "model.temporal_loss.uncertainty and model.detection.weight"
             )
         super().__init__(net, optimizer, **static)
+        self.tasks = (*self.tasks, "motion")  # FIERY's present and future: this module's own task
         # Plain containers only: checkpoints are read with torch.load(weights_only=True).
         self.save_hyperparameters(
             plain(
@@ -134,7 +135,7 @@ class TemporalLitModule(BEVLitModule):
         """(weighted total, {term: unweighted value}) over the static head ("bev"), the future heads and, with
         a detection head, the present frame's boxes (BEVDet4D: velocity from the fused past)."""
         loss, terms = self.temporal_loss(out, batch, extra={"bev": self.loss(out["bev"], batch["bev"])})
-        if "detection" in self.heads:
+        if "detection" in self.tasks:
             loss = loss + self.detection_weight * self._det_terms(out, batch, terms)
         return loss, terms
 
@@ -156,7 +157,7 @@ class TemporalLitModule(BEVLitModule):
         iou, map_iou = (self.val_iou, self.val_map_iou) if stage == "val" else (self.test_iou, self.test_map_iou)
         self._update_metrics(iou, map_iou, out["bev"], batch)
         self._update_future_metrics(out, batch, stage)
-        if "detection" in self.heads:
+        if "detection" in self.tasks:
             (self.val_det if stage == "val" else self.test_det).update(out, batch["sample_token"])
         if stage == "test":
             self._update_future_metrics(present_copied(out), batch, "copied")
@@ -185,9 +186,8 @@ class TemporalLitModule(BEVLitModule):
             vpq.reset()
         return results
 
-    def on_validation_epoch_end(self) -> None:
-        super().on_validation_epoch_end()
-        self.log_dict({f"val/{k}": v for k, v in self._future_results("val").items()})
+    def validation_results(self) -> dict[str, float]:
+        return {**super().validation_results(), **self._future_results("val")}
 
     def on_test_epoch_end(self) -> None:
         super().on_test_epoch_end()

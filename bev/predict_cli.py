@@ -9,7 +9,7 @@ checkpoint that detects (boxes=auto, the default, or boxes=true) the npz adds th
 (det_boxes, det_scores, det_labels: bev.inference.save_prediction_npz; velocities from the boxes' tracks
 over the key frames before when the checkpoint scores them so, model.detection.track_velocity), each
 predictions.json record lists those at score >= box_threshold, and the pictures draw them (bev.viz.render_figure) over the
-ground truth. With an occupancy checkpoint (model heads ("occupancy",), as bev-eval tells it) each sample's
+ground truth. With an occupancy checkpoint (model.tasks ("occupancy",)) each sample's
 prediction is written in the Occ3D challenge's format instead, <out>/predictions/<sample token>.npz (one
 (200, 200, 16) uint8 array of class ids, bev.occupancy.io.write_prediction), and the pictures show the
 cameras above the top-down and side views of the prediction beside the camera-visible ground truth
@@ -95,8 +95,8 @@ OCCUPANCY_DIR = "predictions"  # <out>/predictions/<sample token>.npz: a folder 
 
 
 def _is_occupancy(model) -> bool:
-    """Whether the model predicts Occ3D occupancy only (its heads are ("occupancy",), as bev-eval tells it)."""
-    return tuple(getattr(model, "heads", ())) == ("occupancy",)
+    """Whether the model predicts Occ3D occupancy only (model.tasks is ("occupancy",))."""
+    return model.tasks == ("occupancy",)
 
 
 def _npz_path(out: Path, stem: Path, token: str, occupancy: bool) -> Path:
@@ -220,8 +220,8 @@ def _boxes_format(threshold: float) -> dict[str, Any]:
 
 
 def _draws_maps(model) -> bool:
-    """Whether the model's BEV maps are trained (model.heads has segmentation), so worth drawing."""
-    return "segmentation" in tuple(getattr(model, "heads", ("segmentation",)))
+    """Whether the model's BEV maps are trained (model.tasks has segmentation), so worth drawing."""
+    return "segmentation" in model.tasks
 
 
 def _cpu(pred):

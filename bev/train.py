@@ -29,7 +29,7 @@ from bev.utils.malloc import tune_malloc_in_process
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """Fit the model described by `cfg`; returns the final metrics (val/iou, val/iou_best, ...). The run
+    """Fit the model described by `cfg`; returns the final metrics (val/iou, ..., <headline>_best). The run
     directory is locked meanwhile: a second bev-train into it is refused."""
     from lightning.pytorch.utilities import rank_zero_only
 
@@ -298,9 +298,9 @@ def _fit(cfg: DictConfig, trainer, model, datamodule, ckpt_path: str | None) -> 
 
 
 def _final_metrics(trainer, model) -> dict[str, float]:
-    """The scalar metrics logged last, and the best val/iou of the run."""
+    """The scalar metrics logged last, and the best of the run's headline metric (<headline>_best)."""
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-    metrics["val/iou_best"] = float(model.val_iou_best)
+    metrics[f"{model.headline}_best"] = float(model.val_headline_best)
     return metrics
 
 
@@ -313,10 +313,9 @@ def _finish(cfg: DictConfig, trainer, metrics: dict[str, float], out: Path, wall
     if not trainer.is_global_zero:
         return
     write_run_metrics(out, _run_record(cfg, trainer, metrics, wall, budget, best))
-    judged = cfg.get("optimized_metric")  # the experiment's headline (val/occ_miou_best for occupancy)
-    judged = judged if judged in metrics else "val/iou_best"
+    judged = f"{cfg.get('headline', 'val/iou')}_best"
     print(
-        f"Training done in {wall / 60:.1f} min, {trainer.global_step} steps: {judged}={metrics[judged]:.4f}. "
+        f"Training done in {wall / 60:.1f} min, {trainer.global_step} steps: {judged}={metrics.get(judged, float('nan')):.4f}. "
         f"Best checkpoint: {best or '(none)'}; run dir: {out}"
     )
     if budget and budget["message"]:

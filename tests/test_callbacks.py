@@ -68,15 +68,15 @@ def test_epoch_summary_sums_the_train_loss_without_reading_it_every_step(capsys)
         global_step=2,
         callback_metrics={"val/loss": torch.tensor(0.25), "val/iou": torch.tensor(0.5)},
     )
-    cb.on_validation_end(trainer, None)
+    cb.on_validation_end(trainer, SimpleNamespace(headline="val/iou"))
     line = capsys.readouterr().out
-    assert "train/loss 1.0000" in line and "val/loss 0.2500" in line and "val/iou_best -" in line
+    assert "train/loss 1.0000" in line and "val/loss 0.2500" in line and "val/iou 0.5000  val/iou_best -" in line
     assert cb.loss_n == 0 and float(cb.loss_sum) == 0.0
-    # A run judged by another metric (detection, occupancy) shows it too.
-    trainer.checkpoint_callback = SimpleNamespace(monitor="val/occ_miou")
-    trainer.callback_metrics["val/occ_miou"] = torch.tensor(0.3125)
-    cb.on_validation_end(trainer, None)
-    assert "val/occ_miou 0.3125" in capsys.readouterr().out
+    # A run whose headline is another metric (detection, occupancy) shows it and its best, beside val/iou.
+    trainer.callback_metrics.update({"val/NDS": torch.tensor(0.3125), "val/NDS_best": torch.tensor(0.375)})
+    cb.on_validation_end(trainer, SimpleNamespace(headline="val/NDS"))
+    line = capsys.readouterr().out
+    assert "val/iou 0.5000  val/NDS 0.3125  val/NDS_best 0.3750" in line and "val/iou_best" not in line
 
 
 def test_bev_png_logger_writes_the_png_and_logs_it_to_image_loggers(tmp_path):

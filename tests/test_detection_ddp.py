@@ -18,7 +18,7 @@ from helpers.cli import TINY, eval_cli
 DETECTION = [
     "data.detection=true",
     "model.net.detection={shared_channels: 8, head_channels: 0}",
-    "model.heads=[segmentation,detection]",
+    "model.tasks=[segmentation,detection]",
     # Velocities from tracks too: consecutive key frames fall to different processes, so they are tracked only
     # once every process's boxes are gathered.
     "model.detection={decoding: {score_threshold: 0.0, top_k: 500, nms: circle}, track_velocity: {past_frames: 1, "

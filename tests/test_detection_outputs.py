@@ -143,7 +143,7 @@ def det_run(synthetic_root, tmp_path_factory):
             *TINY,
             "data.detection=true",
             "model.net.detection={shared_channels: 8, head_channels: 0}",
-            "model.heads=[segmentation,detection]",
+            "model.tasks=[segmentation,detection]",
             # Velocities from tracks, with every past box starting one: an untrained head's boxes match often.
             "+model.detection={track_velocity: {past_frames: 1, gate: 6.0, min_past_score: 0.0, still_speed: 0.0}}",
             "trainer.max_epochs=1",

@@ -303,7 +303,7 @@ def test_the_rules_script_scores_six_variants_of_one_pass(synthetic_root, tmp_pa
         *TINY,
         "data.detection=true",
         "model.net.detection={shared_channels: 8, head_channels: 0}",
-        "model.heads=[segmentation,detection]",
+        "model.tasks=[segmentation,detection]",
         "callbacks.bev_png.every_n_steps=0",
         f"data.dataroot={synthetic_root}",
         f"hydra.run.dir={run}",
@@ -319,9 +319,9 @@ def test_the_rules_script_scores_six_variants_of_one_pass(synthetic_root, tmp_pa
     printed = capsys.readouterr().out
     rows = json.loads(out.read_text())["variants"]
     assert sorted(rows) == sorted(
-        f"{d}/{v}" for d in ("today", "bevdet") for v in ("head", "tracks_1_frame", "tracks_2_frames")
+        f"{d}/{v}" for d in ("maxpool_circle", "bevdet") for v in ("head", "tracks_1_frame", "tracks_2_frames")
     )
-    for d in ("today", "bevdet"):
+    for d in ("maxpool_circle", "bevdet"):
         assert rows[f"{d}/head"]["mAP"] == rows[f"{d}/tracks_1_frame"]["mAP"] == rows[f"{d}/tracks_2_frames"]["mAP"]
         assert rows[f"{d}/tracks_2_frames"]["note"] == "outside the nuScenes detection rules (1 s of past)"
         assert "note" not in rows[f"{d}/tracks_1_frame"] and set(rows[f"{d}/head"]["AP"]) >= {"car", "barrier"}

@@ -88,7 +88,7 @@ def _stub_checkpoint(monkeypatch, heads: tuple[str, ...]) -> None:
     """load_checkpoint answering a model of `heads` at once; the model must never run."""
     import bev.inference
 
-    loaded = SimpleNamespace(model=SimpleNamespace(heads=heads), chosen=None, run_config=SimpleNamespace(grid=None))
+    loaded = SimpleNamespace(model=SimpleNamespace(tasks=heads), chosen=None, run_config=SimpleNamespace(grid=None))
     monkeypatch.setattr(bev.inference, "load_checkpoint", lambda *a, **k: loaded)
     monkeypatch.setattr(bev.inference, "trained_on", lambda *a: None)
     monkeypatch.setattr(bev.inference, "build_data_config", lambda *a, **k: pytest.fail("the data was read"))

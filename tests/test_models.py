@@ -238,9 +238,9 @@ def test_uncertainty_task_weights_start_each_task_at_its_first_loss():
     torch.manual_seed(0)
     net = LiftSplatShoot(GRID, SIZE, detection={"head_channels": 0, "shared_channels": 8}, **TINY_NET)
     batch = {"bev": (torch.rand(2, 1, *GRID.bev_shape) > 0.9).float(), **detection_targets(GRID, 2, seed=0)}
-    heads = ["segmentation", "detection"]
-    fixed = BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], heads=heads)
-    learned = BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], heads=heads, task_weights="uncertainty")
+    tasks = ["segmentation", "detection"]
+    fixed = BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], tasks=tasks)
+    learned = BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], tasks=tasks, task_weights="uncertainty")
     out = net(*model_inputs())
     total, terms = fixed.losses(out, batch)
     torch.testing.assert_close(total, terms["seg"] + terms["det"])
@@ -250,4 +250,4 @@ def test_uncertainty_task_weights_start_each_task_at_its_first_loss():
     log_vars = dict(learned.task_weights.log_vars.items())
     assert set(log_vars) == {"seg", "det"} and all(p in set(learned.parameters()) for p in log_vars.values())
     with pytest.raises(ValueError, match="task_weights"):
-        BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], heads=heads, task_weights="equal")
+        BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], tasks=tasks, task_weights="equal")

@@ -624,7 +624,7 @@ def test_init_from_starts_a_detection_model_from_a_static_one(tmp_path, capsys):
         torch.optim.Adam,
         object_classes=["vehicle"],
         map_classes=["drivable_area"],
-        heads=["segmentation", "detection"],
+        tasks=["segmentation", "detection"],
         init_from=path,
     )
     det._trainer = SimpleNamespace(ckpt_path=None, is_global_zero=True)

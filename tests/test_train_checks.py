@@ -79,6 +79,10 @@ def _check(*overrides):
         ((STATIC, "model.net.image_size=[64,176]"), "model.net.image_size=[64, 176] differs from data.final_dim"),
         # BEV augmentation skipped without data.augment (the synthetic experiments turn it off).
         ((DET, "data.bev_aug=bevdet"), "data.bev_aug=bevdet does nothing with data.augment=false"),
+        # The headline metric: the checkpoint monitor and the sweep read it, so it must be one the model logs.
+        ((OCC, "headline=val/iou"), "headline=val/iou is not a metric of this model's tasks ['occupancy']"),
+        ((STATIC, "headline=val/occ_miou"), "headline=val/occ_miou is not a metric of this model's tasks"),
+        ((STATIC, "headline=iou"), "headline='iou' must be a val/ metric"),
     ],
 )
 def test_a_bad_model_or_training_setting_is_named_with_the_config(overrides, needle):

@@ -9,9 +9,9 @@ from lightning.pytorch.utilities import rank_zero_only
 
 
 class EpochSummary(L.Callback):
-    """One line per validation: epoch, step, mean train loss since the last line, val/loss, val/iou and its
-    best, the checkpoint's monitored metric when it is another (val/NDS, val/occ_miou), elapsed time and
-    s/step (for logs without a progress bar)."""
+    """One line per validation: epoch, step, mean train loss since the last line, val/loss, val/iou where the
+    model logs it, the experiment's headline metric and its best (bev.tasks), elapsed time and s/step (for logs
+    without a progress bar)."""
 
     def __init__(self) -> None:
         self.start: float | None = None
@@ -36,13 +36,14 @@ class EpochSummary(L.Callback):
             return f"{float(m[key]):.4f}" if key in m else "-"
 
         train_loss = f"{float(self.loss_sum) / self.loss_n:.4f}" if self.loss_n else "-"
-        monitor = getattr(getattr(trainer, "checkpoint_callback", None), "monitor", None)
-        judged = f"{monitor} {fmt(monitor)}  " if monitor and monitor not in ("val/loss", "val/iou") else ""
+        head = getattr(pl_module, "headline", "val/iou")
+        scores = f"val/iou {fmt('val/iou')}  " if head != "val/iou" and "val/iou" in m else ""
+        scores += f"{head} {fmt(head)}  {head}_best {fmt(head + '_best')}"
         self.loss_sum, self.loss_n = 0.0, 0
         elapsed = time.time() - self.start
         print(
             f"epoch {trainer.current_epoch:3d} step {trainer.global_step:6d}  train/loss {train_loss}  "
-            f"val/loss {fmt('val/loss')}  val/iou {fmt('val/iou')}  val/iou_best {fmt('val/iou_best')}  {judged}"
+            f"val/loss {fmt('val/loss')}  {scores}  "
             f"{elapsed / 60:5.1f} min ({elapsed / max(trainer.global_step, 1):.2f} s/step incl. validation)",
             flush=True,
         )

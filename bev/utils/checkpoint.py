@@ -98,6 +98,26 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> dict:
         ) from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise CheckpointError(f"{str(path)!r} is not a Lightning checkpoint (no 'state_dict' entry).")
+    return upgrade_checkpoint(ckpt)
+
+
+# Names earlier checkpoints used, and today's: read_checkpoint and a resumed run (BEVLitModule.on_load_checkpoint)
+# rename them, so every checkpoint bev-train wrote loads as it was trained.
+RENAMED_STATE = {"val_iou_best": "val_headline_best"}  # the best of the headline metric (val/iou before it)
+RENAMED_MODEL_KEYS = {"heads": "tasks"}  # model.heads listed the tasks trained
+
+
+def upgrade_checkpoint(ckpt: dict) -> dict:
+    """A checkpoint of an earlier layout in today's, in place: its state_dict keys (RENAMED_STATE) and stored
+    model settings (RENAMED_MODEL_KEYS) under their current names."""
+    state = ckpt.get("state_dict")
+    config = ckpt.get("bev_config")
+    model = config.get("model") if isinstance(config, dict) else None
+    for table, names in ((state, RENAMED_STATE), (model, RENAMED_MODEL_KEYS)):
+        if isinstance(table, dict):
+            for old, new in names.items():
+                if old in table and new not in table:
+                    table[new] = table.pop(old)
     return ckpt
 
 

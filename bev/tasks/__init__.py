@@ -1,0 +1,47 @@
+"""The tasks a model is trained and scored for, and what each names: its headline metric and what it adds to a
+batch. A LightningModule declares its tasks (`model.tasks`); bev-train, bev-eval, bev-predict, bev-export and
+bev.load_model ask it, instead of probing the network for heads.
+
+  segmentation  BEV maps of object and HD-map classes: val/iou (the first object class), val/miou_map
+  motion        FIERY's present and future instances: val/future_iou_long, val/vpq_long, ...
+  detection     3D boxes scored by the nuScenes devkit's DetectionEval: val/NDS, val/mAP, ...
+  occupancy     Occ3D's 18 classes per voxel: val/occ_miou (Occ3D's mIoU with the camera mask)
+
+The experiment's one headline metric (the config's `headline`, a val/ key of one of its tasks) is what the best
+checkpoint is chosen by, what sweeps optimise (as <headline>_best) and what bev-train's last line reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Task:
+    """name: as in model.tasks; headline: its own headline metric (a val/ key); batch_keys: what it trains on."""
+
+    name: str
+    headline: str
+    batch_keys: tuple[str, ...]
+
+
+TASKS: dict[str, Task] = {
+    t.name: t
+    for t in (
+        Task("segmentation", "val/iou", ("bev", "visibility")),
+        Task("motion", "val/future_iou_long", ("segmentation", "instance", "centerness", "offset", "flow")),
+        Task("detection", "val/NDS", ("det_heatmap", "det_index", "det_target", "det_mask")),
+        Task("occupancy", "val/occ_miou", ("occ_semantics", "occ_mask_camera", "occ_mask_lidar")),
+    )
+}
+
+
+def check_tasks(tasks: Sequence[str] | str, allowed: Sequence[str], key: str = "model.tasks") -> tuple[str, ...]:
+    """tasks as a tuple of names, each one of `allowed` (what the module can train), at least one; else one line
+    naming the key."""
+    tasks = tuple(str(t) for t in ([tasks] if isinstance(tasks, str) else tasks))
+    unknown = [t for t in tasks if t not in allowed]
+    if unknown or not tasks or len(set(tasks)) != len(tasks):
+        raise ValueError(f"{key}={list(tasks)}: choose one or more of {list(allowed)}, each once")
+    return tasks

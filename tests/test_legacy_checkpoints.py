@@ -1,0 +1,85 @@
+"""Checkpoints bev-train wrote before models declared their tasks (tests/data/legacy_checkpoints, one per task) load,
+score, export and resume: bev.utils.checkpoint.upgrade_checkpoint renames what changed."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_occupancy_data import occ_root  # noqa: F401 (the synthetic set with Occ3D labels)
+
+from bev.utils.checkpoint import RENAMED_MODEL_KEYS, RENAMED_STATE, read_checkpoint
+from helpers.cli import TINY, eval_cli, train_cli
+
+LEGACY = Path(__file__).parent / "data" / "legacy_checkpoints"
+TASKS = {
+    "segmentation": ("segmentation",),
+    "detection": ("segmentation", "detection"),
+    "motion": ("segmentation", "motion"),
+    "occupancy": ("occupancy",),
+}
+# What bev-eval reports for each: a metric of the task, in metrics.json.
+SCORED = {"segmentation": "iou", "detection": "NDS", "motion": "future_iou_long", "occupancy": "occ_miou"}
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_the_fixtures_are_of_the_earlier_layout(task):
+    raw = torch.load(LEGACY / f"{task}.ckpt", map_location="cpu", weights_only=True)
+    assert set(RENAMED_STATE) <= set(raw["state_dict"])
+    if task != "occupancy":  # the occupancy module took no heads argument
+        assert set(RENAMED_MODEL_KEYS) <= set(raw["bev_config"]["model"])
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_a_legacy_checkpoint_loads_with_its_tasks(task):
+    import bev
+
+    raw = torch.load(LEGACY / f"{task}.ckpt", map_location="cpu", weights_only=True)
+    if task == "detection":  # trained with velocities from tracks over 1 s of past: scored within the rules
+        with pytest.warns(UserWarning, match="beyond the nuScenes detection rules"):
+            model = bev.load_model(LEGACY / f"{task}.ckpt")
+        assert model.val_det.track.past_frames == 1
+    else:
+        model = bev.load_model(LEGACY / f"{task}.ckpt")
+    assert model.tasks == TASKS[task]
+    assert float(model.val_headline_best) == float(raw["state_dict"]["val_iou_best"])
+    upgraded = read_checkpoint(LEGACY / f"{task}.ckpt")
+    assert "val_iou_best" not in upgraded["state_dict"] and "heads" not in upgraded["bev_config"]["model"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("task", TASKS)
+def test_bev_eval_scores_a_legacy_checkpoint(task, synthetic_root, occ_root, tmp_path, monkeypatch):  # noqa: F811
+    root = occ_root if task == "occupancy" else synthetic_root
+    args = [f"ckpt_path={LEGACY / f'{task}.ckpt'}", f"data.dataroot={root}", f"hydra.run.dir={tmp_path}"]
+    assert eval_cli(args, monkeypatch) == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())["metrics"]
+    assert SCORED[task] in metrics
+
+
+@pytest.mark.e2e
+def test_bev_export_writes_a_legacy_checkpoint(tmp_path, monkeypatch):
+    from bev import export as bev_export
+    from helpers.cli import run_cli
+
+    out = tmp_path / "model.pt2"
+    args = [f"ckpt_path={LEGACY / 'detection.ckpt'}", f"out={out}", "format=torch_export", "check=false"]
+    assert run_cli(bev_export.main, args, monkeypatch) == 0
+    assert out.is_file() and out.stat().st_size > 0
+
+
+@pytest.mark.e2e
+def test_a_run_resumes_from_a_legacy_checkpoint(synthetic_root, tmp_path, monkeypatch):
+    legacy = LEGACY / "segmentation.ckpt"
+    args = [
+        *TINY,
+        "trainer.max_epochs=2",
+        "callbacks.bev_png.every_n_steps=0",
+        f"ckpt_path={legacy}",
+        f"data.dataroot={synthetic_root}",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    assert train_cli(args, monkeypatch) == 0
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    started = torch.load(legacy, map_location="cpu", weights_only=True)
+    assert last["global_step"] > started["global_step"] and "val_headline_best" in last["state_dict"]
