@@ -290,8 +290,8 @@ def test_a_resumed_cbgs_run_draws_the_uninterrupted_runs_epoch(synthetic_root, t
 
 @pytest.mark.e2e
 def test_the_rules_script_scores_six_variants_of_one_pass(synthetic_root, tmp_path, monkeypatch, capsys):
-    """scripts/det_rules_scores.py on a 1-epoch tiny detection run: two decodings x three velocities, the velocities
-    leaving mAP as it is, the 1 s tracks labelled outside the rules where printed and in the JSON."""
+    """scripts/track_velocity_scores.py on a 1-epoch tiny detection run: two decodings x three velocities, the
+    velocities leaving mAP as it is, the 1 s tracks labelled outside the rules where printed and in the JSON."""
     import importlib.util
     import json
     from pathlib import Path
@@ -309,8 +309,8 @@ def test_the_rules_script_scores_six_variants_of_one_pass(synthetic_root, tmp_pa
         f"hydra.run.dir={run}",
     ]
     assert train_cli(args, monkeypatch) == 0
-    path = Path(__file__).resolve().parents[1] / "scripts/det_rules_scores.py"
-    spec = importlib.util.spec_from_file_location("det_rules_scores", path)
+    path = Path(__file__).resolve().parents[1] / "scripts/track_velocity_scores.py"
+    spec = importlib.util.spec_from_file_location("track_velocity_scores", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     out = tmp_path / "rules.json"
