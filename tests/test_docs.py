@@ -210,8 +210,7 @@ def test_benchmarks_page_is_one_short_table_of_current_figures():
 # ---------------------------------------------------------------- what the pages cite exists
 # A script or result file named in a page's text (inline code included), not a path inside another project's tree.
 CITED = re.compile(r"(?<![\w/.-])((?:scripts|benchmarks/results)/[\w.-]+\.[a-z]+)")
-# docs/detection.md cites scripts/det_range_errors.py, which is gone: its owner adds the page here when fixed.
-CITE_CHECKED = [p for p in [*PAGES, ROOT / "benchmarks" / "README.md"] if p.name != "detection.md"]
+CITE_CHECKED = [*PAGES, ROOT / "benchmarks" / "README.md"]
 
 
 def missing_cited_files(page: Path, root: Path = ROOT) -> list[str]:
@@ -237,3 +236,65 @@ def test_occupancy_pages_name_every_key_a_prediction_file_holds(page):
 
     text = (ROOT / page).read_text()
     assert [k for k in PREDICTION_KEYS if f"`{k}`" not in text and f'"{k}"' not in text] == []
+
+
+# ---------------------------------------------------------------- docs/detection.md: figures only from result files
+PLAIN_NUMBER = re.compile(r"\**(\d+(?:\.\d+)?)\**")
+
+
+def tables_with_captions(page: Path) -> list[tuple[str, list[list[str]]]]:
+    """Each Markdown table of the page (outside code blocks) with its caption, the paragraph just above it."""
+    out, paragraph, last, table = [], [], [], None
+    for line in FENCE.sub("", page.read_text()).splitlines():
+        if line.startswith("|"):
+            if table is None:
+                table = (" ".join(paragraph or last), [])
+                out.append(table)
+                paragraph = last = []
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if not all(set(c) <= set(":-") for c in cells):
+                table[1].append(cells)
+        elif line.strip():
+            table, paragraph = None, [*paragraph, line]
+        else:
+            table, last, paragraph = None, paragraph or last, []
+    return out
+
+
+def unheld_table_figures(page: Path) -> list[str]:
+    """The figures (cells that are a number) of the page's tables that no result file their caption links holds."""
+    problems = []
+    for caption, rows in tables_with_captions(page):
+        figures = [m.group(1) for row in rows for cell in row if (m := PLAIN_NUMBER.fullmatch(cell))]
+        files = [(page.parent / t).resolve() for t in LINK.findall(prose(caption)) if t.endswith(".json")]
+        files = [f for f in files if f.exists()]
+        if figures and not files:
+            problems.append(f"a table of {len(figures)} figures whose caption links no result file: {caption[:60]}")
+            continue
+        values = [v for f in files for v in json_numbers(f)]
+        problems += [f"{x}: not in {', '.join(f.name for f in files)}" for x in figures if not held(x, None, values)]
+    return problems
+
+
+def test_detection_page_shows_only_figures_its_tables_captions_link():
+    assert unheld_table_figures(ROOT / "docs" / "detection.md") == []
+
+
+def test_table_figure_check_finds_an_unheld_figure_and_an_uncaptioned_table(tmp_path):
+    (tmp_path / "r.json").write_text(json.dumps({"mAP": 0.2413, "steps": 1920}))
+    page = tmp_path / "p.md"
+    page.write_text(
+        "Scored ([r](r.json)):\n\n| run | mAP | steps |\n|---|---:|---:|\n| a | **0.241** | 1920 |\n| b | 0.250 | x 3 |\n"
+        "\nNo file here.\n\n| run | NDS |\n|---|---:|\n| a | 0.3 |\n\n| option | default |\n|---|---|\n| `nms` | circle |\n"
+    )
+    assert unheld_table_figures(page) == [
+        "0.250: not in r.json",
+        "a table of 1 figures whose caption links no result file: No file here.",
+    ]
+
+
+def test_detection_ablations_name_their_command_decision_and_existing_result_files():
+    ablations = json.loads((RESULTS / "detection_ablations.json").read_text())
+    for c in ablations["comparisons"]:
+        assert all(c.get(k) for k in ("name", "question", "command", "decision", "result_files")), c.get("name")
+        assert [f for f in c["result_files"] if not (RESULTS / f).exists()] == [], c["name"]
