@@ -17,10 +17,10 @@ MODEL_OPTIONS = {
     "net.camera": "bev.models.camera.CameraEncoder",
     "net.bev": "bev.models.bev_encoder.BevEncoder",
     "net.detection": "bev.models.centerpoint.CenterHead",
-    "loss": "bev.occupancy.loss.OccupancyLoss",
-    "temporal_loss": "bev.losses.TemporalLoss",
-    "detection.loss": "bev.detection.loss.DetectionLoss",
-    "detection.decoding": "bev.detection.decode.decode",
+    "loss": "bev.tasks.occupancy.loss.OccupancyLoss",
+    "temporal_loss": "bev.tasks.motion.loss.TemporalLoss",
+    "detection.loss": "bev.tasks.detection.loss.DetectionLoss",
+    "detection.decoding": "bev.tasks.detection.decode.decode",
 }
 # Weight-named keys that hold a name as a whole: a mode, pretrained weights, a preset.
 NAMED_WEIGHTS = ("model.task_weights", "model.net.camera.weights", "model.loss.class_weight")
@@ -204,7 +204,7 @@ def _select(tree: Mapping, path: str) -> Any:
 
 def _check_per_class(model: Mapping) -> None:
     """model.pos_weight and model.class_weight of the segmentation modules against their channels."""
-    from bev.lit import _per_class
+    from bev.tasks.segmentation.loss import per_class_weights
 
     fn = _locate(str(model.get("_target_")))
     names = model.get("object_classes")
@@ -214,7 +214,7 @@ def _check_per_class(model: Mapping) -> None:
     for key in ("pos_weight", "class_weight"):
         if model.get(key) is not None:  # numbers, checked by _check_values
             try:
-                _per_class(model[key], names, f"model.{key}")
+                per_class_weights(model[key], names, f"model.{key}")
             except (TypeError, ValueError) as e:
                 raise ValueError(_named(f"model.{key}", e)) from None
 
@@ -228,16 +228,16 @@ def _build_losses(model: Mapping) -> None:
     fn = _locate(str(model.get("_target_")))
     builds = []
     if isinstance(fn, type) and issubclass(fn, OccupancyLitModule):
-        from bev.occupancy.loss import OccupancyLoss, check_loss_options
+        from bev.tasks.occupancy.loss import OccupancyLoss, check_loss_options
 
         builds.append(("model.loss", lambda o: OccupancyLoss(**check_loss_options(o)), model.get("loss")))
     if isinstance(fn, type) and issubclass(fn, TemporalLitModule):
-        from bev.losses import TemporalLoss
+        from bev.tasks.motion.loss import TemporalLoss
 
         builds.append(("model.temporal_loss", lambda o: TemporalLoss(**o), model.get("temporal_loss")))
     detection = model.get("detection")
     if "detection" in (model.get("tasks") or ()) and isinstance(detection, Mapping):
-        from bev.detection.loss import DetectionLoss
+        from bev.tasks.detection.loss import DetectionLoss
 
         builds.append(("model.detection.loss", lambda o: DetectionLoss(**o), detection.get("loss")))
     for key, build, options in builds:

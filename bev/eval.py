@@ -70,8 +70,8 @@ def _evaluate_occupancy(cfg: DictConfig, loaded, data_cfg: DictConfig, datamodul
     format in <out>/predictions/<sample token>.npz."""
     import time
 
-    from bev.occupancy import rayiou
-    from bev.occupancy.metric import format_table
+    from bev.tasks.occupancy import rayiou
+    from bev.tasks.occupancy.metric import format_table
 
     pred_dir = out / PREDICTIONS_DIR
     for path in _earlier_predictions(pred_dir):  # a submission folder holds this evaluation's samples only
@@ -108,9 +108,9 @@ def _evaluate_occupancy(cfg: DictConfig, loaded, data_cfg: DictConfig, datamodul
 
 def _occupancy_pngs(model, datamodule, out: Path, n: int) -> list[Path]:
     """Cameras, then top-down and side views of the prediction beside the camera-visible ground truth, for the first
-    n validation samples (bev.occupancy.viz)."""
+    n validation samples (bev.tasks.occupancy.viz)."""
     from bev.inference import predict
-    from bev.occupancy.viz import render_occupancy
+    from bev.tasks.occupancy.viz import render_occupancy
     from bev.viz import camera_grid, save_png
 
     paths: list[Path] = []
@@ -128,7 +128,7 @@ def _occupancy_pngs(model, datamodule, out: Path, n: int) -> list[Path]:
 def output_files(out: Path, num_pngs: int) -> list[Path]:
     """The files bev-eval writes in its output folder: metrics.json, a detecting model's results and devkit
     summary, and the sample PNGs."""
-    from bev.detection.nusc_eval import RESULTS_FILE, SUMMARY_FILE
+    from bev.tasks.detection.nusc_eval import RESULTS_FILE, SUMMARY_FILE
 
     names = ["metrics.json", RESULTS_FILE, SUMMARY_FILE, *(f"sample_{i:03d}.png" for i in range(max(num_pngs, 0)))]
     return [out / n for n in names]
@@ -231,9 +231,10 @@ def _eval_record(loaded, data_cfg: DictConfig, metrics: dict[str, float]) -> dic
 
 def _print_report(loaded, data_cfg: DictConfig, record: dict[str, Any], out: Path, num_pngs: int) -> None:
     """What was evaluated, the IoU table, the run's own val/iou for comparison, and where the files are."""
-    from bev.detection.nusc_eval import RESULTS_FILE
-    from bev.detection.nusc_eval import format_table as detection_table
-    from bev.metrics import format_table
+    from bev.tasks.detection.nusc_eval import RESULTS_FILE
+    from bev.tasks.detection.nusc_eval import format_table as detection_table
+    from bev.tasks.motion.metric import format_table as motion_table
+    from bev.tasks.segmentation.metric import format_table
 
     ckpt, metrics, logged = loaded.checkpoint, record["metrics"], record["logged_val_iou"]
     tasks = loaded.model.tasks
@@ -248,6 +249,8 @@ def _print_report(loaded, data_cfg: DictConfig, record: dict[str, Any], out: Pat
         print(f"Metrics: {out / 'metrics.json'}  Pictures: {num_pngs} PNGs in {out}")
         return
     print(format_table(metrics, loaded.model.object_classes, loaded.model.map_classes))
+    if "future_iou_long" in metrics:  # a temporal model: FIERY's scores over the present and future frames
+        print("\n" + motion_table(metrics))
     if logged is not None:
         print(f"val/iou logged by the run for this checkpoint: {logged:.4f} (this evaluation: {metrics['iou']:.4f})")
     print(f"Metrics: {out / 'metrics.json'}  Pictures: {num_pngs} PNGs in {out}")

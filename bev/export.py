@@ -8,7 +8,7 @@ with PyTorch. The work is in bev.inference (export_onnx, export_program).
 A checkpoint with a detection head (boxes=auto, the default, or boxes=true) exports the head's maps
 beside the BEV logits: outputs "logits" (B, K, X, Y), "heatmap" (B, 10, X, Y) and "regression"
 (B, G, 10, X, Y) (bev.inference.DETECTION_OUTPUTS; torch_export returns them as a dict). Boxes are
-decoded from them in Python (bev.detection.decode.decode), as predict does.
+decoded from them in Python (bev.tasks.detection.decode.decode), as predict does.
 """
 
 from __future__ import annotations

@@ -111,10 +111,11 @@ def load_checkpoint(
 
 def _within_detection_rules(model_cfg: DictConfig, path: Path) -> None:
     """Checkpoints of before the detection rules were kept may score velocities from tracks over more past key
-    frames than the rules allow (bev.detection.tracking.check_past): they are scored within them, with a warning."""
+    frames than the rules allow (bev.tasks.detection.tracking.check_past): they are scored within them, with a
+    warning."""
     import warnings
 
-    from bev.detection.tracking import MAX_PAST_KEY_FRAMES
+    from bev.tasks.detection.tracking import MAX_PAST_KEY_FRAMES
 
     track = OmegaConf.select(model_cfg, "detection.track_velocity")
     past = track.get("past_frames") if isinstance(track, DictConfig) else None
@@ -221,7 +222,7 @@ def predict(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor | dict[s
     tensors with the same time axis, and future_egomotion) and returns a dict: "bev" (B, K, X, Y) and
     "segmentation" (B, T, 1, X, Y) probabilities, the heads' "centerness", "offset" and "flow", and
     "instances" (B, T, X, Y) int64: vehicle ids decoded from them, consistent over the T = F + 1 frames
-    (bev.instances.decode_sequence, by the model's instance_decoding).
+    (bev.tasks.motion.instances.decode_sequence, by the model's instance_decoding).
     A model that detects (model.tasks has detection) returns {"bev": (B, K, X, Y) probabilities,
     "detections": per sample {"boxes" (M, 9) bev.geometry.BOX_FIELDS in the ego frame of the sample's
     LIDAR_TOP, "scores" (M,), "labels" (M,) into bev.classes.DETECTION_CLASSES}}.
@@ -244,7 +245,7 @@ def predict(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor | dict[s
 
 
 def _with_instances(out: dict[str, torch.Tensor], method: str, threshold: float = 0.5) -> dict[str, torch.Tensor]:
-    from bev.instances import decode_sequence
+    from bev.tasks.motion.instances import decode_sequence
 
     seg = out["segmentation"][:, :, 0] >= threshold
     return {**out, "instances": decode_sequence(seg, out["centerness"], out["offset"], out["flow"], method)}
@@ -456,7 +457,7 @@ def present_rows(ds):
 # ------------------------------------------------------------------------------------------ export
 EXPORT_FORMATS = ("onnx", "torch_export")
 # The exported model's outputs: the BEV logits, and with boxes the detection head's maps (decoded in
-# Python by bev.detection.decode: heatmap logits (B, 10, X, Y), regression (B, G, 10, X, Y)).
+# Python by bev.tasks.detection.decode: heatmap logits (B, 10, X, Y), regression (B, G, 10, X, Y)).
 SEGMENTATION_OUTPUTS = ("logits",)
 DETECTION_OUTPUTS = ("logits", "heatmap", "regression")
 

@@ -13,20 +13,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bev.detection.decode import check_decoding, decode
-from bev.detection.loss import DetectionLoss
-from bev.detection.scoring import DetectionScore
-from bev.detection.tracking import TrackVelocity, check_past
 from bev.geometry import CAMERA_GEOMETRY, Grid
 from bev.losses import UncertaintyWeights
-from bev.metrics import BevIoU, MapIoU
 from bev.schedule import end_schedule_at, run_length, schedule_length, step_schedulers
 from bev.tasks import check_tasks
+from bev.tasks.detection.decode import check_decoding, decode
+from bev.tasks.detection.loss import DetectionLoss
+from bev.tasks.detection.scoring import DetectionScore
+from bev.tasks.detection.tracking import TrackVelocity, check_past
+from bev.tasks.segmentation.loss import SegmentationLoss
+from bev.tasks.segmentation.metric import BevIoU, MapIoU
 from bev.utils.checkpoint import load_matching, upgrade_checkpoint
 from bev.utils.speed import compile_mode, fused_default
 
 CAMERA_KEYS = ("images",) + CAMERA_GEOMETRY
-LOSSES = ("bce", "focal")
 TASKS = ("segmentation", "detection")
 TASK_WEIGHTS = ("fixed", "uncertainty")
 
@@ -62,25 +62,6 @@ def _class_names(net: nn.Module, object_classes, map_classes) -> tuple[tuple[str
             f"{list(map_classes)} name {len(object_classes) + len(map_classes)} channels"
         )
     return object_classes, map_classes
-
-
-def _per_class(spec, names: tuple[str, ...], what: str = "pos_weight") -> torch.Tensor:
-    """A per-class config (pos_weight, class_weight) -> (K,) tensor: a number for all, a list per
-    channel, or {class: weight} (others 1.0)."""
-    if isinstance(spec, Mapping):
-        unknown = [k for k in spec if k not in names]
-        if unknown:
-            raise ValueError(f"{what} names unknown class(es) {unknown}; classes: {list(names)}")
-        values = [float(spec.get(n, 1.0)) for n in names]
-    elif isinstance(spec, (int, float)):
-        values = [float(spec)] * len(names)
-    else:
-        values = [float(v) for v in spec]
-    if len(values) != len(names):
-        raise ValueError(f"{what} has {len(values)} values for {len(names)} classes {list(names)}")
-    if any(v < 0 for v in values) or not sum(values) > 0:
-        raise ValueError(f"{what} must be >= 0 and not all 0, got {dict(zip(names, values))}")
-    return torch.tensor(values)
 
 
 class BEVLitModule(L.LightningModule):
@@ -137,13 +118,8 @@ class BEVLitModule(L.LightningModule):
         self.compile = compile_mode(compile)  # the mode, or None: checked here, before any data is read
         self.object_classes, self.map_classes = _class_names(net, object_classes, map_classes)
         self.class_names = self.object_classes + self.map_classes
-        if loss not in LOSSES:
-            raise ValueError(f"unknown model.loss {loss!r}; choose one of {', '.join(LOSSES)}")
-        self.loss_name, self.focal_gamma = loss, float(focal_gamma)
+        self.seg_loss = SegmentationLoss(self.class_names, loss, focal_gamma, pos_weight, class_weight)
         self.depth_weight = float(depth_weight)
-        self.register_buffer("pos_weight", _per_class(pos_weight, self.class_names).view(-1, 1, 1), persistent=False)
-        w = None if class_weight is None else _per_class(class_weight, self.class_names, "class_weight")
-        self.register_buffer("class_weight", None if w is None else w / w.sum(), persistent=False)
         grid = getattr(net, "grid", None) or Grid()
         self.val_iou = BevIoU(grid, threshold, self.object_classes)
         self.test_iou = BevIoU(grid, threshold, self.object_classes)
@@ -160,9 +136,10 @@ class BEVLitModule(L.LightningModule):
             # Where the head regresses velocity: one choice for the loss and every decoding of its maps.
             frame = {"velocity_frame": det.pop("velocity_frame", "ego")}
             self.det_loss = DetectionLoss(**dict(det.pop("loss", None) or {}), **frame)
-            self.det_decoding = {**dict(det.pop("decoding", None) or {}), **frame}  # bev.detection.decode's options
+            # bev.tasks.detection.decode's options
+            self.det_decoding = {**dict(det.pop("decoding", None) or {}), **frame}
             check_decoding(self.det_decoding)
-            track = det.pop("track_velocity", None)  # velocity from the boxes' tracks (bev.detection.tracking)
+            track = det.pop("track_velocity", None)  # velocity from the boxes' tracks (bev.tasks.detection.tracking)
             track = None if track is None else TrackVelocity.from_config(track)
             check_past(int(getattr(net, "past_frames", 0) or 0), track)  # the detection task's 0.5 s of past
             self.val_det = DetectionScore(grid, self.det_decoding, track)
@@ -263,19 +240,8 @@ class BEVLitModule(L.LightningModule):
         return self.net(*args, **kwargs)
 
     def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        logits, target = logits.float(), target.float()
-        if self.loss_name == "bce":
-            if self.class_weight is None:
-                return F.binary_cross_entropy_with_logits(logits, target, pos_weight=self.pos_weight)
-            per_cell = F.binary_cross_entropy_with_logits(logits, target, pos_weight=self.pos_weight, reduction="none")
-        else:  # sigmoid focal loss (Lin et al.): BCE scaled by (1 - p_t)^gamma
-            ce = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
-            p = logits.sigmoid()
-            p_t = p * target + (1 - p) * (1 - target)
-            per_cell = (1 + (self.pos_weight - 1) * target) * ce * (1 - p_t) ** self.focal_gamma
-            if self.class_weight is None:
-                return per_cell.mean()
-        return (per_cell.mean((0, 2, 3)) * self.class_weight).sum()  # class_weight sums to 1
+        """The segmentation loss of logits (B, K, X, Y) against the BEV targets (bev.tasks.segmentation.loss)."""
+        return self.seg_loss(logits, target)
 
     def _update_metrics(self, iou: BevIoU, map_iou: MapIoU, logits: torch.Tensor, batch: dict) -> None:
         k = len(self.object_classes)
@@ -425,7 +391,7 @@ class BEVLitModule(L.LightningModule):
 
     @torch.no_grad()
     def decode_boxes(self, det_out: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """The detection head's maps -> per sample {"boxes", "scores", "labels"} (bev.detection.decode with
+        """The detection head's maps -> per sample {"boxes", "scores", "labels"} (bev.tasks.detection.decode with
         model.detection.decoding)."""
         return decode(det_out["heatmap"], det_out["regression"], self.grid, **self.det_decoding)
 

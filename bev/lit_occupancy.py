@@ -1,5 +1,5 @@
 """LightningModule for 3D semantic occupancy (Occ3D-nuScenes): an OccupancyNet (bev.models.occupancy) trained on
-the items of data.occupancy=true with bev.occupancy.loss, scored by Occ3D's mIoU (bev.occupancy.metric).
+the items of data.occupancy=true with bev.tasks.occupancy.loss, scored by Occ3D's mIoU (bev.tasks.occupancy.metric).
 
 Logged (docs/configs.md#log-keys): <stage>/loss the weighted total, <stage>/occ_loss (cross-entropy),
 <stage>/lovasz_loss and <stage>/depth_loss when on; val/occ_miou (Occ3D's mIoU over classes 0-16, a fraction),
@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from bev.lit import CAMERA_KEYS, BEVLitModule
-from bev.occupancy.grid import FREE, OCC3D_CLASSES
-from bev.occupancy.io import write_prediction
-from bev.occupancy.loss import OccupancyLoss, check_loss_options
-from bev.occupancy.metric import DEFAULT_BANDS, MASKS, OccScores, OccupancyMIoU
+from bev.tasks.occupancy.grid import FREE, OCC3D_CLASSES
+from bev.tasks.occupancy.io import write_prediction
+from bev.tasks.occupancy.loss import OccupancyLoss, check_loss_options
+from bev.tasks.occupancy.metric import DEFAULT_BANDS, MASKS, OccScores, OccupancyMIoU
 
 LABEL_KEY, MASK_KEYS = "occ_semantics", ("occ_mask_camera", "occ_mask_lidar")
 
@@ -38,7 +38,7 @@ class OccupancyLitModule(BEVLitModule):
 
     loss: {class_weight: null | log_frequency | inverse_sqrt_frequency | [18] | {class: w}, lovasz_weight: 0,
     visible_only: true}
-    (bev.occupancy.loss.OccupancyLoss). metric_mask: the voxels scored, "camera" as Occ3D (or "lidar", "none").
+    (bev.tasks.occupancy.loss.OccupancyLoss). metric_mask: the voxels scored, "camera" as Occ3D (or "lidar", "none").
     depth_weight > 0: the camera depth supervised by lidar depth bins as in BEVLitModule (data.depth_target=true).
     prediction_dir: where test batches write their predictions in the challenge's format (bev-eval sets it).
     """

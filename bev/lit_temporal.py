@@ -2,7 +2,7 @@
 
 The static head's loss, optimiser, schedule, gradient clipping and present-frame IoUs (vehicle,
 map) are BEVLitModule's, so its numbers compare with the static model's; the future heads add
-bev.losses.TemporalLoss. Two-stage recipe (FIERY's from-scratch runs diverged for its users):
+bev.tasks.motion.loss.TemporalLoss. Two-stage recipe (FIERY's from-scratch runs diverged for its users):
 model.init_from=<static checkpoint or run dir> loads the static model's matching weights before
 the first step.
 """
@@ -15,20 +15,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from bev.data.temporal import IGNORE
-from bev.instances import DECODINGS, decode_sequence
 from bev.lit import CAMERA_KEYS, BEVLitModule
-from bev.losses import TemporalLoss, check_finite
-from bev.metrics import FIERY_RANGES, FutureIoU, PanopticQuality, crop_to_range
+from bev.losses import check_finite
 from bev.models.past_cache import PastFeatureCache, frame_keys
 from bev.models.temporal import network_kind
+from bev.tasks.motion import IGNORE
+from bev.tasks.motion.instances import DECODINGS, decode_sequence
+from bev.tasks.motion.loss import TemporalLoss
+from bev.tasks.motion.metric import FIERY_RANGES, FutureIoU, PanopticQuality, crop_to_range
 from bev.utils.config import plain
 
 
 class TemporalLitModule(BEVLitModule):
     """BEVLitModule for TemporalLiftSplat: batches of P+1 input frames, labels for the present and F future frames.
 
-    temporal_loss: keyword arguments of bev.losses.TemporalLoss (weights, uncertainty, uncertainty_init,
+    temporal_loss: keyword arguments of bev.tasks.motion.loss.TemporalLoss (weights, uncertainty, uncertainty_init,
     future_discount, seg_pos_weight, seg_top_k); its "bev" term is the static head's loss (BEVLitModule.loss).
     past_no_grad: the past frames' camera encoder and splat run without gradient (BEVDet4D).
     past_cache_mb > 0 (with past_no_grad): in training, the past frames' BEV features are taken from
@@ -38,7 +39,7 @@ class TemporalLitModule(BEVLitModule):
     (network_kind), the future segmentation head also starts as its vehicle head
     (TemporalLiftSplat.init_future_from_static).
     instance_decoding: how instances are decoded over the frames for the metrics and bev.predict
-    (bev.instances.decode_sequence): "propagate" (the present's instances carried by the flow) or "fiery".
+    (bev.tasks.motion.instances.decode_sequence): "propagate" (the present's instances carried by the flow) or "fiery".
     Other arguments: BEVLitModule's.
     """
 

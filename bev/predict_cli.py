@@ -11,10 +11,10 @@ over the key frames before when the checkpoint scores them so, model.detection.t
 predictions.json record lists those at score >= box_threshold, and the pictures draw them (bev.viz.render_figure) over the
 ground truth. With an occupancy checkpoint (model.tasks ("occupancy",)) each sample's
 prediction is written in the Occ3D challenge's format instead, <out>/predictions/<sample token>.npz (one
-(200, 200, 16) uint8 array of class ids, bev.occupancy.io.write_prediction), and the pictures show the
+(200, 200, 16) uint8 array of class ids, bev.tasks.occupancy.io.write_prediction), and the pictures show the
 cameras above the top-down and side views of the prediction beside the camera-visible ground truth
-(bev.occupancy.viz.render_occupancy). The module is not bev/predict.py because `bev.predict` is the Python API function
-(bev.inference.predict).
+(bev.tasks.occupancy.viz.render_occupancy). The module is not bev/predict.py because `bev.predict` is the Python API
+function (bev.inference.predict).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ NPZ_FORMAT = (
 OCCUPANCY_FORMAT = (
     "Occ3D challenge format: predictions/<sample token>.npz holds one (200, 200, 16) uint8 array (key arr_0) of "
     "Occ3D class ids (class_names; 17 free), indexed [x, y, z] over [-40, 40] x [-40, 40] x [-1, 5.4] m at 0.4 m "
-    "in the ego frame of the sample's LIDAR_TOP (bev.occupancy.grid)"
+    "in the ego frame of the sample's LIDAR_TOP (bev.tasks.occupancy.grid)"
 )
 OCCUPANCY_DIR = "predictions"  # <out>/predictions/<sample token>.npz: a folder in the challenge's layout
 
@@ -101,7 +101,7 @@ def _is_occupancy(model) -> bool:
 
 def _npz_path(out: Path, stem: Path, token: str, occupancy: bool) -> Path:
     """A sample's npz: beside its PNG (<stem>.npz), or for occupancy the challenge's <out>/predictions/<token>.npz."""
-    from bev.occupancy.io import prediction_path
+    from bev.tasks.occupancy.io import prediction_path
     from bev.utils.io import inside
 
     return inside(out, prediction_path(out / OCCUPANCY_DIR, token)) if occupancy else stem.with_suffix(".npz")
@@ -317,7 +317,7 @@ def _predict_samples(model, loader, indices, index, files: _PredictionFiles, des
 
 def _box_tracks(model):
     """A Tracker when the checkpoint scores velocities from tracks (model.detection.track_velocity), else None."""
-    from bev.detection.tracking import Tracker
+    from bev.tasks.detection.tracking import Tracker
 
     options = getattr(getattr(model, "test_det", None), "track", None)
     return None if options is None else Tracker(options)
@@ -328,7 +328,7 @@ def _tracked(tracker, det: dict, index, k: int, consecutive: bool) -> dict:
     `consecutive`: the sample predicted before this one is its previous key frame."""
     import torch
 
-    from bev.detection.tracking import track_ego_boxes
+    from bev.tasks.detection.tracking import track_ego_boxes
 
     token = str(index["sample_token"][k])
     prev = str(index["sample_token"][k - 1]) if consecutive else ""
@@ -407,7 +407,7 @@ class _PredictionFiles:
 
     def _add_occupancy(self, batch, i: int, labels, timestamp: int, stem, title: str) -> dict[str, Any]:
         """Write sample i's class ids labels[i] in the challenge's format (and its pictures); returns its record."""
-        from bev.occupancy.io import write_prediction
+        from bev.tasks.occupancy.io import write_prediction
 
         token = batch["sample_token"][i]
         path = write_prediction(self.out / OCCUPANCY_DIR, token, labels[i].numpy())
@@ -460,7 +460,7 @@ class _PredictionFiles:
 def _occupancy_picture(batch, i: int, labels, title: str):
     """The cameras above the top-down and side views of the predicted class ids, beside the camera-visible ground
     truth when the items carry Occ3D labels (data.occupancy=true)."""
-    from bev.occupancy.viz import render_occupancy
+    from bev.tasks.occupancy.viz import render_occupancy
     from bev.viz import camera_grid
 
     cams = camera_grid(batch["images"][i], batch["cam_ids"][i] if "cam_ids" in batch else None)

@@ -440,7 +440,7 @@ def paint_instances(instances: Any, base: np.ndarray | None = None) -> np.ndarra
 
 def _draw_paths(ax, instances: Any, grid: Grid) -> None:
     """Each instance's centre over the frames of `instances` (T, X, Y): a line from the present (dot) onwards."""
-    from bev.instances import instance_paths
+    from bev.tasks.motion.instances import instance_paths
 
     for i, path in instance_paths(torch.as_tensor(_np(instances)).long(), grid).items():
         pts = path[~torch.isnan(path[:, 0])].numpy()

@@ -138,7 +138,7 @@ def detection_targets(grid, batch_size: int, seed: int, boxes_per_sample: int = 
     import torch
 
     from bev.classes import DETECTION_CLASSES
-    from bev.detection.targets import encode_targets
+    from bev.tasks.detection.targets import encode_targets
 
     rng, samples = np.random.default_rng(seed), []
     for _ in range(batch_size):

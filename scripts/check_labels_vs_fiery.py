@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from bev.data import NuScenesBEVDataset
 from bev.data.maps import ego_yaw
-from bev.data.temporal import IGNORE
+from bev.tasks.motion import IGNORE
 from bev.utils.io import atomic_write
 
 PAST, FUTURE = 2, 4  # FIERY's baseline: TIME_RECEPTIVE_FIELD=3, N_FUTURE_FRAMES=4

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""bev.metrics.PanopticQuality vs FIERY's own metric, on many sequences.
+"""bev.tasks.motion.metric.PanopticQuality vs FIERY's own metric, on many sequences.
 
     .venv/bin/python scripts/check_vpq_vs_fiery.py --fiery /tmp/fiery [--cases 3000] [--seed 0]
 
@@ -37,7 +37,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bev.metrics import PanopticQuality  # noqa: E402
+from bev.tasks.motion.metric import PanopticQuality  # noqa: E402
 from bev.utils.io import atomic_write  # noqa: E402
 
 KEYS = ("pq", "sq", "rq")

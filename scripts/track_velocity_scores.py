@@ -25,8 +25,8 @@ sys.path.insert(0, str(REPO / "scripts"))  # bench_common, also when loaded by p
 
 from bench_common import checkout_commit, processor_name  # noqa: E402
 
-from bev.detection.nusc_eval import DEVKIT_CLASS_ORDER, evaluate  # noqa: E402
-from bev.detection.tracking import TrackVelocity, sample_links, track_velocity  # noqa: E402
+from bev.tasks.detection.nusc_eval import DEVKIT_CLASS_ORDER, evaluate  # noqa: E402
+from bev.tasks.detection.tracking import TrackVelocity, sample_links, track_velocity  # noqa: E402
 from bev.utils.io import atomic_write, check_output  # noqa: E402
 
 MAXPOOL_CIRCLE = {"score_threshold": 0.1, "top_k": 500, "max_pool": True, "nms": "circle"}
@@ -61,8 +61,8 @@ def checkpoint_results(ckpt: str, dataroot: str) -> tuple[dict[str, dict], str]:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from bev.detection.scoring import DetectionScore
     from bev.inference import build_data_config, load_checkpoint, trained_on
+    from bev.tasks.detection.scoring import DetectionScore
 
     # The scoring here replaces the checkpoint's own velocity setting.
     loaded = load_checkpoint(ckpt, model_config=OmegaConf.create({"detection": {"track_velocity": None}}))

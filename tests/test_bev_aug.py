@@ -14,9 +14,9 @@ from bev.classes import DETECTION_CLASSES, DETECTION_GROUPS
 from bev.data.bev_aug import BevAugRanges, bev_matrix, transform_boxes
 from bev.data.cbgs import ClassBalancedSampler, cbgs_epoch, class_samples
 from bev.data.nuscenes import NuScenesBEVDataset
-from bev.detection.decode import decode
-from bev.detection.targets import REGRESSION_FIELDS
 from bev.geometry import CAMERA_GEOMETRY, box_corners, frustum_to_ego, make_frustum
+from bev.tasks.detection.decode import decode
+from bev.tasks.detection.targets import REGRESSION_FIELDS
 
 STRONG = {"rot_lim": [-60, 60], "scale_lim": [0.9, 1.1], "flip_x": 0.5, "flip_y": 0.5}
 GROUP_OF = {c: g for g, names in enumerate(DETECTION_GROUPS) for c in names}
@@ -151,7 +151,8 @@ def test_bad_settings_are_named(value, needle):
 def test_a_temporal_window_moves_as_one(synthetic_root):
     """Every input frame's geometry, the instance maps, the flow vectors and the ego motion of a window follow
     the one matrix; centerness and offset are those of the moved instances."""
-    from bev.data.temporal import IGNORE, centre_targets
+    from bev.data.temporal import centre_targets
+    from bev.tasks.motion import IGNORE
 
     kw = dict(past_frames=1, future_frames=1, detection=True, det_range="grid", verbose=False)
     aug = NuScenesBEVDataset(synthetic_root, split="mini_train", augment=True, bev_aug=STRONG, **kw)

@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-import bev.detection.scoring as scoring
-from bev.detection.scoring import DetectionScore
+import bev.tasks.detection.scoring as scoring
+from bev.tasks.detection.scoring import DetectionScore
 from helpers.cli import TINY, eval_cli
 
 # Segmentation + the light detection head; no score threshold, so that even a tiny model's boxes match some

@@ -1,4 +1,4 @@
-"""bev.detection.nusc_eval against the devkit itself: the devkit's ground truth, taken into our ego frame
+"""bev.tasks.detection.nusc_eval against the devkit itself: the devkit's ground truth, taken into our ego frame
 here (matrices, independent of to_results' quaternion product) and back through to_results, scored by
 DetectionEval on the synthetic set's mini_val (scene-0103 of the session's `synthetic_root`).
 
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from bev.classes import DETECTION_CLASSES
-from bev.detection import nusc_eval
-from bev.detection.nusc_eval import evaluate, format_table, to_results, write_results
 from bev.geometry import quaternion_to_matrix
+from bev.tasks.detection import nusc_eval
+from bev.tasks.detection.nusc_eval import evaluate, format_table, to_results, write_results
 
 VERSION, SPLIT = "v1.0-mini", "mini_val"
 

@@ -11,11 +11,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bev.classes import DETECTION_CLASSES, DETECTION_GROUPS
-from bev.detection.decode import CIRCLE_NMS_SQUARED, decode, rotated_nms
-from bev.detection.loss import DetectionLoss
-from bev.detection.targets import REGRESSION_FIELDS, encode_targets, gaussian_radius, heatmap_radius
 from bev.geometry import Grid
 from bev.models.centerpoint import CenterHead
+from bev.tasks.detection.decode import CIRCLE_NMS_SQUARED, decode, rotated_nms
+from bev.tasks.detection.loss import DetectionLoss
+from bev.tasks.detection.targets import REGRESSION_FIELDS, encode_targets, gaussian_radius, heatmap_radius
 
 GRID = Grid(xbound=(-20.0, 20.0, 0.5), ybound=(-16.0, 16.0, 0.5))  # X = 80, Y = 64: not square, to catch swaps
 GROUP_OF = {name: g for g, group in enumerate(DETECTION_GROUPS) for name in group}

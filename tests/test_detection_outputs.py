@@ -204,8 +204,8 @@ def _check_tracked_velocities(samples, dataroot):
     global frame (ego poses from the devkit's tables here), turned back into each sample's ego frame."""
     from nuscenes import NuScenes
 
-    from bev.detection.tracking import TrackVelocity, sample_links, track_velocity
     from bev.geometry import quaternion_to_matrix
+    from bev.tasks.detection.tracking import TrackVelocity, sample_links, track_velocity
 
     nusc = NuScenes("v1.0-mini", dataroot=str(dataroot), verbose=False)
     results, ego, heads = {}, {}, {}
@@ -240,8 +240,8 @@ def _check_tracked_velocities(samples, dataroot):
 @pytest.mark.e2e
 def test_bev_export_onnx_gives_the_detection_maps(det_run, synthetic_root, tmp_path, monkeypatch):
     pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install 'bev[export]')")
-    from bev.detection.decode import decode
     from bev.inference import onnx_outputs
+    from bev.tasks.detection.decode import decode
 
     path = tmp_path / "det.onnx"
     args = [f"ckpt_path={det_run}", f"out={path}", f"hydra.run.dir={tmp_path / 'r'}"]

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from bev.classes import DETECTION_CLASSES, DETECTION_GROUPS
-from bev.detection.decode import SCALE_NMS_FACTORS, check_decoding, decode, footprint_iou, rotated_nms
-from bev.detection.targets import REGRESSION_FIELDS
-from bev.detection.tracking import TrackVelocity, check_past, track_velocity
 from bev.geometry import Grid, box_corners
+from bev.tasks.detection.decode import SCALE_NMS_FACTORS, check_decoding, decode, footprint_iou, rotated_nms
+from bev.tasks.detection.targets import REGRESSION_FIELDS
+from bev.tasks.detection.tracking import TrackVelocity, check_past, track_velocity
 
 GRID = Grid(xbound=(-20.0, 20.0, 0.5), ybound=(-16.0, 16.0, 0.5))
 CLS = {name: k for k, name in enumerate(DETECTION_CLASSES)}

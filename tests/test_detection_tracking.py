@@ -1,4 +1,4 @@
-"""bev.detection.tracking: velocities from the boxes' tracks over past key frames, on hand-made tracks and on the
+"""bev.tasks.detection.tracking: velocities from the boxes' tracks over past key frames, on hand-made tracks and on the
 devkit's own annotations (whose instance links are the true matches)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bev.detection.tracking import TrackVelocity, sample_links, track_velocity
+from bev.tasks.detection.tracking import TrackVelocity, sample_links, track_velocity
 
 OPTIONS = TrackVelocity(past_frames=1, gate=6.0, min_past_score=0.2, still_speed=2.5)
 
@@ -169,7 +169,7 @@ def test_the_scoring_script_scores_both_velocities(nusc, synthetic_root, tmp_pat
 
     from nuscenes.eval.detection.utils import category_to_detection_name
 
-    from bev.detection.nusc_eval import attribute_name, split_sample_tokens
+    from bev.tasks.detection.nusc_eval import attribute_name, split_sample_tokens
 
     results = {}
     for token in split_sample_tokens(nusc, "mini_val"):

@@ -232,7 +232,7 @@ def test_cite_check_finds_a_missing_script_and_skips_other_projects_paths(tmp_pa
 
 @pytest.mark.parametrize("page", ["docs/occupancy.md", "docs/inference.md"])
 def test_occupancy_pages_name_every_key_a_prediction_file_holds(page):
-    from bev.occupancy.io import PREDICTION_KEYS
+    from bev.tasks.occupancy.io import PREDICTION_KEYS
 
     text = (ROOT / page).read_text()
     assert [k for k in PREDICTION_KEYS if f"`{k}`" not in text and f'"{k}"' not in text] == []

@@ -1,4 +1,4 @@
-"""Hostile nuScenes results files never reach the devkit: bev.detection.nusc_eval.evaluate (bev-eval's scoring)
+"""Hostile nuScenes results files never reach the devkit: bev.tasks.detection.nusc_eval.evaluate (bev-eval's scoring)
 checks every field of every box, and the file itself, and refuses with one line naming the sample token, the
 box index, the field and the rule (checks, not `assert`s: they hold under `python -O` too)."""
 
@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from bev.detection import nusc_eval
-from bev.detection.nusc_eval import evaluate
+from bev.tasks.detection import nusc_eval
+from bev.tasks.detection.nusc_eval import evaluate
 
 VERSION, SPLIT = "v1.0-mini", "mini_val"
 

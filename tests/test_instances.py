@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bev.geometry import Grid
-from bev.instances import (
+from bev.tasks.motion.instances import (
     decode_instances,
     decode_sequence,
     find_centres,

@@ -266,8 +266,8 @@ def test_bad_loss_and_pos_weight_are_clear_errors():
     net.num_classes = 3
     kw = dict(net=net, optimizer=None, object_classes=["vehicle"], map_classes=["drivable_area", "divider"])
     m = BEVLitModule(**kw, pos_weight={"vehicle": 2.0})
-    assert m.pos_weight.flatten().tolist() == [2.0, 1.0, 1.0]
-    assert BEVLitModule(**kw, pos_weight=[1, 2, 3]).pos_weight.flatten().tolist() == [1.0, 2.0, 3.0]
+    assert m.seg_loss.pos_weight.flatten().tolist() == [2.0, 1.0, 1.0]
+    assert BEVLitModule(**kw, pos_weight=[1, 2, 3]).seg_loss.pos_weight.flatten().tolist() == [1.0, 2.0, 3.0]
     with pytest.raises(ValueError, match="unknown class.*'road'.*vehicle"):
         BEVLitModule(**kw, pos_weight={"road": 2.0})
     with pytest.raises(ValueError, match="2 values for 3 classes"):

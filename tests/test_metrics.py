@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bev.geometry import Grid
-from bev.metrics import BANDS, BevIoU, band_masks, format_table, iou
+from bev.tasks.segmentation.metric import BANDS, BevIoU, band_masks, format_table, iou
 
 GRID = Grid(xbound=(-50, 50, 10.0), ybound=(-50, 50, 10.0))  # 10 x 10 cells of 10 m
 
@@ -118,7 +118,7 @@ def test_classes_are_counted_separately():
 
 
 def test_map_iou_uses_the_best_threshold_over_the_split():
-    from bev.metrics import MAP_THRESHOLDS, MapIoU
+    from bev.tasks.segmentation.metric import MAP_THRESHOLDS, MapIoU
 
     m = MapIoU(["drivable_area", "divider"])
     assert MAP_THRESHOLDS == (0.35, 0.40, 0.45, 0.50, 0.55, 0.60, 0.65)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from bev.classes import DETECTION_CLASSES
-from bev.occupancy import grid as G
-from bev.occupancy.io import (
+from bev.tasks.occupancy import grid as G
+from bev.tasks.occupancy.io import (
     OccupancyFileError,
     labels_path,
     read_labels,
@@ -18,7 +18,7 @@ from bev.occupancy.io import (
     write_labels,
     write_prediction,
 )
-from bev.occupancy.metric import DEFAULT_BANDS, OccupancyMIoU, mean_iou, per_class_iou
+from bev.tasks.occupancy.metric import DEFAULT_BANDS, OccupancyMIoU, mean_iou, per_class_iou
 
 SHAPE = G.OCC_SHAPE
 

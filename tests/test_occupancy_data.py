@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from bev.data.bev_aug import bev_matrix
-from bev.occupancy.data import IGNORE, warp_voxels
-from bev.occupancy.grid import FREE, OCC_SHAPE
-from bev.occupancy.io import labels_path, read_labels
+from bev.tasks.occupancy.data import IGNORE, warp_voxels
+from bev.tasks.occupancy.grid import FREE, OCC_SHAPE
+from bev.tasks.occupancy.io import labels_path, read_labels
 
 
 def _samples_of(root: Path) -> list[tuple[str, int, list[str]]]:
@@ -102,7 +102,7 @@ def test_a_missing_download_is_one_clear_error(synthetic_root, occ_root, tmp_pat
 
 
 def test_a_bad_labels_file_names_itself(synthetic_root, occ_root, tmp_path):
-    from bev.occupancy.io import OccupancyFileError
+    from bev.tasks.occupancy.io import OccupancyFileError
 
     root = link_copy(Path(synthetic_root), tmp_path / "bad")
     shutil.copytree(occ_root / "gts", root / "gts")
@@ -116,7 +116,7 @@ def test_a_bad_labels_file_names_itself(synthetic_root, occ_root, tmp_path):
 
 def test_a_named_pipe_as_labels_fails_the_item_at_once(synthetic_root, occ_root, tmp_path):
     """Training's first item: a fifo at labels.npz is one clear error, not a read that waits for a writer."""
-    from bev.occupancy.io import OccupancyFileError
+    from bev.tasks.occupancy.io import OccupancyFileError
     from helpers.occupancy_files import run_guarded
 
     root = link_copy(Path(synthetic_root), tmp_path / "fifo")
@@ -181,7 +181,7 @@ def test_labels_share_the_frame_of_the_annotations(occ_root):
     """Each annotated box's centre column holds its class: labels (from the world) and boxes (from the nuScenes
     tables, through the devkit and the index) agree on the ego frame and the [x, y, z] order."""
     from bev.classes import DETECTION_CLASSES
-    from bev.occupancy.grid import DETECTION_TO_OCC3D, points_to_voxels
+    from bev.tasks.occupancy.grid import DETECTION_TO_OCC3D, points_to_voxels
 
     ds = _dataset(occ_root, split="mini_train", augment=False, detection=True)
     hits = total = 0

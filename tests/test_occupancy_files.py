@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bev.occupancy.grid import NUM_CLASSES, OCC_SHAPE
-from bev.occupancy.io import OccupancyFileError, read_labels, read_prediction, write_prediction
+from bev.tasks.occupancy.grid import NUM_CLASSES, OCC_SHAPE
+from bev.tasks.occupancy.io import OccupancyFileError, read_labels, read_prediction, write_prediction
 from helpers.occupancy_files import GIB, npy_header, raw_npy_header, renamed, run_guarded, write_npz, zeros_member
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,7 +97,7 @@ def _refused(read, path: Path, *words: str) -> str:
         read(path)
     msg = str(e.value)
     assert str(path) in msg and "\n" not in msg and all(w in msg for w in words), msg
-    assert "rewrite it with bev.occupancy.io.write_" in msg  # the fix
+    assert "rewrite it with bev.tasks.occupancy.io.write_" in msg  # the fix
     return msg
 
 
@@ -199,7 +199,7 @@ def gigabyte_files(tmp_path_factory) -> dict[str, tuple[str, Path]]:
 # memory from the machine. It prints what each read ended in and how much its peak RSS grew.
 CAPPED_READS = """
 import json, resource, sys
-from bev.occupancy import io as occ_io
+from bev.tasks.occupancy import io as occ_io
 vm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:"))
 resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20),) * 2)
 out = {}

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bev.occupancy.grid import FREE, NUM_CLASSES, OCC_SHAPE
-from bev.occupancy.loss import IGNORE, OCC3D_NUSC_FREQUENCIES, OccupancyLoss, class_weights, lovasz_softmax
+from bev.tasks.occupancy.grid import FREE, NUM_CLASSES, OCC_SHAPE
+from bev.tasks.occupancy.loss import IGNORE, OCC3D_NUSC_FREQUENCIES, OccupancyLoss, class_weights, lovasz_softmax
 
 SMALL_CAMERA = {"backbone": "small", "widths": [8, 8, 16, 16, 16], "blocks": 1, "mid_channels": 16}
 

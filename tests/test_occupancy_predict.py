@@ -36,7 +36,7 @@ def test_bev_predict_writes_challenge_files_and_pictures(occ_run, occ_root, tmp_
 
     from bev import predict_cli
     from bev.inference import build_data_config, load_model, select_samples
-    from bev.occupancy.grid import NUM_CLASSES, OCC_SHAPE
+    from bev.tasks.occupancy.grid import NUM_CLASSES, OCC_SHAPE
 
     out = tmp_path / "pred"
     args = [f"ckpt_path={occ_run}", f"data.dataroot={occ_root}", f"out={out}", f"hydra.run.dir={tmp_path}"]

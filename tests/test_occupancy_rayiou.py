@@ -1,5 +1,5 @@
-"""SparseOcc's RayIoU (bev.occupancy.rayiou): its rays and origins, the ray walk against dense sampling, and scores
-computed by hand: the truth as prediction gives 1, an empty prediction 0, a prediction moved by a known distance
+"""SparseOcc's RayIoU (bev.tasks.occupancy.rayiou): its rays and origins, the ray walk against dense sampling, and
+scores computed by hand: the truth as prediction gives 1, an empty prediction 0, a prediction moved by a known distance
 hits at the thresholds above that distance only."""
 
 import math
@@ -10,8 +10,8 @@ import torch
 from test_occupancy_data import occ_root  # noqa: F401 (the synthetic set with Occ3D labels)
 from test_occupancy_predict import occ_run  # noqa: F401 (one training step of the CPU occupancy experiment)
 
-from bev.occupancy.grid import CLASS_ID, FREE, OCC_RANGE, OCC_SHAPE, VOXEL_SIZE
-from bev.occupancy.rayiou import RayIoU, cast_rays, lidar_directions, scene_origins
+from bev.tasks.occupancy.grid import CLASS_ID, FREE, OCC_RANGE, OCC_SHAPE, VOXEL_SIZE
+from bev.tasks.occupancy.rayiou import RayIoU, cast_rays, lidar_directions, scene_origins
 
 LIDAR = np.array([0.94, 0.0, 1.84])  # LIDAR_TOP in the ego frame, about where nuScenes mounts it
 MANMADE, VEG, ROAD, CAR = CLASS_ID["manmade"], CLASS_ID["vegetation"], CLASS_ID["driveable_surface"], CLASS_ID["car"]
@@ -212,7 +212,7 @@ def _lidar_poses(root):
 def test_bev_eval_prints_and_writes_rayiou(occ_run, occ_root, tmp_path, monkeypatch, capsys):  # noqa: F811
     import json
 
-    from bev.occupancy.io import labels_path, read_labels, read_prediction
+    from bev.tasks.occupancy.io import labels_path, read_labels, read_prediction
     from helpers.cli import eval_cli
 
     out = tmp_path / "eval"

@@ -81,7 +81,7 @@ def test_the_experiment_trains_two_steps(experiment, occ_root, tmp_path, monkeyp
 
 @pytest.mark.e2e
 def test_bev_eval_scores_and_writes_challenge_predictions(occ_root, tmp_path, monkeypatch, capsys):  # noqa: F811
-    from bev.occupancy.io import labels_path, read_prediction
+    from bev.tasks.occupancy.io import labels_path, read_prediction
 
     run = tmp_path / "run"
     small = [*SMALL, "grid.xbound=[-40,40,1.6]", "grid.ybound=[-40,40,1.6]", "grid.zbound=[-1,5.4,1.6]"]

@@ -3,8 +3,8 @@ seen from the left, oriented as the project's BEV pictures."""
 
 import numpy as np
 
-from bev.occupancy.grid import CLASS_ID, FREE, OCC_SHAPE
-from bev.occupancy.viz import OCC3D_COLORS, colorize, render_occupancy, side_class, top_class, top_image
+from bev.tasks.occupancy.grid import CLASS_ID, FREE, OCC_SHAPE
+from bev.tasks.occupancy.viz import OCC3D_COLORS, colorize, render_occupancy, side_class, top_class, top_image
 
 
 def _scene():

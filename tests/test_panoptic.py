@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bev.geometry import Grid
-from bev.metrics import (
+from bev.tasks.motion.metric import (
     FIERY_RANGES,
     FutureIoU,
     PanopticQuality,

@@ -621,8 +621,8 @@ def test_every_sample_has_its_occ3d_labels(synthetic_root):
     the checked reader takes, with roads, objects and free space in the camera-visible voxels."""
     import json
 
-    from bev.occupancy.grid import CLASS_ID
-    from bev.occupancy.io import read_labels
+    from bev.tasks.occupancy.grid import CLASS_ID
+    from bev.tasks.occupancy.io import read_labels
 
     scenes = {s["token"]: s["name"] for s in json.loads((synthetic_root / VERSION / "scene.json").read_text())}
     samples = json.loads((synthetic_root / VERSION / "sample.json").read_text())

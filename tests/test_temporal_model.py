@@ -1,4 +1,5 @@
-"""The temporal model (bev.models.temporal), its losses (bev.losses) and its LightningModule (bev.lit_temporal)."""
+"""The temporal model (bev.models.temporal), its losses (bev.tasks.motion.loss, bev.losses) and its LightningModule
+(bev.lit_temporal)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from bev.data.temporal import IGNORE
 from bev.geometry import Grid
 from bev.inference import ring_rig
 from bev.lit import BEVLitModule
 from bev.lit_temporal import TemporalLitModule, present_copied
-from bev.losses import NonFiniteLossError, UncertaintyWeights, regression_loss, segmentation_loss
+from bev.losses import NonFiniteLossError, UncertaintyWeights
 from bev.models.lss import LiftSplatShoot
 from bev.models.temporal import TemporalLiftSplat, network_kind, warp_to_present
+from bev.tasks.motion import IGNORE
+from bev.tasks.motion.loss import regression_loss, segmentation_loss
 
 GRID = {
     "xbound": [-24.0, 24.0, 2.0],

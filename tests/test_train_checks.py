@@ -117,8 +117,8 @@ def test_every_shipped_experiment_passes():
 
 
 def test_the_losses_refuse_bad_settings_when_built_in_python_too():
-    from bev.losses import TemporalLoss
-    from bev.occupancy.loss import OccupancyLoss, class_weights
+    from bev.tasks.motion.loss import TemporalLoss
+    from bev.tasks.occupancy.loss import OccupancyLoss, class_weights
 
     bad = [
         (lambda: OccupancyLoss(visible_only="maybe"), "model.loss.visible_only must be true or false"),

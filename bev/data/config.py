@@ -237,12 +237,13 @@ class DatasetConfig(_Checked):
     depth_target: bool = _option(False, _flag)
     # the feature cells' stride in pixels: 8 or 16; null: the model's (bev-train sets model.net.downsample), else 16
     depth_stride: int | None = _option(None, _depth_stride)
-    # items carry 3D boxes and CenterPoint targets of the detection classes (bev.detection.targets)
+    # items carry 3D boxes and CenterPoint targets of the detection classes (bev.tasks.detection.targets)
     detection: bool = _option(False, _flag)
     # detection boxes trained on: class (the devkit's class ranges, as it scores) | grid (every box in the grid
     # with points, mmdet3d's ObjectRangeFilter; scoring still applies the class ranges)
     det_range: str = _option("class", _choice, ("class", "grid"))
-    # items carry Occ3D occupancy labels from <dataroot>/gts/<scene>/<sample token>/labels.npz (bev.occupancy.data)
+    # items carry Occ3D occupancy labels from <dataroot>/gts/<scene>/<sample token>/labels.npz
+    # (bev.tasks.occupancy.data)
     occupancy: bool = _option(False, _flag)
     # training: BEV augmentation (bev.data.bev_aug): null | bevdet | {rot_lim, scale_lim, flip_x, flip_y}
     bev_aug: Any = _option(None, _bev_aug)

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from bev.data.bev_aug import transform_boxes
-from bev.detection.targets import encode_targets
 from bev.geometry import BOX_FIELDS, BOX_VELOCITY, MAX_BOXES, Grid
+from bev.tasks.detection.targets import encode_targets
 
 
 def pad_boxes(
@@ -76,7 +76,7 @@ def detection_item(
 ) -> dict[str, torch.Tensor]:
     """The detection fields of one sample's boxes (detection_boxes) as tensors: pad_boxes of them (det_boxes,
     det_labels, det_velocity_valid: the ground truth for pictures) and their CenterPoint targets on the grid
-    (bev.detection.targets.encode_targets: det_heatmap, det_index, ...). Trained boxes: the devkit's ground-truth
+    (bev.tasks.detection.targets.encode_targets: det_heatmap, det_index, ...). Trained boxes: the devkit's ground-truth
     filter (det_range "class") or every box with points ("grid": the targets drop those outside the grid);
     bev_aug: the item's BEV augmentation matrix (bev.data.bev_aug), applied to them."""
     valid = trained_mask(det, det_range)

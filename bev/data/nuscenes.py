@@ -39,7 +39,7 @@ from bev.data.transforms import (
     warp_image,
 )
 from bev.geometry import CAMERA_GEOMETRY, CAMERA_NAMES, FEATURE_STRIDE
-from bev.occupancy.data import check_gts, occupancy_item
+from bev.tasks.occupancy.data import check_gts, occupancy_item
 
 # Per process, for NuScenesBEVDataset.targets: the synthetic set needs ~15 MB, trainval at 200x200 would
 # need ~2 GB and keeps only its first samples.
@@ -71,7 +71,7 @@ class NuScenesBEVDataset(Dataset):
     camera feature cell at stride s = depth_stride (the model's model.net.downsample; 16 when null), -1 where
     none (bev.data.depth), for depth supervision.
     occupancy=True adds occ_semantics (200, 200, 16) uint8 Occ3D class ids and occ_mask_camera, occ_mask_lidar
-    (200, 200, 16) bool, from <dataroot>/gts/<scene name>/<sample token>/labels.npz (bev.occupancy.data).
+    (200, 200, 16) bool, from <dataroot>/gts/<scene name>/<sample token>/labels.npz (bev.tasks.occupancy.data).
     With augment=False images get the deterministic LSS resize + crop and all 6 cameras;
     with augment=True and ncams < 6 a random subset of ncams cameras (kept in camera order).
     resize_lim, bot_pct_lim, rot_lim: None gives Lift-Splat-Shoot's ranges (bev.data.transforms);
@@ -86,7 +86,7 @@ class NuScenesBEVDataset(Dataset):
       (x, y, yaw only), the last the identity; labels of the present and F future frames in the
       present frame's grid: instance (F + 1, X, Y) int64 (0 background, ids over the whole window),
       segmentation (F + 1, X, Y) int64 (instance > 0), centerness (F + 1, 1, X, Y), offset and flow
-      (F + 1, 2, X, Y) float32 in cells, temporal.IGNORE (255) where undefined (channel 0 along x, 1 along y);
+      (F + 1, 2, X, Y) float32 in cells, IGNORE (255, bev.tasks.motion) where undefined (channel 0 along x, 1 along y);
       cam_ids, bev, visibility, bev_bounds and sample_token of the present frame, as for P = F = 0.
     Labels are FIERY's (bev.data.temporal): filter_invisible drops boxes of visibility level 1;
     label_warp="fiery" reproduces FIERY's label warp, lateral sign error included.
@@ -340,7 +340,7 @@ class NuScenesBEVDataset(Dataset):
         if self.detection:
             where = f"sample {item['sample_token']}"
             item.update(detection_item(self.detection_boxes(i), self.grid, self.det_range, bev_aug, where))
-        if self.occupancy:  # occ_semantics, occ_mask_camera, occ_mask_lidar (bev.occupancy.data)
+        if self.occupancy:  # occ_semantics, occ_mask_camera, occ_mask_lidar (bev.tasks.occupancy.data)
             item.update(occupancy_item(self.dataroot, str(self.index["scene"][i]), item["sample_token"], bev_aug))
         return item
 

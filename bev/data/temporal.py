@@ -55,10 +55,8 @@ from bev.data.bev_aug import warp_raster
 from bev.data.maps import ego_yaw
 from bev.data.rasterize import lss_fill
 from bev.geometry import Grid
+from bev.tasks.motion import IGNORE
 
-# The label value of cells without a label (FIERY's ignore value): offset and flow here, every loss
-# and metric of the temporal labels; the one home of this value.
-IGNORE = 255
 CENTER_SIGMA = 3.0  # cells (FIERY)
 # Beyond this many cells exp(-d^2 / sigma^2) is below float32's smallest subnormal, so a window of
 # this radius gives the same float32 centerness as FIERY's whole-grid Gaussian, at a tenth of the cost.

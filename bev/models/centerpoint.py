@@ -9,7 +9,7 @@ branches' 3x3 convs cost several times the whole small BEV encoder at full grid 
 
 Outputs (tensors only, static shapes, so the head exports to ONNX):
 - heatmap (B, C, X, Y): logits of DETECTION_CLASSES, in that order (the groups are contiguous runs).
-- regression (B, G, 10, X, Y): per group the REGRESSION_FIELDS of bev.detection.targets.
+- regression (B, G, 10, X, Y): per group the REGRESSION_FIELDS of bev.tasks.detection.targets.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from bev.classes import DETECTION_GROUPS
-from bev.detection.targets import REGRESSION_FIELDS, class_to_group
+from bev.tasks.detection.targets import REGRESSION_FIELDS, class_to_group
 
 # Branch outputs per group, in the order their channels make REGRESSION_FIELDS.
 REGRESSION_BRANCHES = (("reg", 2), ("height", 1), ("dim", 3), ("rot", 2), ("vel", 2))

@@ -1,5 +1,5 @@
 """3D semantic occupancy from the cameras: Lift-Splat features -> (B, 18, 200, 200, 16) Occ3D logits, indexed
-[x, y, z] as Occ3D's arrays (bev.occupancy.grid). Two ways, `occupancy.kind`:
+[x, y, z] as Occ3D's arrays (bev.tasks.occupancy.grid). Two ways, `occupancy.kind`:
 
 - voxel3d (BEVDet-Occ): the lift pools into a 3D grid with height bins (the op's z axis), a 3D voxel encoder
   (residual Conv3d stages at strides 1, 2, 2, the coarser levels upsampled and fused: BEVDet-Occ's
@@ -26,7 +26,7 @@ from torch import nn
 from bev.geometry import FEATURE_STRIDE, Grid
 from bev.models.bev_encoder import BevEncoder
 from bev.models.lss import LiftSplatShoot
-from bev.occupancy.grid import NUM_CLASSES, OCC_RANGE, OCC_SHAPE, VOXEL_SIZE
+from bev.tasks.occupancy.grid import NUM_CLASSES, OCC_RANGE, OCC_SHAPE, VOXEL_SIZE
 
 KINDS = ("voxel3d", "channel_to_height")
 

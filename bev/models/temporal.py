@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bev.data.temporal import IGNORE
 from bev.geometry import FEATURE_STRIDE, Grid
 from bev.models.lss import LiftSplatShoot
+from bev.tasks.motion import IGNORE
 
 # How the aligned past frames meet the present: "residual" (TemporalFusion: a conv over all frames added to the
 # present, then the BEV encoder) or "concat" (BEVDet4D: the BEV encoder over the frames side by side).

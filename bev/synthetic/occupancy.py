@@ -1,4 +1,4 @@
-"""Occ3D-format occupancy ground truth of the synthetic world (bev.occupancy for the format and frame).
+"""Occ3D-format occupancy ground truth of the synthetic world (bev.tasks.occupancy for the format and frame).
 
 For one sample (a world and a time) this gives `semantics`, `mask_camera` and `mask_lidar`, (200, 200, 16)
 arrays indexed [x, y, z] in the ego frame of the sample (the writer's LIDAR_TOP ego pose: every sensor of a
@@ -6,7 +6,7 @@ synthetic sample shares it), and writes them as gts/<scene>/<sample token>/label
 
 semantics, from the world's own geometry:
 - every part (box) of an object takes its object's class (its category's detection class, the devkit's
-  category_to_detection_name, as bev.occupancy.grid.DETECTION_TO_OCC3D; a category without one is "others");
+  category_to_detection_name, as bev.tasks.occupancy.grid.DETECTION_TO_OCC3D; a category without one is "others");
   scenery (buildings, traffic lights) is "manmade". A voxel takes a part's class when the part's box overlaps it (a separating-axis test
   per voxel column, the z range per part), so thin parts (a bicycle's wheels, a pole) still occupy a voxel.
 - the ground (the flat world's z = 0, voxel layer GROUND_K) takes the map's surface under each column's
@@ -42,13 +42,13 @@ import numpy as np
 import torch
 
 from bev.geometry import CAMERA_NAMES, ego_to_image
-from bev.occupancy.grid import CLASS_ID, DETECTION_TO_OCC3D, FREE, GRID_REACH, OCC_RANGE, OCC_SHAPE, VOXEL_SIZE
-from bev.occupancy.grid import voxel_centres as _voxel_centres
-from bev.occupancy.io import labels_path, write_labels
 from bev.synthetic import raycast
 from bev.synthetic.roads import RoadMap, fill, road_map
 from bev.synthetic.sensors import LIDAR_TRANSLATION
 from bev.synthetic.world import World, visible_objects
+from bev.tasks.occupancy.grid import CLASS_ID, DETECTION_TO_OCC3D, FREE, GRID_REACH, OCC_RANGE, OCC_SHAPE, VOXEL_SIZE
+from bev.tasks.occupancy.grid import voxel_centres as _voxel_centres
+from bev.tasks.occupancy.io import labels_path, write_labels
 
 GROUND_K = int(math.floor((0.0 - OCC_RANGE[2]) / VOXEL_SIZE))  # the voxel layer holding the ground z = 0 (2)
 GROUND_RES = 0.2  # metres per texel of the per-location ground-class raster

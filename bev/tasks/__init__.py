@@ -7,6 +7,8 @@ bev.load_model ask it, instead of probing the network for heads.
   detection     3D boxes scored by the nuScenes devkit's DetectionEval: val/NDS, val/mAP, ...
   occupancy     Occ3D's 18 classes per voxel: val/occ_miou (Occ3D's mIoU with the camera mask)
 
+Each task's code (targets, loss, metric, decoding, pictures) is its package here, bev.tasks.<name>.
+
 The experiment's one headline metric (the config's `headline`, a val/ key of one of its tasks) is what the best
 checkpoint is chosen by, what sweeps optimise (as <headline>_best) and what bev-train's last line reports.
 """

@@ -49,7 +49,7 @@ def detection_targets(grid, batch_size: int, seed: int, boxes: int = 20) -> dict
     import numpy as np
 
     from bev.classes import DETECTION_CLASSES
-    from bev.detection.targets import encode_targets
+    from bev.tasks.detection.targets import encode_targets
 
     rng, samples = np.random.default_rng(seed), []
     for _ in range(batch_size):

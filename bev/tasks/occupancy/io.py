@@ -1,5 +1,5 @@
 """Occ3D-nuScenes files: ground truth `gts/<scene name>/<sample token>/labels.npz` (semantics, mask_lidar,
-mask_camera, each (200, 200, 16) uint8, indexed [x, y, z] in the ego frame: bev.occupancy.grid) and
+mask_camera, each (200, 200, 16) uint8, indexed [x, y, z] in the ego frame: bev.tasks.occupancy.grid) and
 predictions, `<sample token>.npz` holding one (200, 200, 16) uint8 array of class ids.
 
 The challenge writes a prediction with `np.savez_compressed(path, pred)`, so its array is stored under
@@ -30,7 +30,7 @@ from typing import IO, BinaryIO, NamedTuple
 
 import numpy as np
 
-from bev.occupancy.grid import NUM_CLASSES, OCC_SHAPE
+from bev.tasks.occupancy.grid import NUM_CLASSES, OCC_SHAPE
 from bev.utils.io import _kind as file_kind
 from bev.utils.io import atomic_write, safe_name
 
@@ -40,9 +40,9 @@ SPARSEOCC_KEY = "pred"  # the key SparseOcc's ray_metrics.py loads
 PREDICTION_KEYS = (PREDICTION_KEY, SPARSEOCC_KEY)
 LABELS_FIX = (
     "re-extract this file from the Occ3D-nuScenes download (gts/<scene>/<sample token>/labels.npz), "
-    "or rewrite it with bev.occupancy.io.write_labels"
+    "or rewrite it with bev.tasks.occupancy.io.write_labels"
 )
-PREDICTION_FIX = "rewrite it with bev.occupancy.io.write_prediction"
+PREDICTION_FIX = "rewrite it with bev.tasks.occupancy.io.write_prediction"
 
 
 class OccupancyFileError(ValueError):

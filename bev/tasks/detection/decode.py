@@ -19,14 +19,14 @@ import torch
 import torch.nn.functional as F
 
 from bev.classes import DETECTION_CLASSES, DETECTION_GROUPS
-from bev.detection.targets import (
+from bev.geometry import MAX_BOXES, Grid, box_corners
+from bev.tasks.detection.targets import (
     REGRESSION_FIELDS,
     check_velocity_frame,
     class_to_group,
     gather_regression,
     rotate_velocity,
 )
-from bev.geometry import MAX_BOXES, Grid, box_corners
 
 # Circle NMS thresholds per group of DETECTION_GROUPS, as the peers give them: squared centre distances
 # in m^2 (CenterPoint / BEVDet `min_radius`, compared with dx^2 + dy^2). In metres: 2, 3.46, 3.16, 1, 0.92, 0.42.
@@ -196,7 +196,7 @@ def decode(
     None. Candidates: the top_k peaks over all classes (pre_nms_top_k None), or the pre_nms_top_k peaks of each
     group (CenterPoint: 1000; BEVDet's top 500 per task); post_nms_max: at most that many boxes per group after NMS
     (theirs: 83); then the top_k best of all. velocity_frame: where the head regresses velocity
-    (bev.detection.targets.VELOCITY_FRAMES); boxes carry it in the ego frame."""
+    (bev.tasks.detection.targets.VELOCITY_FRAMES); boxes carry it in the ego frame."""
     check_velocity_frame(velocity_frame)
     kinds, ious, factors = _nms_setting(nms, groups, nms_radii, nms_iou, nms_scale)
     if not 0 < top_k <= MAX_BOXES:

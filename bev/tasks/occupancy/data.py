@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bev.occupancy.grid import OCC_RANGE, OCC_SHAPE, VOXEL_SIZE, voxel_centres
-from bev.occupancy.io import labels_path, read_labels
+from bev.tasks.occupancy.grid import OCC_RANGE, OCC_SHAPE, VOXEL_SIZE, voxel_centres
+from bev.tasks.occupancy.io import labels_path, read_labels
 from bev.utils.io import safe_name
 
 IGNORE = 255  # a voxel without a label: skipped by the loss and by the metric (Occ3D skips ids >= 18)

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bev.occupancy.grid import NUM_CLASSES, OCC3D_CLASSES
+from bev.tasks.occupancy.grid import NUM_CLASSES, OCC3D_CLASSES
 
-IGNORE = 255  # bev.occupancy.data.IGNORE: voxels without a label
+IGNORE = 255  # bev.tasks.occupancy.data.IGNORE: voxels without a label
 
 # Voxels per class over Occ3D-nuScenes's training set, as FlashOCC's bev_occ_head.py lists them
 # (nusc_class_frequencies, github.com/Yzichen/FlashOCC); its class_balance option weighs class c by

@@ -42,15 +42,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bev.occupancy.grid import FREE, NUM_CLASSES, OCC3D_CLASSES, OCC_RANGE, OCC_SHAPE, VOXEL_SIZE
-from bev.occupancy.metric import check_class_ids
+from bev.tasks.occupancy.grid import FREE, NUM_CLASSES, OCC3D_CLASSES, OCC_RANGE, OCC_SHAPE, VOXEL_SIZE
+from bev.tasks.occupancy.metric import check_class_ids
 
 THRESHOLDS: tuple[float, ...] = (1.0, 2.0, 4.0)  # metres of depth error
 MAX_ORIGINS = 8  # origins per sample (SparseOcc's EgoPoseDataset)
 ORIGIN_REACH = 39.0  # an origin is used when |x| and |y| in the present ego frame are below this (m)
 DEFINITION = (
-    "SparseOcc's RayIoU (bev.occupancy.rayiou): 14,040 LiDAR-like rays from the LiDAR origins of up to 8 key frames "
-    "of the scene, the first occupied voxel's class and depth in truth and prediction along each, rays whose truth "
+    "SparseOcc's RayIoU (bev.tasks.occupancy.rayiou): 14,040 LiDAR-like rays from the LiDAR origins of up to 8 key "
+    "frames of the scene, the first occupied voxel's class and depth in truth and prediction along each, rays whose truth "
     "hits something scored; a TP when the classes match and the depth error < 1, 2, 4 m; rayiou_<t>m the mean IoU "
     "over classes 0-16, rayiou the mean of the three (fractions); rayiou_per_class: [1, 2, 4 m] per class"
 )
@@ -324,7 +324,7 @@ def device_for(accelerator: str) -> str:
 def score_predictions(index: Mapping[str, np.ndarray], dataroot, pred_dir, device=None) -> RayScores:
     """RayIoU of the challenge-format predictions <pred_dir>/<sample token>.npz against the Occ3D labels
     <dataroot>/gts/<scene>/<sample token>/labels.npz, over every sample of a dataset index (bev-eval's split)."""
-    from bev.occupancy.io import labels_path, prediction_path, read_labels, read_prediction
+    from bev.tasks.occupancy.io import labels_path, prediction_path, read_labels, read_prediction
 
     acc = RayIoU(device=device)
     for row, origins in enumerate(split_origins(index)):

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from bev.occupancy.grid import FREE, OCC3D_CLASSES, OCC_RANGE
+from bev.tasks.occupancy.grid import FREE, OCC3D_CLASSES, OCC_RANGE
 
 # One colour per Occ3D class (RGB); free space is drawn as the background.
 OCC3D_COLORS = np.array(

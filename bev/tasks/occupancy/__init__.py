@@ -1,7 +1,7 @@
 """3D semantic occupancy in Occ3D-nuScenes's format: its grid and classes (grid), reading and writing its
 files (io), its mIoU (metric), SparseOcc's RayIoU (rayiou). See docs/occupancy.md."""
 
-from bev.occupancy.grid import (
+from bev.tasks.occupancy.grid import (
     CLASS_ID,
     DETECTION_TO_OCC3D,
     FREE,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bev.occupancy.grid import FREE, NUM_CLASSES, OCC3D_CLASSES, OCC_SHAPE, column_distances
+from bev.tasks.occupancy.grid import FREE, NUM_CLASSES, OCC3D_CLASSES, OCC_SHAPE, column_distances
 
 MASKS = ("camera", "lidar", "none")
 DEFAULT_BANDS: tuple[tuple[float, float], ...] = ((0.0, 20.0), (20.0, 40.0), (40.0, math.inf))

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from bev.classes import DETECTION_CLASSES
-from bev.detection.nusc_eval import KEY_FRAME_SECONDS, MAX_PAST_KEY_FRAMES, UNSCORED, attribute_name
 from bev.geometry import BOX_FIELDS
+from bev.tasks.detection.nusc_eval import KEY_FRAME_SECONDS, MAX_PAST_KEY_FRAMES, UNSCORED, attribute_name
 
 UNTRACKED = frozenset(c for c, errors in UNSCORED.items() if "vel_err" in errors)
 CONFIG_KEYS = ("past_frames", "gate", "min_past_score", "still_speed")  # model.detection.track_velocity's options

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bev.classes import DETECTION_GROUPS
-from bev.detection.targets import (
+from bev.tasks.detection.targets import (
     REGRESSION_FIELDS,
     VELOCITY_SLICE,
     check_velocity_frame,
@@ -108,7 +108,9 @@ class DetectionLoss(nn.Module):
     ) -> dict[str, torch.Tensor]:
         missing = [k for k in TARGET_KEYS if k not in targets]
         if missing:
-            raise KeyError(f"detection targets lack {missing}: batches need bev.detection.targets.encode_targets' keys")
+            raise KeyError(
+                f"detection targets lack {missing}: batches need bev.tasks.detection.targets.encode_targets' keys"
+            )
         if outputs["regression"].shape[2] != len(REGRESSION_FIELDS):
             raise ValueError(
                 f"regression must be (B, G, {len(REGRESSION_FIELDS)}, X, Y), got {tuple(outputs['regression'].shape)}"

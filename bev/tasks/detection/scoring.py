@@ -1,5 +1,5 @@
 """Decoded boxes of a split collected over batches, then scored as the nuScenes leaderboard scores them
-(bev.detection.nusc_eval, the devkit's DetectionEval). Used by training (val/mAP, val/NDS) and bev-eval.
+(bev.tasks.detection.nusc_eval, the devkit's DetectionEval). Used by training (val/mAP, val/NDS) and bev-eval.
 
 Under DDP each process sees its shard of the split: compute() gathers every process's boxes, scores them
 once on rank 0 (as mmdet3d's collect_results does before the devkit) and gives every process the same
@@ -15,18 +15,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from bev.detection.decode import decode
-from bev.detection.nusc_eval import evaluate, to_results
-from bev.detection.tracking import TrackVelocity, sample_links, track_velocity
 from bev.geometry import Grid, matrix_to_quaternion
+from bev.tasks.detection.decode import decode
+from bev.tasks.detection.nusc_eval import evaluate, to_results
+from bev.tasks.detection.tracking import TrackVelocity, sample_links, track_velocity
 from bev.utils.dist import gather_objects, on_rank_zero
 
 
 class DetectionScore:
     """update() with the head's maps of a batch and its sample tokens; compute() scores every sample seen
     (samples of the split never seen get no box) on the dataset's split. `decoding`: options of
-    bev.detection.decode (score_threshold, top_k, nms); `track`: velocities from the boxes' tracks over the
-    split's past key frames (bev.detection.tracking) instead of the head's, None to keep the head's."""
+    bev.tasks.detection.decode (score_threshold, top_k, nms); `track`: velocities from the boxes' tracks over the
+    split's past key frames (bev.tasks.detection.tracking) instead of the head's, None to keep the head's."""
 
     def __init__(self, grid: Grid, decoding: Mapping[str, Any] | None = None, track: TrackVelocity | None = None):
         self.grid, self.decoding, self.track = grid, dict(decoding or {}), track
@@ -38,7 +38,8 @@ class DetectionScore:
 
     @torch.no_grad()
     def decode(self, outputs: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """The head's maps -> per sample {"boxes", "scores", "labels"} (bev.detection.decode, this scorer's options)."""
+        """The head's maps -> per sample {"boxes", "scores", "labels"} (bev.tasks.detection.decode, this scorer's
+        options)."""
         return decode(outputs["heatmap"], outputs["regression"], self.grid, **self.decoding)
 
     def update(self, outputs: Mapping[str, torch.Tensor], sample_tokens: Sequence[str]) -> None:
