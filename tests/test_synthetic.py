@@ -749,7 +749,8 @@ def test_cli_ctrl_c_ends_in_one_line_with_status_130(tmp_path):
     import time
 
     out = tmp_path / "set"
-    args = ["--out", str(out), "--scenes", "2", "--samples-per-scene", "16", "--render-scale", "4", "--workers", "2"]
+    # Enough samples that the rest outlasts the wait below by seconds, however loaded the machine.
+    args = ["--out", str(out), "--scenes", "2", "--samples-per-scene", "64", "--render-scale", "4", "--workers", "2"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "bev.synthetic.writer", *args],
         stderr=subprocess.PIPE,
@@ -757,9 +758,12 @@ def test_cli_ctrl_c_ends_in_one_line_with_status_130(tmp_path):
         start_new_session=True,  # its own process group: the Ctrl-C of a terminal reaches the workers too
     )
     deadline = time.monotonic() + 120
-    while not (out / MANIFEST).exists() and proc.poll() is None and time.monotonic() < deadline:
+    def rendering() -> bool:  # the workers have written a sample's first image
+        return (out / MANIFEST).exists() and any((out / "samples").rglob("*.jpg"))
+
+    while not rendering() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    time.sleep(0.3)  # the workers render
+    assert proc.poll() is None, "the writer ended before it could be interrupted"
     os.killpg(proc.pid, signal.SIGINT)
     err = proc.communicate(timeout=60)[1]
     assert proc.returncode == 130
