@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.cli import TINY
+from helpers.cli import TINY, default_signals
 
 LIMIT_S = 240  # per bev-train process: a hang fails the test instead of the suite
 TESTS = Path(__file__).resolve().parent
@@ -36,15 +36,8 @@ def _start(args: list[str]) -> subprocess.Popen:
         text=True,
         env=env,
         start_new_session=True,  # its own process group: a signal to the group reaches it as a terminal's Ctrl-C does
-        preexec_fn=_default_signals,
+        preexec_fn=default_signals,
     )
-
-
-def _default_signals() -> None:
-    """Start bev-train with Ctrl-C and SIGTERM at their defaults, as from a terminal: a test run started in the
-    background (nohup, `&`, some CI runners) passes an ignored SIGINT on, which bev-train rightly keeps ignored."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _wait_for_line(proc: subprocess.Popen, line: str) -> None:

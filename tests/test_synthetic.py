@@ -20,6 +20,7 @@ from bev.geometry import CAMERA_NAMES, ego_to_image, quaternion_to_matrix
 from bev.synthetic import raycast
 from bev.synthetic import world as world_model
 from bev.synthetic.writer import MANIFEST, TABLES, VERSION, make_synthetic, scene_names
+from helpers.cli import default_signals
 from helpers.synthetic import RENDER_SCALE, SAMPLES, SCENES, SEED
 
 QUICK = {"progress": False, "render_scale": 4}  # the coarse render, where a test checks files, not pixels
@@ -756,8 +757,10 @@ def test_cli_ctrl_c_ends_in_one_line_with_status_130(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group: the Ctrl-C of a terminal reaches the workers too
+        preexec_fn=default_signals,
     )
     deadline = time.monotonic() + 120
+
     def rendering() -> bool:  # the workers have written a sample's first image
         return (out / MANIFEST).exists() and any((out / "samples").rglob("*.jpg"))
 

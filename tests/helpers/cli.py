@@ -1,6 +1,7 @@
 """Running the entry points in-process, as a user's command line would, and reading what they wrote."""
 
 import csv
+import signal
 import sys
 from pathlib import Path
 
@@ -55,3 +56,11 @@ def assert_one_paragraph(err: str, *needles: str):
     assert len(err.strip().splitlines()) <= 8, err
     for n in needles:
         assert n in err, err
+
+
+def default_signals() -> None:
+    """A child process's preexec_fn: Ctrl-C and SIGTERM at their defaults, as from a terminal. A test run started in
+    the background (nohup, `&`, some CI runners) passes an ignored SIGINT on, which our commands rightly keep
+    ignored, so a test of what Ctrl-C does must restore it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
