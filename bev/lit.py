@@ -64,29 +64,20 @@ def _class_names(net: nn.Module, object_classes, map_classes) -> tuple[tuple[str
     return object_classes, map_classes
 
 
-class BEVLitModule(L.LightningModule):
-    """Wraps a BEV network with loss, optimiser, schedule and split-level IoU metrics.
+class BEVModule(L.LightningModule):
+    """What training a BEV network for any of its tasks needs: the network, optimiser and schedule, compile,
+    model.init_from, the depth loss, the loss log, the headline metric and its best, and the stored run config.
+    Each task's module adds its losses and metrics (validation_results); model.tasks names them (bev.tasks).
 
     optimizer/scheduler are partials (Hydra `_partial_: true`). A scheduler whose signature
     takes `total_steps` (bev.schedule.OneCycle) or `T_max` (CosineAnnealingLR) gets the
     trainer's estimated number of optimiser steps when the config leaves it out.
-
-    object_classes / map_classes name the output channels (in that order); configs fill them from
-    data.categories / data.map_layers through the bev.* resolvers, so the head always matches the
-    data. Object classes get the LSS IoU (threshold, visibility filter, distance bands), map classes
-    BEVFusion's best-threshold IoU. val/iou stays the first object class's IoU (checkpoint monitor).
-    pos_weight: a number for every channel, a list (one per channel) or a {class name: weight}
-    mapping (unlisted classes 1.0). loss: "bce" (BCE with logits) or "focal" (sigmoid focal loss,
-    focal_gamma; as BEVFusion's map head; pos_weight multiplies the positive term).
-    class_weight: the weight of each channel's mean loss in the total (same forms as pos_weight;
-    None = every cell alike): with many map channels, the object channels' share of the gradient
-    through the shared encoders is otherwise 1/K.
     depth_weight > 0 adds that times the cross-entropy of the camera depth logits against the
     lidar depth bins (data.depth_target=true; cells without a target are ignored), as BEVDepth.
-    task_weights: how segmentation and detection add up: "fixed" (1 and detection.weight) or "uncertainty"
-    (Kendall et al.'s learned weights, bev.losses.UncertaintyWeights, each started at its first batch's loss:
-    a detection loss of about 20 beside a segmentation loss of 0.2 otherwise takes the shared encoders).
+    headline: the experiment's headline metric (a val/ key, maximised), whose best is kept as <headline>_best.
     """
+
+    tasks: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -94,19 +85,9 @@ class BEVLitModule(L.LightningModule):
         optimizer: Callable[..., torch.optim.Optimizer],
         scheduler: Callable[..., Any] | None = None,
         scheduler_interval: str = "step",
-        pos_weight: float | Sequence[float] | Mapping[str, float] = 2.13,
-        threshold: float = 0.5,
         compile: bool | str | None = False,
-        object_classes: Sequence[str] | None = None,
-        map_classes: Sequence[str] = (),
-        loss: str = "bce",
-        focal_gamma: float = 2.0,
-        class_weight: float | Sequence[float] | Mapping[str, float] | None = None,
         depth_weight: float = 0.0,
-        tasks: Sequence[str] = ("segmentation",),
-        detection: Mapping[str, Any] | None = None,
         init_from: str | None = None,
-        task_weights: str = "fixed",
         headline: str = "val/iou",
     ):
         super().__init__()
@@ -116,43 +97,9 @@ class BEVLitModule(L.LightningModule):
         self.scheduler_factory = scheduler
         self.scheduler_interval = scheduler_interval
         self.compile = compile_mode(compile)  # the mode, or None: checked here, before any data is read
-        self.object_classes, self.map_classes = _class_names(net, object_classes, map_classes)
-        self.class_names = self.object_classes + self.map_classes
-        self.seg_loss = SegmentationLoss(self.class_names, loss, focal_gamma, pos_weight, class_weight)
         self.depth_weight = float(depth_weight)
-        grid = getattr(net, "grid", None) or Grid()
-        self.val_iou = BevIoU(grid, threshold, self.object_classes)
-        self.test_iou = BevIoU(grid, threshold, self.object_classes)
-        self.val_map_iou = MapIoU(self.map_classes)
-        self.test_map_iou = MapIoU(self.map_classes)
-        self.tasks = _check_tasks(tasks, net)
-        if task_weights not in TASK_WEIGHTS:
-            raise ValueError(f"model.task_weights must be one of {TASK_WEIGHTS}, got {task_weights!r}")
-        terms = tuple(t for t in ("seg", "det") if {"seg": "segmentation", "det": "detection"}[t] in self.tasks)
-        self.task_weights = UncertaintyWeights(terms, init="loss") if task_weights == "uncertainty" else None
-        if "detection" in self.tasks:
-            det = dict(detection or {})
-            self.detection_weight = float(det.pop("weight", 1.0))
-            # Where the head regresses velocity: one choice for the loss and every decoding of its maps.
-            frame = {"velocity_frame": det.pop("velocity_frame", "ego")}
-            self.det_loss = DetectionLoss(**dict(det.pop("loss", None) or {}), **frame)
-            # bev.tasks.detection.decode's options
-            self.det_decoding = {**dict(det.pop("decoding", None) or {}), **frame}
-            check_decoding(self.det_decoding)
-            track = det.pop("track_velocity", None)  # velocity from the boxes' tracks (bev.tasks.detection.tracking)
-            track = None if track is None else TrackVelocity.from_config(track)
-            check_past(int(getattr(net, "past_frames", 0) or 0), track)  # the detection task's 0.5 s of past
-            self.val_det = DetectionScore(grid, self.det_decoding, track)
-            self.test_det = DetectionScore(grid, self.det_decoding, track)
-            if det:
-                raise ValueError(
-                    f"unknown model.detection key(s) {sorted(det)}: weight, loss, decoding, velocity_frame, "
-                    "track_velocity"
-                )
-        # Where bev-eval wants results_nusc.json and the devkit's summary (None: a temporary folder).
-        self.detection_output_dir: str | None = None
-        # The experiment's headline metric (a val/ key, maximised) and its best so far: a buffer, so it survives resume
-        # (checkpoints of before the headline hold it as val_iou_best: bev.utils.checkpoint.upgrade_checkpoint).
+        # The headline's best so far: a buffer, so it survives resume (checkpoints of before the headline hold it
+        # as val_iou_best: bev.utils.checkpoint.upgrade_checkpoint).
         self.headline = str(headline)
         if not self.headline.startswith("val/"):
             raise ValueError(f"headline={self.headline!r} must be a validation metric, e.g. val/iou or val/NDS")
@@ -171,14 +118,6 @@ class BEVLitModule(L.LightningModule):
         return tuple(self.net.image_size)
 
     def setup(self, stage: str) -> None:
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        names = tuple(getattr(dm, "class_names", None) or ())
-        if names and names != self.class_names:
-            raise ValueError(
-                f"the data's target channels {list(names)} differ from the model's {list(self.class_names)}: "
-                f"model.object_classes/map_classes and net.num_classes must follow data.categories and "
-                f"data.map_layers (the configs interpolate them with ${{bev.object_classes:...}} etc.)"
-            )
         if self.compile and stage == "fit":
             # In place: state_dict keys stay those of the plain model. fullgraph: a graph break (a host
             # sync, a Python branch on a tensor's value) is an error here, not a silent eager island.
@@ -206,8 +145,8 @@ class BEVLitModule(L.LightningModule):
 
     def _init_task_decoder(self, loaded: set[str]) -> str:
         """With bev.task_decoders and a checkpoint without a detection decoder: start it as the segmentation one."""
-        encoder = self.net.bev_encoder
-        if encoder.det_up1 is None or any(".det_up1." in k for k in loaded):
+        encoder = getattr(self.net, "bev_encoder", None)  # voxel3d occupancy has no 2D decoder
+        if encoder is None or encoder.det_up1 is None or any(".det_up1." in k for k in loaded):
             return ""
         encoder.copy_decoder_to_detection()
         return "\n  detection decoder: a copy of the loaded segmentation decoder"
@@ -239,6 +178,187 @@ class BEVLitModule(L.LightningModule):
             torch.compiler.cudagraph_mark_step_begin()
         return self.net(*args, **kwargs)
 
+    def depth_loss(self, depth_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over the cells with a target: logits (B, N, D, fH, fW), bins (B, N, fH, fW)."""
+        ce = F.cross_entropy(depth_logits.float().flatten(0, 1), target.flatten(0, 1), ignore_index=-1, reduction="sum")
+        return ce / (target >= 0).sum().clamp(min=1)
+
+    def log_losses(self, stage: str, loss: torch.Tensor, terms: Mapping[str, torch.Tensor], batch_size: int) -> None:
+        """<stage>/loss (the weighted total) and <stage>/<term>_loss per unweighted term (docs/configs.md#log-keys):
+        per step and epoch in training, per epoch averaged over every process in evaluation."""
+        train = stage == "train"
+        kw = dict(on_step=train, on_epoch=True, sync_dist=not train, batch_size=batch_size)
+        self.log(f"{stage}/loss", loss, prog_bar=train, **kw)
+        self.log_dict({f"{stage}/{name}_loss": value for name, value in terms.items()}, **kw)
+
+    def on_validation_epoch_end(self) -> None:
+        """Logs validation_results() as val/<key>, the headline and its best so far (<headline>_best) on the
+        progress bar."""
+        results = {f"val/{k}": v for k, v in self.validation_results().items()}
+        if self.headline not in results:
+            if self.trainer.sanity_checking or not results:
+                self.log_dict(results)
+                return
+            raise ValueError(
+                f"headline={self.headline} is not logged by this model (tasks {list(self.tasks)}); it logs "
+                f"{sorted(results)[:12]}: set headline to one of them"
+            )
+        value = results.pop(self.headline)
+        if not self.trainer.sanity_checking and math.isfinite(value):
+            self.val_headline_best.fill_(max(float(self.val_headline_best), value))
+        self.log(self.headline, value, prog_bar=True)
+        self.log(f"{self.headline}_best", float(self.val_headline_best), prog_bar=True)
+        self.log_dict(results)
+
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        """model.optimizer over the trainable parameters (fused on CUDA unless the config says otherwise)."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        device_type = params[0].device.type if params else "cpu"
+        precision = self._trainer.precision if self._trainer is not None else None
+        kwargs = fused_default(self.optimizer_factory, device_type, precision)
+        return self.optimizer_factory(params=params, **kwargs)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Clips a fused optimiser's gradients under bf16-mixed, which Lightning's mixed-precision plugin
+        refuses for any optimiser that unscales inside its step: only fp16's GradScaler leaves them
+        scaled at this point, so without one they are the true gradients, clipped as the plugin would."""
+        if (
+            gradient_clip_val
+            and getattr(optimizer, "_step_supports_amp_scaling", False)
+            and self.trainer.precision != "16-mixed"
+        ):
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            if gradient_clip_algorithm == "value":
+                torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+            else:
+                torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def configure_optimizers(self):
+        optimizer = self.make_optimizer()
+        if self.scheduler_factory is None:
+            return optimizer
+        kwargs = {}
+        params = inspect.signature(getattr(self.scheduler_factory, "func", self.scheduler_factory)).parameters
+        given = getattr(self.scheduler_factory, "keywords", {})
+        steps = int(self.trainer.estimated_stepping_batches)
+        if self.scheduler_interval == "epoch":
+            steps = int(self.trainer.max_epochs or 1)
+        for name in ("total_steps", "T_max"):
+            if name in params and given.get(name) is None:
+                kwargs[name] = steps
+        scheduler = self.scheduler_factory(optimizer=optimizer, **kwargs)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler_interval}}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        upgrade_checkpoint(checkpoint)  # a run resumed from a checkpoint of an earlier layout
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if self.run_config is not None:
+            checkpoint["bev_config"] = self.run_config
+
+    def _eval_step(self, batch: dict, stage: str) -> None:
+        """One validation ("val") or test ("test") batch: its losses logged, each task's metric updated."""
+        raise NotImplementedError
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def validation_results(self) -> dict[str, float]:
+        """The split's scores of this validation, keyed without the val/ prefix (each task's metrics reset)."""
+        raise NotImplementedError
+
+
+class BEVLitModule(BEVModule):
+    """Segmentation of object and map classes, and 3D boxes (model.tasks), on BEVModule's training.
+
+    object_classes / map_classes name the output channels (in that order); configs fill them from
+    data.categories / data.map_layers through the bev.* resolvers, so the head always matches the
+    data. Object classes get the LSS IoU (threshold, visibility filter, distance bands), map classes
+    BEVFusion's best-threshold IoU. val/iou is the first object class's IoU (the default headline).
+    pos_weight: a number for every channel, a list (one per channel) or a {class name: weight}
+    mapping (unlisted classes 1.0). loss: "bce" (BCE with logits) or "focal" (sigmoid focal loss,
+    focal_gamma; as BEVFusion's map head; pos_weight multiplies the positive term).
+    class_weight: the weight of each channel's mean loss in the total (same forms as pos_weight;
+    None = every cell alike): with many map channels, the object channels' share of the gradient
+    through the shared encoders is otherwise 1/K.
+    task_weights: how segmentation and detection add up: "fixed" (1 and detection.weight) or "uncertainty"
+    (Kendall et al.'s learned weights, bev.losses.UncertaintyWeights, each started at its first batch's loss:
+    a detection loss of about 20 beside a segmentation loss of 0.2 otherwise takes the shared encoders).
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        scheduler_interval: str = "step",
+        pos_weight: float | Sequence[float] | Mapping[str, float] = 2.13,
+        threshold: float = 0.5,
+        compile: bool | str | None = False,
+        object_classes: Sequence[str] | None = None,
+        map_classes: Sequence[str] = (),
+        loss: str = "bce",
+        focal_gamma: float = 2.0,
+        class_weight: float | Sequence[float] | Mapping[str, float] | None = None,
+        depth_weight: float = 0.0,
+        tasks: Sequence[str] = ("segmentation",),
+        detection: Mapping[str, Any] | None = None,
+        init_from: str | None = None,
+        task_weights: str = "fixed",
+        headline: str = "val/iou",
+    ):
+        super().__init__(net, optimizer, scheduler, scheduler_interval, compile, depth_weight, init_from, headline)
+        self.object_classes, self.map_classes = _class_names(net, object_classes, map_classes)
+        self.class_names = self.object_classes + self.map_classes
+        self.seg_loss = SegmentationLoss(self.class_names, loss, focal_gamma, pos_weight, class_weight)
+        grid = getattr(net, "grid", None) or Grid()
+        self.val_iou = BevIoU(grid, threshold, self.object_classes)
+        self.test_iou = BevIoU(grid, threshold, self.object_classes)
+        self.val_map_iou = MapIoU(self.map_classes)
+        self.test_map_iou = MapIoU(self.map_classes)
+        self.tasks = _check_tasks(tasks, net)
+        if task_weights not in TASK_WEIGHTS:
+            raise ValueError(f"model.task_weights must be one of {TASK_WEIGHTS}, got {task_weights!r}")
+        terms = tuple(t for t in ("seg", "det") if {"seg": "segmentation", "det": "detection"}[t] in self.tasks)
+        self.task_weights = UncertaintyWeights(terms, init="loss") if task_weights == "uncertainty" else None
+        if "detection" in self.tasks:
+            det = dict(detection or {})
+            self.detection_weight = float(det.pop("weight", 1.0))
+            # Where the head regresses velocity: one choice for the loss and every decoding of its maps.
+            frame = {"velocity_frame": det.pop("velocity_frame", "ego")}
+            self.det_loss = DetectionLoss(**dict(det.pop("loss", None) or {}), **frame)
+            # bev.tasks.detection.decode's options
+            self.det_decoding = {**dict(det.pop("decoding", None) or {}), **frame}
+            check_decoding(self.det_decoding)
+            track = det.pop("track_velocity", None)  # velocity from the boxes' tracks (bev.tasks.detection.tracking)
+            track = None if track is None else TrackVelocity.from_config(track)
+            check_past(int(getattr(net, "past_frames", 0) or 0), track)  # the detection task's 0.5 s of past
+            self.val_det = DetectionScore(grid, self.det_decoding, track)
+            self.test_det = DetectionScore(grid, self.det_decoding, track)
+            if det:
+                raise ValueError(
+                    f"unknown model.detection key(s) {sorted(det)}: weight, loss, decoding, velocity_frame, "
+                    "track_velocity"
+                )
+        # Where bev-eval wants results_nusc.json and the devkit's summary (None: a temporary folder).
+        self.detection_output_dir: str | None = None
+
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        names = tuple(getattr(dm, "class_names", None) or ())
+        if names and names != self.class_names:
+            raise ValueError(
+                f"the data's target channels {list(names)} differ from the model's {list(self.class_names)}: "
+                f"model.object_classes/map_classes and net.num_classes must follow data.categories and "
+                f"data.map_layers (the configs interpolate them with ${{bev.object_classes:...}} etc.)"
+            )
+        super().setup(stage)
+
     def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The segmentation loss of logits (B, K, X, Y) against the BEV targets (bev.tasks.segmentation.loss)."""
         return self.seg_loss(logits, target)
@@ -256,11 +376,6 @@ class BEVLitModule(L.LightningModule):
             results.update(map_iou.compute())
             map_iou.reset()
         return results
-
-    def depth_loss(self, depth_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over the cells with a target: logits (B, N, D, fH, fW), bins (B, N, fH, fW)."""
-        ce = F.cross_entropy(depth_logits.float().flatten(0, 1), target.flatten(0, 1), ignore_index=-1, reduction="sum")
-        return ce / (target >= 0).sum().clamp(min=1)
 
     def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """(total loss, segmentation logits, the loss terms to log: depth, det_heatmap, ...) of a training batch."""
@@ -311,14 +426,6 @@ class BEVLitModule(L.LightningModule):
         self.log_losses("train", loss, terms, logits.shape[0])
         return {"loss": loss, "logits": logits.detach()}
 
-    def log_losses(self, stage: str, loss: torch.Tensor, terms: Mapping[str, torch.Tensor], batch_size: int) -> None:
-        """<stage>/loss (the weighted total) and <stage>/<term>_loss per unweighted term (docs/configs.md#log-keys):
-        per step and epoch in training, per epoch averaged over every process in evaluation."""
-        train = stage == "train"
-        kw = dict(on_step=train, on_epoch=True, sync_dist=not train, batch_size=batch_size)
-        self.log(f"{stage}/loss", loss, prog_bar=train, **kw)
-        self.log_dict({f"{stage}/{name}_loss": value for name, value in terms.items()}, **kw)
-
     def _eval_step(self, batch: dict, stage: str) -> None:
         out = self(batch)
         logits, det_out = split_outputs(out)
@@ -346,9 +453,6 @@ class BEVLitModule(L.LightningModule):
         score.reset()
         return metrics
 
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self._eval_step(batch, "val")
-
     def validation_results(self) -> dict[str, float]:
         """The split's scores of this validation, keyed without the val/ prefix (each task's metrics reset)."""
         results = {k: v for k, v in self._det_metrics("val").items() if "/" not in k}
@@ -357,28 +461,6 @@ class BEVLitModule(L.LightningModule):
             seg = self._compute_metrics(self.val_iou, self.val_map_iou)
             results.update({k: v for k, v in seg.items() if "@" not in k})
         return results
-
-    def on_validation_epoch_end(self) -> None:
-        """Logs validation_results() as val/<key>, the headline and its best so far (<headline>_best) on the
-        progress bar."""
-        results = {f"val/{k}": v for k, v in self.validation_results().items()}
-        if self.headline not in results:
-            if self.trainer.sanity_checking or not results:
-                self.log_dict(results)
-                return
-            raise ValueError(
-                f"headline={self.headline} is not logged by this model (tasks {list(self.tasks)}); it logs "
-                f"{sorted(results)[:12]}: set headline to one of them"
-            )
-        value = results.pop(self.headline)
-        if not self.trainer.sanity_checking and math.isfinite(value):
-            self.val_headline_best.fill_(max(float(self.val_headline_best), value))
-        self.log(self.headline, value, prog_bar=True)
-        self.log(f"{self.headline}_best", float(self.val_headline_best), prog_bar=True)
-        self.log_dict(results)
-
-    def test_step(self, batch: dict, batch_idx: int) -> None:
-        self._eval_step(batch, "test")
 
     def predict_step(self, batch: dict, batch_idx: int = 0, dataloader_idx: int = 0):
         """Per-class probabilities (B, K, X, Y) float32 (the sigmoid of the logits); a model that detects gives
@@ -399,51 +481,3 @@ class BEVLitModule(L.LightningModule):
         results = self._compute_metrics(self.test_iou, self.test_map_iou) if "segmentation" in self.tasks else {}
         results.update(self._det_metrics("test"))
         self.log_dict({f"test/{k}": v for k, v in results.items()})
-
-    def make_optimizer(self) -> torch.optim.Optimizer:
-        """model.optimizer over the trainable parameters (fused on CUDA unless the config says otherwise)."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        device_type = params[0].device.type if params else "cpu"
-        precision = self._trainer.precision if self._trainer is not None else None
-        kwargs = fused_default(self.optimizer_factory, device_type, precision)
-        return self.optimizer_factory(params=params, **kwargs)
-
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """Clips a fused optimiser's gradients under bf16-mixed, which Lightning's mixed-precision plugin
-        refuses for any optimiser that unscales inside its step: only fp16's GradScaler leaves them
-        scaled at this point, so without one they are the true gradients, clipped as the plugin would."""
-        if (
-            gradient_clip_val
-            and getattr(optimizer, "_step_supports_amp_scaling", False)
-            and self.trainer.precision != "16-mixed"
-        ):
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            if gradient_clip_algorithm == "value":
-                torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
-            else:
-                torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
-            return
-        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-
-    def configure_optimizers(self):
-        optimizer = self.make_optimizer()
-        if self.scheduler_factory is None:
-            return optimizer
-        kwargs = {}
-        params = inspect.signature(getattr(self.scheduler_factory, "func", self.scheduler_factory)).parameters
-        given = getattr(self.scheduler_factory, "keywords", {})
-        steps = int(self.trainer.estimated_stepping_batches)
-        if self.scheduler_interval == "epoch":
-            steps = int(self.trainer.max_epochs or 1)
-        for name in ("total_steps", "T_max"):
-            if name in params and given.get(name) is None:
-                kwargs[name] = steps
-        scheduler = self.scheduler_factory(optimizer=optimizer, **kwargs)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler_interval}}
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        upgrade_checkpoint(checkpoint)  # a run resumed from a checkpoint of an earlier layout
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        if self.run_config is not None:
-            checkpoint["bev_config"] = self.run_config

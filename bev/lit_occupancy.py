@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bev.lit import CAMERA_KEYS, BEVLitModule
+from bev.lit import CAMERA_KEYS, BEVModule
 from bev.tasks.occupancy.grid import FREE, OCC3D_CLASSES
 from bev.tasks.occupancy.io import write_prediction
 from bev.tasks.occupancy.loss import OccupancyLoss, check_loss_options
@@ -33,13 +33,13 @@ def score_dict(scores: OccScores, bands: Mapping[str, OccScores]) -> dict[str, f
     return out
 
 
-class OccupancyLitModule(BEVLitModule):
-    """The static module's optimiser, schedule, compile and init_from, with occupancy's loss and metric.
+class OccupancyLitModule(BEVModule):
+    """Occupancy's loss and metric on BEVModule's training (optimiser, schedule, compile, init_from, depth loss).
 
     loss: {class_weight: null | log_frequency | inverse_sqrt_frequency | [18] | {class: w}, lovasz_weight: 0,
     visible_only: true}
     (bev.tasks.occupancy.loss.OccupancyLoss). metric_mask: the voxels scored, "camera" as Occ3D (or "lidar", "none").
-    depth_weight > 0: the camera depth supervised by lidar depth bins as in BEVLitModule (data.depth_target=true).
+    depth_weight > 0: the camera depth supervised by lidar depth bins as in BEVModule (data.depth_target=true).
     prediction_dir: where test batches write their predictions in the challenge's format (bev-eval sets it).
     """
 
@@ -56,18 +56,11 @@ class OccupancyLitModule(BEVLitModule):
         init_from: str | None = None,
         headline: str = "val/occ_miou",
     ):
-        super().__init__(
-            net,
-            optimizer,
-            scheduler,
-            scheduler_interval,
-            compile=compile,
-            object_classes=OCC3D_CLASSES,
-            depth_weight=depth_weight,
-            init_from=init_from,
-            headline=headline,
-        )
+        super().__init__(net, optimizer, scheduler, scheduler_interval, compile, depth_weight, init_from, headline)
         self.tasks = ("occupancy",)
+        # What the entry points name the output channels by (bev-predict's summary, pictures).
+        self.object_classes, self.map_classes = tuple(OCC3D_CLASSES), ()
+        self.class_names = self.object_classes
         self.occ_loss = OccupancyLoss(**check_loss_options(loss))
         if metric_mask not in MASKS:
             raise ValueError(f"model.metric_mask must be one of {', '.join(MASKS)}, got {metric_mask!r}")
@@ -80,8 +73,7 @@ class OccupancyLitModule(BEVLitModule):
         config = getattr(dm, "config", None)
         if config is not None and not getattr(config, "occupancy", False):
             raise ValueError("an occupancy model trains and scores on Occ3D labels: set data.occupancy=true")
-        if self.compile and stage == "fit":
-            self.net.compile(mode=self.compile, fullgraph=True)
+        super().setup(stage)
 
     # ------------------------------------------------------------------ loss
 

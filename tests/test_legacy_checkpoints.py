@@ -18,6 +18,28 @@ TASKS = {
     "motion": ("segmentation", "motion"),
     "occupancy": ("occupancy",),
 }
+# occupancy.ckpt's model and a two-step run (tests/data/legacy_checkpoints/README.md).
+OCC_TINY = [
+    "grid.xbound=[-40,40,1.6]",
+    "grid.ybound=[-40,40,1.6]",
+    "grid.dbound=[2,46,4]",
+    "grid.zbound=[-1,5.4,1.6]",
+    "data.final_dim=[32,96]",
+    "data.batch_size=1",
+    "data.num_workers=0",
+    "model.net.context_channels=8",
+    "model.net.camera.widths=[8,8,16,16,16]",
+    "model.net.camera.mid_channels=16",
+    "model.net.occupancy.widths=[8,8,8]",
+    "model.net.occupancy.channels=8",
+    "model.net.bev.widths=[8,8,8]",
+    "+trainer.max_steps=2",
+    "trainer.max_epochs=1",
+    "+trainer.limit_val_batches=1",
+    "trainer.enable_progress_bar=false",
+    "callbacks.bev_png.every_n_steps=0",
+    "callbacks.time_budget.budget=null",
+]
 # What bev-eval reports for each: a metric of the task, in metrics.json.
 SCORED = {"segmentation": "iou", "detection": "NDS", "motion": "future_iou_long", "occupancy": "occ_miou"}
 
@@ -83,3 +105,17 @@ def test_a_run_resumes_from_a_legacy_checkpoint(synthetic_root, tmp_path, monkey
     last = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     started = torch.load(legacy, map_location="cpu", weights_only=True)
     assert last["global_step"] > started["global_step"] and "val_headline_best" in last["state_dict"]
+
+
+@pytest.mark.e2e
+def test_a_voxel3d_occupancy_run_starts_from_a_checkpoint(occ_root, tmp_path, monkeypatch):  # noqa: F811
+    # BEVDet-Occ's load_from: model.init_from on the kind without a 2D BEV decoder
+    args = [
+        "experiment=synthetic_occ_cpu",
+        "model.net.occupancy.kind=voxel3d",
+        *OCC_TINY,
+        f"model.init_from={LEGACY / 'occupancy.ckpt'}",
+        f"data.dataroot={occ_root}",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    assert train_cli(args, monkeypatch) == 0
