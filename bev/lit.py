@@ -27,7 +27,7 @@ from bev.utils.checkpoint import load_matching, upgrade_checkpoint
 from bev.utils.speed import compile_mode, fused_default
 
 CAMERA_KEYS = ("images",) + CAMERA_GEOMETRY
-TASKS = ("segmentation", "detection")
+TASKS = ("segmentation", "detection")  # what this module trains (bev.tasks names every task)
 TASK_WEIGHTS = ("fixed", "uncertainty")
 
 
