@@ -14,9 +14,10 @@ from omegaconf import DictConfig
 # Option mappings under model.* that a module passes on as keyword arguments, and what takes them: their keys'
 # types are checked against its signature, as a `_target_` node's are against its target's.
 MODEL_OPTIONS = {
-    "net.camera": "bev.models.camera.CameraEncoder",
-    "net.bev": "bev.models.bev_encoder.BevEncoder",
-    "net.detection": "bev.models.centerpoint.CenterHead",
+    "net.camera": ("bev.models.lift.LiftSplat", "bev.models.camera.CameraEncoder"),
+    "net.heads.detection": "bev.tasks.detection.head.CenterHead",
+    "net.heads.motion": "bev.tasks.motion.head.MotionHead",
+    "net.temporal": "bev.models.temporal.Temporal",
     "loss": "bev.tasks.occupancy.loss.OccupancyLoss",
     "temporal_loss": "bev.tasks.motion.loss.TemporalLoss",
     "detection.loss": "bev.tasks.detection.loss.DetectionLoss",
@@ -69,10 +70,15 @@ def check_model(cfg: DictConfig) -> None:
     model = OmegaConf.to_container(node, resolve=True)
     _check_values(model, "model")
     _check_arguments(model, "model")
-    for path, target in MODEL_OPTIONS.items():
+    for path, targets in MODEL_OPTIONS.items():
         options = _select(model, path)
-        if isinstance(options, Mapping):
-            _check_keys(options, f"model.{path}", _locate(target))
+        for target in (targets,) if isinstance(targets, str) else targets:
+            if isinstance(options, Mapping):
+                _check_keys(options, f"model.{path}", _locate(target))
+    decoder = _select(model, "net.decoder")
+    if isinstance(decoder, Mapping):
+        kind = "VoxelDecoder3d" if decoder.get("kind") == "voxel3d" else "BevDecoder"
+        _check_keys(decoder, "model.net.decoder", _locate(f"bev.models.decoder.{kind}"))
     _check_per_class(model)
     _build_losses(model)
     _check_image_size(model, OmegaConf.select(cfg, "data.final_dim"))
@@ -269,12 +275,13 @@ def _check_image_size(model: Mapping, final_dim: Any) -> None:
             f"model.net.image_size={size} differs from data.final_dim={final}: the network takes the data's images. "
             f"Leave model.net.image_size to follow data.final_dim (its default), or pass data.final_dim={size}"
         )
-    stride = net.get("downsample")
+    camera = net.get("camera")
+    stride = camera.get("downsample") if isinstance(camera, Mapping) else None
     if isinstance(stride, int) and not isinstance(stride, bool) and stride > 0 and any(s % stride for s in size):
         key = "data.final_dim" if final is not None else "model.net.image_size"
         fit = [max(stride, round(s / stride) * stride) for s in size]
         raise ValueError(
-            f"{key}={size} is not a multiple of model.net.downsample={stride} (the camera encoder's stride) in "
+            f"{key}={size} is not a multiple of model.net.camera.downsample={stride} (the camera encoder's stride) in "
             f"height and width: pass e.g. {key}={fit}"
         )
 

@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-# The network's inputs, in the order LiftSplatShoot.forward takes them (shapes for B samples of N cameras).
+# The network's inputs, in the order bev.models.BEVNet.forward takes them (shapes for B samples of N cameras).
 CAMERA_INPUTS: dict[str, str] = {
     "images": "(B, N, 3, H, W) float32, ImageNet-normalised",
     "intrinsics": "(B, N, 3, 3) float32",
@@ -187,7 +187,7 @@ def trained_on(loaded: Loaded) -> Any:
 def load_model(ckpt_path: str | Path, device: str | torch.device = "cpu", trusted: bool = False):
     """The eval-mode BEVLitModule of a checkpoint this project wrote (a .ckpt, or a run directory).
 
-    Attributes: .net (the LiftSplatShoot network), .grid, .image_size, .class_names, .run_config.
+    Attributes: .net (the bev.models.BEVNet network), .grid, .image_size, .class_names, .run_config.
     A checkpoint whose stored config names code outside the project's configs is refused unless
     trusted=True (bev.utils.trust).
     """
@@ -216,7 +216,7 @@ def _batched(batch: Mapping[str, Any], temporal: bool = False) -> dict[str, Any]
 def predict(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor | dict[str, torch.Tensor]:
     """Per-class probabilities (B, K, X, Y) float32, on the model's device.
 
-    model: what load_model returns (or a bare LiftSplatShoot). batch: a dict with the camera
+    model: what load_model returns (or a bare BEVNet). batch: a dict with the camera
     inputs of CAMERA_INPUTS (extra keys are ignored); a single sample (no batch dimension) works too.
     A temporal model (bev.models.temporal) takes windows (images (B, P+1, N, 3, H, W), the camera
     tensors with the same time axis, and future_egomotion) and returns a dict: "bev" (B, K, X, Y) and
@@ -239,7 +239,7 @@ def predict(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor | dict[s
             return _with_instances(model.predict_step(inputs, 0), getattr(model, "instance_decoding", "propagate"))
         if hasattr(model, "predict_step"):
             return model.predict_step(inputs, 0)
-        return model(*inputs.values()).float().sigmoid()
+        return model(*inputs.values())["segmentation"].float().sigmoid()
     finally:
         model.train(was_training)
 
@@ -342,7 +342,7 @@ def _detection_arrays(det: Mapping[str, Any]) -> dict[str, Any]:
 def detects(model: nn.Module) -> bool:
     """Whether `model` (what load_model returns) gives 3D boxes: a detection head that model.tasks trains."""
     net = getattr(model, "net", model)
-    return "detection" in model.tasks and getattr(net, "det_head", None) is not None
+    return "detection" in model.tasks and "detection" in net.heads
 
 
 def boxes_option(value: Any) -> str | bool:
@@ -372,7 +372,7 @@ def wants_boxes(value: Any, model: nn.Module, path: str | Path) -> bool:
         raise ValueError(
             f"boxes=true but the checkpoint {str(path)!r} has no detection head (model.tasks "
             f"{list(model.tasks)}): it gives BEV maps only. Pass boxes=auto or "
-            f"boxes=false, or train a detecting model: data.detection=true model.net.detection={{...}} "
+            f"boxes=false, or train a detecting model: data.detection=true model.net.heads.detection={{...}} "
             f"model.tasks=[segmentation,detection]"
         )
     return value
@@ -468,8 +468,8 @@ class ExportedMaps(nn.Module):
 
     def __init__(self, net: nn.Module, boxes: bool = False):
         super().__init__()
-        if boxes and getattr(net, "det_head", None) is None:
-            raise ValueError("boxes=True needs a network with a detection head (model.net.detection)")
+        if boxes and "detection" not in net.heads:
+            raise ValueError("boxes=True needs a network with a detection head (model.net.heads.detection)")
         self.net, self.boxes = net, bool(boxes)
         self.image_size = net.image_size
         self.output_names = DETECTION_OUTPUTS if self.boxes else SEGMENTATION_OUTPUTS
@@ -479,11 +479,10 @@ class ExportedMaps(nn.Module):
 
     def forward(self, images, intrinsics, rots, trans, post_rots, post_trans):
         out = self.net(images, intrinsics, rots, trans, post_rots, post_trans)
-        if not isinstance(out, dict):
-            return out
         if not self.boxes:
-            return out["bev"]
-        return {"logits": out["bev"], "heatmap": out["heatmap"], "regression": out["regression"]}
+            return out["segmentation"]
+        det = out["detection"]
+        return {"logits": out["segmentation"], "heatmap": det["heatmap"], "regression": det["regression"]}
 
 
 def export_onnx(
@@ -492,7 +491,7 @@ def export_onnx(
     """ONNX model of `net` (camera inputs -> "logits"; an ExportedMaps with boxes -> its DETECTION_OUTPUTS),
     batch size dynamic, written atomically; an existing file at `path` is replaced only with overwrite=True.
 
-    The splat goes through LiftSplatShoot.exportable() (ScatterND with reduction "add"), and the
+    The splat goes through BEVNet.exportable() (ScatterND with reduction "add"), and the
     geometry only uses elementwise ops, so ONNX Runtime runs it on any execution provider.
     Uses torch.onnx.export's dynamo path (needs the onnx and onnxscript packages: pip install bev[export]).
     """

@@ -24,6 +24,7 @@ from bev.tasks.detection.tracking import TrackVelocity, check_past
 from bev.tasks.segmentation.loss import SegmentationLoss
 from bev.tasks.segmentation.metric import BevIoU, MapIoU
 from bev.utils.checkpoint import load_matching, upgrade_checkpoint
+from bev.utils.legacy import reorder_optimizer_states
 from bev.utils.speed import compile_mode, fused_default
 
 CAMERA_KEYS = ("images",) + CAMERA_GEOMETRY
@@ -33,17 +34,13 @@ TASK_WEIGHTS = ("fixed", "uncertainty")
 
 def _check_tasks(tasks: Sequence[str], net: nn.Module) -> tuple[str, ...]:
     tasks = check_tasks(tasks, TASKS)
-    if "detection" in tasks and getattr(net, "det_head", None) is None:
+    missing = [t for t in tasks if t not in net.heads]
+    if missing:
         raise ValueError(
-            "model.tasks has detection but the network has no detection head: set model.net.detection "
-            "(e.g. model.net.detection={head_channels: 0}: see experiment=synthetic_det_cpu)"
+            f"model.tasks has {missing[0]} but the network has no {missing[0]} head: set model.net.heads.{missing[0]} "
+            "(e.g. model.net.heads.detection={head_channels: 0}: see experiment=synthetic_det_cpu)"
         )
     return tasks
-
-
-def split_outputs(out) -> tuple[torch.Tensor, dict | None]:
-    """A network's output -> (segmentation logits, detection maps or None)."""
-    return (out["bev"], out) if isinstance(out, Mapping) else (out, None)
 
 
 def _class_names(net: nn.Module, object_classes, map_classes) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -58,7 +55,7 @@ def _class_names(net: nn.Module, object_classes, map_classes) -> tuple[tuple[str
         raise ValueError("model.object_classes is empty: the first channels must be object classes (data.categories)")
     if head is not None and head != len(object_classes) + len(map_classes):
         raise ValueError(
-            f"net.num_classes={head} but object_classes {list(object_classes)} + map_classes "
+            f"model.net.heads.segmentation.num_classes={head} but object_classes {list(object_classes)} + map_classes "
             f"{list(map_classes)} name {len(object_classes) + len(map_classes)} channels"
         )
     return object_classes, map_classes
@@ -144,11 +141,11 @@ class BEVModule(L.LightningModule):
         return report + self._init_task_decoder(loaded) + self._after_init_from(ckpt, loaded)
 
     def _init_task_decoder(self, loaded: set[str]) -> str:
-        """With bev.task_decoders and a checkpoint without a detection decoder: start it as the segmentation one."""
-        encoder = getattr(self.net, "bev_encoder", None)  # voxel3d occupancy has no 2D decoder
-        if encoder is None or encoder.det_up1 is None or any(".det_up1." in k for k in loaded):
+        """With decoder.task_decoders and a checkpoint without a detection up path: start it as the shared one."""
+        decoder = self.net.decoder
+        if getattr(decoder, "det_up1", None) is None or any(".det_up1." in k for k in loaded):
             return ""
-        encoder.copy_decoder_to_detection()
+        decoder.copy_shared_to_detection()
         return "\n  detection decoder: a copy of the loaded segmentation decoder"
 
     def _init_from_unset(self) -> str | None:
@@ -168,7 +165,8 @@ class BEVModule(L.LightningModule):
             if length is not None and length < steps:
                 end_schedule_at(sched, steps, pivot=-1)
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The network's outputs on a batch: {task: output, "depth": camera depth logits} (bev.models.BEVNet)."""
         return self.run_net(*(batch[k] for k in CAMERA_KEYS))
 
     def run_net(self, *args, **kwargs):
@@ -177,6 +175,22 @@ class BEVModule(L.LightningModule):
         if self.compile == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
         return self.net(*args, **kwargs)
+
+    def depth_term(self, depth_logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        """depth_loss against the batch's lidar depth bins, with one clear error where they are missing or shaped
+        for another camera stride."""
+        if "depth" not in batch:
+            raise ValueError(
+                "model.depth_weight > 0 needs lidar depth targets in the batch: set data.depth_target=true"
+            )
+        target = batch["depth"]
+        if target.shape[-2:] != depth_logits.shape[-2:]:
+            raise ValueError(
+                f"depth targets of {tuple(target.shape[-2:])} cells but depth logits of "
+                f"{tuple(depth_logits.shape[-2:])}: the targets follow another camera stride; set "
+                "data.depth_stride to model.net.camera.downsample"
+            )
+        return self.depth_loss(depth_logits, target)
 
     def depth_loss(self, depth_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over the cells with a target: logits (B, N, D, fH, fW), bins (B, N, fH, fW)."""
@@ -252,7 +266,8 @@ class BEVModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler_interval}}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        upgrade_checkpoint(checkpoint)  # a run resumed from a checkpoint of an earlier layout
+        if upgrade_checkpoint(checkpoint):  # a run resumed from a checkpoint of an earlier network layout
+            reorder_optimizer_states(checkpoint, [n for n, p in self.named_parameters() if p.requires_grad])
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.run_config is not None:
@@ -354,7 +369,7 @@ class BEVLitModule(BEVModule):
         if names and names != self.class_names:
             raise ValueError(
                 f"the data's target channels {list(names)} differ from the model's {list(self.class_names)}: "
-                f"model.object_classes/map_classes and net.num_classes must follow data.categories and "
+                f"model.object_classes/map_classes and net.heads.segmentation.num_classes must follow data.categories and "
                 f"data.map_layers (the configs interpolate them with ${{bev.object_classes:...}} etc.)"
             )
         super().setup(stage)
@@ -379,36 +394,23 @@ class BEVLitModule(BEVModule):
 
     def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """(total loss, segmentation logits, the loss terms to log: depth, det_heatmap, ...) of a training batch."""
-        if not self.depth_weight:
-            out, depth_logits = self(batch), None
-        elif "depth" not in batch:
-            raise ValueError(
-                "model.depth_weight > 0 needs lidar depth targets in the batch: set data.depth_target=true"
-            )
-        else:
-            out, depth_logits = self.run_net(*(batch[k] for k in CAMERA_KEYS), return_depth=True)
-            if batch["depth"].shape[-2:] != depth_logits.shape[-2:]:
-                raise ValueError(
-                    f"depth targets of {tuple(batch['depth'].shape[-2:])} cells but depth logits of "
-                    f"{tuple(depth_logits.shape[-2:])}: the targets follow another camera stride; set "
-                    "data.depth_stride to model.net.downsample"
-                )
-        loss, terms = self.losses(out, batch, depth_logits)
-        return loss, split_outputs(out)[0], terms
+        out = self(batch)
+        loss, terms = self.losses(out, batch, depth=bool(self.depth_weight))
+        return loss, out["segmentation"], terms
 
-    def losses(self, out, batch: dict, depth_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-        """(total loss, its terms) of the network's output `out` on a batch: segmentation, detection and depth."""
-        logits, det_out = split_outputs(out)
+    def losses(self, out, batch: dict, depth: bool = False) -> tuple[torch.Tensor, dict]:
+        """(total loss, its terms) of the network's output `out` on a batch: segmentation, detection and, with
+        depth, the camera depth."""
         terms: dict[str, torch.Tensor] = {}
         tasks: dict[str, torch.Tensor] = {}
-        loss = logits.new_zeros((), dtype=torch.float32)
-        if depth_logits is not None:
-            terms["depth"] = self.depth_loss(depth_logits, batch["depth"])
+        loss = out["depth"].new_zeros((), dtype=torch.float32)
+        if depth:
+            terms["depth"] = self.depth_term(out["depth"], batch)
             loss = loss + self.depth_weight * terms["depth"]
         if "segmentation" in self.tasks:
-            tasks["seg"] = terms["seg"] = self.loss(logits, batch["bev"])
-        if det_out is not None and "detection" in self.tasks:
-            tasks["det"] = self.detection_weight * self._det_terms(det_out, batch, terms)
+            tasks["seg"] = terms["seg"] = self.loss(out["segmentation"], batch["bev"])
+        if "detection" in self.tasks:
+            tasks["det"] = self.detection_weight * self._det_terms(out["detection"], batch, terms)
         if self.task_weights is not None and len(tasks) == len(self.task_weights.log_vars):
             return loss + self.task_weights(tasks), terms
         return loss + sum(tasks.values()), terms
@@ -428,7 +430,7 @@ class BEVLitModule(BEVModule):
 
     def _eval_step(self, batch: dict, stage: str) -> None:
         out = self(batch)
-        logits, det_out = split_outputs(out)
+        logits, det_out = out["segmentation"], out.get("detection")
         # The detection loss where the batch has its targets (bev-predict's data may not).
         has_targets = "detection" not in self.tasks or "det_heatmap" in batch
         if has_targets:
@@ -465,11 +467,11 @@ class BEVLitModule(BEVModule):
     def predict_step(self, batch: dict, batch_idx: int = 0, dataloader_idx: int = 0):
         """Per-class probabilities (B, K, X, Y) float32 (the sigmoid of the logits); a model that detects gives
         {"bev": those, "detections": per sample {"boxes" (K, 9) BOX_FIELDS, "scores", "labels"}}."""
-        logits, det_out = split_outputs(self(batch))
-        probs = logits.float().sigmoid()
-        if det_out is None or "detection" not in self.tasks:
+        out = self(batch)
+        probs = out["segmentation"].float().sigmoid()
+        if "detection" not in self.tasks:
             return probs
-        return {"bev": probs, "detections": self.decode_boxes(det_out)}
+        return {"bev": probs, "detections": self.decode_boxes(out["detection"])}
 
     @torch.no_grad()
     def decode_boxes(self, det_out: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

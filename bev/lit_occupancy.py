@@ -1,4 +1,4 @@
-"""LightningModule for 3D semantic occupancy (Occ3D-nuScenes): an OccupancyNet (bev.models.occupancy) trained on
+"""LightningModule for 3D semantic occupancy (Occ3D-nuScenes): a BEVNet with an occupancy head trained on
 the items of data.occupancy=true with bev.tasks.occupancy.loss, scored by Occ3D's mIoU (bev.tasks.occupancy.metric).
 
 Logged (docs/configs.md#log-keys): <stage>/loss the weighted total, <stage>/occ_loss (cross-entropy),
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bev.lit import CAMERA_KEYS, BEVModule
+from bev.lit import BEVModule
 from bev.tasks.occupancy.grid import FREE, OCC3D_CLASSES
 from bev.tasks.occupancy.io import write_prediction
 from bev.tasks.occupancy.loss import OccupancyLoss, check_loss_options
@@ -79,22 +79,17 @@ class OccupancyLitModule(BEVModule):
 
     def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """(total loss, logits (B, 18, X, Y, Z), the unweighted terms: occ, lovasz, depth)."""
-        if self.depth_weight and "depth" not in batch:
-            raise ValueError(
-                "model.depth_weight > 0 needs lidar depth targets in the batch: set data.depth_target=true"
-            )
-        cams = [batch[k] for k in CAMERA_KEYS]
-        logits, depth_logits = self.run_net(*cams, return_depth=True) if self.depth_weight else (self(batch), None)
-        loss, terms = self.losses(logits, batch, depth_logits)
-        return loss, logits, terms
+        out = self(batch)
+        loss, terms = self.losses(out, batch, depth=bool(self.depth_weight))
+        return loss, out["occupancy"], terms
 
-    def losses(self, logits, batch: dict, depth_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    def losses(self, out: dict, batch: dict, depth: bool = False) -> tuple[torch.Tensor, dict]:
         if LABEL_KEY not in batch:
             raise ValueError("an occupancy model trains on Occ3D labels: the batches need data.occupancy=true")
-        terms = self.occ_loss(logits, batch[LABEL_KEY], batch.get(MASK_KEYS[0]))
+        terms = self.occ_loss(out["occupancy"], batch[LABEL_KEY], batch.get(MASK_KEYS[0]))
         loss = self.occ_loss.total(terms)
-        if depth_logits is not None:
-            terms["depth"] = self.depth_loss(depth_logits, batch["depth"])
+        if depth:
+            terms["depth"] = self.depth_term(out["depth"], batch)
             loss = loss + self.depth_weight * terms["depth"]
         return loss, terms
 
@@ -112,10 +107,11 @@ class OccupancyLitModule(BEVModule):
         return self._scores[stage]
 
     def _eval_step(self, batch: dict, stage: str) -> None:
-        logits = self(batch)
+        out = self(batch)
+        logits = out["occupancy"]
         if LABEL_KEY not in batch:
             raise ValueError("an occupancy model is scored on Occ3D labels: the batches need data.occupancy=true")
-        self.log_losses(stage, *self.losses(logits, batch), logits.shape[0])
+        self.log_losses(stage, *self.losses(out, batch), logits.shape[0])
         pred = logits.argmax(1)
         masks = {k.removeprefix("occ_"): batch.get(k) for k in MASK_KEYS}
         self.scores(stage).update(pred, batch[LABEL_KEY], **masks)
@@ -139,4 +135,4 @@ class OccupancyLitModule(BEVModule):
 
     def predict_step(self, batch: dict, batch_idx: int = 0, dataloader_idx: int = 0) -> dict[str, torch.Tensor]:
         """{"occupancy": (B, 200, 200, 16) uint8 class ids (the argmax), indexed [x, y, z]}."""
-        return {"occupancy": self(batch).argmax(1).to(torch.uint8)}
+        return {"occupancy": self(batch)["occupancy"].argmax(1).to(torch.uint8)}

@@ -18,7 +18,6 @@ from torch import nn
 from bev.lit import CAMERA_KEYS, BEVLitModule
 from bev.losses import check_finite
 from bev.models.past_cache import PastFeatureCache, frame_keys
-from bev.models.temporal import network_kind
 from bev.tasks.motion import IGNORE
 from bev.tasks.motion.instances import DECODINGS, decode_sequence
 from bev.tasks.motion.loss import TemporalLoss
@@ -27,7 +26,7 @@ from bev.utils.config import plain
 
 
 class TemporalLitModule(BEVLitModule):
-    """BEVLitModule for TemporalLiftSplat: batches of P+1 input frames, labels for the present and F future frames.
+    """BEVLitModule for a BEVNet with a temporal part and motion heads: batches of P+1 input frames, labels for the present and F future frames.
 
     temporal_loss: keyword arguments of bev.tasks.motion.loss.TemporalLoss (weights, uncertainty, uncertainty_init,
     future_discount, seg_pos_weight, seg_top_k); its "bev" term is the static head's loss (BEVLitModule.loss).
@@ -35,9 +34,9 @@ class TemporalLitModule(BEVLitModule):
     past_cache_mb > 0 (with past_no_grad): in training, the past frames' BEV features are taken from
     what earlier steps computed for the same frames when there is one (PastFeatureCache), at most
     past_cache_max_age optimiser steps old (null: any age).
-    init_from (BEVLitModule's): when the checkpoint's stored config says its network is a static LiftSplatShoot
+    init_from (BEVLitModule's): when the checkpoint has no motion heads but its segmentation head loads
     (network_kind), the future segmentation head also starts as its vehicle head
-    (TemporalLiftSplat.init_future_from_static).
+    (MotionHead.start_from).
     instance_decoding: how instances are decoded over the frames for the metrics and bev.predict
     (bev.tasks.motion.instances.decode_sequence): "propagate" (the present's instances carried by the flow) or "fiery".
     Other arguments: BEVLitModule's.
@@ -101,7 +100,7 @@ class TemporalLitModule(BEVLitModule):
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         check_sequence_batch(batch, self.net)
-        labels = batch if self.training and getattr(self.net, "probabilistic", False) else None
+        labels = batch if self.training and self.net.heads["motion"].probabilistic else None
         cams = tuple(batch[k] for k in CAMERA_KEYS)
         if self.past_cache is None or not self.training or not self.net.past_frames:
             return self.run_net(*cams, batch["future_egomotion"], past_no_grad=self.past_no_grad, future_labels=labels)
@@ -123,7 +122,7 @@ class TemporalLitModule(BEVLitModule):
         if missing:
             bs, ts = (torch.tensor(i, device=cams[0].device) for i in zip(*missing))
             with torch.inference_mode():
-                feats = self.net.lift_splat(*(c[bs, ts] for c in cams))
+                feats = self.net.camera(*(c[bs, ts] for c in cams))[0]
                 for (b, t), f in zip(missing, feats):
                     found[(b, t)] = f.clone()
                     self.past_cache.put(keys[b][t], found[(b, t)], step)
@@ -135,9 +134,10 @@ class TemporalLitModule(BEVLitModule):
     ) -> tuple[torch.Tensor, dict]:
         """(weighted total, {term: unweighted value}) over the static head ("bev"), the future heads and, with
         a detection head, the present frame's boxes (BEVDet4D: velocity from the fused past)."""
-        loss, terms = self.temporal_loss(out, batch, extra={"bev": self.loss(out["bev"], batch["bev"])})
+        seg = self.loss(out["segmentation"], batch["bev"])
+        loss, terms = self.temporal_loss(out["motion"], batch, extra={"bev": seg})
         if "detection" in self.tasks:
-            loss = loss + self.detection_weight * self._det_terms(out, batch, terms)
+            loss = loss + self.detection_weight * self._det_terms(out["detection"], batch, terms)
         return loss, terms
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
@@ -146,7 +146,7 @@ class TemporalLitModule(BEVLitModule):
         # Reading the loss waits for the device: on a GPU only at the logging interval (NaN weights stay NaN).
         if loss.device.type == "cpu" or self.global_step % max(1, self.trainer.log_every_n_steps) == 0:
             check_finite(loss, terms, self.global_step, self.current_epoch, batch_idx)
-        B = out["bev"].shape[0]
+        B = out["segmentation"].shape[0]
         self.log_losses("train", loss, terms, B)
         if self.past_cache_hits is not None:
             self.log("train/past_cache_hits", self.past_cache_hits, on_step=False, on_epoch=True, batch_size=B)
@@ -154,14 +154,14 @@ class TemporalLitModule(BEVLitModule):
 
     def _eval_step(self, batch: dict, stage: str) -> dict[str, torch.Tensor]:
         out = self(batch)
-        self.log_losses(stage, *self.total_loss(out, batch), out["bev"].shape[0])
+        self.log_losses(stage, *self.total_loss(out, batch), out["segmentation"].shape[0])
         iou, map_iou = (self.val_iou, self.val_map_iou) if stage == "val" else (self.test_iou, self.test_map_iou)
-        self._update_metrics(iou, map_iou, out["bev"], batch)
-        self._update_future_metrics(out, batch, stage)
+        self._update_metrics(iou, map_iou, out["segmentation"], batch)
+        self._update_future_metrics(out["motion"], batch, stage)
         if "detection" in self.tasks:
-            (self.val_det if stage == "val" else self.test_det).update(out, batch["sample_token"])
+            (self.val_det if stage == "val" else self.test_det).update(out["detection"], batch["sample_token"])
         if stage == "test":
-            self._update_future_metrics(present_copied(out), batch, "copied")
+            self._update_future_metrics(present_copied(out["motion"]), batch, "copied")
         return out
 
     def _update_future_metrics(
@@ -205,8 +205,9 @@ class TemporalLitModule(BEVLitModule):
         """Probabilities of the static head ("bev", (B, K, X, Y)) and the future segmentation; centerness,
         offset and flow as the heads give them (float32)."""
         out = self(batch)
-        probs = {"bev": out["bev"].float().sigmoid(), "segmentation": out["segmentation"].float().sigmoid()}
-        return {**probs, **{k: out[k].float() for k in ("centerness", "offset", "flow")}}
+        motion = out["motion"]
+        probs = {"bev": out["segmentation"].float().sigmoid(), "segmentation": motion["segmentation"].float().sigmoid()}
+        return {**probs, **{k: motion[k].float() for k in ("centerness", "offset", "flow")}}
 
     # --- two-stage training
 
@@ -217,37 +218,29 @@ class TemporalLitModule(BEVLitModule):
         )
 
     def _after_init_from(self, ckpt: Mapping[str, Any], loaded: set[str]) -> str:
-        report = "\n  " + self._init_future(network_kind(ckpt), loaded)
-        stem = f"{_module_key(self, self.net.bev_encoder.stem[0])}.weight"
-        if self.net.concat and stem not in loaded and stem in ckpt["state_dict"]:
-            if self.net.load_present_stem(ckpt["state_dict"][stem]):
-                report += "\n  BEV encoder stem: the static one on the present frame's channels, zero on the past's"
+        report = "\n  " + self._init_future(ckpt["state_dict"], loaded)
+        stem = "net.decoder.stem.0.weight"
+        if self.net.temporal.concat and stem not in loaded and stem in ckpt["state_dict"]:
+            if self.net.decoder.load_last_copy(ckpt["state_dict"][stem], self.net.temporal.copies):
+                report += "\n  BEV decoder stem: the static one on the present frame's channels, zero on the past's"
         return report
 
-    def _init_future(self, kind: str | None, loaded: set[str]) -> str:
-        """After init_from: from a static checkpoint whose head was loaded, start the future segmentation head
-        as that head's vehicle logits (TemporalLiftSplat.init_future_from_static); says what was done."""
-        if kind == "temporal":
+    def _init_future(self, state: Mapping[str, Any], loaded: set[str]) -> str:
+        """After init_from: from a checkpoint without motion heads whose segmentation head was loaded, start the
+        future segmentation as that head's vehicle logits (MotionHead.start_from); says what was done."""
+        if any(k.startswith("net.heads.motion.") for k in state):
             return "future heads: the temporal checkpoint's where they fit"
-        if kind is None:
-            return (
-                "future heads: from scratch (the checkpoint stores no bev-train config that says which model it is; "
-                "a static one's vehicle head would start the future segmentation)"
-            )
-        head = _module_key(self, self.net.bev_encoder.head)
-        if f"{head}.weight" not in loaded:
+        if "net.heads.segmentation.conv.weight" not in loaded:
             return "future heads: from scratch (the static head did not fit: other classes or widths)"
-        if not self.net.init_future_from_static():
-            return (
-                "future heads: from scratch (model.net.head_channels > 0 puts a 3x3 conv before the segmentation head)"
-            )
+        if not self.net.heads["motion"].start_from(self.net.heads["segmentation"].conv):
+            return "future heads: from scratch (model.net.heads.motion.head_channels > 0 puts a 3x3 conv before the segmentation head)"
         return "future segmentation head: every frame starts as the static head's vehicle logits"
 
 
 def check_sequence_batch(batch: Mapping[str, torch.Tensor], net: nn.Module) -> None:
     """One clear error when a batch is not what the temporal model takes (e.g. static data)."""
     images = batch.get("images")
-    frames = getattr(net, "past_frames", 0) + 1
+    frames = net.past_frames + 1
     if images is None or images.dim() != 6 or "future_egomotion" not in batch:
         shape = None if images is None else tuple(images.shape)
         raise ValueError(
@@ -258,20 +251,15 @@ def check_sequence_batch(batch: Mapping[str, torch.Tensor], net: nn.Module) -> N
     if images.shape[1] != frames:
         raise ValueError(
             f"the batch has {images.shape[1]} input frames, the model takes {frames}: "
-            f"data.past_frames must equal model.net.past_frames"
+            f"data.past_frames must equal model.net.temporal.past_frames"
         )
     seg = batch.get("segmentation")
-    want = getattr(net, "future_frames", 0) + 1
+    want = net.heads["motion"].future_frames + 1
     if seg is not None and seg.shape[1] != want:
         raise ValueError(
             f"the batch has labels for {seg.shape[1]} frames, the model predicts {want}: "
-            f"data.future_frames must equal model.net.future_frames"
+            f"data.future_frames must equal model.net.heads.motion.future_frames"
         )
-
-
-def _module_key(root: nn.Module, module: nn.Module) -> str:
-    """The state_dict prefix of `module` within `root`."""
-    return next(name for name, m in root.named_modules() if m is module)
 
 
 def present_copied(out: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -123,7 +123,7 @@ def _check_grid_fits_memory(cfg: DictConfig) -> None:
     grid = Grid.from_any(cfg.grid)
     batch = int(cfg.data.get("batch_size") or 1)
     frames = 1 + int(cfg.data.get("past_frames") or 0)
-    channels = int(OmegaConf.select(cfg, "model.net.context_channels", default=64) or 64)
+    channels = int(OmegaConf.select(cfg, "model.net.camera.context_channels", default=64) or 64)
     need = 4 * BEV_COPIES * batch * frames * channels * grid.nz * grid.nx * grid.ny
     have = available_memory(str(cfg.trainer.get("accelerator", "cpu")))
     if have is not None and need > have:

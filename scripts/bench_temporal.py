@@ -45,7 +45,7 @@ VARIANTS = {
     "temporal+past_no_grad+fusion3x3": [
         "experiment=synthetic_temporal_cpu",
         "model.past_cache_mb=0",
-        "model.net.fusion_kernel=3",
+        "model.net.temporal.fusion_kernel=3",
     ],
     "temporal+past_no_grad+past_cache": ["experiment=synthetic_temporal_cpu"],
     # FIERY's baseline setting at batch 1 (random camera weights: the step costs the same)

@@ -94,7 +94,7 @@ def build(cfg, channels_last: bool, seed: int = 0):
     torch.manual_seed(seed)  # same initial weights for every variant
     model_cfg = cfg.model.copy()
     model_cfg.net.camera.channels_last = channels_last
-    model_cfg.net.bev.channels_last = channels_last
+    model_cfg.net.decoder.channels_last = channels_last
     return instantiate(model_cfg)
 
 
@@ -127,7 +127,7 @@ def real_rig_batch(cfg, batch_size: int, seed: int = 0) -> dict:
         "trans": rep([c["translation"] for c in cams]),
         "post_rots": rep(post_rot[None].numpy()),
         "post_trans": rep(post_tran[None].numpy()),
-        "bev": (torch.rand(B, int(cfg.model.net.num_classes), X, Y, generator=g) < 0.05).float(),
+        "bev": (torch.rand(B, int(cfg.model.net.heads.segmentation.num_classes), X, Y, generator=g) < 0.05).float(),
         **(detection_targets(grid, B, seed) if cfg.data.get("detection") else {}),
     }
 

@@ -10,7 +10,7 @@ imports are stood in for, in this process only. The setting: FIERY's configs/bas
 (3 frames x 6 cameras of 224x480, a 200x200 grid of 0.5 m, 4 future frames). FIERY's step is its
 TrainingModule.shared_step + backward + clipping + Adam in fp32; ours is experiment=fiery_nuscenes as
 bev-train runs it here (scripts/bench_temporal.py; --ours-fp32 also in fp32), and with --stride8 also at
-equal work (model.net.downsample=8: as many frustum points as FIERY's). Random inputs with the real rig;
+equal work (model.net.camera.downsample=8: as many frustum points as FIERY's). Random inputs with the real rig;
 variants alternate round-robin; medians of the measured steps. Writes JSON to --out atomically.
 """
 
@@ -33,7 +33,7 @@ from bench_common import checkout_commit, host_versions, processor_name, write_r
 from bench_temporal import VARIANTS, Variant  # noqa: E402
 
 # FIERY's encoder (fiery/models/encoder.py, DOWNSAMPLE 8): stride-16 features upsampled into stride 8, 128 channels.
-STRIDE8 = ["model.net.downsample=8", "model.net.camera.mid_channels=128"]
+STRIDE8 = ["model.net.camera.downsample=8", "model.net.camera.mid_channels=128"]
 
 
 def _stand_in_lightning() -> None:

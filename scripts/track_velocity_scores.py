@@ -73,7 +73,7 @@ def checkpoint_results(ckpt: str, dataroot: str) -> tuple[dict[str, dict], str]:
     scorers = {k: DetectionScore(loaded.model.grid, {**v, **frame}) for k, v in decodings().items()}
     with torch.no_grad():
         for batch in datamodule.val_dataloader():
-            maps = loaded.model(batch)  # {"bev", "heatmap", "regression"}
+            maps = loaded.model(batch)["detection"]  # {"heatmap", "regression"}
             for scorer in scorers.values():
                 scorer.update(maps, batch["sample_token"])
     return {k: s.results(datamodule.val_set) for k, s in scorers.items()}, datamodule.val_set.split

@@ -1,12 +1,12 @@
-"""The camera encoder at FIERY's stride 8 (model.net.downsample=8) beside the LSS stride 16."""
+"""The camera encoder at FIERY's stride 8 (model.net.camera.downsample=8) beside the LSS stride 16."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bev.models import CameraEncoder, LiftSplatShoot
-from helpers.models import GRID, SIZE, TINY_NET, model_inputs
+from bev.models import CameraEncoder
+from helpers.models import GRID, SIZE, TINY_NET, lss_net, model_inputs
 
 # Channels at strides 8 and 16 of each trunk, as torchvision builds them (EfficientNet stages 3 and 5,
 # ResNet layer2 and layer3) and as the small trunk's widths[2:4] say.
@@ -48,20 +48,21 @@ def test_stride16_is_unchanged_by_the_option():
 
 def test_lss_at_stride8_lifts_four_times_the_points():
     torch.manual_seed(0)
-    nets = {s: LiftSplatShoot(GRID, SIZE, downsample=s, **TINY_NET) for s in (16, 8)}
-    assert nets[8].frustum.shape[1:3] == (SIZE[0] // 8, SIZE[1] // 8)
-    assert nets[8].frustum[..., 0].numel() == 4 * nets[16].frustum[..., 0].numel()
+    nets = {s: lss_net(GRID, SIZE, downsample=s, **TINY_NET) for s in (16, 8)}
+    assert nets[8].camera.frustum.shape[1:3] == (SIZE[0] // 8, SIZE[1] // 8)
+    assert nets[8].camera.frustum[..., 0].numel() == 4 * nets[16].camera.frustum[..., 0].numel()
     x = model_inputs()
-    out, depth = nets[8](*x, return_depth=True)
+    out = nets[8](*x)
+    out, depth = out["segmentation"], out["depth"]
     assert out.shape == (2, 1, *GRID.bev_shape)
     assert depth.shape == (2, 6, GRID.depth_bins, SIZE[0] // 8, SIZE[1] // 8)
     out.mean().backward()
-    assert all(p.grad is not None for p in nets[8].camera_encoder.parameters())
+    assert all(p.grad is not None for p in nets[8].camera.encoder.parameters())
 
 
 @pytest.mark.parametrize("stride", [4, 32])
 def test_other_strides_are_refused_with_the_choices(stride):
     with pytest.raises(ValueError, match="downsample must be 8 or 16"):
-        LiftSplatShoot(GRID, SIZE, downsample=stride, **TINY_NET)
+        lss_net(GRID, SIZE, downsample=stride, **TINY_NET)
     with pytest.raises(ValueError, match="stride 8 or 16"):
         CameraEncoder(5, 7, backbone="small", stride=stride)

@@ -188,7 +188,7 @@ def test_an_optimizer_setting_torch_refuses_is_named_before_the_data_is_read(
     [
         ("model.depth_weight=nan", "model.depth_weight=nan is not a finite number"),
         ("model.net.image_size=[64,176]", "model.net.image_size=[64, 176] differs from data.final_dim=[32, 96]"),
-        ("data.final_dim=[31,96]", "data.final_dim=[31, 96] is not a multiple of model.net.downsample=16"),
+        ("data.final_dim=[31,96]", "data.final_dim=[31, 96] is not a multiple of model.net.camera.downsample=16"),
         ("data.bev_aug=bevdet", "data.bev_aug=bevdet does nothing with data.augment=false"),
     ],
 )

@@ -17,9 +17,8 @@ import torch
 
 from bev.geometry import Grid
 from bev.lit import BEVLitModule
-from bev.models import LiftSplatShoot
 from bev.utils.speed import COMPILE_MODES, compile_mode
-from helpers.models import GRID, SIZE, TINY_NET, model_inputs
+from helpers.models import GRID, SIZE, TINY_NET, lss_net, model_inputs
 
 LOSS_RTOL = 1e-5
 GRAD_RTOL, GRAD_ATOL = 1e-3, 1e-5
@@ -27,7 +26,7 @@ GRAD_RTOL, GRAD_ATOL = 1e-3, 1e-5
 
 def tiny_lit(seed: int = 0, compile=False, downsample: int = 16, **kwargs) -> BEVLitModule:
     torch.manual_seed(seed)
-    net = LiftSplatShoot(GRID, SIZE, downsample=downsample, **TINY_NET)
+    net = lss_net(GRID, SIZE, downsample=downsample, **TINY_NET)
     adam = functools.partial(torch.optim.Adam, lr=1e-3)
     return BEVLitModule(net, adam, compile=compile, object_classes=("vehicle",), **kwargs)
 

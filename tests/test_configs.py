@@ -45,7 +45,10 @@ def test_experiment_composes_and_instantiates(experiment, tmp_path):
     dm = instantiate(cfg.data)
     model = instantiate(cfg.model)
     assert dm.grid == Grid.from_any(cfg.grid) == model.net.grid
-    assert model.net.frustum.shape[:3] == (Grid.from_any(cfg.grid).depth_bins, *(d // 16 for d in cfg.data.final_dim))
+    assert model.net.camera.frustum.shape[:3] == (
+        Grid.from_any(cfg.grid).depth_bins,
+        *(d // 16 for d in cfg.data.final_dim),
+    )
     assert cfg.trainer.gradient_clip_val == 5.0
     for cb in cfg.callbacks.values():
         instantiate(cb)

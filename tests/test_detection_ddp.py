@@ -17,7 +17,7 @@ from helpers.cli import TINY, eval_cli
 # ground truth and a score of half the split differs from the whole split's.
 DETECTION = [
     "data.detection=true",
-    "model.net.detection={shared_channels: 8, head_channels: 0}",
+    "model.net.heads.detection={shared_channels: 8, head_channels: 0}",
     "model.tasks=[segmentation,detection]",
     # Velocities from tracks too: consecutive key frames fall to different processes, so they are tracked only
     # once every process's boxes are gathered.

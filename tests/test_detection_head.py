@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bev.classes import DETECTION_CLASSES, DETECTION_GROUPS
 from bev.geometry import Grid
-from bev.models.centerpoint import CenterHead
 from bev.tasks.detection.decode import CIRCLE_NMS_SQUARED, decode, rotated_nms
+from bev.tasks.detection.head import CenterHead
 from bev.tasks.detection.loss import DetectionLoss
 from bev.tasks.detection.targets import REGRESSION_FIELDS, encode_targets, gaussian_radius, heatmap_radius
 

@@ -142,7 +142,7 @@ def det_run(synthetic_root, tmp_path_factory):
         args = [
             *TINY,
             "data.detection=true",
-            "model.net.detection={shared_channels: 8, head_channels: 0}",
+            "model.net.heads.detection={shared_channels: 8, head_channels: 0}",
             "model.tasks=[segmentation,detection]",
             # Velocities from tracks, with every past box starting one: an untrained head's boxes match often.
             "+model.detection={track_velocity: {past_frames: 1, gate: 6.0, min_past_score: 0.0, still_speed: 0.0}}",
@@ -250,7 +250,8 @@ def test_bev_export_onnx_gives_the_detection_maps(det_run, synthetic_root, tmp_p
     batch = _val_batch(model, synthetic_root, 3)  # exported with batch 1: the batch size is dynamic
     inputs = tuple(batch[k] for k in CAMERA_INPUTS)
     with torch.no_grad():
-        expected = model.net(*inputs)
+        out = model.net(*inputs)
+    expected = {"bev": out["segmentation"], **out["detection"]}
     got = onnx_outputs(path, inputs)
     assert list(got) == ["logits", "heatmap", "regression"]
     assert got["heatmap"].shape == (3, 10, 24, 24) and got["regression"].shape == (3, 6, 10, 24, 24)
@@ -276,9 +277,9 @@ def test_bev_export_torch_program_gives_the_detection_maps(det_run, synthetic_ro
     with torch.no_grad():
         got, expected = torch.export.load(path).module()(*inputs), model.net(*inputs)
     assert sorted(got) == ["heatmap", "logits", "regression"]
-    torch.testing.assert_close(got["logits"], expected["bev"])
-    torch.testing.assert_close(got["heatmap"], expected["heatmap"])
-    torch.testing.assert_close(got["regression"], expected["regression"])
+    torch.testing.assert_close(got["logits"], expected["segmentation"])
+    torch.testing.assert_close(got["heatmap"], expected["detection"]["heatmap"])
+    torch.testing.assert_close(got["regression"], expected["detection"]["regression"])
 
 
 @pytest.mark.e2e

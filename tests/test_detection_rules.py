@@ -302,7 +302,7 @@ def test_the_rules_script_scores_six_variants_of_one_pass(synthetic_root, tmp_pa
     args = [
         *TINY,
         "data.detection=true",
-        "model.net.detection={shared_channels: 8, head_channels: 0}",
+        "model.net.heads.detection={shared_channels: 8, head_channels: 0}",
         "model.tasks=[segmentation,detection]",
         "callbacks.bev_png.every_n_steps=0",
         f"data.dataroot={synthetic_root}",

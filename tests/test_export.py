@@ -37,7 +37,7 @@ def test_onnx_runtime_matches_pytorch(tiny_run, synthetic_root, tmp_path, monkey
     model = bev.load_model(tiny_run)
     batch = val_batch(synthetic_root, model, n=3)  # exported with batch 1: the batch size is dynamic
     with torch.no_grad():
-        expected = model(batch)  # the native bev_pool splat
+        expected = model(batch)["segmentation"]  # the native bev_pool splat
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     from bev.inference import CAMERA_INPUTS
 
@@ -68,20 +68,20 @@ def test_torch_export_round_trip_keeps_the_custom_op(tiny_run, synthetic_root, t
     model = bev.load_model(tiny_run)
     batch = val_batch(synthetic_root, model, n=2)
     with torch.no_grad():
-        torch.testing.assert_close(program.module()(*camera_inputs(batch)), model(batch))
+        torch.testing.assert_close(program.module()(*camera_inputs(batch)), model(batch)["segmentation"])
 
 
 def test_scatter_splat_equals_bev_pool():
     """The export-only splat sums the same points into the same cells as bev.ops (incl. out-of-grid ones)."""
     from bev.inference import example_inputs
-    from bev.models import LiftSplatShoot
+    from helpers.models import lss_net
 
-    net = LiftSplatShoot(GRID, SIZE, pool_backend="torch", **TINY_NET).eval()
+    net = lss_net(GRID, SIZE, pool_backend="torch", **TINY_NET).eval()
     x = example_inputs(net, num_cameras=4, batch_size=2)
     with torch.no_grad():
-        expected = net(*x)
+        expected = net(*x)["segmentation"]
         with net.exportable():
-            got = net(*x)
+            got = net(*x)["segmentation"]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -45,7 +45,7 @@ def test_load_model_round_trip(tiny_run, synthetic_root):
     fresh.load_state_dict(state)
     fresh.eval()
     with torch.no_grad():
-        logits = fresh(batch)
+        logits = fresh(batch)["segmentation"]
     torch.testing.assert_close(probs, logits.sigmoid(), rtol=0, atol=1e-6)
     # The bare network and a single unbatched sample work too.
     one = {k: v[1] for k, v in batch.items() if torch.is_tensor(v)}

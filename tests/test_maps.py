@@ -263,7 +263,7 @@ def test_bad_loss_and_pos_weight_are_clear_errors():
     from bev.lit import BEVLitModule
 
     net = nn.Conv2d(1, 3, 1)
-    net.num_classes = 3
+    net.num_classes, net.heads = 3, ("segmentation",)  # a stand-in network: its tasks
     kw = dict(net=net, optimizer=None, object_classes=["vehicle"], map_classes=["drivable_area", "divider"])
     m = BEVLitModule(**kw, pos_weight={"vehicle": 2.0})
     assert m.seg_loss.pos_weight.flatten().tolist() == [2.0, 1.0, 1.0]
@@ -295,7 +295,7 @@ def test_class_weight_weighs_each_channel_mean_loss():
     from bev.lit import BEVLitModule
 
     net = nn.Conv2d(1, 3, 1)
-    net.num_classes = 3
+    net.num_classes, net.heads = 3, ("segmentation",)  # a stand-in network: its tasks
     kw = dict(
         net=net, optimizer=None, object_classes=["vehicle"], map_classes=["drivable_area", "divider"], pos_weight=2.0
     )

@@ -7,66 +7,78 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bev import ops
-from bev.models import BackboneWeightsError, BevEncoder, CameraEncoder, LiftSplatShoot
-from helpers.models import GRID, SIZE, TINY_NET, model_inputs, rig
+from bev.models import BackboneWeightsError, BevDecoder, CameraEncoder
+from helpers.models import GRID, SIZE, TINY_NET, lss_net, model_inputs, rig
 
 
 def test_output_shape_and_gradients_reach_both_encoders():
     torch.manual_seed(0)
-    net = LiftSplatShoot(GRID, SIZE, **TINY_NET)
-    out = net(*model_inputs())
+    net = lss_net(GRID, SIZE, **TINY_NET)
+    out = net(*model_inputs())["segmentation"]
     assert out.shape == (2, 1, *GRID.bev_shape)
     out.square().mean().backward()
-    for part in (net.camera_encoder, net.bev_encoder):
+    for part in (net.camera, net.decoder, net.heads):
         grads = [p.grad for p in part.parameters() if p.grad is not None]
         assert grads and any(g.abs().sum() > 0 for g in grads)
 
 
-def test_forward_is_the_bev_encoder_on_the_lift_splat_and_its_head_on_the_bev_features():
+def test_forward_is_the_heads_on_the_decoder_on_the_camera_branch():
     torch.manual_seed(0)
-    net = LiftSplatShoot(GRID, SIZE, **TINY_NET).eval()
+    net = lss_net(GRID, SIZE, **TINY_NET).eval()
     x = model_inputs()
     with torch.no_grad():
-        logits, depth = net(*x, return_depth=True)
-        voxels, depth2 = net.lift_splat(*x, return_depth=True)
-        feats = net.bev_features(*x)
-        assert torch.equal(net.bev_encoder(voxels), logits) and torch.equal(depth2, depth)
-        assert torch.equal(net.bev_encoder.head(feats), logits)
+        out = net(*x)
+        voxels, depth = net.camera(*x)
+        feats = net.decoder(voxels)["shared"]
+        assert torch.equal(net.heads["segmentation"](feats), out["segmentation"]) and torch.equal(depth, out["depth"])
     assert voxels.shape == (2, TINY_NET["context_channels"] * GRID.nz, *GRID.bev_shape)
     assert depth.shape == (2, 6, GRID.depth_bins, SIZE[0] // 16, SIZE[1] // 16)
-    assert feats.shape == (2, net.bev_encoder.feature_channels, *GRID.bev_shape)
+    assert feats.shape == (2, net.decoder.out_channels, *GRID.bev_shape) and net.tasks == ("segmentation",)
     with pytest.raises(ValueError, match="images are 16x48 but the model was built for 32x96"):
-        net.lift_splat(x[0][..., :16, :48], *x[1:])
+        net(x[0][..., :16, :48], *x[1:])
 
 
-def test_bev_encoder_head_is_the_last_layer_under_its_checkpoint_keys():
-    """Checkpoints store the head as up2.3: features + head must be that layer, with those keys."""
-    enc = BevEncoder(4, 3, widths=(8, 8, 16), blocks=1).eval()
-    assert enc.head is enc.up2[3] and enc.feature_channels == 8
-    assert [k for k in enc.state_dict() if k.startswith("up2.3")] == ["up2.3.weight", "up2.3.bias"]
+def test_the_decoder_is_lss_bev_encode_before_its_last_conv():
+    dec = BevDecoder(4, widths=(8, 8, 16), blocks=1).eval()
+    assert dec.out_channels == 8 and not any(k.startswith("up2.3") for k in dec.state_dict())
     x = torch.randn(2, 4, 12, 10)
     with torch.no_grad():
-        manual = enc.up1(enc.layer3(enc.layer2(enc.layer1(enc.stem(x)))), enc.layer1(enc.stem(x)))
-        manual = enc.up2(torch.nn.functional.interpolate(manual, size=(12, 10), mode="bilinear", align_corners=True))
-        assert enc.features(x).shape == (2, 8, 12, 10)
-        assert torch.equal(enc(x), manual) and torch.equal(enc.logits(enc.features(x)), manual)
+        manual = dec.up1(dec.layer3(dec.layer2(dec.layer1(dec.stem(x)))), dec.layer1(dec.stem(x)))
+        manual = dec.up2(torch.nn.functional.interpolate(manual, size=(12, 10), mode="bilinear", align_corners=True))
+        assert torch.equal(dec(x)["shared"], manual) and list(dec(x)) == ["shared"]
+
+
+def test_a_head_must_read_the_decoder_it_is_built_for():
+    from bev.models import BEVNet
+
+    camera = {"context_channels": 8, **TINY_NET["camera"]}
+    with pytest.raises(ValueError, match=r"model.net.heads.segmentation .*voxel3d"):
+        BEVNet(GRID, SIZE, camera=camera, decoder={"kind": "voxel3d"}, heads={"segmentation": {}})
+    with pytest.raises(ValueError, match="model.net.decoder.kind must be one of bev, voxel3d"):
+        BEVNet(GRID, SIZE, camera=camera, decoder={"kind": "3d"})
+    with pytest.raises(ValueError, match="model.net.heads has 'boxes'"):
+        BEVNet(GRID, SIZE, camera=camera, heads={"boxes": {}})
+    with pytest.raises(ValueError, match="model.net.heads.motion needs past frames"):
+        BEVNet(GRID, SIZE, camera=camera, heads={"segmentation": {}, "motion": {}})
 
 
 def test_bev_pool_and_voxel_sum_splats_agree():
     torch.manual_seed(0)
-    a = LiftSplatShoot(GRID, SIZE, splat="bev_pool", pool_backend="torch", **TINY_NET).eval()
-    b = LiftSplatShoot(GRID, SIZE, splat="voxel_sum", pool_backend="torch", **TINY_NET).eval()
+    a = lss_net(GRID, SIZE, splat="bev_pool", pool_backend="torch", **TINY_NET).eval()
+    b = lss_net(GRID, SIZE, splat="voxel_sum", pool_backend="torch", **TINY_NET).eval()
     b.load_state_dict(a.state_dict())
     x = model_inputs()
     with torch.no_grad():
-        torch.testing.assert_close(a(*x), b(*x), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a(*x)["segmentation"], b(*x)["segmentation"], rtol=1e-4, atol=1e-4)
 
 
 def test_camera_features_land_in_front_of_the_camera():
     """Feeding one camera's frustum only, the splat must fill cells on that camera's side."""
-    net = LiftSplatShoot(GRID, SIZE, **TINY_NET)
+    net = lss_net(GRID, SIZE, **TINY_NET)
     cams = rig(1)
-    coords = net.voxel_coords(cams["intrinsics"], cams["rots"], cams["trans"], cams["post_rots"], cams["post_trans"])
+    coords = net.camera.voxel_coords(
+        cams["intrinsics"], cams["rots"], cams["trans"], cams["post_rots"], cams["post_trans"]
+    )
     front = coords[0, 0]  # camera 0 looks along +x
     inside = (front >= 0).all(-1) & (front[..., 1] < GRID.nx) & (front[..., 2] < GRID.ny)
     xs = front[..., 1][inside].float() * GRID.xbound[2] + GRID.xbound[0]
@@ -80,9 +92,9 @@ def test_torchvision_trunks_give_stride16_depth_and_context(backbone):
     assert out.shape == (1, 12, 4, 6)
 
 
-def test_bev_encoder_keeps_odd_grid_sizes():
-    enc = BevEncoder(4, 2, widths=(8, 8, 8), blocks=1)
-    assert enc(torch.randn(1, 4, 25, 31)).shape == (1, 2, 25, 31)
+def test_the_decoder_keeps_odd_grid_sizes():
+    dec = BevDecoder(4, widths=(8, 8, 8), blocks=1)
+    assert dec(torch.randn(1, 4, 25, 31))["shared"].shape == (1, 8, 25, 31)
 
 
 def test_imagenet_weights_offline_give_a_clear_message(monkeypatch):
@@ -115,8 +127,8 @@ def test_bad_model_options_are_rejected():
     with pytest.raises(ValueError, match="unknown backbone"):
         CameraEncoder(4, 4, backbone="vgg")
     with pytest.raises(ValueError, match="unknown splat"):
-        LiftSplatShoot(GRID, SIZE, splat="scatter", **TINY_NET)
-    net = LiftSplatShoot(GRID, SIZE, **TINY_NET)
+        lss_net(GRID, SIZE, splat="scatter", **TINY_NET)
+    net = lss_net(GRID, SIZE, **TINY_NET)
     with pytest.raises(ValueError, match="built for 32x96"):
         x = list(model_inputs())
         x[0] = torch.randn(2, 6, 3, 48, 96)
@@ -127,27 +139,27 @@ def test_bad_model_options_are_rejected():
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_torch_compile_runs_a_training_step(backend):
     torch.manual_seed(0)
-    net = LiftSplatShoot(GRID, SIZE, **TINY_NET)
-    ref = LiftSplatShoot(GRID, SIZE, **TINY_NET)
+    net = lss_net(GRID, SIZE, **TINY_NET)
+    ref = lss_net(GRID, SIZE, **TINY_NET)
     ref.load_state_dict(net.state_dict())
     compiled = torch.compile(net, backend=backend)
     x = model_inputs()
-    out = compiled(*x)
+    out = compiled(*x)["segmentation"]
     out.mean().backward()
-    torch.testing.assert_close(out, ref(*x), rtol=1e-3, atol=1e-3)
-    assert all(p.grad is not None for p in net.camera_encoder.parameters())
+    torch.testing.assert_close(out, ref(*x)["segmentation"], rtol=1e-3, atol=1e-3)
+    assert all(p.grad is not None for p in net.camera.encoder.parameters())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_mixed_precision_forward_backward(dtype):
     """Autocast (what 16-mixed / bf16-mixed use): geometry stays fp32, the splat accumulates in fp32."""
     torch.manual_seed(0)
-    net = LiftSplatShoot(GRID, SIZE, **TINY_NET).eval()  # eval: BN uses running stats, so fp32 and mixed compare
+    net = lss_net(GRID, SIZE, **TINY_NET).eval()  # eval: BN uses running stats, so fp32 and mixed compare
     x = model_inputs()
     with torch.no_grad():
-        ref = net(*x)
+        ref = net(*x)["segmentation"]
     with torch.autocast("cpu", dtype=dtype):
-        out = net(*x)
+        out = net(*x)["segmentation"]
     out.float().square().mean().backward()
     assert torch.isfinite(out.float()).all()
     torch.testing.assert_close(out.float(), ref, rtol=0.1, atol=0.1)
@@ -191,13 +203,13 @@ def test_training_step_never_waits_for_the_host(splat, loss):
     from bev.lit import BEVLitModule
 
     torch.manual_seed(0)
-    net = LiftSplatShoot(GRID, SIZE, splat=splat, pool_backend="native", **TINY_NET)
+    net = lss_net(GRID, SIZE, splat=splat, pool_backend="native", **TINY_NET)
     lit = BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], loss=loss, class_weight=1.0)
     x = model_inputs()
     target = (torch.rand(2, 1, *GRID.bev_shape) > 0.9).float()
     net(*x)  # first call: lazy set-up outside the measured step
     with HostTraffic() as traffic:
-        lit.loss(net(*x), target).backward()
+        lit.loss(net(*x)["segmentation"], target).backward()
     assert traffic.seen == []
     with HostTraffic() as traffic:
         torch.tensor([1.0, 2.0]).sum().item()
@@ -205,27 +217,23 @@ def test_training_step_never_waits_for_the_host(splat, loss):
 
 
 def test_task_decoders_share_the_encoder_and_start_alike():
-    """bev.task_decoders: the detection head reads a decoder of its own; copied from the segmentation decoder
-    (what init_from does from a static checkpoint) both give the same features, and each trains on its own."""
-    from bev.models.bev_encoder import BevEncoder
-
+    """decoder.task_decoders: the detection head reads an up path of its own; copied from the shared one (what
+    init_from does from a static checkpoint) both give the same features, and each trains on its own."""
     torch.manual_seed(0)
-    enc = BevEncoder(8, 3, widths=(8, 16, 16), blocks=1, task_decoders=True).eval()
+    dec = BevDecoder(8, widths=(8, 16, 16), blocks=1, task_decoders=True).eval()
     x = torch.randn(2, 8, 24, 20)
-    seg, det = enc.task_features(x)
-    assert seg.shape == det.shape == (2, enc.feature_channels, 24, 20) and not torch.allclose(seg, det)
-    torch.testing.assert_close(seg, enc.features(x))
-    enc.copy_decoder_to_detection()
-    seg, det = enc.task_features(x)
-    torch.testing.assert_close(seg, det)
-    enc.train()
-    seg, det = enc.task_features(x)
-    det.sum().backward()
-    assert enc.det_up2[0].weight.grad is not None and enc.stem[0].weight.grad is not None
-    # the segmentation decoder gets no gradient from the boxes
-    assert all(p.grad is None for p in [*enc.up1.parameters(), *enc.up2.parameters()])
-    seg, det = BevEncoder(8, 3, widths=(8, 16, 16), blocks=1).task_features(x)
-    assert seg is det  # without task decoders both tasks read the one decoder
+    out = dec(x)
+    seg, det = out["shared"], out["detection"]
+    assert seg.shape == det.shape == (2, dec.out_channels, 24, 20) and not torch.allclose(seg, det)
+    dec.copy_shared_to_detection()
+    out = dec(x)
+    torch.testing.assert_close(out["shared"], out["detection"])
+    dec.train()
+    dec(x)["detection"].sum().backward()
+    assert dec.det_up2[0].weight.grad is not None and dec.stem[0].weight.grad is not None
+    # the shared up path gets no gradient from the boxes
+    assert all(p.grad is None for p in [*dec.up1.parameters(), *dec.up2.parameters()])
+    assert list(BevDecoder(8, widths=(8, 16, 16), blocks=1)(x)) == ["shared"]  # one decoder for every head
 
 
 def test_uncertainty_task_weights_start_each_task_at_its_first_loss():
@@ -236,7 +244,7 @@ def test_uncertainty_task_weights_start_each_task_at_its_first_loss():
     from helpers.train_step import detection_targets
 
     torch.manual_seed(0)
-    net = LiftSplatShoot(GRID, SIZE, detection={"head_channels": 0, "shared_channels": 8}, **TINY_NET)
+    net = lss_net(GRID, SIZE, detection={"head_channels": 0, "shared_channels": 8}, **TINY_NET)
     batch = {"bev": (torch.rand(2, 1, *GRID.bev_shape) > 0.9).float(), **detection_targets(GRID, 2, seed=0)}
     tasks = ["segmentation", "detection"]
     fixed = BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], tasks=tasks)

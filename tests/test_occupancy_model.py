@@ -17,11 +17,18 @@ def _grid(step=2.0, zstep=3.2):
     return {"xbound": [-40, 40, step], "ybound": [-40, 40, step], "zbound": [-1, 5.4, zstep], "dbound": [4, 44, 8.0]}
 
 
-def _net(kind, **occ):
-    from bev.models.occupancy import OccupancyNet
+def _net(kind, channels=8, **decoder):
+    """A BEVNet with an occupancy head of `kind` on the decoder it reads (voxel3d: the 3D one, with `decoder`'s
+    widths and blocks)."""
+    from bev.models import BEVNet
 
-    bev = {"widths": [8, 8, 8], "blocks": 1}
-    return OccupancyNet(_grid(), (32, 96), 16, 8, SMALL_CAMERA, bev, occupancy={"kind": kind, **occ})
+    camera = {"context_channels": 8, **SMALL_CAMERA}
+    if kind == "voxel3d":
+        decoder = {"kind": "voxel3d", "channels": channels, **decoder}
+    else:
+        decoder = {"kind": "bev", "widths": [8, 8, 8], "blocks": 1}
+    heads = {"occupancy": {"kind": kind, "channels": channels}}
+    return BEVNet(_grid(), (32, 96), camera=camera, decoder=decoder, heads=heads)
 
 
 def _inputs(net, B=1):
@@ -36,39 +43,51 @@ def _inputs(net, B=1):
 )
 def test_both_kinds_give_occ3d_logits_and_gradients(kind, occ):
     net = _net(kind, **occ)
-    out = net(*_inputs(net, B=1))
+    out = net(*_inputs(net, B=1))["occupancy"]
     assert tuple(out.shape) == (1, NUM_CLASSES, *OCC_SHAPE)
     out.float().mean().backward()
     assert all(p.grad is not None for p in net.parameters() if p.requires_grad)  # nothing unused (DDP)
-    assert (net.bev_encoder is None) == (kind == "voxel3d")
+    assert net.decoder.volumetric == (kind == "voxel3d")
     assert not any(isinstance(m, torch.nn.Conv3d) for m in net.modules()) or kind == "voxel3d"
 
 
 def test_channel_to_height_reads_channels_as_height_then_class():
-    from bev.models.occupancy import ChannelToHeightHead
+    from bev.tasks.occupancy.head import ChannelToHeightHead
 
-    head = ChannelToHeightHead(4, heights=3, num_classes=2)
-    x = torch.randn(1, 4, 5, 6)
+    head = ChannelToHeightHead(4, 4, heights=3, classes=2)
+    x = torch.randn(1, 4, *OCC_SHAPE[:2])
     out = head(x)
-    flat = head.predicter(x)  # (1, 6, 5, 6): channel z * 2 + k
-    assert tuple(out.shape) == (1, 2, 5, 6, 3)
+    flat = head.predicter(head.proj(x))  # (1, 6, X, Y): channel z * 2 + k
+    assert tuple(out.shape) == (1, 2, *OCC_SHAPE[:2], 3)
     for z in range(3):
         for k in range(2):
             torch.testing.assert_close(out[0, k, :, :, z], flat[0, z * 2 + k])
 
 
 def test_the_lift_grid_must_span_occ3d():
-    with pytest.raises(ValueError, match=r"xbound \[-50"):
-        from bev.models.occupancy import OccupancyNet
+    from bev.tasks.occupancy.head import build
 
-        grid = {**_grid(), "xbound": [-50, 50, 2.0]}
-        OccupancyNet(grid, (32, 96), 16, 8, SMALL_CAMERA, occupancy={"kind": "voxel3d"})
+    with pytest.raises(ValueError, match=r"xbound \[-50"):
+        build(8, _grid_of(xbound=[-50, 50, 2.0]), "voxel3d")
     with pytest.raises(ValueError, match="zbound"):
-        OccupancyNet(_grid(zstep=0.6), (32, 96), 16, 8, SMALL_CAMERA, occupancy={"kind": "voxel3d"})
+        build(8, _grid_of(zbound=[-1, 5.4, 0.2]), "voxel3d")  # finer than Occ3D's 0.4 m
+    build(8, _grid_of(zbound=[-1, 5.4, 0.2]), "channel_to_height")  # its heights come from the channels
     with pytest.raises(ValueError, match="kind must be one of"):
-        OccupancyNet(_grid(), (32, 96), 16, 8, SMALL_CAMERA, occupancy={"kind": "voxels"})
-    with pytest.raises(ValueError, match=r"unknown model.net.occupancy key\(s\) \['width'\]"):
-        OccupancyNet(_grid(), (32, 96), 16, 8, SMALL_CAMERA, occupancy={"kind": "channel_to_height", "width": [8]})
+        build(8, _grid_of(), "voxels")
+    from bev.tasks import build_head
+
+    with pytest.raises(
+        ValueError, match=r"unknown model.net.heads.occupancy key\(s\) \['width'\]; known: channels, kind"
+    ):
+        build_head("occupancy", 8, _grid_of(), {"kind": "channel_to_height", "width": [8]})
+    with pytest.raises(ValueError, match=r"unknown model.net.heads.detection key\(s\) \['heads'\]; known: groups, "):
+        build_head("detection", 8, _grid_of(), {"heads": 2})
+
+
+def _grid_of(zstep=3.2, **bounds):
+    from bev.geometry import Grid
+
+    return Grid.from_any({**_grid(zstep=zstep), **bounds})
 
 
 # ----------------------------------------------------------------------------- losses
@@ -173,4 +192,5 @@ def test_voxel3d_runs_its_3d_part_in_fp32_under_autocast():
     net = _net("voxel3d", widths=[8], blocks=[1], channels=8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         voxels = torch.randn(1, 8 * net.grid.nz, net.grid.nx, net.grid.ny).to(torch.bfloat16)
-        assert net.occupancy_logits(voxels).dtype == torch.float32
+        feats = net.decoder(voxels)["shared"]
+        assert feats.dtype == torch.float32 and net.heads["occupancy"](feats).dtype == torch.float32

@@ -50,7 +50,7 @@ def test_bev_predict_writes_challenge_files_and_pictures(occ_run, occ_root, tmp_
     data_cfg = build_data_config(OmegaConf.create({"dataroot": str(occ_root)}), OmegaConf.create(model.run_config))
     dataset, order, _ = select_samples(data_cfg)
     with torch.no_grad():
-        logits = model(default_collate([dataset[int(k)] for k in order]))
+        logits = model(default_collate([dataset[int(k)] for k in order]))["occupancy"]
     want = {dataset.index["sample_token"][int(k)]: a for k, a in zip(order, logits.argmax(1).numpy())}
     for rec in records:
         path = out / "predictions" / f"{rec['sample_token']}.npz"

@@ -57,12 +57,14 @@ def test_the_published_settings_are_in_the_experiments():
         )
         assert cfg.model.loss.visible_only and cfg.model.net.camera.backbone == "resnet50"
         assert cfg.callbacks.model_checkpoint.monitor == "val/occ_miou"
-    occ = bevdet.model.net.occupancy
+    occ = bevdet.model.net.decoder
     assert occ.kind == "voxel3d" and list(occ.widths) == [32, 64, 128] and list(occ.blocks) == [1, 2, 4]
-    assert bevdet.model.net.context_channels == 32 and list(bevdet.grid.zbound) == [-1, 5.4, 0.4]
-    assert flash.model.net.occupancy.kind == "channel_to_height" and flash.model.net.occupancy.channels == 256
-    assert flash.model.net.context_channels == 64 and list(flash.grid.zbound) == [-1, 5.4, 6.4]
-    assert list(flash.model.net.bev.widths) == [128, 256, 512]
+    assert bevdet.model.net.heads.occupancy.kind == "voxel3d"
+    assert bevdet.model.net.camera.context_channels == 32 and list(bevdet.grid.zbound) == [-1, 5.4, 0.4]
+    occ = flash.model.net.heads.occupancy
+    assert occ.kind == "channel_to_height" and occ.channels == 256 and flash.model.net.decoder.kind == "bev"
+    assert flash.model.net.camera.context_channels == 64 and list(flash.grid.zbound) == [-1, 5.4, 6.4]
+    assert list(flash.model.net.decoder.widths) == [128, 256, 512]
 
 
 @pytest.mark.e2e
@@ -85,7 +87,7 @@ def test_bev_eval_scores_and_writes_challenge_predictions(occ_root, tmp_path, mo
 
     run = tmp_path / "run"
     small = [*SMALL, "grid.xbound=[-40,40,1.6]", "grid.ybound=[-40,40,1.6]", "grid.zbound=[-1,5.4,1.6]"]
-    args = ["experiment=synthetic_occ_cpu", *small, "model.net.occupancy.kind=voxel3d"]
+    args = ["experiment=synthetic_occ_cpu", *small, "model=occ_small"]
     assert train_cli([*args, f"data.dataroot={occ_root}", f"hydra.run.dir={run}"], monkeypatch) == 0
     out = tmp_path / "eval"
     eval_args = [f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"data.dataroot={occ_root}", f"hydra.run.dir={out}"]

@@ -307,8 +307,8 @@ def test_a_dropped_place_is_not_named_as_a_model_difference(tiny_run, tmp_path):
 
     path = _with_stored(tiny_run, tmp_path)  # its model config names an init_from checkpoint
     with pytest.raises(CheckpointError) as e:
-        load_checkpoint(path, OmegaConf.create({"net": {"context_channels": 16}}))
-    assert "model.net.context_channels: 8 -> 16" in str(e.value) and "init_from" not in str(e.value)
+        load_checkpoint(path, OmegaConf.create({"net": {"camera": {"context_channels": 16}}}))
+    assert "model.net.camera.context_channels: 8 -> 16" in str(e.value) and "init_from" not in str(e.value)
 
 
 @pytest.mark.parametrize("key", ["version", "val_split", "train_split"])

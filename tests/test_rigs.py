@@ -11,8 +11,8 @@ import bev
 from bev.geometry import Grid
 from bev.inference import ring_rig
 from bev.lit import BEVLitModule
-from bev.models import LiftSplatShoot
 from bev.viz import camera_grid, camera_layout, render_sample
+from helpers.models import lss_net
 
 GRID = Grid(xbound=(-16, 16, 2.0), ybound=(-16, 16, 2.0), zbound=(-10, 10, 20), dbound=(2, 18, 4.0))
 TINY = dict(
@@ -52,7 +52,7 @@ class ToyRig(Dataset):
 @pytest.mark.parametrize("num_cameras", [1, 3])
 def test_custom_rig_trains_predicts_and_draws(num_cameras, tmp_path):
     torch.manual_seed(0)
-    net = LiftSplatShoot(GRID, (32, 64), pool_backend="torch", **TINY)
+    net = lss_net(GRID, (32, 64), pool_backend="torch", **TINY)
     model = BEVLitModule(net, optimizer=lambda params: torch.optim.Adam(params, lr=1e-2))
     ds = ToyRig(num_cameras)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -70,8 +70,8 @@ def test_custom_rig_trains_predicts_and_draws(num_cameras, tmp_path):
     trainer.fit(model, DataLoader(ds, batch_size=2), DataLoader(ds, batch_size=2))
     assert trainer.global_step == 3 and torch.isfinite(trainer.callback_metrics["train/loss_step"])
     changed = [k for k, v in model.state_dict().items() if v.dtype.is_floating_point and not torch.equal(v, before[k])]
-    assert any(k.startswith("net.camera_encoder") for k in changed) and any(
-        k.startswith("net.bev_encoder") for k in changed
+    assert any(k.startswith("net.camera.encoder") for k in changed) and any(
+        k.startswith("net.decoder") for k in changed
     )
 
     batch = torch.utils.data.default_collate([ds[0], ds[1]])
@@ -83,26 +83,28 @@ def test_custom_rig_trains_predicts_and_draws(num_cameras, tmp_path):
 
 @pytest.mark.parametrize("num_cameras, size", [(1, (16, 32)), (5, (48, 80)), (12, (32, 96))])
 def test_any_camera_count_and_image_size(num_cameras, size):
-    net = LiftSplatShoot(GRID, size, pool_backend="torch", **TINY).eval()
+    net = lss_net(GRID, size, pool_backend="torch", **TINY).eval()
     cams = ring_rig(num_cameras, size, batch_size=2)
     images = torch.randn(2, num_cameras, 3, *size)
     with torch.no_grad():
-        out = net(images, *(cams[k] for k in ("intrinsics", "rots", "trans", "post_rots", "post_trans")))
+        out = net(images, *(cams[k] for k in ("intrinsics", "rots", "trans", "post_rots", "post_trans")))[
+            "segmentation"
+        ]
     assert out.shape == (2, 1, 16, 16) and torch.isfinite(out).all()
 
 
 def test_each_camera_of_a_ring_fills_its_own_side():
     """With only camera i's features non-zero, the splatted BEV mass lies in camera i's direction."""
     n, size = 5, (32, 64)
-    net = LiftSplatShoot(GRID, size, pool_backend="torch", **TINY).eval()
+    net = lss_net(GRID, size, pool_backend="torch", **TINY).eval()
     cams = ring_rig(n, size)
-    coords = net.voxel_coords(*(cams[k] for k in ("intrinsics", "rots", "trans", "post_rots", "post_trans")))
+    coords = net.camera.voxel_coords(*(cams[k] for k in ("intrinsics", "rots", "trans", "post_rots", "post_trans")))
     fH, fW = size[0] // 16, size[1] // 16
     centres = torch.as_tensor(GRID.cell_centers())
     for i in range(n):
         depth = torch.zeros(1, n, GRID.depth_bins, fH, fW)
         depth[:, i] = 1.0
-        bev_mass = net.splat(depth, torch.ones(1, n, fH, fW, 1), coords)[0, 0]
+        bev_mass = net.camera.splat(depth, torch.ones(1, n, fH, fW, 1), coords)[0, 0]
         mean_xy = (bev_mass[..., None] * centres).sum((0, 1)) / bev_mass.sum()
         yaw = 2 * np.pi * i / n
         direction = torch.tensor([np.cos(yaw), np.sin(yaw)])

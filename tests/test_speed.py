@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from bev.models import BevEncoder, CameraEncoder
+from bev.models import BevDecoder, CameraEncoder
+from bev.tasks.segmentation.head import SegmentationHead
 from bev.utils import precision as P
 from bev.utils.speed import fused_default
 
@@ -71,7 +72,7 @@ def test_auto_channels_last_follows_the_hardware(flags, cuda, expected, monkeypa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     assert P.resolve_channels_last("auto") is expected
     assert P.resolve_channels_last(False) is False and P.resolve_channels_last(True) is True
-    enc = BevEncoder(8, 2, widths=(16, 16, 32), blocks=1, channels_last="auto")
+    enc = BevDecoder(8, widths=(16, 16, 32), blocks=1, channels_last="auto")
     assert enc.channels_last is expected
     assert enc.stem[0].weight.is_contiguous(memory_format=torch.channels_last) is expected
     with pytest.raises(ValueError, match="true, false or auto"):
@@ -83,7 +84,7 @@ def test_auto_channels_last_keeps_nchw_for_narrow_strided_1x1_convolutions(monke
     # oneDNN's NHWC weight gradient of a 1x1 stride-2 convolution with < 16 input channels crashes
     # or is wrong on x86 CPUs (uxlfoundation/oneDNN#6035): such encoders keep NCHW under "auto".
     monkeypatch.setattr(P, "_cpu_flags", lambda: {"avx512_bf16"})
-    assert BevEncoder(8, 2, widths=(16, 16, 32), blocks=1, channels_last="auto").channels_last is True
+    assert BevDecoder(8, widths=(16, 16, 32), blocks=1, channels_last="auto").channels_last is True
     assert CameraEncoder(
         5, 7, backbone="small", widths=(16, 32, 48, 64, 96), mid_channels=16, channels_last="auto"
     ).channels_last
@@ -93,14 +94,14 @@ def test_auto_channels_last_keeps_nchw_for_narrow_strided_1x1_convolutions(monke
         memory_format=torch.channels_last
     )
     assert "trunk." in str(record[0].message)  # names the layer
-    assert P.nhwc_hazards(BevEncoder(8, 2, widths=(8, 8, 16), blocks=1)) == [
+    assert P.nhwc_hazards(BevDecoder(8, widths=(8, 8, 16), blocks=1)) == [
         "layer2.0.downsample.0",
         "layer3.0.downsample.0",
     ]
     with pytest.warns(
         UserWarning, match="channels_last=true as configured"
     ):  # an explicit choice is kept, with the warning
-        assert BevEncoder(8, 2, widths=(8, 8, 16), blocks=1, channels_last=True).channels_last is True
+        assert BevDecoder(8, widths=(8, 8, 16), blocks=1, channels_last=True).channels_last is True
 
 
 def test_channels_last_encoders_compute_the_same_function():
@@ -111,8 +112,9 @@ def test_channels_last_encoders_compute_the_same_function():
         torch.manual_seed(1)
         cam = CameraEncoder(5, 7, backbone="small", widths=(8, 8, 16, 16, 16), mid_channels=16, channels_last=cl).eval()
         torch.manual_seed(2)
-        enc = BevEncoder(8, 2, widths=(8, 8, 16), blocks=1, channels_last=cl).eval()
-        outs[cl] = (cam(images), enc(bev))
+        enc = BevDecoder(8, widths=(8, 8, 16), blocks=1, channels_last=cl).eval()
+        head = SegmentationHead(enc.out_channels, 2).eval()
+        outs[cl] = (cam(images), head(enc(bev)["shared"]))
         if cl:
             assert cam.head.weight.is_contiguous(memory_format=torch.channels_last)
     for a, b in zip(outs[False], outs[True]):
@@ -147,7 +149,7 @@ def test_configure_optimizers_builds_the_configured_optimizer_on_cpu():
     from bev.lit import BEVLitModule
 
     net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 1, 1))
-    net.num_classes = 1
+    net.num_classes, net.heads = 1, ("segmentation",)  # a stand-in network: its tasks
     opt = BEVLitModule(
         net, optimizer=partial(torch.optim.Adam, lr=2e-3), object_classes=["vehicle"]
     ).configure_optimizers()

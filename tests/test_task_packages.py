@@ -56,7 +56,7 @@ def _module(**kw):
     from bev.lit import BEVLitModule
 
     net = nn.Conv2d(1, 3, 1)
-    net.num_classes = 3
+    net.num_classes, net.heads = 3, ("segmentation",)  # a stand-in network: its tasks
     return BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], map_classes=["lane", "divider"], **kw)
 
 

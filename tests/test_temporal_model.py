@@ -18,8 +18,8 @@ from bev.inference import ring_rig
 from bev.lit import BEVLitModule
 from bev.lit_temporal import TemporalLitModule, present_copied
 from bev.losses import NonFiniteLossError, UncertaintyWeights
-from bev.models.lss import LiftSplatShoot
-from bev.models.temporal import TemporalLiftSplat, network_kind, warp_to_present
+from bev.models import BEVNet
+from bev.models.temporal import warp_to_present
 from bev.tasks.motion import IGNORE
 from bev.tasks.motion.loss import regression_loss, segmentation_loss
 
@@ -32,10 +32,8 @@ GRID = {
 SIZES = {
     "grid": GRID,
     "image_size": (32, 96),
-    "context_channels": 8,
-    "num_classes": 2,
-    "camera": {"backbone": "small", "widths": [8, 8, 16, 16, 16], "mid_channels": 16},
-    "bev": {"widths": [8, 16, 16]},
+    "camera": {"context_channels": 8, "backbone": "small", "widths": [8, 8, 16, 16, 16], "mid_channels": 16},
+    "decoder": {"widths": [8, 16, 16]},
 }
 B, P, F, N = 2, 2, 3, 3
 X = Y = 24
@@ -76,9 +74,15 @@ def sequence_batch(seed: int = 0, ego: torch.Tensor | None = None) -> dict[str, 
     return batch
 
 
-def tiny_net(**kw) -> TemporalLiftSplat:
+def static_net(num_classes: int = 2) -> BEVNet:
+    return BEVNet(**SIZES, heads={"segmentation": {"num_classes": num_classes}})
+
+
+def tiny_net(fusion: str = "residual", detection=None, **motion) -> BEVNet:
+    """A temporal BEVNet: P past frames fused, segmentation of 2 classes and motion heads for F future frames."""
     torch.manual_seed(0)
-    return TemporalLiftSplat(**SIZES, past_frames=P, future_frames=F, **kw)
+    heads = {"segmentation": {"num_classes": 2}, "detection": detection, "motion": {"future_frames": F, **motion}}
+    return BEVNet(**SIZES, heads=heads, temporal={"past_frames": P, "fusion": fusion})
 
 
 def tiny_module(**kw) -> TemporalLitModule:
@@ -96,6 +100,7 @@ def test_heads_shapes_and_gradients(probabilistic):
     net = tiny_net(probabilistic=probabilistic, head_channels=8)
     batch = sequence_batch()
     out = net(*cams(batch), batch["future_egomotion"], future_labels=batch if probabilistic else None)
+    out = {"bev": out["segmentation"], **out["motion"]}
     want = {
         "bev": (B, 2, X, Y),
         "segmentation": (B, F + 1, 1, X, Y),
@@ -107,7 +112,8 @@ def test_heads_shapes_and_gradients(probabilistic):
     sum(v.float().square().mean() for v in out.values()).backward()
     missing = [n for n, p in net.named_parameters() if p.grad is None]
     assert not missing, missing
-    for head in ("future.branches.instance", "future.branches.motion", "bev_encoder.up2.3", "camera_encoder.head"):
+    heads = ("heads.motion.future.branches.instance", "heads.motion.future.branches.motion", "heads.segmentation")
+    for head in (*heads, "camera.encoder.head"):
         grads = [p.grad.abs().sum() for n, p in net.named_parameters() if n.startswith(head)]
         assert grads and all(g > 0 for g in grads), head
 
@@ -172,10 +178,12 @@ def test_past_no_grad_keeps_the_outputs_and_drops_the_past_gradients():
     with torch.no_grad():
         plain = net(*cams(batch), ego)
     out = net(*cams(batch), ego, past_no_grad=True)
-    for k in plain:
+    for k in ("segmentation", "depth"):
         torch.testing.assert_close(out[k], plain[k], rtol=1e-4, atol=1e-4)
+    for k in plain["motion"]:
+        torch.testing.assert_close(out["motion"][k], plain["motion"][k], rtol=1e-4, atol=1e-4)
     # The fusion's last conv starts at zero: give the past a path to the output to see its gradient.
-    torch.nn.init.normal_(net.fusion.mix[-1].weight)
+    torch.nn.init.normal_(net.temporal.mix[-1].weight)
     for no_grad in (False, True):
         images.grad = None
         net(*cams(batch), ego, past_no_grad=no_grad)["segmentation"].sum().backward()
@@ -268,12 +276,9 @@ def test_a_nan_loss_stops_training_naming_the_step():
         module.training_step(batch, 0)
 
 
-STATIC_CONFIG = {"model": {"_target_": "bev.lit.BEVLitModule", "net": {"_target_": "bev.models.LiftSplatShoot"}}}
+STATIC_CONFIG = {"model": {"_target_": "bev.lit.BEVLitModule", "net": {"_target_": "bev.models.BEVNet"}}}
 TEMPORAL_CONFIG = {
-    "model": {
-        "_target_": "bev.lit_temporal.TemporalLitModule",
-        "net": {"_target_": "bev.models.temporal.TemporalLiftSplat"},
-    }
+    "model": {"_target_": "bev.lit_temporal.TemporalLitModule", "net": {"_target_": "bev.models.BEVNet"}}
 }
 
 
@@ -288,9 +293,7 @@ def save_checkpoint(module, path, run_config=None):
 
 def static_module(seed: int = 1) -> BEVLitModule:
     torch.manual_seed(seed)
-    static = BEVLitModule(
-        LiftSplatShoot(**SIZES), torch.optim.Adam, object_classes=["vehicle"], map_classes=["drivable_area"]
-    )
+    static = BEVLitModule(static_net(), torch.optim.Adam, object_classes=["vehicle"], map_classes=["drivable_area"])
     for m in static.modules():  # non-default BN statistics, so that loading them is seen too
         if isinstance(m, torch.nn.BatchNorm2d):
             m.running_mean.uniform_(-0.1, 0.1)
@@ -310,7 +313,12 @@ def init_from(path: str, **kw) -> tuple[TemporalLitModule, str]:
 def test_init_from_loads_the_static_weights_and_starts_as_the_static_model(tmp_path):
     static = static_module()
     module, said = init_from(save_checkpoint(static, tmp_path / "static.ckpt", STATIC_CONFIG))
-    assert "camera_encoder" in said and "bev_encoder" in said and "new (trained from scratch): fusion" in said
+    assert (
+        "camera (" in said
+        and "decoder (" in said
+        and "new (trained from scratch): temporal (" in said
+        and "heads.motion (" in said
+    )
     own = module.state_dict()
     for k, v in static.state_dict().items():
         if k.startswith("net."):
@@ -318,36 +326,36 @@ def test_init_from_loads_the_static_weights_and_starts_as_the_static_model(tmp_p
     batch = sequence_batch()
     module.eval(), static.eval()
     with torch.no_grad():
-        present = static.net(*(c[:, -1] for c in cams(batch)))
+        present = static.net(*(c[:, -1] for c in cams(batch)))["segmentation"]
         out = module(batch)
     # All frames are lifted as one batch here (other convolution blocking than the static model's batch).
-    torch.testing.assert_close(out["bev"], present, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out["segmentation"], present, rtol=1e-4, atol=1e-4)
     assert "every frame starts as the static head's vehicle logits" in said
     for t in range(F + 1):  # the future starts as the present vehicle prediction, copied
-        torch.testing.assert_close(out["segmentation"][:, t, 0], present[:, 0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out["motion"]["segmentation"][:, t, 0], present[:, 0], rtol=1e-4, atol=1e-4)
     # The present frame lifted alone (past_no_grad) goes through the very same operations as in the static
     # model, and the untrained fusion adds exact zeros: the same logits, bit for bit.
     module.past_no_grad = True
     with torch.no_grad():
-        assert torch.equal(module(batch)["bev"], present)
+        assert torch.equal(module(batch)["segmentation"], present)
 
 
 def test_concat_fusion_from_a_static_model_starts_as_that_model(tmp_path):
-    """BEVDet4D's fusion: the BEV encoder reads the aligned frames side by side; from a static checkpoint its
+    """BEVDet4D's fusion: the BEV decoder reads the aligned frames side by side; from a static checkpoint its
     stem takes the static weights on the present frame's channels and zero on the past's."""
     static = static_module()
     module, said = init_from(save_checkpoint(static, tmp_path / "static.ckpt", STATIC_CONFIG), net={"fusion": "concat"})
-    stem = module.net.bev_encoder.stem[0]
-    assert module.net.fusion is None and stem.in_channels == 8 * (P + 1)
+    stem = module.net.decoder.stem[0]
+    assert module.net.temporal.mix is None and stem.in_channels == 8 * (P + 1)
     assert "stem: the static one on the present frame's channels" in said
     batch = sequence_batch()
     module.eval(), static.eval()
     module.past_no_grad = True
     with torch.no_grad():
-        present = static.net(*(c[:, -1] for c in cams(batch)))
-        torch.testing.assert_close(module(batch)["bev"], present, rtol=1e-5, atol=1e-5)
+        present = static.net(*(c[:, -1] for c in cams(batch)))["segmentation"]
+        torch.testing.assert_close(module(batch)["segmentation"], present, rtol=1e-5, atol=1e-5)
         stem.weight[:, :8].normal_()  # the past frames' channels read: the output changes with them
-        assert not torch.allclose(module(batch)["bev"], present, atol=1e-3)
+        assert not torch.allclose(module(batch)["segmentation"], present, atol=1e-3)
     with pytest.raises(ValueError, match="fusion must be one of"):
         tiny_net(fusion="sum")
 
@@ -355,7 +363,7 @@ def test_concat_fusion_from_a_static_model_starts_as_that_model(tmp_path):
 def test_init_from_a_temporal_checkpoint_keeps_its_future_heads(tmp_path):
     torch.manual_seed(2)
     trained = tiny_module()
-    for p in trained.net.future.parameters():
+    for p in trained.net.heads["motion"].parameters():
         torch.nn.init.normal_(p)
     module, said = init_from(save_checkpoint(trained, tmp_path / "temporal.ckpt", TEMPORAL_CONFIG))
     assert "the temporal checkpoint's where they fit" in said and "new (trained from scratch): none" in said
@@ -363,24 +371,24 @@ def test_init_from_a_temporal_checkpoint_keeps_its_future_heads(tmp_path):
         torch.testing.assert_close(module.state_dict()[k], v, rtol=0, atol=0)
 
 
-def test_init_from_a_checkpoint_that_does_not_say_what_it_is_loads_it_and_leaves_the_future(tmp_path):
+def test_init_from_a_checkpoint_without_a_stored_config_is_read_by_its_tensors(tmp_path):
     static = static_module()
     module, said = init_from(save_checkpoint(static, tmp_path / "bare.ckpt"))
-    assert "stores no bev-train config that says which model it is" in said
-    assert "bev_encoder" in said and "every frame starts" not in said
-    fresh = tiny_module().state_dict()
-    for k, v in module.state_dict().items():
-        if k.startswith("net.future."):
-            torch.testing.assert_close(v, fresh[k], rtol=0, atol=0)
+    assert "decoder (" in said and "every frame starts as the static head's vehicle logits" in said
+    legacy = {"state_dict": {"net.camera_encoder.head.weight": torch.zeros(1), "net.future.x": torch.zeros(1)}}
+    from bev.utils.legacy import upgrade_network
+
+    assert upgrade_network(legacy) and list(legacy["state_dict"]) == [
+        "net.camera.encoder.head.weight",
+        "net.heads.motion.future.x",
+    ]
 
 
 def test_init_from_a_static_head_of_other_classes_leaves_the_future(tmp_path):
     torch.manual_seed(1)
-    other = BEVLitModule(
-        LiftSplatShoot(**{**SIZES, "num_classes": 3}), torch.optim.Adam, object_classes=["a", "b", "c"]
-    )
+    other = BEVLitModule(static_net(num_classes=3), torch.optim.Adam, object_classes=["a", "b", "c"])
     _, said = init_from(save_checkpoint(other, tmp_path / "other.ckpt", STATIC_CONFIG))
-    assert "the static head did not fit" in said and "bev_encoder.up2.3.weight" in said
+    assert "the static head did not fit" in said and "heads.segmentation.conv.weight" in said
 
 
 @pytest.mark.parametrize(
@@ -389,17 +397,16 @@ def test_init_from_a_static_head_of_other_classes_leaves_the_future(tmp_path):
         ("bev.models.LiftSplatShoot", "static"),
         ("bev.models.lss.LiftSplatShoot", "static"),
         ("bev.models.temporal.TemporalLiftSplat", "temporal"),
-        ("bev.models.BevEncoder", None),
-        ("bev.models.nothing_here.Net", None),
-        ("bev.models.lss.SPLATS", None),
-        ("os.system", None),  # never imported: only the project's own modules are
+        ("bev.models.occupancy.OccupancyNet", "occupancy"),
+        ("bev.models.BEVNet", None),
+        ("os.system", None),  # a name only: nothing is imported
         (None, None),
     ],
 )
-def test_network_kind_reads_the_stored_config(target, kind):
-    net = {} if target is None else {"_target_": target}
-    assert network_kind({"state_dict": {}, "bev_config": {"model": {"net": net}}}) == kind
-    assert network_kind({"state_dict": {}}) is None
+def test_the_earlier_layouts_are_told_by_the_stored_config(target, kind):
+    from bev.utils.legacy import legacy_kind
+
+    assert legacy_kind({} if target is None else {"_target_": target}) == kind
 
 
 def test_init_from_is_not_applied_on_resume_and_its_absence_is_said(capsys):
@@ -432,11 +439,11 @@ def test_a_training_step_and_its_checkpoint_reads_with_weights_only(tmp_path):
         {
             "_target_": "bev.lit_temporal.TemporalLitModule",
             "net": {
-                "_target_": "bev.models.temporal.TemporalLiftSplat",
+                "_target_": "bev.models.BEVNet",
                 "_convert_": "all",
                 **SIZES,
-                "past_frames": P,
-                "future_frames": F,
+                "heads": {"segmentation": {"num_classes": 2}, "motion": {"future_frames": F}},
+                "temporal": {"past_frames": P},
             },
             "optimizer": {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-3},
             "object_classes": ["vehicle"],
@@ -457,9 +464,9 @@ def test_a_training_step_and_its_checkpoint_reads_with_weights_only(tmp_path):
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    before = module.net.future.branches.motion[-1].weight.detach().clone()
+    before = module.net.heads["motion"].future.branches.motion[-1].weight.detach().clone()
     trainer.fit(module, loader)
-    assert not torch.equal(before, module.net.future.branches.motion[-1].weight)
+    assert not torch.equal(before, module.net.heads["motion"].future.branches.motion[-1].weight)
     trainer.save_checkpoint(tmp_path / "t.ckpt")
     ckpt = read_checkpoint(tmp_path / "t.ckpt")
     assert ckpt["hyper_parameters"]["temporal_loss"] == {"seg_top_k": 0.25}
@@ -503,7 +510,6 @@ def test_every_weight_of_the_first_stage_fits_the_second(static, temporal):
     """The two-stage experiments: the static run's network tensors all load into the temporal model."""
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
-    from omegaconf import OmegaConf
 
     from bev.utils.config import CONFIG_DIR
 
@@ -514,10 +520,7 @@ def test_every_weight_of_the_first_stage_fits_the_second(static, temporal):
     first, second = (instantiate(c.model).state_dict() for c in cfgs)
     net = {k: v.shape for k, v in first.items() if k.startswith("net.")}
     assert net and all(k in second and second[k].shape == s for k, s in net.items())
-    assert {"net.fusion.mix.1.weight", "net.future.branches.motion.0.weight"} <= set(second)
-    # What bev-train stores with each checkpoint (the resolved config) says which stage it is.
-    stored = [{"bev_config": {"model": OmegaConf.to_container(c.model, resolve=True)}} for c in cfgs]
-    assert [network_kind(c) for c in stored] == ["static", "temporal"]
+    assert {"net.temporal.mix.1.weight", "net.heads.motion.future.branches.motion.0.weight"} <= set(second)
     data = cfgs[1].data
     assert (data.past_frames, data.future_frames) == (2, 4)
     if temporal == "fiery_nuscenes":  # FIERY's baseline: 224x480, depth 2-50 m in 1 m bins, 200x200 at 0.5 m
@@ -547,7 +550,7 @@ def frozen_bn(module):
 
 def test_past_cache_serves_frames_earlier_steps_computed():
     cached = frozen_bn(tiny_module(past_no_grad=True, past_cache_mb=64))
-    torch.nn.init.normal_(cached.net.fusion.mix[-1].weight, std=0.1)  # the past reaches the outputs
+    torch.nn.init.normal_(cached.net.temporal.mix[-1].weight, std=0.1)  # the past reaches the outputs
     plain = frozen_bn(tiny_module(past_no_grad=True))
     plain.load_state_dict(cached.state_dict())
     first, second = scene_windows([0, 1]), scene_windows([2, 3])  # frames 0..3, then 2..5
@@ -555,10 +558,10 @@ def test_past_cache_serves_frames_earlier_steps_computed():
         for batch, hits in ((first, 0.0), (second, 0.75)):  # second: frames 2, 3 (twice) cached, 4 not
             out, want = cached(batch), plain(batch)
             assert cached.past_cache_hits == hits
-            for k in want:
+            for k in ("segmentation", "motion"):
                 torch.testing.assert_close(out[k], want[k], rtol=1e-4, atol=1e-4)
     with torch.no_grad():  # cached features are those of the weights that computed them
-        for p in cached.net.camera_encoder.parameters():
+        for p in cached.net.camera.encoder.parameters():
             p.add_(0.05)
         again = cached(second)
     assert cached.past_cache_hits == 1.0
@@ -595,10 +598,10 @@ def test_the_probabilistic_future_adds_a_kl_term_that_trains_both_distributions(
     loss, terms = module.total_loss(module(batch), batch)
     assert "kl" in terms and terms["kl"].item() >= 0
     loss.backward()
-    for dist in (module.net.present_dist, module.net.future_dist):
+    for dist in (module.net.heads["motion"].present_dist, module.net.heads["motion"].future_dist):
         assert dist.net[-1].weight.grad.abs().sum() > 0
     with torch.no_grad():
-        assert "future_mu" not in module.eval()(batch)  # inference: the present distribution's mean
+        assert "future_mu" not in module.eval()(batch)["motion"]  # inference: the present distribution's mean
 
 
 def test_present_copied_repeats_the_present_heads_with_zero_flow():
@@ -620,7 +623,8 @@ def test_init_from_starts_a_detection_model_from_a_static_one(tmp_path, capsys):
     static = static_module()
     path = save_checkpoint(static, tmp_path / "static.ckpt", STATIC_CONFIG)
     torch.manual_seed(2)
-    net = LiftSplatShoot(**SIZES, detection={"shared_channels": 8, "head_channels": 0})
+    heads = {"segmentation": {"num_classes": 2}, "detection": {"shared_channels": 8, "head_channels": 0}}
+    net = BEVNet(**SIZES, heads=heads)
     det = BEVLitModule(
         net,
         torch.optim.Adam,
@@ -635,4 +639,4 @@ def test_init_from_starts_a_detection_model_from_a_static_one(tmp_path, capsys):
     theirs, own = static.state_dict(), det.state_dict()
     shared = [k for k in theirs if k.startswith("net.")]
     assert shared and all(torch.equal(own[k], theirs[k]) for k in shared)
-    assert "model.init_from: loaded" in said and "new (trained from scratch): det_head" in said, said
+    assert "model.init_from: loaded" in said and "new (trained from scratch): heads.detection (" in said, said

@@ -227,13 +227,13 @@ def test_corrupt_checkpoint(tiny_run, tmp_path, monkeypatch, capsys):
 def test_checkpoint_from_an_incompatible_model(tiny_run, synthetic_root, tmp_path, monkeypatch, capsys):
     args = [
         *TINY,
-        "model.net.bev.widths=[8,16,32]",
+        "model.net.decoder.widths=[8,16,32]",
         f"ckpt_path={tiny_run}/checkpoints/last.ckpt",
         f"data.dataroot={synthetic_root}",
         f"hydra.run.dir={tmp_path}",
     ]
     assert train_cli(args, monkeypatch) == 1
-    assert_one_paragraph(capsys.readouterr().err, "different model config", "model.net.bev.widths")
+    assert_one_paragraph(capsys.readouterr().err, "different model config", "model.net.decoder.widths")
 
 
 def test_eval_threads_give_way_to_other_processes(
@@ -259,8 +259,10 @@ def test_eval_model_override_applies_to_the_checkpoint_config(tiny_run, syntheti
     assert eval_cli([*base, "+model.threshold=0.3", f"hydra.run.dir={tmp_path / 'a'}"], monkeypatch) == 0
     assert json.loads((tmp_path / "a" / "metrics.json").read_text())["threshold"] == 0.3
     # ...one that does is refused, naming the key.
-    assert eval_cli([*base, "+model.net.context_channels=16", f"hydra.run.dir={tmp_path / 'b'}"], monkeypatch) == 1
-    assert_one_paragraph(capsys.readouterr().err, "bev-eval: error:", "model.net.context_channels: 8 -> 16")
+    assert (
+        eval_cli([*base, "+model.net.camera.context_channels=16", f"hydra.run.dir={tmp_path / 'b'}"], monkeypatch) == 1
+    )
+    assert_one_paragraph(capsys.readouterr().err, "bev-eval: error:", "model.net.camera.context_channels: 8 -> 16")
 
 
 def test_resume_in_the_run_dir_continues_its_metrics_log(tiny_run, synthetic_root, tmp_path, monkeypatch):

@@ -61,21 +61,30 @@ def _check(*overrides):
         ((OCC, "model.loss.visible_only=maybe"), "model.loss.visible_only='maybe' must be true or false"),
         ((TEMPORAL, "model.temporal_loss.uncertainty=maybe"), "model.temporal_loss.uncertainty='maybe' must be true"),
         ((TEMPORAL, "model.past_no_grad=1"), "model.past_no_grad=1 must be true or false"),
-        ((STATIC, "model.net.bev.task_decoders=maybe"), "model.net.bev.task_decoders='maybe' must be true or false"),
+        (
+            (STATIC, "model.net.decoder.task_decoders=maybe"),
+            "model.net.decoder.task_decoders='maybe' must be true or false",
+        ),
         # Values that failed late and nameless ("'int' object is not iterable", "could not convert string").
         ((OCC, "model.loss.class_weight=5"), "model.loss.class_weight=5: choose null, a preset"),
         ((OCC, "model.loss.class_weight={car: x}"), "model.loss.class_weight.car='x' is not a number"),
         ((OCC, "model.loss.class_weight=[1,2]"), "model.loss.class_weight has 2 weights, not 18"),
         ((OCC, "model.loss.lovasz_weight=abc"), "model.loss.lovasz_weight='abc' is not a number"),
         ((STATIC, "model.focal_gamma=abc"), "model.focal_gamma='abc' must be a number"),
-        ((STATIC, "model.net.context_channels=abc"), "model.net.context_channels='abc' must be a whole number"),
+        (
+            (STATIC, "model.net.camera.context_channels=abc"),
+            "model.net.camera.context_channels='abc' must be a whole number",
+        ),
         ((STATIC, "+model.pos_weight.car=2"), "model.pos_weight names unknown class(es) ['car']"),
         (("experiment=lss_nuscenes_mini", "model.pos_weight=[1,2]"), "model.pos_weight has 2 values for 1 classes"),
         ((TEMPORAL, "model.temporal_loss.seg_top_k=2"), "model.temporal_loss.seg_top_k must be in (0, 1]"),
         ((TEMPORAL, "model.temporal_loss.future_discount=0"), "model.temporal_loss.future_discount must be in (0, 1]"),
         ((DET, "+model.detection.loss.code_weights=[1,1]"), "model.detection.loss: code_weights needs one weight"),
         # The network's input: not the data's (fails at step 0), or not a multiple of the stride (fails when built).
-        ((STATIC, "data.final_dim=[127,350]"), "data.final_dim=[127, 350] is not a multiple of model.net.downsample"),
+        (
+            (STATIC, "data.final_dim=[127,350]"),
+            "data.final_dim=[127, 350] is not a multiple of model.net.camera.downsample",
+        ),
         ((STATIC, "model.net.image_size=[64,176]"), "model.net.image_size=[64, 176] differs from data.final_dim"),
         # BEV augmentation skipped without data.augment (the synthetic experiments turn it off).
         ((DET, "data.bev_aug=bevdet"), "data.bev_aug=bevdet does nothing with data.augment=false"),

@@ -139,7 +139,7 @@ def test_the_allowlist_comes_from_the_configs():
     targets = allowed_targets()
     assert {
         "bev.lit.BEVLitModule",
-        "bev.models.LiftSplatShoot",
+        "bev.models.BEVNet",
         "bev.data.NuScenesDataModule",
         "torch.optim.AdamW",
         "bev.schedule.OneCycle",

@@ -162,7 +162,7 @@ def _depth_stride(name: str, v: Any) -> int | None:
     except TypeError:
         n = None
     if n not in DEPTH_STRIDES:
-        raise _fail(name, "8 or 16 (model.net.downsample), or null for the model's stride", v)
+        raise _fail(name, "8 or 16 (model.net.camera.downsample), or null for the model's stride", v)
     return n
 
 
@@ -235,7 +235,7 @@ class DatasetConfig(_Checked):
     raster: str = _option("center", _raster)
     # items carry the depth bin of the nearest LIDAR_TOP point per feature cell
     depth_target: bool = _option(False, _flag)
-    # the feature cells' stride in pixels: 8 or 16; null: the model's (bev-train sets model.net.downsample), else 16
+    # the feature cells' stride in pixels: 8 or 16; null: the model's (bev-train sets model.net.camera.downsample), else 16
     depth_stride: int | None = _option(None, _depth_stride)
     # items carry 3D boxes and CenterPoint targets of the detection classes (bev.tasks.detection.targets)
     detection: bool = _option(False, _flag)

@@ -68,7 +68,7 @@ class NuScenesBEVDataset(Dataset):
     lift-splat-shoot's rounded-corner fill (bev.data.rasterize). Map channels follow the
     devkit's get_map_mask rule (bev.data.maps), which is the "lss" rule for polygons.
     depth_target=True adds depth (Ncam, H/s, W/s) int64: the depth bin of the nearest LIDAR_TOP point in each
-    camera feature cell at stride s = depth_stride (the model's model.net.downsample; 16 when null), -1 where
+    camera feature cell at stride s = depth_stride (the model's model.net.camera.downsample; 16 when null), -1 where
     none (bev.data.depth), for depth supervision.
     occupancy=True adds occ_semantics (200, 200, 16) uint8 Occ3D class ids and occ_mask_camera, occ_mask_lidar
     (200, 200, 16) bool, from <dataroot>/gts/<scene name>/<sample token>/labels.npz (bev.tasks.occupancy.data).

@@ -175,7 +175,7 @@ class CameraEncoder(nn.Module):
             raise ValueError(f"unknown backbone {backbone!r}; choose one of {', '.join(BACKBONES)}")
         if stride not in STRIDES:
             raise ValueError(
-                f"the camera encoder gives features at stride 8 or 16 (model.net.downsample), got {stride}"
+                f"the camera encoder gives features at stride 8 or 16 (model.net.camera.downsample), got {stride}"
             )
         self.stride = int(stride)
         if backbone == "small":

@@ -15,8 +15,11 @@ checkpoint is chosen by, what sweeps optimise (as <headline>_best) and what bev-
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib
+import inspect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -47,3 +50,30 @@ def check_tasks(tasks: Sequence[str] | str, allowed: Sequence[str], key: str = "
     if unknown or not tasks or len(set(tasks)) != len(tasks):
         raise ValueError(f"{key}={list(tasks)}: choose one or more of {list(allowed)}, each once")
     return tasks
+
+
+def build_head(task: str, in_channels: int, grid, options: Mapping[str, Any] | None):
+    """The head of `task` (its package's head.build) on `in_channels` decoder features; model.net.heads.<task>
+    holds its options."""
+    if task not in TASKS:
+        raise ValueError(f"model.net.heads has {task!r}: choose heads among {list(TASKS)}")
+    build = importlib.import_module(f"bev.tasks.{task}.head").build
+    options = dict(options or {})
+    known = _keywords(build)
+    unknown = sorted(set(options) - known) if known is not None else []
+    if unknown:
+        raise ValueError(f"unknown model.net.heads.{task} key(s) {unknown}; known: {', '.join(sorted(known))}")
+    return build(in_channels, grid, **options)
+
+
+def _keywords(fn) -> set[str] | None:
+    """The option names `fn` takes after (in_channels, grid), following one **options to the class it builds;
+    None when they cannot be told."""
+    params = list(inspect.signature(fn).parameters.values())[2:]
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        target = inspect.signature(fn).return_annotation
+        target = getattr(inspect.getmodule(fn), target, None) if isinstance(target, str) else target
+        if not isinstance(target, type):
+            return None
+        params = list(inspect.signature(target).parameters.values())[1:]
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}

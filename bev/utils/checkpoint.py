@@ -98,7 +98,8 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> dict:
         ) from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise CheckpointError(f"{str(path)!r} is not a Lightning checkpoint (no 'state_dict' entry).")
-    return upgrade_checkpoint(ckpt)
+    upgrade_checkpoint(ckpt)
+    return ckpt
 
 
 # Names earlier checkpoints used, and today's: read_checkpoint and a resumed run (BEVLitModule.on_load_checkpoint)
@@ -107,9 +108,13 @@ RENAMED_STATE = {"val_iou_best": "val_headline_best"}  # the best of the headlin
 RENAMED_MODEL_KEYS = {"heads": "tasks"}  # model.heads listed the tasks trained
 
 
-def upgrade_checkpoint(ckpt: dict) -> dict:
-    """A checkpoint of an earlier layout in today's, in place: its state_dict keys (RENAMED_STATE) and stored
-    model settings (RENAMED_MODEL_KEYS) under their current names."""
+def upgrade_checkpoint(ckpt: dict) -> bool:
+    """A checkpoint of an earlier layout in today's, in place: its network as a BEVNet (bev.utils.legacy), its
+    state_dict keys (RENAMED_STATE) and stored model settings (RENAMED_MODEL_KEYS) under their current names.
+    True when the network's layout was upgraded (its optimiser states then follow: legacy.reorder_optimizer_states)."""
+    from bev.utils.legacy import upgrade_network
+
+    upgraded = upgrade_network(ckpt)
     state = ckpt.get("state_dict")
     config = ckpt.get("bev_config")
     model = config.get("model") if isinstance(config, dict) else None
@@ -118,7 +123,7 @@ def upgrade_checkpoint(ckpt: dict) -> dict:
             for old, new in names.items():
                 if old in table and new not in table:
                     table[new] = table.pop(old)
-    return ckpt
+    return upgraded
 
 
 # The nodes of a stored config load_checkpoint reads as mappings: anything else there (a string, a list) is an
@@ -347,7 +352,7 @@ def load_matching(module: nn.Module, ckpt: Mapping[str, Any], file: Any) -> tupl
     skipped = [k for k in theirs if k not in take]
 
     def parts(keys) -> str:
-        counts = Counter(k.split(".")[1] for k in keys)
+        counts = Counter(".".join(k.split(".")[1 : 3 if k.startswith("net.heads.") else 2]) for k in keys)
         return ", ".join(f"{name} ({n})" for name, n in counts.items()) or "none"
 
     lines = [

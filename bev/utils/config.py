@@ -131,11 +131,11 @@ def _refuses(cls, kwargs: dict) -> bool:
 
 
 def resolve_depth_stride(cfg: DictConfig) -> None:
-    """Depth targets at the camera encoder's stride: data.depth_stride null takes model.net.downsample (stored so in
+    """Depth targets at the camera encoder's stride: data.depth_stride null takes model.net.camera.downsample (stored so in
     the checkpoints); one given that differs is refused when the depth loss would compare the two (depth_weight > 0)."""
     from omegaconf import OmegaConf
 
-    stride = OmegaConf.select(cfg, "model.net.downsample", default=None)
+    stride = OmegaConf.select(cfg, "model.net.camera.downsample", default=None)
     if not OmegaConf.select(cfg, "data.depth_target", default=False) or stride is None:
         return  # no depth targets, or a network without the key (the dataset's default: 16)
     given = cfg.data.get("depth_stride")
@@ -143,7 +143,7 @@ def resolve_depth_stride(cfg: DictConfig) -> None:
         cfg.data.depth_stride = stride
     elif given != stride and float(OmegaConf.select(cfg, "model.depth_weight", default=0) or 0) > 0:
         raise ValueError(
-            f"data.depth_stride={given} but model.net.downsample={stride}: the depth loss would compare the camera "
+            f"data.depth_stride={given} but model.net.camera.downsample={stride}: the depth loss would compare the camera "
             f"encoder's stride-{stride} depth cells with targets at stride {given}. Leave data.depth_stride unset (it "
             f"follows the model) or pass data.depth_stride={stride}"
         )

@@ -5,7 +5,7 @@ bf16 autocast halves the cost of the convolutions only on CPUs with native bf16 
 (AVX512-BF16, AMX, Arm BF16); elsewhere oneDNN emulates them and fp32 is as fast or faster
 (scripts/bench_train.py measures both). On GPUs bf16 needs compute capability 8.0 (Ampere);
 older GPUs get fp16 mixed precision with loss scaling. The splat accumulates in fp32 and the
-geometry runs in fp32 under autocast (bev.models.lss), so only the encoders change precision.
+geometry runs in fp32 under autocast (bev.models.lift), so only the encoders change precision.
 """
 
 from __future__ import annotations

@@ -48,3 +48,16 @@ def val_batch(dataroot, model, n=2):
     cfg = model.run_config["data"]
     ds = NuScenesBEVDataset(dataroot, split="mini_val", grid=cfg["grid"], final_dim=cfg["final_dim"], verbose=False)
     return torch.utils.data.default_collate([ds[i] for i in range(n)])
+
+
+def lss_net(grid, image_size=(128, 352), kind: str = "static", **settings):
+    """A bev.models.BEVNet built from the flat settings of the networks before it (context_channels, camera, bev,
+    num_classes, detection, past_frames, ...), through the same translation stored configs take
+    (bev.utils.legacy.upgrade_net_config)."""
+    from bev.models import BEVNet
+    from bev.utils.legacy import LEGACY_NETS, upgrade_net_config
+
+    target = next(t for t, k in LEGACY_NETS.items() if k == kind)
+    cfg = upgrade_net_config({"_target_": target, "grid": grid, "image_size": image_size, **settings})
+    cfg.pop("_target_")
+    return BEVNet(**cfg)

@@ -39,7 +39,7 @@ def step_batch(lit, cfg, batch_size: int, device: str, seed: int = 0) -> dict:
     inputs = example_inputs(lit.net, num_cameras=6, batch_size=batch_size, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     X, Y = Grid.from_any(cfg.grid).bev_shape
-    bev = (torch.rand(batch_size, int(cfg.model.net.num_classes), X, Y, generator=g) < 0.05).float()
+    bev = (torch.rand(batch_size, int(cfg.model.net.heads.segmentation.num_classes), X, Y, generator=g) < 0.05).float()
     det = detection_targets(Grid.from_any(cfg.grid), batch_size, seed) if cfg.data.get("detection") else {}
     return {k: v.to(device) for k, v in {**dict(zip(CAMERA_KEYS, inputs)), "bev": bev, **det}.items()}
 
@@ -71,7 +71,7 @@ class TrainStep:
         torch.manual_seed(seed)
         model_cfg = cfg.model.copy()
         model_cfg.net.camera.channels_last = channels_last
-        model_cfg.net.bev.channels_last = channels_last
+        model_cfg.net.decoder.channels_last = channels_last
         model_cfg.compile = compile
         self.lit = instantiate(model_cfg).to(device).train()
         self.lit.setup("fit")  # compiles the network in place when model.compile asks (bev.lit)

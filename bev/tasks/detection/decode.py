@@ -1,4 +1,4 @@
-"""Boxes from the detection head's maps (bev.models.centerpoint.CenterHead's outputs), per sample:
+"""Boxes from the detection head's maps (bev.tasks.detection.head.CenterHead's outputs), per sample:
 sigmoid, 3x3 max-pool peaks (or none: BEVDet's `max_pool_nms=False`), the candidates (top-K over all classes,
 or CenterPoint's nuScenes setting: top-K per class group), score threshold, cell + offset -> metres, exp sizes,
 atan2 yaw, velocity, then NMS within each class group: circle NMS (centre distance, CenterPoint), rotated NMS

@@ -81,3 +81,8 @@ class CenterHead(nn.Module):
         heatmap = y.index_select(1, self.heatmap_channels)
         regression = y.index_select(1, self.regression_channels).view(b, len(self.groups), len(REGRESSION_FIELDS), x, w)
         return {"heatmap": heatmap, "regression": regression}
+
+
+def build(in_channels: int, grid=None, **options) -> CenterHead:
+    """The detection head on `in_channels` BEV features (model.net.heads.detection: CenterHead's options)."""
+    return CenterHead(in_channels, **options)

@@ -1,5 +1,6 @@
-"""Lift-Splat-Shoot: lift image features into a depth-weighted frustum, splat them into the BEV grid
-with bev.ops, and decode the BEV map. Geometry conventions come from bev.geometry only."""
+"""The camera branch: an image encoder and the Lift-Splat view transform. Images -> per-pixel depth distribution
+and context features -> lifted into a depth-weighted frustum -> splatted into the BEV voxel grid with bev.ops.
+Geometry conventions come from bev.geometry only."""
 
 from __future__ import annotations
 
@@ -11,25 +12,21 @@ import torch
 from torch import nn
 
 from bev.geometry import FEATURE_STRIDE, Grid, frustum_to_ego, make_frustum, voxel_coords
-from bev.models.bev_encoder import BevEncoder
 from bev.models.camera import STRIDES as CAMERA_STRIDES
 from bev.models.camera import CameraEncoder
-from bev.models.centerpoint import CenterHead
 
 SPLATS = ("bev_pool", "voxel_sum")
 
 
-class LiftSplatShoot(nn.Module):
-    """Any number of cameras N (1..12, any image size the config names) -> (B, num_classes, X, Y) BEV logits.
+class LiftSplat(nn.Module):
+    """Any number of cameras N (1..12, at the image size the config names) -> BEV voxel features
+    (B, C * Z, X, Y) (`out_channels` = context_channels x the grid's height bins) and depth logits.
 
     splat="bev_pool" uses the fused depth x feature op (the (B, N, D, H, W, C) frustum tensor is
     never built); splat="voxel_sum" materialises it and sums points per voxel (the LSS way, kept
     for comparison and as a cross-check). Inside `exportable()` the splat is a plain scatter-add
     (ONNX ScatterND with reduction "add"), the formulation ONNX Runtime can run.
-
-    The steps are methods for models built on this one: `lift_splat` (cameras -> BEV voxel features),
-    `bev_features` (-> the BEV encoder's features before its head, for other heads); forward is the
-    BEV encoder's head on those, i.e. bev_encoder(lift_splat(...)).
+    `encoder` options (backbone, widths, weights, ...) go to bev.models.camera.CameraEncoder.
     """
 
     def __init__(
@@ -38,36 +35,30 @@ class LiftSplatShoot(nn.Module):
         image_size: tuple[int, int] = (128, 352),
         downsample: int = FEATURE_STRIDE,
         context_channels: int = 64,
-        num_classes: int = 1,
-        camera: Mapping[str, Any] | None = None,
-        bev: Mapping[str, Any] | None = None,
         splat: str = "bev_pool",
         pool_backend: str = "auto",
-        detection: Mapping[str, Any] | None = None,
+        **encoder: Any,
     ):
         super().__init__()
         if splat not in SPLATS:
             raise ValueError(f"unknown splat {splat!r}; choose one of {', '.join(SPLATS)}")
         if downsample not in CAMERA_STRIDES:
             raise ValueError(
-                f"the camera encoder gives stride-8 or -16 features; downsample must be 8 or 16, got {downsample}"
+                "the camera encoder gives stride-8 or -16 features; model.net.camera.downsample must be 8 or 16, "
+                f"got {downsample}"
             )
         self.grid = Grid.from_any(grid)
         self.image_size = tuple(int(s) for s in image_size)
-        self.context_channels = context_channels
-        self.num_classes = int(num_classes)
+        self.context_channels = int(context_channels)
+        self.out_channels = self.context_channels * self.grid.nz
         self.splat_mode = splat
         self.pool_backend = pool_backend
-        D = self.grid.depth_bins
-        self.camera_encoder = CameraEncoder(D, context_channels, **{**dict(camera or {}), "stride": downsample})
-        self.bev_encoder = BevEncoder(context_channels * self.grid.nz, num_classes, **dict(bev or {}))
-        # CenterPoint-style 3D boxes on the same BEV features (options of CenterHead; None: no boxes).
-        self.det_head = None if detection is None else CenterHead(self.bev_encoder.feature_channels, **dict(detection))
+        self.encoder = CameraEncoder(self.grid.depth_bins, context_channels, **{**encoder, "stride": downsample})
         self.register_buffer("frustum", make_frustum(self.image_size, downsample, self.grid), persistent=False)
         self._export_splat = False
 
     @contextlib.contextmanager
-    def exportable(self) -> Iterator[LiftSplatShoot]:
+    def exportable(self) -> Iterator[LiftSplat]:
         """Within this block forward() splats with scatter_splat (for torch.onnx.export)."""
         before, self._export_splat = self._export_splat, True
         try:
@@ -127,39 +118,15 @@ class LiftSplatShoot(nn.Module):
                 f"images are {H}x{W} but the model was built for {self.image_size[0]}x{self.image_size[1]}"
             )
 
-    def lift_splat(self, images, intrinsics, rots, trans, post_rots, post_trans, return_depth: bool = False):
-        """Cameras (B, N, 3, H, W) and (B, N, ...) -> BEV voxel features (B, C * Z, X, Y), the BEV encoder's
-        input; with return_depth also the depth logits (B, N, D, fH, fW)."""
+    def forward(self, images, intrinsics, rots, trans, post_rots, post_trans) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cameras (B, N, 3, H, W) and (B, N, ...) -> (BEV voxel features (B, C * Z, X, Y), depth logits
+        (B, N, D, fH, fW))."""
         self._check_image_size(images)
         B, N = images.shape[:2]
-        x = self.camera_encoder(images.flatten(0, 1))
+        x = self.encoder(images.flatten(0, 1))
         D, C = self.grid.depth_bins, self.context_channels
         fH, fW = x.shape[-2:]
         depth_logits = x[:, :D].view(B, N, D, fH, fW)
         feats = x[:, D:].view(B, N, C, fH, fW).permute(0, 1, 3, 4, 2)
         coords = self.voxel_coords(intrinsics, rots, trans, post_rots, post_trans)
-        voxels = self.splat(depth_logits.softmax(dim=2), feats, coords)
-        return (voxels, depth_logits) if return_depth else voxels
-
-    def bev_features(self, images, intrinsics, rots, trans, post_rots, post_trans, return_depth: bool = False):
-        """The BEV encoder's features before its head, (B, Cf, X, Y) (Cf = bev_encoder.feature_channels), for
-        heads of their own; with return_depth also the depth logits (B, N, D, fH, fW)."""
-        voxels, depth_logits = self.lift_splat(images, intrinsics, rots, trans, post_rots, post_trans, True)
-        feats = self.bev_encoder.features(voxels)
-        return (feats, depth_logits) if return_depth else feats
-
-    def heads(self, voxels: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
-        """BEV voxel features -> the segmentation logits, and with a detection head {"bev": those, "heatmap",
-        "regression"} (each task from its own decoder with bev.task_decoders)."""
-        if self.det_head is None:
-            return self.bev_encoder.logits(self.bev_encoder.features(voxels))
-        seg, det = self.bev_encoder.task_features(voxels)
-        return {"bev": self.bev_encoder.logits(seg), **self.det_head(det)}
-
-    def forward(self, images, intrinsics, rots, trans, post_rots, post_trans, return_depth: bool = False):
-        """BEV logits (B, K, X, Y); a model with a detection head gives {"bev": those, "heatmap": (B, 10, X, Y),
-        "regression": (B, G, 10, X, Y)} (bev.models.centerpoint); with return_depth also the depth logits
-        (B, N, D, fH, fW)."""
-        voxels, depth_logits = self.lift_splat(images, intrinsics, rots, trans, post_rots, post_trans, True)
-        out = self.heads(voxels)
-        return (out, depth_logits) if return_depth else out
+        return self.splat(depth_logits.softmax(dim=2), feats, coords), depth_logits
