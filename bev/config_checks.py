@@ -18,13 +18,13 @@ MODEL_OPTIONS = {
     "net.heads.detection": "bev.tasks.detection.head.CenterHead",
     "net.heads.motion": "bev.tasks.motion.head.MotionHead",
     "net.temporal": "bev.models.temporal.Temporal",
-    "loss": "bev.tasks.occupancy.loss.OccupancyLoss",
-    "temporal_loss": "bev.tasks.motion.loss.TemporalLoss",
+    "occupancy.loss": "bev.tasks.occupancy.loss.OccupancyLoss",
+    "motion.loss": "bev.tasks.motion.loss.TemporalLoss",
     "detection.loss": "bev.tasks.detection.loss.DetectionLoss",
     "detection.decoding": "bev.tasks.detection.decode.decode",
 }
 # Weight-named keys that hold a name as a whole: a mode, pretrained weights, a preset.
-NAMED_WEIGHTS = ("model.task_weights", "model.net.camera.weights", "model.loss.class_weight")
+NAMED_WEIGHTS = ("model.task_weights", "model.net.camera.weights", "model.occupancy.loss.class_weight")
 _WEIGHT_KEY = re.compile(r"(^|_)weights?$")
 
 
@@ -47,8 +47,7 @@ def check_headline(cfg: DictConfig) -> None:
     from bev.tasks import TASKS
 
     head, model = cfg.get("headline"), cfg.get("model") or {}
-    target = str(model.get("_target_", ""))
-    tasks = ["occupancy"] if target.endswith("OccupancyLitModule") else list(model.get("tasks") or ["segmentation"])
+    tasks = list(model.get("tasks") or ["segmentation"])
     if not isinstance(head, str) or not head.startswith("val/"):
         raise ValueError(f"headline={head!r} must be a val/ metric, e.g. {TASKS[tasks[0]].headline}")
     occupancy_metric = head.startswith("val/occ_")
@@ -214,7 +213,8 @@ def _check_per_class(model: Mapping) -> None:
 
     fn = _locate(str(model.get("_target_")))
     names = model.get("object_classes")
-    if fn is None or "pos_weight" not in _parameters(fn) or not isinstance(names, list):
+    segmentation = "segmentation" in (model.get("tasks") or ["segmentation"])
+    if fn is None or not segmentation or "pos_weight" not in _parameters(fn) or not isinstance(names, list):
         return  # not a segmentation module, or channels named by the network alone
     names = tuple(str(n) for n in names + list(model.get("map_classes") or []))
     for key in ("pos_weight", "class_weight"):
@@ -226,26 +226,14 @@ def _check_per_class(model: Mapping) -> None:
 
 
 def _build_losses(model: Mapping) -> None:
-    """Build the modules' losses now (cheap, no data): their own checks name model.loss.*, model.temporal_loss.*,
-    model.detection.loss.* before the data is indexed."""
-    from bev.lit_occupancy import OccupancyLitModule
-    from bev.lit_temporal import TemporalLitModule
-
-    fn = _locate(str(model.get("_target_")))
+    """Build the tasks' losses now (cheap, no data): their own checks name model.occupancy.loss.*,
+    model.motion.loss.*, model.detection.loss.* before the data is indexed."""
+    tasks = model.get("tasks") or ()
     builds = []
-    if isinstance(fn, type) and issubclass(fn, OccupancyLitModule):
-        from bev.tasks.occupancy.loss import OccupancyLoss, check_loss_options
-
-        builds.append(("model.loss", lambda o: OccupancyLoss(**check_loss_options(o)), model.get("loss")))
-    if isinstance(fn, type) and issubclass(fn, TemporalLitModule):
-        from bev.tasks.motion.loss import TemporalLoss
-
-        builds.append(("model.temporal_loss", lambda o: TemporalLoss(**o), model.get("temporal_loss")))
-    detection = model.get("detection")
-    if "detection" in (model.get("tasks") or ()) and isinstance(detection, Mapping):
-        from bev.tasks.detection.loss import DetectionLoss
-
-        builds.append(("model.detection.loss", lambda o: DetectionLoss(**o), detection.get("loss")))
+    for task, build in _LOSS_BUILDERS.items():
+        options = model.get(task)
+        if task in tasks and isinstance(options, Mapping):
+            builds.append((f"model.{task}.loss", build(), options.get("loss")))
     for key, build, options in builds:
         if options is not None and not isinstance(options, Mapping):
             raise ValueError(f"{key}={options!r} must be a mapping of its options")
@@ -253,6 +241,27 @@ def _build_losses(model: Mapping) -> None:
             build(dict(options or {}))
         except (TypeError, ValueError) as e:
             raise ValueError(_named(key, e)) from None
+
+
+def _occupancy_loss():
+    from bev.tasks.occupancy.loss import OccupancyLoss, check_loss_options
+
+    return lambda o: OccupancyLoss(**check_loss_options(o))
+
+
+def _motion_loss():
+    from bev.tasks.motion.loss import TemporalLoss
+
+    return lambda o: TemporalLoss(**o)
+
+
+def _detection_loss():
+    from bev.tasks.detection.loss import DetectionLoss
+
+    return lambda o: DetectionLoss(**o)
+
+
+_LOSS_BUILDERS = {"occupancy": _occupancy_loss, "motion": _motion_loss, "detection": _detection_loss}
 
 
 def _named(key: str, error: Exception) -> str:

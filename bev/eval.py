@@ -17,6 +17,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import bev.data  # noqa: F401 (registers the data/ config schemas: bev.data.config)
+from bev.tasks.occupancy.io import PREDICTIONS_DIR
 from bev.utils.config import CONFIG_DIR, check_flags
 from bev.utils.errors import report_errors
 from bev.utils.io import atomic_write
@@ -48,7 +49,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     if occupancy:
         return _evaluate_occupancy(cfg, loaded, data_cfg, datamodule, out)
-    loaded.model.detection_output_dir = str(out)  # results_nusc.json and the devkit's summary, if it detects
+    loaded.model.output_dir = str(out)  # results_nusc.json and the devkit's summary, if it detects
     try:
         metrics = _test_metrics(cfg, loaded, data_cfg, datamodule)
     except WindowTooLongError as e:  # the checkpoint fixes the window: its data cannot be shortened here
@@ -76,7 +77,7 @@ def _evaluate_occupancy(cfg: DictConfig, loaded, data_cfg: DictConfig, datamodul
     pred_dir = out / PREDICTIONS_DIR
     for path in _earlier_predictions(pred_dir):  # a submission folder holds this evaluation's samples only
         path.unlink()
-    loaded.model.prediction_dir = str(pred_dir)
+    loaded.model.output_dir = str(out)  # its predictions go to <out>/predictions
     metrics = _test_metrics(cfg, loaded, data_cfg, datamodule)
     bev_only = ("threshold", "visibility_filter", "object_classes", "map_classes", "map_protocol")
     record = {k: v for k, v in _eval_record(loaded, data_cfg, metrics).items() if k not in bev_only}
@@ -96,7 +97,7 @@ def _evaluate_occupancy(cfg: DictConfig, loaded, data_cfg: DictConfig, datamodul
         record["rayiou_per_class"] = rays.per_class()
         record["rayiou_metric"] = rayiou.DEFINITION
     atomic_write(out / "metrics.json", json.dumps(record, indent=2))
-    mask = str(loaded.model.metric_mask)
+    mask = str(loaded.model.task_modules.occupancy.metric_mask)
     print(f"Checkpoint {loaded.path} on {data_cfg.dataroot} {data_cfg.version}/{data_cfg.val_split}:")
     print(format_table(metrics, mask=mask))
     if rays is not None:
@@ -154,7 +155,6 @@ def _checked_output_dir(cfg: DictConfig) -> Path:
     return out
 
 
-PREDICTIONS_DIR = "predictions"  # an occupancy checkpoint's predictions in the challenge's format
 PLOTS_DIR = "plots"  # made by the devkit's DetectionEval beside the results
 
 

@@ -235,11 +235,12 @@ def predict(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor | dict[s
     was_training = model.training
     model.eval()
     try:
-        if temporal:
-            return _with_instances(model.predict_step(inputs, 0), getattr(model, "instance_decoding", "propagate"))
-        if hasattr(model, "predict_step"):
-            return model.predict_step(inputs, 0)
-        return model(*inputs.values())["segmentation"].float().sigmoid()
+        if not hasattr(model, "predict_step"):  # a bare network
+            return model(*inputs.values())["segmentation"].float().sigmoid()
+        pred = model.predict_step(inputs, 0)
+        if "motion" in model.tasks:
+            pred = _with_instances(pred, model.task_modules.motion.instance_decoding)
+        return pred["bev"] if list(pred) == ["bev"] else pred
     finally:
         model.train(was_training)
 

@@ -1,11 +1,14 @@
-"""LightningModule: Lift-Splat-Shoot trained with BCE-with-logits (or sigmoid focal loss) on the BEV
-target channels: object classes (vehicle, ...) then HD-map classes (drivable_area, ...)."""
+"""The LightningModule: a BEVNet (bev.models) trained for its tasks (model.tasks), each task's loss, metric and
+predictions from its package (bev.tasks.<task>.task), summed with fixed or learned weights; the optimiser, the
+schedule, compile, model.init_from, the camera depth loss, the loss log and the headline metric are shared."""
 
 from __future__ import annotations
 
 import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -14,22 +17,35 @@ import torch.nn.functional as F
 from torch import nn
 
 from bev.geometry import CAMERA_GEOMETRY, Grid
-from bev.losses import UncertaintyWeights
+from bev.losses import UncertaintyWeights, check_finite
+from bev.models.past_cache import PastFeatureCache, frame_keys
 from bev.schedule import end_schedule_at, run_length, schedule_length, step_schedulers
 from bev.tasks import check_tasks
-from bev.tasks.detection.decode import check_decoding, decode
-from bev.tasks.detection.loss import DetectionLoss
-from bev.tasks.detection.scoring import DetectionScore
-from bev.tasks.detection.tracking import TrackVelocity, check_past
-from bev.tasks.segmentation.loss import SegmentationLoss
-from bev.tasks.segmentation.metric import BevIoU, MapIoU
+from bev.tasks.detection.task import DetectionTask
+from bev.tasks.motion.task import MotionTask
+from bev.tasks.occupancy.grid import OCC3D_CLASSES
+from bev.tasks.occupancy.io import PREDICTIONS_DIR
+from bev.tasks.occupancy.task import OccupancyTask
+from bev.tasks.segmentation.task import SegmentationTask
 from bev.utils.checkpoint import load_matching, upgrade_checkpoint
+from bev.utils.config import plain
 from bev.utils.legacy import reorder_optimizer_states
 from bev.utils.speed import compile_mode, fused_default
 
 CAMERA_KEYS = ("images",) + CAMERA_GEOMETRY
-TASKS = ("segmentation", "detection")  # what this module trains (bev.tasks names every task)
+TASKS = ("segmentation", "detection", "motion", "occupancy")  # what this module trains (in this order)
 TASK_WEIGHTS = ("fixed", "uncertainty")
+TERM_NAMES = {"segmentation": "seg", "detection": "det"}  # the learned task weights' names (checkpoint keys)
+
+
+@dataclass(frozen=True)
+class EvalContext:
+    """What a task's results need of the run: the sanity check, the split's dataset, the test's output folder."""
+
+    sanity_checking: bool
+    dataset: Any
+    output_dir: str | None
+    device: torch.device
 
 
 def _check_tasks(tasks: Sequence[str], net: nn.Module) -> tuple[str, ...]:
@@ -40,13 +56,43 @@ def _check_tasks(tasks: Sequence[str], net: nn.Module) -> tuple[str, ...]:
             f"model.tasks has {missing[0]} but the network has no {missing[0]} head: set model.net.heads.{missing[0]} "
             "(e.g. model.net.heads.detection={head_channels: 0}: see experiment=synthetic_det_cpu)"
         )
-    return tasks
+    if ("occupancy" in tasks) != (tasks == ("occupancy",)):
+        raise ValueError(f"model.tasks={list(tasks)}: occupancy trains alone (its decoder is its own)")
+    return tuple(t for t in TASKS if t in tasks)
+
+
+def _task_modules(
+    tasks, net, object_classes, map_classes, threshold, seg, detection, motion, occupancy
+) -> nn.ModuleDict:
+    """The tasks' loss, metric and prediction modules, in TASKS order."""
+    grid = net.grid
+    made: dict[str, nn.Module] = {}
+    if "segmentation" in tasks:
+        objects, maps = _class_names(net, object_classes, map_classes)
+        made["segmentation"] = SegmentationTask(grid, objects, maps, threshold=threshold, **seg)
+    if "detection" in tasks:
+        made["detection"] = DetectionTask(grid, detection, int(net.past_frames or 0))
+    if "motion" in tasks:
+        made["motion"] = MotionTask(grid, motion)
+    if "occupancy" in tasks:
+        made["occupancy"] = OccupancyTask(occupancy)
+    return nn.ModuleDict(made)
+
+
+def _task_weights(mode: str, tasks: tuple[str, ...]) -> UncertaintyWeights | None:
+    """Learned weights of segmentation and detection (Kendall et al., each started at its first batch's loss: a
+    detection loss of about 20 beside a segmentation loss of 0.2 otherwise takes the shared encoders), or None."""
+    if mode not in TASK_WEIGHTS:
+        raise ValueError(f"model.task_weights must be one of {TASK_WEIGHTS}, got {mode!r}")
+    if mode == "fixed":
+        return None
+    return UncertaintyWeights(tuple(TERM_NAMES[t] for t in tasks if t in TERM_NAMES), init="loss")
 
 
 def _class_names(net: nn.Module, object_classes, map_classes) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(object, map) channel names; checkpoints from before map classes name their one channel "vehicle"."""
     map_classes = tuple(str(c) for c in (map_classes or ()))
-    head = getattr(net, "num_classes", None)
+    head = net.num_classes
     if object_classes is None:
         n = (head or 1) - len(map_classes)
         object_classes = ("vehicle",) if n == 1 else tuple(f"class{k}" for k in range(n))
@@ -61,7 +107,32 @@ def _class_names(net: nn.Module, object_classes, map_classes) -> tuple[tuple[str
     return object_classes, map_classes
 
 
-class BEVModule(L.LightningModule):
+def check_sequence_batch(batch: Mapping[str, torch.Tensor], net: nn.Module) -> None:
+    """One clear error when a batch is not what the temporal model takes (e.g. static data)."""
+    images = batch.get("images")
+    frames = net.past_frames + 1
+    if images is None or images.dim() != 6 or "future_egomotion" not in batch:
+        shape = None if images is None else tuple(images.shape)
+        raise ValueError(
+            f"the temporal model takes windows of {frames} input frames (images (B, {frames}, N, 3, H, W) and "
+            f"future_egomotion), got images {shape}: set data.past_frames and data.future_frames "
+            f"(e.g. experiment=synthetic_temporal_cpu)"
+        )
+    if images.shape[1] != frames:
+        raise ValueError(
+            f"the batch has {images.shape[1]} input frames, the model takes {frames}: "
+            f"data.past_frames must equal model.net.temporal.past_frames"
+        )
+    seg = batch.get("segmentation")
+    want = net.heads["motion"].future_frames + 1 if "motion" in net.heads else None
+    if seg is not None and want is not None and seg.shape[1] != want:
+        raise ValueError(
+            f"the batch has labels for {seg.shape[1]} frames, the model predicts {want}: "
+            f"data.future_frames must equal model.net.heads.motion.future_frames"
+        )
+
+
+class BEVLitModule(L.LightningModule):
     """What training a BEV network for any of its tasks needs: the network, optimiser and schedule, compile,
     model.init_from, the depth loss, the loss log, the headline metric and its best, and the stored run config.
     Each task's module adds its losses and metrics (validation_results); model.tasks names them (bev.tasks).
@@ -74,8 +145,6 @@ class BEVModule(L.LightningModule):
     headline: the experiment's headline metric (a val/ key, maximised), whose best is kept as <headline>_best.
     """
 
-    tasks: tuple[str, ...] = ()
-
     def __init__(
         self,
         net: nn.Module,
@@ -86,8 +155,26 @@ class BEVModule(L.LightningModule):
         depth_weight: float = 0.0,
         init_from: str | None = None,
         headline: str = "val/iou",
+        tasks: Sequence[str] = ("segmentation",),
+        task_weights: str = "fixed",
+        object_classes: Sequence[str] | None = None,
+        map_classes: Sequence[str] = (),
+        pos_weight: float | Sequence[float] | Mapping[str, float] = 2.13,
+        threshold: float = 0.5,
+        loss: str = "bce",
+        focal_gamma: float = 2.0,
+        class_weight: float | Sequence[float] | Mapping[str, float] | None = None,
+        detection: Mapping[str, Any] | None = None,
+        motion: Mapping[str, Any] | None = None,
+        occupancy: Mapping[str, Any] | None = None,
+        past_no_grad: bool = False,
+        past_cache_mb: float = 0,
+        past_cache_max_age: int | None = None,
     ):
         super().__init__()
+        # Plain containers only: checkpoints are read with torch.load(weights_only=True).
+        self.save_hyperparameters(ignore=["net", "optimizer", "scheduler"])
+        self.hparams.update(plain(dict(self.hparams)))
         self.init_from = init_from
         self.net = net
         self.optimizer_factory = optimizer
@@ -101,8 +188,38 @@ class BEVModule(L.LightningModule):
         if not self.headline.startswith("val/"):
             raise ValueError(f"headline={self.headline!r} must be a validation metric, e.g. val/iou or val/NDS")
         self.register_buffer("val_headline_best", torch.tensor(0.0))
+        self.tasks = _check_tasks(tasks, net)
+        seg = dict(loss=loss, focal_gamma=focal_gamma, pos_weight=pos_weight, class_weight=class_weight)
+        self.task_modules = _task_modules(
+            self.tasks, net, object_classes, map_classes, threshold, seg, detection, motion, occupancy
+        )
+        self.class_names = self.task_modules.segmentation.class_names if "segmentation" in self.tasks else OCC3D_CLASSES
+        self.object_classes = (
+            self.task_modules.segmentation.object_classes if "segmentation" in self.tasks else self.class_names
+        )
+        self.map_classes = self.task_modules.segmentation.map_classes if "segmentation" in self.tasks else ()
+        self.task_weights = _task_weights(task_weights, self.tasks)
+        self._check_temporal(past_no_grad, past_cache_mb)
+        self.past_no_grad = bool(past_no_grad)
+        self.past_cache = PastFeatureCache(past_cache_mb, past_cache_max_age) if past_cache_mb else None
+        self.past_cache_hits: float | None = None  # the last training batch's share of past frames from the cache
         # The resolved run config (set by bev.train); stored in checkpoints so bev-eval can rebuild the model.
         self.run_config: dict | None = None
+        self._output_dir: str | None = None
+
+    def _check_temporal(self, past_no_grad: bool, past_cache_mb: float) -> None:
+        temporal = self.net.past_frames is not None
+        if temporal and self.depth_weight:
+            raise ValueError("model.depth_weight > 0 is not supported by the temporal model: set model.depth_weight=0")
+        if temporal and self.task_weights is not None:
+            raise ValueError(
+                "model.task_weights=uncertainty is the static model's: the temporal model weights its terms with "
+                "model.motion.loss.uncertainty and model.detection.weight"
+            )
+        if past_cache_mb and not past_no_grad:
+            raise ValueError(
+                "model.past_cache_mb > 0 reuses past frames' features without gradient: it needs model.past_no_grad=true"
+            )
 
     @property
     def grid(self) -> Grid:
@@ -115,10 +232,25 @@ class BEVModule(L.LightningModule):
         return tuple(self.net.image_size)
 
     def setup(self, stage: str) -> None:
+        self._check_data()
         if self.compile and stage == "fit":
             # In place: state_dict keys stay those of the plain model. fullgraph: a graph break (a host
             # sync, a Python branch on a tensor's value) is an error here, not a silent eager island.
             self.net.compile(mode=self.compile, fullgraph=True)
+
+    def _check_data(self) -> None:
+        """The data's target channels are the model's, and occupancy has its labels."""
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        names = tuple(getattr(dm, "class_names", None) or ())
+        if "segmentation" in self.tasks and names and names != self.class_names:
+            raise ValueError(
+                f"the data's target channels {list(names)} differ from the model's {list(self.class_names)}: "
+                f"model.object_classes/map_classes and net.heads.segmentation.num_classes must follow data.categories "
+                f"and data.map_layers (the configs interpolate them with ${{bev.object_classes:...}} etc.)"
+            )
+        config = getattr(dm, "config", None)
+        if "occupancy" in self.tasks and config is not None and not getattr(config, "occupancy", False):
+            raise ValueError("an occupancy model trains and scores on Occ3D labels: set data.occupancy=true")
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
@@ -140,6 +272,15 @@ class BEVModule(L.LightningModule):
         loaded, report = load_matching(self, ckpt, file)
         return report + self._init_task_decoder(loaded) + self._after_init_from(ckpt, loaded)
 
+    def _after_init_from(self, ckpt: Mapping[str, Any], loaded: set[str]) -> str:
+        """More of the init_from report, after the matching tensors were loaded: the parts started from them."""
+        report = self._init_task_decoder(loaded)
+        if self.net.temporal is not None and self.net.temporal.concat:
+            report += self._init_concat_stem(ckpt["state_dict"], loaded)
+        if "motion" in self.tasks:
+            report += "\n  " + self._init_future(ckpt["state_dict"], loaded)
+        return report
+
     def _init_task_decoder(self, loaded: set[str]) -> str:
         """With decoder.task_decoders and a checkpoint without a detection up path: start it as the shared one."""
         decoder = self.net.decoder
@@ -148,13 +289,36 @@ class BEVModule(L.LightningModule):
         decoder.copy_shared_to_detection()
         return "\n  detection decoder: a copy of the loaded segmentation decoder"
 
-    def _init_from_unset(self) -> str | None:
-        """What to say when training starts without model.init_from (nothing: training from scratch is the plan)."""
-        return None
+    def _init_concat_stem(self, state: Mapping[str, Any], loaded: set[str]) -> str:
+        """BEVDet4D's concat fusion from a single-frame checkpoint: its stem on the present frame's channels."""
+        stem = "net.decoder.stem.0.weight"
+        if (
+            stem in loaded
+            or stem not in state
+            or not self.net.decoder.load_last_copy(state[stem], self.net.temporal.copies)
+        ):
+            return ""
+        return "\n  BEV decoder stem: the static one on the present frame's channels, zero on the past's"
 
-    def _after_init_from(self, ckpt: Mapping[str, Any], loaded: set[str]) -> str:
-        """More of the init_from report, after the matching tensors were loaded (subclasses start more from them)."""
-        return ""
+    def _init_future(self, state: Mapping[str, Any], loaded: set[str]) -> str:
+        """From a checkpoint without motion heads whose segmentation head was loaded, start the future segmentation
+        as that head's vehicle logits (MotionHead.start_from); says what was done."""
+        if any(k.startswith("net.heads.motion.") for k in state):
+            return "future heads: the temporal checkpoint's where they fit"
+        if "net.heads.segmentation.conv.weight" not in loaded:
+            return "future heads: from scratch (the static head did not fit: other classes or widths)"
+        if not self.net.heads["motion"].start_from(self.net.heads["segmentation"].conv):
+            return "future heads: from scratch (model.net.heads.motion.head_channels > 0 puts a 3x3 conv before the segmentation head)"
+        return "future segmentation head: every frame starts as the static head's vehicle logits"
+
+    def _init_from_unset(self) -> str | None:
+        """What to say when training starts without model.init_from (the temporal recipe has two stages)."""
+        if "motion" not in self.tasks:
+            return None
+        return (
+            "model.init_from is not set: the temporal model starts from scratch (its two-stage recipe starts "
+            "from a static checkpoint: model.init_from=<static run>/checkpoints)"
+        )
 
     def on_train_start(self) -> None:
         # Resumed with more epochs than the run started with: stretch a schedule restored from the
@@ -165,9 +329,39 @@ class BEVModule(L.LightningModule):
             if length is not None and length < steps:
                 end_schedule_at(sched, steps, pivot=-1)
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def forward(self, batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """The network's outputs on a batch: {task: output, "depth": camera depth logits} (bev.models.BEVNet)."""
-        return self.run_net(*(batch[k] for k in CAMERA_KEYS))
+        cams = tuple(batch[k] for k in CAMERA_KEYS)
+        if self.net.past_frames is None:
+            return self.run_net(*cams)
+        check_sequence_batch(batch, self.net)
+        motion = self.net.heads["motion"] if "motion" in self.net.heads else None
+        labels = batch if self.training and motion is not None and motion.probabilistic else None
+        ego = batch["future_egomotion"]
+        if self.past_cache is None or not self.training or not self.net.past_frames:
+            return self.run_net(*cams, ego, past_no_grad=self.past_no_grad, future_labels=labels)
+        keys = frame_keys(batch, self.net.past_frames)
+        past = self._cached_past(cams, keys)
+        out = self.run_net(*cams, ego, future_labels=labels, past_features=past, return_features=True)
+        for b, feats in enumerate(out.pop("present_features").detach()):
+            self.past_cache.put(keys[b][-1], feats.clone(), self.global_step)  # a copy: a view would keep the batch
+        return out
+
+    def _cached_past(self, cams: tuple[torch.Tensor, ...], keys: list[list]) -> torch.Tensor:
+        """(B, P, C * Z, X, Y) past-frame BEV features: from the cache where it has them, the rest computed
+        (in inference mode) and added to it."""
+        B, P, step = len(keys), self.net.past_frames, self.global_step
+        found = {(b, t): self.past_cache.get(keys[b][t], step) for b in range(B) for t in range(P)}
+        missing = [bt for bt, f in found.items() if f is None]
+        if missing:
+            bs, ts = (torch.tensor(i, device=cams[0].device) for i in zip(*missing))
+            with torch.inference_mode():
+                feats = self.net.camera(*(c[bs, ts] for c in cams))[0]
+                for (b, t), f in zip(missing, feats):
+                    found[(b, t)] = f.clone()
+                    self.past_cache.put(keys[b][t], found[(b, t)], step)
+        self.past_cache_hits = 1 - len(missing) / (B * P)  # logged by training_step
+        return torch.stack([torch.stack([found[(b, t)] for t in range(P)]) for b in range(B)])
 
     def run_net(self, *args, **kwargs):
         """self.net(...) as a new step for CUDA graphs (model.compile=reduce-overhead): the last call's outputs
@@ -273,9 +467,51 @@ class BEVModule(L.LightningModule):
         if self.run_config is not None:
             checkpoint["bev_config"] = self.run_config
 
+    # --- losses, metrics, predictions: each task's (bev.tasks.<task>.task)
+
+    def losses(self, out: Mapping[str, Any], batch: Mapping, depth: bool = False) -> tuple[torch.Tensor, dict]:
+        """(weighted total, {term: unweighted value}) of the network's output on a batch: each task's loss (a task
+        may weigh another's among its own terms: motion the present segmentation), summed with their fixed weights
+        or learned ones (model.task_weights), and with depth the camera depth term."""
+        terms: dict[str, torch.Tensor] = {}
+        totals: dict[str, torch.Tensor] = {}
+        for name, task in self.task_modules.items():
+            totals[name], parts = task.loss(out, batch, terms)
+            terms.update(parts)
+        absorbed = {a for task in self.task_modules.values() for a in getattr(task, "absorbs", ()) if a in totals}
+        totals = {k: v for k, v in totals.items() if k not in absorbed}
+        if self.task_weights is not None:
+            loss = self.task_weights({TERM_NAMES[k]: v for k, v in totals.items()})
+        else:
+            loss = sum(totals.values())
+        if depth:
+            terms["depth"] = self.depth_term(out["depth"], batch)
+            loss = loss + self.depth_weight * terms["depth"]
+        return loss, terms
+
+    def training_step(self, batch: dict, batch_idx: int) -> dict:
+        out = self(batch)
+        loss, terms = self.losses(out, batch, depth=bool(self.depth_weight))
+        # Reading the loss waits for the device: on a GPU only at the logging interval (NaN weights stay NaN).
+        if loss.device.type == "cpu" or self.global_step % max(1, self.trainer.log_every_n_steps) == 0:
+            check_finite(loss, terms, self.global_step, self.current_epoch, batch_idx)
+        B = batch["images"].shape[0]
+        self.log_losses("train", loss, terms, B)
+        if self.past_cache_hits is not None:
+            self.log("train/past_cache_hits", self.past_cache_hits, on_step=False, on_epoch=True, batch_size=B)
+        step = {"loss": loss}
+        if "segmentation" in out and self.net.past_frames is None:
+            step["logits"] = out["segmentation"].detach()  # what the BEV picture callback draws
+        return step
+
     def _eval_step(self, batch: dict, stage: str) -> None:
-        """One validation ("val") or test ("test") batch: its losses logged, each task's metric updated."""
-        raise NotImplementedError
+        """One validation ("val") or test ("test") batch: its losses logged where it has every task's targets, each
+        task's metric updated."""
+        out = self(batch)
+        if all(getattr(t, "has_targets", lambda b: True)(batch) for t in self.task_modules.values()):
+            self.log_losses(stage, *self.losses(out, batch), batch["images"].shape[0])
+        for task in self.task_modules.values():
+            task.update(out, batch, stage)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._eval_step(batch, "val")
@@ -283,203 +519,44 @@ class BEVModule(L.LightningModule):
     def test_step(self, batch: dict, batch_idx: int) -> None:
         self._eval_step(batch, "test")
 
-    def validation_results(self) -> dict[str, float]:
-        """The split's scores of this validation, keyed without the val/ prefix (each task's metrics reset)."""
-        raise NotImplementedError
-
-
-class BEVLitModule(BEVModule):
-    """Segmentation of object and map classes, and 3D boxes (model.tasks), on BEVModule's training.
-
-    object_classes / map_classes name the output channels (in that order); configs fill them from
-    data.categories / data.map_layers through the bev.* resolvers, so the head always matches the
-    data. Object classes get the LSS IoU (threshold, visibility filter, distance bands), map classes
-    BEVFusion's best-threshold IoU. val/iou is the first object class's IoU (the default headline).
-    pos_weight: a number for every channel, a list (one per channel) or a {class name: weight}
-    mapping (unlisted classes 1.0). loss: "bce" (BCE with logits) or "focal" (sigmoid focal loss,
-    focal_gamma; as BEVFusion's map head; pos_weight multiplies the positive term).
-    class_weight: the weight of each channel's mean loss in the total (same forms as pos_weight;
-    None = every cell alike): with many map channels, the object channels' share of the gradient
-    through the shared encoders is otherwise 1/K.
-    task_weights: how segmentation and detection add up: "fixed" (1 and detection.weight) or "uncertainty"
-    (Kendall et al.'s learned weights, bev.losses.UncertaintyWeights, each started at its first batch's loss:
-    a detection loss of about 20 beside a segmentation loss of 0.2 otherwise takes the shared encoders).
-    """
-
-    def __init__(
-        self,
-        net: nn.Module,
-        optimizer: Callable[..., torch.optim.Optimizer],
-        scheduler: Callable[..., Any] | None = None,
-        scheduler_interval: str = "step",
-        pos_weight: float | Sequence[float] | Mapping[str, float] = 2.13,
-        threshold: float = 0.5,
-        compile: bool | str | None = False,
-        object_classes: Sequence[str] | None = None,
-        map_classes: Sequence[str] = (),
-        loss: str = "bce",
-        focal_gamma: float = 2.0,
-        class_weight: float | Sequence[float] | Mapping[str, float] | None = None,
-        depth_weight: float = 0.0,
-        tasks: Sequence[str] = ("segmentation",),
-        detection: Mapping[str, Any] | None = None,
-        init_from: str | None = None,
-        task_weights: str = "fixed",
-        headline: str = "val/iou",
-    ):
-        super().__init__(net, optimizer, scheduler, scheduler_interval, compile, depth_weight, init_from, headline)
-        self.object_classes, self.map_classes = _class_names(net, object_classes, map_classes)
-        self.class_names = self.object_classes + self.map_classes
-        self.seg_loss = SegmentationLoss(self.class_names, loss, focal_gamma, pos_weight, class_weight)
-        grid = getattr(net, "grid", None) or Grid()
-        self.val_iou = BevIoU(grid, threshold, self.object_classes)
-        self.test_iou = BevIoU(grid, threshold, self.object_classes)
-        self.val_map_iou = MapIoU(self.map_classes)
-        self.test_map_iou = MapIoU(self.map_classes)
-        self.tasks = _check_tasks(tasks, net)
-        if task_weights not in TASK_WEIGHTS:
-            raise ValueError(f"model.task_weights must be one of {TASK_WEIGHTS}, got {task_weights!r}")
-        terms = tuple(t for t in ("seg", "det") if {"seg": "segmentation", "det": "detection"}[t] in self.tasks)
-        self.task_weights = UncertaintyWeights(terms, init="loss") if task_weights == "uncertainty" else None
-        if "detection" in self.tasks:
-            det = dict(detection or {})
-            self.detection_weight = float(det.pop("weight", 1.0))
-            # Where the head regresses velocity: one choice for the loss and every decoding of its maps.
-            frame = {"velocity_frame": det.pop("velocity_frame", "ego")}
-            self.det_loss = DetectionLoss(**dict(det.pop("loss", None) or {}), **frame)
-            # bev.tasks.detection.decode's options
-            self.det_decoding = {**dict(det.pop("decoding", None) or {}), **frame}
-            check_decoding(self.det_decoding)
-            track = det.pop("track_velocity", None)  # velocity from the boxes' tracks (bev.tasks.detection.tracking)
-            track = None if track is None else TrackVelocity.from_config(track)
-            check_past(int(getattr(net, "past_frames", 0) or 0), track)  # the detection task's 0.5 s of past
-            self.val_det = DetectionScore(grid, self.det_decoding, track)
-            self.test_det = DetectionScore(grid, self.det_decoding, track)
-            if det:
-                raise ValueError(
-                    f"unknown model.detection key(s) {sorted(det)}: weight, loss, decoding, velocity_frame, "
-                    "track_velocity"
-                )
-        # Where bev-eval wants results_nusc.json and the devkit's summary (None: a temporary folder).
-        self.detection_output_dir: str | None = None
-
-    def setup(self, stage: str) -> None:
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        names = tuple(getattr(dm, "class_names", None) or ())
-        if names and names != self.class_names:
-            raise ValueError(
-                f"the data's target channels {list(names)} differ from the model's {list(self.class_names)}: "
-                f"model.object_classes/map_classes and net.heads.segmentation.num_classes must follow data.categories and "
-                f"data.map_layers (the configs interpolate them with ${{bev.object_classes:...}} etc.)"
-            )
-        super().setup(stage)
-
-    def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The segmentation loss of logits (B, K, X, Y) against the BEV targets (bev.tasks.segmentation.loss)."""
-        return self.seg_loss(logits, target)
-
-    def _update_metrics(self, iou: BevIoU, map_iou: MapIoU, logits: torch.Tensor, batch: dict) -> None:
-        k = len(self.object_classes)
-        iou.update(logits[:, :k], batch["bev"][:, :k], batch.get("visibility"))
-        if self.map_classes:
-            map_iou.update(logits[:, k:], batch["bev"][:, k:])
-
-    def _compute_metrics(self, iou: BevIoU, map_iou: MapIoU) -> dict[str, float]:
-        results = iou.compute()
-        iou.reset()
-        if self.map_classes:
-            results.update(map_iou.compute())
-            map_iou.reset()
-        return results
-
-    def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """(total loss, segmentation logits, the loss terms to log: depth, det_heatmap, ...) of a training batch."""
-        out = self(batch)
-        loss, terms = self.losses(out, batch, depth=bool(self.depth_weight))
-        return loss, out["segmentation"], terms
-
-    def losses(self, out, batch: dict, depth: bool = False) -> tuple[torch.Tensor, dict]:
-        """(total loss, its terms) of the network's output `out` on a batch: segmentation, detection and, with
-        depth, the camera depth."""
-        terms: dict[str, torch.Tensor] = {}
-        tasks: dict[str, torch.Tensor] = {}
-        loss = out["depth"].new_zeros((), dtype=torch.float32)
-        if depth:
-            terms["depth"] = self.depth_term(out["depth"], batch)
-            loss = loss + self.depth_weight * terms["depth"]
-        if "segmentation" in self.tasks:
-            tasks["seg"] = terms["seg"] = self.loss(out["segmentation"], batch["bev"])
-        if "detection" in self.tasks:
-            tasks["det"] = self.detection_weight * self._det_terms(out["detection"], batch, terms)
-        if self.task_weights is not None and len(tasks) == len(self.task_weights.log_vars):
-            return loss + self.task_weights(tasks), terms
-        return loss + sum(tasks.values()), terms
-
-    def _det_terms(self, det_out: dict, batch: dict, terms: dict) -> torch.Tensor:
-        """The detection loss (adds its parts to terms); needs the targets of data.detection=true."""
-        if "det_heatmap" not in batch:
-            raise ValueError("model.tasks has detection: the batches need its targets, set data.detection=true")
-        det = self.det_loss(det_out, batch)
-        terms.update(det=det["loss"], det_heatmap=det["heatmap"], det_regression=det["regression"])
-        return det["loss"]
-
-    def training_step(self, batch: dict, batch_idx: int) -> dict:
-        loss, logits, terms = self.forward_loss(batch)
-        self.log_losses("train", loss, terms, logits.shape[0])
-        return {"loss": loss, "logits": logits.detach()}
-
-    def _eval_step(self, batch: dict, stage: str) -> None:
-        out = self(batch)
-        logits, det_out = out["segmentation"], out.get("detection")
-        # The detection loss where the batch has its targets (bev-predict's data may not).
-        has_targets = "detection" not in self.tasks or "det_heatmap" in batch
-        if has_targets:
-            self.log_losses(stage, *self.losses(out, batch), logits.shape[0])
-        if "segmentation" in self.tasks:
-            iou, map_iou = (self.val_iou, self.val_map_iou) if stage == "val" else (self.test_iou, self.test_map_iou)
-            self._update_metrics(iou, map_iou, logits, batch)
-        if det_out is not None and "detection" in self.tasks:
-            (self.val_det if stage == "val" else self.test_det).update(det_out, batch["sample_token"])
-
-    def _det_metrics(self, stage: str) -> dict[str, float]:
-        """DetectionEval's mAP, NDS, ... of the boxes of this epoch's evaluation ({} without a detection head)."""
-        if "detection" not in self.tasks:
-            return {}
-        score = self.val_det if stage == "val" else self.test_det
+    def _results(self, stage: str) -> dict[str, float]:
+        """Every task's scores of the stage, keyed without the stage prefix (each task's metrics reset)."""
         dm = getattr(self.trainer, "datamodule", None)
-        if self.trainer.sanity_checking or dm is None or getattr(dm, "val_set", None) is None:
-            score.reset()
-            return {}
-        out_dir = self.detection_output_dir if stage == "test" else None
-        metrics = score.compute(dm.val_set, out_dir)
-        score.reset()
-        return metrics
+        context = EvalContext(
+            sanity_checking=bool(self.trainer.sanity_checking),
+            dataset=getattr(dm, "val_set", None),
+            output_dir=self.output_dir,
+            device=self.device,
+        )
+        results: dict[str, float] = {}
+        for task in self.task_modules.values():
+            results.update(task.results(stage, context))
+        return results
 
     def validation_results(self) -> dict[str, float]:
         """The split's scores of this validation, keyed without the val/ prefix (each task's metrics reset)."""
-        results = {k: v for k, v in self._det_metrics("val").items() if "/" not in k}
-        if "segmentation" in self.tasks:
-            # Per-threshold map IoUs go to test (bev-eval's metrics.json) only, to keep the training log readable.
-            seg = self._compute_metrics(self.val_iou, self.val_map_iou)
-            results.update({k: v for k, v in seg.items() if "@" not in k})
-        return results
-
-    def predict_step(self, batch: dict, batch_idx: int = 0, dataloader_idx: int = 0):
-        """Per-class probabilities (B, K, X, Y) float32 (the sigmoid of the logits); a model that detects gives
-        {"bev": those, "detections": per sample {"boxes" (K, 9) BOX_FIELDS, "scores", "labels"}}."""
-        out = self(batch)
-        probs = out["segmentation"].float().sigmoid()
-        if "detection" not in self.tasks:
-            return probs
-        return {"bev": probs, "detections": self.decode_boxes(out["detection"])}
-
-    @torch.no_grad()
-    def decode_boxes(self, det_out: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """The detection head's maps -> per sample {"boxes", "scores", "labels"} (bev.tasks.detection.decode with
-        model.detection.decoding)."""
-        return decode(det_out["heatmap"], det_out["regression"], self.grid, **self.det_decoding)
+        return self._results("val")
 
     def on_test_epoch_end(self) -> None:
-        results = self._compute_metrics(self.test_iou, self.test_map_iou) if "segmentation" in self.tasks else {}
-        results.update(self._det_metrics("test"))
-        self.log_dict({f"test/{k}": v for k, v in results.items()})
+        self.log_dict({f"test/{k}": v for k, v in self._results("test").items()})
+
+    def predict_step(self, batch: dict, batch_idx: int = 0, dataloader_idx: int = 0) -> dict[str, Any]:
+        """Each task's predictions merged: "bev" (B, K, X, Y) probabilities (segmentation), "detections" (per
+        sample {"boxes" (M, 9) BOX_FIELDS, "scores", "labels"}), the motion heads' "segmentation" probabilities,
+        "centerness", "offset", "flow", "occupancy" (B, 200, 200, 16) uint8 class ids."""
+        out = self(batch)
+        pred: dict[str, Any] = {}
+        for task in self.task_modules.values():
+            pred.update(task.predict(out))
+        return pred
+
+    @property
+    def output_dir(self) -> str | None:
+        """Where bev-eval wants each task's files of the test (results_nusc.json, Occ3D predictions); None: none."""
+        return self._output_dir
+
+    @output_dir.setter
+    def output_dir(self, path: str | None) -> None:
+        self._output_dir = path
+        if "occupancy" in self.tasks:  # the challenge's layout: <out>/predictions/<sample token>.npz
+            self.task_modules.occupancy.prediction_dir = None if path is None else str(Path(path) / PREDICTIONS_DIR)

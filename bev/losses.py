@@ -22,7 +22,7 @@ class UncertaintyWeights(nn.Module):
     def __init__(self, names: tuple[str, ...], init: str = "zero"):
         super().__init__()
         if init not in ("zero", "loss"):
-            raise ValueError(f"model.temporal_loss.uncertainty_init must be 'zero' or 'loss', got {init!r}")
+            raise ValueError(f"model.motion.loss.uncertainty_init must be 'zero' or 'loss', got {init!r}")
         self.log_vars = nn.ParameterDict({n: nn.Parameter(torch.zeros(())) for n in names})
         self.register_buffer("pending", torch.tensor(init == "loss"))  # saved: a resumed run does not start over
         self._pending_read = False  # the buffer is read from the device once: no host sync in later steps

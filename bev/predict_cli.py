@@ -26,6 +26,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import bev.data  # noqa: F401 (registers the data/ config schemas: bev.data.config)
+from bev.tasks.occupancy.io import PREDICTIONS_DIR
 from bev.utils.config import CONFIG_DIR
 from bev.utils.errors import report_errors
 
@@ -91,7 +92,6 @@ OCCUPANCY_FORMAT = (
     "Occ3D class ids (class_names; 17 free), indexed [x, y, z] over [-40, 40] x [-40, 40] x [-1, 5.4] m at 0.4 m "
     "in the ego frame of the sample's LIDAR_TOP (bev.tasks.occupancy.grid)"
 )
-OCCUPANCY_DIR = "predictions"  # <out>/predictions/<sample token>.npz: a folder in the challenge's layout
 
 
 def _is_occupancy(model) -> bool:
@@ -104,7 +104,7 @@ def _npz_path(out: Path, stem: Path, token: str, occupancy: bool) -> Path:
     from bev.tasks.occupancy.io import prediction_path
     from bev.utils.io import inside
 
-    return inside(out, prediction_path(out / OCCUPANCY_DIR, token)) if occupancy else stem.with_suffix(".npz")
+    return inside(out, prediction_path(out / PREDICTIONS_DIR, token)) if occupancy else stem.with_suffix(".npz")
 
 
 def _index_identity(loaded, model) -> dict[str, Any]:
@@ -225,12 +225,14 @@ def _draws_maps(model) -> bool:
 
 
 def _cpu(pred):
-    """predict's tensor, a temporal model's dict of tensors, or a detecting model's {"bev", "detections"},
-    on the CPU."""
-    if isinstance(pred, dict) and "detections" in pred:
-        dets = [{k: v.cpu() for k, v in d.items()} for d in pred["detections"]]
-        return {"bev": pred["bev"].cpu(), "detections": dets}
-    return {k: v.cpu() for k, v in pred.items()} if isinstance(pred, dict) else pred.cpu()
+    """predict's tensor or dict (a temporal model's tensors, a detecting model's "detections" per sample) on the
+    CPU."""
+    if not isinstance(pred, dict):
+        return pred.cpu()
+    out = {k: v.cpu() for k, v in pred.items() if k != "detections"}
+    if "detections" in pred:
+        out["detections"] = [{k: v.cpu() for k, v in d.items()} for d in pred["detections"]]
+    return out
 
 
 def _check_options(cfg: DictConfig) -> None:
@@ -296,11 +298,11 @@ def _predict_samples(model, loader, indices, index, files: _PredictionFiles, des
     bar = tqdm(total=len(indices), desc=desc, unit="sample")
     for batch in loader:
         probs = _cpu(predict(model, batch))
-        dets = None
-        if isinstance(probs, dict) and "detections" in probs:  # a detecting model: maps and boxes
-            probs, dets = probs["bev"], probs["detections"]
-        elif files.occupancy:  # (B, 200, 200, 16) uint8 class ids, the argmax over the classes
+        dets = probs.pop("detections", None) if isinstance(probs, dict) else None  # a detecting model's boxes
+        if files.occupancy:  # (B, 200, 200, 16) uint8 class ids, the argmax over the classes
             probs = probs["occupancy"]
+        elif isinstance(probs, dict) and list(probs) == ["bev"]:  # the maps alone (a static model that detects)
+            probs = probs["bev"]
         for i in range(len(batch["sample_token"])):
             k = int(indices[position])  # the sample's row in the dataset index
             position += 1
@@ -319,7 +321,7 @@ def _box_tracks(model):
     """A Tracker when the checkpoint scores velocities from tracks (model.detection.track_velocity), else None."""
     from bev.tasks.detection.tracking import Tracker
 
-    options = getattr(getattr(model, "test_det", None), "track", None)
+    options = model.task_modules.detection.track if "detection" in model.tasks else None
     return None if options is None else Tracker(options)
 
 
@@ -410,7 +412,7 @@ class _PredictionFiles:
         from bev.tasks.occupancy.io import write_prediction
 
         token = batch["sample_token"][i]
-        path = write_prediction(self.out / OCCUPANCY_DIR, token, labels[i].numpy())
+        path = write_prediction(self.out / PREDICTIONS_DIR, token, labels[i].numpy())
         rec = {"scene": self.scene, "sample_token": token, "timestamp": timestamp, "npz": str(path)}
         if self.cfg.png or self.cfg.gif:
             self._pictures(rec, stem, title, batch, i, labels)

@@ -139,10 +139,7 @@ class Variant:
         self.sync()
         t0 = time.perf_counter()
         with self.autocast():
-            if self.temporal:
-                loss, _ = self.lit.total_loss(self.lit(self.batch), self.batch)
-            else:
-                loss = self.lit.forward_loss(self.batch)[0]
+            loss = self.lit.losses(self.lit(self.batch), self.batch, depth=bool(self.lit.depth_weight))[0]
         loss.backward()
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.lit.parameters(), self.clip)

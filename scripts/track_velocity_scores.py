@@ -69,7 +69,7 @@ def checkpoint_results(ckpt: str, dataroot: str) -> tuple[dict[str, dict], str]:
     data_cfg = build_data_config(OmegaConf.create({"dataroot": dataroot}), loaded.run_config, trained_on(loaded))
     datamodule = instantiate(data_cfg)
     datamodule.setup("validate")
-    frame = {"velocity_frame": loaded.model.det_decoding.get("velocity_frame", "ego")}
+    frame = {"velocity_frame": loaded.model.task_modules.detection.decoding.get("velocity_frame", "ego")}
     scorers = {k: DetectionScore(loaded.model.grid, {**v, **frame}) for k, v in decodings().items()}
     with torch.no_grad():
         for batch in datamodule.val_dataloader():

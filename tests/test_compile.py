@@ -74,9 +74,9 @@ def test_the_loss_compiles_whole_and_matches_eager(fresh_compile_caches, loss):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 1, 24, 24, generator=g)
     target = (torch.rand(2, 1, 24, 24, generator=g) < 0.2).float()
-    compiled = torch.compile(lit.loss, fullgraph=True)
+    compiled = torch.compile(lit.task_modules.segmentation.loss_fn, fullgraph=True)
     got, want = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    out, expected = compiled(got, target), lit.loss(want, target)
+    out, expected = compiled(got, target), lit.task_modules.segmentation.loss_fn(want, target)
     out.backward(), expected.backward()
     torch.testing.assert_close(out, expected, rtol=LOSS_RTOL, atol=0)
     torch.testing.assert_close(got.grad, want.grad, rtol=GRAD_RTOL, atol=GRAD_ATOL)
@@ -91,7 +91,7 @@ def compiled_and_eager_step(downsample: int) -> tuple:
     losses = []
     for lit in (compiled, eager):
         lit.train()
-        loss, _, _ = lit.forward_loss(batch)
+        loss = lit.losses(lit(batch), batch)[0]
         loss.backward()
         losses.append(loss.detach())
     return compiled, eager, losses
@@ -126,7 +126,7 @@ requires_cuda = pytest.mark.skipif(
 
 def cuda_step(lit: BEVLitModule, opt: torch.optim.Optimizer, batch: dict, captured: bool = False) -> torch.Tensor:
     """The region a compiled or captured step holds: forward, loss, backward, optimiser step."""
-    loss, _, _ = lit.forward_loss(batch)
+    loss = lit.losses(lit(batch), batch)[0]
     loss.backward()
     opt.step()
     # Captured by hand: zeroed in place, so that the gradients keep their addresses in the graph. Compiled

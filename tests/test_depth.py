@@ -163,10 +163,12 @@ def test_depth_supervision_adds_the_cross_entropy_of_the_depth_logits():
     loss = m.training_step(batch, 0)["loss"]
     valid = batch["depth"] >= 0
     ce = F.cross_entropy(depth_logits.permute(0, 1, 3, 4, 2)[valid], batch["depth"][valid])
-    torch.testing.assert_close(loss, m.loss(bev, batch["bev"]) + 0.5 * ce)
+    torch.testing.assert_close(loss, m.task_modules.segmentation.loss_fn(bev, batch["bev"]) + 0.5 * ce)
     # No target anywhere: no depth term (not NaN).
     batch["depth"].fill_(-1)
-    torch.testing.assert_close(m.training_step(batch, 0)["loss"], m.loss(bev, batch["bev"]))
+    torch.testing.assert_close(
+        m.training_step(batch, 0)["loss"], m.task_modules.segmentation.loss_fn(bev, batch["bev"])
+    )
 
 
 def test_depth_weight_without_depth_targets_names_the_fix():

@@ -60,7 +60,7 @@ def test_a_legacy_checkpoint_loads_with_its_tasks(task):
     if task == "detection":  # trained with velocities from tracks over 1 s of past: scored within the rules
         with pytest.warns(UserWarning, match="beyond the nuScenes detection rules"):
             model = bev.load_model(LEGACY / f"{task}.ckpt")
-        assert model.val_det.track.past_frames == 1
+        assert model.task_modules.detection.track.past_frames == 1
     else:
         model = bev.load_model(LEGACY / f"{task}.ckpt")
     assert model.tasks == TASKS[task]

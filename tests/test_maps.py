@@ -258,16 +258,19 @@ def test_train_and_eval_with_map_layers(tiny_root, tmp_path, monkeypatch, capsys
 
 
 def test_bad_loss_and_pos_weight_are_clear_errors():
-    import torch.nn as nn
 
     from bev.lit import BEVLitModule
+    from helpers.models import stand_in_net
 
-    net = nn.Conv2d(1, 3, 1)
-    net.num_classes, net.heads = 3, ("segmentation",)  # a stand-in network: its tasks
+    net = stand_in_net(1, 3)
     kw = dict(net=net, optimizer=None, object_classes=["vehicle"], map_classes=["drivable_area", "divider"])
     m = BEVLitModule(**kw, pos_weight={"vehicle": 2.0})
-    assert m.seg_loss.pos_weight.flatten().tolist() == [2.0, 1.0, 1.0]
-    assert BEVLitModule(**kw, pos_weight=[1, 2, 3]).seg_loss.pos_weight.flatten().tolist() == [1.0, 2.0, 3.0]
+    assert m.task_modules.segmentation.loss_fn.pos_weight.flatten().tolist() == [2.0, 1.0, 1.0]
+    assert BEVLitModule(**kw, pos_weight=[1, 2, 3]).task_modules.segmentation.loss_fn.pos_weight.flatten().tolist() == [
+        1.0,
+        2.0,
+        3.0,
+    ]
     with pytest.raises(ValueError, match="unknown class.*'road'.*vehicle"):
         BEVLitModule(**kw, pos_weight={"road": 2.0})
     with pytest.raises(ValueError, match="2 values for 3 classes"):
@@ -281,21 +284,22 @@ def test_bad_loss_and_pos_weight_are_clear_errors():
     import torch.nn.functional as F
 
     logits, target = torch.randn(2, 3, 4, 4), (torch.rand(2, 3, 4, 4) > 0.5).float()
-    f0 = BEVLitModule(**kw, pos_weight=1.0, loss="focal", focal_gamma=0.0).loss(logits, target)
+    f0 = BEVLitModule(**kw, pos_weight=1.0, loss="focal", focal_gamma=0.0).task_modules.segmentation.loss_fn(
+        logits, target
+    )
     torch.testing.assert_close(f0, F.binary_cross_entropy_with_logits(logits, target))
-    f2 = BEVLitModule(**kw, pos_weight=1.0, loss="focal").loss(logits, target)
+    f2 = BEVLitModule(**kw, pos_weight=1.0, loss="focal").task_modules.segmentation.loss_fn(logits, target)
     assert f2 < f0
 
 
 def test_class_weight_weighs_each_channel_mean_loss():
     import torch
-    import torch.nn as nn
     import torch.nn.functional as F
 
     from bev.lit import BEVLitModule
+    from helpers.models import stand_in_net
 
-    net = nn.Conv2d(1, 3, 1)
-    net.num_classes, net.heads = 3, ("segmentation",)  # a stand-in network: its tasks
+    net = stand_in_net(1, 3)
     kw = dict(
         net=net, optimizer=None, object_classes=["vehicle"], map_classes=["drivable_area", "divider"], pos_weight=2.0
     )
@@ -303,12 +307,15 @@ def test_class_weight_weighs_each_channel_mean_loss():
     per_class = [
         F.binary_cross_entropy_with_logits(logits[:, k], target[:, k], pos_weight=torch.tensor(2.0)) for k in range(3)
     ]
-    got = BEVLitModule(**kw, class_weight={"vehicle": 4.0}).loss(logits, target)
+    got = BEVLitModule(**kw, class_weight={"vehicle": 4.0}).task_modules.segmentation.loss_fn(logits, target)
     torch.testing.assert_close(got, (4 * per_class[0] + per_class[1] + per_class[2]) / 6)
     torch.testing.assert_close(
-        BEVLitModule(**kw, class_weight=1.0).loss(logits, target), BEVLitModule(**kw).loss(logits, target)
+        BEVLitModule(**kw, class_weight=1.0).task_modules.segmentation.loss_fn(logits, target),
+        BEVLitModule(**kw).task_modules.segmentation.loss_fn(logits, target),
     )
-    focal = BEVLitModule(**kw, loss="focal", focal_gamma=0.0, class_weight=[0, 1, 0]).loss(logits, target)
+    focal = BEVLitModule(**kw, loss="focal", focal_gamma=0.0, class_weight=[0, 1, 0]).task_modules.segmentation.loss_fn(
+        logits, target
+    )
     torch.testing.assert_close(focal, per_class[1])
     with pytest.raises(ValueError, match="class_weight names unknown class.*'car'"):
         BEVLitModule(**kw, class_weight={"car": 2.0})

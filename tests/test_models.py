@@ -209,7 +209,7 @@ def test_training_step_never_waits_for_the_host(splat, loss):
     target = (torch.rand(2, 1, *GRID.bev_shape) > 0.9).float()
     net(*x)  # first call: lazy set-up outside the measured step
     with HostTraffic() as traffic:
-        lit.loss(net(*x)["segmentation"], target).backward()
+        lit.task_modules.segmentation.loss_fn(net(*x)["segmentation"], target).backward()
     assert traffic.seen == []
     with HostTraffic() as traffic:
         torch.tensor([1.0, 2.0]).sum().item()

@@ -55,7 +55,7 @@ def test_the_published_settings_are_in_the_experiments():
         assert (
             cfg.model.optimizer.lr == 1e-4 and cfg.model.optimizer.weight_decay == 1e-2 and cfg.trainer.max_epochs == 24
         )
-        assert cfg.model.loss.visible_only and cfg.model.net.camera.backbone == "resnet50"
+        assert cfg.model.occupancy.loss.visible_only and cfg.model.net.camera.backbone == "resnet50"
         assert cfg.callbacks.model_checkpoint.monitor == "val/occ_miou"
     occ = bevdet.model.net.decoder
     assert occ.kind == "voxel3d" and list(occ.widths) == [32, 64, 128] and list(occ.blocks) == [1, 2, 4]

@@ -6,7 +6,6 @@ from functools import partial
 
 import pytest
 import torch
-from torch import nn
 
 from bev.models import BevDecoder, CameraEncoder
 from bev.tasks.segmentation.head import SegmentationHead
@@ -147,14 +146,14 @@ def test_optimizers_on_cuda_are_fused_unless_configured(factory, device, expecte
 
 def test_configure_optimizers_builds_the_configured_optimizer_on_cpu():
     from bev.lit import BEVLitModule
+    from helpers.models import stand_in_net
 
-    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 1, 1))
-    net.num_classes, net.heads = 1, ("segmentation",)  # a stand-in network: its tasks
+    net = stand_in_net(3, 1, kernel=3)
     opt = BEVLitModule(
         net, optimizer=partial(torch.optim.Adam, lr=2e-3), object_classes=["vehicle"]
     ).configure_optimizers()
     assert isinstance(opt, torch.optim.Adam) and opt.param_groups[0]["lr"] == 2e-3
-    assert not opt.param_groups[0]["fused"] and len(opt.param_groups[0]["params"]) == 4
+    assert not opt.param_groups[0]["fused"] and len(opt.param_groups[0]["params"]) == 2
 
 
 @pytest.mark.e2e

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
 
 from bev.tasks import TASKS
 
@@ -54,9 +53,9 @@ def test_the_tasks_are_one_import_layer_below_the_data_and_the_models():
 
 def _module(**kw):
     from bev.lit import BEVLitModule
+    from helpers.models import stand_in_net
 
-    net = nn.Conv2d(1, 3, 1)
-    net.num_classes, net.heads = 3, ("segmentation",)  # a stand-in network: its tasks
+    net = stand_in_net(1, 3)
     return BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], map_classes=["lane", "divider"], **kw)
 
 
@@ -67,11 +66,14 @@ def test_the_static_module_trains_with_the_segmentation_loss_and_saves_none_of_i
     from bev.tasks.segmentation.loss import SegmentationLoss
 
     module = _module(**kw)
-    assert isinstance(module.seg_loss, SegmentationLoss)
+    assert isinstance(module.task_modules.segmentation.loss_fn, SegmentationLoss)
     assert list(module.state_dict()) == list(_module().state_dict()) == ["val_headline_best", "net.weight", "net.bias"]
+    assert list(module.task_modules) == ["segmentation"]
     torch.manual_seed(0)
     logits, target = torch.randn(2, 3, 4, 5), (torch.rand(2, 3, 4, 5) > 0.7).float()
     alone = SegmentationLoss(module.class_names, **kw)
     assert alone.state_dict() == {}
-    torch.testing.assert_close(module.loss(logits, target), alone(logits, target))
-    assert module.double().seg_loss.pos_weight.dtype == torch.float64  # its weights follow the module
+    torch.testing.assert_close(module.task_modules.segmentation.loss_fn(logits, target), alone(logits, target))
+    assert (
+        module.double().task_modules.segmentation.loss_fn.pos_weight.dtype == torch.float64
+    )  # its weights follow the module

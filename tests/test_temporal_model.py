@@ -1,5 +1,5 @@
 """The temporal model (bev.models.temporal), its losses (bev.tasks.motion.loss, bev.losses) and its LightningModule
-(bev.lit_temporal)."""
+(bev.lit with the motion task)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ import torch
 from bev.geometry import Grid
 from bev.inference import ring_rig
 from bev.lit import BEVLitModule
-from bev.lit_temporal import TemporalLitModule, present_copied
 from bev.losses import NonFiniteLossError, UncertaintyWeights
 from bev.models import BEVNet
 from bev.models.temporal import warp_to_present
 from bev.tasks.motion import IGNORE
 from bev.tasks.motion.loss import regression_loss, segmentation_loss
+from bev.tasks.motion.task import present_copied
 
 GRID = {
     "xbound": [-24.0, 24.0, 2.0],
@@ -85,10 +85,11 @@ def tiny_net(fusion: str = "residual", detection=None, **motion) -> BEVNet:
     return BEVNet(**SIZES, heads=heads, temporal={"past_frames": P, "fusion": fusion})
 
 
-def tiny_module(**kw) -> TemporalLitModule:
-    return TemporalLitModule(
-        tiny_net(**kw.pop("net", {})), torch.optim.Adam, object_classes=["vehicle"], map_classes=["drivable_area"], **kw
-    )
+def tiny_module(**kw) -> BEVLitModule:
+    """The temporal tiny_net trained for segmentation and motion."""
+    net = tiny_net(**kw.pop("net", {}))
+    classes = dict(object_classes=["vehicle"], map_classes=["drivable_area"])
+    return BEVLitModule(net, torch.optim.Adam, tasks=["segmentation", "motion"], **classes, **kw)
 
 
 def cams(batch):
@@ -277,9 +278,7 @@ def test_a_nan_loss_stops_training_naming_the_step():
 
 
 STATIC_CONFIG = {"model": {"_target_": "bev.lit.BEVLitModule", "net": {"_target_": "bev.models.BEVNet"}}}
-TEMPORAL_CONFIG = {
-    "model": {"_target_": "bev.lit_temporal.TemporalLitModule", "net": {"_target_": "bev.models.BEVNet"}}
-}
+TEMPORAL_CONFIG = {"model": {"_target_": "bev.lit.BEVLitModule", "net": {"_target_": "bev.models.BEVNet"}}}
 
 
 def save_checkpoint(module, path, run_config=None):
@@ -300,7 +299,7 @@ def static_module(seed: int = 1) -> BEVLitModule:
     return static
 
 
-def init_from(path: str, **kw) -> tuple[TemporalLitModule, str]:
+def init_from(path: str, **kw) -> tuple[BEVLitModule, str]:
     """A tiny temporal module after model.init_from=path was applied, and what it said."""
     module = tiny_module(init_from=path, **kw)
     module._trainer = SimpleNamespace(ckpt_path=None, is_global_zero=True)
@@ -437,7 +436,8 @@ def test_a_training_step_and_its_checkpoint_reads_with_weights_only(tmp_path):
 
     cfg = OmegaConf.create(
         {
-            "_target_": "bev.lit_temporal.TemporalLitModule",
+            "_target_": "bev.lit.BEVLitModule",
+            "tasks": ["segmentation", "motion"],
             "net": {
                 "_target_": "bev.models.BEVNet",
                 "_convert_": "all",
@@ -449,7 +449,7 @@ def test_a_training_step_and_its_checkpoint_reads_with_weights_only(tmp_path):
             "object_classes": ["vehicle"],
             "map_classes": ["drivable_area"],
             "pos_weight": {"vehicle": 4.0, "drivable_area": 2.0},
-            "temporal_loss": {"seg_top_k": 0.25},
+            "motion": {"loss": {"seg_top_k": 0.25}},
             "past_no_grad": True,
         }
     )
@@ -469,7 +469,7 @@ def test_a_training_step_and_its_checkpoint_reads_with_weights_only(tmp_path):
     assert not torch.equal(before, module.net.heads["motion"].future.branches.motion[-1].weight)
     trainer.save_checkpoint(tmp_path / "t.ckpt")
     ckpt = read_checkpoint(tmp_path / "t.ckpt")
-    assert ckpt["hyper_parameters"]["temporal_loss"] == {"seg_top_k": 0.25}
+    assert ckpt["hyper_parameters"]["motion"] == {"loss": {"seg_top_k": 0.25}}
     assert ckpt["hyper_parameters"]["past_no_grad"] is True
 
 
@@ -595,7 +595,7 @@ def test_past_cache_keys_age_and_size():
 def test_the_probabilistic_future_adds_a_kl_term_that_trains_both_distributions():
     module = tiny_module(net={"probabilistic": True}).train()
     batch = sequence_batch()
-    loss, terms = module.total_loss(module(batch), batch)
+    loss, terms = module.losses(module(batch), batch)
     assert "kl" in terms and terms["kl"].item() >= 0
     loss.backward()
     for dist in (module.net.heads["motion"].present_dist, module.net.heads["motion"].future_dist):

@@ -46,30 +46,42 @@ def _check(*overrides):
     "overrides, needle",
     [
         # Non-finite and negative weights: NaN losses to the end with exit 0, or a loss maximised.
-        ((OCC, "model.loss.class_weight={car: inf}"), "model.loss.class_weight.car=inf is not a finite number"),
-        ((OCC, "model.loss.lovasz_weight=nan"), "model.loss.lovasz_weight=nan is not a finite number"),
+        (
+            (OCC, "model.occupancy.loss.class_weight={car: inf}"),
+            "model.occupancy.loss.class_weight.car=inf is not a finite number",
+        ),
+        (
+            (OCC, "model.occupancy.loss.lovasz_weight=nan"),
+            "model.occupancy.loss.lovasz_weight=nan is not a finite number",
+        ),
         ((DET, "model.detection.weight=nan"), "model.detection.weight=nan is not a finite number"),
         ((DET, "model.detection.weight=-1"), "model.detection.weight=-1: a weight must be >= 0"),
         ((STATIC, "model.depth_weight=-0.1"), "model.depth_weight=-0.1: a weight must be >= 0"),
         ((STATIC, "model.pos_weight.vehicle=-3"), "model.pos_weight.vehicle=-3: a weight must be >= 0"),
         ((STATIC, "model.class_weight.vehicle=inf"), "model.class_weight.vehicle=inf is not a finite number"),
         ((DET, "+model.detection.loss.regression_weight=-2"), "model.detection.loss.regression_weight=-2"),
-        ((TEMPORAL, "model.temporal_loss.weights.kl=nan"), "model.temporal_loss.weights.kl=nan"),
-        ((TEMPORAL, "model.temporal_loss.seg_pos_weight=-4"), "model.temporal_loss.seg_pos_weight=-4"),
+        ((TEMPORAL, "model.motion.loss.weights.kl=nan"), "model.motion.loss.weights.kl=nan"),
+        ((TEMPORAL, "model.motion.loss.seg_pos_weight=-4"), "model.motion.loss.seg_pos_weight=-4"),
         ((STATIC, "model.optimizer.lr=inf"), "model.optimizer.lr=inf is not a finite number"),
         # Booleans that "maybe" would pass as true.
-        ((OCC, "model.loss.visible_only=maybe"), "model.loss.visible_only='maybe' must be true or false"),
-        ((TEMPORAL, "model.temporal_loss.uncertainty=maybe"), "model.temporal_loss.uncertainty='maybe' must be true"),
+        (
+            (OCC, "model.occupancy.loss.visible_only=maybe"),
+            "model.occupancy.loss.visible_only='maybe' must be true or false",
+        ),
+        ((TEMPORAL, "model.motion.loss.uncertainty=maybe"), "model.motion.loss.uncertainty='maybe' must be true"),
         ((TEMPORAL, "model.past_no_grad=1"), "model.past_no_grad=1 must be true or false"),
         (
             (STATIC, "model.net.decoder.task_decoders=maybe"),
             "model.net.decoder.task_decoders='maybe' must be true or false",
         ),
         # Values that failed late and nameless ("'int' object is not iterable", "could not convert string").
-        ((OCC, "model.loss.class_weight=5"), "model.loss.class_weight=5: choose null, a preset"),
-        ((OCC, "model.loss.class_weight={car: x}"), "model.loss.class_weight.car='x' is not a number"),
-        ((OCC, "model.loss.class_weight=[1,2]"), "model.loss.class_weight has 2 weights, not 18"),
-        ((OCC, "model.loss.lovasz_weight=abc"), "model.loss.lovasz_weight='abc' is not a number"),
+        ((OCC, "model.occupancy.loss.class_weight=5"), "model.occupancy.loss.class_weight=5: choose null, a preset"),
+        (
+            (OCC, "model.occupancy.loss.class_weight={car: x}"),
+            "model.occupancy.loss.class_weight.car='x' is not a number",
+        ),
+        ((OCC, "model.occupancy.loss.class_weight=[1,2]"), "model.occupancy.loss.class_weight has 2 weights, not 18"),
+        ((OCC, "model.occupancy.loss.lovasz_weight=abc"), "model.occupancy.loss.lovasz_weight='abc' is not a number"),
         ((STATIC, "model.focal_gamma=abc"), "model.focal_gamma='abc' must be a number"),
         (
             (STATIC, "model.net.camera.context_channels=abc"),
@@ -77,8 +89,8 @@ def _check(*overrides):
         ),
         ((STATIC, "+model.pos_weight.car=2"), "model.pos_weight names unknown class(es) ['car']"),
         (("experiment=lss_nuscenes_mini", "model.pos_weight=[1,2]"), "model.pos_weight has 2 values for 1 classes"),
-        ((TEMPORAL, "model.temporal_loss.seg_top_k=2"), "model.temporal_loss.seg_top_k must be in (0, 1]"),
-        ((TEMPORAL, "model.temporal_loss.future_discount=0"), "model.temporal_loss.future_discount must be in (0, 1]"),
+        ((TEMPORAL, "model.motion.loss.seg_top_k=2"), "model.motion.loss.seg_top_k must be in (0, 1]"),
+        ((TEMPORAL, "model.motion.loss.future_discount=0"), "model.motion.loss.future_discount must be in (0, 1]"),
         ((DET, "+model.detection.loss.code_weights=[1,1]"), "model.detection.loss: code_weights needs one weight"),
         # The network's input: not the data's (fails at step 0), or not a multiple of the stride (fails when built).
         (
@@ -105,11 +117,11 @@ def test_a_bad_model_or_training_setting_is_named_with_the_config(overrides, nee
     "overrides",
     [
         (STATIC, "model.task_weights=uncertainty", "model.net.camera.weights=imagenet"),  # names in weight keys
-        (OCC, "model.loss.class_weight=log_frequency", "model.loss.lovasz_weight=0"),
-        (OCC, "model.loss.class_weight={car: 3, free: 0.5}"),
+        (OCC, "model.occupancy.loss.class_weight=log_frequency", "model.occupancy.loss.lovasz_weight=0"),
+        (OCC, "model.occupancy.loss.class_weight={car: 3, free: 0.5}"),
         (STATIC, "model.net.image_size=[64,176]", "data.final_dim=[64,176]"),
         (DET, "data.bev_aug=bevdet", "data.augment=true"),
-        (TEMPORAL, "model.temporal_loss.seg_top_k=0.25", "model.past_cache_max_age=null"),
+        (TEMPORAL, "model.motion.loss.seg_top_k=0.25", "model.past_cache_max_age=null"),
     ],
 )
 def test_good_settings_pass(overrides):
@@ -130,13 +142,16 @@ def test_the_losses_refuse_bad_settings_when_built_in_python_too():
     from bev.tasks.occupancy.loss import OccupancyLoss, class_weights
 
     bad = [
-        (lambda: OccupancyLoss(visible_only="maybe"), "model.loss.visible_only must be true or false"),
-        (lambda: OccupancyLoss(lovasz_weight=float("nan")), "model.loss.lovasz_weight must be a finite number >= 0"),
-        (lambda: class_weights(5), "model.loss.class_weight=5: choose null"),
+        (lambda: OccupancyLoss(visible_only="maybe"), "model.occupancy.loss.visible_only must be true or false"),
+        (
+            lambda: OccupancyLoss(lovasz_weight=float("nan")),
+            "model.occupancy.loss.lovasz_weight must be a finite number >= 0",
+        ),
+        (lambda: class_weights(5), "model.occupancy.loss.class_weight=5: choose null"),
         (lambda: class_weights({"car": float("inf")}), "the weights of {'car': inf} are not finite numbers >= 0"),
-        (lambda: TemporalLoss(uncertainty="maybe"), "model.temporal_loss.uncertainty must be true or false"),
-        (lambda: TemporalLoss(weights={"kl": -1}), "model.temporal_loss.weights.kl must be a finite number >= 0"),
-        (lambda: TemporalLoss(seg_top_k=0), "model.temporal_loss.seg_top_k must be in (0, 1]"),
+        (lambda: TemporalLoss(uncertainty="maybe"), "model.motion.loss.uncertainty must be true or false"),
+        (lambda: TemporalLoss(weights={"kl": -1}), "model.motion.loss.weights.kl must be a finite number >= 0"),
+        (lambda: TemporalLoss(seg_top_k=0), "model.motion.loss.seg_top_k must be in (0, 1]"),
     ]
     for build, needle in bad:
         with pytest.raises(ValueError) as e:

@@ -110,9 +110,10 @@ RENAMED_MODEL_KEYS = {"heads": "tasks"}  # model.heads listed the tasks trained
 
 def upgrade_checkpoint(ckpt: dict) -> bool:
     """A checkpoint of an earlier layout in today's, in place: its network as a BEVNet (bev.utils.legacy), its
-    state_dict keys (RENAMED_STATE) and stored model settings (RENAMED_MODEL_KEYS) under their current names.
+    state_dict keys (RENAMED_STATE), stored model settings (RENAMED_MODEL_KEYS) and task modules under their current
+    names.
     True when the network's layout was upgraded (its optimiser states then follow: legacy.reorder_optimizer_states)."""
-    from bev.utils.legacy import upgrade_network
+    from bev.utils.legacy import upgrade_module, upgrade_network
 
     upgraded = upgrade_network(ckpt)
     state = ckpt.get("state_dict")
@@ -123,7 +124,7 @@ def upgrade_checkpoint(ckpt: dict) -> bool:
             for old, new in names.items():
                 if old in table and new not in table:
                     table[new] = table.pop(old)
-    return upgraded
+    return upgrade_module(ckpt) or upgraded
 
 
 # The nodes of a stored config load_checkpoint reads as mappings: anything else there (a string, a list) is an

@@ -140,3 +140,32 @@ def reorder_optimizer_states(ckpt: dict, param_names: list[str]) -> None:
         state = opt.get("state")
         if isinstance(state, dict) and len(opt.get("param_groups", [])) == 1:
             opt["state"] = {perm.get(i, i): v for i, v in state.items()}
+
+
+# The task modules of before one LightningModule trained every task: their stored settings and state.
+LEGACY_MODULES = {"bev.lit_temporal.TemporalLitModule": "motion", "bev.lit_occupancy.OccupancyLitModule": "occupancy"}
+MOVED_SETTINGS = {
+    "motion": {"temporal_loss": "loss", "instance_decoding": "instance_decoding"},
+    "occupancy": {"loss": "loss", "metric_mask": "metric_mask"},
+}
+MODULE = "bev.lit.BEVLitModule"
+
+
+def upgrade_module(ckpt: dict) -> bool:
+    """A checkpoint of a TemporalLitModule or OccupancyLitModule as one of today's BEVLitModule, in place: the task
+    it added in model.tasks, its settings under model.<task> (temporal_loss -> motion.loss, ...), its state under
+    task_modules.<task>."""
+    config = ckpt.get("bev_config")
+    model = config.get("model") if isinstance(config, dict) else None
+    task = LEGACY_MODULES.get(model.get("_target_")) if isinstance(model, dict) else None
+    if task is None:
+        return False
+    model["_target_"] = MODULE
+    tasks = [t for t in (model.get("tasks") or ["segmentation"]) if t != task] if task == "motion" else []
+    model["tasks"] = [*tasks, task]
+    model[task] = {new: model.pop(old) for old, new in MOVED_SETTINGS[task].items() if old in model}
+    state = ckpt.get("state_dict")
+    if isinstance(state, dict) and task == "motion":
+        prefix = "task_modules.motion."
+        ckpt["state_dict"] = {(prefix + k if k.startswith("temporal_loss.") else k): v for k, v in state.items()}
+    return True

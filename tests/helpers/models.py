@@ -61,3 +61,19 @@ def lss_net(grid, image_size=(128, 352), kind: str = "static", **settings):
     cfg = upgrade_net_config({"_target_": target, "grid": grid, "image_size": image_size, **settings})
     cfg.pop("_target_")
     return BEVNet(**cfg)
+
+
+def stand_in_net(in_channels: int, num_classes: int, kernel: int = 1):
+    """A one-conv stand-in for a BEVNet where a test needs only what the LightningModule reads of its network:
+    the segmentation channels, its heads, grid and (no) past frames."""
+    from torch import nn
+
+    net = nn.Conv2d(in_channels, num_classes, kernel)
+    net.num_classes, net.heads, net.grid, net.past_frames, net.temporal = (
+        num_classes,
+        ("segmentation",),
+        Grid(),
+        None,
+        None,
+    )
+    return net

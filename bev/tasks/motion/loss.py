@@ -107,9 +107,7 @@ class TemporalLoss(nn.Module):
         self.weights = {n: 1.0 for n in (*names, "kl")}
         unknown = [k for k in (weights or {}) if k not in self.weights]
         if unknown:
-            raise ValueError(
-                f"model.temporal_loss.weights names unknown term(s) {unknown}; terms: {list(self.weights)}"
-            )
+            raise ValueError(f"model.motion.loss.weights names unknown term(s) {unknown}; terms: {list(self.weights)}")
         for k, v in (weights or {}).items():
             _check_number(f"weights.{k}", v, "a finite number >= 0 (0 leaves the term out)", lambda x: x >= 0)
         self.weights.update({k: float(v) for k, v in (weights or {}).items()})
@@ -120,7 +118,7 @@ class TemporalLoss(nn.Module):
                 "seg_top_k", seg_top_k, "in (0, 1] (the fraction of cells kept), or null", lambda k: 0 < k <= 1
             )
         if not isinstance(uncertainty, bool):  # "maybe" would read as true
-            raise ValueError(f"model.temporal_loss.uncertainty must be true or false, got {uncertainty!r}")
+            raise ValueError(f"model.motion.loss.uncertainty must be true or false, got {uncertainty!r}")
         self.future_discount, self.seg_pos_weight, self.seg_top_k = (
             float(future_discount),
             float(seg_pos_weight),
@@ -159,7 +157,7 @@ class TemporalLoss(nn.Module):
 
 
 def _check_number(key: str, value, want: str, ok) -> None:
-    """model.temporal_loss.<key> is a finite number for which ok(value) holds, else a ValueError naming it."""
+    """model.motion.loss.<key> is a finite number for which ok(value) holds, else a ValueError naming it."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not (number and ok(value)):
-        raise ValueError(f"model.temporal_loss.{key} must be {want}, got {value!r}")
+        raise ValueError(f"model.motion.loss.{key} must be {want}, got {value!r}")

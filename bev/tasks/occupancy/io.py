@@ -62,6 +62,9 @@ def labels_path(root: str | os.PathLike, scene_name: str, sample_token: str) -> 
     return Path(root) / "gts" / safe_name(scene_name) / safe_name(sample_token) / "labels.npz"
 
 
+PREDICTIONS_DIR = "predictions"  # <out>/predictions/<sample token>.npz: the challenge's layout
+
+
 def prediction_path(out_dir: str | os.PathLike, sample_token: str) -> Path:
     """<out_dir>/<sample token>.npz, the challenge's name for a prediction."""
     return Path(out_dir) / f"{safe_name(sample_token)}.npz"

@@ -45,7 +45,9 @@ def preset_weights(name: str) -> torch.Tensor:
     elif name == "inverse_sqrt_frequency":
         w = np.sqrt(freq[-1] / freq)
     else:
-        raise ValueError(f"model.loss.class_weight {name!r}: choose null, {CLASS_WEIGHT_PRESETS}, a list or a map")
+        raise ValueError(
+            f"model.occupancy.loss.class_weight {name!r}: choose null, {CLASS_WEIGHT_PRESETS}, a list or a map"
+        )
     return torch.tensor(w, dtype=torch.float32)
 
 
@@ -53,7 +55,7 @@ CLASS_WEIGHT_FORMS = f"null, a preset {CLASS_WEIGHT_PRESETS}, a list of {NUM_CLA
 
 
 def class_weights(spec) -> torch.Tensor | None:
-    """model.loss.class_weight -> (18,) weights: null (none), a preset of CLASS_WEIGHT_PRESETS (preset_weights), a
+    """model.occupancy.loss.class_weight -> (18,) weights: null (none), a preset of CLASS_WEIGHT_PRESETS (preset_weights), a
     list of 18 numbers, or {class name: weight} (unlisted classes 1.0). Each a finite number >= 0, not all 0."""
     if spec is None:
         return None
@@ -63,22 +65,22 @@ def class_weights(spec) -> torch.Tensor | None:
         unknown = sorted(set(spec) - set(OCC3D_CLASSES))
         if unknown:
             raise ValueError(
-                f"model.loss.class_weight names unknown class(es) {unknown}; classes: {list(OCC3D_CLASSES)}"
+                f"model.occupancy.loss.class_weight names unknown class(es) {unknown}; classes: {list(OCC3D_CLASSES)}"
             )
         values = {name: spec.get(name, 1.0) for name in OCC3D_CLASSES}
     elif isinstance(spec, Sequence) and not isinstance(spec, bytes):
         values = dict(zip(OCC3D_CLASSES, spec))
         if len(spec) != NUM_CLASSES:
             raise ValueError(
-                f"model.loss.class_weight has {len(spec)} weights, not {NUM_CLASSES}: choose {CLASS_WEIGHT_FORMS}"
+                f"model.occupancy.loss.class_weight has {len(spec)} weights, not {NUM_CLASSES}: choose {CLASS_WEIGHT_FORMS}"
             )
     else:
-        raise ValueError(f"model.loss.class_weight={spec!r}: choose {CLASS_WEIGHT_FORMS}")
+        raise ValueError(f"model.occupancy.loss.class_weight={spec!r}: choose {CLASS_WEIGHT_FORMS}")
     bad = {k: v for k, v in values.items() if not _weight(v)}
     if bad:
-        raise ValueError(f"model.loss.class_weight: the weights of {bad} are not finite numbers >= 0")
+        raise ValueError(f"model.occupancy.loss.class_weight: the weights of {bad} are not finite numbers >= 0")
     if not sum(values.values()) > 0:
-        raise ValueError(f"model.loss.class_weight: the weights are all 0; choose {CLASS_WEIGHT_FORMS}")
+        raise ValueError(f"model.occupancy.loss.class_weight: the weights are all 0; choose {CLASS_WEIGHT_FORMS}")
     return torch.tensor([float(v) for v in values.values()], dtype=torch.float32)
 
 
@@ -119,10 +121,12 @@ class OccupancyLoss(nn.Module):
         w = class_weights(class_weight)
         self.register_buffer("class_weight", w, persistent=False)
         if not _weight(lovasz_weight):
-            raise ValueError(f"model.loss.lovasz_weight must be a finite number >= 0 (0: off), got {lovasz_weight!r}")
+            raise ValueError(
+                f"model.occupancy.loss.lovasz_weight must be a finite number >= 0 (0: off), got {lovasz_weight!r}"
+            )
         self.lovasz_weight = float(lovasz_weight)
         if not isinstance(visible_only, bool):  # "maybe" would read as true
-            raise ValueError(f"model.loss.visible_only must be true or false, got {visible_only!r}")
+            raise ValueError(f"model.occupancy.loss.visible_only must be true or false, got {visible_only!r}")
         self.visible_only = visible_only
 
     def targets(self, semantics: torch.Tensor, mask_camera: torch.Tensor | None) -> torch.Tensor:
@@ -131,7 +135,7 @@ class OccupancyLoss(nn.Module):
         if self.visible_only:
             if mask_camera is None:
                 raise ValueError(
-                    "model.loss.visible_only=true needs occ_mask_camera in the batch (data.occupancy=true)"
+                    "model.occupancy.loss.visible_only=true needs occ_mask_camera in the batch (data.occupancy=true)"
                 )
             target = target.masked_fill(~mask_camera.bool(), IGNORE)
         return target
@@ -155,12 +159,12 @@ class OccupancyLoss(nn.Module):
 
 
 def check_loss_options(options: Mapping | None) -> dict:
-    """model.loss's keys, refused with the list of known ones when unknown."""
+    """model.occupancy.loss's keys, refused with the list of known ones when unknown."""
     options = dict(options or {})
     known = ("class_weight", "lovasz_weight", "visible_only")
     unknown = sorted(set(options) - set(known))
     if unknown:
-        raise ValueError(f"unknown model.loss key(s) {unknown}; the keys are {list(known)}")
+        raise ValueError(f"unknown model.occupancy.loss key(s) {unknown}; the keys are {list(known)}")
     return options
 
 

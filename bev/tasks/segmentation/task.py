@@ -1,0 +1,62 @@
+"""The segmentation task in training: its loss on the network's "segmentation" logits and its metrics (the LSS IoU
+of the object classes, BEVFusion's best-threshold IoU of the map classes), per evaluation stage."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from bev.geometry import Grid
+from bev.tasks.segmentation.loss import SegmentationLoss
+from bev.tasks.segmentation.metric import BevIoU, MapIoU
+
+STAGES = ("val", "test")
+
+
+class SegmentationTask(nn.Module):
+    """Object then map channels (names from the data config); loss "bce" or "focal", pos_weight and class_weight
+    per channel (bev.tasks.segmentation.loss); threshold: the object classes' IoU threshold."""
+
+    name = "segmentation"
+
+    def __init__(
+        self,
+        grid: Grid,
+        object_classes: Sequence[str],
+        map_classes: Sequence[str] = (),
+        loss: str = "bce",
+        focal_gamma: float = 2.0,
+        pos_weight: float | Sequence[float] | Mapping[str, float] = 2.13,
+        class_weight: float | Sequence[float] | Mapping[str, float] | None = None,
+        threshold: float = 0.5,
+    ):
+        super().__init__()
+        self.object_classes, self.map_classes = tuple(object_classes), tuple(map_classes)
+        self.class_names = self.object_classes + self.map_classes
+        self.loss_fn = SegmentationLoss(self.class_names, loss, focal_gamma, pos_weight, class_weight)
+        self.iou = nn.ModuleDict({s: BevIoU(grid, threshold, self.object_classes) for s in STAGES})
+        self.map_iou = nn.ModuleDict({s: MapIoU(self.map_classes) for s in STAGES})
+
+    def loss(self, out: Mapping, batch: Mapping, terms: Mapping) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        seg = self.loss_fn(out["segmentation"], batch["bev"])
+        return seg, {"seg": seg}
+
+    def update(self, out: Mapping, batch: Mapping, stage: str) -> None:
+        logits, k = out["segmentation"], len(self.object_classes)
+        self.iou[stage].update(logits[:, :k], batch["bev"][:, :k], batch.get("visibility"))
+        if self.map_classes:
+            self.map_iou[stage].update(logits[:, k:], batch["bev"][:, k:])
+
+    def results(self, stage: str, context) -> dict[str, float]:
+        """The stage's IoUs (then reset); the per-threshold map IoUs only in tests (bev-eval's metrics.json)."""
+        results = self.iou[stage].compute()
+        self.iou[stage].reset()
+        if self.map_classes:
+            results.update(self.map_iou[stage].compute())
+            self.map_iou[stage].reset()
+        return results if stage == "test" else {k: v for k, v in results.items() if "@" not in k}
+
+    def predict(self, out: Mapping) -> dict[str, torch.Tensor]:
+        return {"bev": out["segmentation"].float().sigmoid()}
