@@ -297,8 +297,29 @@ class NuScenesBEVDataset(Dataset):
             )
         i = i % len(self)
         if self.temporal:
-            return temporal.window_item(self, i)
+            return self.window_item(i)
         return self.frame_item(i, self.choose_cams())
+
+    def window_item(self, w: int) -> dict[str, Any]:
+        """Window w (keys: the class doc): the present frame's item (frame_item) with the P + 1 input frames'
+        inputs, plus the window's labels (bev.data.temporal.window_labels, moved by the item's BEV augmentation).
+
+        Only the P + 1 input frames' images are decoded; the future frames give labels from boxes alone.
+        In training every camera draws one augmentation, shared by all the window's frames."""
+        frames, past = self.window_frames(w), self.past_frames
+        present = int(frames[past])
+        cams = self.choose_cams()
+        augs = None
+        if self.augment:
+            hw = self.index["image_hw"][present]
+            augs = [self.draw_augmentation(tuple(int(v) for v in hw[c]), True) for c in cams]
+        item = self.frame_item(present, cams, frames[: past + 1], augs)
+        item["sample_tokens"] = [str(t) for t in self.index["sample_token"][frames]]
+        labels = temporal.window_labels(self.index, frames, past, self.grid, self.filter_invisible, self.label_warp)
+        if "bev_aug" in item:  # the frames' geometry moved with it (frame_item): the labels follow
+            labels = temporal.augment_labels(labels, item["bev_aug"].double().numpy(), self.grid)
+        item.update({k: torch.from_numpy(v) for k, v in labels.items()})
+        return item
 
     @property
     def bev_bounds(self) -> torch.Tensor:

@@ -337,28 +337,6 @@ def window_labels(
     }
 
 
-def window_item(ds, w: int) -> dict[str, Any]:
-    """Window w of a NuScenesBEVDataset with past_frames or future_frames > 0 (keys: its docstring): the
-    present frame's item (ds.frame_item) with the P + 1 input frames' inputs, plus the window's labels.
-
-    Only the P + 1 input frames' images are decoded; the future frames give labels from boxes alone.
-    In training every camera draws one augmentation, shared by all the window's frames."""
-    frames = ds.window_frames(w)
-    past = ds.past_frames
-    present = int(frames[past])
-    cams = ds.choose_cams()
-    augs = None
-    if ds.augment:
-        augs = [ds.draw_augmentation(tuple(int(v) for v in ds.index["image_hw"][present, c]), True) for c in cams]
-    item = ds.frame_item(present, cams, frames[: past + 1], augs)
-    item["sample_tokens"] = [str(t) for t in ds.index["sample_token"][frames]]
-    labels = window_labels(ds.index, frames, past, ds.grid, ds.filter_invisible, ds.label_warp)
-    if "bev_aug" in item:  # the frames' geometry moved with it (frame_item): the labels follow
-        labels = augment_labels(labels, item["bev_aug"].double().numpy(), ds.grid)
-    item.update({k: torch.from_numpy(v) for k, v in labels.items()})
-    return item
-
-
 def augment_labels(labels: dict[str, np.ndarray], A: np.ndarray, grid: Grid) -> dict[str, np.ndarray]:
     """A window's labels in the BEV frame A maps to (bev.data.bev_aug): the instance maps resampled, centerness
     and offset computed again on them, flow resampled and its vectors turned by A (IGNORE kept), and the ego
