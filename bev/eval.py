@@ -17,7 +17,6 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import bev.data  # noqa: F401 (registers the data/ config schemas: bev.data.config)
-from bev.tasks.occupancy.io import PREDICTIONS_DIR
 from bev.utils.config import CONFIG_DIR, check_flags
 from bev.utils.errors import report_errors
 from bev.utils.io import atomic_write
@@ -28,7 +27,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     from hydra.utils import instantiate
 
     from bev.data.temporal import WindowTooLongError
-    from bev.inference import build_data_config, load_checkpoint, say_chosen, trained_on
+    from bev.inference import build_data_config, load_checkpoint, overwrite_option, say_chosen, trained_on
 
     if OmegaConf.is_missing(cfg, "ckpt_path"):
         raise ValueError(
@@ -40,16 +39,18 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         cfg.ckpt_path, cfg.get("model"), cfg.grid, cfg.data, trusted=bool(cfg.get("trust_checkpoint"))
     )
     say_chosen(loaded)
-    occupancy = loaded.model.tasks == ("occupancy",)
-    _check_output_folders(cfg, out, loaded.model, occupancy)  # before the data is read and the model runs
+    tasks = list(loaded.model.task_modules.values())
+    overwrite = overwrite_option(cfg.get("overwrite", False))
+    for task in tasks:  # before the data is read and the model runs
+        task.check_eval_folders(out, overwrite)
     with open_dict(cfg):
         cfg.grid = loaded.run_config.grid
     data_cfg = build_data_config(cfg.data, loaded.run_config, trained_on(loaded))
     datamodule = instantiate(data_cfg)
     out.mkdir(parents=True, exist_ok=True)
-    if occupancy:
-        return _evaluate_occupancy(cfg, loaded, data_cfg, datamodule, out)
-    loaded.model.output_dir = str(out)  # results_nusc.json and the devkit's summary, if it detects
+    for task in tasks:
+        task.before_test(out)
+    loaded.model.output_dir = str(out)  # where each task writes its files of the test
     try:
         metrics = _test_metrics(cfg, loaded, data_cfg, datamodule)
     except WindowTooLongError as e:  # the checkpoint fixes the window: its data cannot be shortened here
@@ -57,73 +58,14 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             f"{e.window}. This checkpoint's temporal model takes exactly that window: evaluate it on scenes at least "
             f"that long (data.dataroot / data.version / data.val_split)"
         ) from None
-
     record = _eval_record(loaded, data_cfg, metrics)
+    options = {"rayiou": cfg.get("rayiou", True), "accelerator": str(cfg.accelerator)}
+    for task in tasks:
+        task.after_test(record, out, datamodule.val_set.index, data_cfg.dataroot, options)
     atomic_write(out / "metrics.json", json.dumps(record, indent=2))
     pngs = save_pngs(loaded.model, datamodule, out, int(cfg.num_pngs))
     _print_report(loaded, data_cfg, record, out, len(pngs))
     return record
-
-
-def _evaluate_occupancy(cfg: DictConfig, loaded, data_cfg: DictConfig, datamodule, out: Path) -> dict[str, Any]:
-    """An occupancy checkpoint: Occ3D's mIoU (per class, mean over 0-16, per distance band) and, unless rayiou=false,
-    SparseOcc's RayIoU at 1, 2, 4 m and their mean, printed and in metrics.json, and the predictions in the challenge's
-    format in <out>/predictions/<sample token>.npz."""
-    import time
-
-    from bev.tasks.occupancy import rayiou
-    from bev.tasks.occupancy.metric import format_table
-
-    pred_dir = out / PREDICTIONS_DIR
-    for path in _earlier_predictions(pred_dir):  # a submission folder holds this evaluation's samples only
-        path.unlink()
-    loaded.model.output_dir = str(out)  # its predictions go to <out>/predictions
-    metrics = _test_metrics(cfg, loaded, data_cfg, datamodule)
-    bev_only = ("threshold", "visibility_filter", "object_classes", "map_classes", "map_protocol")
-    record = {k: v for k, v in _eval_record(loaded, data_cfg, metrics).items() if k not in bev_only}
-    record["predictions"] = str(pred_dir)
-    record["distance_bands_m"] = "voxel-column centre distance from the ego origin: [0,20), [20,40), [40,inf)"
-    record["metric"] = (
-        "Occ3D's Metric_mIoU: 18x18 confusion over the voxels of mask_camera, per-class IoU, mIoU = mean over "
-        "classes 0-16 (fractions here; x 100 printed)"
-    )
-    rays = None
-    if cfg.get("rayiou", True):  # of the files just written, against the split's labels
-        start, index = time.perf_counter(), datamodule.val_set.index
-        rays = rayiou.score_predictions(index, data_cfg.dataroot, pred_dir, rayiou.device_for(str(cfg.accelerator)))
-        seconds = time.perf_counter() - start
-        print(f"RayIoU: {len(index['sample_token'])} samples, {rays.rays} scored rays, {seconds:.1f} s", flush=True)
-        record["metrics"].update(rays.as_dict())
-        record["rayiou_per_class"] = rays.per_class()
-        record["rayiou_metric"] = rayiou.DEFINITION
-    atomic_write(out / "metrics.json", json.dumps(record, indent=2))
-    mask = str(loaded.model.task_modules.occupancy.metric_mask)
-    print(f"Checkpoint {loaded.path} on {data_cfg.dataroot} {data_cfg.version}/{data_cfg.val_split}:")
-    print(format_table(metrics, mask=mask))
-    if rays is not None:
-        print(rayiou.format_table(rays))
-    pngs = _occupancy_pngs(loaded.model, datamodule, out, int(cfg.num_pngs))
-    print(f"Metrics: {out / 'metrics.json'}  Predictions (challenge format): {pred_dir}  Pictures: {len(pngs)} PNGs")
-    return record
-
-
-def _occupancy_pngs(model, datamodule, out: Path, n: int) -> list[Path]:
-    """Cameras, then top-down and side views of the prediction beside the camera-visible ground truth, for the first
-    n validation samples (bev.tasks.occupancy.viz)."""
-    from bev.inference import predict
-    from bev.tasks.occupancy.viz import render_occupancy
-    from bev.viz import camera_grid, save_png
-
-    paths: list[Path] = []
-    for batch in datamodule.test_dataloader() if n > 0 else ():
-        pred = predict(model, batch)["occupancy"].cpu()
-        for i in range(min(len(pred), n - len(paths))):
-            cams = camera_grid(batch["images"][i], batch["cam_ids"][i])
-            img = render_occupancy(pred[i], batch["occ_semantics"][i], batch["occ_mask_camera"][i], cams)
-            paths.append(Path(save_png(out / f"sample_{len(paths):03d}.png", img)))
-        if len(paths) >= n:
-            break
-    return paths
 
 
 def output_files(out: Path, num_pngs: int) -> list[Path]:
@@ -155,31 +97,6 @@ def _checked_output_dir(cfg: DictConfig) -> Path:
     return out
 
 
-PLOTS_DIR = "plots"  # made by the devkit's DetectionEval beside the results
-
-
-def _check_output_folders(cfg: DictConfig, out: Path, model, occupancy: bool) -> None:
-    """The folders bev-eval writes in (or has made) for this model stay inside the output folder and are folders;
-    an occupancy model's earlier predictions there are replaced only with overwrite=true."""
-    from bev.inference import overwrite_option
-    from bev.utils.io import check_output_folder
-
-    if occupancy:
-        pred_dir = check_output_folder(out, out / PREDICTIONS_DIR, "challenge-format predictions")
-        earlier = _earlier_predictions(pred_dir)
-        if earlier and not overwrite_option(cfg.get("overwrite", False)):
-            raise FileExistsError(
-                f"{str(pred_dir)!r} already holds {len(earlier)} predictions of an earlier evaluation: pass "
-                "overwrite=true to replace them, or another folder (hydra.run.dir=...)"
-            )
-    elif "detection" in model.tasks:
-        check_output_folder(out, out / PLOTS_DIR, "devkit's plots")
-
-
-def _earlier_predictions(pred_dir: Path) -> list[Path]:
-    return sorted(p for p in pred_dir.glob("*.npz") if not p.is_dir()) if pred_dir.is_dir() else []
-
-
 def _test_metrics(cfg: DictConfig, loaded, data_cfg: DictConfig, datamodule) -> dict[str, float]:
     """One trainer.test pass of the model over the data; returns its metrics without the "test/" prefix."""
     import lightning as L
@@ -205,55 +122,44 @@ def _test_metrics(cfg: DictConfig, loaded, data_cfg: DictConfig, datamodule) -> 
 
 
 def _eval_record(loaded, data_cfg: DictConfig, metrics: dict[str, float]) -> dict[str, Any]:
-    """The metrics.json record: what was evaluated, how the metrics are defined, and the metrics."""
+    """The metrics.json record: what was evaluated, how each task's metrics are defined, and the metrics."""
     from bev.utils.checkpoint import logged_val_iou
 
     ckpt, model = loaded.checkpoint, loaded.model
-    return {
+    record = {
         "checkpoint": str(loaded.path),
         "epoch": ckpt.get("epoch"),
         "global_step": ckpt.get("global_step"),
+        "tasks": list(model.tasks),
         "data": OmegaConf.to_container(
             OmegaConf.masked_copy(data_cfg, ["dataroot", "version", "val_split", "final_dim"]), resolve=True
         ),
         "grid": OmegaConf.to_container(loaded.run_config.grid),
-        "threshold": float(loaded.model_config.get("threshold", 0.5)),
-        "visibility_filter": "iou_vis*: cells of vehicles with nuScenes visibility level 1 (0-40%) ignored",
-        "distance_bands_m": "cell-centre distance from the ego origin: [0,20), [20,35), [35,50)",
-        "object_classes": list(model.object_classes),
-        "map_classes": list(model.map_classes),
-        "map_protocol": "BEVFusion: IoU of p >= t over the split for t in 0.35..0.65 step 0.05; iou_<class> at the "
-        "best t (thr_<class>); miou_map their mean",
-        "metrics": metrics,
-        "logged_val_iou": logged_val_iou(ckpt),
     }
+    for task in model.task_modules.values():
+        record.update(task.record())
+    return {**record, "metrics": metrics, "logged_val_iou": logged_val_iou(ckpt)}
 
 
 def _print_report(loaded, data_cfg: DictConfig, record: dict[str, Any], out: Path, num_pngs: int) -> None:
-    """What was evaluated, the IoU table, the run's own val/iou for comparison, and where the files are."""
-    from bev.tasks.detection.nusc_eval import RESULTS_FILE
-    from bev.tasks.detection.nusc_eval import format_table as detection_table
-    from bev.tasks.motion.metric import format_table as motion_table
-    from bev.tasks.segmentation.metric import format_table
-
-    ckpt, metrics, logged = loaded.checkpoint, record["metrics"], record["logged_val_iou"]
-    tasks = loaded.model.tasks
+    """What was evaluated, each task's report, and where the files are."""
+    ckpt = loaded.checkpoint
     print(
         f"Checkpoint {loaded.path} (epoch {ckpt.get('epoch')}, step {ckpt.get('global_step')}) on "
-        f"{data_cfg.dataroot} {data_cfg.version}/{data_cfg.val_split}, threshold {record['threshold']}:"
+        f"{data_cfg.dataroot} {data_cfg.version}/{data_cfg.val_split}:"
     )
-    if "detection" in tasks:
-        print(f"3D detection, scored by the nuScenes devkit's DetectionEval (results: {out / RESULTS_FILE}):")
-        print(detection_table(metrics))
-    if "segmentation" not in tasks:
-        print(f"Metrics: {out / 'metrics.json'}  Pictures: {num_pngs} PNGs in {out}")
-        return
-    print(format_table(metrics, loaded.model.object_classes, loaded.model.map_classes))
-    if "future_iou_long" in metrics:  # a temporal model: FIERY's scores over the present and future frames
-        print("\n" + motion_table(metrics))
-    if logged is not None:
-        print(f"val/iou logged by the run for this checkpoint: {logged:.4f} (this evaluation: {metrics['iou']:.4f})")
+    for task in loaded.model.task_modules.values():
+        print(task.report(record, out))
     print(f"Metrics: {out / 'metrics.json'}  Pictures: {num_pngs} PNGs in {out}")
+
+
+def _save_occupancy_png(path: Path, batch: dict, i: int, pred) -> None:
+    """Cameras, then top-down and side views of the prediction beside the camera-visible ground truth."""
+    from bev.tasks.occupancy.viz import render_occupancy
+    from bev.viz import camera_grid, save_png
+
+    cams = camera_grid(batch["images"][i], batch["cam_ids"][i])
+    save_png(path, render_occupancy(pred, batch["occ_semantics"][i], batch["occ_mask_camera"][i], cams))
 
 
 def save_pngs(model, datamodule, out: Path, n: int) -> list[Path]:
@@ -271,7 +177,9 @@ def save_pngs(model, datamodule, out: Path, n: int) -> list[Path]:
             if len(paths) >= n:
                 return paths
             path = out / f"sample_{len(paths):03d}.png"
-            if isinstance(pred, dict) and "detections" in pred:
+            if isinstance(pred, dict) and "occupancy" in pred:
+                _save_occupancy_png(path, batch, i, pred["occupancy"][i].cpu())
+            elif isinstance(pred, dict) and "detections" in pred:
                 maps = "segmentation" in model.tasks  # else untrained
                 save_sample_png(
                     path,

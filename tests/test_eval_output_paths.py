@@ -88,11 +88,26 @@ def _stub_checkpoint(monkeypatch, heads: tuple[str, ...]) -> None:
     """load_checkpoint answering a model of `heads` at once; the model must never run."""
     import bev.inference
 
-    loaded = SimpleNamespace(model=SimpleNamespace(tasks=heads), chosen=None, run_config=SimpleNamespace(grid=None))
+    loaded = SimpleNamespace(
+        model=SimpleNamespace(tasks=heads, task_modules={t: _task(t) for t in heads}),
+        chosen=None,
+        run_config=SimpleNamespace(grid=None),
+    )
     monkeypatch.setattr(bev.inference, "load_checkpoint", lambda *a, **k: loaded)
     monkeypatch.setattr(bev.inference, "trained_on", lambda *a: None)
     monkeypatch.setattr(bev.inference, "build_data_config", lambda *a, **k: pytest.fail("the data was read"))
     monkeypatch.setattr(bev_eval, "_test_metrics", lambda *a, **k: pytest.fail("the model ran"))
+
+
+def _task(name: str):
+    """A task's training and evaluation side, as a checkpoint with that task builds it."""
+    from bev.geometry import Grid
+    from bev.tasks.detection.task import DetectionTask
+    from bev.tasks.occupancy.task import OccupancyTask
+    from bev.tasks.segmentation.task import SegmentationTask
+
+    made = {"segmentation": lambda: SegmentationTask(Grid(), ["vehicle"]), "detection": lambda: DetectionTask(Grid())}
+    return {**made, "occupancy": OccupancyTask}[name]()
 
 
 @pytest.mark.parametrize(

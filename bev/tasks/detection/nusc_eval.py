@@ -54,6 +54,7 @@ KEY_FRAME_SECONDS = 0.5  # nuScenes key frames are 2 Hz
 MAX_PAST_KEY_FRAMES = 1
 RESULTS_FILE = "results_nusc.json"
 SUMMARY_FILE = "metrics_summary.json"  # the devkit's summary, written beside the results
+PLOTS_DIR = "plots"  # made by the devkit's DetectionEval beside the results
 CAMERA_META = {"use_camera": True, "use_lidar": False, "use_radar": False, "use_map": False, "use_external": False}
 # TP error names of the devkit -> the mean's name it prints.
 TP_ERRORS = {"trans_err": "mATE", "scale_err": "mASE", "orient_err": "mAOE", "vel_err": "mAVE", "attr_err": "mAAE"}

@@ -5,21 +5,24 @@ tracks where track_velocity says so (within the detection rules' 0.5 s of past).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from bev.geometry import Grid
 from bev.tasks.detection.decode import check_decoding, decode
 from bev.tasks.detection.loss import DetectionLoss
+from bev.tasks.detection.nusc_eval import PLOTS_DIR, RESULTS_FILE, SUMMARY_FILE, format_table
 from bev.tasks.detection.scoring import DetectionScore
 from bev.tasks.detection.tracking import TrackVelocity, check_past
+from bev.tasks.task import Task
+from bev.utils.io import check_output_folder
 
 OPTIONS = ("weight", "loss", "decoding", "velocity_frame", "track_velocity")
 
 
-class DetectionTask(nn.Module):
+class DetectionTask(Task):
     """model.detection: {weight, loss: DetectionLoss options, decoding: bev.tasks.detection.decode options,
     velocity_frame, track_velocity}; past_frames: the network's (its fused past counts against the rules)."""
 
@@ -74,3 +77,19 @@ class DetectionTask(nn.Module):
 
     def predict(self, out: Mapping) -> dict[str, Any]:
         return {"detections": self.decode_boxes(out["detection"])}
+
+    # --- bev-eval
+
+    def eval_files(self, out: Path) -> list[Path]:
+        """The files bev-eval has this task write in its output folder: the results and the devkit's summary."""
+        return [out / RESULTS_FILE, out / SUMMARY_FILE]
+
+    def check_eval_folders(self, out: Path, overwrite: bool) -> None:
+        """The devkit's plots folder stays inside the output folder and is a folder."""
+        check_output_folder(out, out / PLOTS_DIR, "devkit's plots")
+
+    def report(self, record: Mapping[str, Any], out: Path) -> str:
+        return (
+            f"3D detection, scored by the nuScenes devkit's DetectionEval (results: {out / RESULTS_FILE}):\n"
+            + format_table(record["metrics"])
+        )

@@ -14,7 +14,8 @@ from bev.geometry import Grid
 from bev.tasks.motion import IGNORE
 from bev.tasks.motion.instances import DECODINGS, decode_sequence
 from bev.tasks.motion.loss import TemporalLoss
-from bev.tasks.motion.metric import FIERY_RANGES, FutureIoU, PanopticQuality, crop_to_range
+from bev.tasks.motion.metric import FIERY_RANGES, FutureIoU, PanopticQuality, crop_to_range, format_table
+from bev.tasks.task import Task
 
 OPTIONS = ("loss", "instance_decoding")
 # "copied": in tests (bev-eval), also the present frame's outputs copied to every future frame with zero flow, the
@@ -22,7 +23,7 @@ OPTIONS = ("loss", "instance_decoding")
 STAGES = ("val", "test", "copied")
 
 
-class MotionTask(nn.Module):
+class MotionTask(Task):
     """model.motion: {loss: TemporalLoss options (weights, uncertainty, uncertainty_init, future_discount,
     seg_pos_weight, seg_top_k), instance_decoding: propagate (PowerBEV) | fiery}."""
 
@@ -92,6 +93,10 @@ class MotionTask(nn.Module):
         return {"segmentation": motion["segmentation"].float().sigmoid()} | {
             k: motion[k].float() for k in ("centerness", "offset", "flow")
         }
+
+    def report(self, record: Mapping[str, Any], out) -> str:
+        """FIERY's scores over the present and future frames, beside the copied present's."""
+        return format_table(record["metrics"])
 
 
 def present_copied(motion: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -4,16 +4,19 @@ predictions can be written in the challenge's format (prediction_dir, set by bev
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from bev.tasks.occupancy.grid import FREE, OCC3D_CLASSES
-from bev.tasks.occupancy.io import write_prediction
+from bev.tasks.occupancy.io import PREDICTIONS_DIR, write_prediction
 from bev.tasks.occupancy.loss import OccupancyLoss, check_loss_options
-from bev.tasks.occupancy.metric import DEFAULT_BANDS, MASKS, OccScores, OccupancyMIoU
+from bev.tasks.occupancy.metric import DEFAULT_BANDS, MASKS, OccScores, OccupancyMIoU, format_table
+from bev.tasks.task import Task
+from bev.utils.io import check_output_folder
 
 LABEL_KEY, MASK_KEYS = "occ_semantics", ("occ_mask_camera", "occ_mask_lidar")
 OPTIONS = ("loss", "metric_mask")
@@ -27,7 +30,7 @@ def score_dict(scores: OccScores, bands: Mapping[str, OccScores]) -> dict[str, f
     return out
 
 
-class OccupancyTask(nn.Module):
+class OccupancyTask(Task):
     """model.occupancy: {loss: {class_weight, lovasz_weight, visible_only} (bev.tasks.occupancy.loss.OccupancyLoss),
     metric_mask: camera (Occ3D) | lidar | none, the voxels scored}."""
 
@@ -45,6 +48,7 @@ class OccupancyTask(nn.Module):
             raise ValueError(f"model.occupancy.metric_mask must be one of {', '.join(MASKS)}, got {self.metric_mask!r}")
         self._scores: dict[str, OccupancyMIoU] = {}
         self.prediction_dir: str | None = None
+        self.rays = None  # the last bev-eval's RayIoU scores (after_test)
 
     def loss(self, out: Mapping, batch: Mapping, terms: Mapping) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if LABEL_KEY not in batch:
@@ -80,3 +84,56 @@ class OccupancyTask(nn.Module):
     def predict(self, out: Mapping) -> dict[str, torch.Tensor]:
         """{"occupancy": (B, 200, 200, 16) uint8 class ids (the argmax), indexed [x, y, z]}."""
         return {"occupancy": out["occupancy"].argmax(1).to(torch.uint8)}
+
+    # --- bev-eval: the predictions in the challenge's format in <out>/predictions, scored by RayIoU too
+
+    def check_eval_folders(self, out: Path, overwrite: bool) -> None:
+        """The predictions folder stays inside the output folder; an earlier evaluation's predictions there are
+        replaced only with overwrite=true (a submission folder holds one evaluation's samples)."""
+        pred_dir = check_output_folder(out, out / PREDICTIONS_DIR, "challenge-format predictions")
+        earlier = earlier_predictions(pred_dir)
+        if earlier and not overwrite:
+            raise FileExistsError(
+                f"{str(pred_dir)!r} already holds {len(earlier)} predictions of an earlier evaluation: pass "
+                "overwrite=true to replace them, or another folder (hydra.run.dir=...)"
+            )
+
+    def before_test(self, out: Path) -> None:
+        for path in earlier_predictions(out / PREDICTIONS_DIR):
+            path.unlink()
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "distance_bands_m": "voxel-column centre distance from the ego origin: [0,20), [20,40), [40,inf)",
+            "metric": "Occ3D's Metric_mIoU: 18x18 confusion over the voxels of mask_camera, per-class IoU, mIoU = mean "
+            "over classes 0-16 (fractions here; x 100 printed)",
+        }
+
+    def after_test(self, record: dict[str, Any], out: Path, index, dataroot: str, options: Mapping[str, Any]) -> None:
+        """SparseOcc's RayIoU of the predictions just written against the split's labels (unless rayiou=false)."""
+        from bev.tasks.occupancy import rayiou
+
+        pred_dir = out / PREDICTIONS_DIR
+        record["predictions"], self.rays = str(pred_dir), None
+        if not options.get("rayiou", True):
+            return
+        start = time.perf_counter()
+        rays = rayiou.score_predictions(index, dataroot, pred_dir, rayiou.device_for(str(options["accelerator"])))
+        seconds = time.perf_counter() - start
+        print(f"RayIoU: {len(index['sample_token'])} samples, {rays.rays} scored rays, {seconds:.1f} s", flush=True)
+        record["metrics"].update(rays.as_dict())
+        record["rayiou_per_class"] = rays.per_class()
+        record["rayiou_metric"] = rayiou.DEFINITION
+        self.rays = rays
+
+    def report(self, record: Mapping[str, Any], out: Path) -> str:
+        from bev.tasks.occupancy import rayiou
+
+        text = format_table(record["metrics"], mask=self.metric_mask)
+        if self.rays is not None:
+            text += "\n" + rayiou.format_table(self.rays)
+        return text + f"\nPredictions (challenge format): {record['predictions']}"
+
+
+def earlier_predictions(pred_dir: Path) -> list[Path]:
+    return sorted(p for p in pred_dir.glob("*.npz") if not p.is_dir()) if pred_dir.is_dir() else []

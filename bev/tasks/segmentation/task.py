@@ -4,18 +4,21 @@ of the object classes, BEVFusion's best-threshold IoU of the map classes), per e
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from bev.geometry import Grid
 from bev.tasks.segmentation.loss import SegmentationLoss
-from bev.tasks.segmentation.metric import BevIoU, MapIoU
+from bev.tasks.segmentation.metric import BevIoU, MapIoU, format_table
+from bev.tasks.task import Task
 
 STAGES = ("val", "test")
 
 
-class SegmentationTask(nn.Module):
+class SegmentationTask(Task):
     """Object then map channels (names from the data config); loss "bce" or "focal", pos_weight and class_weight
     per channel (bev.tasks.segmentation.loss); threshold: the object classes' IoU threshold."""
 
@@ -60,3 +63,27 @@ class SegmentationTask(nn.Module):
 
     def predict(self, out: Mapping) -> dict[str, torch.Tensor]:
         return {"bev": out["segmentation"].float().sigmoid()}
+
+    # --- bev-eval
+
+    def record(self) -> dict[str, Any]:
+        """What metrics.json says of how this task's metrics are defined."""
+        return {
+            "threshold": float(self.iou["test"].threshold),
+            "visibility_filter": "iou_vis*: cells of vehicles with nuScenes visibility level 1 (0-40%) ignored",
+            "distance_bands_m": "cell-centre distance from the ego origin: [0,20), [20,35), [35,50)",
+            "object_classes": list(self.object_classes),
+            "map_classes": list(self.map_classes),
+            "map_protocol": "BEVFusion: IoU of p >= t over the split for t in 0.35..0.65 step 0.05; iou_<class> at "
+            "the best t (thr_<class>); miou_map their mean",
+        }
+
+    def report(self, record: Mapping[str, Any], out: Path) -> str:
+        """The IoU table, and the run's own val/iou of this checkpoint beside this evaluation's."""
+        metrics, logged = record["metrics"], record.get("logged_val_iou")
+        text = format_table(metrics, self.object_classes, self.map_classes)
+        if logged is not None:
+            text += (
+                f"\nval/iou logged by the run for this checkpoint: {logged:.4f} (this evaluation: {metrics['iou']:.4f})"
+            )
+        return text
