@@ -270,7 +270,7 @@ class BEVLitModule(L.LightningModule):
         file = resolve_checkpoint(self.init_from)
         ckpt = read_checkpoint(file)
         loaded, report = load_matching(self, ckpt, file)
-        return report + self._init_task_decoder(loaded) + self._after_init_from(ckpt, loaded)
+        return report + self._after_init_from(ckpt, loaded)
 
     def _after_init_from(self, ckpt: Mapping[str, Any], loaded: set[str]) -> str:
         """More of the init_from report, after the matching tensors were loaded: the parts started from them."""

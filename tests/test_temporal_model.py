@@ -640,3 +640,25 @@ def test_init_from_starts_a_detection_model_from_a_static_one(tmp_path, capsys):
     shared = [k for k in theirs if k.startswith("net.")]
     assert shared and all(torch.equal(own[k], theirs[k]) for k in shared)
     assert "model.init_from: loaded" in said and "new (trained from scratch): heads.detection (" in said, said
+
+
+def test_a_detection_decoder_of_its_own_starts_as_the_loaded_shared_one_once(tmp_path, capsys):
+    static = static_module()
+    path = save_checkpoint(static, tmp_path / "static.ckpt", STATIC_CONFIG)
+    heads = {"segmentation": {"num_classes": 2}, "detection": {"shared_channels": 8, "head_channels": 0}}
+    net = BEVNet(**{**SIZES, "decoder": {**SIZES["decoder"], "task_decoders": True}}, heads=heads)
+    det = BEVLitModule(
+        net,
+        torch.optim.Adam,
+        object_classes=["vehicle"],
+        map_classes=["drivable_area"],
+        tasks=["segmentation", "detection"],
+        init_from=path,
+    )
+    det._trainer = SimpleNamespace(ckpt_path=None, is_global_zero=True)
+    det.on_fit_start()
+    said = capsys.readouterr().out
+    assert said.count("detection decoder: a copy of the loaded segmentation decoder") == 1, said
+    for mine, theirs in (("det_up1", "up1"), ("det_up2", "up2")):
+        a, b = getattr(det.net.decoder, mine).state_dict(), getattr(det.net.decoder, theirs).state_dict()
+        assert all(torch.equal(x, y) for x, y in zip(a.values(), b.values()))
