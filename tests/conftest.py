@@ -12,6 +12,19 @@ from pathlib import Path
 import pytest
 
 
+def _hypothesis_profiles() -> None:
+    """`make test` draws the same examples each run (a red CI names a change, not a lucky draw);
+    BEV_HYPOTHESIS=explore draws new ones each run, to look for what the fixed draw misses."""
+    from hypothesis import settings
+
+    settings.register_profile("fixed", derandomize=True)
+    settings.register_profile("explore", derandomize=False)
+    settings.load_profile(os.environ.get("BEV_HYPOTHESIS", "fixed"))
+
+
+_hypothesis_profiles()
+
+
 def pytest_configure(config):
     """Set up each process that runs tests. The pytest-xdist controller (make test: -n auto) runs none
     and imports neither torch nor Lightning (seconds each)."""
@@ -25,6 +38,8 @@ def pytest_configure(config):
     gc.disable()
     import lightning.pytorch  # noqa: F401
     import torch
+
+    import bev.data  # noqa: F401 (registers the data/ config schemas every composed config names)
 
     gc.freeze()
     gc.enable()

@@ -69,6 +69,28 @@ def test_a_legacy_checkpoint_loads_with_its_tasks(task):
     assert "val_iou_best" not in upgraded["state_dict"] and "heads" not in upgraded["bev_config"]["model"]
 
 
+CRAFTED = {  # where a stored config of the earlier layout is not what bev-train wrote
+    "module target not a string": lambda m: m.update(_target_={"_target_": "os.system"}),
+    "net target not a string": lambda m: m["net"].update(_target_=["bev.models.LiftSplatShoot"]),
+    "camera a list": lambda m: m["net"].update(camera=[1, 2, 3]),
+    "detection a string": lambda m: m["net"].update(detection="os.system"),
+    "tasks a number": lambda m: m.update(heads=7),
+}
+
+
+@pytest.mark.parametrize("craft", CRAFTED)
+def test_a_crafted_legacy_config_is_refused_in_one_line(craft, tmp_path):
+    from bev.inference import load_checkpoint
+    from bev.utils.trust import UntrustedCheckpointError
+
+    raw = torch.load(LEGACY / "motion.ckpt", map_location="cpu", weights_only=True)  # a legacy module and net
+    CRAFTED[craft](raw["bev_config"]["model"])
+    torch.save(raw, tmp_path / "crafted.ckpt")
+    with pytest.raises(UntrustedCheckpointError) as e:
+        load_checkpoint(tmp_path / "crafted.ckpt")
+    assert "\n" not in str(e.value) and "trust_checkpoint=true" in str(e.value)
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("task", TASKS)
 def test_bev_eval_scores_a_legacy_checkpoint(task, synthetic_root, occ_root, tmp_path, monkeypatch):  # noqa: F811

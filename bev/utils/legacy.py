@@ -27,7 +27,14 @@ CAMERA_KEYS = ("downsample", "context_channels", "splat", "pool_backend")
 
 def legacy_kind(net: Any) -> str | None:
     """ "static", "temporal" or "occupancy" for a stored model.net of the earlier layout, else None."""
-    return LEGACY_NETS.get(net.get("_target_")) if isinstance(net, dict) else None
+    return LEGACY_NETS.get(_target(net))
+
+
+def _target(node: Any) -> str | None:
+    """The `_target_` of a stored config node; None for anything but a mapping with a string there (a crafted
+    config is refused by the trust check after the upgrade, not here)."""
+    target = node.get("_target_") if isinstance(node, dict) else None
+    return target if isinstance(target, str) else None
 
 
 def upgrade_net_config(net: dict) -> dict:
@@ -112,7 +119,10 @@ def upgrade_network(ckpt: dict) -> bool:
     if kind is None:
         return False
     if net is not None:
-        model["net"] = upgrade_net_config(net)
+        try:
+            model["net"] = upgrade_net_config(net)
+        except (TypeError, ValueError, AttributeError):
+            return False  # not a config bev-train wrote: left as it is, for the trust check to refuse
     ckpt["state_dict"] = upgrade_net_state(state, kind)
     return True
 
@@ -157,9 +167,9 @@ def upgrade_module(ckpt: dict) -> bool:
     task_modules.<task>."""
     config = ckpt.get("bev_config")
     model = config.get("model") if isinstance(config, dict) else None
-    task = LEGACY_MODULES.get(model.get("_target_")) if isinstance(model, dict) else None
-    if task is None:
-        return False
+    task = LEGACY_MODULES.get(_target(model))
+    if task is None or not isinstance(model.get("tasks") or [], list):
+        return False  # not a module bev-train wrote: left as it is, for the trust check to refuse
     model["_target_"] = MODULE
     tasks = [t for t in (model.get("tasks") or ["segmentation"]) if t != task] if task == "motion" else []
     model["tasks"] = [*tasks, task]
