@@ -69,12 +69,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
 
 def output_files(out: Path, num_pngs: int) -> list[Path]:
-    """The files bev-eval writes in its output folder: metrics.json, a detecting model's results and devkit
-    summary, and the sample PNGs."""
-    from bev.tasks.detection.nusc_eval import RESULTS_FILE, SUMMARY_FILE
+    """The files bev-eval writes in its output folder: metrics.json, those every task may write (checked before the
+    checkpoint says which tasks it has: a detecting model's results and devkit summary), and the sample PNGs."""
+    from bev.tasks import task_classes
 
-    names = ["metrics.json", RESULTS_FILE, SUMMARY_FILE, *(f"sample_{i:03d}.png" for i in range(max(num_pngs, 0)))]
-    return [out / n for n in names]
+    files = [out / "metrics.json", *(path for task in task_classes() for path in task.eval_files(out))]
+    return files + [out / f"sample_{i:03d}.png" for i in range(max(num_pngs, 0))]
 
 
 def _checked_output_dir(cfg: DictConfig) -> Path:
@@ -153,53 +153,25 @@ def _print_report(loaded, data_cfg: DictConfig, record: dict[str, Any], out: Pat
     print(f"Metrics: {out / 'metrics.json'}  Pictures: {num_pngs} PNGs in {out}")
 
 
-def _save_occupancy_png(path: Path, batch: dict, i: int, pred) -> None:
-    """Cameras, then top-down and side views of the prediction beside the camera-visible ground truth."""
-    from bev.tasks.occupancy.viz import render_occupancy
-    from bev.viz import camera_grid, save_png
-
-    cams = camera_grid(batch["images"][i], batch["cam_ids"][i])
-    save_png(path, render_occupancy(pred, batch["occ_semantics"][i], batch["occ_mask_camera"][i], cams))
-
-
 def save_pngs(model, datamodule, out: Path, n: int) -> list[Path]:
-    """Cameras + prediction vs target for the first n validation samples (a temporal model's: its windows,
-    with the vehicles' instances and future paths; a detecting model's: its 3D boxes over the ground truth,
-    in the BEV and the cameras)."""
+    """Cameras + prediction vs target for the first n validation samples, each drawn with its model's tasks'
+    layers (bev.viz.sample_picture: a temporal model's windows with the vehicles' instances and future paths; a
+    detecting model's 3D boxes over the ground truth, in the BEV and the cameras; an occupancy model's views)."""
+    from bev.inference import per_sample, predictions
+    from bev.viz import sample_picture, save_picture
 
-    from bev.inference import predict
-    from bev.viz import batch_sample, save_sample_png, save_temporal_png
-
+    tasks = list(model.task_modules.values())
+    options = {"class_names": model.class_names, "n_objects": len(model.object_classes)}  # no box_threshold: viz's
     paths: list[Path] = []
     for batch in datamodule.test_dataloader() if n > 0 else ():
-        pred = predict(model, batch)
-        for i in range(len(batch["sample_token"])):
+        for i, item in enumerate(per_sample(predictions(model, batch))):
             if len(paths) >= n:
                 return paths
+            layers: dict[str, Any] = {}
+            for task in tasks:
+                layers.update(task.picture_layers(item, options))
             path = out / f"sample_{len(paths):03d}.png"
-            if isinstance(pred, dict) and "occupancy" in pred:
-                _save_occupancy_png(path, batch, i, pred["occupancy"][i].cpu())
-            elif isinstance(pred, dict) and "detections" in pred:
-                maps = "segmentation" in model.tasks  # else untrained
-                save_sample_png(
-                    path,
-                    batch_sample(batch, i),
-                    pred=pred["bev"][i : i + 1].cpu() if maps else None,
-                    class_names=model.class_names,
-                    detections={k: v.cpu() for k, v in pred["detections"][i].items()},
-                )
-            elif isinstance(pred, dict):
-                item = {k: v[i].cpu() for k, v in pred.items()}
-                save_temporal_png(
-                    path,
-                    batch_sample(batch, i),
-                    item,
-                    item["instances"],
-                    class_names=model.class_names,
-                    n_objects=len(model.object_classes),
-                )
-            else:
-                save_sample_png(path, batch_sample(batch, i), pred=pred[i : i + 1].cpu(), class_names=model.class_names)
+            save_picture(path, sample_picture(batch, i, layers, None, options["class_names"], options["n_objects"]))
             paths.append(path)
     return paths
 

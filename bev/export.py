@@ -9,6 +9,9 @@ A checkpoint with a detection head (boxes=auto, the default, or boxes=true) expo
 beside the BEV logits: outputs "logits" (B, K, X, Y), "heatmap" (B, 10, X, Y) and "regression"
 (B, G, 10, X, Y) (bev.inference.DETECTION_OUTPUTS; torch_export returns them as a dict). Boxes are
 decoded from them in Python (bev.tasks.detection.decode.decode), as predict does.
+
+Each head's task class says which maps it exports (bev.tasks.task.Task.exported, exported_maps, gives_boxes):
+bev.inference.ExportedMaps composes them, asking no task by name.
 """
 
 from __future__ import annotations
@@ -42,12 +45,12 @@ def export(cfg: DictConfig) -> dict[str, Any]:
     loaded = load_checkpoint(cfg.ckpt_path, trusted=bool(cfg.get("trust_checkpoint")))
     say_chosen(loaded)
     boxes = wants_boxes(cfg.get("boxes", "auto"), loaded.model, loaded.path)
-    _check_something_to_export(loaded, boxes)
-    writable_dir(out.parent, "out (its folder)")  # made now that the checkpoint is checked
     net = ExportedMaps(loaded.model.net.eval(), boxes).eval()
+    _check_something_to_export(loaded, net)
+    writable_dir(out.parent, "out (its folder)")  # made now that the checkpoint is checked
     example = example_inputs(loaded.model.net, int(cfg.num_cameras), int(cfg.batch_size))
     with torch.no_grad():
-        expected = _named(net(*example))
+        expected = _named(net(*example), net.output_names)
     result: dict[str, Any] = {"out": str(out), "format": cfg.format, "outputs": list(expected)}
     write = _write_onnx if cfg.format == "onnx" else _write_program
     diff = write(net, example, expected, out, cfg)
@@ -68,26 +71,32 @@ def export(cfg: DictConfig) -> dict[str, Any]:
     return result
 
 
-def _named(out) -> dict[str, Any]:
-    """The exported model's output(s) by name: a bare tensor is the "logits"."""
-    return dict(out) if isinstance(out, dict) else {"logits": out}
+def _named(out, names: tuple[str, ...]) -> dict[str, Any]:
+    """The exported model's output(s) by name: a bare tensor is its one output (the "logits")."""
+    return dict(out) if isinstance(out, dict) else {names[0]: out}
 
 
 def _max_diff(got, expected: dict[str, Any]) -> float:
     """The largest |got - expected| over the named outputs (a missing or misshapen output is an error)."""
-    got = _named(got)
+    got = _named(got, tuple(expected))
     if set(got) != set(expected):
         raise RuntimeError(f"the exported model gives outputs {sorted(got)}, PyTorch {sorted(expected)}")
     return max(float((got[k] - v).abs().max()) for k, v in expected.items())
 
 
-def _check_something_to_export(loaded, boxes: bool) -> None:
-    """boxes=false on a model trained to detect only would export untrained BEV logits: refuse it."""
-    tasks = loaded.model.tasks
-    if not boxes and "segmentation" not in tasks:
+def _check_something_to_export(loaded, net) -> None:
+    """Refuse an export of no outputs (heads bev-export writes no maps of) or of untrained ones only (boxes=false on
+    a model trained to detect only: its BEV logits)."""
+    tasks, outputs, path = list(loaded.model.tasks), net.output_names, str(loaded.path)
+    if not outputs:
         raise ValueError(
-            f"boxes=false but the checkpoint {str(loaded.path)!r} trains only detection (model.tasks "
-            f"{list(tasks)}): its BEV logits are untrained; pass boxes=auto to export the detection maps"
+            f"the checkpoint {path!r} (model.tasks {tasks}) has no head whose maps bev-export writes: it exports "
+            "BEV logits and 3D box maps only"
+        )
+    if not any(net.sources[name] in tasks for name in outputs):
+        raise ValueError(
+            f"boxes={str(net.boxes).lower()} but the checkpoint {path!r} trains only {', '.join(tasks)} (model.tasks "
+            f"{tasks}): its outputs {list(outputs)} are untrained; pass boxes=auto to export the detection maps"
         )
 
 

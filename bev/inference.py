@@ -22,6 +22,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from bev.tasks.task import NPZ_SCALE  # probabilities are stored as uint8 q = round(p * NPZ_SCALE)
+
 # The network's inputs, in the order bev.models.BEVNet.forward takes them (shapes for B samples of N cameras).
 CAMERA_INPUTS: dict[str, str] = {
     "images": "(B, N, 3, H, W) float32, ImageNet-normalised",
@@ -65,6 +67,7 @@ def load_checkpoint(
     """
     from hydra.utils import instantiate
 
+    from bev.tasks import task_classes
     from bev.utils.checkpoint import (
         CheckpointError,
         check_compatible,
@@ -98,7 +101,8 @@ def load_checkpoint(
     model_cfg = OmegaConf.merge(model_cfg, {"net": {"grid": run_cfg.grid, "image_size": run_cfg.data.final_dim}})
     for key in RETIRED_MODEL_KEYS:  # settings older checkpoints stored that no longer exist
         model_cfg.pop(key, None)
-    _within_detection_rules(model_cfg, path)
+    for task in task_classes():  # each task's settings that older checkpoints stored beyond today's rules
+        task.upgrade_model_config(model_cfg, path)
     # The checkpoint holds the weights: do not download or read the pretrained backbone again.
     model_cfg.net.camera.weights = None
     model_cfg.net.camera.weights_path = None
@@ -107,25 +111,6 @@ def load_checkpoint(
     model.load_state_dict(ckpt["state_dict"])
     model.run_config = OmegaConf.to_container(run_cfg, resolve=True)
     return Loaded(model.eval(), run_cfg, model_cfg, ckpt, path, reason)
-
-
-def _within_detection_rules(model_cfg: DictConfig, path: Path) -> None:
-    """Checkpoints of before the detection rules were kept may score velocities from tracks over more past key
-    frames than the rules allow (bev.tasks.detection.tracking.check_past): they are scored within them, with a
-    warning."""
-    import warnings
-
-    from bev.tasks.detection.tracking import MAX_PAST_KEY_FRAMES
-
-    track = OmegaConf.select(model_cfg, "detection.track_velocity")
-    past = track.get("past_frames") if isinstance(track, DictConfig) else None
-    if isinstance(past, int) and past > MAX_PAST_KEY_FRAMES:
-        warnings.warn(
-            f"{str(path)!r} scores velocities from tracks over {past} past key frames, beyond the nuScenes detection "
-            f"rules: they are scored over {MAX_PAST_KEY_FRAMES} (model.detection.track_velocity.past_frames)",
-            stacklevel=3,
-        )
-        track.past_frames = MAX_PAST_KEY_FRAMES
 
 
 def say_chosen(loaded: Loaded) -> None:
@@ -194,9 +179,18 @@ def load_model(ckpt_path: str | Path, device: str | torch.device = "cpu", truste
     return load_checkpoint(ckpt_path, trusted=trusted).model.to(device)
 
 
+def network(model: nn.Module) -> nn.Module:
+    """The bev.models.BEVNet of `model`: what load_model returns (its .net) or, from the Python API, the bare
+    network itself. The one place that tells the two apart: a bare network has no task modules, so bev.predict
+    asks its heads' task classes instead (bev.tasks.task.Task.head_predictions)."""
+    from bev.models import BEVNet
+
+    return model if isinstance(model, BEVNet) else model.net
+
+
 def is_temporal(model: nn.Module) -> bool:
     """Whether `model` (a LightningModule or its network) takes windows of frames (bev.models.temporal)."""
-    return getattr(getattr(model, "net", model), "past_frames", None) is not None
+    return network(model).past_frames is not None
 
 
 def _batched(batch: Mapping[str, Any], temporal: bool = False) -> dict[str, Any]:
@@ -227,7 +221,17 @@ def predict(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor | dict[s
     "detections": per sample {"boxes" (M, 9) bev.geometry.BOX_FIELDS in the ego frame of the sample's
     LIDAR_TOP, "scores" (M,), "labels" (M,) into bev.classes.DETECTION_CLASSES}}.
     """
-    temporal = is_temporal(model)
+    pred = predictions(model, batch)
+    return pred["bev"] if list(pred) == ["bev"] else pred  # the maps alone: the tensor, as ever
+
+
+@torch.no_grad()
+def predictions(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """Every task's predictions of `batch` by key, as predict's dict (never a bare tensor): each task module's
+    (bev.lit.BEVLitModule.predict_step) and what it decodes from them (Task.decoded); a bare network's heads give
+    what their task classes can without options (Task.head_predictions)."""
+    net = network(model)
+    temporal = net.past_frames is not None
     batch = _batched(batch, temporal)
     device = next(model.parameters()).device
     keys = list(CAMERA_INPUTS) + (["future_egomotion"] if temporal else [])
@@ -235,21 +239,43 @@ def predict(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor | dict[s
     was_training = model.training
     model.eval()
     try:
-        if not hasattr(model, "predict_step"):  # a bare network
-            return model(*inputs.values())["segmentation"].float().sigmoid()
+        if model is net:
+            return _head_predictions(net, inputs)
         pred = model.predict_step(inputs, 0)
-        if "motion" in model.tasks:
-            pred = _with_instances(pred, model.task_modules.motion.instance_decoding)
-        return pred["bev"] if list(pred) == ["bev"] else pred
+        for task in model.task_modules.values():
+            pred.update(task.decoded(pred))
+        return pred
     finally:
         model.train(was_training)
 
 
-def _with_instances(out: dict[str, torch.Tensor], method: str, threshold: float = 0.5) -> dict[str, torch.Tensor]:
-    from bev.tasks.motion.instances import decode_sequence
+def _head_predictions(net: nn.Module, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    from bev.tasks import task_classes
 
-    seg = out["segmentation"][:, :, 0] >= threshold
-    return {**out, "instances": decode_sequence(seg, out["centerness"], out["offset"], out["flow"], method)}
+    out, pred = net(*inputs.values()), {}
+    for task in task_classes(net.tasks):
+        pred.update(task.head_predictions(out))
+    if not pred:
+        raise ValueError(
+            f"a bare network with heads {list(net.tasks)} gives no predictions without its task modules' options: "
+            "pass what bev.load_model returns"
+        )
+    return pred
+
+
+def per_sample(pred: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """predictions' dict as one dict per sample, on the CPU (a list's entries are the samples': "detections")."""
+    pred = _on_cpu(pred)  # the whole batch at once
+    n = len(next(iter(pred.values())))
+    return [{k: v[i] for k, v in pred.items()} for i in range(n)]
+
+
+def _on_cpu(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {k: _on_cpu(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_on_cpu(v) for v in x]
+    return x.cpu() if torch.is_tensor(x) else x
 
 
 def ring_rig(num_cameras: int, image_size: tuple[int, int], batch_size: int = 1) -> dict[str, torch.Tensor]:
@@ -285,65 +311,30 @@ def example_inputs(
 
 
 # ------------------------------------------------------------------------------- prediction files
-NPZ_SCALE = 255  # probabilities are stored as uint8 q = round(p * 255): p = q / 255, error <= 0.002
 
 
-def save_prediction_npz(
-    path: str | Path,
-    probs: torch.Tensor,
-    names: list[str],
-    future: Mapping[str, Any] | None = None,
-    detections: Mapping[str, Any] | None = None,
-    **meta: Any,
-) -> Path:
-    """One sample's (K, X, Y) probabilities as a compressed .npz: one uint8 (X, Y) array per class
-    name (p = q / 255, indexed [x_index, y_index]) plus `meta` under keys starting with "_".
-    A temporal model's window adds `future` (predict's dict of the item): "future_segmentation" (T, X, Y)
-    uint8 (p = q / 255) and "future_instances" (T, X, Y) int32 ids (0 background) of the present and future frames.
-    A detecting model's sample adds `detections` (predict's "detections" of the item): "det_boxes" (M, 9)
-    float32 (BOX_FIELDS, ego frame of the sample's LIDAR_TOP), "det_scores" (M,) float32, "det_labels" (M,)
-    int64 into "_detection_classes", with "_box_fields"."""
+def save_prediction_npz(path: str | Path, arrays: Mapping[str, Any], **meta: Any) -> Path:
+    """One sample's arrays (each task's, bev.tasks.task.Task.npz_arrays: a segmenting model's one uint8 (X, Y)
+    array per class, p = q / NPZ_SCALE, indexed [x_index, y_index]; a temporal model's "future_segmentation" and
+    "future_instances"; a detecting model's "det_boxes", "det_scores", "det_labels") as a compressed .npz, plus
+    `meta` under keys starting with "_" and "_scale" (1 / NPZ_SCALE)."""
     import numpy as np
 
     from bev.utils.io import atomic_open
 
-    p = probs.detach().float().cpu().clamp(0, 1).numpy()
-    if p.ndim != 3 or p.shape[0] != len(names):
-        raise ValueError(f"probs must be (K={len(names)}, X, Y), got {tuple(p.shape)}")
-    arrays = {name: np.rint(p[k] * NPZ_SCALE).astype(np.uint8) for k, name in enumerate(names)}
-    if future is not None:
-        seg = future["segmentation"].detach().float().cpu().clamp(0, 1).reshape((-1,) + p.shape[1:]).numpy()
-        arrays["future_segmentation"] = np.rint(seg * NPZ_SCALE).astype(np.uint8)
-        arrays["future_instances"] = future["instances"].cpu().numpy().astype(np.int32)
-    if detections is not None:
-        arrays.update(_detection_arrays(detections))
-    arrays.update({f"_{k}": np.asarray(v) for k, v in meta.items()})
+    arrays = {**arrays, **{f"_{k}": np.asarray(v) for k, v in meta.items()}}
     arrays["_scale"] = np.asarray(1.0 / NPZ_SCALE, dtype=np.float32)
     with atomic_open(path, "wb") as f:
         np.savez_compressed(f, **arrays)
     return Path(path)
 
 
-def _detection_arrays(det: Mapping[str, Any]) -> dict[str, Any]:
-    """The npz arrays of one sample's decoded boxes (save_prediction_npz)."""
-    import numpy as np
-
-    from bev.classes import DETECTION_CLASSES
-    from bev.geometry import BOX_FIELDS
-
-    return {
-        "det_boxes": det["boxes"].detach().float().cpu().numpy().reshape(-1, len(BOX_FIELDS)),
-        "det_scores": det["scores"].detach().float().cpu().numpy(),
-        "det_labels": det["labels"].cpu().numpy().astype(np.int64),
-        "_box_fields": np.asarray(BOX_FIELDS),
-        "_detection_classes": np.asarray(DETECTION_CLASSES),
-    }
-
-
 def detects(model: nn.Module) -> bool:
-    """Whether `model` (what load_model returns) gives 3D boxes: a detection head that model.tasks trains."""
-    net = getattr(model, "net", model)
-    return "detection" in model.tasks and "detection" in net.heads
+    """Whether `model` (what load_model returns, or a bare network) gives 3D boxes: one of the tasks it has
+    (model.tasks: a network's are its heads) gives them."""
+    from bev.tasks import task_classes
+
+    return any(task.gives_boxes for task in task_classes(model.tasks))
 
 
 def boxes_option(value: Any) -> str | bool:
@@ -450,47 +441,55 @@ def present_rows(ds):
     """The dataset index row of each item: the sample itself, or a window's present frame."""
     import numpy as np
 
-    if getattr(ds, "temporal", False):
+    if ds.temporal:
         return ds.windows + ds.past_frames
     return np.arange(len(ds.index["sample_token"]))
 
 
 # ------------------------------------------------------------------------------------------ export
 EXPORT_FORMATS = ("onnx", "torch_export")
-# The exported model's outputs: the BEV logits, and with boxes the detection head's maps (decoded in
-# Python by bev.tasks.detection.decode: heatmap logits (B, 10, X, Y), regression (B, G, 10, X, Y)).
+# The exported model's outputs: each head's maps (bev.tasks.task.Task.exported), in bev.tasks.TASKS order: the BEV
+# logits, and with boxes the detection head's maps (decoded in Python by bev.tasks.detection.decode: heatmap logits
+# (B, 10, X, Y), regression (B, G, 10, X, Y)).
 SEGMENTATION_OUTPUTS = ("logits",)
 DETECTION_OUTPUTS = ("logits", "heatmap", "regression")
 
 
 class ExportedMaps(nn.Module):
-    """The network as bev-export writes it: its BEV logits; with boxes a dict of DETECTION_OUTPUTS (the
-    names of the exported model's outputs, in that order). Decoding boxes stays out of the graph."""
+    """The network as bev-export writes it: the maps of each of its heads (Task.exported_maps), those that give
+    3D boxes only with boxes; one map alone as a bare tensor, else a dict in the order of `output_names`.
+    Decoding boxes stays out of the graph. `sources`: the task of each output."""
 
     def __init__(self, net: nn.Module, boxes: bool = False):
+        from bev.tasks import task_classes
+
         super().__init__()
-        if boxes and "detection" not in net.heads:
+        heads = task_classes(net.tasks)
+        if boxes and not any(t.gives_boxes for t in heads):
             raise ValueError("boxes=True needs a network with a detection head (model.net.heads.detection)")
         self.net, self.boxes = net, bool(boxes)
         self.image_size = net.image_size
-        self.output_names = DETECTION_OUTPUTS if self.boxes else SEGMENTATION_OUTPUTS
+        self._heads = [t for t in heads if self.boxes or not t.gives_boxes]
+        self.sources = {name: t.name for t in self._heads for name in t.exported}
+        self.output_names = tuple(self.sources)
 
     def exportable(self):
         return self.net.exportable()
 
     def forward(self, images, intrinsics, rots, trans, post_rots, post_trans):
         out = self.net(images, intrinsics, rots, trans, post_rots, post_trans)
-        if not self.boxes:
-            return out["segmentation"]
-        det = out["detection"]
-        return {"logits": out["segmentation"], "heatmap": det["heatmap"], "regression": det["regression"]}
+        maps = {}
+        for task in self._heads:
+            maps.update(task.exported_maps(out))
+        return next(iter(maps.values())) if len(maps) == 1 else maps
 
 
 def export_onnx(
     net: nn.Module, example: tuple[torch.Tensor, ...], path: str | Path, opset: int = 18, overwrite: bool = False
 ) -> Path:
-    """ONNX model of `net` (camera inputs -> "logits"; an ExportedMaps with boxes -> its DETECTION_OUTPUTS),
-    batch size dynamic, written atomically; an existing file at `path` is replaced only with overwrite=True.
+    """ONNX model of `net` (an ExportedMaps, or a bare network exported as ExportedMaps(net): camera inputs ->
+    "logits"; with boxes -> DETECTION_OUTPUTS), batch size dynamic, written atomically; an existing file at `path`
+    is replaced only with overwrite=True.
 
     The splat goes through BEVNet.exportable() (ScatterND with reduction "add"), and the
     geometry only uses elementwise ops, so ONNX Runtime runs it on any execution provider.
@@ -501,6 +500,7 @@ def export_onnx(
     if opset < 17:
         raise ValueError(f"opset must be >= 17, got {opset}")
     check_output(path, overwrite)  # before the minutes of tracing
+    net = net if isinstance(net, ExportedMaps) else ExportedMaps(net)  # its outputs named
     if example[0].shape[0] == 1:  # torch.export specialises size-1 dims: trace with 2 to keep the batch dynamic
         example = tuple(torch.cat([t, t]) for t in example)
     batch = torch.export.Dim("batch", min=1, max=1024)
@@ -512,7 +512,7 @@ def export_onnx(
             opset_version=int(opset),
             verbose=False,
             input_names=list(CAMERA_INPUTS),
-            output_names=list(getattr(net, "output_names", SEGMENTATION_OUTPUTS)),
+            output_names=list(net.output_names),
             dynamic_shapes=tuple({0: batch} for _ in example),
         )
     with atomic_open(path, "wb", overwrite) as f:  # bytes, not onnx.save_model: that reads f.name, an fd number here

@@ -15,6 +15,9 @@ prediction is written in the Occ3D challenge's format instead, <out>/predictions
 cameras above the top-down and side views of the prediction beside the camera-visible ground truth
 (bev.tasks.occupancy.viz.render_occupancy). The module is not bev/predict.py because `bev.predict` is the Python API
 function (bev.inference.predict).
+
+Each of the model's tasks says what it writes and draws (bev.tasks.task.Task's bev-predict hooks): this module
+composes them, asking no task by name.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import bev.data  # noqa: F401 (registers the data/ config schemas: bev.data.config)
-from bev.tasks.occupancy.io import PREDICTIONS_DIR
 from bev.utils.config import CONFIG_DIR
 from bev.utils.errors import report_errors
 
@@ -43,7 +45,6 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
         say_chosen,
         select_samples,
         trained_on,
-        wants_boxes,
         writable_dir,
     )
     from bev.utils.io import atomic_write
@@ -52,26 +53,23 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
     out = creatable_dir(cfg.out, "out")  # made below, once the checkpoint and the data are checked
     loaded = load_checkpoint(cfg.ckpt_path, trusted=bool(cfg.get("trust_checkpoint")))
     say_chosen(loaded)
-    boxes = wants_boxes(cfg.boxes, loaded.model, loaded.path)
+    options = _task_options(cfg, loaded)
     model = loaded.model.to(_device(cfg.device))
     data_cfg = build_data_config(cfg.data, loaded.run_config, trained_on(loaded))
     dataset, indices, split = select_samples(data_cfg, cfg.split, cfg.scene)
     rows = present_rows(dataset)[indices]  # each item's row in the dataset index (a window's present frame)
     identity = _index_identity(loaded, model)
-    occupancy = _is_occupancy(model)
-    _check_outputs(cfg, out, dataset.index, rows, identity, occupancy)  # before any sample is predicted
+    tasks = [t for t in model.task_modules.values() if t.start_predicting(options)]  # those that write
+    _check_outputs(cfg, out, dataset.index, rows, identity, tasks)  # before any sample is predicted
     writable_dir(out, "out")
-    files = _PredictionFiles(
-        cfg, out, model.class_names, len(model.object_classes), boxes, _draws_maps(model), occupancy
-    )
+    files = _PredictionFiles(cfg, out, tasks, options)
     desc = f"predicting {split}" + (f" {cfg.scene}" if cfg.scene else "")
     records = _predict_samples(model, _loader(cfg, data_cfg, dataset, indices), rows, dataset.index, files, desc)
     summary = {
         **identity,
         "split": split,
         "scene": cfg.scene,
-        "npz_format": OCCUPANCY_FORMAT if occupancy else NPZ_FORMAT,
-        **(_boxes_format(float(cfg.box_threshold)) if boxes else {}),
+        **_prediction_format(tasks, options),
         "gifs": files.gifs,
         "samples": records,
     }
@@ -87,24 +85,36 @@ def predict_dataset(cfg: DictConfig) -> dict[str, Any]:
 NPZ_FORMAT = (
     "uint8 q per class, probability = q / 255 (arrays indexed [x_index, y_index]); _-prefixed keys are metadata"
 )
-OCCUPANCY_FORMAT = (
-    "Occ3D challenge format: predictions/<sample token>.npz holds one (200, 200, 16) uint8 array (key arr_0) of "
-    "Occ3D class ids (class_names; 17 free), indexed [x, y, z] over [-40, 40] x [-40, 40] x [-1, 5.4] m at 0.4 m "
-    "in the ego frame of the sample's LIDAR_TOP (bev.tasks.occupancy.grid)"
-)
 
 
-def _is_occupancy(model) -> bool:
-    """Whether the model predicts Occ3D occupancy only (model.tasks is ("occupancy",))."""
-    return model.tasks == ("occupancy",)
+def _task_options(cfg: DictConfig, loaded) -> dict[str, Any]:
+    """What the tasks' bev-predict hooks read: boxes (checked against the checkpoint: bev.inference.wants_boxes),
+    box_threshold, and the class names and object-class count the pictures name."""
+    from bev.inference import wants_boxes
+
+    model = loaded.model
+    return {
+        "boxes": wants_boxes(cfg.boxes, model, loaded.path),
+        "box_threshold": float(cfg.box_threshold),
+        "class_names": model.class_names,
+        "n_objects": len(model.object_classes),
+    }
 
 
-def _npz_path(out: Path, stem: Path, token: str, occupancy: bool) -> Path:
-    """A sample's npz: beside its PNG (<stem>.npz), or for occupancy the challenge's <out>/predictions/<token>.npz."""
-    from bev.tasks.occupancy.io import prediction_path
-    from bev.utils.io import inside
+def _prediction_format(tasks, options: dict[str, Any]) -> dict[str, Any]:
+    """What predictions.json says of the files: the npz's format unless a task writes its own, and each task's
+    fields."""
+    described: dict[str, Any] = {"npz_format": NPZ_FORMAT}
+    for task in tasks:
+        described.update(task.prediction_format(options))
+    return described
 
-    return inside(out, prediction_path(out / PREDICTIONS_DIR, token)) if occupancy else stem.with_suffix(".npz")
+
+def _sample_files(out: Path, stem: Path, token: str, tasks) -> list[Path]:
+    """A sample's prediction files: those of the tasks that write a format of their own (Occ3D's
+    <out>/predictions/<token>.npz), else its npz beside its PNG (<stem>.npz)."""
+    own = [path for task in tasks if (path := task.sample_file(out, token)) is not None]
+    return own or [stem.with_suffix(".npz")]
 
 
 def _index_identity(loaded, model) -> dict[str, Any]:
@@ -135,7 +145,7 @@ def _sample_stem(out: Path, scene: str, nth: int, token: str) -> Path:
     return inside(out, out / safe_name(scene) / f"{nth:03d}_{safe_name(token)}")
 
 
-def _planned_files(cfg: DictConfig, out: Path, index, rows, occupancy: bool = False) -> list[Path]:
+def _planned_files(cfg: DictConfig, out: Path, index, rows, tasks) -> list[Path]:
     """Every npz, png and GIF this run will write (the names _PredictionFiles gives), in order."""
     from bev.utils.io import inside, safe_name
 
@@ -145,18 +155,18 @@ def _planned_files(cfg: DictConfig, out: Path, index, rows, occupancy: bool = Fa
         counts[scene] = counts.get(scene, 0) + 1
         token = index["sample_token"][k]
         stem = _sample_stem(out, scene, counts[scene] - 1, token)
-        files += [_npz_path(out, stem, token, occupancy)] + ([stem.with_suffix(".png")] if cfg.png else [])
+        files += _sample_files(out, stem, token, tasks) + ([stem.with_suffix(".png")] if cfg.png else [])
     return files + [inside(out, out / f"{safe_name(s)}.gif") for s in counts if cfg.gif]
 
 
-def _check_outputs(cfg: DictConfig, out: Path, index, rows, identity: dict[str, Any], occupancy: bool = False) -> None:
+def _check_outputs(cfg: DictConfig, out: Path, index, rows, identity: dict[str, Any], tasks) -> None:
     """Refuse, before predicting, to replace anything but a regular file, and (without overwrite=true) files of an
     earlier run or another checkpoint's predictions.json; predictions.json of the same checkpoint is merged."""
     from bev.inference import overwrite_option
     from bev.utils.io import check_output
 
     overwrite, index_file = overwrite_option(cfg.overwrite), out / "predictions.json"
-    planned = _planned_files(cfg, out, index, rows, occupancy)
+    planned = _planned_files(cfg, out, index, rows, tasks)
     for path in [*planned, index_file]:
         check_output(path)  # a link, a device node, a folder: never
     existing = [p for p in planned if p.exists()]
@@ -201,38 +211,6 @@ def _merged_with_earlier(path, summary: dict[str, Any]) -> dict[str, Any]:
         "gifs": gifs,
         "samples": samples,
     }
-
-
-def _boxes_format(threshold: float) -> dict[str, Any]:
-    """What predictions.json says of the boxes of its records and npz files."""
-    from bev.classes import DETECTION_CLASSES
-    from bev.geometry import BOX_FIELDS
-
-    return {
-        "box_fields": list(BOX_FIELDS),
-        "box_frame": "ego frame of the sample's LIDAR_TOP: x forward, y left, z up (m); yaw counter-clockwise "
-        "from x (rad); velocity (vx, vy) m/s (bev.geometry)",
-        "detection_classes": list(DETECTION_CLASSES),
-        "box_threshold": threshold,
-        "boxes_format": "each sample's 'boxes' lists the boxes at score >= box_threshold; its npz holds every "
-        "decoded box: det_boxes (M, 9) box_fields, det_scores (M,), det_labels (M,) into detection_classes",
-    }
-
-
-def _draws_maps(model) -> bool:
-    """Whether the model's BEV maps are trained (model.tasks has segmentation), so worth drawing."""
-    return "segmentation" in model.tasks
-
-
-def _cpu(pred):
-    """predict's tensor or dict (a temporal model's tensors, a detecting model's "detections" per sample) on the
-    CPU."""
-    if not isinstance(pred, dict):
-        return pred.cpu()
-    out = {k: v.cpu() for k, v in pred.items() if k != "detections"}
-    if "detections" in pred:
-        out["detections"] = [{k: v.cpu() for k, v in d.items()} for d in pred["detections"]]
-    return out
 
 
 def _check_options(cfg: DictConfig) -> None:
@@ -286,92 +264,41 @@ def _loader(cfg: DictConfig, data_cfg: DictConfig, dataset, indices):
     )
 
 
-def _predict_samples(model, loader, indices, index, files: _PredictionFiles, desc: str) -> list[dict[str, Any]]:
+def _predict_samples(model, loader, rows, index, files: _PredictionFiles, desc: str) -> list[dict[str, Any]]:
     """Predict every sample of the loader and write its files; returns their predictions.json records."""
     from tqdm import tqdm
 
-    from bev.inference import predict
+    from bev.inference import per_sample, predictions
+    from bev.tasks.task import SampleContext
 
     scenes, times = index["scene"], index["timestamp"]
-    tracks = _box_tracks(model)
     records, position, last = [], 0, None
-    bar = tqdm(total=len(indices), desc=desc, unit="sample")
+    bar = tqdm(total=len(rows), desc=desc, unit="sample")
     for batch in loader:
-        probs = _cpu(predict(model, batch))
-        dets = probs.pop("detections", None) if isinstance(probs, dict) else None  # a detecting model's boxes
-        if files.occupancy:  # (B, 200, 200, 16) uint8 class ids, the argmax over the classes
-            probs = probs["occupancy"]
-        elif isinstance(probs, dict) and list(probs) == ["bev"]:  # the maps alone (a static model that detects)
-            probs = probs["bev"]
-        for i in range(len(batch["sample_token"])):
-            k = int(indices[position])  # the sample's row in the dataset index
+        for i, item in enumerate(per_sample(predictions(model, batch))):
+            k = int(rows[position])  # the sample's row in the dataset index
             position += 1
-            det = dets[i] if dets is not None and files.boxes else None
-            if det is not None and tracks is not None:
-                det = _tracked(tracks, det, index, k, consecutive=last == k - 1 and scenes[k] == scenes[k - 1])
+            sample = SampleContext(index, k, follows=last == k - 1 and scenes[k] == scenes[k - 1])
             last = k
-            records.append(files.add(batch, i, probs, scenes[k], int(times[k]), det))
+            records.append(files.add(batch, i, item, sample, scenes[k], int(times[k])))
             bar.update(1)
     bar.close()
     files.end_scene()
     return records
 
 
-def _box_tracks(model):
-    """A Tracker when the checkpoint scores velocities from tracks (model.detection.track_velocity), else None."""
-    from bev.tasks.detection.tracking import Tracker
-
-    options = model.task_modules.detection.track if "detection" in model.tasks else None
-    return None if options is None else Tracker(options)
-
-
-def _tracked(tracker, det: dict, index, k: int, consecutive: bool) -> dict:
-    """The sample's boxes with the velocities of their tracks over the key frames before (as bev-eval scores them);
-    `consecutive`: the sample predicted before this one is its previous key frame."""
-    import torch
-
-    from bev.tasks.detection.tracking import track_ego_boxes
-
-    token = str(index["sample_token"][k])
-    prev = str(index["sample_token"][k - 1]) if consecutive else ""
-    boxes = track_ego_boxes(
-        tracker,
-        token,
-        prev,
-        int(index["timestamp"][k]) / 1e6,
-        det["boxes"],  # on the CPU (_cpu): numpy reads them as they are
-        det["scores"],
-        det["labels"],
-        index["ego_rotation"][k],
-        index["ego_translation"][k],
-    )
-    return {**det, "boxes": torch.as_tensor(boxes, dtype=torch.as_tensor(det["boxes"]).dtype)}
-
-
 class _PredictionFiles:
-    """Writes the files of one sample after another: npz (+ png) per sample, a GIF per scene, numbered per scene."""
+    """Writes the files of one sample after another: npz (+ png) per sample, a GIF per scene, numbered per scene;
+    each task gives its part of them (bev.tasks.task.Task's bev-predict hooks)."""
 
-    def __init__(
-        self,
-        cfg: DictConfig,
-        out,
-        class_names: list[str],
-        n_objects: int = 1,
-        boxes: bool = False,
-        maps: bool = True,
-        occupancy: bool = False,
-    ):
-        self.cfg, self.out, self.class_names, self.n_objects = cfg, out, class_names, n_objects
-        self.boxes, self.maps = boxes, maps  # write and draw 3D boxes; draw the BEV maps (trained)
-        self.occupancy = occupancy  # Occ3D class ids in the challenge's format and pictures
+    def __init__(self, cfg: DictConfig, out, tasks, options: dict[str, Any]):
+        self.cfg, self.out, self.tasks, self.options = cfg, out, list(tasks), options
         self.scene, self.nth = None, 0  # the scene being written and the number of its next sample
         self.frames: list = []  # that scene's GIF frames so far
         self.gifs: list[str] = []
 
-    def add(self, batch, i: int, probs, scene, timestamp: int, det=None) -> dict[str, Any]:
-        """Write sample i of the batch (probabilities probs[i], boxes det) as the next of `scene`; returns its record."""
-        from bev.inference import save_prediction_npz
-
+    def add(self, batch, i: int, item, sample, scene, timestamp: int) -> dict[str, Any]:
+        """Write sample i of the batch (its predictions `item`) as the next of `scene`; returns its record."""
         if scene != self.scene:  # samples come in (scene, time) order: the previous scene is complete
             self.end_scene()
             self.scene, self.nth = str(scene), 0
@@ -379,70 +306,41 @@ class _PredictionFiles:
         stem = _sample_stem(self.out, self.scene, self.nth, token)
         title = f"{self.scene} #{self.nth}  {token}"
         self.nth += 1
-        if self.occupancy:
-            return self._add_occupancy(batch, i, probs, timestamp, stem, title)
-        future = {k: v[i] for k, v in probs.items()} if isinstance(probs, dict) else None
-        present = future["bev"] if future else probs[i]
-        rec = {
-            "scene": self.scene,
-            "sample_token": token,
-            "timestamp": timestamp,
-            "npz": str(
-                save_prediction_npz(
-                    stem.with_suffix(".npz"),
-                    present,
-                    self.class_names,
-                    future,
-                    det,
-                    sample_token=token,
-                    scene=self.scene,
-                    timestamp=timestamp,
-                    bev_bounds=batch["bev_bounds"][i].numpy(),
-                )
-            ),
-        }
-        if det is not None:
-            rec.update(_box_records(det, float(self.cfg.box_threshold)))
+        for task in self.tasks:
+            item = task.sample_prediction(item, sample)
+        meta = {"sample_token": token, "scene": self.scene, "timestamp": timestamp}
+        rec = {"scene": self.scene, "sample_token": token, "timestamp": timestamp}
+        rec["npz"] = str(self._write(batch, i, item, stem, meta))
+        for task in self.tasks:
+            rec.update(task.sample_record(item, self.options))
         if self.cfg.png or self.cfg.gif:
-            self._pictures(rec, stem, title, batch, i, probs, det)
+            self._pictures(rec, stem, title, batch, i, item)
         return rec
 
-    def _add_occupancy(self, batch, i: int, labels, timestamp: int, stem, title: str) -> dict[str, Any]:
-        """Write sample i's class ids labels[i] in the challenge's format (and its pictures); returns its record."""
-        from bev.tasks.occupancy.io import write_prediction
+    def _write(self, batch, i: int, item, stem: Path, meta: dict[str, Any]) -> Path:
+        """The sample's prediction file: the tasks' own format where one writes it, else the npz of every task's
+        arrays (_sample_files names the same)."""
+        from bev.inference import save_prediction_npz
 
-        token = batch["sample_token"][i]
-        path = write_prediction(self.out / PREDICTIONS_DIR, token, labels[i].numpy())
-        rec = {"scene": self.scene, "sample_token": token, "timestamp": timestamp, "npz": str(path)}
-        if self.cfg.png or self.cfg.gif:
-            self._pictures(rec, stem, title, batch, i, labels)
-        return rec
+        own = [
+            path for task in self.tasks if (path := task.write_sample(self.out, meta["sample_token"], item)) is not None
+        ]
+        if own:
+            return own[0]
+        arrays: dict[str, Any] = {}
+        for task in self.tasks:
+            arrays.update(task.npz_arrays(item))
+        return save_prediction_npz(stem.with_suffix(".npz"), arrays, **meta, bev_bounds=batch["bev_bounds"][i].numpy())
 
-    def _pictures(self, rec: dict[str, Any], stem, title: str, batch, i: int, probs, det=None) -> None:
-        """Render sample i once for its PNG (named in rec) and its scene's GIF frame, as configured."""
-        from bev.viz import batch_sample, gif_frame, render_sample, render_temporal, save_png
+    def _pictures(self, rec: dict[str, Any], stem, title: str, batch, i: int, item) -> None:
+        """Render sample i once, with every task's layers, for its PNG (named in rec) and its scene's GIF frame."""
+        from bev.viz import gif_frame, picture_array, sample_picture, save_png
 
-        if self.occupancy:
-            img = _occupancy_picture(batch, i, probs[i], title)
-        elif isinstance(probs, dict):
-            pred = {k: v[i] for k, v in probs.items()}
-            img = render_temporal(
-                batch_sample(batch, i),
-                pred,
-                pred["instances"],
-                title=title,
-                class_names=self.class_names,
-                n_objects=self.n_objects,
-            )
-        else:
-            img = render_sample(
-                batch_sample(batch, i),
-                pred=probs[i : i + 1] if self.maps else None,
-                title=title,
-                class_names=self.class_names,
-                detections=det,
-                box_threshold=float(self.cfg.box_threshold),
-            )
+        layers: dict[str, Any] = {}
+        for task in self.tasks:
+            layers.update(task.picture_layers(item, self.options))
+        names, n_objects = self.options["class_names"], self.options["n_objects"]
+        img = picture_array(sample_picture(batch, i, layers, title, names, n_objects))
         if self.cfg.png:
             rec["png"] = save_png(stem.with_suffix(".png"), img)
         if self.cfg.gif:
@@ -457,31 +355,6 @@ class _PredictionFiles:
             gif = inside(self.out, self.out / f"{safe_name(self.scene)}.gif")
             self.gifs.append(save_gif(gif, self.frames, float(self.cfg.gif_fps)))
         self.frames.clear()
-
-
-def _occupancy_picture(batch, i: int, labels, title: str):
-    """The cameras above the top-down and side views of the predicted class ids, beside the camera-visible ground
-    truth when the items carry Occ3D labels (data.occupancy=true)."""
-    from bev.tasks.occupancy.viz import render_occupancy
-    from bev.viz import camera_grid
-
-    cams = camera_grid(batch["images"][i], batch["cam_ids"][i] if "cam_ids" in batch else None)
-    gt, seen = batch.get("occ_semantics"), batch.get("occ_mask_camera")
-    return render_occupancy(labels, None if gt is None else gt[i], None if seen is None else seen[i], cams, title=title)
-
-
-def _box_records(det, threshold: float) -> dict[str, Any]:
-    """A sample's boxes for predictions.json: how many were decoded, and those at score >= threshold."""
-    from bev.classes import DETECTION_CLASSES
-    from bev.geometry import BOX_FIELDS
-
-    keep = det["scores"] >= threshold
-    boxes = [
-        {"label": DETECTION_CLASSES[int(label)], "score": round(float(score), 4)}
-        | {k: round(float(v), 4) for k, v in zip(BOX_FIELDS, box)}
-        for box, score, label in zip(det["boxes"][keep].tolist(), det["scores"][keep], det["labels"][keep])
-    ]
-    return {"num_boxes": int(len(det["scores"])), "boxes": boxes}
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="predict")

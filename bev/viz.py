@@ -527,6 +527,63 @@ def save_temporal_png(
     return os.fspath(path)
 
 
+# --------------------------------------------------------------------------- a predicted sample's picture
+
+
+def sample_picture(
+    batch: Mapping[str, Any],
+    i: int,
+    layers: Mapping[str, Any],
+    title: str | None = None,
+    class_names=None,
+    n_objects: int = 1,
+):
+    """Sample i of a batch drawn with the layers its model's tasks give (bev.tasks.task.Task.picture_layers), a
+    Figure or an RGB array: a voxel volume ("volume": class ids) as top-down and side views beside the cameras;
+    a window's predictions ("window", with "instances") as render_temporal_figure's vehicles and paths; else
+    render_figure's cameras and BEV with the maps ("pred") and 3D boxes ("detections", "box_threshold")."""
+    if "volume" in layers:
+        return _volume_picture(batch, i, layers["volume"], title)
+    if "window" in layers:
+        window = layers["window"]
+        return render_temporal_figure(
+            batch_sample(batch, i),
+            window,
+            window["instances"],
+            title=title,
+            class_names=class_names,
+            n_objects=n_objects,
+        )
+    return render_figure(batch_sample(batch, i), title=title, class_names=class_names, **layers)
+
+
+def _volume_picture(batch: Mapping[str, Any], i: int, labels: Any, title: str | None) -> np.ndarray:
+    """The cameras above the top-down and side views of the class ids `labels`, beside the camera-visible ground
+    truth when the batch carries Occ3D labels (data.occupancy=true)."""
+    from bev.tasks.occupancy.viz import render_occupancy
+
+    cams = camera_grid(batch["images"][i], batch["cam_ids"][i] if "cam_ids" in batch else None)
+    gt, seen = batch.get("occ_semantics"), batch.get("occ_mask_camera")
+    return render_occupancy(labels, None if gt is None else gt[i], None if seen is None else seen[i], cams, title=title)
+
+
+def picture_array(picture) -> np.ndarray:
+    """A Figure (drawn) or an RGB array as an (H, W, 3) uint8 array."""
+    if not isinstance(picture, Figure):
+        return picture
+    picture.canvas.draw()
+    return np.asarray(picture.canvas.buffer_rgba())[..., :3].copy()
+
+
+def save_picture(path: str | os.PathLike, picture) -> str:
+    """Write a Figure (savefig) or an RGB array as ONE PNG, atomically. Returns the path."""
+    if not isinstance(picture, Figure):
+        return save_png(path, picture)
+    with atomic_open(path, "wb") as f:
+        picture.savefig(f, format="png")
+    return os.fspath(path)
+
+
 # --------------------------------------------------------------------------- 3D boxes (detection)
 
 

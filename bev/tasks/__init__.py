@@ -77,3 +77,20 @@ def _keywords(fn) -> set[str] | None:
             return None
         params = list(inspect.signature(target).parameters.values())[1:]
     return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def task_class(name: str) -> type:
+    """The bev.tasks.task.Task subclass of the task `name` (its package's task module): what bev-export and bev-eval
+    ask of a task by its head or before a checkpoint is loaded, where no task module is built."""
+    from bev.tasks.task import Task as TaskModule
+
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}: choose among {list(TASKS)}")
+    module = importlib.import_module(f"bev.tasks.{name}.task")
+    found = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, TaskModule) and c.name == name]
+    return found[0]
+
+
+def task_classes(names: Sequence[str] = tuple(TASKS)) -> list[type]:
+    """The Task classes of `names` (default: every task), in TASKS order."""
+    return [task_class(t) for t in TASKS if t in names]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -15,7 +16,7 @@ from bev.tasks.motion import IGNORE
 from bev.tasks.motion.instances import DECODINGS, decode_sequence
 from bev.tasks.motion.loss import TemporalLoss
 from bev.tasks.motion.metric import FIERY_RANGES, FutureIoU, PanopticQuality, crop_to_range, format_table
-from bev.tasks.task import Task
+from bev.tasks.task import Task, quantised
 
 OPTIONS = ("loss", "instance_decoding")
 # "copied": in tests (bev-eval), also the present frame's outputs copied to every future frame with zero flow, the
@@ -93,6 +94,28 @@ class MotionTask(Task):
         return {"segmentation": motion["segmentation"].float().sigmoid()} | {
             k: motion[k].float() for k in ("centerness", "offset", "flow")
         }
+
+    # --- bev.predict, bev-predict, and the pictures of bev-predict and bev-eval
+
+    def decoded(self, pred: Mapping, threshold: float = 0.5) -> dict[str, torch.Tensor]:
+        """{"instances": (B, T, X, Y) int64 vehicle ids (0 background)}, consistent over the present and future
+        frames, decoded from the probabilities by model.motion.instance_decoding."""
+        seg = pred["segmentation"][:, :, 0] >= threshold
+        return {
+            "instances": decode_sequence(seg, pred["centerness"], pred["offset"], pred["flow"], self.instance_decoding)
+        }
+
+    def npz_arrays(self, item: Mapping) -> dict[str, Any]:
+        """future_segmentation (T, X, Y) uint8 probabilities and future_instances (T, X, Y) int32 ids."""
+        seg = item["segmentation"]
+        return {
+            "future_segmentation": quantised(seg.reshape((-1,) + tuple(seg.shape[-2:]))),
+            "future_instances": item["instances"].cpu().numpy().astype(np.int32),
+        }
+
+    def picture_layers(self, item: Mapping, options: Mapping[str, Any]) -> dict[str, Any]:
+        """The window's predictions: its vehicles in their instance colours with their predicted paths."""
+        return {"window": item}
 
     def report(self, record: Mapping[str, Any], out) -> str:
         """FIERY's scores over the present and future frames, beside the copied present's."""

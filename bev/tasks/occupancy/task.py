@@ -12,14 +12,19 @@ from typing import Any
 import torch
 
 from bev.tasks.occupancy.grid import FREE, OCC3D_CLASSES
-from bev.tasks.occupancy.io import PREDICTIONS_DIR, write_prediction
+from bev.tasks.occupancy.io import PREDICTIONS_DIR, prediction_path, write_prediction
 from bev.tasks.occupancy.loss import OccupancyLoss, check_loss_options
 from bev.tasks.occupancy.metric import DEFAULT_BANDS, MASKS, OccScores, OccupancyMIoU, format_table
 from bev.tasks.task import Task
-from bev.utils.io import check_output_folder
+from bev.utils.io import check_output_folder, inside
 
 LABEL_KEY, MASK_KEYS = "occ_semantics", ("occ_mask_camera", "occ_mask_lidar")
 OPTIONS = ("loss", "metric_mask")
+PREDICTION_FORMAT = (
+    "Occ3D challenge format: predictions/<sample token>.npz holds one (200, 200, 16) uint8 array (key arr_0) of "
+    "Occ3D class ids (class_names; 17 free), indexed [x, y, z] over [-40, 40] x [-40, 40] x [-1, 5.4] m at 0.4 m "
+    "in the ego frame of the sample's LIDAR_TOP (bev.tasks.occupancy.grid)"
+)
 
 
 def score_dict(scores: OccScores, bands: Mapping[str, OccScores]) -> dict[str, float]:
@@ -133,6 +138,21 @@ class OccupancyTask(Task):
         if self.rays is not None:
             text += "\n" + rayiou.format_table(self.rays)
         return text + f"\nPredictions (challenge format): {record['predictions']}"
+
+    # --- bev-predict: each sample's class ids in the challenge's format, <out>/predictions/<sample token>.npz
+
+    def prediction_format(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        return {"npz_format": PREDICTION_FORMAT}
+
+    def sample_file(self, out: Path, token: str) -> Path:
+        return inside(out, prediction_path(out / PREDICTIONS_DIR, token))
+
+    def write_sample(self, out: Path, token: str, item: Mapping) -> Path:
+        return write_prediction(out / PREDICTIONS_DIR, token, item["occupancy"].numpy())
+
+    def picture_layers(self, item: Mapping, options: Mapping[str, Any]) -> dict[str, Any]:
+        """The class ids' top-down and side views, beside the camera-visible ground truth where the batch has it."""
+        return {"volume": item["occupancy"]}
 
 
 def earlier_predictions(pred_dir: Path) -> list[Path]:

@@ -13,7 +13,7 @@ from torch import nn
 from bev.geometry import Grid
 from bev.tasks.segmentation.loss import SegmentationLoss
 from bev.tasks.segmentation.metric import BevIoU, MapIoU, format_table
-from bev.tasks.task import Task
+from bev.tasks.task import Task, quantised
 
 STAGES = ("val", "test")
 
@@ -62,7 +62,32 @@ class SegmentationTask(Task):
         return results if stage == "test" else {k: v for k, v in results.items() if "@" not in k}
 
     def predict(self, out: Mapping) -> dict[str, torch.Tensor]:
+        return self.head_predictions(out)
+
+    @staticmethod
+    def head_predictions(out: Mapping) -> dict[str, torch.Tensor]:
+        """{"bev": (B, K, X, Y) probabilities}: the head's logits need no options."""
         return {"bev": out["segmentation"].float().sigmoid()}
+
+    # --- bev-predict: one uint8 (X, Y) array per class in the npz, the maps in the picture
+
+    def npz_arrays(self, item: Mapping) -> dict[str, Any]:
+        probs = item["bev"]
+        if probs.dim() != 3 or probs.shape[0] != len(self.class_names):
+            raise ValueError(f"probs must be (K={len(self.class_names)}, X, Y), got {tuple(probs.shape)}")
+        q = quantised(probs)
+        return {name: q[k] for k, name in enumerate(self.class_names)}
+
+    def picture_layers(self, item: Mapping, options: Mapping[str, Any]) -> dict[str, Any]:
+        return {"pred": item["bev"][None]}
+
+    # --- bev-export: the logits, applying no sigmoid
+
+    exported = ("logits",)
+
+    @staticmethod
+    def exported_maps(out: Mapping) -> dict[str, torch.Tensor]:
+        return {"logits": out["segmentation"]}
 
     # --- bev-eval
 
