@@ -380,7 +380,8 @@ def test_box_voxels_match_an_independent_overlap_test():
 
 
 def test_synthetic_masks_follow_the_sensors(synthetic_sample):
-    from bev.synthetic.occupancy import LIDAR_ELEVATION, _lidar_translation
+    from bev.synthetic.lidar import sensor
+    from bev.synthetic.occupancy import LIDAR_ELEVATION
 
     _, _, _, _, occ = synthetic_sample
     for mask in (occ.mask_camera, occ.mask_lidar):
@@ -396,7 +397,7 @@ def test_synthetic_masks_follow_the_sensors(synthetic_sample):
     assert inner.sum() > 100
     assert not occ.mask_camera[inner].any() and not occ.mask_lidar[inner].any()
     # The lidar sees nothing above its top beam (+10.67 degrees, from its mount).
-    d = c - np.array(_lidar_translation())
+    d = c - sensor().translation
     elevation = np.degrees(np.arctan2(d[..., 2], np.hypot(d[..., 0], d[..., 1])))
     far = np.linalg.norm(d, axis=-1) > 8  # nearer, a voxel a beam ends in may have its centre a few degrees off
     assert not occ.mask_lidar[far & (elevation > LIDAR_ELEVATION[0] + 3)].any()
@@ -406,7 +407,7 @@ def test_synthetic_masks_follow_the_sensors(synthetic_sample):
     r = np.hypot(c[..., 0], c[..., 1])
     ring = np.argwhere((r > 4) & (r < 12) & (np.abs(c[..., 2] - 1.8) < 0.5) & (occ.semantics == G.FREE))
     steps = np.linspace(0.0, 1.0, 200)[:, None, None]
-    origin = np.array(_lidar_translation())
+    origin = sensor().translation
     path = origin + steps * (c[tuple(ring.T)] - origin)  # (steps, voxels, 3)
     idx, inside = G.points_to_voxels(path.reshape(-1, 3))
     blocked = np.zeros(len(idx), bool)

@@ -43,12 +43,7 @@ def test_cached_poses_are_the_poses(world):
 def test_render_depth_is_render_cameras_depth(world):
     t = 2 * world_model.SAMPLE_DT
     parts = raycast.sample_parts(world, t)
-    lidar = occupancy.lidar_cameras(occupancy._lidar_translation())
-    for cam in (
-        raycast.make_camera("CAM_FRONT", RENDER_SCALE),
-        raycast.make_camera("CAM_BACK_LEFT", RENDER_SCALE),
-        *lidar,
-    ):
+    for cam in (raycast.make_camera("CAM_FRONT", RENDER_SCALE), raycast.make_camera("CAM_BACK_LEFT", RENDER_SCALE)):
         ref = raycast.render_camera(world, t, cam, parts=parts).depth
         assert _same(raycast.render_depth(world, t, cam, parts=parts), ref), cam.name
     assert np.isinf(ref).any() and np.isfinite(ref).any()  # sky and surfaces both tested
@@ -125,16 +120,16 @@ def test_fleet_places_what_a_brute_force_test_places():
 
 
 def _failing_lidar(how: str):
-    real = samples.lidar_points
+    real = samples.lidar_key_frame
 
-    def lidar_points(world, t, *a, **k):
+    def lidar_key_frame(world, t, *a, **k):
         if t >= world_model.SAMPLE_DT:  # the second sample of each scene
             if how == "raise":
                 raise ValueError("a broken sample")
             os.kill(os.getpid(), signal.SIGKILL)
         return real(world, t, *a, **k)
 
-    return lidar_points
+    return lidar_key_frame
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the workers inherit the patched writer only when forked")
@@ -146,7 +141,7 @@ def _failing_lidar(how: str):
     ],
 )
 def test_a_failing_worker_ends_the_run_with_one_message(tmp_path, monkeypatch, capsys, how, message):
-    monkeypatch.setattr(samples, "lidar_points", _failing_lidar(how))
+    monkeypatch.setattr(samples, "lidar_key_frame", _failing_lidar(how))
     monkeypatch.setattr(writer, "default_workers", lambda: 2)
     signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the run hung"))
     signal.alarm(120)

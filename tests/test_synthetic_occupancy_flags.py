@@ -52,8 +52,8 @@ def test_no_occupancy_writes_everything_else_the_same(sets):
         f: h for f, h in full_files.items() if f not in labels and f != MANIFEST
     }
     full_m, bare_m = (json.loads((r / MANIFEST).read_text()) for r in (full, bare))
-    assert full_m["parameters"] == {**ARGS, "occupancy": True, "image_size": "full"}
-    assert bare_m["parameters"] == {**ARGS, "occupancy": False, "image_size": "full"}
+    assert full_m["parameters"] == {**ARGS, "occupancy": True, "image_size": "full", "lidar_sweeps": 0}
+    assert bare_m["parameters"] == {**ARGS, "occupancy": False, "image_size": "full", "lidar_sweeps": 0}
     assert set(bare_m["files"]) == set(full_m["files"]) - labels
 
 
@@ -163,3 +163,14 @@ def test_occupancy_only_with_render_size_images(tmp_path):
     (old / MANIFEST).write_text(json.dumps(manifest, indent=0))
     _refused(old, r"written with --image-size full .*not --image-size render", image_size="render", scenes=1)
     assert add_occupancy(old, **kw) == 2
+
+
+def test_occupancy_only_keeps_the_sets_lidar_sweeps(tmp_path):
+    """A set written with LiDAR sweeps: --occupancy-only takes its lidar_sweeps from the manifest and adds the
+    labels of a full write (the sweeps listed, none rewritten); another lidar_sweeps is refused."""
+    kw = {**ARGS, "scenes": 1, "progress": False, "workers": 1}
+    full = make_synthetic(tmp_path / "full", lidar_sweeps=1, **kw)
+    bare = make_synthetic(tmp_path / "bare", lidar_sweeps=1, occupancy=False, **kw)
+    assert any(f.startswith("sweeps/LIDAR_TOP/") for f in _tree(bare))
+    _refused(bare, r"written with --lidar-sweeps 1 .*not --lidar-sweeps 2", lidar_sweeps=2, scenes=1)
+    assert add_occupancy(bare, **kw) == 2 and _tree(bare) == _tree(full)

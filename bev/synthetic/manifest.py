@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from bev.synthetic import raycast
+from bev.synthetic.lidar import MAX_SWEEPS
 from bev.synthetic.occupancy import labels_path
 from bev.synthetic.samples import _render, _sample_files, _write_atomic
 from bev.synthetic.sensors import _check_image_size, _check_render_scale
@@ -56,7 +57,13 @@ def _validate(scenes, samples_per_scene, seed, workers) -> list[str]:
 
 
 def _parameters(
-    scenes: int, samples_per_scene: int, seed: int, render_scale: int, occupancy: bool, image_size: str
+    scenes: int,
+    samples_per_scene: int,
+    seed: int,
+    render_scale: int,
+    occupancy: bool,
+    image_size: str,
+    lidar_sweeps: int = 0,
 ) -> dict:
     """What decides a dataset's bytes, as the manifest records it (workers do not)."""
     return {
@@ -66,7 +73,18 @@ def _parameters(
         "render_scale": render_scale,
         "occupancy": occupancy,
         "image_size": image_size,
+        "lidar_sweeps": lidar_sweeps,
     }
+
+
+def _check_lidar_sweeps(sweeps) -> int:
+    """`sweeps` as an int if it is a whole number 0..MAX_SWEEPS, else one clear error."""
+    if isinstance(sweeps, bool) or not isinstance(sweeps, (int, np.integer)) or not 0 <= sweeps <= MAX_SWEEPS:
+        raise ValueError(
+            f"lidar_sweeps must be a whole number 0..{MAX_SWEEPS} (LIDAR_TOP sweeps between key frames 0.5 s apart "
+            f"at 20 Hz; 0 writes none), got {sweeps!r}"
+        )
+    return int(sweeps)
 
 
 def _read_manifest(out: Path) -> dict:
@@ -158,7 +176,8 @@ def _write_manifest(out: Path, files: list[str], dirs: list[str], parameters: di
 
 def _dataset_files(tasks: list[_RenderTask], maps: list[dict], names: list[str], occupancy: bool = True) -> list[str]:
     """Every file of the dataset, relative to out (what the manifest records); the occupancy labels if `occupancy`."""
-    files = [f for task in tasks for f in (*task.cam_files.values(), task.lidar_file)] + [m["filename"] for m in maps]
+    files = [f for task in tasks for f in (*task.cam_files.values(), task.lidar_file, *(n for _, n in task.sweeps))]
+    files += [m["filename"] for m in maps]
     if occupancy:
         files += _label_files(tasks)
     return (
@@ -185,6 +204,7 @@ def add_occupancy(
     progress: bool = True,
     render_scale: int = raycast.RENDER_SCALE,
     image_size: str | None = None,
+    lidar_sweeps: int | None = None,
 ) -> int:
     """Add the Occ3D labels (gts/) to a set make_synthetic(occupancy=False) wrote in `out` with the same
     parameters; return how many label files were written (0: the set has them all already).
@@ -195,13 +215,15 @@ def add_occupancy(
     that do not depend on the renders (scenes, samples, sample_data, ego poses, sensors, maps) are the bytes these
     parameters give, and the first sample of its first and last scenes renders to its images and LiDAR cloud
     (which catches another render scale or another version of the renderer). `image_size` None: the one the
-    manifest records ("full" if it records none). The labels are written to
+    manifest records ("full" if it records none); `lidar_sweeps` None likewise (0 if it records none). The labels are written to
     out/STAGING and moved to gts/ when all are there, so a gts/ folder is always complete.
     """
     names = _validate(scenes, samples_per_scene, seed, workers)
     render_scale = _check_render_scale(render_scale)
     if image_size is not None:
         _check_image_size(image_size)
+    if lidar_sweeps is not None:
+        _check_lidar_sweeps(lidar_sweeps)
     samples_per_scene, seed, workers = int(samples_per_scene), int(seed), int(workers)
     out = Path(out)
     again = f"write it with bev-make-synthetic --out {out} (--overwrite replaces a set it wrote)"
@@ -217,10 +239,13 @@ def add_occupancy(
     manifest = _read_manifest(out)
     recorded = manifest["parameters"]
     if recorded is not None:
-        recorded = {"image_size": "full", **recorded}  # a writer from before image_size wrote full-size JPEGs
+        # Writers from before these parameters wrote full-size JPEGs and no sweeps.
+        recorded = {"image_size": "full", "lidar_sweeps": 0, **recorded}
     if image_size is None:
         image_size = _check_image_size(recorded["image_size"] if recorded is not None else "full")
-    params = _parameters(len(names), samples_per_scene, seed, render_scale, True, image_size)
+    if lidar_sweeps is None:
+        lidar_sweeps = _check_lidar_sweeps(recorded["lidar_sweeps"] if recorded is not None else 0)
+    params = _parameters(len(names), samples_per_scene, seed, render_scale, True, image_size, lidar_sweeps)
     if recorded is not None:
         differ = [k for k in params if k != "occupancy" and recorded.get(k) != params[k]]
         if differ:

@@ -21,11 +21,12 @@ Masks, from the same ray-caster that renders the images (bev.synthetic.raycast),
   image and lies before the first surface along the nearest pixel's ray (voxels span >= 2 pixels everywhere
   in the grid at render scale 4), the ground excepted: a known plane, it hides nothing above it, and no
   voxel centre below it is ever passed.
-- mask_lidar: the same test with LIDAR_TOP's rays, cast as four 90-degree pinhole views from the lidar
-  mount (LIDAR_ROWS x LIDAR_COLS rays each) spanning the HDL-32E's elevations +10.67 to -30.67 degrees.
-  A single scan from one place, not Occ3D's accumulation of a whole scene's sweeps: denser between the
-  beams (a voxel there takes its nearest beam's answer) and blind to what other positions along the drive
-  would have seen.
+- mask_lidar: the same test with LIDAR_TOP's own beams (bev.synthetic.lidar: 32 rings x 1080 azimuth steps, the
+  rays its point cloud comes from, without the range noise): a voxel is observed when a beam's return lies in it,
+  or when its centre lies before the returns of all four beams around it (the 2 x 2 of the neighbouring rings and
+  azimuth steps), a beam without a return (nothing within 70 m) passing the whole grid. A single sweep from one
+  place, not Occ3D's accumulation of a whole scene's sweeps: blind to what other positions along the drive would
+  have seen.
 The voxel -> pixel tables depend only on the rig, so they are computed once per process.
 """
 
@@ -42,9 +43,8 @@ import numpy as np
 import torch
 
 from bev.geometry import CAMERA_NAMES, ego_to_image
-from bev.synthetic import raycast
+from bev.synthetic import lidar, raycast
 from bev.synthetic.roads import RoadMap, fill, road_map
-from bev.synthetic.sensors import LIDAR_TRANSLATION
 from bev.synthetic.world import World, visible_objects
 from bev.tasks.occupancy.grid import CLASS_ID, DETECTION_TO_OCC3D, FREE, GRID_REACH, OCC_RANGE, OCC_SHAPE, VOXEL_SIZE
 from bev.tasks.occupancy.grid import voxel_centres as _voxel_centres
@@ -55,9 +55,7 @@ GROUND_RES = 0.2  # metres per texel of the per-location ground-class raster
 MAX_HALF_LENGTH = 7.0  # metres: no object reaches farther than this from its centre (trailers ~6.7)
 GROUND_EPS = 1e-3  # metres: a ray ending this close to z = 0 ends on the ground
 NEAR = 0.1  # metres: voxel centres closer to a camera's image plane are not projected
-# LIDAR_TOP's field of view (Velodyne HDL-32E, nuScenes's lidar) and the rays standing for it.
-LIDAR_ELEVATION = (10.67, -30.67)  # degrees, top and bottom beams
-LIDAR_ROWS, LIDAR_COLS = 32, 256  # per 90-degree view: 32 beams, ~0.35 degrees of azimuth
+LIDAR_ELEVATION = lidar.ELEVATION[::-1]  # degrees: LIDAR_TOP's top and bottom beams
 SCENERY = CLASS_ID["manmade"]
 
 
@@ -222,7 +220,8 @@ class ViewTable(NamedTuple):
     """The voxel centres a camera sees in its image: flat voxel index, flat pixel index, camera depth."""
 
     voxel: np.ndarray  # (V,) int64
-    pixel: np.ndarray  # (V,) int64: the pixel nearest to the voxel centre's projection
+    pixel: np.ndarray  # (V,) int64: the pixel nearest to the voxel centre's projection; (V, 4) the LiDAR's beams
+    # around it (all four must pass the centre)
     depth: np.ndarray  # (V,) float32
 
 
@@ -238,6 +237,10 @@ def _centres_tensor() -> torch.Tensor:
 def view_table(cam: raycast.Camera) -> ViewTable:
     """The voxel -> pixel table of a camera (cached per camera: it depends only on the rig)."""
     key = (cam.name, cam.scale, cam.shape, cam.translation.tobytes(), cam.rotation.tobytes())
+    if key not in _TABLES and isinstance(cam, lidar.Spin):
+        beam, rng, inside = cam.locate(_centres_tensor().numpy())
+        vox = np.flatnonzero(inside & (rng > NEAR) & (_centres_tensor()[:, 2].numpy() >= 0))
+        _TABLES[key] = ViewTable(vox, beam[vox], rng[vox].astype(np.float32))
     if key not in _TABLES:
         f = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float32)  # noqa: E731
         uv, depth = ego_to_image(
@@ -288,55 +291,22 @@ def observed(cams: list[raycast.Camera], depths: list[np.ndarray]) -> np.ndarray
         z = depth.reshape(-1)
         q, ends, on_ground = _ray_ends(cam, z)
         seen[ends] = True
-        # Passes through: the voxel centre lies before the first surface along its pixel's ray. The ground is
+        # Passes through: the voxel centre lies before the first surface along its pixel's ray (for the LiDAR, along
+        # each of the four beams around it: they are sparser than voxels far out). The ground is
         # left out of the occluders: it hides nothing above it (the view tables hold no centre below it), and
         # where one pixel row spans more ground than a voxel (near the horizon, or between the lidar's beams)
         # the nearest ray's ground depth would drop about half of the ground layer's voxels at random.
         occluder = z.copy()
         occluder[q[on_ground]] = np.inf
         tbl = view_table(cam)
-        seen[tbl.voxel[tbl.depth <= occluder[tbl.pixel]]] = True
+        reach = occluder[tbl.pixel]
+        seen[tbl.voxel[tbl.depth <= (reach.min(1) if reach.ndim == 2 else reach)]] = True
     return seen.reshape(OCC_SHAPE)
-
-
-@lru_cache(maxsize=4)
-def lidar_cameras(translation: tuple[float, float, float]) -> tuple[raycast.Camera, ...]:
-    """LIDAR_TOP's rays as four 90-degree pinhole views (forward, left, back, right) from the mount at `translation`.
-
-    A pinhole row's elevation shrinks toward the view's sides (by cos 45 degrees in tangent at the edges), so
-    the rows span the band's tangents / cos 45 and lidar_band masks the rays outside it."""
-    top, bottom = (math.tan(math.radians(e)) / math.cos(math.pi / 4) for e in LIDAR_ELEVATION)
-    rows = math.ceil(LIDAR_ROWS / math.cos(math.pi / 4))  # LIDAR_ROWS over the band at the view's centre
-    fx = LIDAR_COLS / 2  # 90 degrees across
-    fy = rows / (top - bottom)
-    K = np.array([[fx, 0, (LIDAR_COLS - 1) / 2], [0, fy, -0.5 + fy * top], [0, 0, 1.0]])
-    v, u = np.meshgrid(np.arange(rows), np.arange(LIDAR_COLS), indexing="ij")
-    pix = np.stack([u, v, np.ones_like(u)], -1).astype(np.float64)
-    cams = []
-    for n, az in enumerate((0.0, math.pi / 2, math.pi, -math.pi / 2)):
-        fwd = np.array([math.cos(az), math.sin(az), 0.0])
-        right = np.array([math.sin(az), -math.cos(az), 0.0])
-        R = np.stack([right, [0.0, 0.0, -1.0], fwd], 1)  # camera (x right, y down, z forward) -> ego
-        rays = np.ascontiguousarray(((pix @ np.linalg.inv(K).T) @ R.T).astype(np.float32))  # unit camera depth
-        t = np.asarray(translation, np.float64)
-        cams.append(raycast.Camera(f"LIDAR_TOP_{n}", K, R, t, 1, torch.eye(3), torch.zeros(3), rays))
-    return tuple(cams)
-
-
-def lidar_band(cam: raycast.Camera) -> np.ndarray:
-    """(H, W) bool: the rays of a lidar view within LIDAR_ELEVATION."""
-    r = cam.rays.astype(np.float64)
-    elevation = np.degrees(np.arctan2(r[..., 2], np.hypot(r[..., 0], r[..., 1])))
-    return (elevation <= LIDAR_ELEVATION[0]) & (elevation >= LIDAR_ELEVATION[1])
-
-
-def _lidar_translation() -> tuple[float, float, float]:
-    return tuple(float(v) for v in LIDAR_TRANSLATION)
 
 
 def prepare(scale: int = raycast.RENDER_SCALE) -> None:
     """Build the per-process tables (cameras at `scale`, the lidar's views) now, e.g. before forking workers."""
-    cams = [raycast.make_camera(name, scale) for name in CAMERA_NAMES] + list(lidar_cameras(_lidar_translation()))
+    cams = [raycast.make_camera(name, scale) for name in CAMERA_NAMES] + [lidar.sensor()]
     for cam in cams:
         view_table(cam)
         _exit_depth(cam)
@@ -348,11 +318,13 @@ def occupancy_sample(
     renders: dict | None = None,
     scale: int = raycast.RENDER_SCALE,
     parts: raycast.Parts | None = None,
+    lidar_scan: lidar.Scan | None = None,
 ) -> OccSample:
     """Semantics and both masks of the world at time t. `renders` ({camera: CameraRender}, as
     raycast.render_sample returns them at `scale`, or {camera: its (H, W) depth buffer}) saves re-rendering the
     six cameras; without it only their depths are cast (raycast.render_depth: the same values, no colours).
-    `parts` (the ego-frame parts the renders drew, raycast.sample_parts) saves placing the objects again."""
+    `parts` (the ego-frame parts the renders drew, raycast.sample_parts) saves placing the objects again, and
+    `lidar_scan` (bev.synthetic.lidar.cast of the sample's LIDAR_TOP against them) casting the beams again."""
     cams = [raycast.make_camera(name, scale) for name in CAMERA_NAMES]
     if renders is None:
         drawn = raycast.sample_parts(world, t) if parts is None else parts
@@ -362,14 +334,13 @@ def occupancy_sample(
     # Only what reaches into the grid: a ray from inside the grid to a voxel never leaves it.
     objects = visible_objects(world, t, GRID_REACH + MAX_HALF_LENGTH)
     if parts is None:
-        parts = world_parts(world, t, objects)  # once for the lidar's four views and the semantics
+        parts = world_parts(world, t, objects)  # once for the lidar and the semantics
     else:  # the drawn parts of these objects: the same rows, in the same order
         parts = raycast.Parts(*(x[np.isin(parts.obj, objects)] for x in parts))
-    lidar = lidar_cameras(_lidar_translation())
-    depths = [raycast.render_depth(world, t, cam, parts=parts) for cam in lidar]
-    for cam, depth in zip(lidar, depths):
-        depth[~lidar_band(cam)] = np.nan  # outside the beams: no ray ends or passes (NaN compares false)
-    return OccSample(semantics(world, t, parts), observed(list(lidar), depths), mask_camera)
+    if lidar_scan is None:  # the parts beyond the grid change no beam's answer inside it
+        lidar_scan = lidar.cast(lidar.sensor(), parts)
+    mask_lidar = observed([lidar.sensor()], [lidar_scan.depth])
+    return OccSample(semantics(world, t, parts), mask_lidar, mask_camera)
 
 
 def write_sample_occupancy(
@@ -381,7 +352,8 @@ def write_sample_occupancy(
     renders: dict | None = None,
     scale: int = raycast.RENDER_SCALE,
     parts: raycast.Parts | None = None,
+    lidar_scan: lidar.Scan | None = None,
 ) -> Path:
     """Label one sample (occupancy_sample) and write <out_root>/gts/<scene name>/<sample token>/labels.npz."""
-    occ = occupancy_sample(world, t, renders, scale, parts)
+    occ = occupancy_sample(world, t, renders, scale, parts, lidar_scan)
     return write_labels(labels_path(out_root, scene_name, sample_token), occ.semantics, occ.mask_lidar, occ.mask_camera)

@@ -177,7 +177,25 @@ _NOISE = np.array([a for _, a in GROUND.values()], np.float32)
 def _tile(seed: int, location: str, tx: int, ty: int) -> np.ndarray:
     """(TILE, TILE, 3) uint8 ground colours of tile (tx, ty); texel [r, c] has its centre at
     x = (tx * TILE + c + 0.5) * TEX_RES, y = (ty * TILE + r + 0.5) * TEX_RES."""
-    return _textured(_tile_labels(road_map(seed, location), tx, ty), tx, ty)
+    return _textured(_labels(seed, location, tx, ty), tx, ty)
+
+
+@lru_cache(maxsize=160)
+def _labels(seed: int, location: str, tx: int, ty: int) -> np.ndarray:
+    """_tile_labels of tile (tx, ty), kept for the LiDAR's materials (bev.synthetic.lidar)."""
+    return _tile_labels(road_map(seed, location), tx, ty)
+
+
+def ground_class(seed: int, location: str, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """(N,) uint8 ground class (GROUND's order) of the map texel under each global point (x, y), as painted."""
+    col, row = np.floor(x * (1 / TEX_RES)).astype(np.int64), np.floor(y * (1 / TEX_RES)).astype(np.int64)
+    tx, ty = col // TILE, row // TILE
+    out = np.empty(len(col), np.uint8)
+    tiles, which = np.unique(np.stack([tx, ty], 1), axis=0, return_inverse=True)
+    for k, (a, b) in enumerate(tiles.tolist()):
+        q = np.flatnonzero(which.ravel() == k)
+        out[q] = _labels(seed, location, a, b)[row[q] - b * TILE, col[q] - a * TILE]
+    return out
 
 
 def _tile_labels(road: RoadMap, tx: int, ty: int) -> np.ndarray:
@@ -595,13 +613,23 @@ def render_depth(
 ) -> np.ndarray:
     """render_camera's depth alone, (H, W) float32, the same values: no colours, ids or coverage to compute."""
     cam, parts = _camera_parts(world, t, camera, None, scale, parts)
-    parts, rects, pix = _in_view(cam, parts)
+    return _key_depth(zbuffer(cam, *_in_view(cam, parts))).reshape(cam.shape)
+
+
+def zbuffer(cam: Camera, parts: Parts, rects: np.ndarray, pix: np.ndarray) -> np.ndarray:
+    """(H * W,) least z-buffer key (_slab_chunk) of each ray of `cam` over the ground and the parts, each part
+    tested on the rays of its rectangle (rects (P, 4) [r0, r1, c0, c1), pix their flat indices, _pixel_pairs):
+    the depth of the first surface in the upper half, in the lower the index of its part + 1 (0: the ground)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         (key,) = _slab(cam, parts, rects, faces=False)
     best = cam.ground_key.copy()  # the ground's depth bits (inf above the horizon), part field 0
     np.minimum.at(best, pix, key)
-    # The upper half of the least key is the depth of what the pixel shows, the ground's included.
-    return (best >> 32).astype(np.int32).view(np.float32).reshape(cam.shape)
+    return best
+
+
+def _key_depth(key: np.ndarray) -> np.ndarray:
+    """The depths (float32) in the upper halves of z-buffer keys."""
+    return (key >> 32).astype(np.int32).view(np.float32)
 
 
 def visibility_level(visible: int, unoccluded: int) -> str:

@@ -15,13 +15,15 @@ from tqdm import tqdm
 
 from bev.geometry import CAMERA_NAMES
 from bev.synthetic import raycast
+from bev.synthetic.lidar import key_frame as lidar_key_frame
+from bev.synthetic.lidar import sweep as lidar_sweep
 from bev.synthetic.mapjson import map_expansion
 from bev.synthetic.occupancy import prepare as prepare_occupancy
 from bev.synthetic.occupancy import write_sample_occupancy
 from bev.synthetic.pool import WorkerError, _in_workers, _worker_init, _world
 from bev.synthetic.raycast import visibility_level
 from bev.synthetic.roads import fill, road_map
-from bev.synthetic.sensors import camera_jpeg, lidar_points
+from bev.synthetic.sensors import camera_jpeg
 from bev.synthetic.tables import _RenderTask, _token
 from bev.synthetic.world import SAMPLE_DT
 from bev.utils.io import atomic_write
@@ -117,7 +119,7 @@ def _sample_job(kind: str):
 
 
 def _render_task(task: _RenderTask):
-    """Render and write one sample's files; return per-object visibility and lidar counts."""
+    """Render and write one sample's files (its sweeps too); return per-object visibility and lidar counts."""
     files, vis, per_obj = _sample_files(task)
     for rel, data in files.items():
         with _naming(task.out / rel):
@@ -126,23 +128,40 @@ def _render_task(task: _RenderTask):
 
 
 def _sample_files(task: _RenderTask) -> tuple[dict[str, bytes], dict, dict]:
-    """Render one sample: ({file relative to out: its bytes} of the images and the lidar cloud, per-object
-    visibility, per-object lidar counts); its occupancy labels are written here when task.occupancy."""
-    out, seed, scene, sample, samples, location, cam_files, lidar_file, annotated, scale, scene_name, occ, up = task
+    """Render one sample: ({file relative to out: its bytes} of the images, the lidar cloud and the sweeps after
+    it, per-object visibility, per-object lidar counts); its occupancy labels are written here when task.occupancy."""
+    (
+        out,
+        seed,
+        scene,
+        sample,
+        samples,
+        location,
+        cam_files,
+        lidar_file,
+        annotated,
+        scale,
+        scene_name,
+        occ,
+        up,
+        sweeps,
+    ) = task
     world = _world(seed, scene, samples, location)
     t = sample * SAMPLE_DT
-    parts = raycast.sample_parts(world, t)  # placed once for the cameras, the occupancy labels and its lidar views
+    parts = raycast.sample_parts(world, t)  # placed once for the cameras, the lidar and the occupancy labels
     images, counts = raycast.render_sample(world, t, scale, parts)
+    lidar = lidar_key_frame(world, t, annotated, np.random.default_rng([seed, scene, sample, 7]), parts)
     if occ:
-        write_sample_occupancy(out, scene_name, _token(seed, "sample", scene, sample), world, t, images, scale, parts)
+        token = _token(seed, "sample", scene, sample)
+        write_sample_occupancy(out, scene_name, token, world, t, images, scale, parts, lidar.scan)
     files = {}
     for name in CAMERA_NAMES:
         files[cam_files[name]] = camera_jpeg(images[name].image, scale, up, cam_files[name])
-    rng = np.random.default_rng([seed, scene, sample, 7])
-    cloud, per_obj = lidar_points(world, t, annotated, counts, rng, scale)
-    files[lidar_file] = cloud.tobytes()
+    files[lidar_file] = lidar.cloud.tobytes()
+    for j, (when, name) in enumerate(sweeps):
+        files[name] = lidar_sweep(world, when, np.random.default_rng([seed, scene, sample, 8, j])).tobytes()
     vis = {i: visibility_level(*counts.get(i, (0, 0))) for i in annotated}
-    return files, vis, per_obj
+    return files, vis, lidar.num_points
 
 
 def _occupancy_task(task: _RenderTask):

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 from bev.data.rig import IMAGE_H, IMAGE_W, MINI_LOCATIONS, load_rig, mini_splits
 from bev.geometry import CAMERA_NAMES, yaw_to_quaternion
+from bev.synthetic.lidar import SWEEP_DT
 from bev.synthetic.pool import _build_worlds, _world
 from bev.synthetic.sensors import LIDAR_ROTATION, LIDAR_TRANSLATION, image_scale, scaled_intrinsic
 from bev.synthetic.world import SAMPLE_DT, World, annotated_objects
@@ -125,6 +126,7 @@ class _RenderTask(NamedTuple):
     scene_name: str  # the occupancy labels' folder: gts/<scene name>/<sample token>
     occupancy: bool = True  # write the sample's occupancy labels too
     upscale: bool = True  # JPEGs at 1600x900 (image_size "full"), else at the render resolution
+    sweeps: tuple = ()  # the LIDAR_TOP sweeps after this key frame: (time in the scene (s), file relative to out)
 
 
 def _plan(out: Path, names: list[str], workers: int, params: dict) -> tuple[dict, list[list[_RenderTask]]]:
@@ -190,7 +192,8 @@ def _add_scene(T: dict, rig: dict, out: Path, si: int, name: str, params: dict) 
                 "scene_token": scene_tok,
             }
         )
-        files = _add_sample_data(T, world, seed, si, k, samples, tok, ts, logfile, shrink)
+        files = _add_sample_data(T, world, seed, si, k, samples, tok, ts, logfile, shrink, params["lidar_sweeps"])
+        sweeps = _add_sweeps(T, world, seed, si, k, samples, t0, logfile, params["lidar_sweeps"])
         tasks.append(
             _RenderTask(
                 out,
@@ -206,6 +209,7 @@ def _add_scene(T: dict, rig: dict, out: Path, si: int, name: str, params: dict) 
                 name,
                 params["occupancy"],
                 shrink == 1,
+                sweeps,
             )
         )
     return tasks
@@ -239,36 +243,112 @@ def _add_calibrated_sensors(T: dict, rig: dict, seed: int, si: int, shrink: int 
 
 
 def _add_sample_data(
-    T: dict, world: World, seed: int, si: int, k: int, samples: int, sample_tok: str, ts: int, logfile: str, shrink: int
+    T: dict,
+    world: World,
+    seed: int,
+    si: int,
+    k: int,
+    samples: int,
+    sample_tok: str,
+    ts: int,
+    logfile: str,
+    shrink: int,
+    sweeps: int = 0,
 ) -> dict[str, str]:
-    """Append sample k's ego_pose and sample_data rows, one per channel; return channel -> file (relative to out)."""
-    ego_t, ego_yaw = world.ego_pose(k * SAMPLE_DT)
+    """Append sample k's ego_pose and sample_data rows, one per channel; return channel -> file (relative to out).
+    LIDAR_TOP's prev / next are the `sweeps` sweeps between key frames where there are any (_add_sweeps)."""
     files = {}
     for ch in CHANNELS:
-        # As in nuScenes, an ego_pose shares its token with its sample_data.
-        sd_tok = _token(seed, "sample_data", si, k, ch)
         cam = ch != "LIDAR_TOP"
         files[ch] = f"samples/{ch}/{logfile}__{ch}__{ts}.{'jpg' if cam else 'pcd.bin'}"
-        T["ego_pose"].append(
-            {"token": sd_tok, "timestamp": ts, "rotation": yaw_to_quaternion(ego_yaw), "translation": ego_t.tolist()}
-        )
-        T["sample_data"].append(
-            {
-                "token": sd_tok,
-                "sample_token": sample_tok,
-                "ego_pose_token": sd_tok,
-                "calibrated_sensor_token": _token(seed, "calibrated_sensor", si, ch),
-                "timestamp": ts,
-                "fileformat": "jpg" if cam else "pcd",
-                "is_key_frame": True,
-                "height": IMAGE_H // shrink if cam else 0,
-                "width": IMAGE_W // shrink if cam else 0,
-                "filename": files[ch],
-                "prev": _token(seed, "sample_data", si, k - 1, ch) if k else "",
-                "next": _token(seed, "sample_data", si, k + 1, ch) if k + 1 < samples else "",
-            }
-        )
+        chain = sweeps if ch == "LIDAR_TOP" else 0
+        prev = (_sweep_token(seed, si, k - 1, chain) if chain else _key_token(seed, si, k - 1, ch)) if k else ""
+        following = _sweep_token(seed, si, k, 1) if chain else _key_token(seed, si, k + 1, ch)
+        size = (IMAGE_H // shrink, IMAGE_W // shrink) if cam else (0, 0)
+        rec = _sensor_record(world, seed, si, ch, k * SAMPLE_DT, ts, files[ch], sample_tok, True, size)
+        _append_record(T, {**rec, "token": _key_token(seed, si, k, ch)}, prev, following if k + 1 < samples else "")
     return files
+
+
+def _key_token(seed: int, si: int, k: int, ch: str) -> str:
+    return _token(seed, "sample_data", si, k, ch)
+
+
+def _sweep_token(seed: int, si: int, k: int, j: int) -> str:
+    """The token of LIDAR_TOP sweep j (1-based) after key frame k."""
+    return _token(seed, "sample_data", si, k, "LIDAR_TOP", "sweep", j)
+
+
+def _sweep_time(k: int, j: int, sweeps: int) -> float:
+    """Scene time (s) of sweep j of `sweeps` after key frame k: 20 Hz, the last one SWEEP_DT before key frame
+    k + 1 (the sweeps a multi-sweep loader takes with it)."""
+    return (k + 1) * SAMPLE_DT - (sweeps + 1 - j) * SWEEP_DT
+
+
+def _add_sweeps(
+    T: dict, world: World, seed: int, si: int, k: int, samples: int, t0: int, logfile: str, sweeps: int
+) -> tuple[tuple[float, str], ...]:
+    """Append the ego_pose and sample_data rows of the LIDAR_TOP sweeps between key frames k and k + 1 (none after
+    the last); return their (scene time, file)s. A sweep's sample is the key frame nearest in time (the next on a
+    tie), as in nuScenes."""
+    if k + 1 >= samples or not sweeps:
+        return ()
+    out = []
+    for j in range(1, sweeps + 1):
+        t = _sweep_time(k, j, sweeps)
+        ts = t0 + int(round(t * 1e6))
+        name = f"sweeps/LIDAR_TOP/{logfile}__LIDAR_TOP__{ts}.pcd.bin"
+        nearest = k + 1 if (k + 1) * SAMPLE_DT - t <= t - k * SAMPLE_DT else k
+        rec = _sensor_record(world, seed, si, "LIDAR_TOP", t, ts, name, _token(seed, "sample", si, nearest), False)
+        prev = _sweep_token(seed, si, k, j - 1) if j > 1 else _key_token(seed, si, k, "LIDAR_TOP")
+        following = _sweep_token(seed, si, k, j + 1) if j < sweeps else _key_token(seed, si, k + 1, "LIDAR_TOP")
+        _append_record(T, {**rec, "token": _sweep_token(seed, si, k, j)}, prev, following)
+        out.append((t, name))
+    return tuple(out)
+
+
+def _sensor_record(
+    world: World,
+    seed: int,
+    si: int,
+    ch: str,
+    t: float,
+    ts: int,
+    filename: str,
+    sample_tok: str,
+    key: bool,
+    size: tuple[int, int] = (0, 0),
+) -> dict:
+    """A sample_data row (without token, prev, next) of an image of `size` (height, width; (0, 0) for a cloud),
+    with its ego pose at scene time t under "_pose"."""
+    ego_t, ego_yaw = world.ego_pose(t)
+    return {
+        "sample_token": sample_tok,
+        "calibrated_sensor_token": _token(seed, "calibrated_sensor", si, ch),
+        "timestamp": ts,
+        "fileformat": "pcd" if ch == "LIDAR_TOP" else "jpg",
+        "is_key_frame": key,
+        "height": size[0],
+        "width": size[1],
+        "filename": filename,
+        "_pose": {"timestamp": ts, "rotation": yaw_to_quaternion(ego_yaw), "translation": ego_t.tolist()},
+    }
+
+
+def _append_record(T: dict, rec: dict, prev: str, following: str) -> None:
+    """Append a sample_data row and its ego_pose, which shares its token (as in nuScenes)."""
+    pose = rec.pop("_pose")
+    T["ego_pose"].append({"token": rec["token"], **pose})
+    T["sample_data"].append(
+        {
+            "token": rec["token"],
+            "sample_token": rec["sample_token"],
+            "ego_pose_token": rec["token"],
+            **{k: v for k, v in rec.items() if k not in ("token", "sample_token")},
+            "prev": prev,
+            "next": following,
+        }
+    )
 
 
 def _add_maps(T: dict, out: Path, seed: int, names: list[str]) -> list[tuple]:

@@ -6,7 +6,8 @@
                    sample_annotation,sample_data,scene,sensor,visibility}.json
     DIR/samples/CAM_*/<logfile>__<CAM>__<timestamp>.jpg      1600x900 renders (bev.synthetic.raycast), or
                                                                at the render resolution (image_size="render")
-    DIR/samples/LIDAR_TOP/<logfile>__LIDAR_TOP__<timestamp>.pcd.bin
+    DIR/samples/LIDAR_TOP/<logfile>__LIDAR_TOP__<timestamp>.pcd.bin  ray-cast 32-beam LiDAR (bev.synthetic.lidar)
+    DIR/sweeps/LIDAR_TOP/<logfile>__LIDAR_TOP__<timestamp>.pcd.bin   its sweeps between key frames (lidar_sweeps)
     DIR/maps/<token>.png                                       drivable-area mask, 0.1 m/pixel
     DIR/maps/expansion/<location>.json                         HD map, map expansion v1.3 (bev.synthetic.mapjson)
     DIR/gts/<scene name>/<sample token>/labels.npz             Occ3D-format occupancy (bev.synthetic.occupancy)
@@ -20,8 +21,11 @@ so: the files a full write gives, byte for byte, its manifest included.
 which the unmodified devkit loads with `NuScenes("v1.0-mini", dataroot=DIR)` and
 `NuScenesMap(DIR, log["location"])`. Each scene drives through the road network of its real
 mini scene's location (bev.synthetic.roads); scenes at one location share its map. Key frames
-only (2 Hz); every sensor of a sample shares the sample's timestamp and ego pose, so the
-ego frame of the LIDAR_TOP sample_data is exactly the frame the cameras were rendered in.
+at 2 Hz; every sensor of a sample shares the sample's timestamp and ego pose, so the
+ego frame of the LIDAR_TOP sample_data is exactly the frame the cameras were rendered in. With lidar_sweeps = n,
+n LIDAR_TOP sweeps at 20 Hz precede each key frame but the first (non-key sample_data, is_key_frame false, each
+with its own timestamp and ego pose, chained by prev / next through the key frames), as the devkit's
+LidarPointCloud.from_file_multisweep reads them.
 
 Images are ray-cast at 1600x900 / render_scale (default bev.synthetic.raycast.RENDER_SCALE = 2:
 800x450) and upscaled bilinearly to 1600x900 JPEGs (image_size="render": written as they are, with the
@@ -58,6 +62,7 @@ from bev.synthetic.manifest import (
     STAGING,
     NotTheSameSet,
     _begin,
+    _check_lidar_sweeps,
     _check_out,
     _dataset_files,
     _parameters,
@@ -113,6 +118,7 @@ def make_synthetic(
     render_scale: int = raycast.RENDER_SCALE,
     occupancy: bool = True,
     image_size: str = "full",
+    lidar_sweeps: int = 0,
 ) -> Path:
     """Write the synthetic nuScenes-format dataset to `out` and return its path (the dataroot).
 
@@ -124,13 +130,16 @@ def make_synthetic(
     still above the 352x128 input of the embedded default (an LSS resize of ~0.22). `occupancy=False` leaves the
     Occ3D labels (gts/, about a quarter of the work) out; add_occupancy adds them later. `image_size` (IMAGE_SIZES):
     "render" writes the JPEGs at the render resolution with their intrinsics, not upscaled to 1600x900.
+    `lidar_sweeps` (0..9): LIDAR_TOP sweeps at 20 Hz before each key frame but the first, sweeps/LIDAR_TOP (each
+    as large as a key frame's cloud and about half its LiDAR time; nuScenes has 9).
     """
     names = _validate(scenes, samples_per_scene, seed, workers)
     render_scale, image_size = _check_render_scale(render_scale), _check_image_size(image_size)
+    lidar_sweeps = _check_lidar_sweeps(lidar_sweeps)
     samples_per_scene, seed, workers = int(samples_per_scene), int(seed), int(workers)  # numpy ints -> JSON-safe
     out = Path(out)
     _check_out(out, overwrite)
-    params = _parameters(len(names), samples_per_scene, seed, render_scale, bool(occupancy), image_size)
+    params = _parameters(len(names), samples_per_scene, seed, render_scale, bool(occupancy), image_size, lidar_sweeps)
     T, scene_tasks = _plan(out, names, workers, params)
     tasks = [task for scene in scene_tasks for task in scene]
     map_tasks = _add_maps(T, out, seed, names)
@@ -193,12 +202,20 @@ def main(argv: list[str] | None = None) -> int:
         "render resolution itself with its intrinsics, the same scene in a 1/scale^2 of the JPEG work and disk "
         "(with --occupancy-only, default: the size the set was written in)",
     )
+    p.add_argument(
+        "--lidar-sweeps",
+        type=int,
+        help="LIDAR_TOP sweeps (20 Hz) between key frames, sweeps/LIDAR_TOP, 0..9 (default 0: none; nuScenes has 9; "
+        "each costs about a key frame's cloud, ~0.6 MB; with --occupancy-only, default: the set's)",
+    )
     args = p.parse_args(argv)
     start = time.time()
     if args.occupancy_only and (args.overwrite or not args.occupancy):
         p.error("--occupancy-only adds the labels to the set in --out: it takes neither --overwrite nor --no-occupancy")
     try:
         _validate(args.scenes, args.samples_per_scene, args.seed, args.workers)
+        if args.lidar_sweeps is not None:
+            _check_lidar_sweeps(args.lidar_sweeps)
         if not args.occupancy_only:
             _check_out(Path(args.out), args.overwrite)
     except (ValueError, TypeError, FileExistsError) as e:
@@ -216,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             render_scale=args.render_scale,
             occupancy=args.occupancy,
             image_size=args.image_size or "full",
+            lidar_sweeps=args.lidar_sweeps or 0,
         )
     except OSError as e:  # e.g. a read-only or full --out: one line, no traceback
         return _error(f"cannot write the dataset to {args.out}: {_os_error(e)}")
@@ -242,6 +260,7 @@ def _main_occupancy_only(p: argparse.ArgumentParser, args, start: float) -> int:
             args.workers,
             render_scale=args.render_scale,
             image_size=args.image_size,
+            lidar_sweeps=args.lidar_sweeps,
         )
     except NotTheSameSet as e:  # the set in --out is not one these parameters write: nothing written
         return _error(str(e), 2)
