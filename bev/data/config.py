@@ -145,6 +145,12 @@ def _bev_aug(name: str, v: Any):
     return BevAugRanges.from_any(v)
 
 
+def _lidar(name: str, v: Any):
+    from bev.data.lidar import LidarOptions
+
+    return LidarOptions.from_any(v)
+
+
 def _choice(name: str, v: Any, choices: tuple[str, ...]) -> str:
     if v not in choices:
         raise _fail(name, f"one of {', '.join(choices)}", v)
@@ -247,6 +253,9 @@ class DatasetConfig(_Checked):
     occupancy: bool = _option(False, _flag)
     # training: BEV augmentation (bev.data.bev_aug): null | bevdet | {rot_lim, scale_lim, flip_x, flip_y}
     bev_aug: Any = _option(None, _bev_aug)
+    # items carry "points": LIDAR_TOP key frame + sweeps in the ego frame (bev.data.lidar):
+    # null (off) | {enabled: true|false, sweeps: 0..30, max_points: >= 1}
+    lidar: Any = _option(None, _lidar)
     # without augmentation, MB of decoded inputs kept per loader process; 0: off
     input_memo_mb: float = _option(0.0, _memo)
     past_frames: int = _option(0, _frames)  # temporal windows: P input frames before the present (FIERY: 2)

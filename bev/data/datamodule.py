@@ -14,8 +14,8 @@ from bev.classes import object_class_names
 from bev.data.cbgs import ClassBalancedSampler
 from bev.data.config import DataConfig
 from bev.data.index import load_indexes
+from bev.data.lidar import collate_points
 from bev.data.nuscenes import NuScenesBEVDataset
-from bev.data.temporal import collate
 from bev.utils.dist import world
 
 
@@ -31,6 +31,8 @@ class NuScenesDataModule(L.LightningDataModule):
     persistent_workers only applies when num_workers > 0.
     past_frames / future_frames > 0: items are windows of consecutive key frames (NuScenesBEVDataset,
     bev.data.temporal); batches stack them with B leading and keep sample_tokens as B lists of tokens.
+    data.lidar.enabled: items carry "points"; batches hold them as one (sum M, 6) tensor, rows (batch index, x, y,
+    z, intensity, time lag), and num_points (B,) (bev.data.lidar.collate_points).
     class_names / num_classes: the target channels (object classes, then map_layers classes); the
     model config reads the same count through the `bev.num_classes` config resolver.
     """
@@ -95,7 +97,7 @@ class NuScenesDataModule(L.LightningDataModule):
             pin_memory=self.config.pin_memory,
             persistent_workers=self.persistent_workers,
             drop_last=train and len(sampler or ds) >= self.batch_size,
-            collate_fn=collate,
+            collate_fn=collate_points,
             worker_init_fn=_worker_init if self.num_workers else None,
         )
 

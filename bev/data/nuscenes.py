@@ -25,6 +25,7 @@ from bev.data.config import DatasetConfig
 from bev.data.depth import depth_targets, load_lidar
 from bev.data.detection import detection_boxes, detection_item
 from bev.data.index import load_index
+from bev.data.lidar import item_points, load_sweep_index, sample_points
 from bev.data.maps import rasterize_map
 from bev.data.rasterize import rasterize_boxes
 from bev.data.tables import HOWTO, check_image_size
@@ -70,6 +71,9 @@ class NuScenesBEVDataset(Dataset):
     depth_target=True adds depth (Ncam, H/s, W/s) int64: the depth bin of the nearest LIDAR_TOP point in each
     camera feature cell at stride s = depth_stride (the model's model.net.camera.downsample; 16 when null), -1 where
     none (bev.data.depth), for depth supervision.
+    lidar={enabled: true, sweeps: S, max_points: M} adds points (P, 5) float32: x, y, z, intensity, time lag of
+    the LIDAR_TOP key frame and its S earlier sweeps in the ego frame, after the BEV augmentation, in the grid, at
+    most M (bev.data.lidar); batches hold them flat (bev.data.lidar.collate_points).
     occupancy=True adds occ_semantics (200, 200, 16) uint8 Occ3D class ids and occ_mask_camera, occ_mask_lidar
     (200, 200, 16) bool, from <dataroot>/gts/<scene name>/<sample token>/labels.npz (bev.tasks.occupancy.data).
     With augment=False images get the deterministic LSS resize + crop and all 6 cameras;
@@ -121,6 +125,13 @@ class NuScenesBEVDataset(Dataset):
         self.index = load_index(
             self.dataroot, self.version, split, self.groups, cfg.cache_dir, verbose=verbose, map_layers=self.map_layers
         )
+        self.lidar = cfg.lidar
+        self.sweeps = None  # with data.lidar.enabled: each sample's key frame and sweeps (bev.data.lidar)
+        if self.lidar.enabled:
+            tokens = [str(t) for t in self.index["sample_token"]]
+            self.sweeps = load_sweep_index(
+                self.dataroot, self.version, split, tokens, self.lidar.sweeps, cfg.cache_dir, verbose
+            )
         self.occupancy = cfg.occupancy
         if self.occupancy:  # before any item: a missing Occ3D download is one clear error
             check_gts(self.dataroot, self.index["scene"], split)
@@ -363,7 +374,16 @@ class NuScenesBEVDataset(Dataset):
             item.update(detection_item(self.detection_boxes(i), self.grid, self.det_range, bev_aug, where))
         if self.occupancy:  # occ_semantics, occ_mask_camera, occ_mask_lidar (bev.tasks.occupancy.data)
             item.update(occupancy_item(self.dataroot, str(self.index["scene"][i]), item["sample_token"], bev_aug))
+        if self.sweeps is not None:  # drawn after bev_aug: the draws without data.lidar stay the same
+            item["points"] = self.lidar_item(i, bev_aug)
         return item
+
+    def lidar_item(self, i: int, bev_aug: np.ndarray | None) -> torch.Tensor:
+        """(M, 5) float32 points of sample i (bev.data.lidar.POINT_COLUMNS): key frame and sweeps in its ego
+        frame, moved by the item's BEV augmentation, in the grid, at most data.lidar.max_points (a random subset
+        in training, the same one every epoch otherwise)."""
+        points = sample_points(self.dataroot, self.sweeps, i)
+        return item_points(points, self.grid, bev_aug, self.lidar.max_points, None if self.augment else i)
 
     def _augment_bev(self, item: dict[str, Any], i: int, A: np.ndarray) -> None:
         """Sample i's item in the BEV frame A maps to (bev.data.bev_aug), in place: the lift geometry, the object
