@@ -1,12 +1,15 @@
 """The BEV network, composed as BEVFusion's: encoders -> (fuser) -> decoder -> heads.
 
   camera     LiftSplat: image encoder + depth distribution, lifted and splatted into the BEV voxel grid (bev.ops)
+  lidar      optional: LidarEncoder, points -> pillars on the same grid (bev.ops) -> SECOND backbone (bev.models.lidar)
   temporal   optional: the past frames' BEV features warped into the present and fused (FIERY, BEVDet4D)
+  fuser      with both: ConvFuser, the camera (after temporal) and LiDAR BEV maps concatenated, conv (BEVFusion)
   decoder    BevDecoder (2D, LSS's BevEncode) or VoxelDecoder3d (3D, BEVDet-Occ), shared by the heads
   heads      one per task, from its package (bev.tasks.<task>.head): segmentation, detection, motion, occupancy
 
-Static, temporal and occupancy models are configurations of this one class (model.net in the configs). The
-output is a dict: each task's output under its name, and "depth", the camera depth logits (B, N, D, fH, fW).
+Static, temporal, occupancy, camera-only, LiDAR-only and fused models are configurations of this one class
+(model.net in the configs). The output is a dict: each task's output under its name, and "depth", the camera depth
+logits (B, N, D, fH, fW), with a camera branch.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from torch import nn
 
 from bev.geometry import Grid
 from bev.models.decoder import build_decoder
+from bev.models.fuser import build_fuser
+from bev.models.lidar import LidarEncoder
 from bev.models.lift import LiftSplat
 from bev.models.temporal import Temporal
 from bev.tasks import TASKS, build_head
@@ -38,6 +43,12 @@ class BEVNet(nn.Module):
     probabilistic motion head in training; return_features adds the present's BEV features ("present_features").
     Outputs: "segmentation" (B, K, X, Y) logits, "detection" {"heatmap", "regression"}, "motion" {"segmentation",
     "centerness", "offset", "flow", ...} (B, F+1, ...), "occupancy" (B, 18, 200, 200, 16) logits.
+
+    lidar: LidarEncoder's options (None: no LiDAR branch); then camera None means no camera branch (LiDAR-only;
+    without lidar, None is the default camera branch, as ever); fuser: build_fuser's options, needed with both
+    branches. points= (P, 6) rows (batch index, x, y, z, intensity, time lag), as bev.data.lidar.collate_points
+    batches them; the batch size is the cameras', else batch_size=, else the last batch index + 1. A network
+    without a LiDAR branch ignores points.
     """
 
     def __init__(
@@ -48,19 +59,59 @@ class BEVNet(nn.Module):
         decoder: Mapping[str, Any] | None = None,
         heads: Mapping[str, Mapping[str, Any] | None] | None = None,
         temporal: Mapping[str, Any] | None = None,
+        lidar: Mapping[str, Any] | None = None,
+        fuser: Mapping[str, Any] | None = None,
     ):
         super().__init__()
         heads = {k: v for k, v in (heads or {"segmentation": {}}).items() if v is not None}  # null: no such head
-        self.camera = LiftSplat(grid, image_size, **dict(camera or {}))
-        self.grid, self.image_size = self.camera.grid, self.camera.image_size
-        self.decoder = build_decoder(self.camera.out_channels, self.grid.nz, **dict(decoder or {}))
+        self.camera = (
+            None if camera is None and lidar is not None else LiftSplat(grid, image_size, **dict(camera or {}))
+        )
+        self.grid = self.camera.grid if self.camera is not None else Grid.from_any(grid)
+        self.image_size = self.camera.image_size if self.camera is not None else tuple(int(s) for s in image_size)
+        self.lidar = self.fuser = None
+        if lidar is not None:  # the LiDAR parts before the decoder; camera-only models draw their weights as ever
+            self.lidar = LidarEncoder(self.grid, **dict(lidar))
+            self.temporal = self._temporal(temporal)
+            self.fuser = self._fuser(fuser)
+        elif fuser is not None:
+            raise ValueError("model.net.fuser fuses the camera and LiDAR maps: set model.net.lidar too, or fuser null")
+        self.decoder = build_decoder(self._decoder_input(), self.grid.nz, **dict(decoder or {}))
         built = {name: self._head(name, heads[name]) for name in HEAD_ORDER if name in heads}
-        self.temporal = None if temporal is None else Temporal(self.grid, self.camera.out_channels, **dict(temporal))
-        if self.temporal is not None and self.temporal.copies > 1:
-            self.decoder.widen_input(self.temporal.copies)
+        if lidar is None:
+            self.temporal = self._temporal(temporal)
+            if self.temporal is not None and self.temporal.copies > 1:
+                self.decoder.widen_input(self.temporal.copies)
         built.update({name: self._head(name, opts) for name, opts in heads.items() if name not in HEAD_ORDER})
         self.heads = nn.ModuleDict({name: built[name] for name in heads})
         self._check_parts()
+
+    def _temporal(self, options: Mapping[str, Any] | None) -> Temporal | None:
+        if options is None:
+            return None
+        if self.camera is None:
+            raise ValueError("model.net.temporal fuses the cameras' past frames: a LiDAR-only network has none")
+        return Temporal(self.grid, self.camera.out_channels, **dict(options))
+
+    def _fuser(self, options: Mapping[str, Any] | None) -> nn.Module | None:
+        """The fuser of the camera and LiDAR maps; none (and none allowed) for LiDAR-only."""
+        if self.camera is None:
+            if options is not None:
+                raise ValueError("model.net.fuser needs a camera branch to fuse with: set model.net.fuser=null")
+            return None
+        if options is None:
+            raise ValueError(
+                "a network with cameras and LiDAR needs a fuser: add +model/fuser@model.net.fuser=conv, or set "
+                "model.net.camera=null (LiDAR-only)"
+            )
+        copies = 1 if self.temporal is None else self.temporal.copies
+        return build_fuser([self.camera.out_channels * copies, self.lidar.out_channels], **dict(options))
+
+    def _decoder_input(self) -> int:
+        """Channels the decoder reads: the fused map's, else the one branch's (before temporal copies)."""
+        if self.fuser is not None:
+            return self.fuser.out_channels
+        return self.lidar.out_channels if self.camera is None else self.camera.out_channels
 
     def _head(self, name: str, options: Mapping[str, Any] | None) -> nn.Module:
         head = build_head(name, self.decoder.out_channels, self.grid, options)
@@ -102,14 +153,16 @@ class BEVNet(nn.Module):
 
     def forward(
         self,
-        images,
-        intrinsics,
-        rots,
-        trans,
-        post_rots,
-        post_trans,
+        images=None,
+        intrinsics=None,
+        rots=None,
+        trans=None,
+        post_rots=None,
+        post_trans=None,
         future_egomotion: torch.Tensor | None = None,
         *,
+        points: torch.Tensor | None = None,
+        batch_size: int | None = None,
         past_no_grad: bool = False,
         past_features: torch.Tensor | None = None,
         future_labels: Mapping[str, torch.Tensor] | None = None,
@@ -117,17 +170,42 @@ class BEVNet(nn.Module):
     ) -> dict[str, Any]:
         cams = (images, intrinsics, rots, trans, post_rots, post_trans)
         out: dict[str, Any] = {}
-        if self.temporal is None:
-            feats, out["depth"] = self.camera(*cams)
-        else:
-            feats = self._fused(cams, future_egomotion, past_no_grad, past_features, out)
-        decoded = self.decoder(feats)
+        maps = []
+        if self.camera is not None:
+            if any(c is None for c in cams):
+                raise ValueError(
+                    "the network has a camera branch: pass images, intrinsics, rots, trans, post_rots, post_trans"
+                )
+            if self.temporal is None:
+                feats, out["depth"] = self.camera(*cams)
+            else:
+                feats = self._fused(cams, future_egomotion, past_no_grad, past_features, out)
+            maps.append(feats)
+        if self.lidar is not None:
+            maps.append(self.lidar(self._points(points), self._batch_size(images, points, batch_size)))
+        decoded = self.decoder(maps[0] if self.fuser is None else self.fuser(maps))
         for name, head in self.heads.items():
             x = decoded.get(name, decoded["shared"])
             out[name] = head(x, future_labels) if getattr(head, "takes_labels", False) else head(x)
         if not return_features:
             out.pop("present_features", None)
         return out
+
+    def _points(self, points: torch.Tensor | None) -> torch.Tensor:
+        if points is None:
+            raise ValueError(
+                "the network has a LiDAR branch (model.net.lidar): pass points= (P, 6) as batches hold them "
+                "(data.lidar.enabled=true)"
+            )
+        return points
+
+    @staticmethod
+    def _batch_size(images, points: torch.Tensor, batch_size: int | None) -> int:
+        if images is not None:
+            return int(images.shape[0])
+        if batch_size is not None:
+            return int(batch_size)
+        return int(points[:, 0].max()) + 1 if len(points) else 1
 
     def _fused(self, cams, future_egomotion, past_no_grad: bool, past_features, out: dict) -> torch.Tensor:
         """The temporal part's input: the past frames' and the present's BEV features, fused."""
