@@ -102,6 +102,9 @@ def test_max_points_keeps_a_subset_random_in_training_fixed_otherwise(sweep_root
     rows = {tuple(r) for r in full.tolist()}
     assert all(tuple(r) in rows for r in a.tolist())
     assert (np.diff(a[:, 4].numpy()) >= 0).all()  # kept in the cloud's order (sweeps in time order)
+    most = dataset(sweep_root, tmp_path, max_points=len(full) - 50)[2]["points"]  # drawn as the 50 left out
+    assert len(most) == len(full) - 50 and {tuple(r) for r in most.tolist()} <= rows
+    assert len({tuple(r) for r in most.tolist()}) == len(most) and (np.diff(most[:, 4].numpy()) >= 0).all()
     train = dataset(sweep_root, tmp_path, max_points=1000, augment=True)
     torch.manual_seed(0)
     c, d = train.lidar_item(2, None), train.lidar_item(2, None)

@@ -248,8 +248,18 @@ def item_points(
         # NumPy's sampler: torch.randperm of 300k points took 100+ ms here. Its seed from torch's generator
         # (seeded per loader worker), so runs repeat.
         rng = np.random.default_rng(int(torch.randint(2**62, ())) if seed is None else seed)
-        points = points[np.sort(rng.choice(len(points), max_points, replace=False))]
+        points = points[_subset(rng, len(points), max_points)]
     return torch.from_numpy(np.ascontiguousarray(points, np.float32))
+
+
+def _subset(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    """k of range(n) in order, drawn without replacement; drawing the n - k left out when that is fewer (NumPy
+    draws small samples from a hash set, large ones by a whole permutation)."""
+    if 2 * k <= n:
+        return np.sort(rng.choice(n, k, replace=False, shuffle=False))
+    keep = np.ones(n, bool)
+    keep[rng.choice(n, n - k, replace=False, shuffle=False)] = False
+    return np.flatnonzero(keep)
 
 
 def collate_points(batch: list[dict[str, Any]]) -> dict[str, Any]:
