@@ -192,3 +192,26 @@ def test_bad_options_and_points_are_one_clear_error():
         LidarEncoder(GRID, (4,), widths=(4, 4), blocks=(1,))
     with pytest.raises(ValueError, match=r"points must be \(P, 6\) rows"):
         LidarEncoder(GRID, (4,), widths=(4,), blocks=(1,), strides=(1,), up_channels=(2,))(torch.zeros(3, 5), 1)
+
+
+def test_pillar_max_equals_scatter_reduce_values_and_gradients():
+    """PillarMax (the encoder's max) against torch's scatter_reduce "amax" forward and backward, ties included
+    (rounded values put several points at one pillar's max), and a float64 gradcheck."""
+    from bev.models.lidar import PillarMax
+
+    g = torch.Generator().manual_seed(0)
+    flat = torch.randint(0, 40, (500,), generator=g)
+    x = (torch.randn(500, 6, generator=g) * 2).round().requires_grad_()
+    grad = torch.randn(64, 6, generator=g)
+    ours = PillarMax.apply(x, flat, 64)
+    (gx,) = torch.autograd.grad(ours, x, grad)
+    ref = torch.full((64, 6), -1e9).scatter_reduce(0, flat[:, None].expand(-1, 6), x, "amax", include_self=False)
+    (want,) = torch.autograd.grad(ref, x, grad)
+    used = torch.zeros(64, dtype=torch.bool)
+    used[flat] = True
+    torch.testing.assert_close(ours[used], ref[used])
+    assert ours[~used].abs().sum() == 0
+    torch.testing.assert_close(gx, want)
+    assert ((x == ours[flat]).sum(0) > 40).all()  # many points at their pillar's max: ties are exercised
+    xd = torch.randn(30, 3, dtype=torch.float64, generator=g).requires_grad_()
+    assert torch.autograd.gradcheck(lambda v: PillarMax.apply(v, flat[:30] % 7, 8), (xd,))

@@ -8,7 +8,8 @@
     PFN      per point its 5 features, the offsets to its pillar's mean (3) and to the pillar's centre (3), through
              Linear-BN-ReLU layers (PointPillars' PFN); each layer but the last appends the pillar's max
     scatter  one feature vector per pillar into the (B, C, X, Y) canvas: max over the pillar's points (PointPillars;
-             torch's scatter_reduce "amax": bev.ops offers sums only) or mean (bev.ops.voxel_sum / counts)
+             torch's scatter_reduce "amax" with a cheaper backward, PillarMax: bev.ops offers sums only) or mean
+             (bev.ops.voxel_sum / counts)
     backbone SECOND + SECONDFPN: conv stages at growing strides, each upsampled back to the grid, concatenated
 
 The pillar means are sums by bev.ops.voxel_sum (the op the camera branch splats with) divided by the counts.
@@ -39,6 +40,27 @@ def pillar_keys(points: torch.Tensor, grid: Grid, batch_size: int) -> tuple[torc
     ix = torch.floor((p[:, 1] - xlo) / xs).long().clamp_(0, grid.nx - 1)  # clamp: x just below xhi in fp32
     iy = torch.floor((p[:, 2] - ylo) / ys).long().clamp_(0, grid.ny - 1)
     return torch.stack([p[:, 0].long(), ix, iy], 1), kept
+
+
+class PillarMax(torch.autograd.Function):
+    """(rows, C) max of x (P, C) per row index flat (P,), 0 where no point: scatter_reduce "amax" forward; the
+    backward splits each max's gradient evenly among the points equal to it, as scatter_reduce's own does, in
+    gathers and one index_add_ (300k points x 64 channels: about 2x faster, a quarter of the memory; see
+    scripts/bench_lidar.py)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, flat: torch.Tensor, rows: int) -> torch.Tensor:
+        out = x.new_zeros(rows, x.shape[1])
+        out = out.scatter_reduce(0, flat[:, None].expand_as(x), x, "amax", include_self=False)
+        ctx.save_for_backward(x, flat, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, flat, out = ctx.saved_tensors
+        hit = (x == out.index_select(0, flat)).to(grad.dtype)
+        ties = torch.zeros_like(out).index_add_(0, flat, hit).clamp_(min=1)
+        return (grad / ties).index_select(0, flat).mul_(hit), None, None
 
 
 class PFNLayer(nn.Module):
@@ -170,8 +192,7 @@ class PillarEncoder(nn.Module):
 
     def _pillar_max(self, x: torch.Tensor, flat: torch.Tensor, batch_size: int) -> torch.Tensor:
         """(B * X * Y, C) max of each pillar's rows of x (0 for empty pillars)."""
-        out = x.new_zeros(batch_size * self.grid.nx * self.grid.ny, x.shape[1])
-        return out.scatter_reduce(0, flat[:, None].expand_as(x), x, "amax", include_self=False)
+        return PillarMax.apply(x, flat, batch_size * self.grid.nx * self.grid.ny)
 
     def _pillar_mean(self, x: torch.Tensor, cells: torch.Tensor, batch_size: int) -> torch.Tensor:
         sums = self._sums(torch.cat([x, torch.ones_like(x[:, :1])], 1), cells, batch_size)
@@ -209,4 +230,4 @@ class LidarEncoder(nn.Module):
         return self.backbone(self.pillars(points, batch_size))
 
 
-__all__ = ["LidarEncoder", "PFNLayer", "PillarEncoder", "SecondBackbone", "pillar_keys"]
+__all__ = ["LidarEncoder", "PFNLayer", "PillarEncoder", "PillarMax", "SecondBackbone", "pillar_keys"]
