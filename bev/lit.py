@@ -332,6 +332,14 @@ class BEVLitModule(L.LightningModule):
     def forward(self, batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """The network's outputs on a batch: {task: output, "depth": camera depth logits} (bev.models.BEVNet)."""
         cams = tuple(batch[k] for k in CAMERA_KEYS)
+        if self.net.lidar is not None:  # the LiDAR branch's input (bev.data.lidar.collate_points)
+            if "points" not in batch:
+                raise ValueError("the network has a LiDAR branch: the batches need points, set data.lidar.enabled=true")
+            lidar = {"points": batch["points"], "batch_size": len(batch["num_points"])}
+            if self.net.past_frames is None:
+                return self.run_net(*cams, **lidar)
+        else:
+            lidar = {}
         if self.net.past_frames is None:
             return self.run_net(*cams)
         check_sequence_batch(batch, self.net)
@@ -339,10 +347,10 @@ class BEVLitModule(L.LightningModule):
         labels = batch if self.training and motion is not None and motion.probabilistic else None
         ego = batch["future_egomotion"]
         if self.past_cache is None or not self.training or not self.net.past_frames:
-            return self.run_net(*cams, ego, past_no_grad=self.past_no_grad, future_labels=labels)
+            return self.run_net(*cams, ego, past_no_grad=self.past_no_grad, future_labels=labels, **lidar)
         keys = frame_keys(batch, self.net.past_frames)
         past = self._cached_past(cams, keys)
-        out = self.run_net(*cams, ego, future_labels=labels, past_features=past, return_features=True)
+        out = self.run_net(*cams, ego, future_labels=labels, past_features=past, return_features=True, **lidar)
         for b, feats in enumerate(out.pop("present_features").detach()):
             self.past_cache.put(keys[b][-1], feats.clone(), self.global_step)  # a copy: a view would keep the batch
         return out
