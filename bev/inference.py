@@ -104,8 +104,9 @@ def load_checkpoint(
     for task in task_classes():  # each task's settings that older checkpoints stored beyond today's rules
         task.upgrade_model_config(model_cfg, path)
     # The checkpoint holds the weights: do not download or read the pretrained backbone again.
-    model_cfg.net.camera.weights = None
-    model_cfg.net.camera.weights_path = None
+    if model_cfg.net.get("camera") is not None:  # a LiDAR-only network has none
+        model_cfg.net.camera.weights = None
+        model_cfg.net.camera.weights_path = None
     model = instantiate(model_cfg)
     check_compatible(model, ckpt, path, OmegaConf.to_container(model_cfg, resolve=True))
     model.load_state_dict(ckpt["state_dict"])
@@ -235,6 +236,7 @@ def predictions(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
     batch = _batched(batch, temporal)
     device = next(model.parameters()).device
     keys = list(CAMERA_INPUTS) + (["future_egomotion"] if temporal else [])
+    keys += [k for k in ("points", "num_points") if k in batch]  # a LiDAR branch's input (bev.data.lidar)
     inputs = {k: torch.as_tensor(batch[k]).to(device) for k in keys}
     was_training = model.training
     model.eval()

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from helpers.cli import TINY, train_cli
+from helpers.cli import TINY, eval_cli, train_cli
 
 SMALL_LIDAR = [
     "model.net.lidar.pfn_channels=[8]",
@@ -35,3 +35,12 @@ def test_the_lidar_experiments_train_two_steps(experiment, synthetic_root, tmp_p
     state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     assert any(k.startswith("net.lidar.") for k in state)
     assert any(k.startswith("net.camera.") for k in state) == (experiment == "synthetic_fusion_cpu")
+    # bev-eval scores it (and draws it) from its checkpoint, points and all
+    args = [
+        f"ckpt_path={tmp_path}",
+        f"data.dataroot={synthetic_root}",
+        f"hydra.run.dir={tmp_path / 'eval'}",
+        "num_pngs=1",
+    ]
+    assert eval_cli(args, monkeypatch) == 0
+    assert "NDS" in json.loads((tmp_path / "eval" / "metrics.json").read_text())["metrics"]

@@ -138,6 +138,9 @@ def check_stored_sections(config: Any, path: str | Path, model_given: bool = Fal
     if not isinstance(config, dict):  # None: no stored config; other forms: bev.utils.trust refuses them
         return
     keys = [k for k in STORED_MAPPINGS if not (model_given and k.startswith("model"))]
+    net = (config.get("model") or {}).get("net") if isinstance(config.get("model"), dict) else None
+    if isinstance(net, dict) and net.get("camera") is None and isinstance(net.get("lidar"), dict):
+        keys.remove("model.net.camera")  # a LiDAR-only network has no camera branch
     for key in keys + (["trainer"] if "trainer" in config else []):
         node: Any = config
         for part in key.split("."):
