@@ -1,5 +1,5 @@
-"""The Makefile's data step: `make train` (and train-temporal, train-det) write the synthetic set without the
-occupancy labels (bev-make-synthetic --no-occupancy), and `make train-occ` adds them to such a set
+"""The Makefile's data step: `make train` (and train-temporal, train-det, train-fusion) write the synthetic set
+without the occupancy labels (bev-make-synthetic --no-occupancy), and `make train-occ` adds them to such a set
 (--occupancy-only) instead of writing it again."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import pytest
 
 
 def test_make_train_writes_no_labels_and_train_occ_adds_them():
-    """`make train` (and train-temporal, train-det) write the set without the labels; train-occ adds them to a
+    """`make train` (and train-temporal, train-det, train-fusion) write the set without the labels; train-occ adds them to a
     set that has none instead of writing it again."""
     if shutil.which("make") is None:
         pytest.skip("no make here")
     root = Path(__file__).resolve().parents[1]
-    for target in ("train", "train-temporal", "train-det"):
+    for target in ("train", "train-temporal", "train-det", "train-fusion"):
         # --no-print-directory: under `make test` this make is a sub-make, which would print directory lines
         recipe = subprocess.run(
             ["make", "--no-print-directory", "-n", target], cwd=root, capture_output=True, text=True, check=True
