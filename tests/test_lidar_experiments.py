@@ -44,3 +44,51 @@ def test_the_lidar_experiments_train_two_steps(experiment, synthetic_root, tmp_p
     ]
     assert eval_cli(args, monkeypatch) == 0
     assert "NDS" in json.loads((tmp_path / "eval" / "metrics.json").read_text())["metrics"]
+
+
+# What a CPU test changes in the nuScenes experiments: the synthetic set, small inputs and branches, two steps.
+NUSCENES_SMALL = [
+    "data.version=v1.0-mini",
+    "data.train_split=mini_train",
+    "data.val_split=mini_val",
+    "data.batch_size=1",
+    "data.num_workers=0",
+    "data.pin_memory=false",
+    "trainer=cpu",
+    "+trainer.max_steps=2",
+    "trainer.max_epochs=1",
+    "+trainer.limit_val_batches=1",
+    "trainer.val_check_interval=2",
+    "trainer.enable_progress_bar=false",
+    "callbacks.bev_png.every_n_steps=0",
+    "grid.xbound=[-54,54,1.8]",
+    "grid.ybound=[-54,54,1.8]",
+    *SMALL_LIDAR,
+]
+CAMERA_SMALL = ["data.final_dim=[64,176]", "model.net.camera.weights=null", "grid.dbound=[1,60,4]"]
+
+
+@pytest.mark.parametrize("experiment", ["bevfusion_nuscenes", "lidar_nuscenes"])
+def test_the_nuscenes_lidar_experiments_carry_bevfusion_settings(experiment):
+    from hydra import compose, initialize_config_dir
+
+    from bev.train import CONFIG_DIR
+
+    with initialize_config_dir(CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=[f"experiment={experiment}"])
+    assert cfg.data.lidar.enabled and cfg.data.lidar.sweeps == 9 and cfg.data.cbgs
+    assert list(cfg.grid.xbound) == [-54.0, 54.0, 0.6] and cfg.data.map_layers == "bevfusion"
+    assert (cfg.model.net.camera is None) == (experiment == "lidar_nuscenes")
+    assert (cfg.model.net.fuser is None) == (experiment == "lidar_nuscenes")
+    lr, epochs = (2e-4, 6) if experiment == "bevfusion_nuscenes" else (1e-4, 20)
+    assert cfg.model.optimizer.lr == lr and cfg.trainer.max_epochs == epochs
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("experiment", ["bevfusion_nuscenes", "lidar_nuscenes"])
+def test_the_nuscenes_lidar_experiments_train_two_steps(experiment, synthetic_root, tmp_path, monkeypatch, capsys):
+    camera = CAMERA_SMALL if experiment == "bevfusion_nuscenes" else []
+    args = [f"experiment={experiment}", *NUSCENES_SMALL, *camera, f"data.dataroot={synthetic_root}"]
+    assert train_cli([*args, f"hydra.run.dir={tmp_path}"], monkeypatch) == 0, capsys.readouterr().err[-3000:]
+    rec = json.loads((tmp_path / "metrics.json").read_text())
+    assert rec["global_step"] == 2 and "val/NDS" in rec["metrics"]
