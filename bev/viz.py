@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Polygon
 
 from bev.data.transforms import denormalize_image
-from bev.geometry import CAMERA_NAMES, Grid, box_corners
+from bev.geometry import CAMERA_NAMES, Grid, box_corners, ego_to_image
 from bev.utils.io import atomic_open
 
 # Error-map colours: true positive, false positive, false negative (background stays black).
@@ -147,8 +147,13 @@ def compose_layers(channels: np.ndarray, class_names) -> np.ndarray:
 
 
 def batch_sample(batch: Mapping[str, Any], i: int) -> dict:
-    """Sample i of a collated batch, kept batched (size 1), as render_sample and save_sample_png take it."""
-    return {k: v[i : i + 1] if torch.is_tensor(v) or isinstance(v, list) else v for k, v in batch.items()}
+    """Sample i of a collated batch, kept batched (size 1), as render_sample and save_sample_png take it. The flat
+    "points" rows (batch index first, bev.data.lidar.collate_points) are those of sample i, as batch 0."""
+    out = {k: v[i : i + 1] if torch.is_tensor(v) or isinstance(v, list) else v for k, v in batch.items()}
+    if torch.is_tensor(batch.get("points")):
+        rows = batch["points"][batch["points"][:, 0] == i]
+        out["points"] = torch.cat([torch.zeros_like(rows[:, :1]), rows[:, 1:]], 1)
+    return out
 
 
 def _unbatch(sample: Mapping[str, Any]) -> tuple[dict, bool]:
@@ -212,6 +217,7 @@ def render_figure(
     and `detections` (one sample of predict's "detections": boxes, scores, labels; those at score >= box_threshold)
     in the prediction panel (over the ground truth) and the cameras. With detections and no pred
     (a model that only detects) the prediction panel shows the boxes over the target's map layers."""
+    points = sample_points(sample)
     s, _ = _unbatch(sample)
     cams = camera_grid(s["images"], s.get("cam_ids"))
     channels = _target_channels(s["bev"], class_names)
@@ -226,6 +232,7 @@ def render_figure(
     gt_boxes, pred_boxes = sample_gt_boxes(s), box_detections(detections, box_threshold)
     ax = fig.add_subplot(gs[0, :])
     _draw_cameras(ax, cams, s, title)
+    draw_points_cameras(ax, points, s)
     draw_boxes_cameras(ax, _in_grid(gt_boxes, g), s, gt=True)  # those the model could predict
     draw_boxes_cameras(ax, pred_boxes, s)
     ax = fig.add_subplot(gs[1, 0])
@@ -233,6 +240,7 @@ def render_figure(
         _draw_bev(ax, compose_layers(channels, layers), g, "BEV target")
     else:
         _draw_bev(ax, target, g, "BEV target", cmap="gray", vmin=0, vmax=1)
+    draw_points_bev(ax, points, g)
     draw_boxes_bev(ax, gt_boxes, g, gt=True)
     if pred is not None:
         probs = _pred_channels(pred)
@@ -667,7 +675,6 @@ def box_edges_in_image(boxes: Any, intrinsics, rots, trans, post_rots, post_tran
     """(N, 9) ego boxes -> (N, 12, 2, 2) pixel (u, v) of both ends of each edge of BOX_EDGES in one camera
     (its calibration and augmentation, as the model takes them), each edge clipped to depth >= near; edges
     wholly behind that plane are NaN. Pixels are those of the augmented image (bev.geometry.ego_to_image)."""
-    from bev.geometry import ego_to_image
 
     corners = box_corners(boxes)
     ends = corners[:, np.asarray(BOX_EDGES)]  # (N, 12, 2, 3)
@@ -717,6 +724,52 @@ def draw_boxes_cameras(ax, det: Mapping[str, np.ndarray] | None, s: Mapping[str,
 
 
 _CAMERA_KEYS = ("intrinsics", "rots", "trans", "post_rots", "post_trans")
+MAX_DRAWN_POINTS = 30_000  # a random subset beyond this: the picture is the same, matplotlib much faster
+
+
+def sample_points(sample: Mapping[str, Any]) -> np.ndarray | None:
+    """The LiDAR points (M, 3) x, y, z in the ego frame of a sample (its "points": batch_sample's rows, or an
+    item's (M, 5)), at most MAX_DRAWN_POINTS of them; None without points."""
+    pts = sample.get("points")
+    if pts is None:
+        return None
+    pts = _np(pts).astype(np.float64)
+    xyz = pts[:, 1:4] if pts.shape[1] == 6 else pts[:, :3]  # collated rows start with the batch index
+    xyz = xyz[np.isfinite(xyz).all(1)]
+    if len(xyz) > MAX_DRAWN_POINTS:
+        xyz = xyz[np.random.default_rng(0).choice(len(xyz), MAX_DRAWN_POINTS, replace=False)]
+    return xyz
+
+
+def draw_points_bev(ax, points: np.ndarray | None, grid: Grid) -> None:
+    """LiDAR points as small white dots in a BEV panel of _draw_bev (over the layers' colours)."""
+    if points is None or not len(points):
+        return
+    ax.scatter(points[:, 1], points[:, 0], c="white", s=0.4, lw=0, alpha=0.6)
+    (xlo, xhi, _), (ylo, yhi, _) = grid.xbound, grid.ybound
+    ax.set_xlim(yhi, ylo)
+    ax.set_ylim(xlo, xhi)
+
+
+def draw_points_cameras(ax, points: np.ndarray | None, s: Mapping[str, Any]) -> None:
+    """LiDAR points projected into each camera of the picture of _draw_cameras, coloured by depth (near warm)."""
+    if points is None or not len(points) or any(s.get(k) is None for k in _CAMERA_KEYS):
+        return
+    H, W = s["images"].shape[-2:]
+    ids = camera_slots(s["images"].shape[0], s.get("cam_ids"))
+    cols = camera_layout(max(ids) + 1)[1]
+    xyz = torch.from_numpy(points)
+    for n, slot in enumerate(ids):
+        cam = [torch.as_tensor(_np(s[k][n]), dtype=torch.float64) for k in _CAMERA_KEYS]
+        uv, depth = (t.numpy() for t in ego_to_image(xyz, *cam))
+        keep = (depth > NEAR_PLANE) & (uv[:, 0] >= 0) & (uv[:, 0] < W) & (uv[:, 1] >= 0) & (uv[:, 1] < H)
+        if keep.any():
+            r, col = divmod(slot, cols)
+            u, v = uv[keep, 0] + col * W, uv[keep, 1] + r * H
+            ax.scatter(u, v, c=depth[keep], cmap="turbo_r", s=0.8, lw=0, vmin=0, vmax=50)
+    rows = camera_layout(max(ids) + 1)[0]
+    ax.set_xlim(-0.5, cols * W - 0.5)
+    ax.set_ylim(rows * H - 0.5, -0.5)
 
 
 def _box_legend_handles(dets) -> list:
