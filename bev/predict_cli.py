@@ -256,11 +256,14 @@ def _loader(cfg: DictConfig, data_cfg: DictConfig, dataset, indices):
     """A DataLoader over the selected samples, in their (scene, time) order."""
     from torch.utils.data import DataLoader, Subset
 
+    from bev.data.lidar import collate_points
+
     return DataLoader(
         Subset(dataset, indices.tolist()),
         batch_size=int(cfg.batch_size or data_cfg.batch_size),
         num_workers=int(data_cfg.num_workers),
         shuffle=False,
+        collate_fn=collate_points,  # as training batches them: LiDAR points flat, window tokens per item
     )
 
 

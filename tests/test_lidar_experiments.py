@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from helpers.cli import TINY, eval_cli, train_cli
+from bev import predict_cli
+from helpers.cli import TINY, eval_cli, run_cli, train_cli
 
 SMALL_LIDAR = [
     "model.net.lidar.pfn_channels=[8]",
@@ -44,6 +45,12 @@ def test_the_lidar_experiments_train_two_steps(experiment, synthetic_root, tmp_p
     ]
     assert eval_cli(args, monkeypatch) == 0
     assert "NDS" in json.loads((tmp_path / "eval" / "metrics.json").read_text())["metrics"]
+    # bev-predict writes its boxes and draws its points (batched as in training)
+    args = [f"ckpt_path={tmp_path}", f"data.dataroot={synthetic_root}", f"out={tmp_path / 'pred'}", "gif=false"]
+    assert run_cli(predict_cli._hydra_main, [*args, f"hydra.run.dir={tmp_path / 'pred_log'}"], monkeypatch) == 0
+    records = json.loads((tmp_path / "pred" / "predictions.json").read_text())["samples"]
+    assert records and all("num_boxes" in r for r in records)
+    assert len(list((tmp_path / "pred").rglob("*.png"))) == len(records)
 
 
 # What a CPU test changes in the nuScenes experiments: the synthetic set, small inputs and branches, two steps.
