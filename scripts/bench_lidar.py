@@ -5,8 +5,9 @@ scatter (--section scatter): a nuScenes-sized 10-sweep cloud (the synthetic LiDA
   cast at the ground or at a wall 5-60 m away, the ego moving 0.5 m between sweeps: about 300k points, the
   grid's 0.5 m 200x200 cells) scattered per pillar with C=64 PFN features: bev.ops.voxel_sum (native and torch
   backends), torch.index_add_, scatter_reduce "sum" and "amax" (PointPillars' max) and PillarMax (the same
-  forward, the encoder's cheaper backward), forward and forward + backward, median time and peak memory (torch's allocations during the call, replayed
-  from torch.profiler events), all outputs checked against a float64 index_add_.
+  forward, the encoder's cheaper backward), forward and forward + backward, median time and peak memory
+  (torch's allocations during the call, replayed from torch.profiler events), all outputs checked against a
+  float64 index_add_.
 loader (--section loader): bev.data.lidar's cost per item (key frame + N sweeps read, moved, augmented, cut to
   the grid) on a synthetic set written with sweeps (--dataroot, or one written to a temporary folder).
 
@@ -16,7 +17,7 @@ Writes benchmarks/results/bench_lidar_cpu.json (--out; one section updates its p
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
 import statistics
 import sys
@@ -25,7 +26,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when run with runpy
-from bench_common import host_versions, processor_name, write_report  # noqa: E402
+from bench_common import (  # noqa: E402
+    RESULTS,
+    host_versions,
+    processor_name,
+    read_report,
+    write_report,
+)
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as bench_pool.py: shared machines
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")
@@ -40,7 +47,6 @@ from bev.synthetic.lidar import LIDAR_TRANSLATION, MAX_RANGE, beam_directions  #
 from bev.utils.malloc import tune_malloc_in_process  # noqa: E402
 from bev.utils.profiling import peak_cpu_bytes  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 CHANNELS = 64  # PointPillars' PFN width
 
 
@@ -100,6 +106,7 @@ def as_rows(out: torch.Tensor, V: int) -> torch.Tensor:
 
 
 def time_ms(fn, repeats: int) -> tuple[float, float]:
+    """Median and fastest milliseconds of `repeats` calls."""
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
@@ -160,56 +167,38 @@ def measure(name: str, fn, feats: torch.Tensor, cells: torch.Tensor, f64: torch.
     return row
 
 
-def bench_loader(dataroot: str | None, sweeps: int, items: int, max_points: int) -> dict:
+def bench_loader(a) -> list[dict]:
+    """bev.data.lidar's cost per item for each --sweeps value, with and without the max_points cap."""
     from bev.data.nuscenes import NuScenesBEVDataset
+    from bev.synthetic.writer import make_synthetic
 
-    folder = None
-    if dataroot is None:
-        from bev.synthetic.writer import make_synthetic
-
-        folder = tempfile.mkdtemp(prefix="bench_lidar_")
-        dataroot = str(
-            make_synthetic(
-                Path(folder) / "set", scenes=2, samples_per_scene=3, lidar_sweeps=9, occupancy=False, progress=False
-            )
-        )
-    ds = NuScenesBEVDataset(
-        dataroot, split="mini_train", lidar={"enabled": True, "sweeps": sweeps, "max_points": max_points}, verbose=False
-    )
-    i = 1 if len(ds) > 1 else 0  # a key frame with sweeps before it
-    ds.lidar_item(i, None)  # warm-up (the sweep index is built at construction)
-    times, counts = [], []
-    for _ in range(items):
-        t = time.perf_counter()
-        pts = ds.lidar_item(i, None)
-        times.append((time.perf_counter() - t) * 1e3)
-        counts.append(len(pts))
-    row = {
-        "sweeps": sweeps,
-        "max_points": max_points,
-        "points": counts[-1],
-        "ms_per_item": statistics.median(times),
-        "ms_min": min(times),
-    }
-    print(
-        f"loader: {sweeps} sweeps, max_points {max_points}: {counts[-1]} points, {row['ms_per_item']:.1f} ms per item",
-        flush=True,
-    )
-    return {"dataroot": "synthetic (temporary)" if folder else dataroot, **row}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_lidar_") as tmp:
+        options = dict(scenes=2, samples_per_scene=3, lidar_sweeps=9, occupancy=False, progress=False)
+        dataroot = a.dataroot or str(make_synthetic(Path(tmp) / "set", **options))
+        for sweeps, cap in [(s, 300_000) for s in a.sweeps] + [(max(a.sweeps), 10**9)]:  # the cap's own cost
+            lidar = {"enabled": True, "sweeps": sweeps, "max_points": cap}
+            ds = NuScenesBEVDataset(dataroot, split="mini_train", lidar=lidar, verbose=False)
+            i = 1 if len(ds) > 1 else 0  # a key frame with sweeps before it
+            points = len(ds.lidar_item(i, None))  # and a warm-up (the sweep index is built at construction)
+            ms, fastest = time_ms(functools.partial(ds.lidar_item, i, None), a.items)
+            print(f"loader: {sweeps} sweeps, max_points {cap}: {points} points, {ms:.1f} ms per item", flush=True)
+            row = {"sweeps": sweeps, "max_points": cap, "points": points, "ms_per_item": ms, "ms_min": fastest}
+            rows.append({"dataroot": a.dataroot or "synthetic (temporary)", **row})
+    return rows
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--section", choices=("scatter", "loader", "all"), default="all")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--dataroot", default=None, help="a synthetic or nuScenes set with sweeps (default: write one)")
-    ap.add_argument("--sweeps", type=int, nargs="+", default=[0, 3, 9])
+    ap.add_argument("--sweeps", type=int, nargs="+", default=[0, 3, 9], help="loader: sweeps per item")
     ap.add_argument("--items", type=int, default=10)
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bench_lidar_cpu.json"))
+    ap.add_argument("--out", default=str(RESULTS / "bench_lidar_cpu.json"))
     args = ap.parse_args(argv)
     tune_malloc_in_process()
-    out = Path(args.out)
-    report = json.loads(out.read_text()) if out.is_file() else {}
+    report = read_report(args.out)
     report.update(
         {
             **host_versions(),
@@ -225,11 +214,9 @@ def main(argv=None) -> None:
     if args.section in ("scatter", "all"):
         report["scatter"] = bench_scatter(args.repeats)
     if args.section in ("loader", "all"):
-        cases = [(s, 300_000) for s in args.sweeps] + [(max(args.sweeps), 10**9)]  # the cap's own cost
-        report["loader"] = [bench_loader(args.dataroot, s, args.items, cap) for s, cap in cases]
+        report["loader"] = bench_loader(args)
     report["load_average_at_end"] = list(os.getloadavg())
-    write_report(out, report)
-    print(f"wrote {out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

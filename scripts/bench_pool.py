@@ -20,16 +20,14 @@ Writes benchmarks/results/bench_pool_<device>.json (--out; a single section upda
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when run with runpy
-from bench_common import processor_name, write_report  # noqa: E402
+from bench_common import RESULTS, device_name, host_versions, read_report, sync, write_report
 
 # The benchmark machines are shared: spinning OpenMP workers that wait for a descheduled
 # sibling turn every small parallel op into a time slice. Passive waiting keeps the numbers
@@ -46,8 +44,6 @@ from bev.data.rig import load_rig  # noqa: E402
 from bev.geometry import Grid, frustum_to_ego, make_frustum, quaternion_to_matrix, voxel_coords  # noqa: E402
 from bev.utils.malloc import MALLOC_ENV, tune_malloc_in_process  # noqa: E402
 from bev.utils.profiling import peak_cpu_bytes  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
 
 # Sizes from the issue: LSS (paper config) and BEVDet/BEVFusion.
 SIZES = {
@@ -98,10 +94,8 @@ def real_rig_coords(size: dict, device) -> tuple[torch.Tensor, tuple[int, int, i
     return coords.to(device), (B, *grid.voxel_shape)
 
 
-# ---------------------------------------------------------------------------------------------
-# methods: each is fn(depth, feats, coords, grid, state) -> output grid; `state` holds inputs
-# prepared outside the timed region (materialised product, precomputed plan)
-# ---------------------------------------------------------------------------------------------
+# methods: each is fn(state) -> output grid; `state` holds the inputs, prepared outside the timed region
+# (materialised product, precomputed plan)
 def materialise(depth, feats):
     """The (points, C) depth x feats product the unfused methods pool."""
     return (depth.unsqueeze(-1) * feats.unsqueeze(2)).reshape(-1, feats.shape[-1])
@@ -146,23 +140,15 @@ METHODS = {
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# measurement
-# ---------------------------------------------------------------------------------------------
-def sync(device):
-    """Wait for the GPU, so that the clock covers its work."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def make_state(depth, feats, coords, grid, leaf):
-    """Inputs of a method; its leaf tensors (the product, or depth and feats) require grad."""
-    state = dict(coords=coords, grid=grid, coords4=flat_coords(coords))
+    """New inputs of a method, as a training step gets them; its leaf tensors (the product, or depth and feats)
+    require grad."""
+    state = dict(coords=coords.clone(), grid=grid, coords4=flat_coords(coords))
     if leaf == "points":
         state["points"] = materialise(depth, feats).detach().requires_grad_()
     else:
-        state["depth"] = depth.detach().requires_grad_()
-        state["feats"] = feats.detach().requires_grad_()
+        state["depth"] = depth.detach().clone().requires_grad_()
+        state["feats"] = feats.detach().clone().requires_grad_()
     return state
 
 
@@ -205,25 +191,21 @@ def time_it(method, state, grad_out, backward, repeats, device):
 
 def peak_memory(method, state, grad_out, backward, device):
     """Peak bytes allocated during one call above what existed before it (see the module docstring)."""
-    clear_grads(state)
-    if device.type == "cuda":
-        sync(device)
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        out = run_once(method, state, grad_out, backward)
-        sync(device)
-        peak = torch.cuda.max_memory_allocated() - base
-        del out
-        clear_grads(state)
-        return peak
 
     def call():
-        """The call whose CPU allocations are replayed; it frees its output and gradients."""
-        out = run_once(method, state, grad_out, backward)
-        del out
+        """One call; it frees its output and gradients."""
+        run_once(method, state, grad_out, backward)
         clear_grads(state)
 
-    return peak_cpu_bytes(call)
+    clear_grads(state)
+    if device.type != "cuda":
+        return peak_cpu_bytes(call)  # the call's CPU allocations, replayed
+    sync(device)
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    call()
+    sync(device)
+    return torch.cuda.max_memory_allocated() - base
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -237,21 +219,6 @@ def random_inputs(coords, grid, channels, device, dtype):
     feats = torch.randn(B, Nc, fH, fW, channels, generator=gen).to(device, dtype)
     grad_out = torch.randn(B, channels, *grid[1:], generator=gen).to(device, dtype)
     return depth, feats, grad_out
-
-
-def geometry_info(depth, feats, coords, grid, plan) -> dict:
-    """How the points fall into the grid: counts, fraction inside, occupied voxels, product size."""
-    inside = ((coords >= 0) & (coords < torch.tensor(grid[1:], device=coords.device))).all(-1)
-    occupied = int(((plan.offsets[1:] - plan.offsets[:-1]) > 0).sum())
-    return dict(
-        points=int(depth.numel()),
-        channels=feats.shape[-1],
-        grid_shape=list(grid),
-        inside_fraction=float(inside.float().mean()),
-        occupied_voxels=occupied,
-        points_per_occupied_voxel=float(inside.sum()) / max(occupied, 1),
-        product_mb=depth.numel() * feats.shape[-1] * feats.element_size() / 2**20,
-    )
 
 
 def measure(method, state, grad_out, repeats, device) -> dict:
@@ -269,7 +236,18 @@ def bench_size(name, size, device, repeats, methods, dtype=torch.float32):
     coords, grid = real_rig_coords(size, device)
     depth, feats, grad_out = random_inputs(coords, grid, size["channels"], device, dtype)
     plan = ops.bev_pool_plan(coords, grid, backend="native")
-    info = geometry_info(depth, feats, coords, grid, plan)
+    # how the points fall into the grid: counts, fraction inside, occupied voxels, product size
+    inside = ((coords >= 0) & (coords < torch.tensor(grid[1:], device=coords.device))).all(-1)
+    occupied = int(((plan.offsets[1:] - plan.offsets[:-1]) > 0).sum())
+    info = dict(
+        points=int(depth.numel()),
+        channels=feats.shape[-1],
+        grid_shape=list(grid),
+        inside_fraction=float(inside.float().mean()),
+        occupied_voxels=occupied,
+        points_per_occupied_voxel=float(inside.sum()) / max(occupied, 1),
+        product_mb=depth.numel() * feats.shape[-1] * feats.element_size() / 2**20,
+    )
     rows = []
     reference_out = None
     for label, method in methods.items():
@@ -320,54 +298,6 @@ USER_METHODS = {
 }
 
 
-def fresh_state(base, leaf):
-    """New input tensors for one call, as a training step gets them."""
-    state = dict(grid=base["grid"], coords=base["coords"].clone(), coords4=base["coords4"].clone())
-    names = ("points",) if leaf == "points" else ("depth", "feats")
-    state.update({name: base[name].clone().requires_grad_() for name in names})
-    return state
-
-
-def user_level(name, size, device, rounds, skip=()):
-    """Median wall and CPU ms of each user-level method's fwd+bwd over `rounds` alternating rounds."""
-    coords, grid = real_rig_coords(size, device)
-    B, Nc, D, fH, fW, _ = coords.shape
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    depth = torch.randn(B, Nc, D, fH, fW, generator=gen).softmax(2).to(device)
-    feats = torch.randn(B, Nc, fH, fW, size["channels"], generator=gen).to(device)
-    base = dict(grid=grid, coords=coords, coords4=flat_coords(coords), depth=depth, feats=feats)
-    base["points"] = materialise(depth, feats)
-    methods = {k: v for k, v in USER_METHODS.items() if k not in skip}
-    times = {label: [] for label in methods}
-    cpu_times = {label: [] for label in methods}
-    labels = list(methods)
-    for r in tqdm(range(rounds + 1), desc=f"user level {name}", leave=False):  # round 0 warms up
-        for label in labels if r % 2 else labels[::-1]:
-            state = fresh_state(base, methods[label]["leaf"])
-            sync(device)
-            t0, c0 = time.perf_counter(), time.process_time()
-            out = methods[label]["fn"](state)
-            out.sum().backward()
-            sync(device)
-            if r:
-                times[label].append(time.perf_counter() - t0)
-                cpu_times[label].append(time.process_time() - c0)
-            del out, state
-    # CPU time (all threads of the process) is less sensitive than wall time to other jobs
-    # taking the cores of a shared machine; both are medians over the same calls.
-    rows = [
-        dict(
-            method=label,
-            fwd_bwd_ms=1e3 * statistics.median(t),
-            fwd_bwd_ms_min=1e3 * min(t),
-            fwd_bwd_cpu_ms=1e3 * statistics.median(cpu_times[label]),
-            runs=len(t),
-        )
-        for label, t in times.items()
-    ]
-    return dict(size=name, rows=rows)
-
-
 def user_level_ratios(result, key="fwd_bwd_ms"):
     """How many times faster native voxel_sum / bev_pool are than each other method (medians)."""
     by = {row["method"]: row[key] for row in result["rows"]}
@@ -390,13 +320,17 @@ TARGETS = (
     ("lss", "native bev_pool", "materialise+native vs", "fwd_bwd_ms", 1),
     ("bevdet", "native bev_pool", "materialise+native vs", "fwd_bwd_peak_mb", 5),
 )
+USER_TARGETS = (  # the user level's, on the CPU (LSS size, wall time)
+    ("LSS user level", "native voxel_sum", "quickcumsum voxel_sum", "fwd_bwd_ms", 10),
+    ("LSS user level", "native voxel_sum", "index_add_", "fwd_bwd_ms", 3),
+)
 
 
-def targets(results) -> list[dict]:
-    """Each target whose methods this run measured (fp32), with the ratio it reached."""
+def targets(results, table=TARGETS) -> list[dict]:
+    """Each target of `table` whose methods this run measured (fp32), with the ratio it reached; printed."""
     by = {r["size"]: {row["method"]: row for row in r["rows"]} for r in results if r["dtype"] == "float32"}
     checks = []
-    for size, mine, other, key, goal in TARGETS:
+    for size, mine, other, key, goal in table:
         rows = by.get(size, {})
         if mine in rows and other in rows:
             ratio = rows[other][key] / rows[mine][key]
@@ -404,16 +338,7 @@ def targets(results) -> list[dict]:
             checks.append(
                 dict(target=f"{size}: {mine} {what} >= {goal}x below {other}", ratio=ratio, met=ratio >= goal)
             )
-    return checks
-
-
-def user_level_targets(ratios: dict) -> list[dict]:
-    """The user-level targets (LSS size) on this run's wall-time ratios."""
-    checks = []
-    for other, goal in (("quickcumsum voxel_sum", 10), ("index_add_", 3)):
-        key = f"{other} / native voxel_sum"
-        if key in ratios:
-            checks.append(dict(target=f"LSS user level: {key} >= {goal}x", ratio=ratios[key], met=ratios[key] >= goal))
+            print(f"[{'MET' if ratio >= goal else 'MISSED'}] {checks[-1]['target']}: {ratio:.2f}x")
     return checks
 
 
@@ -426,30 +351,10 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (median)")
     parser.add_argument("--rounds", type=int, default=15, help="user level: alternating rounds (median)")
     parser.add_argument("--skip", nargs="*", default=[], help="method labels to skip")
-    parser.add_argument(
-        "--dtypes", nargs="+", default=None, choices=list(DTYPES), help="default: float32 on a CPU, all on a GPU"
-    )
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help="default: float32 on a CPU, all on a GPU")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--out", default=None)
     return parser.parse_args(argv)
-
-
-def device_name(device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else processor_name()
-
-
-def host_fields(device, malloc: dict) -> dict:
-    """The report's device, software and allocator fields, refreshed by every run."""
-    return dict(
-        device=str(device),
-        device_name=device_name(device),
-        torch=torch.__version__,
-        threads=torch.get_num_threads(),
-        cpu_count=os.cpu_count(),
-        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
-        python=platform.python_version(),
-        malloc={k: os.environ.get(k, str(malloc.get(k))) for k in MALLOC_ENV},
-    )
 
 
 def methods_section(args, device, repeats, report):
@@ -467,15 +372,57 @@ def methods_section(args, device, repeats, report):
         statistic=f"median of repeats, of 3 where they passed {MEASURE_BUDGET_S} s (min also recorded)",
         date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         results=results,
-        targets=targets(results),
     )
-    print_table(results, report["targets"])
+    print("\n| size | dtype | method | fwd ms | fwd+bwd ms | fwd+bwd peak MB |\n|---|---|---|---:|---:|---:|")
+    for r in results:
+        for row in r["rows"]:
+            print(
+                f"| {r['size']} | {r['dtype']} | {row['method']} | {row['forward_ms']:.2f} | "
+                f"{row['fwd_bwd_ms']:.2f} | {row['fwd_bwd_peak_mb']:.1f} |"
+            )
+    for r in results:
+        print(
+            f"{r['size']}: {r['points']} points, {r['inside_fraction']:.1%} inside, {r['occupied_voxels']} occupied "
+            f"voxels, {r['points_per_occupied_voxel']:.1f} points per occupied voxel, product {r['product_mb']:.0f} MB"
+        )
+    report["targets"] = targets(results)
 
 
 def user_section(args, device, report):
-    """The user level (LSS size), recorded under user_level.malloc_tuned in `report`; prints its table."""
+    """The user level (LSS size): median wall and CPU ms of each method's fwd+bwd over alternating rounds,
+    recorded under user_level.malloc_tuned in `report`; prints its table."""
     load_at_start = os.getloadavg()
-    result = user_level("lss", SIZES["lss"], device, args.rounds, args.skip)
+    coords, grid = real_rig_coords(SIZES["lss"], device)
+    depth, feats, _ = random_inputs(coords, grid, SIZES["lss"]["channels"], device, torch.float32)
+    methods = {k: v for k, v in USER_METHODS.items() if k not in args.skip}
+    times = {label: [] for label in methods}
+    cpu_times = {label: [] for label in methods}
+    labels = list(methods)
+    for r in tqdm(range(args.rounds + 1), desc="user level lss", leave=False):  # round 0 warms up
+        for label in labels if r % 2 else labels[::-1]:
+            state = make_state(depth, feats, coords, grid, methods[label]["leaf"])
+            sync(device)
+            t0, c0 = time.perf_counter(), time.process_time()
+            out = methods[label]["fn"](state)
+            out.sum().backward()
+            sync(device)
+            if r:
+                times[label].append(time.perf_counter() - t0)
+                cpu_times[label].append(time.process_time() - c0)
+            del out, state
+    # CPU time (all threads of the process) is less sensitive than wall time to other jobs
+    # taking the cores of a shared machine; both are medians over the same calls.
+    rows = [
+        dict(
+            method=label,
+            fwd_bwd_ms=1e3 * statistics.median(t),
+            fwd_bwd_ms_min=1e3 * min(t),
+            fwd_bwd_cpu_ms=1e3 * statistics.median(cpu_times[label]),
+            runs=len(t),
+        )
+        for label, t in times.items()
+    ]
+    result = dict(size="lss", rows=rows)
     result["ratios"] = user_level_ratios(result)
     result["cpu_time_ratios"] = user_level_ratios(result, "fwd_bwd_cpu_ms")
     report.setdefault("user_level", {})["malloc_tuned"] = dict(
@@ -486,9 +433,17 @@ def user_section(args, device, report):
         lss=result,
         load_average_at_start=load_at_start,
         load_average_at_end=os.getloadavg(),
-        targets=user_level_targets(result["ratios"]) if device.type == "cpu" else [],
     )
-    print_user_table(report["user_level"]["malloc_tuned"])
+    print(f"\nLSS user level (load average {load_at_start[0]:.1f}, median of {args.rounds} rounds)")
+    print("| method | fwd+bwd ms | min ms | CPU ms |\n|---|---:|---:|---:|")
+    for row in rows:
+        print(
+            f"| {row['method']} | {row['fwd_bwd_ms']:.2f} | {row['fwd_bwd_ms_min']:.2f} | {row['fwd_bwd_cpu_ms']:.2f} |"
+        )
+    for key, ratio in result["ratios"].items():
+        print(f"  {key}: {ratio:.2f}x wall, {result['cpu_time_ratios'][key]:.2f}x CPU time")
+    on_cpu = [dict(size="LSS user level", dtype="float32", rows=rows)] if device.type == "cpu" else []
+    report["user_level"]["malloc_tuned"]["targets"] = targets(on_cpu, USER_TARGETS)
 
 
 def main(argv=None):
@@ -502,52 +457,23 @@ def main(argv=None):
     if not ops.native_available(device):
         sys.exit(f"bench_pool: error: native kernels are not available for {device}: build the extension first")
     print(f"bench_pool on {device_name(device)}, torch {torch.__version__}, threads {torch.get_num_threads()}")
-    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"bench_pool_{device.type}.json"
+    out = args.out or RESULTS / f"bench_pool_{device.type}.json"
     # A single section updates the existing report, keeping the other section's record.
-    report = json.loads(out.read_text()) if args.section != "all" and out.exists() else {}
-    report.update(host_fields(device, malloc))
+    report = read_report(out) if args.section != "all" else {}
+    report.update(  # the device, software and allocator fields, refreshed by every run
+        **host_versions(),
+        device=str(device),
+        device_name=device_name(device),
+        threads=torch.get_num_threads(),
+        cpu_count=os.cpu_count(),
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+        malloc={k: os.environ.get(k, str(malloc.get(k))) for k in MALLOC_ENV},
+    )
     if args.section in ("all", "methods"):
         methods_section(args, device, repeats, report)
     if args.section in ("all", "user"):
         user_section(args, device, report)
     write_report(out, report)
-    print(f"wrote {out}")
-
-
-def fmt(v, spec) -> str:
-    return format(v, spec) if v is not None else "-"
-
-
-def print_user_table(user: dict) -> None:
-    """The user-level table with its ratios and targets."""
-    print(f"\nLSS user level (load average {user['load_average_at_start'][0]:.1f}, median of {user['rounds']} rounds)")
-    print("| method | fwd+bwd ms | min ms | CPU ms |\n|---|---:|---:|---:|")
-    for row in user["lss"]["rows"]:
-        print(
-            f"| {row['method']} | {row['fwd_bwd_ms']:.2f} | {row['fwd_bwd_ms_min']:.2f} | {row['fwd_bwd_cpu_ms']:.2f} |"
-        )
-    for key, ratio in user["lss"]["ratios"].items():
-        print(f"  {key}: {ratio:.2f}x wall, {user['lss']['cpu_time_ratios'][key]:.2f}x CPU time")
-    for c in user["targets"]:
-        print(f"[{'MET' if c['met'] else 'MISSED'}] {c['target']}: {c['ratio']:.2f}x")
-
-
-def print_table(results, checks):
-    """The methods table, the geometry per size, and the targets."""
-    print("\n| size | dtype | method | fwd ms | fwd+bwd ms | fwd+bwd peak MB |\n|---|---|---|---:|---:|---:|")
-    for r in results:
-        for row in r["rows"]:
-            print(
-                f"| {r['size']} | {r['dtype']} | {row['method']} | {fmt(row['forward_ms'], '.2f')} | "
-                f"{fmt(row.get('fwd_bwd_ms'), '.2f')} | {fmt(row.get('fwd_bwd_peak_mb'), '.1f')} |"
-            )
-    for r in results:
-        print(
-            f"{r['size']}: {r['points']} points, {r['inside_fraction']:.1%} inside, {r['occupied_voxels']} occupied "
-            f"voxels, {r['points_per_occupied_voxel']:.1f} points per occupied voxel, product {r['product_mb']:.0f} MB"
-        )
-    for c in checks:
-        print(f"[{'MET' if c['met'] else 'MISSED'}] {c['target']}: {c['ratio']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -27,7 +26,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))  # bench_common, also when run with runpy
 
-from bench_common import host_versions, malloc_env, reexec_with_malloc_env, write_report  # noqa: E402
+from bench_common import (  # noqa: E402
+    RESULTS,
+    device_name,
+    host_versions,
+    malloc_env,
+    reexec_with_malloc_env,
+    step_parser,
+    sync,
+    write_report,
+)
 
 CONFIGS = {
     "paper": ["experiment=lss_nuscenes_trainval", "model.net.camera.weights=null", "trainer=cpu"],
@@ -38,18 +46,10 @@ DEVICE = "cpu"  # --device; on cuda every timing waits for the GPU (synchronize)
 LSS_ROOT = None  # --lss: a lift-splat-shoot checkout, whose own step joins the paper config as "lss_original"
 
 
-def sync() -> None:
-    """Wait for the GPU (on --device cuda), so that the clock covers its work."""
-    if DEVICE == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
-
-
 def clock(wait: bool = True) -> float:
     """perf_counter after the device's queued work is done (wait=False: at once, as a trainer runs)."""
     if wait:
-        sync()
+        sync(DEVICE)
     return time.perf_counter()
 
 
@@ -159,21 +159,27 @@ class Variant:
         """Build the model of cfg in the variant's layout and precision (compiled if asked) and its optimiser."""
         import torch
 
-        channels_last, self.bf16, self.compiled = VARIANTS[name]  # compiled: the compile mode or None
-        self.name = name
-        self.lit = build(cfg, channels_last).to(DEVICE)
-        self.lit.train()
-        self.net = self.lit.net
+        channels_last, bf16, self.compiled = VARIANTS[name]  # compiled: the compile mode or None
+        self.lit = build(cfg, channels_last).to(DEVICE).train()
         if self.compiled:
-            self.net.compile(mode=self.compiled, fullgraph=True)  # as model.compile does (bev.lit)
+            self.lit.net.compile(mode=self.compiled, fullgraph=True)  # as model.compile does (bev.lit)
         self.opt = self.lit.make_optimizer()
-        self.clip = cfg.trainer.get("gradient_clip_val")
-        self.batch = batch
+        self.autocast = (lambda: torch.autocast(DEVICE, dtype=torch.bfloat16)) if bf16 else nullcontext
+        self.start(name, batch, cfg.trainer.get("gradient_clip_val"))
+
+    def start(self, name: str, batch: dict, clip: float | None) -> None:
+        """The state every variant's steps keep, before its first step."""
+        self.name, self.batch, self.clip = name, batch, clip
         self.times: list[float] = []
         self.breakdown: list[dict[str, float]] = []
         self.first_step_s: float | None = None
-        self.autocast = (lambda: torch.autocast(DEVICE, dtype=torch.bfloat16)) if self.bf16 else nullcontext
         self.wait = True  # False while profiled: no clock may wait for the GPU inside a step
+
+    def forward(self):
+        return self.lit(self.batch)
+
+    def loss(self, out):
+        return self.lit.losses(out, self.batch)[0]
 
     def step(self) -> float:
         """One training step as Lightning runs it (autocast around forward + loss); returns seconds."""
@@ -183,9 +189,9 @@ class Variant:
         if self.compiled == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # a new iteration: the last step's graph outputs are dead
         with self.autocast():
-            logits = self.lit(self.batch)
+            out = self.forward()
             t1 = clock(self.wait)
-            loss = self.lit.losses(logits, self.batch)[0]
+            loss = self.loss(out)
         t2 = clock(self.wait)
         loss.backward()
         t3 = clock(self.wait)
@@ -249,85 +255,39 @@ class LssOriginal(Variant):
 
         grid = {k: list(cfg.grid[k]) for k in ("xbound", "ybound", "zbound", "dbound")}
         torch.manual_seed(0)
-        self.name, self.bf16, self.compiled = name, False, None
-        self.lit = self.net = compile_model(grid, {"final_dim": tuple(cfg.data.final_dim)}, outC=1).to(DEVICE).train()
+        self.compiled, self.autocast = None, nullcontext
+        self.lit = compile_model(grid, {"final_dim": tuple(cfg.data.final_dim)}, outC=1).to(DEVICE).train()
         self.loss_fn = SimpleLoss(2.13).to(DEVICE)
-        self.opt = torch.optim.Adam(self.net.parameters(), lr=1e-3, weight_decay=1e-7)
-        self.batch, self.times, self.breakdown, self.first_step_s, self.wait = batch, [], [], None, True
+        self.opt = torch.optim.Adam(self.lit.parameters(), lr=1e-3, weight_decay=1e-7)
+        self.start(name, batch, clip=5.0)
 
-    def step(self) -> float:
-        import torch
-
+    def forward(self):
         b = self.batch
-        t0 = clock(self.wait)
-        self.opt.zero_grad()
-        preds = self.net(b["images"], b["rots"], b["trans"], b["intrinsics"], b["post_rots"], b["post_trans"])
-        t1 = clock(self.wait)
-        loss = self.loss_fn(preds, b["bev"][:, :1])
-        t2 = clock(self.wait)
-        loss.backward()
-        t3 = clock(self.wait)
-        torch.nn.utils.clip_grad_norm_(self.net.parameters(), 5.0)
-        self.opt.step()
-        t4 = clock(self.wait)
-        self.last_breakdown = dict(forward=t1 - t0, loss=t2 - t1, backward=t3 - t2, optimizer=t4 - t3)
-        return t4 - t0
+        return self.lit(b["images"], b["rots"], b["trans"], b["intrinsics"], b["post_rots"], b["post_trans"])
 
-
-def median(xs):
-    """The median, or None for no values."""
-    return statistics.median(xs) if xs else None
-
-
-def start_variant(cfg, key: str, name: str, batch: dict, warmup: int) -> Variant:
-    """Build one variant and run its warm-up steps; a failure is kept in .error, not raised."""
-    v = (LssOriginal if name == "lss_original" else Variant)(cfg, name, batch)
-    try:
-        v.first_step_s = v.step()  # includes compilation for the compiled variants
-        for _ in range(warmup - 1):
-            v.step()
-        v.error = None
-    except Exception as e:  # a variant that cannot run here is reported, not fatal
-        v.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
-        print(f"[{key}] {name}: failed: {v.error}", file=sys.stderr)
-    return v
-
-
-def measure_steps(runs: list[Variant], steps: int, progress) -> None:
-    """`steps` measured steps of every variant that started, one of each per round."""
-    for _ in range(steps):  # round-robin, so load changes hit every variant alike
-        for v in runs:
-            if v.error is None:
-                v.times.append(v.step())
-                v.breakdown.append(v.last_breakdown)
-        progress.update(1)
+    def loss(self, out):
+        return self.loss_fn(out, self.batch["bev"][:, :1])
 
 
 def step_flops(cfg, batch: dict) -> int:
-    """Floating-point operations of one training step of cfg's model on the batch (layer_flops)."""
-    return layer_flops(build(cfg, channels_last=False).to(DEVICE), batch)[1]
-
-
-def layer_flops(lit, batch: dict) -> tuple[int, int]:
-    """(forward, whole step) floating-point operations: 2 per multiply-add of every convolution and linear
-    layer in the forward (nearly all of the step's arithmetic), and as many again in the backward for each
-    weight gradient and for each input gradient a layer needs; counted from one forward. (torch's
-    FlopCounterMode overcounts the backward of grouped and strided convolutions: 1551 GFLOP for the
+    """Floating-point operations of one training step of cfg's model on the batch: 2 per multiply-add of every
+    convolution and linear layer in the forward (nearly all of the step's arithmetic), and as many again in the
+    backward for each weight gradient and for each input gradient a layer needs; counted from one forward.
+    (torch's FlopCounterMode overcounts the backward of grouped and strided convolutions: 1551 GFLOP for the
     paper step's 906.)"""
     import torch
     from torch import nn
 
-    forward = step = 0
+    lit = build(cfg, channels_last=False).to(DEVICE)
+    step = 0
 
     def count(layer, args, out):
-        nonlocal forward, step
+        nonlocal step
         if isinstance(layer, nn.Conv2d):
             per_output = layer.in_channels // layer.groups * layer.kernel_size[0] * layer.kernel_size[1]
         else:
             per_output = layer.in_features
-        flops = 2 * out.numel() * per_output
-        forward += flops
-        step += flops * (1 + layer.weight.requires_grad + args[0].requires_grad)
+        step += 2 * out.numel() * per_output * (1 + layer.weight.requires_grad + args[0].requires_grad)
 
     hooks = [m.register_forward_hook(count) for m in lit.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
     try:
@@ -336,25 +296,7 @@ def layer_flops(lit, batch: dict) -> tuple[int, int]:
     finally:
         for h in hooks:
             h.remove()
-    return forward, step
-
-
-def variant_record(v: Variant, batch_size: int, base: float | None, flops: int) -> dict:
-    """A variant's report entry: its error, or its median step, samples/s, speed-up, arithmetic rate and
-    per-part medians."""
-    if v.error:
-        return {"error": v.error}
-    med = median(v.times)
-    rec = dict(
-        step_s=round(med, 4),
-        steps_s=[round(x, 4) for x in v.times],
-        samples_per_s=round(batch_size / med, 2),
-        speedup_vs_fp32=round(base / med, 2) if base else None,
-        first_step_s=round(v.first_step_s, 2),
-        gflop_per_s=round(flops / med / 1e9, 1),
-    )
-    rec["breakdown_s"] = {k: round(median([b[k] for b in v.breakdown]), 4) for k in PARTS}
-    return rec
+    return step
 
 
 def bench_config(
@@ -369,13 +311,27 @@ def bench_config(
     batch = {k: v.to(DEVICE) for k, v in real_rig_batch(cfg, int(cfg.data.batch_size)).items()}
     flops = step_flops(cfg, batch)
     runs = []
-    for name in variants:
-        runs.append(start_variant(cfg, key, name, batch, warmup))
+    for name in variants:  # each built and warmed up; a failure is kept in .error, not raised
+        v = (LssOriginal if name == "lss_original" else Variant)(cfg, name, batch)
+        try:
+            v.first_step_s = v.step()  # includes compilation for the compiled variants
+            for _ in range(warmup - 1):
+                v.step()
+            v.error = None
+        except Exception as e:  # a variant that cannot run here is reported, not fatal
+            v.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+            print(f"[{key}] {name}: failed: {v.error}", file=sys.stderr)
+        runs.append(v)
         progress.update(1)
-    measure_steps(runs, steps, progress)
+    for _ in range(steps):  # round-robin, so load changes hit every variant alike
+        for v in runs:
+            if v.error is None:
+                v.times.append(v.step())
+                v.breakdown.append(v.last_breakdown)
+        progress.update(1)
     profiles = {v.name: v.profile(profile) for v in runs if profile and v.error is None}
     fp32 = [v for v in runs if v.name == "fp32" and v.error is None]
-    base = median(fp32[0].times) if fp32 else None  # no fp32 run (--variants): no speed-up to report
+    base = statistics.median(fp32[0].times) if fp32 else None  # no fp32 run (--variants): no speed-up to report
     out = {
         "overrides": overrides,
         "batch_size": int(cfg.data.batch_size),
@@ -386,29 +342,31 @@ def bench_config(
         "gflop_per_step": round(flops / 1e9, 1),
         "variants": {},
     }
-    for v in runs:
-        out["variants"][v.name] = variant_record(v, out["batch_size"], base, flops)
+    for v in runs:  # each variant's error, or its median step, samples/s, speed-up, arithmetic rate, part medians
+        if v.error:
+            out["variants"][v.name] = {"error": v.error}
+        else:
+            med = statistics.median(v.times)
+            out["variants"][v.name] = dict(
+                step_s=round(med, 4),
+                steps_s=[round(x, 4) for x in v.times],
+                samples_per_s=round(out["batch_size"] / med, 2),
+                speedup_vs_fp32=round(base / med, 2) if base else None,
+                first_step_s=round(v.first_step_s, 2),
+                gflop_per_s=round(flops / med / 1e9, 1),
+                breakdown_s={k: round(statistics.median([b[k] for b in v.breakdown]), 4) for k in PARTS},
+            )
         if v.name in profiles:
             out["variants"][v.name]["profile"] = profiles[v.name]
-        del v.lit, v.net, v.opt  # free the models before the next config builds its own
+        del v.lit, v.opt  # free the models before the next config builds its own
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out
 
 
-def print_profile(pr: dict) -> None:
-    """A variant's profile: wall vs kernel time per step, launches, the top ops."""
-    gpu = (
-        f", GPU kernels {pr['gpu_kernel_ms']:.1f} ms ({pr['kernels_per_step']} launches)" if pr["gpu_kernel_ms"] else ""
-    )
-    print(
-        f"    profiled: {pr['wall_ms']:.1f} ms per step{gpu}; most self time: "
-        + ", ".join(f"{k} {ms:.1f}" for k, ms in list(pr["top_self_ms"].items())[:5])
-    )
-
-
 def print_table(results: dict) -> None:
-    """Per config: one line per variant with its step time, speed-up, arithmetic rate and part breakdown."""
+    """Per config: one line per variant with its step time, speed-up, arithmetic rate and part breakdown, and
+    where profiled its wall vs kernel time per step, launches and top ops."""
     for key, r in results["configs"].items():
         print(
             f"\n{key}: {' '.join(r['overrides'])}  (batch {r['batch_size']}, {r['final_dim'][0]}x{r['final_dim'][1]}, "
@@ -427,16 +385,19 @@ def print_table(results: dict) -> None:
                 f"  {name:28s} {v['step_s']:8.3f} {v['speedup_vs_fp32'] or 0:7.2f}x {v['gflop_per_s']:8.1f} "
                 f"{v['first_step_s']:9.1f}  {parts}"
             )
-            if "profile" in v:
-                print_profile(v["profile"])
-    print(
-        f"\nload average (1 min) at start {results['host']['load_average_1m_start']}, at end {results['host']['load_average_1m_end']}"
-    )
+            if pr := v.get("profile"):
+                gpu = ""
+                if pr["gpu_kernel_ms"]:
+                    gpu = f", GPU kernels {pr['gpu_kernel_ms']:.1f} ms ({pr['kernels_per_step']} launches)"
+                top = ", ".join(f"{k} {ms:.1f}" for k, ms in list(pr["top_self_ms"].items())[:5])
+                print(f"    profiled: {pr['wall_ms']:.1f} ms per step{gpu}; most self time: {top}")
+    host = results["host"]
+    print(f"\nload average (1 min) at start {host['load_average_1m_start']}, at end {host['load_average_1m_end']}")
 
 
 def parse_args(argv):
     """The command line (see the module docstring)."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = step_parser(__doc__, steps=3, warmup=1)
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     p.add_argument(
         "--variants",
@@ -445,17 +406,12 @@ def parse_args(argv):
         default=None,
         help="default: all the device runs (the paper config's bf16 ones only on CPUs with native bf16)",
     )
-    p.add_argument("--steps", type=int, default=3, help="measured steps per variant (medians)")
-    p.add_argument("--warmup", type=int, default=1, help="unmeasured steps per variant (the first compiles)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="the compiled variants")
-    p.add_argument("--threads", type=int, default=2, help="torch's CPU threads")
     p.add_argument("--batch-size", type=int, default=None, help="instead of the configs' batch size")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="then profile N more steps of each variant")
     p.add_argument("--lss", type=Path, default=None, help="a lift-splat-shoot checkout: its own step as lss_original")
-    p.add_argument("--out", default=None, help="default benchmarks/results/bench_train_<device>.json")
     a = p.parse_args(argv)
-    a.out = a.out or str(REPO / f"benchmarks/results/bench_train_{a.device}.json")
+    a.out = a.out or RESULTS / f"bench_train_{a.device}.json"
     return a
 
 
@@ -478,32 +434,6 @@ def variants_to_run(a) -> dict[str, list[str]]:
     return variants
 
 
-def bench_configs(a, variants: dict[str, list[str]]) -> dict:
-    """bench_config for each config under one progress bar."""
-    from tqdm import tqdm
-
-    extra = [f"data.batch_size={a.batch_size}"] if a.batch_size else []
-    with tqdm(total=sum(len(v) + a.steps for v in variants.values()), desc="bench_train", file=sys.stderr) as bar:
-        return {key: bench_config(key, variants[key], a.steps, a.warmup, bar, extra, a.profile) for key in a.configs}
-
-
-def host(load0: float) -> dict:
-    """CPUs and their bf16 / vector capability, load at start and end, allocator settings, versions."""
-    import torch
-
-    from bev.utils.precision import cpu_bf16_support
-
-    return {
-        "cpus": os.cpu_count(),
-        "cpu_bf16": cpu_bf16_support(),
-        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "load_average_1m_start": round(load0, 2),
-        "load_average_1m_end": round(os.getloadavg()[0], 2),
-        "malloc_env": malloc_env(),
-        **host_versions(),
-    }
-
-
 def main(argv=None) -> int:
     """Time every config's variants, then write the report and print its table."""
     global DEVICE, LSS_ROOT
@@ -513,23 +443,36 @@ def main(argv=None) -> int:
     variants = variants_to_run(a)
 
     import torch
+    from tqdm import tqdm
+
+    from bev.utils.precision import cpu_bf16_support
 
     torch.set_num_threads(a.threads)
     torch.backends.cudnn.benchmark = a.device == "cuda"  # as trainer=gpu
     load0 = os.getloadavg()[0]
+    extra = [f"data.batch_size={a.batch_size}"] if a.batch_size else []
+    with tqdm(total=sum(len(v) + a.steps for v in variants.values()), desc="bench_train", file=sys.stderr) as bar:
+        configs = {key: bench_config(key, variants[key], a.steps, a.warmup, bar, extra, a.profile) for key in a.configs}
     results = {
         "benchmark": f"training step (forward, loss, backward, clip, optimiser step), {a.device}",
-        "device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor() or platform.machine(),
+        "device": device_name(a.device),
         "steps": a.steps,
         "warmup": a.warmup,
         "threads": a.threads,
-        "configs": bench_configs(a, variants),
+        "configs": configs,
+        "host": {  # CPUs and their bf16 / vector capability, load at start and end, allocator settings, versions
+            "cpus": os.cpu_count(),
+            "cpu_bf16": cpu_bf16_support(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "load_average_1m_start": round(load0, 2),
+            "load_average_1m_end": round(os.getloadavg()[0], 2),
+            "malloc_env": malloc_env(),
+            **host_versions(),
+        },
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    results["host"] = host(load0)
-    results["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    write_report(a.out, results)
     print_table(results)
-    print(f"\nwrote {a.out}")
+    write_report(a.out, results)
     return 0
 
 

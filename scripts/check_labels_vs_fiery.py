@@ -144,6 +144,8 @@ def window_ids(ds: NuScenesBEVDataset, frames: np.ndarray) -> dict[bytes, int]:
 
 def compare(a: argparse.Namespace, nusc, cache_dir: str, filter_invisible: bool) -> dict:
     """The report's numbers for one setting of the visibility filter (both loaders the same)."""
+    from bev.data.temporal import window_labels
+
     kw = {
         "version": a.version,
         "split": a.split,
@@ -166,7 +168,9 @@ def compare(a: argparse.Namespace, nusc, cache_dir: str, filter_invisible: bool)
         w = by_tokens[tuple(item["sample_token"])]
         ref = fiery_present_labels(item)
         frames = ds.window_frames(w)
-        labels = {k: _labels(d, frames) for k, d in ours.items()}
+        labels = {
+            k: window_labels(d.index, frames, PAST, d.grid, d.filter_invisible, d.label_warp) for k, d in ours.items()
+        }
         for k in ("fiery", "exact"):
             inter[k] += int(((labels[k]["instance"] == ref["instance"]) & (ref["instance"] > 0)).sum())
             union[k] += int(((labels[k]["instance"] > 0) | (ref["instance"] > 0)).sum())
@@ -188,12 +192,6 @@ def compare(a: argparse.Namespace, nusc, cache_dir: str, filter_invisible: bool)
         "present_offset_max_abs_diff": round(off_diff, 6),
         "flow_error_cells": {k: _summary(v) for k, v in errs.items()},
     }
-
-
-def _labels(ds: NuScenesBEVDataset, frames: np.ndarray) -> dict[str, np.ndarray]:
-    from bev.data.temporal import window_labels
-
-    return window_labels(ds.index, frames, PAST, ds.grid, ds.filter_invisible, ds.label_warp)
 
 
 def _own_frames(ds: NuScenesBEVDataset, frames: np.ndarray) -> np.ndarray:

@@ -65,7 +65,9 @@ def _stat_scores_multiple_classes(pred, target, num_classes):
     return tuple(torch.stack(v).float() for v in out)
 
 
-def _stub_lightning() -> dict:
+def stub_lightning() -> dict:
+    """pytorch_lightning 1.2's names that FIERY's metrics and trainer (bench_temporal.py --fiery) import, as
+    stand-ins in sys.modules; returns what they replaced."""
     names = [
         "pytorch_lightning",
         "pytorch_lightning.metrics",
@@ -81,6 +83,8 @@ def _stub_lightning() -> dict:
         "pytorch_lightning.metrics.functional.classification"
     ].stat_scores_multiple_classes = _stat_scores_multiple_classes
     mods["pytorch_lightning.metrics.functional.reduction"].reduce = lambda x, reduction: x
+    mods["pytorch_lightning"].LightningModule = torch.nn.Module
+    mods["pytorch_lightning"].metrics = mods["pytorch_lightning.metrics"]
     sys.modules.update(mods)
     return saved
 
@@ -89,7 +93,7 @@ def load_fiery(root: Path):
     """fiery.metrics from a FIERY checkout, with the stand-ins in place."""
     if not (root / "fiery" / "metrics.py").is_file():
         raise SystemExit(f"{root} is not a FIERY checkout (no fiery/metrics.py): clone github.com/wayveai/fiery")
-    saved = _stub_lightning()
+    saved = stub_lightning()
     try:
         spec = importlib.util.spec_from_file_location("fiery_metrics", root / "fiery" / "metrics.py")
         metrics = importlib.util.module_from_spec(spec)
@@ -119,16 +123,14 @@ def fiery_vpq(fm, pred, gt, consistent=True, ignore_index=None) -> dict:
                 )
                 for key in m.keys:  # as its update accumulates
                     getattr(m, key).add_(r[key])
+    return fiery_result(m)
+
+
+def fiery_result(m) -> dict:
+    """pq, sq, rq and the states (tp, fp, fn, IoU sum) of a FIERY PanopticMetric, for vehicles (index 1)."""
     r = m.compute()
-    return {
-        "pq": float(r["pq"][1]),
-        "sq": float(r["sq"][1]),
-        "rq": float(r["rq"][1]),
-        "tp": float(m.true_positive[1]),
-        "fp": float(m.false_positive[1]),
-        "fn": float(m.false_negative[1]),
-        "iou_sum": float(m.iou[1]),
-    }
+    states = (m.true_positive, m.false_positive, m.false_negative, m.iou)
+    return {k: float(r[k][1]) for k in KEYS} | {k: float(v[1]) for k, v in zip(("tp", "fp", "fn", "iou_sum"), states)}
 
 
 # ---------------------------------------------------------------- cases
@@ -315,14 +317,7 @@ def _pooled(fm, pooled, state_sums, everything) -> dict:
         theirs = fm.PanopticMetric(n_classes=2, temporally_consistent=consistent)
         for pred, gt in everything:
             theirs.update(pred, gt)
-        r = theirs.compute()
-        ours = metric.compute()
-        fiery = {k: float(r[k][1]) for k in KEYS} | {
-            "tp": float(theirs.true_positive[1]),
-            "fp": float(theirs.false_positive[1]),
-            "fn": float(theirs.false_negative[1]),
-            "iou_sum": float(theirs.iou[1]),
-        }
+        ours, fiery = metric.compute(), fiery_result(theirs)
         f64 = _ratios(**state_sums[consistent]) | state_sums[consistent]
         out["consistent" if consistent else "per_frame"] = {
             "ours": {k: ours[k] for k in KEYS + ("tp", "fp", "fn", "iou_sum")},

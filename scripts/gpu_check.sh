@@ -228,8 +228,8 @@ if [ "$SKIP_BENCH" = 0 ] && [ "$COMPILE_STEP" = 1 ]; then
     --steps 6 --warmup 2 --variants fp32 channels_last+bf16 cudagraphs+channels_last+bf16 "${LSS_ARGS[@]}" \
     --out "${TRAIN_BENCH_JSON%.json}_b16.json"
   if [ -n "${FIERY:-}" ]; then
-    logged bench_vs_fiery "${PIN_BENCH[@]}" "$PY" scripts/bench_vs_fiery.py --device cuda --fiery "$FIERY" \
-      ${FIERY_SITE:+--site "$FIERY_SITE"} --ours-fp32 --stride8 --steps 8 --warmup 2 \
+    logged bench_vs_fiery "${PIN_BENCH[@]}" "$PY" scripts/bench_temporal.py --device cuda --fiery "$FIERY" \
+      ${FIERY_SITE:+--site "$FIERY_SITE"} --variants fiery fiery_fp32 fiery_stride8 --steps 8 --warmup 2 \
       --out "$RESULTS/bench_vs_fiery_${DEVICE}.json"
   fi
   stage_end bench

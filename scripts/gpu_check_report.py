@@ -157,19 +157,6 @@ BENCHMARKS = {
 }
 
 
-def benchmark_sections(a, report: dict, results: Path) -> list[str]:
-    """The benchmarks that exist, kept under the device's name."""
-    lines = []
-    for name, (key, build) in BENCHMARKS.items():
-        src = a.work / f"{name}.json"
-        if src.exists():
-            text, kept = src.read_text(), results / f"{name}_{a.device}.json"
-            write(kept, text)
-            report[key], more = build(json.loads(text), kept)
-            lines += more
-    return lines
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", required=True, help="the device's name as a file-name slug")
@@ -198,10 +185,7 @@ def main(argv=None) -> int:
         failed_stages=failed,
         pending_stages=pending,
     )
-    lines = [
-        f"# GPU check on {report['device']} ({sm(report['capability'])}), torch {report['torch']}",
-        "",
-    ]
+    lines = [f"# GPU check on {report['device']} ({sm(report['capability'])}), torch {report['torch']}", ""]
     for key in ("tests", "tests_emulated"):
         if (a.work / "logs" / f"{key}.log").exists():
             report[key] = junit_counts(a.work / "logs" / f"{key}.xml")
@@ -209,7 +193,13 @@ def main(argv=None) -> int:
     if (a.work / "logs" / "memcheck.log").exists():  # compute-sanitizer exits non-zero on any error it finds
         report["memcheck"] = "failed: see logs/memcheck.log" if "memcheck" in failed else "no errors, tests passed"
         lines.append(f"memcheck: {report['memcheck']}")
-    lines += benchmark_sections(a, report, a.results)
+    for name, (key, build) in BENCHMARKS.items():  # the benchmarks that exist, kept under the device's name
+        src = a.work / f"{name}.json"
+        if src.exists():
+            text, kept = src.read_text(), a.results / f"{name}_{a.device}.json"
+            write(kept, text)
+            report[key], more = build(json.loads(text), kept)
+            lines += more
     report["train"], more = train_section(a.work / "train")
     lines += more
     went_down = report["train"] is None or report["train"]["loss_went_down"]  # None: skipped (or failed, in `failed`)
