@@ -4,8 +4,9 @@
     .venv/bin/python scripts/bench_train.py [--configs paper embedded embedded_det] [--variants fp32 ...]
 
 Models are built from the Hydra configs as bev-train builds them: "paper" is experiment=lss_nuscenes_trainval
-(random init), "embedded" experiment=synthetic_cpu, "embedded_det" the same with the detection head; inputs
-are random images with the real nuScenes rig and the LSS validation crop. Variants (layout, bf16 autocast,
+(random init), "embedded" experiment=synthetic_cpu, "embedded_det" the same with the detection head,
+"embedded_fusion" / "embedded_lidar" with the LiDAR branch; inputs are random images with the real nuScenes rig
+and the LSS validation crop, and random points in the grid. Variants (layout, bf16 autocast,
 torch.compile mode, CUDA graphs on a GPU) alternate round-robin in one process from the same initial weights;
 medians over --steps steps after --warmup steps (the first compiles). --lss adds lift-splat-shoot's own step
 from a checkout; --profile N profiles N more steps of each variant. Writes JSON to --out atomically.
@@ -41,6 +42,8 @@ CONFIGS = {
     "paper": ["experiment=lss_nuscenes_trainval", "model.net.camera.weights=null", "trainer=cpu"],
     "embedded": ["experiment=synthetic_cpu"],
     "embedded_det": ["experiment=synthetic_det_cpu"],  # the same with the detection head (its step cost)
+    "embedded_fusion": ["experiment=synthetic_fusion_cpu"],  # and the LiDAR branch and fuser
+    "embedded_lidar": ["experiment=synthetic_lidar_cpu"],  # the LiDAR branch without the cameras
 }
 DEVICE = "cpu"  # --device; on cuda every timing waits for the GPU (synchronize) before reading the clock
 LSS_ROOT = None  # --lss: a lift-splat-shoot checkout, whose own step joins the paper config as "lss_original"
@@ -93,8 +96,9 @@ def build(cfg, channels_last: bool, seed: int = 0):
 
     torch.manual_seed(seed)  # same initial weights for every variant
     model_cfg = cfg.model.copy()
-    model_cfg.net.camera.channels_last = channels_last
-    model_cfg.net.decoder.channels_last = channels_last
+    for part in (model_cfg.net.camera, model_cfg.net.decoder):
+        if part is not None:  # a LiDAR-only model has no camera branch
+            part.channels_last = channels_last
     return instantiate(model_cfg)
 
 
@@ -129,7 +133,20 @@ def real_rig_batch(cfg, batch_size: int, seed: int = 0) -> dict:
         "post_trans": rep(post_tran[None].numpy()),
         "bev": (torch.rand(B, int(cfg.model.net.heads.segmentation.num_classes), X, Y, generator=g) < 0.05).float(),
         **(detection_targets(grid, B, seed) if cfg.data.get("detection") else {}),
+        **(lidar_points(grid, B, g) if (cfg.data.get("lidar") or {}).get("enabled") else {}),
     }
+
+
+def lidar_points(grid, batch_size: int, g, per_sample: int = 31_000) -> dict:
+    """Points spread over the grid, as many per sample as a key frame of make train's set has, batched flat as
+    bev.data.lidar.collate_points does: rows (b, x, y, z, intensity, time lag)."""
+    import torch
+
+    bounds = torch.tensor([grid.xbound[:2], grid.ybound[:2], grid.zbound[:2]], dtype=torch.float32)
+    xyz = bounds[:, 0] + torch.rand(batch_size * per_sample, 3, generator=g) * (bounds[:, 1] - bounds[:, 0])
+    b = torch.arange(batch_size).repeat_interleave(per_sample)[:, None].float()
+    rows = torch.cat([b, xyz, 255 * torch.rand(len(b), 1, generator=g), torch.zeros(len(b), 1)], 1)
+    return {"points": rows, "num_points": torch.full((batch_size,), per_sample)}
 
 
 def detection_targets(grid, batch_size: int, seed: int, boxes_per_sample: int = 40) -> dict:
@@ -337,7 +354,7 @@ def bench_config(
         "batch_size": int(cfg.data.batch_size),
         "final_dim": list(cfg.data.final_dim),
         "grid": {k: list(cfg.grid[k]) for k in ("xbound", "ybound", "zbound", "dbound")},
-        "camera_backbone": cfg.model.net.camera.backbone,
+        "camera_backbone": (cfg.model.net.camera or {}).get("backbone"),
         "parameters": sum(p.numel() for p in runs[0].lit.parameters()),
         "gflop_per_step": round(flops / 1e9, 1),
         "variants": {},
