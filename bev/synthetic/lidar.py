@@ -13,7 +13,8 @@ cameras' own caster (bev.synthetic.raycast) against the same ground and object p
   num_lidar_pts is then exactly the devkit's points_in_box count.
 
 The beams form a (32, AZIMUTHS) panorama "camera" (Spin) whose part rectangles are angular bounds, so the slab
-tests and the z-buffer are raycast's (raycast.zbuffer); the occupancy masks use the same panorama.
+tests and the z-buffer are raycast's (raycast.zbuffer: native, bev.synthetic.native, or numpy); the occupancy masks
+use the same panorama.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def cast(spin: Spin, parts: raycast.Parts) -> Scan:
     """The first surface along each beam of `spin` among the ground and `parts` (ego frame)."""
     rects, index = spin.part_rects(parts)
     drawn = raycast.Parts(*(x[index] for x in parts))
-    key = raycast.zbuffer(spin, drawn, rects, raycast._pixel_pairs(rects, AZIMUTHS))
+    key = raycast.zbuffer(spin, drawn, rects)
     depth = raycast._key_depth(key)
     field = (key & 0xFFFFFFFF).astype(np.int64) - 1
     part = np.where(field >= 0, index[np.maximum(field, 0)], -1)

@@ -7,6 +7,11 @@ and a per-pixel instance-id buffer. The slab tests of all (part, pixel) pairs ru
 numpy passes and the z-buffer is one scatter-min (a part-by-part loop costs ~40 numpy calls per
 part, most of them on a few hundred pixels).
 
+The slab tests, the z-buffer, the winners' entry faces and the objects' coverage run natively when bev.ops._C has
+the ray caster (bev.synthetic.native: C++, the same float32 operations, the same keys bit for bit); this module's
+numpy code (_slab, zbuffer_numpy, _front, _coverage) is the reference the native caster is tested against, and the
+fallback without the extension. The rectangles, the ground and the colours are numpy either way.
+
 Geometry conventions (ego frame, camera->ego extrinsics, quaternions (w, x, y, z), pixel
 centres) are those of bev.geometry; projection and unprojection go through its functions.
 """
@@ -24,6 +29,7 @@ import torch
 
 from bev.data.rig import IMAGE_H, IMAGE_W, load_rig
 from bev.geometry import CAMERA_NAMES, ego_to_image, frustum_to_ego, quaternion_to_matrix
+from bev.synthetic import native
 from bev.synthetic.roads import RoadMap, fill, road_map, stroke
 from bev.synthetic.world import CABIN, GLASS, RENDER_RANGE, WINDOWS, World, visible_objects
 
@@ -413,6 +419,14 @@ def _directions(rx: np.ndarray, ry: np.ndarray, rz: np.ndarray, c: np.ndarray, s
     return [rx * c + ry * s, ry * c - rx * s, rz]
 
 
+def _part_table(cam: Camera, parts: Parts) -> np.ndarray:
+    """(P, 8) float32 per-part values of the slab test: yaw cos, sin; slab bounds -half - o, half - o (o: the camera
+    centre in the part's frame), the rows the native caster (bev.synthetic.native) takes."""
+    o, yaw = _part_frames(cam, parts)
+    near, far = (-parts.half - o).astype(np.float32), (parts.half - o).astype(np.float32)
+    return np.ascontiguousarray(np.concatenate([yaw, near, far], 1))
+
+
 MISS = np.int32(0x7FFFFFFF)  # depth bits of a pair that hits nothing: above every float's
 
 
@@ -422,9 +436,7 @@ def _slab(cam: Camera, parts: Parts, rects: np.ndarray, faces: bool = True):
     (_slab_chunk), hit and entry face per pair (the key alone when not `faces`).
 
     Call under np.errstate(divide="ignore", invalid="ignore"): rays parallel to a slab give inf / nan."""
-    o, yaw = _part_frames(cam, parts)
-    near, far = (-parts.half - o).astype(np.float32), (parts.half - o).astype(np.float32)
-    per_part = np.concatenate([yaw, near, far], 1).T  # (8, P)
+    per_part = _part_table(cam, parts).T  # (8, P)
     n = (rects[:, 1] - rects[:, 0]) * (rects[:, 3] - rects[:, 2])
     ends, a = np.cumsum(n), 0
     out = [np.empty(n.sum(), dt) for dt in ((np.int64, bool, np.int8) if faces else (np.int64,))]
@@ -577,27 +589,54 @@ def render_camera(
     H, W = cam.shape
     img, zbuf = _ground_render(world, t, cam)
     ids = np.zeros((H, W), np.int32)
-    # Every (part, pixel) pair in the parts' projected rectangles is ray-cast at once; the
-    # nearest hit per pixel wins.
-    parts, rects, pix = _in_view(cam, parts)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        key, hit, face = _slab(cam, parts, rects)
-    coverage = _coverage(parts, rects, hit)
-    win = _front(cam, key, pix)
-    q, key = pix[win], key[win]
+    # Every (part, pixel) pair in the parts' projected rectangles is ray-cast; the nearest hit per pixel wins.
+    parts, rects = _visible(cam, parts)
+    if native.active():  # the same keys, faces and coverage, in C++ (bev.synthetic.native)
+        group, objs = _coverage_groups(parts)
+        table = _part_table(cam, parts)
+        best, faces, cover = native.zbuffer(cam.planes, table, rects, cam.ground_key, group, len(objs), faces=True)
+        coverage = dict(zip(objs, cover.tolist()))
+        q = np.flatnonzero(best & 0xFFFFFFFF)  # pixels a part wins (part field > 0)
+        key, face = best[q], faces[q].astype(np.int64)
+    else:  # the numpy reference: every pair at once in long passes, a scatter-min z-buffer
+        pix = _pixel_pairs(rects, W)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            key, hit, face = _slab(cam, parts, rects)
+        coverage = _coverage(parts, rects, hit)
+        win = _front(cam, key, pix)
+        q, key, face = pix[win], key[win], face[win].astype(np.int64)
     p, tn = (key & 0xFFFFFFFF) - 1, (key >> 32).astype(np.int32).view(np.float32)
     zbuf.ravel()[q] = tn
-    _rgb(img)[q] = _rgb(_colours(cam, parts, p, q, tn, face[win].astype(np.int64)))
+    _rgb(img)[q] = _rgb(_colours(cam, parts, p, q, tn, face))
     ids.ravel()[q] = parts.label[p]
     return CameraRender(img, ids, zbuf, coverage)
 
 
-def _in_view(cam: Camera, parts: Parts) -> tuple[Parts, np.ndarray, np.ndarray]:
-    """The parts whose rectangles (_part_rects) hold pixels, their rectangles and their pairs' pixels (_pixel_pairs)."""
+def _visible(cam: Camera, parts: Parts) -> tuple[Parts, np.ndarray]:
+    """The parts whose rectangles (_part_rects) hold pixels, and their rectangles."""
     rects = _part_rects(cam, parts)
     seen = np.flatnonzero((rects[:, 1] > rects[:, 0]) & (rects[:, 3] > rects[:, 2]))
-    parts, rects = Parts(*(x[seen] for x in parts)), rects[seen]
+    return Parts(*(x[seen] for x in parts)), rects[seen]
+
+
+def _in_view(cam: Camera, parts: Parts) -> tuple[Parts, np.ndarray, np.ndarray]:
+    """_visible's parts and rectangles, and their pairs' pixels (_pixel_pairs)."""
+    parts, rects = _visible(cam, parts)
     return parts, rects, _pixel_pairs(rects, cam.shape[1])
+
+
+def _coverage_groups(parts: Parts) -> tuple[np.ndarray, list[int]]:
+    """The native caster's coverage groups (bev.synthetic.native.zbuffer): per part the rank of its object among the
+    annotated objects (label > 0) in order of first appearance, -1 for scenery; and those objects (_coverage's keys,
+    in its order)."""
+    mine = np.flatnonzero(parts.label > 0)
+    objs, first, inverse = np.unique(parts.obj[mine], return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    rank = np.empty(len(objs), np.int64)
+    rank[order] = np.arange(len(objs))
+    group = np.full(len(parts.obj), -1, np.int64)
+    group[mine] = rank[inverse.ravel()]
+    return group, objs[order].tolist()
 
 
 def _camera_parts(world: World, t: float, camera, objects, scale: int, parts) -> tuple[Camera, Parts]:
@@ -613,13 +652,21 @@ def render_depth(
 ) -> np.ndarray:
     """render_camera's depth alone, (H, W) float32, the same values: no colours, ids or coverage to compute."""
     cam, parts = _camera_parts(world, t, camera, None, scale, parts)
-    return _key_depth(zbuffer(cam, *_in_view(cam, parts))).reshape(cam.shape)
+    return _key_depth(zbuffer(cam, *_visible(cam, parts))).reshape(cam.shape)
 
 
-def zbuffer(cam: Camera, parts: Parts, rects: np.ndarray, pix: np.ndarray) -> np.ndarray:
+def zbuffer(cam: Camera, parts: Parts, rects: np.ndarray, pix: np.ndarray | None = None) -> np.ndarray:
     """(H * W,) least z-buffer key (_slab_chunk) of each ray of `cam` over the ground and the parts, each part
-    tested on the rays of its rectangle (rects (P, 4) [r0, r1, c0, c1), pix their flat indices, _pixel_pairs):
-    the depth of the first surface in the upper half, in the lower the index of its part + 1 (0: the ground)."""
+    tested on the rays of its rectangle (rects (P, 4) [r0, r1, c0, c1), pix their flat indices, _pixel_pairs,
+    computed when not given): the depth of the first surface in the upper half, in the lower the index of its
+    part + 1 (0: the ground). The native caster when active (bev.synthetic.native), else zbuffer_numpy."""
+    if native.active():
+        return native.zbuffer(cam.planes, _part_table(cam, parts), rects, cam.ground_key)[0]
+    return zbuffer_numpy(cam, parts, rects, _pixel_pairs(rects, cam.shape[1]) if pix is None else pix)
+
+
+def zbuffer_numpy(cam: Camera, parts: Parts, rects: np.ndarray, pix: np.ndarray) -> np.ndarray:
+    """zbuffer in numpy (the reference): every (part, pixel) pair's slab test in long passes, one scatter-min."""
     with np.errstate(divide="ignore", invalid="ignore"):
         (key,) = _slab(cam, parts, rects, faces=False)
     best = cam.ground_key.copy()  # the ground's depth bits (inf above the horizon), part field 0

@@ -1,7 +1,7 @@
-// Operator schemas of the bev voxel-pooling ops: the one place they are declared.
-// Kernels are registered per device: csrc/cpu/pool_cpu.cpp (CPU), csrc/cuda/pool_cuda.cu (CUDA);
-// autograd and fake (meta) kernels in bev/ops/_native.py. Names with a leading underscore are
-// internal steps (plan construction, backward passes), not public API.
+// Operator schemas of the bev ops (voxel pooling; the synthetic world's ray caster): the one place they are
+// declared. Kernels are registered per device: csrc/cpu/pool_cpu.cpp and csrc/cpu/raycast_cpu.cpp (CPU),
+// csrc/cuda/pool_cuda.cu (CUDA); autograd and fake (meta) kernels in bev/ops/_native.py. Names with a
+// leading underscore are internal steps (plan construction, backward passes, the ray caster), not public API.
 //
 // The Python module bev.ops._C is written with the plain C API, not pybind11 or
 // <torch/extension.h>: it only has to load (registering the ops) and say whether the CUDA kernels
@@ -17,6 +17,10 @@ TORCH_LIBRARY(bev, m) {
   m.def("_sort_keys(Tensor keys, int num_voxels) -> (Tensor order, Tensor offsets)");
   m.def("_voxel_sum_backward(Tensor grad_out, Tensor keys, Tensor order, Tensor offsets) -> Tensor");
   m.def("_bev_pool_backward(Tensor grad_out, Tensor depth, Tensor feats, Tensor keys, Tensor offsets) -> (Tensor, Tensor)");
+  // The synthetic world's ray caster (CPU only; kernel csrc/cpu/raycast_cpu.cpp, wrapper bev/synthetic/native.py).
+  m.def(
+      "_raycast_zbuffer(Tensor rays, Tensor parts, Tensor rects, Tensor ground_key, Tensor group, int num_groups, "
+      "bool faces) -> (Tensor key, Tensor face, Tensor coverage)");
 }
 
 namespace {

@@ -1,0 +1,291 @@
+// CPU kernel of the synthetic world's ray caster (schema: csrc/ops.cpp; Python wrapper and numpy reference:
+// bev/synthetic/native.py, bev/synthetic/raycast.py).
+//
+// _raycast_zbuffer casts the rays of one camera (or of the LiDAR's panorama) against axis-aligned boxes
+// ("parts"), each part against the rays of its own rectangle of the image, and keeps per ray the least z-buffer
+// key over the ground and the parts: (float32 depth bits << 32) | (part + 1), the ground's part field 0. It is
+// bev.synthetic.raycast's _slab + zbuffer + _front in one pass, with the same float32 operations in the same
+// order (no FMA contraction, numpy's fmin/fmax NaN rules), so its keys equal the numpy caster's bit for bit.
+// Optionally the entry face of each ray's winning part, and per group of parts (an annotated object) the rays
+// any of its parts hits whatever lies in front (raycast._coverage).
+//
+// Rows of the image are independent: at::parallel_for over rows, each row's z-buffer and coverage stamps owned
+// by one thread; parts are visited in group order so that one stamp per ray counts each ray once per group.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <numeric>
+#include <tuple>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace bev {
+namespace {
+
+constexpr float kNear = 0.1f;  // raycast.NEAR, compared in float32 as numpy does (float32 array > Python float)
+constexpr int64_t kRowBlock = 8;  // rows per block of work: the parts meeting a block are listed once for it
+
+// np.fmin / np.fmax: a NaN operand yields the other one.
+inline float nan_min(float a, float b) { return ((a < b) | (b != b)) ? a : b; }
+inline float nan_max(float a, float b) { return ((a > b) | (b != b)) ? a : b; }
+
+inline int32_t float_bits(float x) {
+  int32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+
+struct Part {  // per-part values: yaw cos, sin; slab bounds (-half - o, half - o) along the part's axes
+  float c, s, near[3], far[3];
+};
+
+// One row's z-buffer while it is cast, as int32 planes updated lane by lane: the least key's depth bits and part
+// field (the key's two halves), the winner's entry face, and per ray the last coverage group that hit it.
+struct Row {
+  int32_t *bits, *id, *face, *stamp;
+};
+
+// The slab test of rays [i0, n) of a run (x, y, z components rx, ry, rz) against part q (part field id, coverage
+// group g), folded into the row: a hit nearer than the row's key (or as near with a smaller part field) takes the
+// ray; with cover, the rays it hits that its group had not hit yet are counted (the count is returned). The
+// float32 operations are numpy's (raycast._slab_chunk) one by one: products and sums round separately (no FMA:
+// neither the default x86-64 target nor the AVX2 one below has it), fmin/fmax keep the non-NaN operand.
+int64_t slab_scalar(const Part& q, const float* rx, const float* ry, const float* rz, int64_t i0, int64_t n, int32_t id,
+                    int32_t g, bool cover, Row row) {
+  int64_t counted = 0;
+  for (int64_t i = i0; i < n; ++i) {
+    const float d0 = rx[i] * q.c + ry[i] * q.s;  // the ray along the part's axes (raycast._directions)
+    const float d1 = ry[i] * q.c - rx[i] * q.s;
+    const float d2 = rz[i];
+    const float v0 = 1.0f / d0, v1 = 1.0f / d1, v2 = 1.0f / d2;
+    const float a0 = q.near[0] * v0, b0 = q.far[0] * v0;
+    const float a1 = q.near[1] * v1, b1 = q.far[1] * v1;
+    const float a2 = q.near[2] * v2, b2 = q.far[2] * v2;
+    const float lo0 = nan_min(a0, b0), hi0 = nan_max(a0, b0);
+    const float lo1 = nan_min(a1, b1), hi1 = nan_max(a1, b1);
+    const float lo2 = nan_min(a2, b2), hi2 = nan_max(a2, b2);
+    const float tnear = nan_max(nan_max(lo0, lo1), lo2);
+    const float tfar = nan_min(nan_min(hi0, hi1), hi2);
+    if (!(tnear <= tfar && tnear > kNear)) continue;
+    if (cover && row.stamp[i] != g) {
+      row.stamp[i] = g;
+      ++counted;
+    }
+    // Keys order by (depth bits, part field); a hit's depth is positive, and positive floats order as their bits.
+    const int32_t bits = float_bits(tnear);
+    if (bits < row.bits[i] || (bits == row.bits[i] && id < row.id[i])) {
+      row.bits[i] = bits;
+      row.id[i] = id;
+      // The entry face: the axis whose slab was entered last (the last on a tie); + face when travelling to -axis.
+      const int32_t f = lo1 == tnear ? 2 + (d1 < 0) : (d0 < 0);
+      row.face[i] = lo2 == tnear ? 4 + (d2 < 0) : f;
+    }
+  }
+  return counted;
+}
+
+#if defined(__x86_64__)
+#define BEV_AVX2 __attribute__((target("avx2"), always_inline)) inline
+
+BEV_AVX2 __m256 fmin8(__m256 a, __m256 b) {  // nan_min: a where a < b or b is NaN
+  return _mm256_blendv_ps(b, a, _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_LT_OQ), _mm256_cmp_ps(b, b, _CMP_UNORD_Q)));
+}
+
+BEV_AVX2 __m256 fmax8(__m256 a, __m256 b) {  // nan_max
+  return _mm256_blendv_ps(b, a, _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ), _mm256_cmp_ps(b, b, _CMP_UNORD_Q)));
+}
+
+BEV_AVX2 __m256i negative(__m256 d) {  // 1 where d < 0, else 0
+  return _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_LT_OQ)), _mm256_set1_epi32(1));
+}
+
+// slab_scalar eight rays at a time (AVX2; the last n % 8 rays by slab_scalar).
+__attribute__((target("avx2"))) int64_t slab_avx2(const Part& q, const float* rx, const float* ry, const float* rz,
+                                                  int64_t n, int32_t id, int32_t g, bool cover, Row row) {
+  const __m256 c = _mm256_set1_ps(q.c), s = _mm256_set1_ps(q.s), one = _mm256_set1_ps(1.0f);
+  const __m256 near0 = _mm256_set1_ps(q.near[0]), near1 = _mm256_set1_ps(q.near[1]), near2 = _mm256_set1_ps(q.near[2]);
+  const __m256 far0 = _mm256_set1_ps(q.far[0]), far1 = _mm256_set1_ps(q.far[1]), far2 = _mm256_set1_ps(q.far[2]);
+  const __m256 near_plane = _mm256_set1_ps(kNear);
+  const __m256i ids = _mm256_set1_epi32(id), group = _mm256_set1_epi32(g);
+  int64_t counted = 0, i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(rx + i), y = _mm256_loadu_ps(ry + i), d2 = _mm256_loadu_ps(rz + i);
+    const __m256 d0 = _mm256_add_ps(_mm256_mul_ps(x, c), _mm256_mul_ps(y, s));
+    const __m256 d1 = _mm256_sub_ps(_mm256_mul_ps(y, c), _mm256_mul_ps(x, s));
+    const __m256 v0 = _mm256_div_ps(one, d0), v1 = _mm256_div_ps(one, d1), v2 = _mm256_div_ps(one, d2);
+    const __m256 a0 = _mm256_mul_ps(near0, v0), b0 = _mm256_mul_ps(far0, v0);
+    const __m256 a1 = _mm256_mul_ps(near1, v1), b1 = _mm256_mul_ps(far1, v1);
+    const __m256 a2 = _mm256_mul_ps(near2, v2), b2 = _mm256_mul_ps(far2, v2);
+    const __m256 lo1 = fmin8(a1, b1), lo2 = fmin8(a2, b2);
+    const __m256 tnear = fmax8(fmax8(fmin8(a0, b0), lo1), lo2);
+    const __m256 tfar = fmin8(fmin8(fmax8(a0, b0), fmax8(a1, b1)), fmax8(a2, b2));
+    const __m256 hit_ps = _mm256_and_ps(_mm256_cmp_ps(tnear, tfar, _CMP_LE_OQ), _mm256_cmp_ps(tnear, near_plane, _CMP_GT_OQ));
+    if (_mm256_testz_ps(hit_ps, hit_ps)) continue;  // no lane hits (the sign bits of the masks)
+    const __m256i hit = _mm256_castps_si256(hit_ps);
+    if (cover) {
+      const __m256i old = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.stamp + i));
+      const __m256i fresh = _mm256_andnot_si256(_mm256_cmpeq_epi32(old, group), hit);
+      counted += __builtin_popcount(_mm256_movemask_ps(_mm256_castsi256_ps(fresh)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row.stamp + i), _mm256_blendv_epi8(old, group, fresh));
+    }
+    const __m256i bits = _mm256_castps_si256(tnear);
+    const __m256i old_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.bits + i));
+    const __m256i old_id = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.id + i));
+    const __m256i nearer = _mm256_or_si256(
+        _mm256_cmpgt_epi32(old_bits, bits),
+        _mm256_and_si256(_mm256_cmpeq_epi32(old_bits, bits), _mm256_cmpgt_epi32(old_id, ids)));
+    const __m256i wins = _mm256_and_si256(hit, nearer);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(row.bits + i), _mm256_blendv_epi8(old_bits, bits, wins));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(row.id + i), _mm256_blendv_epi8(old_id, ids, wins));
+    // The entry face as in slab_scalar: lo2 == tnear ? 4 + (d2 < 0) : lo1 == tnear ? 2 + (d1 < 0) : (d0 < 0).
+    __m256i f = negative(d0);
+    f = _mm256_blendv_epi8(f, _mm256_add_epi32(_mm256_set1_epi32(2), negative(d1)),
+                           _mm256_castps_si256(_mm256_cmp_ps(lo1, tnear, _CMP_EQ_OQ)));
+    f = _mm256_blendv_epi8(f, _mm256_add_epi32(_mm256_set1_epi32(4), negative(d2)),
+                           _mm256_castps_si256(_mm256_cmp_ps(lo2, tnear, _CMP_EQ_OQ)));
+    const __m256i old_face = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.face + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(row.face + i), _mm256_blendv_epi8(old_face, f, wins));
+  }
+  return counted + slab_scalar(q, rx, ry, rz, i, n, id, g, cover, row);
+}
+#endif
+
+using SlabRun = int64_t (*)(const Part&, const float*, const float*, const float*, int64_t, int32_t, int32_t, bool, Row);
+
+int64_t slab_plain(const Part& q, const float* rx, const float* ry, const float* rz, int64_t n, int32_t id, int32_t g,
+                   bool cover, Row row) {
+  return slab_scalar(q, rx, ry, rz, 0, n, id, g, cover, row);
+}
+
+// The slab loop this CPU runs: AVX2 where it has it, unless BEV_RAYCAST_SCALAR=1 (the tests compare the two).
+SlabRun slab_run() {
+#if defined(__x86_64__)
+  const char* scalar = std::getenv("BEV_RAYCAST_SCALAR");
+  if (__builtin_cpu_supports("avx2") && !(scalar && scalar[0] == '1')) return &slab_avx2;
+#endif
+  return &slab_plain;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> raycast_zbuffer_cpu(const at::Tensor& rays, const at::Tensor& parts,
+                                                                   const at::Tensor& rects,
+                                                                   const at::Tensor& ground_key,
+                                                                   const at::Tensor& group, int64_t num_groups,
+                                                                   bool faces) {
+  TORCH_CHECK(rays.device().is_cpu() && parts.device().is_cpu() && rects.device().is_cpu() &&
+                  ground_key.device().is_cpu() && group.device().is_cpu(),
+              "_raycast_zbuffer: every tensor must be on the CPU");
+  TORCH_CHECK(rays.scalar_type() == at::kFloat && rays.dim() == 3 && rays.size(0) == 3 && rays.is_contiguous(),
+              "_raycast_zbuffer: rays must be contiguous float32 (3, H, W) planes, got ", rays.scalar_type(), " ",
+              rays.sizes());
+  const int64_t H = rays.size(1), W = rays.size(2);
+  TORCH_CHECK(parts.scalar_type() == at::kFloat && parts.dim() == 2 && parts.size(1) == 8 && parts.is_contiguous(),
+              "_raycast_zbuffer: parts must be contiguous float32 (P, 8) [cos, sin, near xyz, far xyz], got ",
+              parts.scalar_type(), " ", parts.sizes());
+  const int64_t P = parts.size(0);
+  TORCH_CHECK(rects.scalar_type() == at::kLong && rects.dim() == 2 && rects.size(0) == P && rects.size(1) == 4 &&
+                  rects.is_contiguous(),
+              "_raycast_zbuffer: rects must be contiguous int64 (P, 4) [r0, r1, c0, c1) with P = ", P, ", got ",
+              rects.scalar_type(), " ", rects.sizes());
+  TORCH_CHECK(ground_key.scalar_type() == at::kLong && ground_key.dim() == 1 && ground_key.size(0) == H * W &&
+                  ground_key.is_contiguous(),
+              "_raycast_zbuffer: ground_key must be contiguous int64 (H * W) = (", H * W, "), got ",
+              ground_key.scalar_type(), " ", ground_key.sizes());
+  TORCH_CHECK(group.scalar_type() == at::kLong && group.dim() == 1 && group.size(0) == P && group.is_contiguous(),
+              "_raycast_zbuffer: group must be contiguous int64 (P) = (", P, "), got ", group.scalar_type(), " ",
+              group.sizes());
+  TORCH_CHECK(num_groups >= 0, "_raycast_zbuffer: num_groups must be >= 0, got ", num_groups);
+  TORCH_CHECK(P < (int64_t(1) << 31) - 1 && num_groups < (int64_t(1) << 31), "_raycast_zbuffer: too many parts or groups: ", P, ", ", num_groups);
+
+  const auto* R = rects.data_ptr<int64_t>();
+  const auto* G = group.data_ptr<int64_t>();
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t* r = R + 4 * p;
+    TORCH_CHECK(0 <= r[0] && r[0] <= r[1] && r[1] <= H && 0 <= r[2] && r[2] <= r[3] && r[3] <= W,
+                "_raycast_zbuffer: rect ", p, " [", r[0], ", ", r[1], ", ", r[2], ", ", r[3],
+                ") is not within the (", H, ", ", W, ") image");
+    TORCH_CHECK(G[p] >= -1 && G[p] < num_groups, "_raycast_zbuffer: group[", p, "] = ", G[p],
+                " is not in [-1, num_groups = ", num_groups, ")");
+  }
+
+  const int64_t* ground = ground_key.data_ptr<int64_t>();
+  for (int64_t x = 0; x < H * W; ++x)  // the row buffers hold a key's halves as int32
+    TORCH_CHECK((ground[x] & 0xFFFFFFFF) < (int64_t(1) << 31), "_raycast_zbuffer: ground_key[", x, "] = ", ground[x],
+                " has a part field (low half) >= 2**31");
+  auto key = at::empty({H * W}, rays.options().dtype(at::kLong));
+  auto face = at::empty({faces ? H * W : 0}, rays.options().dtype(at::kChar));
+  auto coverage = at::zeros({num_groups}, rays.options().dtype(at::kLong));
+
+  // Parts in group order (stable: the ungrouped first), only those whose rectangle holds rays.
+  std::vector<int64_t> order;
+  order.reserve(P);
+  for (int64_t p = 0; p < P; ++p)
+    if (R[4 * p + 1] > R[4 * p] && R[4 * p + 3] > R[4 * p + 2]) order.push_back(p);
+  std::stable_sort(order.begin(), order.end(), [G](int64_t a, int64_t b) { return G[a] < G[b]; });
+
+  const auto* part = reinterpret_cast<const Part*>(parts.data_ptr<float>());
+  const float* rx_all = rays.data_ptr<float>();
+  const float* ry_all = rx_all + H * W;
+  const float* rz_all = ry_all + H * W;
+  int64_t* best_all = key.data_ptr<int64_t>();
+  int8_t* face_all = faces ? face.data_ptr<int8_t>() : nullptr;
+  int64_t* cover = coverage.data_ptr<int64_t>();
+  std::mutex cover_lock;
+
+  const SlabRun run = slab_run();
+  at::parallel_for(0, H, kRowBlock, [&](int64_t row0, int64_t row1) {
+    std::vector<int64_t> counts(num_groups, 0), active;
+    std::vector<int32_t> buffers(4 * W);
+    const Row line{buffers.data(), buffers.data() + W, buffers.data() + 2 * W, buffers.data() + 3 * W};
+    for (int64_t block = row0; block < row1; block += kRowBlock) {
+      const int64_t block_end = std::min(block + kRowBlock, row1);
+      active.clear();  // the parts whose rectangles meet these rows, still in group order
+      for (int64_t p : order)
+        if (R[4 * p] < block_end && R[4 * p + 1] > block) active.push_back(p);
+      for (int64_t row = block; row < block_end; ++row) {
+        const int64_t base = row * W;
+        for (int64_t x = 0; x < W; ++x) {  // the ground's keys: depth bits, part field 0
+          line.bits[x] = int32_t(ground[base + x] >> 32);
+          line.id[x] = int32_t(ground[base + x] & 0xFFFFFFFF);
+        }
+        std::fill(line.face, line.face + W, 0);
+        std::fill(line.stamp, line.stamp + W, -1);
+        for (int64_t p : active) {
+          const int64_t* r = R + 4 * p;
+          if (row < r[0] || row >= r[1]) continue;
+          const int64_t c0 = r[2], g = G[p];
+          const Row at{line.bits + c0, line.id + c0, line.face + c0, line.stamp + c0};
+          const int64_t hits = run(part[p], rx_all + base + c0, ry_all + base + c0, rz_all + base + c0, r[3] - c0,
+                                   int32_t(p + 1), int32_t(g), g >= 0, at);
+          if (g >= 0) counts[g] += hits;
+        }
+        int64_t* best = best_all + base;
+        for (int64_t x = 0; x < W; ++x) best[x] = (int64_t(line.bits[x]) << 32) | uint32_t(line.id[x]);
+        if (faces)
+          for (int64_t x = 0; x < W; ++x) face_all[base + x] = int8_t(line.face[x]);
+      }
+    }
+    if (num_groups > 0) {
+      std::lock_guard<std::mutex> hold(cover_lock);
+      for (int64_t g = 0; g < num_groups; ++g) cover[g] += counts[g];
+    }
+  });
+  return {key, face, coverage};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(bev, CPU, m) { m.impl("_raycast_zbuffer", &raycast_zbuffer_cpu); }
+
+}  // namespace bev

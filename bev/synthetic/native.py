@@ -1,0 +1,122 @@
+"""The synthetic world's native ray caster: bev.ops._C's private operator bev::_raycast_zbuffer (C++, CPU,
+parallel over image rows with at::parallel_for; kernel bev/ops/csrc/cpu/raycast_cpu.cpp).
+
+It computes what bev.synthetic.raycast's numpy caster does with _slab + zbuffer + _front (+ _coverage): per ray
+of a camera (or of the LiDAR's panorama, bev.synthetic.lidar) the least z-buffer key over the ground and the
+parts tested on it, (float32 depth bits << 32) | (part + 1), the same float32 operations in the same order, so
+the keys are the numpy caster's bit for bit (tests/test_raycast_native.py); optionally the entry face of the
+winning part and each annotated object's unoccluded coverage. The numpy caster stays the reference.
+
+Which caster runs: the native one when the extension loaded with this operator (bev.ops._native), else numpy;
+BEV_RAYCAST=numpy (environment, read at import) or `backend("numpy")` forces the reference, "native" requires
+the operator (an error without it), "auto" is the default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+OP_NAME = "_raycast_zbuffer"
+BACKENDS = ("auto", "native", "numpy")
+_backend = os.environ.get("BEV_RAYCAST", "auto")
+if _backend not in BACKENDS:
+    raise ValueError(f"BEV_RAYCAST must be one of {BACKENDS}, got {_backend!r}")
+
+
+def op():
+    """The native operator, or None when bev.ops._C did not load or was built without it."""
+    from bev.ops import _native
+
+    if _native._C is None:
+        return None
+    try:
+        return getattr(torch.ops.bev, OP_NAME)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def active() -> bool:
+    """Whether the casters of bev.synthetic (cameras, LiDAR, occupancy masks) run natively now."""
+    if _backend == "numpy":
+        return False
+    if op() is not None:
+        return True
+    if _backend == "native":
+        from bev.ops import _native
+
+        raise RuntimeError(
+            f"the native ray caster was asked for (BEV_RAYCAST=native) but bev.ops._C has no {OP_NAME} "
+            f"({_native.LOAD_ERROR or 'a build without it'}); rebuild with `python setup.py build_ext --inplace`"
+        )
+    return False
+
+
+@contextlib.contextmanager
+def backend(name: str) -> Iterator[None]:
+    """Run the casters with `name` ("auto", "native" or "numpy") inside the block (this process)."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    saved, _backend = _backend, name
+    try:
+        yield
+    finally:
+        _backend = saved
+
+
+def _check(name: str, a, dtype, shape: tuple) -> None:
+    """`a` is a C-contiguous numpy array of `dtype` and `shape` (None: any size)."""
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array, got {type(a).__name__}")
+    if a.dtype != dtype:
+        raise TypeError(f"{name} must be {np.dtype(dtype).name}, got {a.dtype.name}")
+    if a.ndim != len(shape) or any(s is not None and s != n for s, n in zip(shape, a.shape)):
+        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+        raise ValueError(f"{name} must have shape {want}, got {a.shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+
+
+def zbuffer(
+    rays: np.ndarray,
+    parts: np.ndarray,
+    rects: np.ndarray,
+    ground_key: np.ndarray,
+    group: np.ndarray | None = None,
+    num_groups: int = 0,
+    faces: bool = False,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """Cast rays (3, H, W) float32 planes (raycast.Camera.planes) against parts (P, 8) float32 rows [yaw cos, sin,
+    slab near x y z, far x y z] (raycast._part_table), part p on the rays of rects[p] = [r0, r1, c0, c1) (P, 4)
+    int64, over ground_key (H * W,) int64 (raycast.Camera.ground_key). Returns the least key per ray (H * W,)
+    int64; the entry face (H * W,) int8 of the part that wins each ray (0 where the ground or sky does) when
+    `faces`, else None; and per group of parts (group (P,) int64 in [-1, num_groups), -1: none) the rays any of
+    its parts hits, occluded or not, (num_groups,) int64."""
+    _check("rays", rays, np.float32, (3, None, None))
+    _check("parts", parts, np.float32, (None, 8))
+    P, (H, W) = len(parts), rays.shape[1:]
+    _check("rects", rects, np.int64, (P, 4))
+    _check("ground_key", ground_key, np.int64, (H * W,))
+    if group is None:
+        group, num_groups = np.full(P, -1, np.int64), 0
+    _check("group", group, np.int64, (P,))
+    bad = (rects[:, 0] < 0) | (rects[:, 0] > rects[:, 1]) | (rects[:, 1] > H)
+    bad |= (rects[:, 2] < 0) | (rects[:, 2] > rects[:, 3]) | (rects[:, 3] > W)
+    if bad.any():
+        p = int(np.flatnonzero(bad)[0])
+        raise ValueError(
+            f"rects[{p}] = {rects[p].tolist()} is not within the ({H}, {W}) image: 0 <= r0 <= r1 <= H, 0 <= c0 <= c1 <= W"
+        )
+    if P and (group.min() < -1 or group.max() >= num_groups):
+        raise ValueError(f"group values must lie in [-1, num_groups = {num_groups})")
+    fn = op()
+    if fn is None:
+        raise RuntimeError(f"bev.ops._C has no {OP_NAME}: use the numpy caster (bev.synthetic.raycast)")
+    t = torch.from_numpy
+    key, face, coverage = fn(t(rays), t(parts), t(rects), t(ground_key), t(group), int(num_groups), bool(faces))
+    return key.numpy(), face.numpy() if faces else None, coverage.numpy()

@@ -1,0 +1,253 @@
+"""The native ray caster (bev.synthetic.native, bev.ops._C's bev::_raycast_zbuffer) gives what the numpy caster
+(bev.synthetic.raycast, the reference) gives: for the cameras, the LiDAR's panorama and the occupancy masks, on
+random boxes and on the synthetic world; its AVX2 and scalar loops and any number of threads agree; without the
+operator the numpy caster runs; bad input is refused with a message that names it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from bev.data.rig import MINI_LOCATIONS
+from bev.geometry import CAMERA_NAMES
+from bev.ops import _native
+from bev.synthetic import lidar, native, occupancy, raycast
+from bev.synthetic import world as world_model
+from bev.synthetic.world import CABIN, SOLID, WINDOWS
+
+needs_op = pytest.mark.skipif(native.op() is None, reason="bev.ops._C was built without the ray caster")
+
+DEPTH_RTOL = 1e-5  # relative depth difference allowed between the casters (they agree bit for bit today)
+TIE_SHARE = 1e-3  # at most this share of the rays may show another part than numpy's, and only at exact ties
+
+
+def _random_parts(rng: np.random.Generator, objects: int, reach: float = 40.0, ego: bool = True) -> raycast.Parts:
+    """Random yawed objects of 1-4 boxes around the ego, some scenery (label 0), a few boxes exactly doubled (a
+    depth tie on every ray that meets them), with `ego` a few straddling the cameras' near plane or holding the LiDAR."""
+    label, obj, R, centre, half, kind = [], [], [], [], [], []
+    for i in range(objects):
+        yaw = rng.uniform(-math.pi, math.pi)
+        c, s = math.cos(yaw), math.sin(yaw)
+        rot = np.array([[c, -s, 0.0], [s, c, 0.0], [0.0, 0.0, 1.0]])
+        at = np.array([*rng.uniform(-reach, reach, 2), 0.0])
+        if ego and i % 11 == 0:
+            at[:2] = rng.uniform(-2.5, 2.5, 2)  # at the ego: the cameras' near plane, the LiDAR inside or near it
+        n = int(rng.integers(1, 5))
+        for _ in range(n):
+            h = rng.uniform(0.05, 3.0, 3)
+            offset = np.array([*rng.uniform(-2, 2, 2), h[2] + rng.uniform(0, 1)])
+            for _ in range(2 if rng.random() < 0.1 else 1):  # doubled: the same box twice, a tie
+                label.append(i + 1 if i % 3 else 0)
+                obj.append(i)
+                R.append(rot)
+                centre.append(at + rot @ offset)
+                half.append(h)
+                kind.append(rng.choice([SOLID, CABIN, WINDOWS]))
+    R, centre, half = np.array(R), np.array(centre), np.array(half)
+    signs = np.array([[x, y, z] for x in (-1, 1) for y in (-1, 1) for z in (-1, 1)], np.float64)
+    corners = centre[:, None] + np.einsum("pcj,pij->pci", signs * half[:, None], R)
+    cols = rng.uniform(0, 1, (len(obj), 12, 3)).astype(np.float32)
+    return raycast.Parts(
+        np.array(label, np.int32), np.array(obj, np.int64), R, centre, half, cols, np.array(kind, np.int64), corners
+    )
+
+
+@pytest.fixture(scope="module")
+def world():
+    return world_model.build_world(3, 1, 6, MINI_LOCATIONS["scene-0061"])
+
+
+def _both(fn, *args, **kwargs):
+    """fn's results under the numpy caster, then the native one."""
+    with native.backend("numpy"):
+        ref = fn(*args, **kwargs)
+    with native.backend("native"):
+        out = fn(*args, **kwargs)
+    return ref, out
+
+
+def _agree(ref: raycast.CameraRender, out: raycast.CameraRender) -> int:
+    """Assert two renders agree (module tolerances); return the rays that show another part (ties)."""
+    a, b = ref.depth, out.depth
+    assert np.array_equal(np.isinf(a), np.isinf(b))
+    fin = np.isfinite(a)
+    assert np.all(np.abs(a[fin] - b[fin]) <= DEPTH_RTOL * np.abs(a[fin]))
+    other = ref.ids != out.ids
+    assert np.all(a[other] == b[other]), "ids differ where the depths differ: not a tie"
+    assert other.mean() <= TIE_SHARE
+    assert ref.coverage == out.coverage
+    same = ~other
+    assert np.abs(ref.image[same] - out.image[same]).max(initial=0) <= 1e-5
+    return int(other.sum())
+
+
+@needs_op
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cameras_agree_on_random_boxes(seed):
+    """Each camera's depth, ids, image and coverage on random boxes; the z-buffer keys are numpy's bit for bit."""
+    rng = np.random.default_rng(seed)
+    parts = _random_parts(rng, 60)
+    world = world_model.build_world(seed, 0, 2, MINI_LOCATIONS["scene-0061"])
+    ties, seen = 0, set()
+    for name in CAMERA_NAMES:
+        cam = raycast.make_camera(name, (2, 4)[seed % 2])
+        ref, out = _both(raycast.render_camera, world, 0.0, cam, parts=parts)
+        ties += _agree(ref, out)
+        visible, rects = raycast._visible(cam, parts)
+        key, _, _ = native.zbuffer(cam.planes, raycast._part_table(cam, visible), rects, cam.ground_key)
+        ref_key = raycast.zbuffer_numpy(cam, visible, rects, raycast._pixel_pairs(rects, cam.shape[1]))
+        assert np.array_equal(key, ref_key)
+        seen |= set(np.unique(np.minimum(key & 0xFFFFFFFF, 1)).tolist())
+    assert seen == {0, 1}  # rays that parts win and rays that the ground or the sky win both tested
+    assert ties == 0  # ties are broken by part index in both casters: none differ today
+
+
+@needs_op
+def test_doubled_boxes_tie_and_keep_the_first(world):
+    """A box drawn twice: every ray that meets it ties, and both casters show the first copy (lower part index)."""
+    rng = np.random.default_rng(5)
+    one = _random_parts(rng, 1)
+    k = np.array([0, 0])
+    parts = raycast.Parts(*(x[k] for x in one))
+    parts.centre[:] = [6.0, 0.0, 1.0]
+    parts.corners[:] = parts.centre[:, None] + (parts.corners[0] - one.centre[0])
+    cam = raycast.make_camera("CAM_FRONT", 4)
+    visible, rects = raycast._visible(cam, parts)
+    with native.backend("native"):
+        key = raycast.zbuffer(cam, visible, rects)
+    part = key & 0xFFFFFFFF
+    assert (part == 1).sum() > 100 and not (part == 2).any()
+    assert np.array_equal(key, raycast.zbuffer_numpy(cam, visible, rects, raycast._pixel_pairs(rects, cam.shape[1])))
+
+
+@needs_op
+def test_world_sample_agrees(world):
+    """render_sample of the synthetic world: every camera and the visibility counts."""
+    t = 2 * world_model.SAMPLE_DT
+    parts = raycast.sample_parts(world, t)
+    (ref, ref_counts), (out, counts) = _both(raycast.render_sample, world, t, 4, parts)
+    assert sum(_agree(ref[n], out[n]) for n in CAMERA_NAMES) == 0
+    assert counts == ref_counts and len(counts) > 0
+
+
+@needs_op
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lidar_panorama_agrees(seed, world):
+    """lidar.cast: ranges and parts of every beam, random boxes around the mount and the world's."""
+    parts = _random_parts(np.random.default_rng(10 + seed), 80, reach=60.0, ego=bool(seed))
+    for p in (parts, raycast.sample_parts(world, seed * world_model.SAMPLE_DT)):
+        ref, out = _both(lidar.cast, lidar.sensor(), p)
+        assert np.array_equal(np.isinf(ref.depth), np.isinf(out.depth))
+        fin = np.isfinite(ref.depth)
+        assert np.all(np.abs(ref.depth[fin] - out.depth[fin]) <= DEPTH_RTOL * ref.depth[fin])
+        other = ref.part != out.part
+        assert np.all(ref.depth[other] == out.depth[other]) and other.mean() <= TIE_SHARE
+        assert (out.part >= 0).sum() > 500  # parts, and the ground (the world's: random boxes may hide it all)
+        assert p is parts or (fin & (out.part < 0)).sum() > 10_000
+
+
+@needs_op
+def test_occupancy_masks_agree(world):
+    """occupancy_sample (semantics, the camera and LiDAR masks) cast natively = with numpy."""
+    t = 3 * world_model.SAMPLE_DT
+    ref, out = _both(occupancy.occupancy_sample, world, t, None, 4)
+    for a, b in zip(ref, out):
+        assert np.array_equal(a, b)
+    assert ref.mask_camera.any() and ref.mask_lidar.any()
+
+
+@needs_op
+def test_scalar_loop_and_threads_agree(monkeypatch):
+    """The AVX2 loop = the scalar one (BEV_RAYCAST_SCALAR=1), one thread = two: keys, faces and coverage."""
+    parts = _random_parts(np.random.default_rng(7), 60)
+    cam = raycast.make_camera("CAM_FRONT_LEFT", 2)
+    visible, rects = raycast._visible(cam, parts)
+    group, objs = raycast._coverage_groups(visible)
+    args = (cam.planes, raycast._part_table(cam, visible), rects, cam.ground_key, group, len(objs), True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        ref = native.zbuffer(*args)
+        torch.set_num_threads(2)
+        runs = [native.zbuffer(*args)]
+        monkeypatch.setenv("BEV_RAYCAST_SCALAR", "1")
+        runs.append(native.zbuffer(*args))
+    finally:
+        torch.set_num_threads(threads)
+    for run in runs:
+        assert all(np.array_equal(a, b) for a, b in zip(ref, run))
+    assert ref[2].sum() > 0
+
+
+def test_falls_back_to_numpy_without_the_operator(monkeypatch, world):
+    """No extension, or one built without the op: the numpy caster runs and renders the same; asking for the
+    native caster then is an error that says why."""
+    t = world_model.SAMPLE_DT
+    cam = raycast.make_camera("CAM_BACK", 4)
+    with native.backend("numpy"):
+        ref = raycast.render_camera(world, t, cam)
+    called = []
+    for patch in ((_native, "_C", None), (native, "OP_NAME", "_raycast_missing")):
+        with monkeypatch.context() as m:
+            m.setattr(*patch)
+            assert native.op() is None and not native.active()
+            called.clear()
+            m.setattr(raycast, "zbuffer_numpy", lambda *a, f=raycast.zbuffer_numpy: called.append(1) or f(*a))
+            out = raycast.render_camera(world, t, cam)
+            assert all(np.array_equal(a, b) for a, b in zip(ref[:3], out[:3])) and ref.coverage == out.coverage
+            assert lidar.cast(lidar.sensor(), raycast.sample_parts(world, t)).depth.shape == (32, lidar.AZIMUTHS)
+            assert called  # the LiDAR went through the numpy z-buffer
+            with native.backend("native"), pytest.raises(RuntimeError, match="native ray caster"):
+                native.active()
+
+
+@needs_op
+def test_bad_input_is_refused():
+    """Wrong dtypes, shapes, rectangles or groups: a TypeError / ValueError naming the argument (the wrapper), a
+    RuntimeError naming it from the operator itself."""
+    cam = raycast.make_camera("CAM_FRONT", 4)
+    H, W = cam.shape
+    table = np.zeros((2, 8), np.float32)
+    rects = np.array([[0, 2, 0, 3], [1, 4, 5, 9]], np.int64)
+    ok = (cam.planes, table, rects, cam.ground_key)
+    native.zbuffer(*ok)
+    bad = [
+        ((cam.planes.astype(np.float64), table, rects, cam.ground_key), TypeError, "rays must be float32"),
+        ((cam.planes[:2], table, rects, cam.ground_key), ValueError, r"rays must have shape \(3, \*, \*\)"),
+        ((cam.planes, table[:, :7], rects, cam.ground_key), ValueError, r"parts must have shape \(\*, 8\)"),
+        ((cam.planes, table, rects.astype(np.int32), cam.ground_key), TypeError, "rects must be int64"),
+        ((cam.planes, table, rects[:1], cam.ground_key), ValueError, r"rects must have shape \(2, 4\)"),
+        ((cam.planes, table, rects + [[0, 0, 0, W]], cam.ground_key), ValueError, r"rects\[0\].*not within"),
+        (
+            (cam.planes, table, np.ascontiguousarray(rects[:, [1, 0, 2, 3]]), cam.ground_key),
+            ValueError,
+            r"rects\[0\].*not within",
+        ),
+        ((cam.planes, table, rects, cam.ground_key[:-1]), ValueError, "ground_key must have shape"),
+        ((cam.planes, table, rects, cam.ground_key, np.array([0, 2]), 2), ValueError, "group values"),
+        ((cam.planes, table, rects, cam.ground_key, np.array([0, 1], np.int32), 2), TypeError, "group must be int64"),
+        ((cam.planes.transpose(0, 2, 1), table, rects, np.zeros(H * W, np.int64)), ValueError, "C-contiguous"),
+        (([0.0], table, rects, cam.ground_key), TypeError, "rays must be a numpy array"),
+    ]
+    for args, error, message in bad:
+        with pytest.raises(error, match=message):
+            native.zbuffer(*args)
+    t = torch.from_numpy
+    op = native.op()
+    with pytest.raises(RuntimeError, match="rays must be contiguous float32"):
+        op(t(cam.planes).double(), t(table), t(rects), t(cam.ground_key), t(np.full(2, -1)), 0, False)
+    with pytest.raises(RuntimeError, match=r"rect 1 \[1, 4, 5, 900\) is not within"):
+        op(
+            t(cam.planes),
+            t(table),
+            t(rects + [[0, 0, 0, 0], [0, 0, 0, 891]]),
+            t(cam.ground_key),
+            t(np.full(2, -1)),
+            0,
+            False,
+        )
+    with pytest.raises(RuntimeError, match="group"):
+        op(t(cam.planes), t(table), t(rects), t(cam.ground_key), t(np.full(2, 3)), 2, False)
