@@ -177,7 +177,9 @@ def _yaw_matrix(yaw: float) -> np.ndarray:
 
 def _near_boxes(points: np.ndarray, boxes: Boxes, pad: float):
     """Per box: (its index, the points within its reach, their coordinates in the box frame)."""
-    order = np.argsort(points[:, 0], kind="stable")  # a box looks only at the points within its reach in x
+    # A box looks only at the points within its reach in x. Any sort gives the same sets of points (callers use them
+    # as sets), and numpy's default one is ~6x faster than kind="stable" here.
+    order = np.argsort(points[:, 0])
     xs = points[order, 0]
     for b in range(len(boxes.obj)):
         reach, (cx, cy, _) = float(np.linalg.norm(boxes.half[b])) + pad, boxes.centre[b]
