@@ -10,6 +10,10 @@ Operators (namespace `bev`; a leading underscore marks an internal step):
                                                                   device radix sort (CUDA)
   _voxel_sum_backward(grad_out, keys, order, offsets) -> grad_feats
   _bev_pool_backward(grad_out, depth, feats, keys, offsets) -> (grad_depth, grad_feats)
+  _raycast_zbuffer(rays, parts, rects, ground_key, group, num_groups, faces) -> (key, face, coverage)
+  _raycast_shade(key, face, rays, parts, origin, half, glass, colours, label, image!, depth!, ids!)
+                                                                  the synthetic world's ray caster (CPU only;
+                                                                  bev.synthetic.native)
 """
 
 from __future__ import annotations

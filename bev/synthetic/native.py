@@ -1,11 +1,12 @@
-"""The synthetic world's native ray caster: bev.ops._C's private operator bev::_raycast_zbuffer (C++, CPU,
-parallel over image rows with at::parallel_for; kernel bev/ops/csrc/cpu/raycast_cpu.cpp).
+"""The synthetic world's native ray caster: bev.ops._C's private operators bev::_raycast_zbuffer and
+bev::_raycast_shade (C++, CPU, parallel with at::parallel_for; kernels in bev/ops/csrc/cpu/raycast_cpu.cpp).
 
-It computes what bev.synthetic.raycast's numpy caster does with _slab + zbuffer + _front (+ _coverage): per ray
-of a camera (or of the LiDAR's panorama, bev.synthetic.lidar) the least z-buffer key over the ground and the
-parts tested on it, (float32 depth bits << 32) | (part + 1), the same float32 operations in the same order, so
-the keys are the numpy caster's bit for bit (tests/test_raycast_native.py); optionally the entry face of the
-winning part and each annotated object's unoccluded coverage. The numpy caster stays the reference.
+zbuffer computes what bev.synthetic.raycast's numpy caster does with _slab + zbuffer + _front (+ _coverage): per
+ray of a camera (or of the LiDAR's panorama, bev.synthetic.lidar) the least z-buffer key over the ground and the
+parts tested on it, (float32 depth bits << 32) | (part + 1), with the same float32 operations in the same order,
+so the keys are the numpy caster's bit for bit (tests/test_raycast_native.py); optionally the entry face of the
+winning part and each annotated object's unoccluded coverage. shade writes the won rays' depth, id and colour
+(raycast._colours, glass included) into a camera's buffers. The numpy caster stays the reference.
 
 Which caster runs: the native one when the extension loaded with this operator (bev.ops._native), else numpy;
 BEV_RAYCAST=numpy (environment, read at import) or `backend("numpy")` forces the reference, "native" requires
@@ -22,20 +23,21 @@ import numpy as np
 import torch
 
 OP_NAME = "_raycast_zbuffer"
+SHADE_OP = "_raycast_shade"
 BACKENDS = ("auto", "native", "numpy")
 _backend = os.environ.get("BEV_RAYCAST", "auto")
 if _backend not in BACKENDS:
     raise ValueError(f"BEV_RAYCAST must be one of {BACKENDS}, got {_backend!r}")
 
 
-def op():
-    """The native operator, or None when bev.ops._C did not load or was built without it."""
+def op(name: str | None = None):
+    """The native operator `name` (default OP_NAME), or None when bev.ops._C did not load or was built without it."""
     from bev.ops import _native
 
     if _native._C is None:
         return None
     try:
-        return getattr(torch.ops.bev, OP_NAME)
+        return getattr(torch.ops.bev, name or OP_NAME)
     except (AttributeError, RuntimeError):
         return None
 
@@ -44,13 +46,13 @@ def active() -> bool:
     """Whether the casters of bev.synthetic (cameras, LiDAR, occupancy masks) run natively now."""
     if _backend == "numpy":
         return False
-    if op() is not None:
+    if op() is not None and op(SHADE_OP) is not None:
         return True
     if _backend == "native":
         from bev.ops import _native
 
         raise RuntimeError(
-            f"the native ray caster was asked for (BEV_RAYCAST=native) but bev.ops._C has no {OP_NAME} "
+            f"the native ray caster was asked for (BEV_RAYCAST=native) but bev.ops._C has no {OP_NAME} / {SHADE_OP} "
             f"({_native.LOAD_ERROR or 'a build without it'}); rebuild with `python setup.py build_ext --inplace`"
         )
     return False
@@ -120,3 +122,47 @@ def zbuffer(
     t = torch.from_numpy
     key, face, coverage = fn(t(rays), t(parts), t(rects), t(ground_key), t(group), int(num_groups), bool(faces))
     return key.numpy(), face.numpy() if faces else None, coverage.numpy()
+
+
+def shade(
+    key: np.ndarray,
+    face: np.ndarray,
+    rays: np.ndarray,
+    parts: np.ndarray,
+    origin: np.ndarray,
+    half: np.ndarray,
+    glass: np.ndarray,
+    colours: np.ndarray,
+    label: np.ndarray,
+    image: np.ndarray,
+    depth: np.ndarray,
+    ids: np.ndarray,
+) -> None:
+    """Write the rays that parts win (zbuffer's key, part field > 0, and face) into a camera's image (H, W, 3)
+    float32, depth (H, W) float32 and ids (H, W) int32, in place: raycast._colours and render_camera's writes.
+    Per part: parts (P, 8) as zbuffer's, origin (P, 3) float32 the camera centre in its frame, half (P, 3) float64,
+    glass (P,) int8 (1 CABIN, 2 WINDOWS, 0 neither), colours (P, 12, 3) float32, label (P,) int32."""
+    _check("rays", rays, np.float32, (3, None, None))
+    H, W = rays.shape[1:]
+    _check("parts", parts, np.float32, (None, 8))
+    P = len(parts)
+    for name, a, dtype, shape in (
+        ("key", key, np.int64, (H * W,)),
+        ("face", face, np.int8, (H * W,)),
+        ("origin", origin, np.float32, (P, 3)),
+        ("half", half, np.float64, (P, 3)),
+        ("glass", glass, np.int8, (P,)),
+        ("colours", colours, np.float32, (P, 12, 3)),
+        ("label", label, np.int32, (P,)),
+        ("image", image, np.float32, (H, W, 3)),
+        ("depth", depth, np.float32, (H, W)),
+        ("ids", ids, np.int32, (H, W)),
+    ):
+        _check(name, a, dtype, shape)
+    if len(key) and int((key & 0xFFFFFFFF).max()) > P:
+        raise ValueError(f"key names a part beyond the {P} parts")
+    fn = op(SHADE_OP)
+    if fn is None:
+        raise RuntimeError(f"bev.ops._C has no {SHADE_OP}: use the numpy caster (bev.synthetic.raycast)")
+    t = torch.from_numpy
+    fn(*(t(a) for a in (key, face, rays, parts, origin, half, glass, colours, label, image, depth, ids)))

@@ -7,10 +7,11 @@ and a per-pixel instance-id buffer. The slab tests of all (part, pixel) pairs ru
 numpy passes and the z-buffer is one scatter-min (a part-by-part loop costs ~40 numpy calls per
 part, most of them on a few hundred pixels).
 
-The slab tests, the z-buffer, the winners' entry faces and the objects' coverage run natively when bev.ops._C has
-the ray caster (bev.synthetic.native: C++, the same float32 operations, the same keys bit for bit); this module's
-numpy code (_slab, zbuffer_numpy, _front, _coverage) is the reference the native caster is tested against, and the
-fallback without the extension. The rectangles, the ground and the colours are numpy either way.
+The slab tests, the z-buffer, the winners' entry faces, the objects' coverage and the parts' pixels (colours,
+glass, depth, ids) run natively when bev.ops._C has the ray caster (bev.synthetic.native: C++, the same float
+operations, the same keys and pixels bit for bit); this module's numpy code (_slab, zbuffer_numpy, _front, _coverage,
+_colours) is the reference the native caster is tested against, and the fallback without the extension. The parts'
+rectangles (_part_rects) and the ground's texture and haze (_ground_render) are numpy either way.
 
 Geometry conventions (ego frame, camera->ego extrinsics, quaternions (w, x, y, z), pixel
 centres) are those of bev.geometry; projection and unprojection go through its functions.
@@ -597,20 +598,23 @@ def render_camera(
     ids = np.zeros((H, W), np.int32)
     # Every (part, pixel) pair in the parts' projected rectangles is ray-cast; the nearest hit per pixel wins.
     parts, rects = _visible(cam, parts)
-    if native.active():  # the same keys, faces and coverage, in C++ (bev.synthetic.native)
+    if native.active():  # the same keys, faces, coverage and pixels, in C++ (bev.synthetic.native)
         group, objs = _coverage_groups(parts)
         table = _part_table(cam, parts)
         best, faces, cover = native.zbuffer(cam.planes, table, rects, cam.ground_key, group, len(objs), faces=True)
-        coverage = dict(zip(objs, cover.tolist()))
-        q = np.flatnonzero(best & 0xFFFFFFFF)  # pixels a part wins (part field > 0)
-        key, face = best[q], faces[q].astype(np.int64)
-    else:  # the numpy reference: every pair at once in long passes, a scatter-min z-buffer
-        pix = _pixel_pairs(rects, W)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            key, hit, face = _slab(cam, parts, rects)
-        coverage = _coverage(parts, rects, hit)
-        win = _front(cam, key, pix)
-        q, key, face = pix[win], key[win], face[win].astype(np.int64)
+        origin = _part_frames(cam, parts)[0].astype(np.float32)
+        glass = (parts.kind == CABIN) * np.int8(1) + (parts.kind == WINDOWS) * np.int8(2)
+        c = np.ascontiguousarray
+        arrays = (origin, c(parts.half), glass.astype(np.int8), c(parts.cols), c(parts.label.astype(np.int32)))
+        native.shade(best, faces, cam.planes, table, *arrays, img, zbuf, ids)
+        return CameraRender(img, ids, zbuf, dict(zip(objs, cover.tolist())))
+    # The numpy reference: every pair at once in long passes, a scatter-min z-buffer.
+    pix = _pixel_pairs(rects, W)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        key, hit, face = _slab(cam, parts, rects)
+    coverage = _coverage(parts, rects, hit)
+    win = _front(cam, key, pix)
+    q, key, face = pix[win], key[win], face[win].astype(np.int64)
     p, tn = (key & 0xFFFFFFFF) - 1, (key >> 32).astype(np.int32).view(np.float32)
     zbuf.ravel()[q] = tn
     _rgb(img)[q] = _rgb(_colours(cam, parts, p, q, tn, face))

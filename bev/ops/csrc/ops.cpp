@@ -21,6 +21,9 @@ TORCH_LIBRARY(bev, m) {
   m.def(
       "_raycast_zbuffer(Tensor rays, Tensor parts, Tensor rects, Tensor ground_key, Tensor group, int num_groups, "
       "bool faces) -> (Tensor key, Tensor face, Tensor coverage)");
+  m.def(
+      "_raycast_shade(Tensor key, Tensor face, Tensor rays, Tensor parts, Tensor origin, Tensor half, Tensor glass, "
+      "Tensor colours, Tensor label, Tensor(a!) image, Tensor(b!) depth, Tensor(c!) ids) -> ()");
 }
 
 namespace {

@@ -11,6 +11,9 @@
 //
 // Rows of the image are independent: at::parallel_for over rows, each row's z-buffer and coverage stamps owned
 // by one thread; parts are visited in group order so that one stamp per ray counts each ray once per group.
+//
+// _raycast_shade then writes the rays the parts won into the camera's depth, id and colour buffers (raycast._colours
+// and render_camera's writes, glass included), again with numpy's float operations.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -19,6 +22,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -284,8 +288,91 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> raycast_zbuffer_cpu(const at::Ten
   return {key, face, coverage};
 }
 
+// numpy's float32 remainder (npy_divmodf): fmod, moved into the divisor's sign.
+inline float py_mod(float a, float b) {
+  float m = std::fmod(a, b);
+  if (m != 0.0f && ((b < 0) != (m < 0))) m += b;
+  return m;
+}
+
+// raycast._colours and render_camera's writes for the rays the parts win (key part field > 0): depth, instance id
+// and colour, the side faces of CABIN / WINDOWS parts showing glass (face colours 6-11, raycast._glass) or paint.
+// The same float32 / float64 operations as numpy's, so the pixels equal the numpy path's.
+void raycast_shade_cpu(const at::Tensor& key, const at::Tensor& face, const at::Tensor& rays, const at::Tensor& parts,
+                       const at::Tensor& origin, const at::Tensor& half, const at::Tensor& glass,
+                       const at::Tensor& colours, const at::Tensor& label, const at::Tensor& image,
+                       const at::Tensor& depth, const at::Tensor& ids) {
+  TORCH_CHECK(rays.scalar_type() == at::kFloat && rays.dim() == 3 && rays.size(0) == 3 && rays.is_contiguous(),
+              "_raycast_shade: rays must be contiguous float32 (3, H, W), got ", rays.scalar_type(), " ", rays.sizes());
+  const int64_t H = rays.size(1), W = rays.size(2), N = H * W;
+  TORCH_CHECK(parts.scalar_type() == at::kFloat && parts.dim() == 2 && parts.size(1) == 8 && parts.is_contiguous(),
+              "_raycast_shade: parts must be contiguous float32 (P, 8), got ", parts.scalar_type(), " ", parts.sizes());
+  const int64_t P = parts.size(0);
+  auto check = [&](const at::Tensor& t, const char* name, at::ScalarType type, at::IntArrayRef shape) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == type && t.sizes() == shape && t.is_contiguous(),
+                "_raycast_shade: ", name, " must be contiguous ", type, " ", shape, " on the CPU, got ", t.scalar_type(),
+                " ", t.sizes());
+  };
+  check(key, "key", at::kLong, {N});
+  check(face, "face", at::kChar, {N});
+  check(origin, "origin", at::kFloat, {P, 3});
+  check(half, "half", at::kDouble, {P, 3});
+  check(glass, "glass", at::kChar, {P});
+  check(colours, "colours", at::kFloat, {P, 12, 3});
+  check(label, "label", at::kInt, {P});
+  check(image, "image", at::kFloat, {H, W, 3});
+  check(depth, "depth", at::kFloat, {H, W});
+  check(ids, "ids", at::kInt, {H, W});
+  const int64_t* K = key.data_ptr<int64_t>();
+  for (int64_t x = 0; x < N; ++x) {
+    const int64_t p = (K[x] & 0xFFFFFFFF) - 1;
+    TORCH_CHECK(p < P, "_raycast_shade: key[", x, "] names part ", p, " of ", P);
+  }
+  const int8_t* F = face.data_ptr<int8_t>();
+  const float *rx = rays.data_ptr<float>(), *ry = rx + N, *rz = ry + N;
+  const auto* part = reinterpret_cast<const Part*>(parts.data_ptr<float>());
+  const float* O = origin.data_ptr<float>();
+  const double* half_p = half.data_ptr<double>();
+  const int8_t* kind = glass.data_ptr<int8_t>();
+  const float* C = colours.data_ptr<float>();
+  const int32_t* L = label.data_ptr<int32_t>();
+  float* img = image.data_ptr<float>();
+  float* Z = depth.data_ptr<float>();
+  int32_t* I = ids.data_ptr<int32_t>();
+  at::parallel_for(0, N, 4096, [&](int64_t x0, int64_t x1) {
+    for (int64_t x = x0; x < x1; ++x) {
+      const int64_t p = (K[x] & 0xFFFFFFFF) - 1;
+      if (p < 0) continue;  // the ground or the sky
+      const int32_t bits = int32_t(K[x] >> 32);
+      float tn;
+      std::memcpy(&tn, &bits, sizeof tn);
+      Z[x] = tn;
+      I[x] = L[p];
+      int64_t f = F[x];
+      if (kind[p] != 0) {  // 1: CABIN, 2: WINDOWS (raycast._glass)
+        const Part& q = part[p];
+        const float d0 = rx[x] * q.c + ry[x] * q.s, d1 = ry[x] * q.c - rx[x] * q.s, d2 = rz[x];
+        const float h0 = O[3 * p] + tn * d0, h1 = O[3 * p + 1] + tn * d1, h2 = O[3 * p + 2] + tn * d2;
+        const double* hf = half_p + 3 * p;
+        const bool cabin = kind[p] == 1;
+        const float along = f < 2 ? h1 : h0;
+        const double half_along = f < 2 ? hf[1] : hf[0];
+        const bool z_ok = std::fabs(h2) < float(hf[2] - 0.06);
+        const bool inside = double(std::fabs(along)) < half_along - (cabin ? 0.14 : 0.25);
+        const bool mullion = py_mod(along, 1.6f) < 0.16f;
+        f += 6 * int64_t(f < 4 && z_ok && inside && (cabin || !mullion));
+      }
+      const float* c = C + (p * 12 + f) * 3;
+      img[3 * x] = c[0], img[3 * x + 1] = c[1], img[3 * x + 2] = c[2];
+    }
+  });
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(bev, CPU, m) { m.impl("_raycast_zbuffer", &raycast_zbuffer_cpu); }
+TORCH_LIBRARY_IMPL(bev, CPU, m) {
+  m.impl("_raycast_zbuffer", &raycast_zbuffer_cpu);
+  m.impl("_raycast_shade", &raycast_shade_cpu);
+}
 
 }  // namespace bev
