@@ -106,6 +106,24 @@ def test_cameras_agree_on_random_boxes(seed):
 
 
 @needs_op
+def test_rectangles_agree(world):
+    """The parts' pixel rectangles (_part_rects): native float64 sums against numpy's matrix products, within a pixel
+    (the rectangles' padding covers that), equal today; random boxes (some across the near plane) and the world's."""
+    entries = same = 0
+    for seed in range(3):
+        for parts in (_random_parts(np.random.default_rng(20 + seed), 60), raycast.sample_parts(world, seed * 0.5)):
+            for name in CAMERA_NAMES:
+                cam = raycast.make_camera(name, 2 + 2 * (seed % 2))
+                ref = raycast._part_rects_numpy(cam, parts)
+                with native.backend("native"):
+                    out = raycast._part_rects(cam, parts)
+                assert np.abs(out - ref).max() <= 1
+                entries, same = entries + ref.size, same + (out == ref).sum()
+                assert ((ref[:, 1] > ref[:, 0]) & (ref[:, 3] > ref[:, 2])).any()
+    assert same >= 0.999 * entries
+
+
+@needs_op
 def test_doubled_boxes_tie_and_keep_the_first(world):
     """A box drawn twice: every ray that meets it ties, and both casters show the first copy (lower part index)."""
     rng = np.random.default_rng(5)
@@ -191,6 +209,7 @@ def test_falls_back_to_numpy_without_the_operator(monkeypatch, world):
         ref = raycast.render_camera(world, t, cam)
     called = []
     missing = [(_native, "_C", None), (native, "OP_NAME", "_raycast_missing"), (native, "SHADE_OP", "_missing")]
+    missing.append((native, "RECTS_OP", "_missing"))
     for patch in missing:
         with monkeypatch.context() as m:
             m.setattr(*patch)
@@ -253,6 +272,14 @@ def test_bad_input_is_refused():
         native.op(native.SHADE_OP)(
             *map(torch.from_numpy, (key, face, cam.planes, table, *per_part, labels, image, depth, ids))
         )
+    # _raycast_rects
+    maps = (cam.rotation, cam.translation, cam.intrinsic, np.eye(3), np.zeros(3))
+    with pytest.raises(ValueError, match=r"corners must have shape \(\*, 8, 3\)"):
+        native.rects(np.zeros((4, 6, 3)), *maps, H, W, 0.1)
+    with pytest.raises(TypeError, match="intrinsic must be float64"):
+        native.rects(np.zeros((4, 8, 3)), *maps[:2], cam.intrinsic.astype(np.float32), *maps[3:], H, W, 0.1)
+    with pytest.raises(RuntimeError, match="the image must have pixels"):
+        native.rects(np.zeros((4, 8, 3)), *maps, 0, W, 0.1)
     t = torch.from_numpy
     op = native.op()
     with pytest.raises(RuntimeError, match="rays must be contiguous float32"):

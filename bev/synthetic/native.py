@@ -1,12 +1,13 @@
-"""The synthetic world's native ray caster: bev.ops._C's private operators bev::_raycast_zbuffer and
-bev::_raycast_shade (C++, CPU, parallel with at::parallel_for; kernels in bev/ops/csrc/cpu/raycast_cpu.cpp).
+"""The synthetic world's native ray caster: bev.ops._C's private operators bev::_raycast_zbuffer,
+bev::_raycast_shade and bev::_raycast_rects (C++, CPU, parallel with at::parallel_for; kernels in bev/ops/csrc/cpu/raycast_cpu.cpp).
 
 zbuffer computes what bev.synthetic.raycast's numpy caster does with _slab + zbuffer + _front (+ _coverage): per
 ray of a camera (or of the LiDAR's panorama, bev.synthetic.lidar) the least z-buffer key over the ground and the
 parts tested on it, (float32 depth bits << 32) | (part + 1), with the same float32 operations in the same order,
 so the keys are the numpy caster's bit for bit (tests/test_raycast_native.py); optionally the entry face of the
 winning part and each annotated object's unoccluded coverage. shade writes the won rays' depth, id and colour
-(raycast._colours, glass included) into a camera's buffers. The numpy caster stays the reference.
+(raycast._colours, glass included) into a camera's buffers; rects bounds the parts' projections (raycast._part_rects).
+The numpy caster stays the reference.
 
 Which caster runs: the native one when the extension loaded with this operator (bev.ops._native), else numpy;
 BEV_RAYCAST=numpy (environment, read at import) or `backend("numpy")` forces the reference, "native" requires
@@ -24,6 +25,7 @@ import torch
 
 OP_NAME = "_raycast_zbuffer"
 SHADE_OP = "_raycast_shade"
+RECTS_OP = "_raycast_rects"
 BACKENDS = ("auto", "native", "numpy")
 _backend = os.environ.get("BEV_RAYCAST", "auto")
 if _backend not in BACKENDS:
@@ -46,13 +48,13 @@ def active() -> bool:
     """Whether the casters of bev.synthetic (cameras, LiDAR, occupancy masks) run natively now."""
     if _backend == "numpy":
         return False
-    if op() is not None and op(SHADE_OP) is not None:
+    if all(op(name) is not None for name in (OP_NAME, SHADE_OP, RECTS_OP)):
         return True
     if _backend == "native":
         from bev.ops import _native
 
         raise RuntimeError(
-            f"the native ray caster was asked for (BEV_RAYCAST=native) but bev.ops._C has no {OP_NAME} / {SHADE_OP} "
+            f"the native ray caster was asked for (BEV_RAYCAST=native) but bev.ops._C lacks {OP_NAME}, {SHADE_OP} or {RECTS_OP} "
             f"({_native.LOAD_ERROR or 'a build without it'}); rebuild with `python setup.py build_ext --inplace`"
         )
     return False
@@ -166,3 +168,19 @@ def shade(
         raise RuntimeError(f"bev.ops._C has no {SHADE_OP}: use the numpy caster (bev.synthetic.raycast)")
     t = torch.from_numpy
     fn(*(t(a) for a in (key, face, rays, parts, origin, half, glass, colours, label, image, depth, ids)))
+
+
+def rects(corners: np.ndarray, rotation, translation, intrinsic, post_rot, post_tran, H: int, W: int, near: float):
+    """(P, 4) int64 pixel rectangles [r0, r1, c0, c1) bounding the projections of boxes with corners (P, 8, 3)
+    float64 (ego frame) in a camera (camera->ego rotation (3, 3), translation (3,), intrinsic (3, 3), post_rot (3, 3)
+    and post_tran (3,), float64) of H x W pixels, clipped at camera depth `near`: raycast._part_rects."""
+    _check("corners", corners, np.float64, (None, 8, 3))
+    mats = {"rotation": rotation, "translation": translation, "intrinsic": intrinsic}
+    mats.update(post_rot=post_rot, post_tran=post_tran)
+    for name, a in mats.items():
+        _check(name, a, np.float64, (3,) if name.endswith("translation") or name == "post_tran" else (3, 3))
+    fn = op(RECTS_OP)
+    if fn is None:
+        raise RuntimeError(f"bev.ops._C has no {RECTS_OP}: use the numpy caster (bev.synthetic.raycast)")
+    t = torch.from_numpy
+    return fn(t(corners), *(t(a) for a in mats.values()), int(H), int(W), float(near)).numpy()

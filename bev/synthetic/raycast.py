@@ -10,8 +10,9 @@ part, most of them on a few hundred pixels).
 The slab tests, the z-buffer, the winners' entry faces, the objects' coverage and the parts' pixels (colours,
 glass, depth, ids) run natively when bev.ops._C has the ray caster (bev.synthetic.native: C++, the same float
 operations, the same keys and pixels bit for bit); this module's numpy code (_slab, zbuffer_numpy, _front, _coverage,
-_colours) is the reference the native caster is tested against, and the fallback without the extension. The parts'
-rectangles (_part_rects) and the ground's texture and haze (_ground_render) are numpy either way.
+_colours) is the reference the native caster is tested against, and the fallback without the extension. So are the
+parts' pixel rectangles (_part_rects_numpy; native float64 sums, equal today, within a pixel by design). The ground's
+texture and haze (_ground_render) are numpy either way.
 
 Geometry conventions (ego frame, camera->ego extrinsics, quaternions (w, x, y, z), pixel
 centres) are those of bev.geometry; projection and unprojection go through its functions.
@@ -372,7 +373,19 @@ _EDGES = np.array([(a, b) for a in range(8) for b in range(a + 1, 8) if np.sum(_
 
 def _part_rects(cam: Camera, parts: Parts) -> np.ndarray:
     """(P, 4) pixel rectangles [r0, r1, c0, c1) bounding each part's projection, clipped at the near
-    plane (empty for parts entirely behind it)."""
+    plane (empty for parts entirely behind it): natively when active (bev.synthetic.native), else in numpy."""
+    if native.active():
+        if not hasattr(cam, "_rect_maps"):
+            c = np.ascontiguousarray
+            post = (c(cam.post_rot.double().numpy()), c(cam.post_tran.double().numpy()))
+            cam._rect_maps = (c(cam.rotation), c(cam.translation), c(cam.intrinsic), *post)
+        H, W = cam.shape
+        return native.rects(np.ascontiguousarray(parts.corners), *cam._rect_maps, H, W, NEAR)
+    return _part_rects_numpy(cam, parts)
+
+
+def _part_rects_numpy(cam: Camera, parts: Parts) -> np.ndarray:
+    """_part_rects in numpy (the reference)."""
     rects = np.zeros((len(parts.obj), 4), np.int64)
     depth = (parts.corners - cam.translation) @ cam.rotation[:, 2]
     front = np.flatnonzero((depth > NEAR).any(1))

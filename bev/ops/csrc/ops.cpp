@@ -24,6 +24,9 @@ TORCH_LIBRARY(bev, m) {
   m.def(
       "_raycast_shade(Tensor key, Tensor face, Tensor rays, Tensor parts, Tensor origin, Tensor half, Tensor glass, "
       "Tensor colours, Tensor label, Tensor(a!) image, Tensor(b!) depth, Tensor(c!) ids) -> ()");
+  m.def(
+      "_raycast_rects(Tensor corners, Tensor rotation, Tensor translation, Tensor intrinsic, Tensor post_rot, "
+      "Tensor post_tran, int H, int W, float near) -> Tensor");
 }
 
 namespace {

@@ -368,11 +368,82 @@ void raycast_shade_cpu(const at::Tensor& key, const at::Tensor& face, const at::
   });
 }
 
+// raycast._part_rects: per part (corners (P, 8, 3), camera->ego rotation R and translation t, intrinsics K and the
+// render-resolution post_rot / post_tran, float64) the pixel rectangle [r0, r1, c0, c1) bounding its projection,
+// clipped at the near plane (camera depth `near`; empty behind it) and padded: floor(min) - 1, ceil(max) + 2. The
+// float64 sums may round differently from numpy's matrix products in the last bit; the padding keeps every pixel
+// whose ray can meet the part inside (tests/test_raycast_native.py compares the renders).
+at::Tensor raycast_rects_cpu(const at::Tensor& corners, const at::Tensor& rotation, const at::Tensor& translation,
+                             const at::Tensor& intrinsic, const at::Tensor& post_rot, const at::Tensor& post_tran,
+                             int64_t H, int64_t W, double near) {
+  auto check = [](const at::Tensor& t, const char* name, at::IntArrayRef shape) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kDouble && t.sizes() == shape && t.is_contiguous(),
+                "_raycast_rects: ", name, " must be contiguous float64 ", shape, " on the CPU, got ", t.scalar_type(),
+                " ", t.sizes());
+  };
+  TORCH_CHECK(corners.dim() == 3, "_raycast_rects: corners must be (P, 8, 3), got ", corners.sizes());
+  const int64_t P = corners.size(0);
+  check(corners, "corners", {P, 8, 3});
+  check(rotation, "rotation", {3, 3});
+  check(translation, "translation", {3});
+  check(intrinsic, "intrinsic", {3, 3});
+  check(post_rot, "post_rot", {3, 3});
+  check(post_tran, "post_tran", {3});
+  TORCH_CHECK(H > 0 && W > 0, "_raycast_rects: the image must have pixels, got ", H, " x ", W);
+  auto rects = at::zeros({P, 4}, corners.options().dtype(at::kLong));
+  const double *C = corners.data_ptr<double>(), *R = rotation.data_ptr<double>(), *T = translation.data_ptr<double>();
+  const double *K = intrinsic.data_ptr<double>(), *Q = post_rot.data_ptr<double>(), *U = post_tran.data_ptr<double>();
+  int64_t* out = rects.data_ptr<int64_t>();
+  constexpr double kBig = 1e9;
+  at::parallel_for(0, P, 256, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const double* c = C + 24 * p;
+      double depth[8];
+      bool front = false;
+      for (int k = 0; k < 8; ++k) {
+        const double* x = c + 3 * k;
+        depth[k] = (x[0] - T[0]) * R[2] + (x[1] - T[1]) * R[5] + (x[2] - T[2]) * R[8];
+        front |= depth[k] > near;
+      }
+      if (!front) continue;
+      double umin = kBig, umax = -kBig, vmin = kBig, vmax = -kBig;
+      auto add = [&](const double* x) {  // Camera.project_uv
+        double cam[3], pix[3];
+        for (int j = 0; j < 3; ++j) cam[j] = (x[0] - T[0]) * R[j] + (x[1] - T[1]) * R[3 + j] + (x[2] - T[2]) * R[6 + j];
+        for (int j = 0; j < 3; ++j) pix[j] = cam[0] * K[3 * j] + cam[1] * K[3 * j + 1] + cam[2] * K[3 * j + 2];
+        const double uvd[3] = {pix[0] / cam[2], pix[1] / cam[2], cam[2]};
+        const double u = uvd[0] * Q[0] + uvd[1] * Q[1] + uvd[2] * Q[2] + U[0];
+        const double v = uvd[0] * Q[3] + uvd[1] * Q[4] + uvd[2] * Q[5] + U[1];
+        umin = std::fmin(umin, u), umax = std::fmax(umax, u), vmin = std::fmin(vmin, v), vmax = std::fmax(vmax, v);
+      };
+      for (int k = 0; k < 8; ++k)
+        if (depth[k] > near) add(c + 3 * k);
+      for (int a = 0; a < 8; ++a)  // edges: corners whose signs differ on one axis (raycast._EDGES)
+        for (int bit = 1; bit < 8; bit <<= 1) {
+          const int b = a ^ bit;
+          if (b < a || !((depth[a] - near) * (depth[b] - near) < 0)) continue;  // crosses the near plane: cut there
+          const double f = std::clamp((near - depth[a]) / (depth[b] - depth[a]), 0.0, 1.0);
+          double x[3];
+          for (int j = 0; j < 3; ++j) x[j] = c[3 * a + j] + f * (c[3 * b + j] - c[3 * a + j]);
+          add(x);
+        }
+      const double r[4] = {std::floor(vmin) - 1, std::ceil(vmax) + 2, std::floor(umin) - 1, std::ceil(umax) + 2};
+      const int64_t limit[4] = {H, H, W, W};
+      for (int j = 0; j < 4; ++j) {
+        const double x = std::isnan(r[j]) ? 0.0 : std::clamp(r[j], -1.0, kBig);
+        out[4 * p + j] = std::clamp(int64_t(x), int64_t(0), limit[j]);
+      }
+    }
+  });
+  return rects;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(bev, CPU, m) {
   m.impl("_raycast_zbuffer", &raycast_zbuffer_cpu);
   m.impl("_raycast_shade", &raycast_shade_cpu);
+  m.impl("_raycast_rects", &raycast_rects_cpu);
 }
 
 }  // namespace bev
