@@ -26,7 +26,7 @@ TIE_SHARE = 1e-3  # at most this share of the rays may show another part than nu
 
 def _random_parts(rng: np.random.Generator, objects: int, reach: float = 40.0, ego: bool = True) -> raycast.Parts:
     """Random yawed objects of 1-4 boxes around the ego, some scenery (label 0), a few boxes exactly doubled (a
-    depth tie on every ray that meets them), with `ego` a few straddling the cameras' near plane or holding the LiDAR."""
+    depth tie on every ray that meets them), with `ego` a few across the cameras' near plane or holding the LiDAR."""
     label, obj, R, centre, half, kind = [], [], [], [], [], []
     for i in range(objects):
         yaw = rng.uniform(-math.pi, math.pi)
@@ -209,7 +209,7 @@ def test_falls_back_to_numpy_without_the_operator(monkeypatch, world):
         ref = raycast.render_camera(world, t, cam)
     called = []
     missing = [(_native, "_C", None), (native, "OP_NAME", "_raycast_missing"), (native, "SHADE_OP", "_missing")]
-    missing.append((native, "RECTS_OP", "_missing"))
+    missing += [(native, "RECTS_OP", "_missing"), (native, "GROUND_OP", "_missing")]
     for patch in missing:
         with monkeypatch.context() as m:
             m.setattr(*patch)
@@ -280,6 +280,20 @@ def test_bad_input_is_refused():
         native.rects(np.zeros((4, 8, 3)), *maps[:2], cam.intrinsic.astype(np.float32), *maps[3:], H, W, 0.1)
     with pytest.raises(RuntimeError, match="the image must have pixels"):
         native.rects(np.zeros((4, 8, 3)), *maps, 0, W, 0.1)
+    # _raycast_ground
+    n = 4
+    args = [np.zeros(n, np.float32), np.zeros(n, np.float32), np.arange(n), np.zeros(2, np.float32)]
+    args += [np.zeros((2, 3), np.float32), np.zeros((16, 3), np.uint8), np.zeros(3, np.float32), image]
+    scalars = (0.0, 0.0, 1.0, 0.0, 10.0, 1 / 255, 0, 0, 4, 4)
+    native.ground(*args, *scalars)
+    with pytest.raises(TypeError, match="texels must be uint8"):
+        native.ground(*args[:5], args[5].astype(np.int16), *args[6:], *scalars)
+    with pytest.raises(ValueError, match=r"fog must have shape \(2, 3\)"):
+        native.ground(*args[:4], args[4][:1], *args[5:], *scalars)
+    with pytest.raises(RuntimeError, match=r"pixels\[3\] = 90000 is not in the image"):
+        native.ground(*args[:2], np.array([0, 1, 2, H * W]), *args[3:], *scalars)
+    with pytest.raises(RuntimeError, match="side must be a power of two"):
+        native.ground(*args[:5], np.zeros((9, 3), np.uint8), *args[6:], *scalars[:-1], 3)
     t = torch.from_numpy
     op = native.op()
     with pytest.raises(RuntimeError, match="rays must be contiguous float32"):

@@ -13,6 +13,7 @@ Operators (namespace `bev`; a leading underscore marks an internal step):
   _raycast_zbuffer(rays, parts, rects, ground_key, group, num_groups, faces) -> (key, face, coverage)
   _raycast_shade(key, face, rays, parts, origin, half, glass, colours, label, image!, depth!, ids!)
   _raycast_rects(corners, rotation, translation, intrinsic, post_rot, post_tran, H, W, near) -> rects
+  _raycast_ground(gx, gy, pixels, clear, fog, texels, grass, image!, pose..., window...)
                                                                   the synthetic world's ray caster (CPU only;
                                                                   bev.synthetic.native)
 """

@@ -1,13 +1,14 @@
 """The synthetic world's native ray caster: bev.ops._C's private operators bev::_raycast_zbuffer,
-bev::_raycast_shade and bev::_raycast_rects (C++, CPU, parallel with at::parallel_for; kernels in bev/ops/csrc/cpu/raycast_cpu.cpp).
+bev::_raycast_shade, bev::_raycast_rects and bev::_raycast_ground (C++, CPU, parallel with at::parallel_for; kernels
+in bev/ops/csrc/cpu/raycast_cpu.cpp).
 
 zbuffer computes what bev.synthetic.raycast's numpy caster does with _slab + zbuffer + _front (+ _coverage): per
 ray of a camera (or of the LiDAR's panorama, bev.synthetic.lidar) the least z-buffer key over the ground and the
 parts tested on it, (float32 depth bits << 32) | (part + 1), with the same float32 operations in the same order,
 so the keys are the numpy caster's bit for bit (tests/test_raycast_native.py); optionally the entry face of the
 winning part and each annotated object's unoccluded coverage. shade writes the won rays' depth, id and colour
-(raycast._colours, glass included) into a camera's buffers; rects bounds the parts' projections (raycast._part_rects).
-The numpy caster stays the reference.
+(raycast._colours, glass included) into a camera's buffers; rects bounds the parts' projections (raycast._part_rects);
+ground paints the textured, hazed ground (raycast._ground_render). The numpy caster stays the reference.
 
 Which caster runs: the native one when the extension loaded with this operator (bev.ops._native), else numpy;
 BEV_RAYCAST=numpy (environment, read at import) or `backend("numpy")` forces the reference, "native" requires
@@ -26,6 +27,8 @@ import torch
 OP_NAME = "_raycast_zbuffer"
 SHADE_OP = "_raycast_shade"
 RECTS_OP = "_raycast_rects"
+GROUND_OP = "_raycast_ground"
+OP_NAMES = (OP_NAME, SHADE_OP, RECTS_OP, GROUND_OP)
 BACKENDS = ("auto", "native", "numpy")
 _backend = os.environ.get("BEV_RAYCAST", "auto")
 if _backend not in BACKENDS:
@@ -48,13 +51,14 @@ def active() -> bool:
     """Whether the casters of bev.synthetic (cameras, LiDAR, occupancy masks) run natively now."""
     if _backend == "numpy":
         return False
-    if all(op(name) is not None for name in (OP_NAME, SHADE_OP, RECTS_OP)):
+    if all(op(name) is not None for name in (OP_NAME, SHADE_OP, RECTS_OP, GROUND_OP)):
         return True
     if _backend == "native":
         from bev.ops import _native
 
         raise RuntimeError(
-            f"the native ray caster was asked for (BEV_RAYCAST=native) but bev.ops._C lacks {OP_NAME}, {SHADE_OP} or {RECTS_OP} "
+            "the native ray caster was asked for (BEV_RAYCAST=native) but bev.ops._C lacks one of "
+            f"{OP_NAMES} "
             f"({_native.LOAD_ERROR or 'a build without it'}); rebuild with `python setup.py build_ext --inplace`"
         )
     return False
@@ -114,7 +118,8 @@ def zbuffer(
     if bad.any():
         p = int(np.flatnonzero(bad)[0])
         raise ValueError(
-            f"rects[{p}] = {rects[p].tolist()} is not within the ({H}, {W}) image: 0 <= r0 <= r1 <= H, 0 <= c0 <= c1 <= W"
+            f"rects[{p}] = {rects[p].tolist()} is not within the ({H}, {W}) image: "
+            "0 <= r0 <= r1 <= H, 0 <= c0 <= c1 <= W"
         )
     if P and (group.min() < -1 or group.max() >= num_groups):
         raise ValueError(f"group values must lie in [-1, num_groups = {num_groups})")
@@ -184,3 +189,36 @@ def rects(corners: np.ndarray, rotation, translation, intrinsic, post_rot, post_
         raise RuntimeError(f"bev.ops._C has no {RECTS_OP}: use the numpy caster (bev.synthetic.raycast)")
     t = torch.from_numpy
     return fn(t(corners), *(t(a) for a in mats.values()), int(H), int(W), float(near)).numpy()
+
+
+def ground(gx, gy, pixels, clear, fog, texels, grass, image, e0, e1, c, s, scale, unit, col0, row0, size, side) -> None:
+    """Paint the ground rays into `image` (H, W, 3) float32 (sky already there), in place: raycast._ground_render.
+    Per ground ray: ego-frame gx, gy (N,) float32, flat pixel (N,) int64; the first K hazed with clear (K,) and fog
+    (K, 3) float32. texels (side * side, 3) uint8 is the ring of map tiles (raycast._Ring), the window of tiles from
+    texel (col0, row0), `size` texels wide, grass (3,) float32 beyond it; ego pose e0, e1, yaw cos c, sin s; `scale`
+    texels a metre; `unit` the colour of texel value 1."""
+    n, k = len(gx), len(clear)
+    for name, a, dtype, shape in (
+        ("gx", gx, np.float32, (n,)),
+        ("gy", gy, np.float32, (n,)),
+        ("pixels", pixels, np.int64, (n,)),
+        ("clear", clear, np.float32, (k,)),
+        ("fog", fog, np.float32, (k, 3)),
+        ("texels", texels, np.uint8, (side * side, 3)),
+        ("grass", grass, np.float32, (3,)),
+        ("image", image, np.float32, (None, None, 3)),
+    ):
+        _check(name, a, dtype, shape)
+    fn = op(GROUND_OP)
+    if fn is None:
+        raise RuntimeError(f"bev.ops._C has no {GROUND_OP}: use the numpy caster (bev.synthetic.raycast)")
+    t = torch.from_numpy
+    scalars = (float(e0), float(e1), float(c), float(s), float(scale), float(unit))
+    fn(
+        *(t(a) for a in (gx, gy, pixels, clear, fog, texels, grass, image)),
+        *scalars,
+        int(col0),
+        int(row0),
+        int(size),
+        int(side),
+    )

@@ -11,8 +11,8 @@ The slab tests, the z-buffer, the winners' entry faces, the objects' coverage an
 glass, depth, ids) run natively when bev.ops._C has the ray caster (bev.synthetic.native: C++, the same float
 operations, the same keys and pixels bit for bit); this module's numpy code (_slab, zbuffer_numpy, _front, _coverage,
 _colours) is the reference the native caster is tested against, and the fallback without the extension. So are the
-parts' pixel rectangles (_part_rects_numpy; native float64 sums, equal today, within a pixel by design). The ground's
-texture and haze (_ground_render) are numpy either way.
+parts' pixel rectangles (_part_rects_numpy; native float64 sums, equal today, within a pixel by design) and the
+ground's texture and haze (_ground_render). The tiles' rasterising (_Ring) and the parts' placement are numpy.
 
 Geometry conventions (ego frame, camera->ego extrinsics, quaternions (w, x, y, z), pixel
 centres) are those of bev.geometry; projection and unprojection go through its functions.
@@ -97,6 +97,14 @@ class Camera:
             edges = np.flatnonzero(np.diff(np.concatenate([[False], m.ravel(), [False]])))
             self._ground = (t, edges.reshape(-1, 2).tolist(), gx, gy, 1 - haze, HAZE * haze)
         return self._ground
+
+    @property
+    def ground_pixels(self) -> np.ndarray:
+        """(N,) int64 flat indices of the rays that meet the ground, in order (ground's runs)."""
+        if not hasattr(self, "_ground_pixels"):
+            runs = self.ground[1]
+            self._ground_pixels = np.concatenate([np.arange(a, b) for a, b in runs] + [np.zeros(0, np.int64)])
+        return self._ground_pixels
 
     def project(self, pts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Ego points (..., 3) -> render-resolution (u, v) and camera depth (bev.geometry.ego_to_image)."""
@@ -291,13 +299,19 @@ def _ring(seed: int, location: str) -> _Ring:
     return _RINGS[0]
 
 
-def ground_colour(seed: int, location: str, x: np.ndarray, y: np.ndarray, centre) -> np.ndarray:
-    """(N, 3) float32 ground colours at global points (x, y): the map texture, plain grass beyond
-    TEX_RANGE of `centre` (x, y)."""
+def _tile_window(centre) -> tuple[int, int, int]:
+    """The first tile (t0x, t0y) and the tiles per side n of the n x n window of tiles textured around `centre`."""
     tile_m = TILE * TEX_RES
     t0x, t0y = int(math.floor((centre[0] - TEX_RANGE) / tile_m)), int(math.floor((centre[1] - TEX_RANGE) / tile_m))
     n = int(math.floor((centre[0] + TEX_RANGE) / tile_m)) - t0x + 1
     n = max(n, int(math.floor((centre[1] + TEX_RANGE) / tile_m)) - t0y + 1)
+    return t0x, t0y, n
+
+
+def ground_colour(seed: int, location: str, x: np.ndarray, y: np.ndarray, centre) -> np.ndarray:
+    """(N, 3) float32 ground colours at global points (x, y): the map texture, plain grass beyond
+    TEX_RANGE of `centre` (x, y)."""
+    t0x, t0y, n = _tile_window(centre)
     size = n * TILE
     gcol = np.floor(x * (1 / TEX_RES)).astype(np.int64)  # global texel indices
     grow = np.floor(y * (1 / TEX_RES)).astype(np.int64)
@@ -576,6 +590,14 @@ def _ground_render(world: World, t: float, cam: Camera) -> tuple[np.ndarray, np.
     t_ground, runs, gx, gy, clear, fog = cam.ground
     ego_t, ego_yaw = world.ego_pose(t)
     cy, sy = math.cos(ego_yaw), math.sin(ego_yaw)
+    if native.active():  # the same pixels in one C++ pass (bev.synthetic.native.ground)
+        t0x, t0y, n = _tile_window(ego_t)
+        texels = _ring(world.seed, world.location).fill(t0x, t0y, n)
+        img, grass = cam.sky.copy(), _PALETTE[_CLASS["grass"]]
+        window = (t0x * TILE, t0y * TILE, n * TILE, RING * TILE)
+        pose = (ego_t[0], ego_t[1], cy, sy, 1 / TEX_RES, np.float32(1 / 255))
+        native.ground(gx, gy, cam.ground_pixels, clear.ravel(), fog, texels, grass, img, *pose, *window)
+        return img, t_ground.copy()
     x = ego_t[0] + cy * gx - sy * gy  # ego -> global (map) coordinates
     y = ego_t[1] + sy * gx + cy * gy
     colour = ground_colour(world.seed, world.location, x, y, ego_t)

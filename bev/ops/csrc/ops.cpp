@@ -27,6 +27,10 @@ TORCH_LIBRARY(bev, m) {
   m.def(
       "_raycast_rects(Tensor corners, Tensor rotation, Tensor translation, Tensor intrinsic, Tensor post_rot, "
       "Tensor post_tran, int H, int W, float near) -> Tensor");
+  m.def(
+      "_raycast_ground(Tensor gx, Tensor gy, Tensor pixels, Tensor clear, Tensor fog, Tensor texels, Tensor grass, "
+      "Tensor(a!) image, float e0, float e1, float c, float s, float scale, float unit, int col0, int row0, int size, "
+      "int side) -> ()");
 }
 
 namespace {

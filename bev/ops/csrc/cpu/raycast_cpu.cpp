@@ -135,7 +135,8 @@ __attribute__((target("avx2"))) int64_t slab_avx2(const Part& q, const float* rx
     const __m256 lo1 = fmin8(a1, b1), lo2 = fmin8(a2, b2);
     const __m256 tnear = fmax8(fmax8(fmin8(a0, b0), lo1), lo2);
     const __m256 tfar = fmin8(fmin8(fmax8(a0, b0), fmax8(a1, b1)), fmax8(a2, b2));
-    const __m256 hit_ps = _mm256_and_ps(_mm256_cmp_ps(tnear, tfar, _CMP_LE_OQ), _mm256_cmp_ps(tnear, near_plane, _CMP_GT_OQ));
+    const __m256 hit_ps =
+        _mm256_and_ps(_mm256_cmp_ps(tnear, tfar, _CMP_LE_OQ), _mm256_cmp_ps(tnear, near_plane, _CMP_GT_OQ));
     if (_mm256_testz_ps(hit_ps, hit_ps)) continue;  // no lane hits (the sign bits of the masks)
     const __m256i hit = _mm256_castps_si256(hit_ps);
     if (cover) {
@@ -166,7 +167,8 @@ __attribute__((target("avx2"))) int64_t slab_avx2(const Part& q, const float* rx
 }
 #endif
 
-using SlabRun = int64_t (*)(const Part&, const float*, const float*, const float*, int64_t, int32_t, int32_t, bool, Row);
+using SlabRun = int64_t (*)(const Part&, const float*, const float*, const float*, int64_t, int32_t, int32_t, bool,
+                            Row);
 
 int64_t slab_plain(const Part& q, const float* rx, const float* ry, const float* rz, int64_t n, int32_t id, int32_t g,
                    bool cover, Row row) {
@@ -210,7 +212,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> raycast_zbuffer_cpu(const at::Ten
               "_raycast_zbuffer: group must be contiguous int64 (P) = (", P, "), got ", group.scalar_type(), " ",
               group.sizes());
   TORCH_CHECK(num_groups >= 0, "_raycast_zbuffer: num_groups must be >= 0, got ", num_groups);
-  TORCH_CHECK(P < (int64_t(1) << 31) - 1 && num_groups < (int64_t(1) << 31), "_raycast_zbuffer: too many parts or groups: ", P, ", ", num_groups);
+  TORCH_CHECK(P < (int64_t(1) << 31) - 1 && num_groups < (int64_t(1) << 31),
+              "_raycast_zbuffer: too many parts or groups: ", P, ", ", num_groups);
 
   const auto* R = rects.data_ptr<int64_t>();
   const auto* G = group.data_ptr<int64_t>();
@@ -310,8 +313,8 @@ void raycast_shade_cpu(const at::Tensor& key, const at::Tensor& face, const at::
   const int64_t P = parts.size(0);
   auto check = [&](const at::Tensor& t, const char* name, at::ScalarType type, at::IntArrayRef shape) {
     TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == type && t.sizes() == shape && t.is_contiguous(),
-                "_raycast_shade: ", name, " must be contiguous ", type, " ", shape, " on the CPU, got ", t.scalar_type(),
-                " ", t.sizes());
+                "_raycast_shade: ", name, " must be contiguous ", type, " ", shape, " on the CPU, got ",
+                t.scalar_type(), " ", t.sizes());
   };
   check(key, "key", at::kLong, {N});
   check(face, "face", at::kChar, {N});
@@ -438,12 +441,69 @@ at::Tensor raycast_rects_cpu(const at::Tensor& corners, const at::Tensor& rotati
   return rects;
 }
 
+// raycast._ground_render's ground (the sky is already in `image`): per ground ray i, its ego-frame point (gx, gy)
+// to the map frame (ego translation e0, e1 and yaw cos c, sin s, in float32 as numpy computes it), the map texel
+// under it (`scale` texels a metre) from the ring of tiles `texels` (side x side x 3 uint8; the window of tiles from
+// texel (col0, row0), `size` texels wide: outside it `grass`), times `unit`; the first clear.size(0) rays hazed
+// (colour * clear + fog); written to flat pixel pixels[i] of image (H, W, 3).
+void raycast_ground_cpu(const at::Tensor& gx, const at::Tensor& gy, const at::Tensor& pixels, const at::Tensor& clear,
+                        const at::Tensor& fog, const at::Tensor& texels, const at::Tensor& grass,
+                        const at::Tensor& image, double e0, double e1, double c, double s, double scale, double unit,
+                        int64_t col0, int64_t row0, int64_t size, int64_t side) {
+  const int64_t n = gx.numel(), k = clear.numel();
+  auto check = [](const at::Tensor& t, const char* name, at::ScalarType type, at::IntArrayRef shape) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == type && t.sizes() == shape && t.is_contiguous(),
+                "_raycast_ground: ", name, " must be contiguous ", type, " ", shape, " on the CPU, got ",
+                t.scalar_type(), " ", t.sizes());
+  };
+  check(gx, "gx", at::kFloat, {n});
+  check(gy, "gy", at::kFloat, {n});
+  check(pixels, "pixels", at::kLong, {n});
+  TORCH_CHECK(k <= n, "_raycast_ground: more hazed rays (", k, ") than rays (", n, ")");
+  check(clear, "clear", at::kFloat, {k});
+  check(fog, "fog", at::kFloat, {k, 3});
+  TORCH_CHECK(side > 0 && (side & (side - 1)) == 0, "_raycast_ground: side must be a power of two, got ", side);
+  check(texels, "texels", at::kByte, {side * side, 3});
+  check(grass, "grass", at::kFloat, {3});
+  TORCH_CHECK(image.dim() == 3, "_raycast_ground: image must be (H, W, 3), got ", image.sizes());
+  check(image, "image", at::kFloat, {image.size(0), image.size(1), 3});
+  const int64_t N = image.size(0) * image.size(1);
+  const int64_t* P = pixels.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(P[i] >= 0 && P[i] < N, "_raycast_ground: pixels[", i, "] = ", P[i], " is not in the image");
+  const float *X = gx.data_ptr<float>(), *Y = gy.data_ptr<float>(), *A = clear.data_ptr<float>();
+  const float *B = fog.data_ptr<float>(), *G = grass.data_ptr<float>();
+  const uint8_t* tex = texels.data_ptr<uint8_t>();
+  float* img = image.data_ptr<float>();
+  const float fe0 = float(e0), fe1 = float(e1), fc = float(c), fs = float(s);
+  const float fscale = float(scale), funit = float(unit);
+  at::parallel_for(0, n, 4096, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float x = (fe0 + fc * X[i]) - fs * Y[i];  // ego -> map: numpy's float32 order
+      const float y = (fe1 + fs * X[i]) + fc * Y[i];
+      const int64_t col = int64_t(std::floor(x * fscale)), row = int64_t(std::floor(y * fscale));
+      float rgb[3];
+      if (uint64_t(col - col0) >= uint64_t(size) || uint64_t(row - row0) >= uint64_t(size)) {
+        rgb[0] = G[0], rgb[1] = G[1], rgb[2] = G[2];
+      } else {
+        const uint8_t* t = tex + 3 * ((row & (side - 1)) * side + (col & (side - 1)));
+        rgb[0] = float(t[0]) * funit, rgb[1] = float(t[1]) * funit, rgb[2] = float(t[2]) * funit;
+      }
+      if (i < k)
+        for (int j = 0; j < 3; ++j) rgb[j] = rgb[j] * A[i] + B[3 * i + j];
+      float* out = img + 3 * P[i];
+      out[0] = rgb[0], out[1] = rgb[1], out[2] = rgb[2];
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(bev, CPU, m) {
   m.impl("_raycast_zbuffer", &raycast_zbuffer_cpu);
   m.impl("_raycast_shade", &raycast_shade_cpu);
   m.impl("_raycast_rects", &raycast_rects_cpu);
+  m.impl("_raycast_ground", &raycast_ground_cpu);
 }
 
 }  // namespace bev
