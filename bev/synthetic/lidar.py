@@ -200,18 +200,42 @@ def _off_faces(points: np.ndarray, boxes: Boxes) -> np.ndarray:
     """`points` (N, 3) with every one within BOX_GAP of an annotated box's face moved to 2 * BOX_GAP off it, along
     the face's normal, on its side of the face (a few millimetres, under the range noise)."""
     points = points.copy()
-    for _ in range(2):  # a second pass for points moved near another box's faces (boxes millimetres apart)
-        for b, near, local in _near_boxes(points, boxes, BOX_GAP):
-            off = np.abs(local) - boxes.half[b]  # per axis: > 0 outside that face pair
-            band = np.all(off <= BOX_GAP, 1) & np.any(np.abs(off) < BOX_GAP, 1)
-            if not band.any():
-                continue
-            a, d = local[band], off[band]
-            close = np.abs(d) < BOX_GAP
-            pushed = np.sign(a) * (boxes.half[b] + np.where(d >= 0, 2, -2) * BOX_GAP)
-            a[close] = pushed[close]
-            points[near[band]] = boxes.centre[b] + a @ boxes.R[b].T
+    moved = _off_faces_pass(points, boxes, None)
+    if len(moved):  # a second pass for points moved near another box's faces (boxes millimetres apart)
+        _off_faces_pass(points, boxes, moved)
     return points
+
+
+def _off_faces_pass(points: np.ndarray, boxes: Boxes, moved: np.ndarray | None) -> np.ndarray:
+    """One pass of _off_faces over the boxes in order, moving `points` in place; the indices it moved. As
+    _near_boxes, a box looks at the points within its reach (x as at the start of the pass, y as now). In the second
+    pass (`moved`: the first's) a box that no point moved so far reaches is skipped: it would see only unmoved points,
+    which it saw the same in the first pass and left, so its band is empty."""
+    order = np.argsort(points[:, 0])  # any sort: the points near a box are used as a set
+    x0 = points[:, 0].copy()
+    xs = x0[order]
+    done = [] if moved is None else [moved]
+    for b in range(len(boxes.obj)):
+        reach, (cx, cy, _) = float(np.linalg.norm(boxes.half[b])) + BOX_GAP, boxes.centre[b]
+        lo, hi = cx - reach, cx + reach
+        if moved is not None:
+            m = np.concatenate(done)
+            if not np.any((x0[m] >= lo) & (x0[m] <= hi) & (np.abs(points[m, 1] - cy) <= reach)):
+                continue
+        near = order[np.searchsorted(xs, lo) : np.searchsorted(xs, hi, "right")]
+        near = near[np.abs(points[near, 1] - cy) <= reach]
+        local = (points[near] - boxes.centre[b]) @ boxes.R[b]  # rows: R^T (p - c)
+        off = np.abs(local) - boxes.half[b]  # per axis: > 0 outside that face pair
+        band = np.all(off <= BOX_GAP, 1) & np.any(np.abs(off) < BOX_GAP, 1)
+        if not band.any():
+            continue
+        a, d = local[band], off[band]
+        close = np.abs(d) < BOX_GAP
+        pushed = np.sign(a) * (boxes.half[b] + np.where(d >= 0, 2, -2) * BOX_GAP)
+        a[close] = pushed[close]
+        points[near[band]] = boxes.centre[b] + a @ boxes.R[b].T
+        done.append(near[band])
+    return np.concatenate(done) if done else np.zeros(0, np.int64)
 
 
 def intensity(world: World, t: float, parts: raycast.Parts, part: np.ndarray, points: np.ndarray, rng) -> np.ndarray:
