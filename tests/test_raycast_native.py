@@ -361,3 +361,28 @@ def test_off_faces_second_pass_skips_only_idle_boxes():
         lidar._off_faces_pass(one, boxes, None)
         second_pass_mattered += bool(np.any(one != ref))
     assert second_pass_mattered  # some points needed the second pass
+
+
+@needs_op
+def test_opcheck():
+    """torch.library.opcheck of the four operators (schemas, mutation annotations, fake kernels)."""
+    cam = raycast.make_camera("CAM_FRONT", 4)
+    parts = _random_parts(np.random.default_rng(3), 12)
+    visible, rects = raycast._visible(cam, parts)
+    group, objs = raycast._coverage_groups(visible)
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    table, H, W = raycast._part_table(cam, visible), *cam.shape
+    zbuffer_args = (t(cam.planes), t(table), t(rects), t(cam.ground_key), t(group), len(objs), True)
+    torch.library.opcheck(torch.ops.bev._raycast_zbuffer.default, zbuffer_args)
+    key, face, _ = torch.ops.bev._raycast_zbuffer(*zbuffer_args)
+    origin = raycast._part_frames(cam, visible)[0].astype(np.float32)
+    glass = np.zeros(len(table), np.int8)
+    out = (torch.zeros(H, W, 3), torch.zeros(H, W), torch.zeros(H, W, dtype=torch.int32))
+    per_part = (t(origin), t(visible.half), t(glass), t(visible.cols), t(visible.label))
+    torch.library.opcheck(torch.ops.bev._raycast_shade.default, (key, face, t(cam.planes), t(table), *per_part, *out))
+    maps = [t(a) for a in (cam.rotation, cam.translation, cam.intrinsic, np.eye(3), np.zeros(3))]
+    torch.library.opcheck(torch.ops.bev._raycast_rects.default, (t(parts.corners), *maps, H, W, 0.1))
+    n = 6
+    ground = (torch.zeros(n), torch.zeros(n), torch.arange(n), torch.zeros(2), torch.zeros(2, 3))
+    ground += (torch.zeros(16, 3, dtype=torch.uint8), torch.zeros(3), torch.zeros(H, W, 3))
+    torch.library.opcheck(torch.ops.bev._raycast_ground.default, (*ground, 0.0, 0.0, 1.0, 0.0, 10.0, 0.5, 0, 0, 4, 4))

@@ -101,6 +101,27 @@ def _register_fakes() -> None:
         return torch.empty_like(depth), torch.empty_like(feats)
 
 
+def _register_raycast_fakes() -> None:
+    """Fake kernels of the synthetic world's ray caster (bev.synthetic.native): output shapes for opcheck."""
+
+    @torch.library.register_fake("bev::_raycast_zbuffer")
+    def _raycast_zbuffer_fake(rays, parts, rects, ground_key, group, num_groups, faces):
+        n = rays.shape[1] * rays.shape[2]
+        return ground_key.new_empty(n), rays.new_empty(n if faces else 0, dtype=torch.int8), group.new_empty(num_groups)
+
+    @torch.library.register_fake("bev::_raycast_shade")
+    def _raycast_shade_fake(key, face, rays, parts, origin, half, glass, colours, label, image, depth, ids):
+        return None
+
+    @torch.library.register_fake("bev::_raycast_rects")
+    def _raycast_rects_fake(corners, rotation, translation, intrinsic, post_rot, post_tran, H, W, near):
+        return corners.new_empty(corners.shape[0], 4, dtype=torch.long)
+
+    @torch.library.register_fake("bev::_raycast_ground")
+    def _raycast_ground_fake(gx, gy, pixels, clear, fog, texels, grass, image, *scalars):
+        return None
+
+
 def _register() -> None:
     _register_fakes()
     torch.library.register_autograd("bev::voxel_sum", _voxel_sum_grad, setup_context=_voxel_sum_setup)
@@ -113,3 +134,8 @@ if _C is not None:
     except Exception as e:  # a stale build without some operator: fall back, never crash import
         _C, CUDA_BUILT = None, False
         LOAD_ERROR = f"{type(e).__name__} while registering bev operators: {e}"
+if _C is not None:
+    try:
+        _register_raycast_fakes()
+    except Exception:  # a build without the ray caster: bev.synthetic.native falls back to numpy, pooling unaffected
+        pass
