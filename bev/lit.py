@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,7 +154,7 @@ class BEVLitModule(L.LightningModule):
         scheduler_interval: str = "step",
         compile: bool | str | None = False,
         depth_weight: float = 0.0,
-        init_from: str | None = None,
+        init_from: str | Sequence[str] | None = None,
         headline: str = "val/iou",
         tasks: Sequence[str] = ("segmentation",),
         task_weights: str = "fixed",
@@ -259,18 +260,32 @@ class BEVLitModule(L.LightningModule):
             print(report, flush=True)
 
     def _apply_init_from(self) -> str | None:
-        """model.init_from (a checkpoint, or a run / checkpoints directory: its best one): its `net.*` tensors whose
-        names and shapes match are loaded when training starts, not on resume; returns what was done."""
+        """model.init_from (a checkpoint, or a run / checkpoints directory: its best one; or a list of them, a later
+        one's tensors over an earlier one's, as BEVFusion starts from a camera and a LiDAR checkpoint): its `net.*`
+        tensors whose names and shapes match are loaded when training starts, not on resume; returns what was done."""
         if self.trainer.ckpt_path:
             return f"model.init_from not applied: resuming from {self.trainer.ckpt_path}" if self.init_from else None
         if not self.init_from:
             return self._init_from_unset()
         from bev.utils.checkpoint import read_checkpoint, resolve_checkpoint
 
-        file = resolve_checkpoint(self.init_from)
-        ckpt = read_checkpoint(file)
-        loaded, report = load_matching(self, ckpt, file)
-        return report + self._after_init_from(ckpt, loaded)
+        sources = [self.init_from] if isinstance(self.init_from, (str, Path)) else list(self.init_from)
+        loaded, reports = set(), []
+        for source in sources:
+            file = resolve_checkpoint(source)
+            ckpt = read_checkpoint(file)
+            took, report = load_matching(self, ckpt, file)
+            loaded |= took
+            reports.append(report)
+        if len(sources) > 1:
+            own = self.state_dict().items()  # counters (BN's batches tracked) left out: nothing to learn
+            new = Counter(
+                k.split(".")[1] for k, v in own if k.startswith("net.") and k not in loaded and v.is_floating_point()
+            )
+            reports.append(
+                "  from scratch after all of them: " + (", ".join(f"{p} ({n})" for p, n in new.items()) or "none")
+            )
+        return "\n".join(reports) + self._after_init_from(ckpt, loaded)
 
     def _after_init_from(self, ckpt: Mapping[str, Any], loaded: set[str]) -> str:
         """More of the init_from report, after the matching tensors were loaded: the parts started from them."""

@@ -165,3 +165,44 @@ def test_the_lidar_and_fuser_config_groups_build_the_three_networks(tmp_path):
         assert out["segmentation"].shape[-2:] == (24, 24)
     assert list(cfg.model.net.lidar.pfn_channels) == [32] and cfg.model.net.lidar.reduce == "max"
     assert model.lidar.out_channels == 48 and model.fuser.out_channels == model.camera.out_channels
+
+
+def test_init_from_a_camera_and_a_lidar_checkpoint_takes_each_part_from_its_own(tmp_path):
+    """model.init_from as a list (BEVFusion's start: a camera and a LiDAR checkpoint): every source's matching
+    tensors load, a later source's over an earlier one's where both hold a tensor."""
+    import types
+
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    import bev.data  # noqa: F401 (the data config schemas)
+    from bev.train import CONFIG_DIR
+
+    sizes = [
+        "model.net.lidar.pfn_channels=[8]",
+        "model.net.lidar.widths=[8,8,8]",
+        "model.net.lidar.up_channels=[4,4,4]",
+    ]
+    with initialize_config_dir(CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=synthetic_fusion_cpu", "grid.xbound=[-24,24,2.0]", *sizes])
+    lit = instantiate(cfg.model)
+    state = lit.state_dict()
+
+    def saved(name: str, fill: float, parts: tuple[str, ...]) -> str:
+        tensors = {
+            k: torch.full_like(v, fill)
+            for k, v in state.items()
+            if k.split(".")[:2][-1] in parts and v.is_floating_point()
+        }
+        torch.save({"state_dict": tensors}, tmp_path / name)
+        return str(tmp_path / name)
+
+    lit.init_from = [saved("camera.ckpt", 1.0, ("camera", "decoder")), saved("lidar.ckpt", 2.0, ("lidar", "decoder"))]
+    lit._trainer = types.SimpleNamespace(ckpt_path=None)
+    report = lit._apply_init_from()
+    after = lit.state_dict()
+    for part, fill in (("camera", 1.0), ("lidar", 2.0), ("decoder", 2.0)):
+        keys = [k for k in after if k.startswith(f"net.{part}.") and after[k].is_floating_point()]
+        assert keys and all(bool((after[k] == fill).all()) for k in keys), part
+    scratch = report.splitlines()[-1]
+    assert "from scratch after all of them: fuser" in scratch and "camera" not in scratch and "lidar" not in scratch
