@@ -48,7 +48,8 @@ def test_bench_train_times_the_embedded_step_and_its_detection_head(tmp_path):
         config = report["configs"][key]
         rec = config["variants"]["fp32"]
         assert rec["step_s"] > 0 and rec["profile"]["steps"] == 1 and rec["profile"]["gpu_kernel_ms"] is None
-        assert rec["gflop_per_s"] == pytest.approx(config["gflop_per_step"] / rec["step_s"], rel=0.01)
+        rate = config["gflop_per_step"] / rec["step_s"]
+        assert rec["gflop_per_s"] == pytest.approx(rate, rel=0.01, abs=0.05)  # reported to 0.1 GFLOP/s
     # the detection head's layers add to the step's arithmetic
     assert report["configs"]["embedded_det"]["gflop_per_step"] > report["configs"]["embedded"]["gflop_per_step"]
     assert "profiled:" in printed

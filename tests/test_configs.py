@@ -37,7 +37,8 @@ def test_expected_experiments_exist():
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_experiment_composes_and_instantiates(experiment, tmp_path):
     # Pretrained weights off: no download here; the weights code path has its own tests.
-    no_download = ["model.net.camera.weights=null"] if experiment != "synthetic_lidar_cpu" else []  # LiDAR-only
+    lidar_only = experiment in ("synthetic_lidar_cpu", "lidar_nuscenes")  # no camera branch to download for
+    no_download = [] if lidar_only else ["model.net.camera.weights=null"]
     cfg = compose_train(tmp_path, [f"experiment={experiment}", *no_download])
     OmegaConf.resolve(cfg)
     # One grid for data and model, and the model's input size is the data's crop.
