@@ -27,7 +27,7 @@ BUILD_ENV = CUDA_HOME=$(CUDA_HOME) TORCH_CUDA_ARCH_LIST="$(TORCH_CUDA_ARCH_LIST)
 	CPATH="$$($(PY) -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cu13", "include"))' 2>/dev/null):$$CPATH"
 endif
 
-.PHONY: venv build train train-temporal train-det train-occ train-fusion test test-unit test-all bench gpu-check gpu-wheels clean
+.PHONY: venv build train train-temporal train-det train-occ train-lidar train-fusion test test-unit test-all bench gpu-check gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -127,16 +127,29 @@ train-occ: venv
 	$(VENV)/bin/bev-eval ckpt_path=$(OCC_RUN)/checkpoints data.dataroot=$(DATA) hydra.run.dir=$(OCC_RUN)/eval overwrite=true
 	@echo "Checkpoints: $(OCC_RUN)/checkpoints  Metrics: $(OCC_RUN)/eval/metrics.json  Predictions: $(OCC_RUN)/eval/predictions/"
 
-# Camera + LiDAR (experiment=synthetic_fusion_cpu: make train-det's tasks and schedule, the pillar LiDAR branch on
-# the key frames' ray-cast points, BEVFusion's ConvFuser) on the same data, started from `make train`'s checkpoint
-# when there is one (its camera branch and BEV decoder; the LiDAR branch and the fuser from scratch); a second run
-# resumes from its own last.ckpt.
+# LiDAR-only (experiment=synthetic_lidar_cpu: make train-det's tasks on the key frames' ray-cast points, no cameras)
+# on the same data, from scratch; a second run resumes from its own last.ckpt.
+LIDAR_RUN ?= outputs/synthetic_lidar_cpu
+train-lidar: venv
+	@set -e; \
+	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA) $(SYNTHETIC_ARGS) --no-occupancy; \
+	$(VENV)/bin/bev-train experiment=synthetic_lidar_cpu data.dataroot=$(DATA) hydra.run.dir=$(LIDAR_RUN) \
+		$(if $(wildcard $(LIDAR_RUN)/checkpoints/last.ckpt),ckpt_path=$(LIDAR_RUN)/checkpoints/last.ckpt)
+	$(VENV)/bin/bev-eval ckpt_path=$(LIDAR_RUN)/checkpoints data.dataroot=$(DATA) hydra.run.dir=$(LIDAR_RUN)/eval overwrite=true
+
+# Camera + LiDAR (experiment=synthetic_fusion_cpu: make train-det's tasks and schedule, the pillar LiDAR branch,
+# BEVFusion's ConvFuser) on the same data, started as BEVFusion starts its fused stage: the camera branch from
+# `make train`'s checkpoint, the LiDAR branch, decoder and heads from `make train-lidar`'s (each when there is one;
+# docs/lidar.md#figures); a second run resumes from its own last.ckpt.
 FUSION_RUN ?= outputs/synthetic_fusion_cpu
+comma := ,
+FUSION_INIT = $(strip $(if $(wildcard $(RUN)/checkpoints/*.ckpt),$(RUN)/checkpoints) \
+	$(if $(wildcard $(LIDAR_RUN)/checkpoints/*.ckpt),$(LIDAR_RUN)/checkpoints))
 train-fusion: venv
 	@set -e; \
 	test -f $(DATA)/v1.0-mini/scene.json || $(VENV)/bin/bev-make-synthetic --out $(DATA) $(SYNTHETIC_ARGS) --no-occupancy; \
 	$(VENV)/bin/bev-train experiment=synthetic_fusion_cpu data.dataroot=$(DATA) hydra.run.dir=$(FUSION_RUN) \
-		$(if $(wildcard $(RUN)/checkpoints/*.ckpt),model.init_from=$(RUN)/checkpoints) \
+		$(if $(FUSION_INIT),'model.init_from=[$(subst $() ,$(comma),$(FUSION_INIT))]') \
 		$(if $(wildcard $(FUSION_RUN)/checkpoints/last.ckpt),ckpt_path=$(FUSION_RUN)/checkpoints/last.ckpt)
 	$(VENV)/bin/bev-eval ckpt_path=$(FUSION_RUN)/checkpoints data.dataroot=$(DATA) hydra.run.dir=$(FUSION_RUN)/eval overwrite=true
 	@echo "Checkpoints: $(FUSION_RUN)/checkpoints  Metrics: $(FUSION_RUN)/eval/metrics.json  Results: $(FUSION_RUN)/eval/results_nusc.json"
