@@ -446,25 +446,3 @@ def test_synthetic_category_table_matches_the_devkit():
     assert all(category_to_detection_name(c) == d for c, d in CATEGORY_DETECTION.items())
     assert object_class("") == G.CLASS_ID["manmade"] and object_class("animal") == G.CLASS_ID["others"]
     assert object_class("vehicle.bus.bendy") == G.CLASS_ID["bus"]
-
-
-def test_labelling_costs_less_than_rendering(synthetic_sample):
-    """CPU time of this process (other processes' load does not count), medians of three."""
-    import time
-
-    from bev.synthetic import raycast
-    from bev.synthetic.occupancy import occupancy_sample
-
-    world, t, renders, scale, _ = synthetic_sample
-
-    def cpu(f):
-        times = []
-        for _ in range(3):
-            a = time.process_time()
-            f()
-            times.append(time.process_time() - a)
-        return sorted(times)[1]
-
-    render = cpu(lambda: raycast.render_sample(world, t, scale))
-    label = cpu(lambda: occupancy_sample(world, t, renders, scale))
-    assert label < render, (label, render)
