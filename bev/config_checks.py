@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 # types are checked against its signature, as a `_target_` node's are against its target's.
 MODEL_OPTIONS = {
     "net.camera": ("bev.models.lift.LiftSplat", "bev.models.camera.CameraEncoder"),
+    "segmentation": "bev.tasks.segmentation.task.SegmentationTask",
     "net.heads.detection": "bev.tasks.detection.head.CenterHead",
     "net.heads.motion": "bev.tasks.motion.head.MotionHead",
     "net.temporal": "bev.models.temporal.Temporal",
@@ -67,6 +68,7 @@ def check_model(cfg: DictConfig) -> None:
     if node is None:
         return
     model = OmegaConf.to_container(node, resolve=True)
+    _check_moved(model)
     _check_values(model, "model")
     _check_arguments(model, "model")
     for path, targets in MODEL_OPTIONS.items():
@@ -81,6 +83,18 @@ def check_model(cfg: DictConfig) -> None:
     _check_per_class(model)
     _build_losses(model)
     _check_image_size(model, OmegaConf.select(cfg, "data.final_dim"))
+
+
+def _check_moved(model: Mapping) -> None:
+    """A segmentation setting given at the top of model.* (its place before model.segmentation): say where it went."""
+    from bev.utils.legacy import SEGMENTATION_KEYS
+
+    moved = [k for k in SEGMENTATION_KEYS if k in model]
+    if moved and "BEVLitModule" in str(model.get("_target_")):
+        raise ValueError(
+            f"model.{moved[0]} is now model.segmentation.{moved[0]} (each task's settings sit under model.<task>): "
+            f"write model.segmentation.{moved[0]}=... instead"
+        )
 
 
 def _check_values(value: Any, path: str, weight: bool = False) -> None:
@@ -208,21 +222,22 @@ def _select(tree: Mapping, path: str) -> Any:
 
 
 def _check_per_class(model: Mapping) -> None:
-    """model.pos_weight and model.class_weight of the segmentation modules against their channels."""
+    """model.segmentation.pos_weight and class_weight against the segmentation channels."""
     from bev.tasks.segmentation.loss import per_class_weights
 
-    fn = _locate(str(model.get("_target_")))
-    names = model.get("object_classes")
-    segmentation = "segmentation" in (model.get("tasks") or ["segmentation"])
-    if fn is None or not segmentation or "pos_weight" not in _parameters(fn) or not isinstance(names, list):
-        return  # not a segmentation module, or channels named by the network alone
-    names = tuple(str(n) for n in names + list(model.get("map_classes") or []))
+    seg = model.get("segmentation")
+    if "segmentation" not in (model.get("tasks") or ["segmentation"]) or not isinstance(seg, Mapping):
+        return
+    names = seg.get("object_classes")
+    if not isinstance(names, list):
+        return  # channels named by the network alone
+    names = tuple(str(n) for n in names + list(seg.get("map_classes") or []))
     for key in ("pos_weight", "class_weight"):
-        if model.get(key) is not None:  # numbers, checked by _check_values
+        if seg.get(key) is not None:  # numbers, checked by _check_values
             try:
-                per_class_weights(model[key], names, f"model.{key}")
+                per_class_weights(seg[key], names, f"model.segmentation.{key}")
             except (TypeError, ValueError) as e:
-                raise ValueError(_named(f"model.{key}", e)) from None
+                raise ValueError(_named(f"model.segmentation.{key}", e)) from None
 
 
 def _build_losses(model: Mapping) -> None:

@@ -97,6 +97,7 @@ def load_checkpoint(
         context = OmegaConf.create({**{k: run_cfg[k] for k in run_cfg if k != "model"}, "model": given})
         model_cfg = OmegaConf.create(OmegaConf.to_container(context.model, resolve=True))
     else:
+        _check_moved(given or {})
         model_cfg = OmegaConf.merge(run_cfg.model, given or {})
     model_cfg = OmegaConf.merge(model_cfg, {"net": {"grid": run_cfg.grid, "image_size": run_cfg.data.final_dim}})
     for key in RETIRED_MODEL_KEYS:  # settings older checkpoints stored that no longer exist
@@ -112,6 +113,15 @@ def load_checkpoint(
     model.load_state_dict(ckpt["state_dict"])
     model.run_config = OmegaConf.to_container(run_cfg, resolve=True)
     return Loaded(model.eval(), run_cfg, model_cfg, ckpt, path, reason)
+
+
+def _check_moved(given: Mapping) -> None:
+    """+model.<key> overrides of segmentation's settings at their place before model.segmentation: say where."""
+    from bev.utils.legacy import SEGMENTATION_KEYS
+
+    moved = [k for k in SEGMENTATION_KEYS if k in given]
+    if moved:
+        raise ValueError(f"+model.{moved[0]} is now +model.segmentation.{moved[0]}: pass that instead")
 
 
 def say_chosen(loaded: Loaded) -> None:

@@ -62,15 +62,14 @@ def _check_tasks(tasks: Sequence[str], net: nn.Module) -> tuple[str, ...]:
     return tuple(t for t in TASKS if t in tasks)
 
 
-def _task_modules(
-    tasks, net, object_classes, map_classes, threshold, seg, detection, motion, occupancy
-) -> nn.ModuleDict:
+def _task_modules(tasks, net, segmentation, detection, motion, occupancy) -> nn.ModuleDict:
     """The tasks' loss, metric and prediction modules, in TASKS order."""
     grid = net.grid
     made: dict[str, nn.Module] = {}
     if "segmentation" in tasks:
-        objects, maps = _class_names(net, object_classes, map_classes)
-        made["segmentation"] = SegmentationTask(grid, objects, maps, threshold=threshold, **seg)
+        seg = dict(segmentation or {})
+        objects, maps = _class_names(net, seg.pop("object_classes", None), seg.pop("map_classes", ()))
+        made["segmentation"] = SegmentationTask(grid, objects, maps, **seg)
     if "detection" in tasks:
         made["detection"] = DetectionTask(grid, detection, int(net.past_frames or 0))
     if "motion" in tasks:
@@ -99,10 +98,13 @@ def _class_names(net: nn.Module, object_classes, map_classes) -> tuple[tuple[str
         object_classes = ("vehicle",) if n == 1 else tuple(f"class{k}" for k in range(n))
     object_classes = tuple(str(c) for c in object_classes)
     if not object_classes:
-        raise ValueError("model.object_classes is empty: the first channels must be object classes (data.categories)")
+        raise ValueError(
+            "model.segmentation.object_classes is empty: the first channels must be object classes (data.categories)"
+        )
     if head is not None and head != len(object_classes) + len(map_classes):
         raise ValueError(
-            f"model.net.heads.segmentation.num_classes={head} but object_classes {list(object_classes)} + map_classes "
+            f"model.net.heads.segmentation.num_classes={head} but model.segmentation's object_classes "
+            f"{list(object_classes)} + map_classes "
             f"{list(map_classes)} name {len(object_classes) + len(map_classes)} channels"
         )
     return object_classes, map_classes
@@ -144,6 +146,8 @@ class BEVLitModule(L.LightningModule):
     depth_weight > 0 adds that times the cross-entropy of the camera depth logits against the
     lidar depth bins (data.depth_target=true; cells without a target are ignored), as BEVDepth.
     headline: the experiment's headline metric (a val/ key, maximised), whose best is kept as <headline>_best.
+    segmentation, detection, motion, occupancy: each task's settings (model.<task>), read by its module
+    (bev.tasks.<task>.task) when model.tasks has it.
     """
 
     def __init__(
@@ -158,13 +162,7 @@ class BEVLitModule(L.LightningModule):
         headline: str = "val/iou",
         tasks: Sequence[str] = ("segmentation",),
         task_weights: str = "fixed",
-        object_classes: Sequence[str] | None = None,
-        map_classes: Sequence[str] = (),
-        pos_weight: float | Sequence[float] | Mapping[str, float] = 2.13,
-        threshold: float = 0.5,
-        loss: str = "bce",
-        focal_gamma: float = 2.0,
-        class_weight: float | Sequence[float] | Mapping[str, float] | None = None,
+        segmentation: Mapping[str, Any] | None = None,
         detection: Mapping[str, Any] | None = None,
         motion: Mapping[str, Any] | None = None,
         occupancy: Mapping[str, Any] | None = None,
@@ -190,10 +188,7 @@ class BEVLitModule(L.LightningModule):
             raise ValueError(f"headline={self.headline!r} must be a validation metric, e.g. val/iou or val/NDS")
         self.register_buffer("val_headline_best", torch.tensor(0.0))
         self.tasks = _check_tasks(tasks, net)
-        seg = dict(loss=loss, focal_gamma=focal_gamma, pos_weight=pos_weight, class_weight=class_weight)
-        self.task_modules = _task_modules(
-            self.tasks, net, object_classes, map_classes, threshold, seg, detection, motion, occupancy
-        )
+        self.task_modules = _task_modules(self.tasks, net, segmentation, detection, motion, occupancy)
         self.class_names = self.task_modules.segmentation.class_names if "segmentation" in self.tasks else OCC3D_CLASSES
         self.object_classes = (
             self.task_modules.segmentation.object_classes if "segmentation" in self.tasks else self.class_names
@@ -246,7 +241,7 @@ class BEVLitModule(L.LightningModule):
         if "segmentation" in self.tasks and names and names != self.class_names:
             raise ValueError(
                 f"the data's target channels {list(names)} differ from the model's {list(self.class_names)}: "
-                f"model.object_classes/map_classes and net.heads.segmentation.num_classes must follow data.categories "
+                f"model.segmentation.object_classes/map_classes and net.heads.segmentation.num_classes must follow data.categories "
                 f"and data.map_layers (the configs interpolate them with ${{bev.object_classes:...}} etc.)"
             )
         config = getattr(dm, "config", None)

@@ -28,7 +28,8 @@ def tiny_lit(seed: int = 0, compile=False, downsample: int = 16, **kwargs) -> BE
     torch.manual_seed(seed)
     net = lss_net(GRID, SIZE, downsample=downsample, **TINY_NET)
     adam = functools.partial(torch.optim.Adam, lr=1e-3)
-    return BEVLitModule(net, adam, compile=compile, object_classes=("vehicle",), **kwargs)
+    segmentation = {"object_classes": ("vehicle",), **kwargs.pop("segmentation", {})}
+    return BEVLitModule(net, adam, compile=compile, segmentation=segmentation, **kwargs)
 
 
 def tiny_batch(B: int = 2, grid: Grid = GRID) -> dict:
@@ -70,7 +71,7 @@ def test_setup_compiles_the_network_whole_in_the_chosen_mode(monkeypatch, value,
 
 @pytest.mark.parametrize("loss", ["bce", "focal"])
 def test_the_loss_compiles_whole_and_matches_eager(fresh_compile_caches, loss):
-    lit = tiny_lit(loss=loss, pos_weight=2.13, class_weight=None if loss == "bce" else 1.0)
+    lit = tiny_lit(segmentation=dict(loss=loss, pos_weight=2.13, class_weight=None if loss == "bce" else 1.0))
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 1, 24, 24, generator=g)
     target = (torch.rand(2, 1, 24, 24, generator=g) < 0.2).float()

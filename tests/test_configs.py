@@ -66,7 +66,7 @@ def test_lss_paper_settings():
     assert cfg.trainer.gradient_clip_val == 5.0 and cfg.data.version == "v1.0-trainval"
     assert list(cfg.data.final_dim) == [128, 352] and cfg.data.batch_size == 4
     assert cfg.model.optimizer.lr == 1e-3 and cfg.model.optimizer.weight_decay == 1e-7
-    assert cfg.model.pos_weight == 2.13
+    assert cfg.model.segmentation.pos_weight == 2.13
     assert cfg.model.net.camera.backbone == "efficientnet_b0"
 
 

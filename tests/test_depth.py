@@ -158,7 +158,7 @@ def test_depth_supervision_adds_the_cross_entropy_of_the_depth_logits():
     out = net(*(batch[k] for k in CAMERA_KEYS))
     bev, depth_logits = out["segmentation"], out["depth"]
     assert depth_logits.shape == (1, 2, 4, 2, 4)  # (B, N, D, H/16, W/16)
-    m = BEVLitModule(net, optimizer=None, object_classes=["vehicle"], depth_weight=0.5)
+    m = BEVLitModule(net, optimizer=None, segmentation=dict(object_classes=["vehicle"]), depth_weight=0.5)
     m.log = lambda *a, **k: None
     loss = m.training_step(batch, 0)["loss"]
     valid = batch["depth"] >= 0
@@ -174,6 +174,6 @@ def test_depth_supervision_adds_the_cross_entropy_of_the_depth_logits():
 def test_depth_weight_without_depth_targets_names_the_fix():
     from bev.lit import BEVLitModule
 
-    m = BEVLitModule(_tiny_lss(), optimizer=None, object_classes=["vehicle"], depth_weight=1.0)
+    m = BEVLitModule(_tiny_lss(), optimizer=None, segmentation=dict(object_classes=["vehicle"]), depth_weight=1.0)
     with pytest.raises(ValueError, match="data.depth_target=true"):
         m.training_step(_batch(with_depth=False), 0)

@@ -9,6 +9,7 @@ import torch
 from test_occupancy_data import occ_root  # noqa: F401 (the synthetic set with Occ3D labels)
 
 from bev.utils.checkpoint import RENAMED_MODEL_KEYS, RENAMED_STATE, read_checkpoint
+from bev.utils.legacy import SEGMENTATION_KEYS
 from helpers.cli import TINY, eval_cli, train_cli
 
 LEGACY = Path(__file__).parent / "data" / "legacy_checkpoints"
@@ -67,6 +68,17 @@ def test_a_legacy_checkpoint_loads_with_its_tasks(task):
     assert float(model.val_headline_best) == float(raw["state_dict"]["val_iou_best"])
     upgraded = read_checkpoint(LEGACY / f"{task}.ckpt")
     assert "val_iou_best" not in upgraded["state_dict"] and "heads" not in upgraded["bev_config"]["model"]
+    # Segmentation's settings, stored at the top of model, are read under model.segmentation.
+    stored, model_cfg = raw["bev_config"]["model"], upgraded["bev_config"]["model"]
+    assert not set(SEGMENTATION_KEYS) & set(model_cfg)
+    moved = {k: stored[k] for k in SEGMENTATION_KEYS if k in stored and task != "occupancy"}  # it stored none
+    assert model_cfg.get("segmentation") == (moved or None) and (moved or task == "occupancy")
+    if "segmentation" in model.tasks:
+        weights = model.task_modules.segmentation.loss_fn.pos_weight.flatten().tolist()
+        names = model.class_names
+        want = moved["pos_weight"]
+        want = [want.get(n, 1.0) for n in names] if isinstance(want, dict) else [float(want)] * len(names)
+        assert weights == pytest.approx(want)
 
 
 CRAFTED = {  # where a stored config of the earlier layout is not what bev-train wrote

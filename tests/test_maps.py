@@ -226,8 +226,8 @@ def test_train_and_eval_with_map_layers(tiny_root, tmp_path, monkeypatch, capsys
         "data.map_layers=bevfusion",
         "data.raster=lss",
         f"data.cache_dir={tmp_path / 'cache'}",
-        "model.loss=focal",
-        "model.pos_weight={vehicle:2.13,divider:3.0}",
+        "model.segmentation.loss=focal",
+        "model.segmentation.pos_weight={vehicle:2.13,divider:3.0}",
         "callbacks.bev_png.every_n_steps=1",
         f"hydra.run.dir={run}",
     ]
@@ -263,32 +263,37 @@ def test_bad_loss_and_pos_weight_are_clear_errors():
     from helpers.models import stand_in_net
 
     net = stand_in_net(1, 3)
-    kw = dict(net=net, optimizer=None, object_classes=["vehicle"], map_classes=["drivable_area", "divider"])
-    m = BEVLitModule(**kw, pos_weight={"vehicle": 2.0})
+    kw = dict(net=net, optimizer=None)
+    classes = dict(object_classes=["vehicle"], map_classes=["drivable_area", "divider"])
+    m = BEVLitModule(**kw, segmentation=dict(**classes, pos_weight={"vehicle": 2.0}))
     assert m.task_modules.segmentation.loss_fn.pos_weight.flatten().tolist() == [2.0, 1.0, 1.0]
-    assert BEVLitModule(**kw, pos_weight=[1, 2, 3]).task_modules.segmentation.loss_fn.pos_weight.flatten().tolist() == [
+    assert BEVLitModule(
+        **kw, segmentation=dict(**classes, pos_weight=[1, 2, 3])
+    ).task_modules.segmentation.loss_fn.pos_weight.flatten().tolist() == [
         1.0,
         2.0,
         3.0,
     ]
     with pytest.raises(ValueError, match="unknown class.*'road'.*vehicle"):
-        BEVLitModule(**kw, pos_weight={"road": 2.0})
+        BEVLitModule(**kw, segmentation=dict(**classes, pos_weight={"road": 2.0}))
     with pytest.raises(ValueError, match="2 values for 3 classes"):
-        BEVLitModule(**kw, pos_weight=[1, 2])
-    with pytest.raises(ValueError, match="unknown model.loss 'dice'"):
-        BEVLitModule(**kw, loss="dice")
+        BEVLitModule(**kw, segmentation=dict(**classes, pos_weight=[1, 2]))
+    with pytest.raises(ValueError, match="unknown model.segmentation.loss 'dice'"):
+        BEVLitModule(**kw, segmentation=dict(**classes, loss="dice"))
     with pytest.raises(ValueError, match="num_classes=3 but"):
-        BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], map_classes=["divider"])
+        BEVLitModule(net=net, optimizer=None, segmentation=dict(object_classes=["vehicle"], map_classes=["divider"]))
     # Focal loss: gamma 0 is BCE; confident right answers cost less than with BCE.
     import torch
     import torch.nn.functional as F
 
     logits, target = torch.randn(2, 3, 4, 4), (torch.rand(2, 3, 4, 4) > 0.5).float()
-    f0 = BEVLitModule(**kw, pos_weight=1.0, loss="focal", focal_gamma=0.0).task_modules.segmentation.loss_fn(
-        logits, target
-    )
+    f0 = BEVLitModule(
+        **kw, segmentation=dict(**classes, pos_weight=1.0, loss="focal", focal_gamma=0.0)
+    ).task_modules.segmentation.loss_fn(logits, target)
     torch.testing.assert_close(f0, F.binary_cross_entropy_with_logits(logits, target))
-    f2 = BEVLitModule(**kw, pos_weight=1.0, loss="focal").task_modules.segmentation.loss_fn(logits, target)
+    f2 = BEVLitModule(
+        **kw, segmentation=dict(**classes, pos_weight=1.0, loss="focal")
+    ).task_modules.segmentation.loss_fn(logits, target)
     assert f2 < f0
 
 
@@ -300,27 +305,30 @@ def test_class_weight_weighs_each_channel_mean_loss():
     from helpers.models import stand_in_net
 
     net = stand_in_net(1, 3)
-    kw = dict(
-        net=net, optimizer=None, object_classes=["vehicle"], map_classes=["drivable_area", "divider"], pos_weight=2.0
-    )
+    kw = dict(net=net, optimizer=None)
+    classes = dict(object_classes=["vehicle"], map_classes=["drivable_area", "divider"], pos_weight=2.0)
     logits, target = torch.randn(2, 3, 4, 5), (torch.rand(2, 3, 4, 5) > 0.7).float()
     per_class = [
         F.binary_cross_entropy_with_logits(logits[:, k], target[:, k], pos_weight=torch.tensor(2.0)) for k in range(3)
     ]
-    got = BEVLitModule(**kw, class_weight={"vehicle": 4.0}).task_modules.segmentation.loss_fn(logits, target)
+    got = BEVLitModule(
+        **kw, segmentation=dict(**classes, class_weight={"vehicle": 4.0})
+    ).task_modules.segmentation.loss_fn(logits, target)
     torch.testing.assert_close(got, (4 * per_class[0] + per_class[1] + per_class[2]) / 6)
     torch.testing.assert_close(
-        BEVLitModule(**kw, class_weight=1.0).task_modules.segmentation.loss_fn(logits, target),
-        BEVLitModule(**kw).task_modules.segmentation.loss_fn(logits, target),
+        BEVLitModule(**kw, segmentation=dict(**classes, class_weight=1.0)).task_modules.segmentation.loss_fn(
+            logits, target
+        ),
+        BEVLitModule(**kw, segmentation=classes).task_modules.segmentation.loss_fn(logits, target),
     )
-    focal = BEVLitModule(**kw, loss="focal", focal_gamma=0.0, class_weight=[0, 1, 0]).task_modules.segmentation.loss_fn(
-        logits, target
-    )
+    focal = BEVLitModule(
+        **kw, segmentation=dict(**classes, loss="focal", focal_gamma=0.0, class_weight=[0, 1, 0])
+    ).task_modules.segmentation.loss_fn(logits, target)
     torch.testing.assert_close(focal, per_class[1])
     with pytest.raises(ValueError, match="class_weight names unknown class.*'car'"):
-        BEVLitModule(**kw, class_weight={"car": 2.0})
+        BEVLitModule(**kw, segmentation=dict(**classes, class_weight={"car": 2.0}))
     with pytest.raises(ValueError, match="class_weight must be >= 0 and not all 0"):
-        BEVLitModule(**kw, class_weight=[0, 0, 0])
+        BEVLitModule(**kw, segmentation=dict(**classes, class_weight=[0, 0, 0]))
 
 
 def test_clip_drops_degenerate_rings():

@@ -204,7 +204,9 @@ def test_training_step_never_waits_for_the_host(splat, loss):
 
     torch.manual_seed(0)
     net = lss_net(GRID, SIZE, splat=splat, pool_backend="native", **TINY_NET)
-    lit = BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], loss=loss, class_weight=1.0)
+    lit = BEVLitModule(
+        net=net, optimizer=None, segmentation=dict(object_classes=["vehicle"], loss=loss, class_weight=1.0)
+    )
     x = model_inputs()
     target = (torch.rand(2, 1, *GRID.bev_shape) > 0.9).float()
     net(*x)  # first call: lazy set-up outside the measured step
@@ -247,8 +249,10 @@ def test_uncertainty_task_weights_start_each_task_at_its_first_loss():
     net = lss_net(GRID, SIZE, detection={"head_channels": 0, "shared_channels": 8}, **TINY_NET)
     batch = {"bev": (torch.rand(2, 1, *GRID.bev_shape) > 0.9).float(), **detection_targets(GRID, 2, seed=0)}
     tasks = ["segmentation", "detection"]
-    fixed = BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], tasks=tasks)
-    learned = BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], tasks=tasks, task_weights="uncertainty")
+    fixed = BEVLitModule(net=net, optimizer=None, segmentation=dict(object_classes=["vehicle"]), tasks=tasks)
+    learned = BEVLitModule(
+        net=net, optimizer=None, segmentation=dict(object_classes=["vehicle"]), tasks=tasks, task_weights="uncertainty"
+    )
     out = net(*model_inputs())
     total, terms = fixed.losses(out, batch)
     torch.testing.assert_close(total, terms["seg"] + terms["det"])
@@ -258,4 +262,6 @@ def test_uncertainty_task_weights_start_each_task_at_its_first_loss():
     log_vars = dict(learned.task_weights.log_vars.items())
     assert set(log_vars) == {"seg", "det"} and all(p in set(learned.parameters()) for p in log_vars.values())
     with pytest.raises(ValueError, match="task_weights"):
-        BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], tasks=tasks, task_weights="equal")
+        BEVLitModule(
+            net=net, optimizer=None, segmentation=dict(object_classes=["vehicle"]), tasks=tasks, task_weights="equal"
+        )

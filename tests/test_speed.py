@@ -150,7 +150,9 @@ def test_configure_optimizers_builds_the_configured_optimizer_on_cpu():
 
     net = stand_in_net(3, 1, kernel=3)
     opt = BEVLitModule(
-        net, optimizer=partial(torch.optim.Adam, lr=2e-3), object_classes=["vehicle"]
+        net,
+        optimizer=partial(torch.optim.Adam, lr=2e-3),
+        segmentation=dict(object_classes=["vehicle"]),
     ).configure_optimizers()
     assert isinstance(opt, torch.optim.Adam) and opt.param_groups[0]["lr"] == 2e-3
     assert not opt.param_groups[0]["fused"] and len(opt.param_groups[0]["params"]) == 2

@@ -56,7 +56,9 @@ def _module(**kw):
     from helpers.models import stand_in_net
 
     net = stand_in_net(1, 3)
-    return BEVLitModule(net=net, optimizer=None, object_classes=["vehicle"], map_classes=["lane", "divider"], **kw)
+    return BEVLitModule(
+        net=net, optimizer=None, segmentation=dict(object_classes=["vehicle"], map_classes=["lane", "divider"], **kw)
+    )
 
 
 @pytest.mark.parametrize(

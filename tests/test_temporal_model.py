@@ -89,7 +89,7 @@ def tiny_module(**kw) -> BEVLitModule:
     """The temporal tiny_net trained for segmentation and motion."""
     net = tiny_net(**kw.pop("net", {}))
     classes = dict(object_classes=["vehicle"], map_classes=["drivable_area"])
-    return BEVLitModule(net, torch.optim.Adam, tasks=["segmentation", "motion"], **classes, **kw)
+    return BEVLitModule(net, torch.optim.Adam, tasks=["segmentation", "motion"], segmentation=classes, **kw)
 
 
 def cams(batch):
@@ -292,7 +292,9 @@ def save_checkpoint(module, path, run_config=None):
 
 def static_module(seed: int = 1) -> BEVLitModule:
     torch.manual_seed(seed)
-    static = BEVLitModule(static_net(), torch.optim.Adam, object_classes=["vehicle"], map_classes=["drivable_area"])
+    static = BEVLitModule(
+        static_net(), torch.optim.Adam, segmentation=dict(object_classes=["vehicle"], map_classes=["drivable_area"])
+    )
     for m in static.modules():  # non-default BN statistics, so that loading them is seen too
         if isinstance(m, torch.nn.BatchNorm2d):
             m.running_mean.uniform_(-0.1, 0.1)
@@ -385,7 +387,7 @@ def test_init_from_a_checkpoint_without_a_stored_config_is_read_by_its_tensors(t
 
 def test_init_from_a_static_head_of_other_classes_leaves_the_future(tmp_path):
     torch.manual_seed(1)
-    other = BEVLitModule(static_net(num_classes=3), torch.optim.Adam, object_classes=["a", "b", "c"])
+    other = BEVLitModule(static_net(num_classes=3), torch.optim.Adam, segmentation=dict(object_classes=["a", "b", "c"]))
     _, said = init_from(save_checkpoint(other, tmp_path / "other.ckpt", STATIC_CONFIG))
     assert "the static head did not fit" in said and "heads.segmentation.conv.weight" in said
 
@@ -446,9 +448,11 @@ def test_a_training_step_and_its_checkpoint_reads_with_weights_only(tmp_path):
                 "temporal": {"past_frames": P},
             },
             "optimizer": {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-3},
-            "object_classes": ["vehicle"],
-            "map_classes": ["drivable_area"],
-            "pos_weight": {"vehicle": 4.0, "drivable_area": 2.0},
+            "segmentation": {
+                "object_classes": ["vehicle"],
+                "map_classes": ["drivable_area"],
+                "pos_weight": {"vehicle": 4.0, "drivable_area": 2.0},
+            },
             "motion": {"loss": {"seg_top_k": 0.25}},
             "past_no_grad": True,
         }
@@ -628,8 +632,7 @@ def test_init_from_starts_a_detection_model_from_a_static_one(tmp_path, capsys):
     det = BEVLitModule(
         net,
         torch.optim.Adam,
-        object_classes=["vehicle"],
-        map_classes=["drivable_area"],
+        segmentation=dict(object_classes=["vehicle"], map_classes=["drivable_area"]),
         tasks=["segmentation", "detection"],
         init_from=path,
     )
@@ -650,8 +653,7 @@ def test_a_detection_decoder_of_its_own_starts_as_the_loaded_shared_one_once(tmp
     det = BEVLitModule(
         net,
         torch.optim.Adam,
-        object_classes=["vehicle"],
-        map_classes=["drivable_area"],
+        segmentation=dict(object_classes=["vehicle"], map_classes=["drivable_area"]),
         tasks=["segmentation", "detection"],
         init_from=path,
     )

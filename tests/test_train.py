@@ -256,8 +256,11 @@ def test_eval_threads_give_way_to_other_processes(
 def test_eval_model_override_applies_to_the_checkpoint_config(tiny_run, synthetic_root, tmp_path, monkeypatch, capsys):
     base = [f"ckpt_path={tiny_run}", f"data.dataroot={synthetic_root}", "num_pngs=0"]
     # A setting that does not change the weights is applied on top of the checkpoint's model config...
-    assert eval_cli([*base, "+model.threshold=0.3", f"hydra.run.dir={tmp_path / 'a'}"], monkeypatch) == 0
+    assert eval_cli([*base, "+model.segmentation.threshold=0.3", f"hydra.run.dir={tmp_path / 'a'}"], monkeypatch) == 0
     assert json.loads((tmp_path / "a" / "metrics.json").read_text())["threshold"] == 0.3
+    # ...the place it had before model.segmentation is named.
+    assert eval_cli([*base, "+model.threshold=0.3", f"hydra.run.dir={tmp_path / 'c'}"], monkeypatch) == 1
+    assert_one_paragraph(capsys.readouterr().err, "bev-eval: error:", "+model.segmentation.threshold")
     # ...one that does is refused, naming the key.
     assert (
         eval_cli([*base, "+model.net.camera.context_channels=16", f"hydra.run.dir={tmp_path / 'b'}"], monkeypatch) == 1

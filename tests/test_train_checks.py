@@ -57,8 +57,14 @@ def _check(*overrides):
         ((DET, "model.detection.weight=nan"), "model.detection.weight=nan is not a finite number"),
         ((DET, "model.detection.weight=-1"), "model.detection.weight=-1: a weight must be >= 0"),
         ((STATIC, "model.depth_weight=-0.1"), "model.depth_weight=-0.1: a weight must be >= 0"),
-        ((STATIC, "model.pos_weight.vehicle=-3"), "model.pos_weight.vehicle=-3: a weight must be >= 0"),
-        ((STATIC, "model.class_weight.vehicle=inf"), "model.class_weight.vehicle=inf is not a finite number"),
+        (
+            (STATIC, "model.segmentation.pos_weight.vehicle=-3"),
+            "model.segmentation.pos_weight.vehicle=-3: a weight must be >= 0",
+        ),
+        (
+            (STATIC, "model.segmentation.class_weight.vehicle=inf"),
+            "model.segmentation.class_weight.vehicle=inf is not a finite number",
+        ),
         ((DET, "+model.detection.loss.regression_weight=-2"), "model.detection.loss.regression_weight=-2"),
         ((TEMPORAL, "model.motion.loss.weights.kl=nan"), "model.motion.loss.weights.kl=nan"),
         ((TEMPORAL, "model.motion.loss.seg_pos_weight=-4"), "model.motion.loss.seg_pos_weight=-4"),
@@ -82,13 +88,21 @@ def _check(*overrides):
         ),
         ((OCC, "model.occupancy.loss.class_weight=[1,2]"), "model.occupancy.loss.class_weight has 2 weights, not 18"),
         ((OCC, "model.occupancy.loss.lovasz_weight=abc"), "model.occupancy.loss.lovasz_weight='abc' is not a number"),
-        ((STATIC, "model.focal_gamma=abc"), "model.focal_gamma='abc' must be a number"),
+        # Segmentation's settings at their place before model.segmentation.
+        ((STATIC, "+model.pos_weight=3"), "model.pos_weight is now model.segmentation.pos_weight"),
+        ((STATIC, "model.segmentation.focal_gamma=abc"), "model.segmentation.focal_gamma='abc' must be a number"),
         (
             (STATIC, "model.net.camera.context_channels=abc"),
             "model.net.camera.context_channels='abc' must be a whole number",
         ),
-        ((STATIC, "+model.pos_weight.car=2"), "model.pos_weight names unknown class(es) ['car']"),
-        (("experiment=lss_nuscenes_mini", "model.pos_weight=[1,2]"), "model.pos_weight has 2 values for 1 classes"),
+        (
+            (STATIC, "+model.segmentation.pos_weight.car=2"),
+            "model.segmentation.pos_weight names unknown class(es) ['car']",
+        ),
+        (
+            ("experiment=lss_nuscenes_mini", "model.segmentation.pos_weight=[1,2]"),
+            "model.segmentation.pos_weight has 2 values for 1 classes",
+        ),
         ((TEMPORAL, "model.motion.loss.seg_top_k=2"), "model.motion.loss.seg_top_k must be in (0, 1]"),
         ((TEMPORAL, "model.motion.loss.future_discount=0"), "model.motion.loss.future_discount must be in (0, 1]"),
         ((DET, "+model.detection.loss.code_weights=[1,1]"), "model.detection.loss: code_weights needs one weight"),

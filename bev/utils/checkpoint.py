@@ -113,7 +113,7 @@ def upgrade_checkpoint(ckpt: dict) -> bool:
     state_dict keys (RENAMED_STATE), stored model settings (RENAMED_MODEL_KEYS) and task modules under their current
     names.
     True when the network's layout was upgraded (its optimiser states then follow: legacy.reorder_optimizer_states)."""
-    from bev.utils.legacy import upgrade_module, upgrade_network
+    from bev.utils.legacy import upgrade_module, upgrade_network, upgrade_settings
 
     upgraded = upgrade_network(ckpt)
     state = ckpt.get("state_dict")
@@ -124,7 +124,9 @@ def upgrade_checkpoint(ckpt: dict) -> bool:
             for old, new in names.items():
                 if old in table and new not in table:
                     table[new] = table.pop(old)
-    return upgrade_module(ckpt) or upgraded
+    module = upgrade_module(ckpt)
+    upgrade_settings(ckpt)
+    return module or upgraded
 
 
 # The nodes of a stored config load_checkpoint reads as mappings: anything else there (a string, a list) is an

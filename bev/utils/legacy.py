@@ -9,6 +9,9 @@ move with the parts (docs/configs.md#checkpoints-of-earlier-layouts):
                      future_dist.* -> heads.motion.*
   OccupancyNet       camera_encoder.* as above; voxel_encoder.* -> decoder.*; occ_head.* -> heads.occupancy.*;
                      channel_to_height: bev_encoder.up2.3.* -> heads.occupancy.proj.*, bev_encoder.* -> decoder.*
+
+and the module's settings: a TemporalLitModule's or OccupancyLitModule's under model.<task> (upgrade_module);
+segmentation's top-level model.pos_weight, class_weight, ... under model.segmentation (upgrade_settings).
 """
 
 from __future__ import annotations
@@ -178,4 +181,23 @@ def upgrade_module(ckpt: dict) -> bool:
     if isinstance(state, dict) and task == "motion":
         prefix = "task_modules.motion."
         ckpt["state_dict"] = {(prefix + k if k.startswith("temporal_loss.") else k): v for k, v in state.items()}
+    return True
+
+
+# Segmentation's settings, at the top of model.* before each task had its mapping under model.<task>.
+SEGMENTATION_KEYS = ("object_classes", "map_classes", "loss", "focal_gamma", "pos_weight", "class_weight", "threshold")
+
+
+def upgrade_settings(ckpt: dict) -> bool:
+    """A stored BEVLitModule config with segmentation's settings at the top of model.* (SEGMENTATION_KEYS) with
+    them under model.segmentation, in place; False if there were none."""
+    config = ckpt.get("bev_config")
+    model = config.get("model") if isinstance(config, dict) else None
+    if _target(model) != MODULE or not any(k in model for k in SEGMENTATION_KEYS):
+        return False
+    seg = model.get("segmentation")
+    if seg is not None and not isinstance(seg, dict):
+        return False  # not a config bev-train wrote: left for the trust check to refuse
+    moved = {k: model.pop(k) for k in SEGMENTATION_KEYS if k in model}
+    model["segmentation"] = {**moved, **(seg or {})}
     return True

@@ -51,7 +51,7 @@ class SegmentationLoss(nn.Module):
     ):
         super().__init__()
         if loss not in LOSSES:
-            raise ValueError(f"unknown model.loss {loss!r}; choose one of {', '.join(LOSSES)}")
+            raise ValueError(f"unknown model.segmentation.loss {loss!r}; choose one of {', '.join(LOSSES)}")
         names = tuple(class_names)
         self.loss_name, self.focal_gamma = loss, float(focal_gamma)
         self.register_buffer("pos_weight", per_class_weights(pos_weight, names).view(-1, 1, 1), persistent=False)
