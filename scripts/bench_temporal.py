@@ -5,24 +5,18 @@
     .venv/bin/python scripts/bench_temporal.py --variants fiery_static fiery     # FIERY's baseline setting
     .venv/bin/python scripts/bench_temporal.py --variants fiery fiery_stride8 --fiery /tmp/fiery [--site DIR]
 
-Variants, built from the Hydra configs as bev-train builds them and alternated round-robin: "static"
-(experiment=synthetic_cpu), "temporal" (experiment=synthetic_temporal_cpu with every frame trained),
-"temporal+past_no_grad" (the past frames without gradient; also with a 3x3 temporal block) and
-"temporal+past_no_grad+past_cache" (the experiment as configured, the cache full: the same batch every
-step); "fiery_static" and "fiery" are experiment=fiery_nuscenes's two stages at batch 1, "fiery_fp32" the
-latter in fp32 and "fiery_stride8" at equal work with FIERY (model.net.camera.downsample=8: as many frustum
-points as FIERY's), only when named. A step is forward + losses under the precision bev-train resolves on the
-device, backward, gradient clipping and the optimiser's step, on random images with the real rig, ego motions
-of a car driving 2-5 m per frame and random labels. Reports the median and fastest step and the ratios to the
-single-frame variant; writes JSON to --out atomically.
+Variants (built as bev-train builds them, alternated round-robin): "static" (experiment=synthetic_cpu),
+"temporal" (synthetic_temporal_cpu, every frame trained), "temporal+past_no_grad" (also with a 3x3 temporal
+block), "temporal+past_no_grad+past_cache" (the experiment as configured, the cache full); "fiery_static" and
+"fiery" (experiment=fiery_nuscenes's two stages at batch 1), "fiery_fp32" and "fiery_stride8" (as many frustum
+points as FIERY's) only when named. A step: forward + losses in the precision bev-train resolves, backward,
+clipping, the optimiser's step, on random images with the real rig, ego motions of 2-5 m a frame and random
+labels. Reports medians and the ratios to the single-frame variant; writes JSON to --out atomically.
 
---fiery adds FIERY's own step as "fiery_original", and each variant's speed-up over it: its TrainingModule at
-its configs/baseline.yml, batch 1 (3 frames x 6 cameras of 224x480, a 200x200 grid of 0.5 m, 4 future
-frames), shared_step + backward + clipping + Adam in fp32, on the same images and rig. --fiery is a checkout
-of github.com/wayveai/fiery, loaded from there as it is (never copied into this project); it needs
+--fiery adds FIERY's own step ("fiery_original", its configs/baseline.yml at batch 1 in fp32, same images and
+rig) and each variant's speed-up over it: a checkout of github.com/wayveai/fiery, loaded as it is; it needs
 efficientnet_pytorch and fvcore (pip install --target DIR efficientnet_pytorch fvcore yacs iopath portalocker
-termcolor tabulate; pass DIR as --site); the pytorch_lightning 1.2 names its trainer imports are stood in for,
-in this process only.
+termcolor tabulate; pass DIR as --site); the pytorch_lightning 1.2 names it imports are stood in for.
 """
 
 from __future__ import annotations

@@ -38,6 +38,8 @@ from bench_common import (  # noqa: E402
     write_report,
 )
 
+from bev.utils.profiling import matmul_rate, op_family  # noqa: E402
+
 CONFIGS = {
     "paper": ["experiment=lss_nuscenes_trainval", "model.net.camera.weights=null", "trainer=cpu"],
     "embedded": ["experiment=synthetic_cpu"],
@@ -243,13 +245,18 @@ class Variant:
             us = e.self_device_time_total if kernels else e.self_cpu_time_total
             return us / steps / 1e3
 
-        top = sorted(prof.key_averages(), key=self_ms, reverse=True)[:10]
+        averages = prof.key_averages()
+        top = sorted(averages, key=self_ms, reverse=True)[:10]
+        families: dict[str, float] = {}
+        for e in averages:
+            families[op_family(e.key)] = families.get(op_family(e.key), 0.0) + self_ms(e)
         return {
             "wall_ms": round(wall * 1e3, 2),
             "steps": steps,
             "gpu_kernel_ms": round(sum(e.device_time for e in kernels) / steps / 1e3, 2) if kernels else None,
             "kernels_per_step": round(len(kernels) / steps) if kernels else None,
             "top_self_ms": {e.key: round(self_ms(e), 3) for e in top},
+            "families_ms": {k: round(v, 2) for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
         }
 
 
@@ -408,6 +415,7 @@ def print_table(results: dict) -> None:
                     gpu = f", GPU kernels {pr['gpu_kernel_ms']:.1f} ms ({pr['kernels_per_step']} launches)"
                 top = ", ".join(f"{k} {ms:.1f}" for k, ms in list(pr["top_self_ms"].items())[:5])
                 print(f"    profiled: {pr['wall_ms']:.1f} ms per step{gpu}; most self time: {top}")
+                print("    by family (ms): " + ", ".join(f"{k} {ms:.1f}" for k, ms in pr["families_ms"].items()))
     host = results["host"]
     print(f"\nload average (1 min) at start {host['load_average_1m_start']}, at end {host['load_average_1m_end']}")
 
@@ -427,6 +435,7 @@ def parse_args(argv):
     p.add_argument("--batch-size", type=int, default=None, help="instead of the configs' batch size")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="then profile N more steps of each variant")
     p.add_argument("--lss", type=Path, default=None, help="a lift-splat-shoot checkout: its own step as lss_original")
+    p.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE", help="Hydra overrides for every config")
     a = p.parse_args(argv)
     a.out = a.out or RESULTS / f"bench_train_{a.device}.json"
     return a
@@ -468,14 +477,24 @@ def main(argv=None) -> int:
     torch.backends.cudnn.benchmark = a.device == "cuda"  # as trainer=gpu
     load0 = os.getloadavg()[0]
     extra = [f"data.batch_size={a.batch_size}"] if a.batch_size else []
+    extra += a.override
     with tqdm(total=sum(len(v) + a.steps for v in variants.values()), desc="bench_train", file=sys.stderr) as bar:
         configs = {key: bench_config(key, variants[key], a.steps, a.warmup, bar, extra, a.profile) for key in a.configs}
+    rates = {"fp32": matmul_rate(torch.float32, DEVICE)}
+    if a.device == "cuda" or cpu_bf16_support():
+        rates["bf16"] = matmul_rate(torch.bfloat16, DEVICE)
+    for r in configs.values():  # each variant's arithmetic rate as a share of the matrix product's in its precision
+        for name, v in r["variants"].items():
+            rate = rates.get("bf16" if "bf16" in name else "fp32")
+            if "gflop_per_s" in v and rate:
+                v["of_matmul_rate"] = round(v["gflop_per_s"] / rate, 3)
     results = {
         "benchmark": f"training step (forward, loss, backward, clip, optimiser step), {a.device}",
         "device": device_name(a.device),
         "steps": a.steps,
         "warmup": a.warmup,
         "threads": a.threads,
+        "matmul_gflop_per_s": rates,
         "configs": configs,
         "host": {  # CPUs and their bf16 / vector capability, load at start and end, allocator settings, versions
             "cpus": os.cpu_count(),

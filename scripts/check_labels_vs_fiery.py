@@ -1,26 +1,14 @@
 #!/usr/bin/env python
 """Temporal labels (bev.data.temporal) vs FIERY's own loader and label warp, window by window.
 
-    git clone https://github.com/wayveai/fiery /tmp/fiery    # read-only reference, never part of this repo
     .venv/bin/python scripts/check_labels_vs_fiery.py --fiery-src /tmp/fiery [--dataroot DIR] [--split mini_train]
 
-FIERY's fiery/data.py (FuturePredictionDataset) reads the same nuScenes-format dataroot with its
-baseline settings (3 input frames, 4 future frames, 100 m x 100 m at 0.5 m, vehicles); its labels
-are moved into the present frame by its cumulative_warp_features_reverse, as its trainer does.
-Only its camera decoding is skipped (the labels never read images). FIERY imports on current
-torch with one stand-in module (lyft_dataset_sdk.lyftdataset.LyftDataset), written to a temp folder.
-
-Reported, over every window of the split (cells pooled over windows and the present + future frames),
-with FIERY's visibility filter on (its default) and off, the same in both loaders:
-- instance IoU = cells where both give the same id > 0 / cells where either has an id > 0, for
-  label_warp="fiery" (the same warp: this compares everything else) and "exact" (the default);
-  and FIERY's own-frame instance maps vs ours before any warp (the rasterisation and ids alone);
-- present-frame centerness and offset: largest difference to FIERY's (the present is never warped);
-- flow error: |flow label - annotated motion| in cells, per instance and frame pair (the box centre's
-  motion t -> t+1 in the present frame's axes / cell size, computed here from the index), median,
-  90th percentile and max, for our labels (drawn from the annotated centres: this checks their
-  frames, axes and units) and for FIERY's (rounded mask centres, vectors in frame t's axes, its warp).
-Without --dataroot a synthetic set (bev-make-synthetic) is written to a temp folder first.
+FIERY's FuturePredictionDataset (a checkout of github.com/wayveai/fiery, read-only; one stand-in module for its
+lyft import) reads the same dataroot with its baseline settings, its labels moved into the present frame by its
+cumulative_warp_features_reverse; its camera decoding is skipped. Reported over every window, with its visibility
+filter on and off: instance IoU for label_warp "fiery" and "exact" and before any warp, the present frame's
+centerness and offset differences, and the flow labels' error against the annotated motion (ours and FIERY's).
+Without --dataroot a synthetic set is written to a temp folder first.
 """
 
 from __future__ import annotations

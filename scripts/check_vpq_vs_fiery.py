@@ -3,20 +3,11 @@
 
     .venv/bin/python scripts/check_vpq_vs_fiery.py --fiery /tmp/fiery [--cases 3000] [--seed 0]
 
---fiery is a checkout (or `git archive`) of github.com/wayveai/fiery: its fiery/metrics.py is loaded
-from there, never copied into this project. They were written
-for pytorch_lightning 1.2, whose `metrics` package is gone: the few names they import are stood
-in for here, in this process only (a Metric base with add_state, stat_scores_multiple_classes,
-reduce).
-
-VPQ: hand-made sequences (perfect, missed frames, false positives, id swaps and swaps back, IoU of
-exactly 0.5, merged and split instances, empty frames) and random ones (moving, occluding boxes
-predicted with jittered masks, id swaps, misses, false positives, merges, noise ids) go through
-both metrics, with and without temporal consistency, one fresh metric per case and one pooled
-over all cases; void cells (ignore_index) go through FIERY's own void rule. Reported: the maximum
-absolute difference of pq, sq and rq, and whether tp/fp/fn agree exactly. Where a ratio is
-undefined (nothing to score, or no TP) ours is NaN and FIERY's 0: those are counted apart.
-Writes JSON to --out atomically.
+--fiery: a checkout of github.com/wayveai/fiery, whose fiery/metrics.py is loaded from there (the pytorch_lightning
+1.2 names it imports are stood in for in this process). Hand-made sequences (misses, false positives, id swaps,
+IoU of exactly 0.5, merges, splits, empty frames, void cells) and random ones go through both metrics, with and
+without temporal consistency, per case and pooled. Reported: the largest |difference| of pq, sq and rq, whether
+tp/fp/fn agree exactly, and the undefined ratios (ours NaN, FIERY's 0) apart. Writes JSON to --out atomically.
 """
 
 from __future__ import annotations

@@ -52,7 +52,25 @@ def test_bench_train_times_the_embedded_step_and_its_detection_head(tmp_path):
         assert rec["gflop_per_s"] == pytest.approx(rate, rel=0.01, abs=0.05)  # reported to 0.1 GFLOP/s
     # the detection head's layers add to the step's arithmetic
     assert report["configs"]["embedded_det"]["gflop_per_step"] > report["configs"]["embedded"]["gflop_per_step"]
-    assert "profiled:" in printed
+    assert "profiled:" in printed and "by family (ms): convolution" in printed
+    families = rec["profile"]["families_ms"]
+    assert next(iter(families)) == "convolution" and sum(families.values()) <= rec["profile"]["wall_ms"] * 1.05
+    assert report["matmul_gflop_per_s"]["fp32"] > 0
+    assert rec["of_matmul_rate"] == pytest.approx(rec["gflop_per_s"] / report["matmul_gflop_per_s"]["fp32"], abs=2e-3)
+
+
+def test_op_families_of_profiled_names():
+    from bev.utils.profiling import op_family
+
+    names = ["aten::mkldnn_convolution", "aten::convolution_backward", "aten::native_batch_norm", "bev::_bev_pool"]
+    assert [op_family(n) for n in names] == ["convolution", "convolution", "batch_norm", "voxel pooling"]
+    assert [op_family(n) for n in ("aten::copy_", "aten::empty", "aten::relu_", "aten::_foreach_add_")] == [
+        "copies and layout",
+        "allocation",
+        "elementwise",
+        "optimizer",
+    ]
+    assert op_family("ProfilerStep#1") == "other"
 
 
 @pytest.mark.slow  # one round of the user-level section in its own process (it tunes malloc process-wide)

@@ -95,6 +95,26 @@ def test_torchvision_trunks_give_stride16_depth_and_context(backbone):
 def test_the_decoder_keeps_odd_grid_sizes():
     dec = BevDecoder(4, widths=(8, 8, 8), blocks=1)
     assert dec(torch.randn(1, 4, 25, 31))["shared"].shape == (1, 8, 25, 31)
+    cheap = BevDecoder(4, widths=(8, 8, 8), blocks=1, stem_kernel=3, half_res_tail=True, task_decoders=True)
+    assert {k: v.shape for k, v in cheap(torch.randn(1, 4, 25, 31)).items()} == {
+        "shared": (1, 8, 25, 31),
+        "detection": (1, 8, 25, 31),
+    }
+
+
+def test_the_cheap_decoder_options_are_what_they_say():
+    """stem_kernel: the first conv's kernel; half_res_tail: the last conv before the upsampling, not after."""
+    dec = BevDecoder(4, widths=(8, 8, 16), blocks=1, stem_kernel=3, half_res_tail=True).eval()
+    assert dec.stem[0].kernel_size == (3, 3) and dec.stem[0].padding == (1, 1)
+    x = torch.randn(2, 4, 12, 10)
+    with torch.no_grad():
+        x1 = dec.layer1(dec.stem(x))
+        up = dec.up2(dec.up1(dec.layer3(dec.layer2(x1)), x1))
+        assert up.shape[-2:] == (6, 5)
+        manual = torch.nn.functional.interpolate(up, size=(12, 10), mode="bilinear", align_corners=True)
+        assert torch.equal(dec(x)["shared"], manual)
+    with pytest.raises(ValueError, match="stem_kernel must be 3, 5 or 7"):
+        BevDecoder(4, stem_kernel=4)
 
 
 def test_imagenet_weights_offline_give_a_clear_message(monkeypatch):

@@ -40,14 +40,22 @@ class BevDecoder(nn.Module):
         blocks: int = 2,
         channels_last: bool | str = False,
         task_decoders: bool = False,
+        stem_kernel: int = 7,
+        half_res_tail: bool = False,
     ):
         super().__init__()
         if len(widths) != 3:
             raise ValueError(f"model.net.decoder needs 3 widths, got {list(widths)}")
+        if stem_kernel not in (3, 5, 7):
+            raise ValueError(f"model.net.decoder.stem_kernel must be 3, 5 or 7, got {stem_kernel!r}")
         w0, w1, w2 = widths
         self.stem = nn.Sequential(
-            nn.Conv2d(in_channels, w0, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(w0), nn.ReLU(inplace=True)
+            nn.Conv2d(in_channels, w0, stem_kernel, stride=2, padding=stem_kernel // 2, bias=False),
+            nn.BatchNorm2d(w0),
+            nn.ReLU(inplace=True),
         )
+        # half_res_tail: the last conv at half the grid, its features upsampled to it (a quarter of its cost)
+        self.half_res_tail = bool(half_res_tail)
         self.layer1 = resnet_stage(w0, w0, blocks, 1)
         self.layer2 = resnet_stage(w0, w1, blocks, 2)
         self.layer3 = resnet_stage(w1, w2, blocks, 2)
@@ -107,11 +115,15 @@ class BevDecoder(nn.Module):
             x = x.contiguous(memory_format=torch.channels_last)
         x1 = self.layer1(self.stem(x))
         x3 = self.layer3(self.layer2(x1))
-        out = {"shared": self.up2(F.interpolate(self.up1(x3, x1), size=size, mode="bilinear", align_corners=True))}
+        out = {"shared": self._up(self.up1(x3, x1), self.up2, size)}
         if self.det_up1 is not None:
-            up = F.interpolate(self.det_up1(x3, x1), size=size, mode="bilinear", align_corners=True)
-            out["detection"] = self.det_up2(up)
+            out["detection"] = self._up(self.det_up1(x3, x1), self.det_up2, size)
         return out
+
+    def _up(self, x: torch.Tensor, tail: nn.Module, size) -> torch.Tensor:
+        if self.half_res_tail:
+            return F.interpolate(tail(x), size=size, mode="bilinear", align_corners=True)
+        return tail(F.interpolate(x, size=size, mode="bilinear", align_corners=True))
 
 
 class ResBlock3d(nn.Module):
