@@ -5,13 +5,15 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
+from test_lidar_experiments import SMALL_LIDAR
 from test_occupancy_data import occ_root  # noqa: F401 (the synthetic set with Occ3D labels)
 
 from bev.train import CONFIG_DIR
 from helpers.cli import eval_cli, train_cli
 
-EXPERIMENTS = ["synthetic_occ_cpu", "bevdet_occ_nuscenes", "flashocc_nuscenes"]
+EXPERIMENTS = ["synthetic_occ_cpu", "synthetic_occ_fusion_cpu", "bevdet_occ_nuscenes", "flashocc_nuscenes"]
 # Only what a CPU test must change: the synthetic set, a small input, no ImageNet download, two steps.
 SMALL = [
     "data.version=v1.0-mini",
@@ -70,8 +72,11 @@ def test_the_published_settings_are_in_the_experiments():
 @pytest.mark.e2e
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_the_experiment_trains_two_steps(experiment, occ_root, tmp_path, monkeypatch, capsys):  # noqa: F811
-    extra = COARSE if experiment == "synthetic_occ_cpu" else NUSCENES_SMALL
-    extra = extra + (["grid.zbound=[-1,5.4,1.6]"] if experiment != "flashocc_nuscenes" else [])
+    synthetic = experiment.startswith("synthetic_")
+    extra = COARSE if synthetic else NUSCENES_SMALL
+    extra = extra + (["grid.zbound=[-1,5.4,1.6]"] if experiment == "bevdet_occ_nuscenes" or synthetic else [])
+    fused = experiment == "synthetic_occ_fusion_cpu"  # cameras + LiDAR: the channel-to-height head on the fused BEV
+    extra = extra + (["grid.zbound=[-1,5.4,6.4]", *SMALL_LIDAR] if fused else [])
     args = [f"experiment={experiment}", *SMALL, *extra, f"data.dataroot={occ_root}", f"hydra.run.dir={tmp_path}"]
     assert train_cli(args, monkeypatch) == 0, capsys.readouterr().err[-3000:]
     rec = json.loads((tmp_path / "metrics.json").read_text())
@@ -79,6 +84,11 @@ def test_the_experiment_trains_two_steps(experiment, occ_root, tmp_path, monkeyp
     assert rec["global_step"] == 2 and 0 <= m["val/occ_miou"] <= 1 and "val/occ_iou_car" in m
     assert m["train/occ_loss_step"] > 0 and "val/occ_miou_0-20m" in m and "val/iou_best" not in m
     assert f"val/occ_miou_best={m['val/occ_miou_best']:.4f}" in capsys.readouterr().out  # the headline, named
+    state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert (
+        any(k.startswith("net.lidar.") for k in state) == fused
+        and any(k.startswith("net.fuser.") for k in state) == fused
+    )
 
 
 @pytest.mark.e2e
