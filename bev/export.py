@@ -2,8 +2,13 @@
 
 onnx: torch.onnx.export (dynamo) with the scatter-add splat, opset >= 17, dynamic batch;
 torch_export: a .pt2 ExportedProgram keeping bev's voxel-pooling op as one node. With check=true
-the exported model is run on an example input (random images, a ring of cameras) and compared
-with PyTorch. The work is in bev.inference (export_onnx, export_program).
+the exported model is run on an example input (random images, a ring of cameras; random points over the grid for
+a LiDAR branch) and compared with PyTorch. The work is in bev.inference (export_onnx, export_program).
+
+A camera + LiDAR or LiDAR-only checkpoint exports with the inputs bev.inference.input_names gives: the cameras'
+(none for LiDAR-only), then "points" (M, 6) rows (batch index, x, y, z, intensity, time lag), M dynamic, and
+"num_points" (B,). The pillar sums are scatter-adds and the pillar maxima scatter-maxes in the graph (onnx: opset
+>= 18, ScatterElements reduction "max"); torch_export keeps M dynamic too.
 
 A checkpoint with a detection head (boxes=auto, the default, or boxes=true) exports the head's maps
 beside the BEV logits: outputs "logits" (B, K, X, Y), "heatmap" (B, 10, X, Y) and "regression"
@@ -51,15 +56,24 @@ def export(cfg: DictConfig) -> dict[str, Any]:
     example = example_inputs(loaded.model.net, int(cfg.num_cameras), int(cfg.batch_size))
     with torch.no_grad():
         expected = _named(net(*example), net.output_names)
-    result: dict[str, Any] = {"out": str(out), "format": cfg.format, "outputs": list(expected)}
+    result: dict[str, Any] = {
+        "out": str(out),
+        "format": cfg.format,
+        "inputs": list(net.input_names),
+        "outputs": list(expected),
+    }
     write = _write_onnx if cfg.format == "onnx" else _write_program
     diff = write(net, example, expected, out, cfg)
     if diff is not None:
         result["max_abs_diff"] = diff
     shapes = ", ".join(f"{k} {tuple(v.shape[1:])}" for k, v in expected.items())
+    fed = (
+        [f"{cfg.num_cameras} cameras of {net.image_size[0]}x{net.image_size[1]}"] if "images" in net.input_names else []
+    )
+    fed += ["LiDAR points (M, 6) and num_points (B,)"] if "points" in net.input_names else []
     print(
-        f"Exported {cfg.format} to {out} ({out.stat().st_size / 1e6:.1f} MB) for {cfg.num_cameras} cameras of "
-        f"{net.image_size[0]}x{net.image_size[1]}; {shapes} per sample"
+        f"Exported {cfg.format} to {out} ({out.stat().st_size / 1e6:.1f} MB) for {' and '.join(fed)}; inputs "
+        f"{', '.join(net.input_names)}; {shapes} per sample"
         + (
             f"; max |output - PyTorch| on an example: {diff:.2e}"
             if isinstance(diff, float)
@@ -160,7 +174,7 @@ def _write_program(net, example: tuple, expected, out: Path, cfg: DictConfig) ->
     from bev import ops
     from bev.inference import export_program
 
-    if not ops.native_available("cpu"):
+    if "images" in net.input_names and not ops.native_available("cpu"):
         print(
             "bev-export: warning: the native bev.ops build is not loaded; the program contains the pure-torch "
             "reference pooling instead of the torch.ops.bev.bev_pool node"

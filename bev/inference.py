@@ -34,6 +34,12 @@ CAMERA_INPUTS: dict[str, str] = {
     "post_trans": "(B, N, 3) float32, image augmentation (zeros if none)",
 }
 TEMPORAL_INPUT = "(B, P+1+F, 4, 4) float32, ego motion from each frame to the next (bev.data.temporal)"
+# A LiDAR branch's inputs, after the cameras' (none for a LiDAR-only network), as bev.data.lidar.collate_points
+# batches them: the rows of sample b are those with batch index b (their order does not matter).
+LIDAR_INPUTS: dict[str, str] = {
+    "points": "(M, 6) float32 rows (batch index, x, y, z, intensity, time lag s) in the ego frame, M any",
+    "num_points": "(B,) int64, the points of each sample (its length is the batch size)",
+}
 
 # model.cuda_graph: the captured training step failed on its first GPU run and was removed.
 RETIRED_MODEL_KEYS = ("cuda_graph",)
@@ -311,15 +317,47 @@ def ring_rig(num_cameras: int, image_size: tuple[int, int], batch_size: int = 1)
     }
 
 
+def input_names(net: nn.Module) -> tuple[str, ...]:
+    """The inputs `net` (a BEVNet, what load_model returns, or an ExportedMaps) takes when exported, in order:
+    CAMERA_INPUTS with a camera branch, then LIDAR_INPUTS with a LiDAR branch."""
+    net = getattr(net, "net", net)  # an ExportedMaps' or a LightningModule's network
+    has_camera, has_lidar = getattr(net, "camera", True) is not None, getattr(net, "lidar", None) is not None
+    return (*(CAMERA_INPUTS if has_camera else ()), *(LIDAR_INPUTS if has_lidar else ()))
+
+
 def example_inputs(
-    net: nn.Module, num_cameras: int = 6, batch_size: int = 1, seed: int = 0
+    net: nn.Module, num_cameras: int = 6, batch_size: int = 1, seed: int = 0, points_per_sample: int = 3000
 ) -> tuple[torch.Tensor, ...]:
-    """Random images + a ring rig: inputs of the right shapes for tracing / exporting / timing `net`."""
-    H, W = net.image_size
+    """Inputs of the right shapes for tracing / exporting / timing `net`, in input_names(net)'s order: random
+    images and a ring rig for a camera branch; for a LiDAR branch random_points' cloud and its num_points."""
+    names = input_names(net)
     g = torch.Generator().manual_seed(seed)
-    cams = ring_rig(num_cameras, (H, W), batch_size)
-    images = torch.randn(batch_size, num_cameras, 3, H, W, generator=g)
-    return (images, *(cams[k] for k in list(CAMERA_INPUTS)[1:]))
+    inputs: dict[str, torch.Tensor] = {}
+    if "images" in names:
+        H, W = net.image_size
+        cams = ring_rig(num_cameras, (H, W), batch_size)
+        inputs = {"images": torch.randn(batch_size, num_cameras, 3, H, W, generator=g), **cams}
+    if "points" in names:
+        inputs["points"] = random_points(getattr(net, "net", net).grid, batch_size, points_per_sample, g)
+        inputs["num_points"] = torch.full((batch_size,), points_per_sample, dtype=torch.int64)
+    return tuple(inputs[k] for k in names)
+
+
+def random_points(grid: Any, batch_size: int, per_sample: int, generator: torch.Generator | None = None):
+    """(batch_size * per_sample, 6) rows (batch index, x, y, z, intensity 0-255, time lag 0-0.5 s), sample by
+    sample as bev.data.lidar.collate_points orders them, uniform over the grid's box widened by 5% a side (so
+    some fall outside it, as real clouds do)."""
+    from bev.geometry import Grid
+
+    grid = Grid.from_any(grid)
+    lo = torch.tensor([grid.xbound[0], grid.ybound[0], grid.zbound[0]])
+    hi = torch.tensor([grid.xbound[1], grid.ybound[1], grid.zbound[1]])
+    lo, hi = lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo)
+    n = batch_size * per_sample
+    b = torch.arange(batch_size).repeat_interleave(per_sample).float()
+    xyz = lo + torch.rand(n, 3, generator=generator) * (hi - lo)
+    extra = torch.rand(n, 2, generator=generator) * torch.tensor([255.0, 0.5])
+    return torch.cat([b[:, None], xyz, extra], 1)
 
 
 # ------------------------------------------------------------------------------- prediction files
@@ -470,7 +508,9 @@ DETECTION_OUTPUTS = ("logits", "heatmap", "regression")
 class ExportedMaps(nn.Module):
     """The network as bev-export writes it: the maps of each of its heads (Task.exported_maps), those that give
     3D boxes only with boxes; one map alone as a bare tensor, else a dict in the order of `output_names`.
-    Decoding boxes stays out of the graph. `sources`: the task of each output."""
+    Decoding boxes stays out of the graph. `sources`: the task of each output. It takes the tensors of
+    `input_names` positionally: the cameras' (CAMERA_INPUTS), then with a LiDAR branch points and num_points
+    (LIDAR_INPUTS; num_points gives the batch size of a LiDAR-only network, the rows' batch index the sample)."""
 
     def __init__(self, net: nn.Module, boxes: bool = False):
         from bev.tasks import task_classes
@@ -484,12 +524,23 @@ class ExportedMaps(nn.Module):
         self._heads = [t for t in heads if self.boxes or not t.gives_boxes]
         self.sources = {name: t.name for t in self._heads for name in t.exported}
         self.output_names = tuple(self.sources)
+        self.input_names = input_names(self)
 
     def exportable(self):
         return self.net.exportable()
 
-    def forward(self, images, intrinsics, rots, trans, post_rots, post_trans):
-        out = self.net(images, intrinsics, rots, trans, post_rots, post_trans)
+    def forward(self, *inputs: torch.Tensor):
+        if len(inputs) != len(self.input_names):
+            raise ValueError(
+                f"the exported network takes {len(self.input_names)} inputs ({', '.join(self.input_names)}), "
+                f"got {len(inputs)}"
+            )
+        given = dict(zip(self.input_names, inputs))
+        cams = [given.get(k) for k in CAMERA_INPUTS]
+        if "points" in given:
+            out = self.net(*cams, points=given["points"], batch_size=given["num_points"].shape[0])
+        else:
+            out = self.net(*cams)
         maps = {}
         for task in self._heads:
             maps.update(task.exported_maps(out))
@@ -499,23 +550,30 @@ class ExportedMaps(nn.Module):
 def export_onnx(
     net: nn.Module, example: tuple[torch.Tensor, ...], path: str | Path, opset: int = 18, overwrite: bool = False
 ) -> Path:
-    """ONNX model of `net` (an ExportedMaps, or a bare network exported as ExportedMaps(net): camera inputs ->
-    "logits"; with boxes -> DETECTION_OUTPUTS), batch size dynamic, written atomically; an existing file at `path`
-    is replaced only with overwrite=True.
+    """ONNX model of `net` (an ExportedMaps, or a bare network exported as ExportedMaps(net): the inputs of
+    input_names -> "logits"; with boxes -> DETECTION_OUTPUTS), batch size (and a LiDAR model's point count M)
+    dynamic, written atomically; an existing file at `path` is replaced only with overwrite=True.
 
-    The splat goes through BEVNet.exportable() (ScatterND with reduction "add"), and the
-    geometry only uses elementwise ops, so ONNX Runtime runs it on any execution provider.
-    Uses torch.onnx.export's dynamo path (needs the onnx and onnxscript packages: pip install bev[export]).
+    The splat and the pillar pooling go through BEVNet.exportable() (ScatterND with reduction "add", the pillar
+    maxima ScatterElements with reduction "max"), and the geometry only uses elementwise ops, so ONNX Runtime runs
+    it on any execution provider. Uses torch.onnx.export's dynamo path (needs the onnx and onnxscript packages:
+    pip install bev[export]).
     """
     from bev.utils.io import atomic_open, check_output
 
     if opset < 17:
         raise ValueError(f"opset must be >= 17, got {opset}")
+    net = net if isinstance(net, ExportedMaps) else ExportedMaps(net)  # its inputs and outputs named
+    names = net.input_names
+    if "points" in names and opset < 18:  # the pillar maxima: ScatterElements reduction "max" came in opset 18
+        raise ValueError(f"a LiDAR model exports with opset >= 18 (its pillar max is a scatter-max), got {opset}")
     check_output(path, overwrite)  # before the minutes of tracing
-    net = net if isinstance(net, ExportedMaps) else ExportedMaps(net)  # its outputs named
-    if example[0].shape[0] == 1:  # torch.export specialises size-1 dims: trace with 2 to keep the batch dynamic
-        example = tuple(torch.cat([t, t]) for t in example)
+    if len(example[names.index("num_points" if "num_points" in names else "images")]) == 1:
+        # torch.export specialises size-1 dims: trace with 2 samples to keep the batch dynamic
+        example = _two_samples(example, names)
     batch = torch.export.Dim("batch", min=1, max=1024)
+    count = torch.export.Dim("points", min=0, max=2**31 - 2)
+    dims = {"points": {0: count}}
     with torch.no_grad(), net.exportable():
         program = torch.onnx.export(
             net.eval(),
@@ -523,39 +581,74 @@ def export_onnx(
             dynamo=True,
             opset_version=int(opset),
             verbose=False,
-            input_names=list(CAMERA_INPUTS),
+            input_names=list(names),
             output_names=list(net.output_names),
-            dynamic_shapes=tuple({0: batch} for _ in example),
+            # one entry: forward(*inputs) takes them as one tuple
+            dynamic_shapes=(tuple(dims.get(k, {0: batch}) for k in names),),
         )
     with atomic_open(path, "wb", overwrite) as f:  # bytes, not onnx.save_model: that reads f.name, an fd number here
         f.write(program.model_proto.SerializeToString())
     return Path(path)
 
 
-def onnx_outputs(path: str | Path, inputs: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+def _two_samples(example: tuple[torch.Tensor, ...], names: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+    """A one-sample example as two copies of it: the second's points numbered as sample 1."""
+    out = []
+    for name, t in zip(names, example):
+        if name == "points":
+            second = t.clone()
+            second[:, 0] += 1
+            t = torch.cat([t, second])
+        else:
+            t = torch.cat([t, t])
+        out.append(t)
+    return tuple(out)
+
+
+def onnx_outputs(
+    path: str | Path, inputs: tuple[torch.Tensor, ...] | Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Every named output of an exported ONNX model ("logits", and a detecting model's "heatmap" and
-    "regression") under ONNX Runtime on the CPU."""
+    "regression") under ONNX Runtime on the CPU. `inputs`: the tensors in the model's input order (input_names:
+    the cameras', then a LiDAR model's points and num_points), or a mapping of them by name."""
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    wanted = [i.name for i in session.get_inputs()]
+    if not isinstance(inputs, Mapping):
+        if len(inputs) != len(wanted):
+            raise ValueError(f"{path} takes {len(wanted)} inputs ({', '.join(wanted)}), got {len(inputs)} tensors")
+        inputs = dict(zip(wanted, inputs))
+    missing = [k for k in wanted if k not in inputs]
+    if missing:
+        raise KeyError(f"{path} takes inputs {', '.join(wanted)}; missing {', '.join(missing)}")
     names = [o.name for o in session.get_outputs()]
-    got = session.run(names, {k: t.numpy() for k, t in zip(CAMERA_INPUTS, inputs)})
+    got = session.run(names, {k: torch.as_tensor(inputs[k]).numpy() for k in wanted})
     return {n: torch.from_numpy(v) for n, v in zip(names, got)}
 
 
 def export_program(net: nn.Module, example: tuple[torch.Tensor, ...], path: str | Path, overwrite: bool = False):
-    """torch.export ExportedProgram of `net` saved as .pt2 (atomically; an existing file at `path` is replaced
-    only with overwrite=True); returns the program.
+    """torch.export ExportedProgram of `net` (an ExportedMaps, or a bare network exported as ExportedMaps(net))
+    saved as .pt2 (atomically; an existing file at `path` is replaced only with overwrite=True); returns the program.
 
     Shapes are those of `example` (bev.ops takes the grid shape as plain ints, so the batch size
     is fixed). The voxel pooling stays one torch.ops.bev.bev_pool node when the native build is
-    loaded; `import bev.ops` registers it before torch.export.load in another process.
+    loaded; `import bev.ops` registers it before torch.export.load in another process. A LiDAR branch pools its
+    pillars with plain scatters (LidarEncoder.exportable), so its point count M stays dynamic.
     """
+    import contextlib
+
     from bev.utils.io import atomic_open, check_output
 
+    net = net if isinstance(net, ExportedMaps) else ExportedMaps(net)
     check_output(path, overwrite)  # before the tracing
-    with torch.no_grad():
-        program = torch.export.export(net.eval(), example)
+    lidar = getattr(net.net, "lidar", None)
+    dynamic = None
+    if lidar is not None:  # one entry: forward(*inputs) takes them as one tuple
+        count = torch.export.Dim("points", min=0, max=2**31 - 2)
+        dynamic = (tuple({0: count} if k == "points" else None for k in net.input_names),)
+    with torch.no_grad(), lidar.exportable() if lidar is not None else contextlib.nullcontext():
+        program = torch.export.export(net.eval(), example, dynamic_shapes=dynamic)
     with atomic_open(path, "wb", overwrite) as f:
         torch.export.save(program, f)
     return program

@@ -13,11 +13,15 @@
     backbone SECOND + SECONDFPN: conv stages at growing strides, each upsampled back to the grid, concatenated
 
 The pillar means are sums by bev.ops.voxel_sum (the op the camera branch splats with) divided by the counts.
+Inside `exportable()` the branch uses plain scatters instead (scatter_sum: ONNX ScatterND "add"; scatter_max:
+ScatterElements "max"), keeping every point with the ones forward() drops routed to a dump row, so the graph has no
+data-dependent shape (for torch.onnx.export and torch.export with a dynamic point count).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,14 +36,39 @@ REDUCTIONS = ("max", "mean")
 def pillar_keys(points: torch.Tensor, grid: Grid, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(P, 6) points -> (cells (P', 3) int64 (batch, x index, y index), kept (P,) bool) of the points that are
     finite, of a batch in [0, batch_size), and inside the grid (floor binning, bev.geometry's convention)."""
-    (xlo, xhi, xs), (ylo, yhi, ys), (zlo, zhi, _) = grid.xbound, grid.ybound, grid.zbound
+    kept = kept_points(points, grid, batch_size)
+    return _cells(points[kept], grid), kept
+
+
+def kept_points(points: torch.Tensor, grid: Grid, batch_size: int) -> torch.Tensor:
+    """(P,) bool: the points that are finite, of a batch in [0, batch_size), and inside the grid."""
+    (xlo, xhi, _), (ylo, yhi, _), (zlo, zhi, _) = grid.xbound, grid.ybound, grid.zbound
     b, x, y, z = points[:, 0], points[:, 1], points[:, 2], points[:, 3]
     kept = torch.isfinite(points[:, :4]).all(1) & (b >= 0) & (b < batch_size)
-    kept &= (x >= xlo) & (x < xhi) & (y >= ylo) & (y < yhi) & (z >= zlo) & (z < zhi)
-    p = points[kept]
-    ix = torch.floor((p[:, 1] - xlo) / xs).long().clamp_(0, grid.nx - 1)  # clamp: x just below xhi in fp32
-    iy = torch.floor((p[:, 2] - ylo) / ys).long().clamp_(0, grid.ny - 1)
-    return torch.stack([p[:, 0].long(), ix, iy], 1), kept
+    return kept & (x >= xlo) & (x < xhi) & (y >= ylo) & (y < yhi) & (z >= zlo) & (z < zhi)
+
+
+def _cells(p: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """(P, 3) int64 (batch, x index, y index) of points inside the grid (floor binning)."""
+    (xlo, _, xs), (ylo, _, ys) = grid.xbound, grid.ybound
+    ix = torch.floor((p[:, 1] - xlo) / xs).long().clamp(0, grid.nx - 1)  # clamp: x just below xhi in fp32
+    iy = torch.floor((p[:, 2] - ylo) / ys).long().clamp(0, grid.ny - 1)
+    return torch.stack([p[:, 0].long(), ix, iy], 1)
+
+
+def scatter_sum(x: torch.Tensor, flat: torch.Tensor, rows: int) -> torch.Tensor:
+    """(rows + 1, C) sums of x (P, C) per row index flat (P,) in [0, rows]: row `rows` is the dump row of points
+    that go nowhere. One index_put with accumulate (ONNX ScatterND, reduction "add"): bev.ops.voxel_sum for export."""
+    return x.new_zeros(rows + 1, x.shape[1]).index_put((flat,), x, accumulate=True)
+
+
+def scatter_max(x: torch.Tensor, flat: torch.Tensor, rows: int) -> torch.Tensor:
+    """(rows + 1, C) max of x (P, C) per row index flat (P,) in [0, rows], 0 where no point: PillarMax's forward
+    for export. The table starts at -inf, so include_self adds nothing (ONNX ScatterElements, reduction "max",
+    opset 18, which has no include_self=False), and rows left at -inf become 0."""
+    table = x.new_full((rows + 1, x.shape[1]), float("-inf"))
+    table = table.scatter_reduce(0, flat[:, None].expand_as(x), x, "amax", include_self=True)
+    return torch.where(torch.isneginf(table), torch.zeros_like(table), table)
 
 
 class PillarMax(torch.autograd.Function):
@@ -154,8 +183,20 @@ class PillarEncoder(nn.Module):
             cin = int(c)
         self.pfn = nn.ModuleList(layers)
         self.out_channels = int(pfn_channels[-1])
+        self._export_scatter = False
+
+    @contextlib.contextmanager
+    def exportable(self) -> Iterator[PillarEncoder]:
+        """Within this block forward() pools with scatter_sum / scatter_max (module doc)."""
+        before, self._export_scatter = self._export_scatter, True
+        try:
+            yield self
+        finally:
+            self._export_scatter = before
 
     def forward(self, points: torch.Tensor, batch_size: int) -> torch.Tensor:
+        if self._export_scatter:
+            return self._scatter_forward(points, batch_size)
         cells, kept = pillar_keys(points, self.grid, batch_size)
         pts = points[kept, 1:].to(self.pfn[0].linear.weight.dtype)
         flat = (cells[:, 0] * self.grid.nx + cells[:, 1]) * self.grid.ny + cells[:, 2]
@@ -169,6 +210,39 @@ class PillarEncoder(nn.Module):
         canvas = self._pillar_max(x, flat, batch_size)
         return canvas.view(batch_size, self.grid.nx, self.grid.ny, -1).permute(0, 3, 1, 2).contiguous()
 
+    def _scatter_forward(self, points: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """forward() in plain scatters, of the same floor binning: every point goes through the PFN, those forward()
+        drops (not finite, another batch, outside the grid) into the dump row, sliced off the canvas."""
+        rows = batch_size * self.grid.nx * self.grid.ny
+        kept = kept_points(points, self.grid, batch_size)
+        # Zeros for dropped rows: a NaN there would still reach the dump row only, but keep the binning finite.
+        p = torch.where(kept[:, None], points, torch.zeros_like(points))
+        cells = _cells(p, self.grid)
+        flat = (cells[:, 0] * self.grid.nx + cells[:, 1]) * self.grid.ny + cells[:, 2]
+        flat = torch.where(kept, flat, torch.full_like(flat, rows))
+        pts = p[:, 1:].to(self.pfn[0].linear.weight.dtype)
+        xyz = pts[:, :3]
+        sums = scatter_sum(torch.cat([xyz, torch.ones_like(xyz[:, :1])], 1), flat, rows)[flat]
+        mean = sums[:, :3] / sums[:, 3:].clamp(min=1)
+        x = torch.cat([pts, xyz - mean, xyz - self._centres(cells, xyz.dtype)], 1)
+        for layer in self.pfn[:-1]:
+            x = layer(x)
+            x = torch.cat([x, scatter_max(x, flat, rows)[flat]], 1)
+        x = self.pfn[-1](x)
+        if self.reduce == "mean":
+            sums = scatter_sum(torch.cat([x, torch.ones_like(x[:, :1])], 1), flat, rows)[:rows]
+            canvas = sums[:, :-1] / sums[:, -1:].clamp(min=1)
+        else:
+            canvas = scatter_max(x, flat, rows)[:rows]
+        return canvas.view(batch_size, self.grid.nx, self.grid.ny, -1).permute(0, 3, 1, 2).contiguous()
+
+    def _centres(self, cells: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(P, 3) the centre of each point's pillar: its cell's x, y centre, the grid's middle height."""
+        (xlo, _, xs), (ylo, _, ys), (zlo, zhi, _) = self.grid.xbound, self.grid.ybound, self.grid.zbound
+        cx = xlo + (cells[:, 1].to(dtype) + 0.5) * xs
+        cy = ylo + (cells[:, 2].to(dtype) + 0.5) * ys
+        return torch.stack([cx, cy, torch.full_like(cx, (zlo + zhi) / 2)], 1)
+
     def _sums(self, feats: torch.Tensor, cells: torch.Tensor, batch_size: int) -> torch.Tensor:
         """Per-pillar sums of feats (P, C) by bev.ops.voxel_sum -> (B, C, X, Y)."""
         from bev import ops  # imported here so building a model never depends on the native build
@@ -179,16 +253,12 @@ class PillarEncoder(nn.Module):
 
     def _offsets(self, pts: torch.Tensor, cells: torch.Tensor, flat: torch.Tensor, batch_size: int) -> torch.Tensor:
         """(P, 6): each point's xyz minus its pillar's mean xyz, and minus the pillar's centre."""
-        (xlo, _, xs), (ylo, _, ys), (zlo, zhi, _) = self.grid.xbound, self.grid.ybound, self.grid.zbound
         with torch.no_grad():  # coordinates carry no gradient
             xyz = pts[:, :3]
             sums = self._sums(torch.cat([xyz, torch.ones_like(xyz[:, :1])], 1), cells, batch_size)
             per_pillar = sums.permute(0, 2, 3, 1).reshape(-1, 4)[flat]
             mean = per_pillar[:, :3] / per_pillar[:, 3:].clamp(min=1)
-            cx = xlo + (cells[:, 1].to(xyz.dtype) + 0.5) * xs
-            cy = ylo + (cells[:, 2].to(xyz.dtype) + 0.5) * ys
-            centre = torch.stack([cx, cy, torch.full_like(cx, (zlo + zhi) / 2)], 1)
-            return torch.cat([xyz - mean, xyz - centre], 1)
+            return torch.cat([xyz - mean, xyz - self._centres(cells, xyz.dtype)], 1)
 
     def _pillar_max(self, x: torch.Tensor, flat: torch.Tensor, batch_size: int) -> torch.Tensor:
         """(B * X * Y, C) max of each pillar's rows of x (0 for empty pillars)."""
@@ -221,6 +291,10 @@ class LidarEncoder(nn.Module):
         self.backbone = SecondBackbone(self.pillars.out_channels, widths, blocks, strides, up_channels)
         self.out_channels = self.backbone.out_channels
 
+    def exportable(self) -> contextlib.AbstractContextManager[PillarEncoder]:
+        """Within this block forward() pools with plain scatters (PillarEncoder.exportable)."""
+        return self.pillars.exportable()
+
     def forward(self, points: torch.Tensor, batch_size: int) -> torch.Tensor:
         if points.dim() != 2 or points.shape[1] != POINT_FEATURES + 1:
             raise ValueError(
@@ -230,4 +304,14 @@ class LidarEncoder(nn.Module):
         return self.backbone(self.pillars(points, batch_size))
 
 
-__all__ = ["LidarEncoder", "PFNLayer", "PillarEncoder", "PillarMax", "SecondBackbone", "pillar_keys"]
+__all__ = [
+    "LidarEncoder",
+    "PFNLayer",
+    "PillarEncoder",
+    "PillarMax",
+    "SecondBackbone",
+    "kept_points",
+    "pillar_keys",
+    "scatter_max",
+    "scatter_sum",
+]

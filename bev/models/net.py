@@ -147,8 +147,12 @@ class BEVNet(nn.Module):
 
     @contextlib.contextmanager
     def exportable(self) -> Iterator[BEVNet]:
-        """Within this block forward() splats with a plain scatter-add (for torch.onnx.export)."""
-        with self.camera.exportable():
+        """Within this block forward() splats and pools the pillars with plain scatters (for torch.onnx.export):
+        the camera splat a scatter-add, the LiDAR pillar sums and maxima scatter-adds and scatter-maxes."""
+        with contextlib.ExitStack() as stack:
+            for branch in (self.camera, self.lidar):
+                if branch is not None:
+                    stack.enter_context(branch.exportable())
             yield self
 
     def forward(
@@ -201,10 +205,11 @@ class BEVNet(nn.Module):
 
     @staticmethod
     def _batch_size(images, points: torch.Tensor, batch_size: int | None) -> int:
+        # Sizes stay as given, not int(): under torch.export a dynamic batch size is a symbol that int() would fix.
         if images is not None:
-            return int(images.shape[0])
+            return images.shape[0]
         if batch_size is not None:
-            return int(batch_size)
+            return batch_size if isinstance(batch_size, (int, torch.SymInt)) else int(batch_size)
         return int(points[:, 0].max()) + 1 if len(points) else 1
 
     def _fused(self, cams, future_egomotion, past_no_grad: bool, past_features, out: dict) -> torch.Tensor:
