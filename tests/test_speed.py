@@ -25,9 +25,24 @@ from bev.utils.speed import fused_default
     ],
 )
 def test_auto_precision_on_cpu(flags, expected, monkeypatch):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     monkeypatch.setattr(P, "_cpu_flags", lambda: flags)
     precision, reason = P.resolve_precision("auto", "cpu")
     assert precision == expected[0] and expected[1] in reason
+
+
+@pytest.mark.parametrize(
+    "isa, expected",
+    [("AVX2", "32-true"), ("avx512_core", "32-true"), ("AVX512_CORE_BF16", "bf16-mixed"), ("", "bf16-mixed")],
+)
+def test_a_onednn_isa_cap_below_bf16_is_a_cpu_without_it(isa, expected, monkeypatch):
+    """ONEDNN_MAX_CPU_ISA=AVX2 on a bf16 CPU runs oneDNN as on an AVX2 CPU: auto gives what that CPU gets."""
+    monkeypatch.setattr(P, "_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    assert P.resolve_precision("auto", "cpu")[0] == expected
+    assert P.resolve_channels_last("auto", torch.nn.Conv2d(16, 16, 3)) == (expected == "bf16-mixed")
 
 
 @pytest.mark.parametrize("bf16, expected", [(True, "bf16-mixed"), (False, "16-mixed")])

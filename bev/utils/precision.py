@@ -10,6 +10,7 @@ geometry runs in fp32 under autocast (bev.models.lift), so only the encoders cha
 
 from __future__ import annotations
 
+import os
 import warnings
 
 # /proc/cpuinfo flags of native bf16 arithmetic, and how to name them in messages.
@@ -29,8 +30,16 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+# oneDNN's ISA caps (ONEDNN_MAX_CPU_ISA) below its native bf16 kernels: with one set, bf16 is emulated.
+ONEDNN_ISAS_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
 def cpu_bf16_support() -> str | None:
-    """The name of this CPU's native bf16 instructions (e.g. "AVX512-BF16"), or None."""
+    """The name of this CPU's native bf16 instructions (e.g. "AVX512-BF16"), or None; None too when
+    ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA) keeps oneDNN below them, as on a CPU without them."""
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+    if isa.strip().upper() in ONEDNN_ISAS_WITHOUT_BF16:
+        return None
     flags = _cpu_flags()
     for flag, name in CPU_BF16_FLAGS.items():
         if flag in flags:
