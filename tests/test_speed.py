@@ -214,3 +214,38 @@ def test_bev_train_past_its_deadline_trains_no_step(synthetic_root, tmp_path, mo
     assert train_cli(args, monkeypatch) == 0
     rec = json.loads((tmp_path / "metrics.json").read_text())
     assert rec["global_step"] == 0 and "passed before training started" in rec["time_budget"]["message"]
+
+
+@pytest.mark.parametrize(
+    "flags, cuda, expected",
+    [({"avx2"}, False, "fp32_cpu"), ({"avx2", "avx512_bf16"}, False, "other"), ({"avx2"}, True, "other")],
+)
+def test_on_fp32_cpu_follows_the_machine(flags, cuda, expected, monkeypatch):
+    """${bev.on_fp32_cpu:a,b}: a where training runs in fp32 on the CPU (no GPU, no native bf16), else b."""
+    from omegaconf import OmegaConf
+
+    from bev.utils.config import on_fp32_cpu
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(P, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert on_fp32_cpu("fp32_cpu", "other") == expected
+    cfg = OmegaConf.create({"k": "${bev.on_fp32_cpu:3,7}"})
+    assert cfg.k == (3 if expected == "fp32_cpu" else 7)
+
+
+@pytest.mark.parametrize("flags, cheap", [({"avx2"}, True), ({"avx2", "avx512_bf16"}, False), ({"amx_bf16"}, False)])
+def test_the_embedded_decoder_each_kind_of_cpu_gets(flags, cheap, monkeypatch):
+    """make train's model on a CPU that trains in fp32: the 3x3 stem and half-resolution tail; elsewhere LSS's."""
+    from hydra import compose, initialize_config_dir
+
+    from bev.train import CONFIG_DIR
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(P, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with initialize_config_dir(CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=synthetic_cpu"])
+    decoder = cfg.model.net.decoder
+    assert (decoder.stem_kernel, decoder.half_res_tail) == ((3, True) if cheap else (7, False))
+    assert P.resolve_precision(cfg.trainer.precision, "cpu")[0] == ("32-true" if cheap else "bf16-mixed")

@@ -58,11 +58,22 @@ def _as_list(names: list[str]):
     return OmegaConf.create(names)
 
 
+def on_fp32_cpu(fp32_cpu: Any, other: Any) -> Any:
+    """`fp32_cpu` on a machine that trains in fp32 on its CPU (no CUDA GPU, no native bf16: bev.utils.precision),
+    else `other`: model sizes chosen for the machine, resolved (and stored in checkpoints) when the config is."""
+    import torch
+
+    from bev.utils.precision import cpu_bf16_support
+
+    return other if torch.cuda.is_available() or cpu_bf16_support() else fp32_cpu
+
+
 # The project's resolvers (bev.utils.trust lets stored configs call these and no other of its own).
 RESOLVERS = {
     "bev.num_classes": lambda cats, layers=None: len(_class_names(cats, layers)),
     "bev.object_classes": lambda cats: _as_list(_class_names(cats)),
     "bev.map_classes": lambda layers=None: _as_list(_map_classes(layers)),
+    "bev.on_fp32_cpu": on_fp32_cpu,
 }
 
 
