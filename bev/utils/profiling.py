@@ -41,8 +41,8 @@ def op_family(name: str) -> str:
 
 
 def matmul_rate(dtype, device: str = "cpu", n: int = 2048, repeats: int = 5) -> float:
-    """The device's matrix-product rate in GFLOP/s (median of `repeats` n x n products in `dtype`): the most a
-    convolution-bound training step can reach."""
+    """The device's rate for torch's n x n matrix product in `dtype`, GFLOP/s (median of `repeats`): the yardstick of
+    a convolution-bound step's arithmetic rate (oneDNN's convolutions may beat the product's kernel)."""
     import statistics
     import time
 
