@@ -41,7 +41,8 @@ def test_a_onednn_isa_cap_below_bf16_is_a_cpu_without_it(isa, expected, monkeypa
     monkeypatch.setattr(P, "_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
-    assert P.resolve_precision("auto", "cpu")[0] == expected
+    precision, reason = P.resolve_precision("auto", "cpu")
+    assert precision == expected and ("ONEDNN_MAX_CPU_ISA=" in reason) == (expected == "32-true")
     assert P.resolve_channels_last("auto", torch.nn.Conv2d(16, 16, 3)) == (expected == "bf16-mixed")
 
 

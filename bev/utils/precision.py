@@ -37,14 +37,17 @@ ONEDNN_ISAS_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", 
 def cpu_bf16_support() -> str | None:
     """The name of this CPU's native bf16 instructions (e.g. "AVX512-BF16"), or None; None too when
     ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA) keeps oneDNN below them, as on a CPU without them."""
-    isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
-    if isa.strip().upper() in ONEDNN_ISAS_WITHOUT_BF16:
-        return None
+    return None if _isa_cap() in ONEDNN_ISAS_WITHOUT_BF16 else _native_flag()
+
+
+def _isa_cap() -> str:
+    return (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+
+
+def _native_flag() -> str | None:
+    """The name of the CPU's native bf16 instructions by its flags alone."""
     flags = _cpu_flags()
-    for flag, name in CPU_BF16_FLAGS.items():
-        if flag in flags:
-            return name
-    return None
+    return next((name for flag, name in CPU_BF16_FLAGS.items() if flag in flags), None)
 
 
 def _accelerator(accelerator: str) -> str:
@@ -75,6 +78,9 @@ def resolve_precision(precision: str | int | None, accelerator: str = "auto") ->
         native = cpu_bf16_support()
         if native:
             return "bf16-mixed", f"CPU has {native}"
+        cap = _isa_cap()
+        if cap in ONEDNN_ISAS_WITHOUT_BF16 and _native_flag():
+            return "32-true", f"ONEDNN_MAX_CPU_ISA={cap} keeps oneDNN below its bf16 kernels: emulated bf16 is slower"
         return "32-true", "CPU has no native bf16 (no AVX512-BF16 / AMX): emulated bf16 is slower than fp32"
     return "32-true", f"no bf16 rule for accelerator {accelerator!r}"
 
