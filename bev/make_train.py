@@ -27,7 +27,7 @@ from pathlib import Path
 UNDERTRAINED = 0.25  # below this fraction of the planned steps the last lines say the model is undertrained
 # What the whole schedule of experiment=synthetic_cpu scores: the README's row for it, to two decimals
 # (tests/test_make_train.py holds the two together).
-FULL_SCHEDULE = {"iou_vehicle": ("vehicle IoU", 0.42), "miou_map": ("map mIoU", 0.56)}
+FULL_SCHEDULE = {"iou_vehicle": ("vehicle IoU", 0.42), "miou_map": ("map mIoU", 0.57)}
 
 
 def _clock(unix_s: float) -> str:
