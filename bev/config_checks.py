@@ -87,13 +87,13 @@ def check_model(cfg: DictConfig) -> None:
 
 def _check_moved(model: Mapping) -> None:
     """A segmentation setting given at the top of model.* (its place before model.segmentation): say where it went."""
-    from bev.utils.legacy import SEGMENTATION_KEYS
+    from bev.utils.legacy import moved_segmentation_key
 
-    moved = [k for k in SEGMENTATION_KEYS if k in model]
-    if moved and "BEVLitModule" in str(model.get("_target_")):
+    key = moved_segmentation_key(model)
+    if key and "BEVLitModule" in str(model.get("_target_")):
         raise ValueError(
-            f"model.{moved[0]} is now model.segmentation.{moved[0]} (each task's settings sit under model.<task>): "
-            f"write model.segmentation.{moved[0]}=... instead"
+            f"model.{key} is now model.segmentation.{key} (each task's settings sit under model.<task>): "
+            f"write model.segmentation.{key}=... instead"
         )
 
 

@@ -123,11 +123,11 @@ def load_checkpoint(
 
 def _check_moved(given: Mapping) -> None:
     """+model.<key> overrides of segmentation's settings at their place before model.segmentation: say where."""
-    from bev.utils.legacy import SEGMENTATION_KEYS
+    from bev.utils.legacy import moved_segmentation_key
 
-    moved = [k for k in SEGMENTATION_KEYS if k in given]
-    if moved:
-        raise ValueError(f"+model.{moved[0]} is now +model.segmentation.{moved[0]}: pass that instead")
+    key = moved_segmentation_key(given)
+    if key:
+        raise ValueError(f"+model.{key} is now +model.segmentation.{key}: pass that instead")
 
 
 def say_chosen(loaded: Loaded) -> None:
@@ -572,8 +572,7 @@ def export_onnx(
         # torch.export specialises size-1 dims: trace with 2 samples to keep the batch dynamic
         example = _two_samples(example, names)
     batch = torch.export.Dim("batch", min=1, max=1024)
-    count = torch.export.Dim("points", min=0, max=2**31 - 2)
-    dims = {"points": {0: count}}
+    dims = {"points": {0: _points_dim()}}
     with torch.no_grad(), net.exportable():
         program = torch.onnx.export(
             net.eval(),
@@ -589,6 +588,11 @@ def export_onnx(
     with atomic_open(path, "wb", overwrite) as f:  # bytes, not onnx.save_model: that reads f.name, an fd number here
         f.write(program.model_proto.SerializeToString())
     return Path(path)
+
+
+def _points_dim():
+    """The exported graph's dynamic point count M (a LiDAR model's "points" rows)."""
+    return torch.export.Dim("points", min=0, max=2**31 - 2)
 
 
 def _two_samples(example: tuple[torch.Tensor, ...], names: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
@@ -645,8 +649,7 @@ def export_program(net: nn.Module, example: tuple[torch.Tensor, ...], path: str 
     lidar = getattr(net.net, "lidar", None)
     dynamic = None
     if lidar is not None:  # one entry: forward(*inputs) takes them as one tuple
-        count = torch.export.Dim("points", min=0, max=2**31 - 2)
-        dynamic = (tuple({0: count} if k == "points" else None for k in net.input_names),)
+        dynamic = (tuple({0: _points_dim()} if k == "points" else None for k in net.input_names),)
     with torch.no_grad(), lidar.exportable() if lidar is not None else contextlib.nullcontext():
         program = torch.export.export(net.eval(), example, dynamic_shapes=dynamic)
     with atomic_open(path, "wb", overwrite) as f:

@@ -249,7 +249,8 @@ class Variant:
         top = sorted(averages, key=self_ms, reverse=True)[:10]
         families: dict[str, float] = {}
         for e in averages:
-            families[op_family(e.key)] = families.get(op_family(e.key), 0.0) + self_ms(e)
+            family = op_family(e.key)
+            families[family] = families.get(family, 0.0) + self_ms(e)
         return {
             "wall_ms": round(wall * 1e3, 2),
             "steps": steps,

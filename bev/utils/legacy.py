@@ -188,6 +188,11 @@ def upgrade_module(ckpt: dict) -> bool:
 SEGMENTATION_KEYS = ("object_classes", "map_classes", "loss", "focal_gamma", "pos_weight", "class_weight", "threshold")
 
 
+def moved_segmentation_key(model: Any) -> str | None:
+    """The first of SEGMENTATION_KEYS a model config (or override mapping) gives at the top of model.*, or None."""
+    return next((k for k in SEGMENTATION_KEYS if k in model), None)
+
+
 def upgrade_settings(ckpt: dict) -> bool:
     """A stored BEVLitModule config with segmentation's settings at the top of model.* (SEGMENTATION_KEYS) with
     them under model.segmentation, in place; False if there were none."""
