@@ -1,8 +1,9 @@
-"""The camera + LiDAR experiments (synthetic_fusion_cpu, synthetic_lidar_cpu) train two steps through bev-train on
-the synthetic fixture, their LiDAR branch fed by the items' points."""
+"""The camera + LiDAR experiments (synthetic_fusion_cpu, synthetic_lidar_cpu, synthetic_temporal_fusion_cpu) train
+two steps through bev-train on the synthetic fixture, their LiDAR branch fed by the items' points."""
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,6 +52,36 @@ def test_the_lidar_experiments_train_two_steps(experiment, synthetic_root, tmp_p
     records = json.loads((tmp_path / "pred" / "predictions.json").read_text())["samples"]
     assert records and all("num_boxes" in r for r in records)
     assert len(list((tmp_path / "pred").rglob("*.png"))) == len(records)
+
+
+@pytest.mark.e2e
+def test_fiery_present_and_future_train_on_the_fused_bev(synthetic_root, tmp_path, monkeypatch):
+    """experiment=synthetic_temporal_fusion_cpu: camera windows and the present frame's points, one fused BEV for
+    the motion head; bev-eval scores its future and bev-predict writes its future instances."""
+    args = [
+        "experiment=synthetic_temporal_fusion_cpu",
+        *TINY[1:],
+        *SMALL_LIDAR,
+        f"data.dataroot={synthetic_root}",
+        f"hydra.run.dir={tmp_path}",
+        "data.past_frames=1",
+        "data.future_frames=1",
+        "data.input_memo_mb=0",
+        "++trainer.max_steps=2",
+        "trainer.max_epochs=2",
+    ]
+    assert train_cli(args, monkeypatch) == 0
+    state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    parts = ("net.camera.", "net.lidar.", "net.fuser.", "net.temporal.", "net.heads.motion.")
+    assert all(any(k.startswith(p) for k in state) for p in parts)
+    args = [f"ckpt_path={tmp_path}", f"data.dataroot={synthetic_root}", f"hydra.run.dir={tmp_path / 'eval'}"]
+    assert eval_cli(args, monkeypatch) == 0
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())["metrics"]
+    assert {"future_iou_long", "vpq_long", "vpq_long_present_copied"} <= set(metrics)
+    args = [f"ckpt_path={tmp_path}", f"data.dataroot={synthetic_root}", f"out={tmp_path / 'pred'}", "gif=false"]
+    assert run_cli(predict_cli._hydra_main, [*args, f"hydra.run.dir={tmp_path / 'pred_log'}"], monkeypatch) == 0
+    records = json.loads((tmp_path / "pred" / "predictions.json").read_text())["samples"]
+    assert records and all(np.load(r["npz"])["future_instances"].shape[0] == 2 for r in records)
 
 
 # What a CPU test changes in the nuScenes experiments: the synthetic set, small inputs and branches, two steps.

@@ -14,6 +14,8 @@ from bev.train import CONFIG_DIR
 from helpers.cli import eval_cli, train_cli
 
 EXPERIMENTS = ["synthetic_occ_cpu", "synthetic_occ_fusion_cpu", "bevdet_occ_nuscenes", "flashocc_nuscenes"]
+# The fused experiment with BEVDet-Occ's 3D decoder: the fused map read as (C, Z) voxels
+VOXEL3D = ["model=occ_small", "grid.zbound=[-1,5.4,1.6]"]
 # Only what a CPU test must change: the synthetic set, a small input, no ImageNet download, two steps.
 SMALL = [
     "data.version=v1.0-mini",
@@ -70,13 +72,15 @@ def test_the_published_settings_are_in_the_experiments():
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("experiment", EXPERIMENTS)
-def test_the_experiment_trains_two_steps(experiment, occ_root, tmp_path, monkeypatch, capsys):  # noqa: F811
+@pytest.mark.parametrize(
+    "experiment, decoder", [*((e, None) for e in EXPERIMENTS), ("synthetic_occ_fusion_cpu", "voxel3d")]
+)
+def test_the_experiment_trains_two_steps(experiment, decoder, occ_root, tmp_path, monkeypatch, capsys):  # noqa: F811
     synthetic = experiment.startswith("synthetic_")
     extra = COARSE if synthetic else NUSCENES_SMALL
     extra = extra + (["grid.zbound=[-1,5.4,1.6]"] if experiment == "bevdet_occ_nuscenes" or synthetic else [])
-    fused = experiment == "synthetic_occ_fusion_cpu"  # cameras + LiDAR: the channel-to-height head on the fused BEV
-    extra = extra + (["grid.zbound=[-1,5.4,6.4]", *SMALL_LIDAR] if fused else [])
+    fused = experiment == "synthetic_occ_fusion_cpu"  # cameras + LiDAR: the occupancy head on the fused BEV
+    extra = extra + ([*SMALL_LIDAR, *(VOXEL3D if decoder else ["grid.zbound=[-1,5.4,6.4]"])] if fused else [])
     args = [f"experiment={experiment}", *SMALL, *extra, f"data.dataroot={occ_root}", f"hydra.run.dir={tmp_path}"]
     assert train_cli(args, monkeypatch) == 0, capsys.readouterr().err[-3000:]
     rec = json.loads((tmp_path / "metrics.json").read_text())
@@ -89,6 +93,7 @@ def test_the_experiment_trains_two_steps(experiment, occ_root, tmp_path, monkeyp
         any(k.startswith("net.lidar.") for k in state) == fused
         and any(k.startswith("net.fuser.") for k in state) == fused
     )
+    assert any(k.startswith("net.decoder.stages.") for k in state) == (decoder == "voxel3d" or "bevdet" in experiment)
 
 
 @pytest.mark.e2e
