@@ -374,3 +374,40 @@ def test_format_table_prints_as_the_devkit(truth, synthetic_root, tmp_path, nusc
     devkit.main(render_curves=False)
     printed = [line for line in capsys.readouterr().out.splitlines() if not line.startswith(("Eval time", "Saving"))]
     assert format_table(metrics).splitlines() == printed
+
+
+def test_one_band_over_everything_is_the_devkits_ap(truth, synthetic_root, tmp_path, nusc):
+    """range_aps on a band holding every box: the devkit's own AP per class, and their mean over the classes
+    with ground truth."""
+
+    def shift(boxes):  # 0.7 m: AP below 1 (it fails the 0.5 m threshold), so that equal numbers say more
+        boxes[:, 0] += 0.7
+        return boxes
+
+    metrics = evaluate(_results(truth, shift), synthetic_root, VERSION, SPLIT, tmp_path, nusc=nusc, ranges=[(0, 500)])
+    present = _present(truth)
+    for c in DETECTION_CLASSES:
+        assert metrics.get(f"AP_0-500m/{c}") == (metrics[f"AP/{c}"] if c in present else None), c
+    assert metrics["mAP_0-500m"] == pytest.approx(np.mean([metrics[f"AP/{c}"] for c in present]), abs=1e-12)
+    assert 0 < metrics["mAP_0-500m"] < 0.99
+
+
+def test_bands_score_only_their_boxes(truth, synthetic_root, tmp_path, nusc):
+    """Predictions = the ground truth nearer than 20 m: that band scores AP 1, the next one 0, and bev-eval's table
+    names each band."""
+    tokens, ego, gt = truth
+    near = {t: np.array([b.ego_dist < 20 for b in gt[t]], dtype=bool) for t in tokens}
+    scores = _scores(truth)
+    results = to_results(
+        tokens,
+        *([src[t][near[t]] for t in tokens] for src in ({t: ego[t]["boxes"] for t in tokens}, scores)),
+        [ego[t]["labels"][near[t]] for t in tokens],
+        [ego[t]["pose"][0] for t in tokens],
+        [ego[t]["pose"][1] for t in tokens],
+    )
+    ranges = nusc_eval.RANGES
+    metrics = evaluate(results, synthetic_root, VERSION, SPLIT, tmp_path, nusc=nusc, ranges=ranges)
+    far = {b.detection_name for t in tokens for b in gt[t] if 20 <= b.ego_dist < 35}
+    assert far and metrics["mAP_0-20m"] >= 0.99 and metrics["mAP_20-35m"] == 0.0
+    assert all(metrics[f"AP_20-35m/{c}"] == 0.0 for c in far)
+    assert "0-20m: 1.0000  20-35m: 0.0000" in format_table(metrics)

@@ -4,6 +4,8 @@
 into the devkit's result boxes in the global frame; `write_results` writes a results file the devkit
 accepts (every sample of the split, nothing else, known classes, at most 500 boxes per sample);
 `evaluate` runs DetectionEval and returns flat metrics; `format_table` prints them as the devkit does.
+With `ranges` it adds the mAP per band of distance from the ego (range_aps): the devkit's accumulate and calc_ap on
+the ground truth and the predictions whose centres lie in the band, both filtered alike after its class ranges.
 
 Splits: the devkit's own (train, val, mini_train, mini_val, ...) where the dataset's version and scene
 names fit them, and custom splits from `<dataroot>/<version>/splits.json` ({"name": [scene names]}) for a
@@ -60,6 +62,8 @@ CAMERA_META = {"use_camera": True, "use_lidar": False, "use_radar": False, "use_
 TP_ERRORS = {"trans_err": "mATE", "scale_err": "mASE", "orient_err": "mAOE", "vel_err": "mAVE", "attr_err": "mAAE"}
 # TP errors the devkit does not score for a class (NaN in its metrics).
 UNSCORED = {"traffic_cone": ("orient_err", "vel_err", "attr_err"), "barrier": ("vel_err", "attr_err")}
+# Bands of distance from the ego (m) bev-eval scores apart, as segmentation's and occupancy's
+RANGES = ((0.0, 20.0), (20.0, 35.0), (35.0, 50.0))
 
 _VEHICLES = ("car", "truck", "construction_vehicle", "bus", "trailer")
 _CYCLES = ("motorcycle", "bicycle")
@@ -458,12 +462,14 @@ def evaluate(
     verbose: bool = False,
     nusc=None,
     max_bytes: int = MAX_RESULTS_BYTES,
+    ranges: Sequence[tuple[float, float]] = (),
 ) -> dict[str, float]:
     """Score a results file (or a {sample_token: [box, ...]} dict, written to output_dir/results_nusc.json
     with camera-only meta) on `eval_split` with DetectionEval; returns {"mAP", "NDS", "mATE", "mASE", "mAOE",
     "mAVE", "mAAE", "AP/<class>" (mean over the distance thresholds), "<tp error>/<class>"} and writes the
     devkit's metrics_summary.json to output_dir. `nusc`: an already loaded NuScenes of that dataroot and
-    version (loading trainval takes ~30 s, so a caller scoring often keeps one)."""
+    version (loading trainval takes ~30 s, so a caller scoring often keeps one). ranges: bands (m) whose mAP is
+    added, "mAP_<lo>-<hi>m" (over the classes with ground truth there) and "AP_<lo>-<hi>m/<class>" (range_aps)."""
     from nuscenes import NuScenes
 
     if nusc is None:
@@ -479,13 +485,48 @@ def evaluate(
         _check_meta(meta, f"results file {path}: ")
         n_boxes = _check_results(boxes, tokens, eval_split, f"results file {path}: ")
     if n_boxes == 0:
-        return _empty_metrics()
-    summary = _run_devkit(nusc, path, eval_split, output_dir, verbose)
+        return {**_empty_metrics(), **{f"mAP_{_band_name(b)}": 0.0 for b in ranges}}
+    summary, by_range = _run_devkit(nusc, path, eval_split, output_dir, verbose, ranges)
     atomic_write(output_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
-    return _flat_metrics(summary)
+    return {**_flat_metrics(summary), **by_range}
 
 
-def _run_devkit(nusc, path: Path, eval_split: str, output_dir: Path, verbose: bool) -> dict:
+def _band_name(band: tuple[float, float]) -> str:
+    return f"{band[0]:g}-{band[1]:g}m"
+
+
+def range_aps(evaluator, ranges: Sequence[tuple[float, float]]) -> dict[str, float]:
+    """AP per class and mAP per band of ego distance: the boxes (ground truth and predictions alike, after
+    DetectionEval's class ranges) whose centres are in [lo, hi) m, scored by the devkit's accumulate and calc_ap at
+    its four distance thresholds. Classes without ground truth in a band are left out of that band's mean."""
+    from nuscenes.eval.detection.algo import accumulate, calc_ap
+
+    cfg, out = evaluator.cfg, {}
+    for band in ranges:
+        gt, pred = (_in_band(boxes, *band) for boxes in (evaluator.gt_boxes, evaluator.pred_boxes))
+        present = {b.detection_name for b in gt.all}
+        aps = {}
+        for c in (c for c in cfg.class_names if c in present):
+            curves = [accumulate(gt, pred, c, cfg.dist_fcn_callable, th) for th in cfg.dist_ths]
+            aps[c] = float(np.mean([calc_ap(md, cfg.min_recall, cfg.min_precision) for md in curves]))
+        name = _band_name(band)
+        out[f"mAP_{name}"] = float(np.mean(list(aps.values()))) if aps else math.nan
+        out.update({f"AP_{name}/{c}": ap for c, ap in aps.items()})
+    return out
+
+
+def _in_band(boxes, lo: float, hi: float):
+    from nuscenes.eval.common.data_classes import EvalBoxes
+
+    out = EvalBoxes()
+    for token in boxes.sample_tokens:
+        out.add_boxes(token, [b for b in boxes[token] if lo <= b.ego_dist < hi])
+    return out
+
+
+def _run_devkit(
+    nusc, path: Path, eval_split: str, output_dir: Path, verbose: bool, ranges: Sequence[tuple[float, float]] = ()
+) -> tuple[dict, dict[str, float]]:
     from nuscenes.eval.common.config import config_factory
     from nuscenes.eval.detection.evaluate import DetectionEval
 
@@ -496,7 +537,7 @@ def _run_devkit(nusc, path: Path, eval_split: str, output_dir: Path, verbose: bo
             nusc, config_factory(DETECTION_CONFIG), str(path), eval_split, output_dir=str(output_dir), verbose=verbose
         )
         metrics, _ = evaluator.evaluate()  # not main(): its PR-curve plots take longer than the scoring
-    return metrics.serialize()
+    return metrics.serialize(), range_aps(evaluator, ranges)
 
 
 def format_table(metrics: Mapping[str, float]) -> str:
@@ -509,4 +550,8 @@ def format_table(metrics: Mapping[str, float]) -> str:
     for c in DEVKIT_CLASS_ORDER:
         values = [metrics[f"AP/{c}"]] + [metrics[f"{e}/{c}"] for e in TP_ERRORS]
         lines.append(f"{c:<20}\t" + "\t".join(f"{v:<6.3f}" for v in values))
+    bands = [k.removeprefix("mAP_") for k in metrics if k.startswith("mAP_")]
+    if bands:
+        lines += ["", "mAP by distance from the ego (classes with ground truth in the band):"]
+        lines.append("  ".join(f"{b}: {metrics[f'mAP_{b}']:.4f}" for b in bands))
     return "\n".join(lines)

@@ -17,7 +17,7 @@ import torch
 
 from bev.geometry import Grid, matrix_to_quaternion
 from bev.tasks.detection.decode import decode
-from bev.tasks.detection.nusc_eval import evaluate, to_results
+from bev.tasks.detection.nusc_eval import RANGES, evaluate, to_results
 from bev.tasks.detection.tracking import TrackVelocity, sample_links, track_velocity
 from bev.utils.dist import gather_objects, on_rank_zero
 
@@ -78,7 +78,7 @@ class DetectionScore:
         results = self.results(dataset)
         if self.track is not None:
             results = track_velocity(results, sample_links(self._nusc[key]), self.track)
-        if output_dir is not None:
-            return evaluate(results, *key, dataset.split, output_dir, verbose, nusc=self._nusc[key])
+        if output_dir is not None:  # bev-eval: the mAP per distance band too
+            return evaluate(results, *key, dataset.split, output_dir, verbose, nusc=self._nusc[key], ranges=RANGES)
         with tempfile.TemporaryDirectory(prefix="bev-det-") as tmp:
             return evaluate(results, *key, dataset.split, tmp, verbose, nusc=self._nusc[key])
