@@ -326,7 +326,7 @@ def _off_faces_reference(points: np.ndarray, boxes: lidar.Boxes) -> np.ndarray:
             close = np.abs(d) < lidar.BOX_GAP
             pushed = np.sign(a) * (boxes.half[b] + np.where(d >= 0, 2, -2) * lidar.BOX_GAP)
             a[close] = pushed[close]
-            points[near[band]] = boxes.centre[b] + a @ boxes.R[b].T
+            points[near[band]] = lidar._from_local(a, boxes.centre[b], boxes.R[b])
     return points
 
 
@@ -354,7 +354,8 @@ def test_off_faces_second_pass_skips_only_idle_boxes():
         on_faces = centre[b] + np.einsum("pij,pj->pi", R[b], local)
         pts = np.concatenate([on_faces, rng.uniform(-5, centre[-1, 0], (5000, 3))])
         ref = _off_faces_reference(pts, boxes)
-        out = lidar._off_faces(pts, boxes)
+        with native.backend("numpy"):  # numpy's passes (the native ones: tests/test_lidar_native.py)
+            out = lidar._off_faces(pts, boxes)
         assert np.array_equal(out, ref)
         assert np.any(out != pts, 1).sum() > 1000  # the band is exercised
         one = pts.copy()
