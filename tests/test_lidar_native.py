@@ -131,6 +131,18 @@ def test_world_key_frames_agree(t, world):
 
 
 @needs_ops
+def test_intensity_agrees_beyond_the_tiles(world):
+    """Intensities of part and ground returns, some ground ones beyond the ring of map tiles (no LiDAR return lies
+    there, but any point is served: numpy's classes for those)."""
+    rng = np.random.default_rng(3)
+    pts = np.concatenate([rng.uniform(-60, 60, (3000, 3)), rng.uniform(200, 300, (200, 3))])
+    parts = raycast.sample_parts(world, 0.5)
+    part = np.where(rng.random(len(pts)) < 0.3, rng.integers(0, len(parts.obj), len(pts)), -1)
+    ref, out = _both(lambda: lidar.intensity(world, 0.5, parts, part, pts, np.random.default_rng(1)))
+    assert np.array_equal(ref, out) and len(np.unique(out[-200:])) > 3
+
+
+@needs_ops
 def test_written_sets_are_the_same_bytes(tmp_path):
     """A set of 1 scene x 8 samples (cameras, key-frame clouds, a sweep, occupancy, tables) written with the numpy
     casters and LiDAR and with the native ones: every file the same bytes."""
@@ -190,7 +202,17 @@ def test_bad_input_is_refused():
         native.lidar_count(points, *boxes[:2], boxes[2].astype(np.float32), boxes[3])
     with pytest.raises(ValueError, match=r"ring must have shape \(10\), got \(9,\)"):
         native.lidar_cloud(points, np.zeros(10), np.zeros(9, np.int64), spin.rotation, origin)
+    labels, part, points = np.zeros(64, np.uint8), np.array([-1, 0, 2] + [-1] * 7), np.full((10, 3), 0.35)
+    window = (0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 10.0, 0, 0, 8, 8)
+    with pytest.raises(ValueError, match="part names a part beyond the 2 parts"):
+        native.lidar_intensity(points, part, np.ones(2), np.ones(10), np.ones(7), labels, *window)
+    with pytest.raises(ValueError, match=r"labels must have shape \(\*\), got \(64, 1\)"):
+        native.lidar_intensity(points, part, np.ones(3), np.ones(10), np.ones(7), labels[:, None], *window)
     t = torch.from_numpy
+    with pytest.raises(RuntimeError, match=r"_lidar_intensity: labels must be contiguous Byte \[64\]"):
+        native.op("_lidar_intensity")(*map(t, (points, part, np.ones(3), np.ones(10), np.ones(7), labels[:9])), *window)
+    with pytest.raises(RuntimeError, match=r"_lidar_intensity: labels\[27\] = 9 names no ground class of 7"):
+        native.lidar_intensity(points, part, np.ones(3), np.ones(10), np.ones(7), labels + 9, *window)
     with pytest.raises(RuntimeError, match=r"_lidar_returns: jitter must hold one value per finite depth \(10\)"):
         native.op("_lidar_returns")(t(depth), t(rays), t(origin), torch.zeros(11, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="_lidar_count: reach must be contiguous Double"):

@@ -277,15 +277,42 @@ def _off_faces_pass(points: np.ndarray, boxes: Boxes, moved: np.ndarray | None) 
 
 def intensity(world: World, t: float, parts: raycast.Parts, part: np.ndarray, points: np.ndarray, rng) -> np.ndarray:
     """(N,) intensity 0-255 of returns on `part` (-1: the ground) at ego `points`, by material (module tables)."""
+    spread = np.exp(INTENSITY_SPREAD * rng.standard_normal(len(part)))
+    if native.active(native.LIDAR_OPS):
+        return _intensity_native(world, t, parts, part, points, spread)
     base = np.empty(len(part))
     ground = part < 0
-    ego_t, ego_yaw = world.ego_pose(t)
-    xy = points[ground, :2] @ _yaw_matrix(ego_yaw)[:2, :2].T + ego_t[:2]
-    cls = raycast.ground_class(world.seed, world.location, xy[:, 0], xy[:, 1])
-    base[ground] = np.array([GROUND_INTENSITY[name] for name in raycast.GROUND], float)[cls]
+    base[ground] = _ground_intensity(world, t, points[ground])
     base[~ground] = _part_intensity(world, parts)[part[~ground]]
-    spread = np.exp(INTENSITY_SPREAD * rng.standard_normal(len(base)))
     return np.clip(np.rint(base * spread), 0, 255)
+
+
+_GROUND_VALUES = np.array([GROUND_INTENSITY[name] for name in raycast.GROUND], float)
+
+
+def _ground_intensity(world: World, t: float, points: np.ndarray) -> np.ndarray:
+    """(N,) intensity of the ground's material under ego points (N, 3) before the spread (the map's texel class)."""
+    ego_t, ego_yaw = world.ego_pose(t)
+    M = _yaw_matrix(ego_yaw)  # ego -> global, elementwise as bev.synthetic.native's kernel
+    x = (points[:, 0] * M[0, 0] + points[:, 1] * M[0, 1]) + ego_t[0]
+    y = (points[:, 0] * M[1, 0] + points[:, 1] * M[1, 1]) + ego_t[1]
+    return _GROUND_VALUES[raycast.ground_class(world.seed, world.location, x, y)]
+
+
+def _intensity_native(world, t, parts, part, points, spread) -> np.ndarray:
+    """intensity in one native pass over the map's ground classes around the ego (raycast's tile ring)."""
+    ego_t, ego_yaw = world.ego_pose(t)
+    M = _yaw_matrix(ego_yaw)
+    t0x, t0y, n = raycast._tile_window(ego_t)
+    labels = raycast._ring(world.seed, world.location, labels=True).fill(t0x, t0y, n).reshape(-1)
+    pose = (ego_t[0], ego_t[1], M[0, 0], M[0, 1], M[1, 0], M[1, 1], 1 / raycast.TEX_RES)
+    window = (t0x * raycast.TILE, t0y * raycast.TILE, n * raycast.TILE, raycast.RING * raycast.TILE)
+    value = native.lidar_intensity(
+        points, part, _part_intensity(world, parts), spread, _GROUND_VALUES, labels, *pose, *window
+    )
+    off = np.flatnonzero(np.isnan(value))  # ground beyond the tiles' window (none within MAX_RANGE): numpy's
+    value[off] = np.clip(np.rint(_ground_intensity(world, t, points[off]) * spread[off]), 0, 255)
+    return value
 
 
 def _part_intensity(world: World, parts: raycast.Parts) -> np.ndarray:

@@ -33,11 +33,15 @@ SHADE_OP = "_raycast_shade"
 RECTS_OP = "_raycast_rects"
 GROUND_OP = "_raycast_ground"
 OP_NAMES = (OP_NAME, SHADE_OP, RECTS_OP, GROUND_OP)
-LIDAR_OPS = ("_lidar_returns", "_lidar_off_faces", "_lidar_cloud", "_lidar_count")  # kernels: cpu/lidar_cpu.cpp
+BGR8_OP = "_raycast_bgr8"  # a render's JPEG pixels (sensors.camera_jpeg)
+LIDAR_OPS = ("_lidar_returns", "_lidar_off_faces", "_lidar_cloud", "_lidar_count", "_lidar_intensity")  # lidar_cpu
 BACKENDS = ("auto", "native", "numpy")
 _backend = os.environ.get("BEV_RAYCAST", "auto")
 if _backend not in BACKENDS:
     raise ValueError(f"BEV_RAYCAST must be one of {BACKENDS}, got {_backend!r}")
+
+
+_found: dict[str, object] = {}  # name -> operator or None: torch.ops' lookup costs ~10 us, asked ~150 times a sample
 
 
 def op(name: str | None = None):
@@ -46,10 +50,13 @@ def op(name: str | None = None):
 
     if _native._C is None:
         return None
-    try:
-        return getattr(torch.ops.bev, name or OP_NAME)
-    except (AttributeError, RuntimeError):
-        return None
+    name = name or OP_NAME
+    if name not in _found:
+        try:
+            _found[name] = getattr(torch.ops.bev, name)
+        except (AttributeError, RuntimeError):
+            _found[name] = None
+    return _found[name]
 
 
 def active(names: tuple[str, ...] | None = None) -> bool:
@@ -293,3 +300,37 @@ def lidar_count(points: np.ndarray, centre, R, half, reach) -> np.ndarray:
     """(B,) int64 the points (N, 3) float64 inside each box, faces included (lidar.points_in_boxes; reach: |half|)."""
     _check("points", points, np.float64, (None, 3))
     return _lidar_op(LIDAR_OPS[3])(torch.from_numpy(points), *_box_arrays(centre, R, half, reach)).numpy()
+
+
+def bgr8(image: np.ndarray) -> np.ndarray:
+    """(H, W, 3) uint8 BGR pixels of a render (H, W, 3) float32 RGB in [0, 1]: sensors.camera_jpeg's conversion."""
+    _check("image", image, np.float32, (None, None, 3))
+    fn = op(BGR8_OP)
+    if fn is None:
+        raise RuntimeError(f"bev.ops._C has no {BGR8_OP}: use sensors.camera_jpeg's numpy conversion")
+    return fn(torch.from_numpy(image)).numpy()
+
+
+def lidar_intensity(points, part, part_value, spread, ground_value, labels, e0, e1, m00, m01, m10, m11, scale, *window):
+    """lidar.intensity's values (N,) float64 of returns at ego points (N, 3) float64 on part (N,) int64 (-1: the
+    ground): part_value (P,) float64 per part, ground_value (G,) float64 per ground class, times spread (N,) float64,
+    rounded and clipped to 0-255. A ground point's class is labels (side * side,) uint8 (raycast's ring of tiles,
+    window (col0, row0, size, side) as ground's) at its map texel: ego -> map by (e0, e1) + [[m00, m01], [m10, m11]],
+    `scale` texels a metre; NaN where it lies beyond the window."""
+    n, P = len(points), len(part_value)
+    for name, a, dtype, shape in (
+        ("points", points, np.float64, (n, 3)),
+        ("part", part, np.int64, (n,)),
+        ("part_value", part_value, np.float64, (P,)),
+        ("spread", spread, np.float64, (n,)),
+        ("ground_value", ground_value, np.float64, (None,)),
+        ("labels", labels, np.uint8, (None,)),
+    ):
+        _check(name, a, dtype, shape)
+    if n and int(part.max()) >= P:
+        raise ValueError(f"part names a part beyond the {P} parts")
+    fn = _lidar_op(LIDAR_OPS[4])
+    t = torch.from_numpy
+    scalars = [float(v) for v in (e0, e1, m00, m01, m10, m11, scale)]
+    tensors = (points, part, part_value, spread, ground_value, labels)
+    return fn(*map(t, tensors), *scalars, *(int(w) for w in window)).numpy()

@@ -7,6 +7,8 @@
 // _lidar_cloud: the .pcd.bin rows (x, y, z, intensity, ring) in the LIDAR_TOP frame, float32, and the ego points a
 //   reader gets back from them (lidar.to_ego).
 // _lidar_count: the points inside each box, faces included (lidar.points_in_boxes).
+// _lidar_intensity: each return's intensity by its material, the ground's read off the map's texel classes
+//   (lidar.intensity).
 //
 // The float64 operations are numpy's elementwise ones in the same order (lidar._to_local, _from_local); the default
 // x86-64 target has no FMA, so nothing is contracted. A box looks at the points within its reach as numpy's does
@@ -222,6 +224,50 @@ at::Tensor lidar_count_cpu(const at::Tensor& points, const at::Tensor& centre, c
   return counts;
 }
 
+at::Tensor lidar_intensity_cpu(const at::Tensor& points, const at::Tensor& part, const at::Tensor& part_value,
+                               const at::Tensor& spread, const at::Tensor& ground_value, const at::Tensor& labels,
+                               double e0, double e1, double m00, double m01, double m10, double m11, double scale,
+                               int64_t col0, int64_t row0, int64_t size, int64_t side) {
+  const char* op = "_lidar_intensity";
+  TORCH_CHECK(points.dim() == 2, op, ": points must be (N, 3), got ", points.sizes());
+  const int64_t n = points.size(0), P = part_value.dim() == 1 ? part_value.size(0) : -1;
+  const int64_t G = ground_value.dim() == 1 ? ground_value.size(0) : -1;
+  check(points, op, "points", at::kDouble, {n, 3});
+  check(part, op, "part", at::kLong, {n});
+  check(part_value, op, "part_value", at::kDouble, {P});
+  check(spread, op, "spread", at::kDouble, {n});
+  check(ground_value, op, "ground_value", at::kDouble, {G});
+  TORCH_CHECK(side > 0 && (side & (side - 1)) == 0, op, ": side must be a power of two, got ", side);
+  check(labels, op, "labels", at::kByte, {side * side});
+  const double *X = points.data_ptr<double>(), *PV = part_value.data_ptr<double>();
+  const double *S = spread.data_ptr<double>(), *GV = ground_value.data_ptr<double>();
+  const int64_t* Q = part.data_ptr<int64_t>();
+  const uint8_t* L = labels.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(Q[i] < P, op, ": part[", i, "] = ", Q[i], " names no part of ", P);
+  at::Tensor value = at::empty({n}, points.options());
+  double* V = value.data_ptr<double>();
+  for (int64_t i = 0; i < n; ++i) {
+    double base;
+    if (Q[i] >= 0) {
+      base = PV[Q[i]];
+    } else {  // the map texel under the point (lidar._ground_intensity, raycast.ground_class)
+      const double* p = X + 3 * i;
+      const double x = (p[0] * m00 + p[1] * m01) + e0, y = (p[0] * m10 + p[1] * m11) + e1;
+      const int64_t col = int64_t(std::floor(x * scale)), row = int64_t(std::floor(y * scale));
+      if (uint64_t(col - col0) >= uint64_t(size) || uint64_t(row - row0) >= uint64_t(size)) {
+        V[i] = std::nan("");  // beyond the ring's window: the caller's
+        continue;
+      }
+      const int64_t k = (row & (side - 1)) * side + (col & (side - 1));
+      TORCH_CHECK(L[k] < G, op, ": labels[", k, "] = ", int(L[k]), " names no ground class of ", G);
+      base = GV[L[k]];
+    }
+    const double v = std::nearbyint(base * S[i]);  // np.rint: half to even
+    V[i] = v < 0 ? 0.0 : (v > 255 ? 255.0 : v);
+  }
+  return value;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(bev, CPU, m) {
@@ -229,6 +275,7 @@ TORCH_LIBRARY_IMPL(bev, CPU, m) {
   m.impl("_lidar_off_faces", &lidar_off_faces_cpu);
   m.impl("_lidar_cloud", &lidar_cloud_cpu);
   m.impl("_lidar_count", &lidar_count_cpu);
+  m.impl("_lidar_intensity", &lidar_intensity_cpu);
 }
 
 }  // namespace bev
