@@ -33,7 +33,7 @@ SHADE_OP = "_raycast_shade"
 RECTS_OP = "_raycast_rects"
 GROUND_OP = "_raycast_ground"
 OP_NAMES = (OP_NAME, SHADE_OP, RECTS_OP, GROUND_OP)
-BGR8_OP = "_raycast_bgr8"  # a render's JPEG pixels (sensors.camera_jpeg)
+RGB8_OP = "_raycast_rgb8"  # a render's JPEG pixels (sensors.camera_jpeg)
 LIDAR_OPS = ("_lidar_returns", "_lidar_off_faces", "_lidar_cloud", "_lidar_count", "_lidar_intensity")  # lidar_cpu
 BACKENDS = ("auto", "native", "numpy")
 _backend = os.environ.get("BEV_RAYCAST", "auto")
@@ -44,11 +44,21 @@ if _backend not in BACKENDS:
 _found: dict[str, object] = {}  # name -> operator or None: torch.ops' lookup costs ~10 us, asked ~150 times a sample
 
 
+_loader = None  # bev.ops._native, imported on first use (an import statement costs ~1 us each time it runs)
+
+
+def _ext():
+    global _loader
+    if _loader is None:
+        from bev.ops import _native
+
+        _loader = _native
+    return _loader
+
+
 def op(name: str | None = None):
     """The native operator `name` (default OP_NAME), or None when bev.ops._C did not load or was built without it."""
-    from bev.ops import _native
-
-    if _native._C is None:
+    if _ext()._C is None:
         return None
     name = name or OP_NAME
     if name not in _found:
@@ -68,12 +78,10 @@ def active(names: tuple[str, ...] | None = None) -> bool:
     if all(op(name) is not None for name in names):
         return True
     if _backend == "native":
-        from bev.ops import _native
-
         raise RuntimeError(
             "the native ray caster was asked for (BEV_RAYCAST=native) but bev.ops._C lacks one of "
             f"{names} "
-            f"({_native.LOAD_ERROR or 'a build without it'}); rebuild with `python setup.py build_ext --inplace`"
+            f"({_ext().LOAD_ERROR or 'a build without it'}); rebuild with `python setup.py build_ext --inplace`"
         )
     return False
 
@@ -302,12 +310,12 @@ def lidar_count(points: np.ndarray, centre, R, half, reach) -> np.ndarray:
     return _lidar_op(LIDAR_OPS[3])(torch.from_numpy(points), *_box_arrays(centre, R, half, reach)).numpy()
 
 
-def bgr8(image: np.ndarray) -> np.ndarray:
-    """(H, W, 3) uint8 BGR pixels of a render (H, W, 3) float32 RGB in [0, 1]: sensors.camera_jpeg's conversion."""
+def rgb8(image: np.ndarray) -> np.ndarray:
+    """(H, W, 3) uint8 pixels of a render (H, W, 3) float32 RGB in [0, 1]: sensors.camera_jpeg's conversion."""
     _check("image", image, np.float32, (None, None, 3))
-    fn = op(BGR8_OP)
+    fn = op(RGB8_OP)
     if fn is None:
-        raise RuntimeError(f"bev.ops._C has no {BGR8_OP}: use sensors.camera_jpeg's numpy conversion")
+        raise RuntimeError(f"bev.ops._C has no {RGB8_OP}: use sensors.camera_jpeg's numpy conversion")
     return fn(torch.from_numpy(image)).numpy()
 
 

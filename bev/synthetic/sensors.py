@@ -52,12 +52,12 @@ def scaled_intrinsic(K, scale: int) -> list[list[float]]:
 def camera_jpeg(image: np.ndarray, scale: int, upscale: bool, name: str) -> bytes:
     """A camera's render (H, W, 3 RGB in [0, 1], at 1600x900 / scale) as its JPEG's bytes: upscaled to 1600x900
     when `upscale`, else at the render resolution (`name`: the file, for the error)."""
-    if image.dtype == np.float32 and native.active((native.BGR8_OP,)):
-        img = native.bgr8(np.ascontiguousarray(image, np.float32))  # the same pixels in one pass
+    if image.dtype == np.float32 and native.active((native.RGB8_OP,)):
+        img = native.rgb8(np.ascontiguousarray(image))  # the same pixels in one pass
     else:
         img = (image * 255.0 + 0.5).clip(0, 255).astype(np.uint8)
-        # RGB -> BGR before upscaling (same pixels): a contiguous array encodes ~3x faster than a flipped view.
-        img = cv2.cvtColor(img, cv2.COLOR_RGB2BGR)
+    # RGB -> BGR before upscaling (same pixels): a contiguous array encodes ~3x faster than a flipped view.
+    img = cv2.cvtColor(img, cv2.COLOR_RGB2BGR)
     if upscale and scale > 1:
         img = cv2.resize(img, (IMAGE_W, IMAGE_H), interpolation=cv2.INTER_LINEAR)
     ok, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, JPEG_QUALITY])

@@ -32,7 +32,7 @@ TORCH_LIBRARY(bev, m) {
       "_raycast_ground(Tensor gx, Tensor gy, Tensor pixels, Tensor clear, Tensor fog, Tensor texels, Tensor grass, "
       "Tensor(a!) image, float e0, float e1, float c, float s, float scale, float unit, int col0, int row0, int size, "
       "int side) -> ()");
-  m.def("_raycast_bgr8(Tensor image) -> Tensor");
+  m.def("_raycast_rgb8(Tensor image) -> Tensor");
   // The synthetic LiDAR's point cloud (CPU only; kernels csrc/cpu/lidar_cpu.cpp, wrappers bev/synthetic/native.py).
   m.def("_lidar_returns(Tensor depth, Tensor rays, Tensor origin, Tensor jitter) -> (Tensor points, Tensor beam)");
   m.def("_lidar_off_faces(Tensor(a!) points, Tensor centre, Tensor R, Tensor half, Tensor reach) -> ()");

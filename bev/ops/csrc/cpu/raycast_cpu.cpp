@@ -13,8 +13,8 @@
 // by one thread; parts are visited in group order so that one stamp per ray counts each ray once per group.
 //
 // _raycast_shade then writes the rays the parts won into the camera's depth, id and colour buffers (raycast._colours
-// and render_camera's writes, glass included), again with numpy's float operations. _raycast_bgr8 turns a render
-// into the 8-bit BGR pixels its JPEG is encoded from (sensors.camera_jpeg).
+// and render_camera's writes, glass included), again with numpy's float operations. _raycast_rgb8 turns a render
+// into the 8-bit pixels its JPEG is encoded from (sensors.camera_jpeg).
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -505,23 +505,24 @@ void raycast_ground_cpu(const at::Tensor& gx, const at::Tensor& gy, const at::Te
   });
 }
 
-// A render's 8-bit BGR pixels for the JPEG encoder: sensors.camera_jpeg's (image * 255.0 + 0.5).clip(0, 255)
-// .astype(uint8) in float32 (NaN kept by the clip, then numpy's cast), channels reversed (cv2.cvtColor RGB2BGR).
-at::Tensor raycast_bgr8_cpu(const at::Tensor& image) {
+// A render's 8-bit pixels for the JPEG encoder: sensors.camera_jpeg's (image * 255.0 + 0.5).clip(0, 255)
+// .astype(uint8) in float32 (NaN kept by the clip, then the x86 conversion numpy's cast makes). One flat loop the
+// compiler vectorises (max/min in this operand order are maxps/minps, NaN-preserving as the ternaries).
+at::Tensor raycast_rgb8_cpu(const at::Tensor& image) {
   TORCH_CHECK(image.device().is_cpu() && image.scalar_type() == at::kFloat && image.dim() == 3 && image.size(2) == 3 &&
                   image.is_contiguous(),
-              "_raycast_bgr8: image must be contiguous float32 (H, W, 3) on the CPU, got ", image.scalar_type(), " ",
+              "_raycast_rgb8: image must be contiguous float32 (H, W, 3) on the CPU, got ", image.scalar_type(), " ",
               image.sizes());
   at::Tensor out = at::empty(image.sizes(), image.options().dtype(at::kByte));
   const float* in = image.data_ptr<float>();
-  uint8_t* bgr = out.data_ptr<uint8_t>();
-  const int64_t n = image.numel() / 3;
-  for (int64_t i = 0; i < n; ++i)
-    for (int j = 0; j < 3; ++j) {
-      float v = in[3 * i + j] * 255.0f + 0.5f;
-      v = v < 0.0f ? 0.0f : (v > 255.0f ? 255.0f : v);
-      bgr[3 * i + 2 - j] = uint8_t(int32_t(v));
-    }
+  uint8_t* rgb = out.data_ptr<uint8_t>();
+  const int64_t n = image.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    float v = in[i] * 255.0f + 0.5f;
+    v = v < 0.0f ? 0.0f : v;
+    v = v > 255.0f ? 255.0f : v;
+    rgb[i] = uint8_t(int32_t(v));
+  }
   return out;
 }
 
@@ -532,7 +533,7 @@ TORCH_LIBRARY_IMPL(bev, CPU, m) {
   m.impl("_raycast_shade", &raycast_shade_cpu);
   m.impl("_raycast_rects", &raycast_rects_cpu);
   m.impl("_raycast_ground", &raycast_ground_cpu);
-  m.impl("_raycast_bgr8", &raycast_bgr8_cpu);
+  m.impl("_raycast_rgb8", &raycast_rgb8_cpu);
 }
 
 }  // namespace bev
