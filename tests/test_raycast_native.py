@@ -364,6 +364,25 @@ def test_off_faces_second_pass_skips_only_idle_boxes():
     assert second_pass_mattered  # some points needed the second pass
 
 
+def test_part_corners_are_the_einsums():
+    """sample_parts' corners (raycast._yawed) = the einsum they replace, signs of zero included, on yaws with exact
+    zeros (0, +-pi/2, pi) and random ones; its per-world part rows are the objects' parts."""
+    rng = np.random.default_rng(2)
+    yaw = np.concatenate([[0.0, math.pi / 2, -math.pi / 2, math.pi, -0.0], rng.uniform(-math.pi, math.pi, 500)])
+    c, s = np.cos(yaw), np.sin(yaw)
+    R = np.zeros((len(yaw), 3, 3))
+    R[:, 0, 0], R[:, 0, 1], R[:, 1, 0], R[:, 1, 1], R[:, 2, 2] = c, -s, s, c, 1
+    v = raycast._SIGNS * rng.uniform(0.05, 3, (len(yaw), 3))[:, None]
+    v[:3, :, :2] = 0.0  # zero extents: sums of signed zeros
+    ref, out = np.einsum("pcj,pij->pci", v, R), raycast._yawed(v, R)
+    assert np.array_equal(ref, out) and np.array_equal(np.signbit(ref), np.signbit(out))
+    world = world_model.build_world(1, 0, 2, MINI_LOCATIONS["scene-0061"])
+    parts = raycast.sample_parts(world, 0.5)
+    rows = [p for i in dict.fromkeys(parts.obj.tolist()) for p in world.objects[i].parts]
+    assert np.array_equal(parts.half, np.array([p[1] for p in rows], np.float64))
+    assert np.array_equal(parts.kind, np.array([p[3] for p in rows]))
+
+
 @needs_op
 def test_jpeg_pixels_agree():
     """_raycast_rgb8 = camera_jpeg's numpy conversion (scale, round half up, clip) on every float32 value class: in

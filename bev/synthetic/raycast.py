@@ -367,7 +367,9 @@ def _object_parts_ego(world: World, t: float, obj_indices) -> Parts:
     ]
     R = np.repeat(np.array(R_obj, np.float64).reshape(-1, 3, 3), n, axis=0)
     c_ego = np.repeat((pose - ego_t) @ R_eg.T, n, axis=0)
-    pc, half, rgb = (np.array([p[k] for o in objs for p in o.parts], np.float64).reshape(-1, 3) for k in range(3))
+    first, pc, half, rgb, kind = _part_rows(world)
+    take = np.repeat(first[rows] - np.cumsum(n) + n, n) + np.arange(sum(n))  # the objects' rows, in order
+    pc, half, rgb, kind = pc[take], half[take], rgb[take], kind[take]
     centre = c_ego + np.einsum("pij,pj->pi", R, pc)
     # Face f = 2 * axis + positive side has the normal (2 * side - 1) * R[:, axis].
     towards = np.einsum("pjk,j->pk", R, R_eg @ world.sun)
@@ -381,10 +383,29 @@ def _object_parts_ego(world: World, t: float, obj_indices) -> Parts:
     )
     cols[:, 6:] += 0.12 * lit[..., None]  # a glint on the glass
     label = np.repeat([i + 1 if o.category else 0 for i, o in zip(obj_indices, objs)], n).astype(np.int32)
-    kind = np.array([p[3] for o in objs for p in o.parts], np.int64)
-    corners = centre[:, None] + np.einsum("pcj,pij->pci", _SIGNS * half[:, None], R)
+    corners = centre[:, None] + _yawed(_SIGNS * half[:, None], R)
     return Parts(
         label, np.repeat(np.asarray(obj_indices, np.int64), n), R, centre, half, cols.astype(np.float32), kind, corners
+    )
+
+
+def _part_rows(world: World) -> tuple[np.ndarray, ...]:
+    """Every object's parts as arrays, built once per world (its objects are fixed once built): each object's first
+    row (N + 1,), centres, half extents, colours (P, 3) float64 and kinds (P,) int64, in object order."""
+    if not world._parts or world._parts[0] != len(world.objects):
+        rows = [p for o in world.objects for p in o.parts]
+        first = np.cumsum([0] + [len(o.parts) for o in world.objects])
+        arrays = (np.array([p[k] for p in rows], np.float64).reshape(-1, 3) for k in range(3))
+        world._parts[:] = [len(world.objects), first, *arrays, np.array([p[3] for p in rows], np.int64)]
+    return tuple(world._parts[1:])
+
+
+def _yawed(v: np.ndarray, R: np.ndarray) -> np.ndarray:
+    """R_p v for vectors v (P, C, 3) and yaw rotations R (P, 3, 3): einsum("pcj,pij->pci")'s values, ~10x cheaper.
+    A yaw matrix's zeros make each sum one rounded two-term sum (x and y) or one product (z), so no order differs."""
+    R = R[:, None]
+    return np.stack(
+        [(v[..., 0] * R[..., i, 0] + v[..., 1] * R[..., i, 1]) + v[..., 2] * R[..., i, 2] for i in range(3)], -1
     )
 
 

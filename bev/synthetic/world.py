@@ -80,6 +80,7 @@ class World:
     objects: list[Obj]
     _xy: dict = field(default_factory=dict, repr=False)  # t -> poses(t)
     _ego: dict = field(default_factory=dict, repr=False)  # t -> ego_pose(t): a sample asks ~10 times
+    _parts: list = field(default_factory=list, repr=False)  # every object's parts as arrays (raycast._part_rows)
 
     def ego_pose(self, t: float) -> tuple[np.ndarray, float]:
         """Global translation (3,) and yaw of the ego at time t (flat world: z = 0)."""
