@@ -381,6 +381,7 @@ def test_part_corners_are_the_einsums():
     rows = [p for i in dict.fromkeys(parts.obj.tolist()) for p in world.objects[i].parts]
     assert np.array_equal(parts.half, np.array([p[1] for p in rows], np.float64))
     assert np.array_equal(parts.kind, np.array([p[3] for p in rows]))
+    assert len(raycast._object_parts_ego(world, 0.5, []).corners) == 0  # no objects: no parts
 
 
 @needs_op

@@ -368,7 +368,8 @@ def _object_parts_ego(world: World, t: float, obj_indices) -> Parts:
     R = np.repeat(np.array(R_obj, np.float64).reshape(-1, 3, 3), n, axis=0)
     c_ego = np.repeat((pose - ego_t) @ R_eg.T, n, axis=0)
     first, pc, half, rgb, kind = _part_rows(world)
-    take = np.repeat(first[rows] - np.cumsum(n) + n, n) + np.arange(sum(n))  # the objects' rows, in order
+    count = np.asarray(n, np.int64)
+    take = np.repeat(first[rows] - np.cumsum(count) + count, count) + np.arange(count.sum())  # their rows, in order
     pc, half, rgb, kind = pc[take], half[take], rgb[take], kind[take]
     centre = c_ego + np.einsum("pij,pj->pi", R, pc)
     # Face f = 2 * axis + positive side has the normal (2 * side - 1) * R[:, axis].
