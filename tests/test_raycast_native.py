@@ -15,7 +15,7 @@ import torch
 from bev.data.rig import MINI_LOCATIONS
 from bev.geometry import CAMERA_NAMES
 from bev.ops import _native
-from bev.synthetic import lidar, native, occupancy, raycast
+from bev.synthetic import lidar, native, occupancy, raycast, sensors
 from bev.synthetic import world as world_model
 from bev.synthetic.world import CABIN, SOLID, WINDOWS
 
@@ -326,7 +326,7 @@ def _off_faces_reference(points: np.ndarray, boxes: lidar.Boxes) -> np.ndarray:
             close = np.abs(d) < lidar.BOX_GAP
             pushed = np.sign(a) * (boxes.half[b] + np.where(d >= 0, 2, -2) * lidar.BOX_GAP)
             a[close] = pushed[close]
-            points[near[band]] = boxes.centre[b] + a @ boxes.R[b].T
+            points[near[band]] = lidar._from_local(a, boxes.centre[b], boxes.R[b])
     return points
 
 
@@ -354,13 +354,51 @@ def test_off_faces_second_pass_skips_only_idle_boxes():
         on_faces = centre[b] + np.einsum("pij,pj->pi", R[b], local)
         pts = np.concatenate([on_faces, rng.uniform(-5, centre[-1, 0], (5000, 3))])
         ref = _off_faces_reference(pts, boxes)
-        out = lidar._off_faces(pts, boxes)
+        with native.backend("numpy"):  # numpy's passes (the native ones: tests/test_lidar_native.py)
+            out = lidar._off_faces(pts, boxes)
         assert np.array_equal(out, ref)
         assert np.any(out != pts, 1).sum() > 1000  # the band is exercised
         one = pts.copy()
         lidar._off_faces_pass(one, boxes, None)
         second_pass_mattered += bool(np.any(one != ref))
     assert second_pass_mattered  # some points needed the second pass
+
+
+def test_part_corners_are_the_einsums():
+    """sample_parts' corners (raycast._yawed) = the einsum they replace, signs of zero included, on yaws with exact
+    zeros (0, +-pi/2, pi) and random ones; its per-world part rows are the objects' parts."""
+    rng = np.random.default_rng(2)
+    yaw = np.concatenate([[0.0, math.pi / 2, -math.pi / 2, math.pi, -0.0], rng.uniform(-math.pi, math.pi, 500)])
+    c, s = np.cos(yaw), np.sin(yaw)
+    R = np.zeros((len(yaw), 3, 3))
+    R[:, 0, 0], R[:, 0, 1], R[:, 1, 0], R[:, 1, 1], R[:, 2, 2] = c, -s, s, c, 1
+    v = raycast._SIGNS * rng.uniform(0.05, 3, (len(yaw), 3))[:, None]
+    v[:3, :, :2] = 0.0  # zero extents: sums of signed zeros
+    ref, out = np.einsum("pcj,pij->pci", v, R), raycast._yawed(v, R)
+    assert np.array_equal(ref, out) and np.array_equal(np.signbit(ref), np.signbit(out))
+    world = world_model.build_world(1, 0, 2, MINI_LOCATIONS["scene-0061"])
+    parts = raycast.sample_parts(world, 0.5)
+    rows = [p for i in dict.fromkeys(parts.obj.tolist()) for p in world.objects[i].parts]
+    assert np.array_equal(parts.half, np.array([p[1] for p in rows], np.float64))
+    assert np.array_equal(parts.kind, np.array([p[3] for p in rows]))
+    assert len(raycast._object_parts_ego(world, 0.5, []).corners) == 0  # no objects: no parts
+
+
+@needs_op
+def test_jpeg_pixels_agree():
+    """_raycast_rgb8 = camera_jpeg's numpy conversion (scale, round half up, clip) on every float32 value class: in
+    [0, 1], halfway cases, out of range, infinite; the JPEGs are the same bytes; bad input is refused."""
+    rng = np.random.default_rng(0)
+    image = rng.uniform(-0.2, 1.2, (45, 80, 3)).astype(np.float32)
+    image[0, :, 0] = (np.arange(80, dtype=np.float32) + 0.5) / np.float32(255)  # round-half cases
+    image[1, :3] = [[0.0, 1.0, np.float32(0.5 / 255)], [-0.0, np.inf, -np.inf], [1e30, -1e30, 1 - 2**-24]]
+    assert np.array_equal(native.rgb8(image), (image * 255.0 + 0.5).clip(0, 255).astype(np.uint8))
+    jpegs = _both(sensors.camera_jpeg, np.clip(image, 0, 1), 4, False, "x.jpg")
+    assert jpegs[0] == jpegs[1]
+    with pytest.raises(TypeError, match="image must be float32"):
+        native.rgb8(image.astype(np.float64))
+    with pytest.raises(RuntimeError, match=r"_raycast_rgb8: image must be contiguous float32 \(H, W, 3\)"):
+        native.op(native.RGB8_OP)(torch.zeros(4, 4))
 
 
 @needs_op

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from bev.geometry import quaternion_to_matrix
-from bev.synthetic import raycast
+from bev.synthetic import native, raycast
 from bev.synthetic.sensors import LIDAR_ROTATION, LIDAR_TRANSLATION
 from bev.synthetic.world import CABIN, DARK, WINDOWS, World
 
@@ -175,21 +175,54 @@ def _yaw_matrix(yaw: float) -> np.ndarray:
     return np.array([[c, -s, 0.0], [s, c, 0.0], [0.0, 0.0, 1.0]])
 
 
+def _to_local(points: np.ndarray, centre: np.ndarray, R: np.ndarray) -> np.ndarray:
+    """Rows R^T (p - c) of points (N, 3), written out elementwise: BLAS's `@` rounds differently per build and per
+    row count, and the native kernels (bev.synthetic.native) repeat these exact float64 operations."""
+    d = points - centre
+    return np.stack([(d[:, 0] * R[0, j] + d[:, 1] * R[1, j]) + d[:, 2] * R[2, j] for j in range(3)], 1)
+
+
+def _from_local(local: np.ndarray, centre: np.ndarray, R: np.ndarray) -> np.ndarray:
+    """Rows c + R a of local points a (N, 3), elementwise as _to_local."""
+    a = local
+    return np.stack([centre[i] + ((a[:, 0] * R[i, 0] + a[:, 1] * R[i, 1]) + a[:, 2] * R[i, 2]) for i in range(3)], 1)
+
+
+def _reach(boxes: Boxes, pad: float) -> np.ndarray:
+    """(B,) how far from its centre each box looks for points: its half diagonal plus `pad`."""
+    return np.array([float(np.linalg.norm(h)) + pad for h in boxes.half], np.float64).reshape(-1)
+
+
+def _native_boxes(boxes: Boxes, pad: float) -> tuple:
+    """The boxes as bev.synthetic.native's LiDAR operators take them."""
+    c = np.ascontiguousarray
+    return c(boxes.centre, np.float64), c(boxes.R, np.float64), c(boxes.half, np.float64), _reach(boxes, pad)
+
+
 def _near_boxes(points: np.ndarray, boxes: Boxes, pad: float):
     """Per box: (its index, the points within its reach, their coordinates in the box frame)."""
     # A box looks only at the points within its reach in x. Any sort gives the same sets of points (callers use them
     # as sets), and numpy's default one is ~6x faster than kind="stable" here.
     order = np.argsort(points[:, 0])
     xs = points[order, 0]
-    for b in range(len(boxes.obj)):
-        reach, (cx, cy, _) = float(np.linalg.norm(boxes.half[b])) + pad, boxes.centre[b]
+    for b, reach in enumerate(_reach(boxes, pad).tolist()):
+        cx, cy, _ = boxes.centre[b]
         near = order[np.searchsorted(xs, cx - reach) : np.searchsorted(xs, cx + reach, "right")]
         near = near[np.abs(points[near, 1] - cy) <= reach]
-        yield b, near, (points[near] - boxes.centre[b]) @ boxes.R[b]  # rows: R^T (p - c)
+        yield b, near, _to_local(points[near], boxes.centre[b], boxes.R[b])
 
 
 def points_in_boxes(points: np.ndarray, boxes: Boxes) -> dict[int, int]:
-    """{annotated object: the ego points (N, 3) inside its box, faces included} (the devkit's points_in_box)."""
+    """{annotated object: the ego points (N, 3) inside its box, faces included} (the devkit's points_in_box); native
+    when bev.synthetic.native's LiDAR operators are active, else points_in_boxes_numpy."""
+    if native.active(native.LIDAR_OPS):
+        counts = native.lidar_count(np.ascontiguousarray(points, np.float64), *_native_boxes(boxes, 0.0))
+        return dict(zip(boxes.obj, counts.tolist()))
+    return points_in_boxes_numpy(points, boxes)
+
+
+def points_in_boxes_numpy(points: np.ndarray, boxes: Boxes) -> dict[int, int]:
+    """points_in_boxes in numpy (the reference)."""
     counts = {}
     for b, _, local in _near_boxes(points, boxes, 0.0):
         counts[boxes.obj[b]] = int(np.count_nonzero(np.all(np.abs(local) <= boxes.half[b], axis=1)))
@@ -198,8 +231,12 @@ def points_in_boxes(points: np.ndarray, boxes: Boxes) -> dict[int, int]:
 
 def _off_faces(points: np.ndarray, boxes: Boxes) -> np.ndarray:
     """`points` (N, 3) with every one within BOX_GAP of an annotated box's face moved to 2 * BOX_GAP off it, along
-    the face's normal, on its side of the face (a few millimetres, under the range noise)."""
-    points = points.copy()
+    the face's normal, on its side of the face (a few millimetres, under the range noise). Native when
+    bev.synthetic.native's LiDAR operators are active (two full passes: the same points move)."""
+    points = np.array(points, np.float64, order="C")
+    if native.active(native.LIDAR_OPS):
+        native.lidar_off_faces(points, *_native_boxes(boxes, BOX_GAP))
+        return points
     moved = _off_faces_pass(points, boxes, None)
     if len(moved):  # a second pass for points moved near another box's faces (boxes millimetres apart)
         _off_faces_pass(points, boxes, moved)
@@ -215,8 +252,8 @@ def _off_faces_pass(points: np.ndarray, boxes: Boxes, moved: np.ndarray | None) 
     x0 = points[:, 0].copy()
     xs = x0[order]
     done = [] if moved is None else [moved]
-    for b in range(len(boxes.obj)):
-        reach, (cx, cy, _) = float(np.linalg.norm(boxes.half[b])) + BOX_GAP, boxes.centre[b]
+    for b, reach in enumerate(_reach(boxes, BOX_GAP).tolist()):
+        cx, cy, _ = boxes.centre[b]
         lo, hi = cx - reach, cx + reach
         if moved is not None:
             m = np.concatenate(done)
@@ -224,7 +261,7 @@ def _off_faces_pass(points: np.ndarray, boxes: Boxes, moved: np.ndarray | None) 
                 continue
         near = order[np.searchsorted(xs, lo) : np.searchsorted(xs, hi, "right")]
         near = near[np.abs(points[near, 1] - cy) <= reach]
-        local = (points[near] - boxes.centre[b]) @ boxes.R[b]  # rows: R^T (p - c)
+        local = _to_local(points[near], boxes.centre[b], boxes.R[b])
         off = np.abs(local) - boxes.half[b]  # per axis: > 0 outside that face pair
         band = np.all(off <= BOX_GAP, 1) & np.any(np.abs(off) < BOX_GAP, 1)
         if not band.any():
@@ -233,22 +270,49 @@ def _off_faces_pass(points: np.ndarray, boxes: Boxes, moved: np.ndarray | None) 
         close = np.abs(d) < BOX_GAP
         pushed = np.sign(a) * (boxes.half[b] + np.where(d >= 0, 2, -2) * BOX_GAP)
         a[close] = pushed[close]
-        points[near[band]] = boxes.centre[b] + a @ boxes.R[b].T
+        points[near[band]] = _from_local(a, boxes.centre[b], boxes.R[b])
         done.append(near[band])
     return np.concatenate(done) if done else np.zeros(0, np.int64)
 
 
 def intensity(world: World, t: float, parts: raycast.Parts, part: np.ndarray, points: np.ndarray, rng) -> np.ndarray:
     """(N,) intensity 0-255 of returns on `part` (-1: the ground) at ego `points`, by material (module tables)."""
+    spread = np.exp(INTENSITY_SPREAD * rng.standard_normal(len(part)))
+    if native.active(native.LIDAR_OPS):
+        return _intensity_native(world, t, parts, part, points, spread)
     base = np.empty(len(part))
     ground = part < 0
-    ego_t, ego_yaw = world.ego_pose(t)
-    xy = points[ground, :2] @ _yaw_matrix(ego_yaw)[:2, :2].T + ego_t[:2]
-    cls = raycast.ground_class(world.seed, world.location, xy[:, 0], xy[:, 1])
-    base[ground] = np.array([GROUND_INTENSITY[name] for name in raycast.GROUND], float)[cls]
+    base[ground] = _ground_intensity(world, t, points[ground])
     base[~ground] = _part_intensity(world, parts)[part[~ground]]
-    spread = np.exp(INTENSITY_SPREAD * rng.standard_normal(len(base)))
     return np.clip(np.rint(base * spread), 0, 255)
+
+
+_GROUND_VALUES = np.array([GROUND_INTENSITY[name] for name in raycast.GROUND], float)
+
+
+def _ground_intensity(world: World, t: float, points: np.ndarray) -> np.ndarray:
+    """(N,) intensity of the ground's material under ego points (N, 3) before the spread (the map's texel class)."""
+    ego_t, ego_yaw = world.ego_pose(t)
+    M = _yaw_matrix(ego_yaw)  # ego -> global, elementwise as bev.synthetic.native's kernel
+    x = (points[:, 0] * M[0, 0] + points[:, 1] * M[0, 1]) + ego_t[0]
+    y = (points[:, 0] * M[1, 0] + points[:, 1] * M[1, 1]) + ego_t[1]
+    return _GROUND_VALUES[raycast.ground_class(world.seed, world.location, x, y)]
+
+
+def _intensity_native(world, t, parts, part, points, spread) -> np.ndarray:
+    """intensity in one native pass over the map's ground classes around the ego (raycast's tile ring)."""
+    ego_t, ego_yaw = world.ego_pose(t)
+    M = _yaw_matrix(ego_yaw)
+    t0x, t0y, n = raycast._tile_window(ego_t)
+    labels = raycast._ring(world.seed, world.location, labels=True).fill(t0x, t0y, n).reshape(-1)
+    pose = (ego_t[0], ego_t[1], M[0, 0], M[0, 1], M[1, 0], M[1, 1], 1 / raycast.TEX_RES)
+    window = (t0x * raycast.TILE, t0y * raycast.TILE, n * raycast.TILE, raycast.RING * raycast.TILE)
+    value = native.lidar_intensity(
+        points, part, _part_intensity(world, parts), spread, _GROUND_VALUES, labels, *pose, *window
+    )
+    off = np.flatnonzero(np.isnan(value))  # ground beyond the tiles' window (none within MAX_RANGE): numpy's
+    value[off] = np.clip(np.rint(_ground_intensity(world, t, points[off]) * spread[off]), 0, 255)
+    return value
 
 
 def _part_intensity(world: World, parts: raycast.Parts) -> np.ndarray:
@@ -271,21 +335,34 @@ def point_cloud(
 ) -> np.ndarray:
     """The returns of `scan` as a .pcd.bin cloud (N, 5) float32 (x, y, z, intensity, ring) in the LIDAR_TOP frame,
     in firing order (azimuth step by step, the 32 rings of each); `parts` are the ones `scan` was cast against."""
+    return _cloud(world, t, scan, parts, boxes, rng, noise)[0]
+
+
+def _cloud(world: World, t: float, scan: Scan, parts: raycast.Parts, boxes: Boxes, rng, noise: float):
+    """point_cloud's cloud, and its points in the ego frame as to_ego gives them (None from the numpy path)."""
     spin = sensor()
-    col, ring = np.nonzero(np.isfinite(scan.depth.T))
-    beams = ring * AZIMUTHS + col
-    dirs = spin.rays.reshape(-1, 3)[beams].astype(np.float64)
-    r = scan.depth.reshape(-1)[beams] + noise * rng.standard_normal(len(beams))
-    points = _off_faces(spin.translation + r[:, None] * dirs, boxes)
+    if native.active(native.LIDAR_OPS):
+        jitter = noise * rng.standard_normal(int(np.count_nonzero(np.isfinite(scan.depth))))
+        points, beams = native.lidar_returns(scan.depth, spin.rays.reshape(-1, 3), spin.translation, jitter)
+        ring = beams // AZIMUTHS
+    else:
+        col, ring = np.nonzero(np.isfinite(scan.depth.T))
+        beams = ring * AZIMUTHS + col
+        dirs = spin.rays.reshape(-1, 3)[beams].astype(np.float64)
+        r = scan.depth.reshape(-1)[beams] + noise * rng.standard_normal(len(beams))
+        points = spin.translation + r[:, None] * dirs
+    points = _off_faces(points, boxes)
     value = intensity(world, t, parts, scan.part.reshape(-1)[beams], points, rng)
-    local = (points - spin.translation) @ spin.rotation  # ego -> lidar: R^T (p - t)
-    return np.concatenate([local, value[:, None], ring[:, None]], 1).astype(np.float32)
+    if native.active(native.LIDAR_OPS):
+        return native.lidar_cloud(points, value, ring, spin.rotation, spin.translation)
+    local = _to_local(points, spin.translation, spin.rotation)  # ego -> lidar
+    return np.concatenate([local, value[:, None], ring[:, None]], 1).astype(np.float32), None
 
 
 def to_ego(cloud: np.ndarray) -> np.ndarray:
     """The (N, 3) float64 ego-frame points of a LIDAR_TOP cloud (its float32 values, as a reader has them)."""
     spin = sensor()
-    return cloud[:, :3].astype(np.float64) @ spin.rotation.T + spin.translation
+    return _from_local(cloud[:, :3].astype(np.float64), spin.translation, spin.rotation)
 
 
 class KeyFrame(NamedTuple):
@@ -304,8 +381,8 @@ def key_frame(
         parts = raycast.sample_parts(world, t)
     scan = cast(sensor(), parts)
     boxes = annotation_boxes(world, t, annotated)
-    cloud = point_cloud(world, t, scan, parts, boxes, rng)
-    return KeyFrame(cloud, points_in_boxes(to_ego(cloud), boxes), scan)
+    cloud, ego = _cloud(world, t, scan, parts, boxes, rng, RANGE_NOISE)
+    return KeyFrame(cloud, points_in_boxes(to_ego(cloud) if ego is None else ego, boxes), scan)
 
 
 def sweep(world: World, t: float, rng: np.random.Generator) -> np.ndarray:

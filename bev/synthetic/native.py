@@ -10,6 +10,10 @@ winning part and each annotated object's unoccluded coverage. shade writes the w
 (raycast._colours, glass included) into a camera's buffers; rects bounds the parts' projections (raycast._part_rects);
 ground paints the textured, hazed ground (raycast._ground_render). The numpy caster stays the reference.
 
+The LiDAR's point cloud has its own operators (LIDAR_OPS, bev/ops/csrc/cpu/lidar_cpu.cpp): the returns, the moves off
+the annotated boxes' faces, the .pcd.bin rows and the points in each box, equal to bev.synthetic.lidar's numpy
+functions bit for bit (float64, the same operations in the same order).
+
 Which caster runs: the native one when the extension loaded with this operator (bev.ops._native), else numpy;
 BEV_RAYCAST=numpy (environment, read at import) or `backend("numpy")` forces the reference, "native" requires
 the operator (an error without it), "auto" is the default.
@@ -29,37 +33,55 @@ SHADE_OP = "_raycast_shade"
 RECTS_OP = "_raycast_rects"
 GROUND_OP = "_raycast_ground"
 OP_NAMES = (OP_NAME, SHADE_OP, RECTS_OP, GROUND_OP)
+RGB8_OP = "_raycast_rgb8"  # a render's JPEG pixels (sensors.camera_jpeg)
+LIDAR_OPS = ("_lidar_returns", "_lidar_off_faces", "_lidar_cloud", "_lidar_count", "_lidar_intensity")  # lidar_cpu
 BACKENDS = ("auto", "native", "numpy")
 _backend = os.environ.get("BEV_RAYCAST", "auto")
 if _backend not in BACKENDS:
     raise ValueError(f"BEV_RAYCAST must be one of {BACKENDS}, got {_backend!r}")
 
 
-def op(name: str | None = None):
-    """The native operator `name` (default OP_NAME), or None when bev.ops._C did not load or was built without it."""
-    from bev.ops import _native
-
-    if _native._C is None:
-        return None
-    try:
-        return getattr(torch.ops.bev, name or OP_NAME)
-    except (AttributeError, RuntimeError):
-        return None
+_found: dict[str, object] = {}  # name -> operator or None: torch.ops' lookup costs ~10 us, asked ~150 times a sample
 
 
-def active() -> bool:
-    """Whether the casters of bev.synthetic (cameras, LiDAR, occupancy masks) run natively now."""
-    if _backend == "numpy":
-        return False
-    if all(op(name) is not None for name in (OP_NAME, SHADE_OP, RECTS_OP, GROUND_OP)):
-        return True
-    if _backend == "native":
+_loader = None  # bev.ops._native, imported on first use (an import statement costs ~1 us each time it runs)
+
+
+def _ext():
+    global _loader
+    if _loader is None:
         from bev.ops import _native
 
+        _loader = _native
+    return _loader
+
+
+def op(name: str | None = None):
+    """The native operator `name` (default OP_NAME), or None when bev.ops._C did not load or was built without it."""
+    if _ext()._C is None:
+        return None
+    name = name or OP_NAME
+    if name not in _found:
+        try:
+            _found[name] = getattr(torch.ops.bev, name)
+        except (AttributeError, RuntimeError):
+            _found[name] = None
+    return _found[name]
+
+
+def active(names: tuple[str, ...] | None = None) -> bool:
+    """Whether the casters of bev.synthetic (cameras, LiDAR, occupancy masks) run natively now; with `names`
+    (LIDAR_OPS), whether those operators do (the LiDAR's point cloud)."""
+    if _backend == "numpy":
+        return False
+    names = (OP_NAME, SHADE_OP, RECTS_OP, GROUND_OP) if names is None else names
+    if all(op(name) is not None for name in names):
+        return True
+    if _backend == "native":
         raise RuntimeError(
             "the native ray caster was asked for (BEV_RAYCAST=native) but bev.ops._C lacks one of "
-            f"{OP_NAMES} "
-            f"({_native.LOAD_ERROR or 'a build without it'}); rebuild with `python setup.py build_ext --inplace`"
+            f"{names} "
+            f"({_ext().LOAD_ERROR or 'a build without it'}); rebuild with `python setup.py build_ext --inplace`"
         )
     return False
 
@@ -222,3 +244,101 @@ def ground(gx, gy, pixels, clear, fog, texels, grass, image, e0, e1, c, s, scale
         int(size),
         int(side),
     )
+
+
+def _lidar_op(name: str):
+    fn = op(name)
+    if fn is None:
+        raise RuntimeError(f"bev.ops._C has no {name}: use the numpy LiDAR (bev.synthetic.lidar)")
+    return fn
+
+
+def lidar_returns(depth: np.ndarray, rays: np.ndarray, origin: np.ndarray, jitter: np.ndarray):
+    """The returns of a scan's depth (BEAMS, AZIMUTHS) float32 (inf: none) along rays (BEAMS * AZIMUTHS, 3) float32
+    from origin (3,) float64, each range plus jitter (N,) float64 (one per return): (N, 3) float64 ego points in
+    firing order (azimuth step by step, the rings of each) and their beams (N,) int64, as lidar.point_cloud's."""
+    _check("depth", depth, np.float32, (None, None))
+    _check("rays", rays, np.float32, (depth.size, 3))
+    _check("origin", origin, np.float64, (3,))
+    _check("jitter", jitter, np.float64, (None,))
+    returns = int(np.count_nonzero(np.isfinite(depth)))
+    if len(jitter) != returns:
+        raise ValueError(f"jitter must hold one value per return ({returns}), got {len(jitter)}")
+    points, beam = _lidar_op(LIDAR_OPS[0])(*map(torch.from_numpy, (depth, rays, origin, jitter)))
+    return points.numpy(), beam.numpy()
+
+
+def _box_arrays(centre, R, half, reach) -> tuple:
+    """Annotated boxes (B,) as the kernels take them: centre (B, 3), R (B, 3, 3), half (B, 3), reach (B,) float64."""
+    B = len(centre)
+    for name, a, shape in (
+        ("centre", centre, (B, 3)),
+        ("R", R, (B, 3, 3)),
+        ("half", half, (B, 3)),
+        ("reach", reach, (B,)),
+    ):
+        _check(name, a, np.float64, shape)
+    return tuple(map(torch.from_numpy, (centre, R, half, reach)))
+
+
+def lidar_off_faces(points: np.ndarray, centre, R, half, reach) -> None:
+    """lidar._off_faces in place on points (N, 3) float64, boxes per _box_arrays (reach: |half| + BOX_GAP)."""
+    _check("points", points, np.float64, (None, 3))
+    _lidar_op(LIDAR_OPS[1])(torch.from_numpy(points), *_box_arrays(centre, R, half, reach))
+
+
+def lidar_cloud(points: np.ndarray, value: np.ndarray, ring: np.ndarray, rotation, translation):
+    """The .pcd.bin rows (N, 5) float32 of ego points (N, 3) float64 with intensity value (N,) float64 and ring (N,)
+    int64 for a LiDAR at rotation (3, 3) / translation (3,) float64 (lidar -> ego); and (N, 3) float64 the ego points
+    a reader gets back from those rows (lidar.to_ego)."""
+    n = len(points)
+    for name, a, dtype, shape in (
+        ("points", points, np.float64, (n, 3)),
+        ("value", value, np.float64, (n,)),
+        ("ring", ring, np.int64, (n,)),
+        ("rotation", rotation, np.float64, (3, 3)),
+        ("translation", translation, np.float64, (3,)),
+    ):
+        _check(name, a, dtype, shape)
+    cloud, ego = _lidar_op(LIDAR_OPS[2])(*map(torch.from_numpy, (points, value, ring, rotation, translation)))
+    return cloud.numpy(), ego.numpy()
+
+
+def lidar_count(points: np.ndarray, centre, R, half, reach) -> np.ndarray:
+    """(B,) int64 the points (N, 3) float64 inside each box, faces included (lidar.points_in_boxes; reach: |half|)."""
+    _check("points", points, np.float64, (None, 3))
+    return _lidar_op(LIDAR_OPS[3])(torch.from_numpy(points), *_box_arrays(centre, R, half, reach)).numpy()
+
+
+def rgb8(image: np.ndarray) -> np.ndarray:
+    """(H, W, 3) uint8 pixels of a render (H, W, 3) float32 RGB in [0, 1]: sensors.camera_jpeg's conversion."""
+    _check("image", image, np.float32, (None, None, 3))
+    fn = op(RGB8_OP)
+    if fn is None:
+        raise RuntimeError(f"bev.ops._C has no {RGB8_OP}: use sensors.camera_jpeg's numpy conversion")
+    return fn(torch.from_numpy(image)).numpy()
+
+
+def lidar_intensity(points, part, part_value, spread, ground_value, labels, e0, e1, m00, m01, m10, m11, scale, *window):
+    """lidar.intensity's values (N,) float64 of returns at ego points (N, 3) float64 on part (N,) int64 (-1: the
+    ground): part_value (P,) float64 per part, ground_value (G,) float64 per ground class, times spread (N,) float64,
+    rounded and clipped to 0-255. A ground point's class is labels (side * side,) uint8 (raycast's ring of tiles,
+    window (col0, row0, size, side) as ground's) at its map texel: ego -> map by (e0, e1) + [[m00, m01], [m10, m11]],
+    `scale` texels a metre; NaN where it lies beyond the window."""
+    n, P = len(points), len(part_value)
+    for name, a, dtype, shape in (
+        ("points", points, np.float64, (n, 3)),
+        ("part", part, np.int64, (n,)),
+        ("part_value", part_value, np.float64, (P,)),
+        ("spread", spread, np.float64, (n,)),
+        ("ground_value", ground_value, np.float64, (None,)),
+        ("labels", labels, np.uint8, (None,)),
+    ):
+        _check(name, a, dtype, shape)
+    if n and int(part.max()) >= P:
+        raise ValueError(f"part names a part beyond the {P} parts")
+    fn = _lidar_op(LIDAR_OPS[4])
+    t = torch.from_numpy
+    scalars = [float(v) for v in (e0, e1, m00, m01, m10, m11, scale)]
+    tensors = (points, part, part_value, spread, ground_value, labels)
+    return fn(*map(t, tensors), *scalars, *(int(w) for w in window)).numpy()

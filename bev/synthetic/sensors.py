@@ -10,7 +10,7 @@ import numpy as np
 
 from bev.data.rig import IMAGE_H, IMAGE_W
 from bev.geometry import yaw_to_quaternion
-from bev.synthetic import raycast
+from bev.synthetic import native, raycast
 
 JPEG_QUALITY = 90
 RENDER_SCALES = (1, 2, 4)  # divisors of 1600x900 that keep whole pixels
@@ -52,7 +52,10 @@ def scaled_intrinsic(K, scale: int) -> list[list[float]]:
 def camera_jpeg(image: np.ndarray, scale: int, upscale: bool, name: str) -> bytes:
     """A camera's render (H, W, 3 RGB in [0, 1], at 1600x900 / scale) as its JPEG's bytes: upscaled to 1600x900
     when `upscale`, else at the render resolution (`name`: the file, for the error)."""
-    img = (image * 255.0 + 0.5).clip(0, 255).astype(np.uint8)
+    if image.dtype == np.float32 and native.active((native.RGB8_OP,)):
+        img = native.rgb8(np.ascontiguousarray(image))  # the same pixels in one pass
+    else:
+        img = (image * 255.0 + 0.5).clip(0, 255).astype(np.uint8)
     # RGB -> BGR before upscaling (same pixels): a contiguous array encodes ~3x faster than a flipped view.
     img = cv2.cvtColor(img, cv2.COLOR_RGB2BGR)
     if upscale and scale > 1:

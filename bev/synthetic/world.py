@@ -79,13 +79,18 @@ class World:
     sun: np.ndarray  # unit vector to the sun, global frame
     objects: list[Obj]
     _xy: dict = field(default_factory=dict, repr=False)  # t -> poses(t)
+    _ego: dict = field(default_factory=dict, repr=False)  # t -> ego_pose(t): a sample asks ~10 times
+    _parts: list = field(default_factory=list, repr=False)  # every object's parts as arrays (raycast._part_rows)
 
     def ego_pose(self, t: float) -> tuple[np.ndarray, float]:
         """Global translation (3,) and yaw of the ego at time t (flat world: z = 0)."""
-        a, w, p = self.wobble
-        xy, h = self.ego.path.at(self.ego.s0 + self.ego.speed * t, a * math.sin(w * t + p))
-        yaw = float(h) + math.atan2(a * w * math.cos(w * t + p), self.ego.speed)
-        return np.array([xy[0], xy[1], 0.0]), yaw
+        if t not in self._ego:
+            a, w, p = self.wobble
+            xy, h = self.ego.path.at(self.ego.s0 + self.ego.speed * t, a * math.sin(w * t + p))
+            yaw = float(h) + math.atan2(a * w * math.cos(w * t + p), self.ego.speed)
+            self._ego[t] = np.array([xy[0], xy[1], 0.0]), yaw
+        xy, yaw = self._ego[t]
+        return xy.copy(), yaw
 
     def object_global(self, obj: Obj, t: float) -> tuple[np.ndarray, float]:
         """Global box centre (3,) and yaw of an object at time t."""

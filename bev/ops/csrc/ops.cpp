@@ -1,7 +1,8 @@
-// Operator schemas of the bev ops (voxel pooling; the synthetic world's ray caster): the one place they are
-// declared. Kernels are registered per device: csrc/cpu/pool_cpu.cpp and csrc/cpu/raycast_cpu.cpp (CPU),
-// csrc/cuda/pool_cuda.cu (CUDA); autograd and fake (meta) kernels in bev/ops/_native.py. Names with a
-// leading underscore are internal steps (plan construction, backward passes, the ray caster), not public API.
+// Operator schemas of the bev ops (voxel pooling; the synthetic world's ray caster and LiDAR): the one place they
+// are declared. Kernels are registered per device: csrc/cpu/pool_cpu.cpp, csrc/cpu/raycast_cpu.cpp and
+// csrc/cpu/lidar_cpu.cpp (CPU), csrc/cuda/pool_cuda.cu (CUDA); autograd and fake (meta) kernels in
+// bev/ops/_native.py. Names with a leading underscore are internal steps (plan construction, backward passes, the
+// ray caster, the LiDAR's cloud), not public API.
 //
 // The Python module bev.ops._C is written with the plain C API, not pybind11 or
 // <torch/extension.h>: it only has to load (registering the ops) and say whether the CUDA kernels
@@ -31,6 +32,18 @@ TORCH_LIBRARY(bev, m) {
       "_raycast_ground(Tensor gx, Tensor gy, Tensor pixels, Tensor clear, Tensor fog, Tensor texels, Tensor grass, "
       "Tensor(a!) image, float e0, float e1, float c, float s, float scale, float unit, int col0, int row0, int size, "
       "int side) -> ()");
+  m.def("_raycast_rgb8(Tensor image) -> Tensor");
+  // The synthetic LiDAR's point cloud (CPU only; kernels csrc/cpu/lidar_cpu.cpp, wrappers bev/synthetic/native.py).
+  m.def("_lidar_returns(Tensor depth, Tensor rays, Tensor origin, Tensor jitter) -> (Tensor points, Tensor beam)");
+  m.def("_lidar_off_faces(Tensor(a!) points, Tensor centre, Tensor R, Tensor half, Tensor reach) -> ()");
+  m.def(
+      "_lidar_cloud(Tensor points, Tensor value, Tensor ring, Tensor rotation, Tensor translation) -> "
+      "(Tensor cloud, Tensor ego)");
+  m.def("_lidar_count(Tensor points, Tensor centre, Tensor R, Tensor half, Tensor reach) -> Tensor");
+  m.def(
+      "_lidar_intensity(Tensor points, Tensor part, Tensor part_value, Tensor spread, Tensor ground_value, "
+      "Tensor labels, float e0, float e1, float m00, float m01, float m10, float m11, float scale, int col0, "
+      "int row0, int size, int side) -> Tensor");
 }
 
 namespace {

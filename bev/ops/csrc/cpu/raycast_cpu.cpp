@@ -13,7 +13,8 @@
 // by one thread; parts are visited in group order so that one stamp per ray counts each ray once per group.
 //
 // _raycast_shade then writes the rays the parts won into the camera's depth, id and colour buffers (raycast._colours
-// and render_camera's writes, glass included), again with numpy's float operations.
+// and render_camera's writes, glass included), again with numpy's float operations. _raycast_rgb8 turns a render
+// into the 8-bit pixels its JPEG is encoded from (sensors.camera_jpeg).
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -44,6 +45,13 @@ constexpr int64_t kRowBlock = 8;  // rows per block of work: the parts meeting a
 // np.fmin / np.fmax: a NaN operand yields the other one.
 inline float nan_min(float a, float b) { return ((a < b) | (b != b)) ? a : b; }
 inline float nan_max(float a, float b) { return ((a > b) | (b != b)) ? a : b; }
+
+// int64_t(std::floor(x)) for x within int64's range (NaN: the same INT64_MIN the x86 conversion gives), without
+// the libm call the default x86-64 target (no SSE4.1 roundss) makes for std::floor.
+inline int64_t floor_int(float x) {
+  const int64_t i = int64_t(x);
+  return i - int64_t(x < float(i));
+}
 
 inline int32_t float_bits(float x) {
   int32_t b;
@@ -481,7 +489,7 @@ void raycast_ground_cpu(const at::Tensor& gx, const at::Tensor& gy, const at::Te
     for (int64_t i = i0; i < i1; ++i) {
       const float x = (fe0 + fc * X[i]) - fs * Y[i];  // ego -> map: numpy's float32 order
       const float y = (fe1 + fs * X[i]) + fc * Y[i];
-      const int64_t col = int64_t(std::floor(x * fscale)), row = int64_t(std::floor(y * fscale));
+      const int64_t col = floor_int(x * fscale), row = floor_int(y * fscale);
       float rgb[3];
       if (uint64_t(col - col0) >= uint64_t(size) || uint64_t(row - row0) >= uint64_t(size)) {
         rgb[0] = G[0], rgb[1] = G[1], rgb[2] = G[2];
@@ -497,6 +505,27 @@ void raycast_ground_cpu(const at::Tensor& gx, const at::Tensor& gy, const at::Te
   });
 }
 
+// A render's 8-bit pixels for the JPEG encoder: sensors.camera_jpeg's (image * 255.0 + 0.5).clip(0, 255)
+// .astype(uint8) in float32 (NaN kept by the clip, then the x86 conversion numpy's cast makes). One flat loop the
+// compiler vectorises (max/min in this operand order are maxps/minps, NaN-preserving as the ternaries).
+at::Tensor raycast_rgb8_cpu(const at::Tensor& image) {
+  TORCH_CHECK(image.device().is_cpu() && image.scalar_type() == at::kFloat && image.dim() == 3 && image.size(2) == 3 &&
+                  image.is_contiguous(),
+              "_raycast_rgb8: image must be contiguous float32 (H, W, 3) on the CPU, got ", image.scalar_type(), " ",
+              image.sizes());
+  at::Tensor out = at::empty(image.sizes(), image.options().dtype(at::kByte));
+  const float* in = image.data_ptr<float>();
+  uint8_t* rgb = out.data_ptr<uint8_t>();
+  const int64_t n = image.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    float v = in[i] * 255.0f + 0.5f;
+    v = v < 0.0f ? 0.0f : v;
+    v = v > 255.0f ? 255.0f : v;
+    rgb[i] = uint8_t(int32_t(v));
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(bev, CPU, m) {
@@ -504,6 +533,7 @@ TORCH_LIBRARY_IMPL(bev, CPU, m) {
   m.impl("_raycast_shade", &raycast_shade_cpu);
   m.impl("_raycast_rects", &raycast_rects_cpu);
   m.impl("_raycast_ground", &raycast_ground_cpu);
+  m.impl("_raycast_rgb8", &raycast_rgb8_cpu);
 }
 
 }  // namespace bev
