@@ -43,7 +43,8 @@ def test_a_onednn_isa_cap_below_bf16_is_a_cpu_without_it(isa, expected, monkeypa
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
     precision, reason = P.resolve_precision("auto", "cpu")
     assert precision == expected and ("ONEDNN_MAX_CPU_ISA=" in reason) == (expected == "32-true")
-    assert P.resolve_channels_last("auto", torch.nn.Conv2d(16, 16, 3)) == (expected == "bf16-mixed")
+    depthwise = torch.nn.Conv2d(16, 16, 3, groups=16)  # NHWC in fp32 for dense convolutions alone
+    assert P.resolve_channels_last("auto", depthwise) == (expected == "bf16-mixed")
 
 
 @pytest.mark.parametrize("bf16, expected", [(True, "bf16-mixed"), (False, "16-mixed")])
@@ -83,13 +84,22 @@ def test_cpu_flags_are_read_from_proc_cpuinfo(tmp_path, monkeypatch):
     ],
 )
 def test_auto_channels_last_follows_the_hardware(flags, cuda, expected, monkeypatch):
+    """auto: NHWC on GPUs and native-bf16 CPUs; on CPUs that train in fp32 only for dense convolutions (the small
+    trunks, the BEV decoder), not for depthwise ones (EfficientNet's)."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.setattr(P, "_cpu_flags", lambda: flags)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     assert P.resolve_channels_last("auto") is expected
     assert P.resolve_channels_last(False) is False and P.resolve_channels_last(True) is True
-    enc = BevDecoder(8, widths=(16, 16, 32), blocks=1, channels_last="auto")
-    assert enc.channels_last is expected
-    assert enc.stem[0].weight.is_contiguous(memory_format=torch.channels_last) is expected
+    dense = [
+        BevDecoder(8, widths=(16, 16, 32), blocks=1, channels_last="auto"),
+        CameraEncoder(5, 7, backbone="small", widths=(16, 32, 48, 64, 96), mid_channels=16, channels_last="auto"),
+    ]
+    for enc in dense:
+        assert enc.channels_last is True
+        assert next(enc.parameters()).is_contiguous(memory_format=torch.channels_last)
+    depthwise = torch.nn.Sequential(torch.nn.Conv2d(16, 16, 3, groups=16), torch.nn.Conv2d(16, 32, 1))
+    assert P.resolve_channels_last("auto", depthwise) is expected
     with pytest.raises(ValueError, match="true, false or auto"):
         P.resolve_channels_last("yes")
 
@@ -250,3 +260,7 @@ def test_the_embedded_decoder_each_kind_of_cpu_gets(flags, cheap, monkeypatch):
     decoder = cfg.model.net.decoder
     assert (decoder.stem_kernel, decoder.half_res_tail) == ((3, True) if cheap else (7, False))
     assert P.resolve_precision(cfg.trainer.precision, "cpu")[0] == ("32-true" if cheap else "bf16-mixed")
+    from hydra.utils import instantiate
+
+    net = instantiate(cfg.model).net  # its dense trunks in NHWC on every kind of CPU
+    assert net.camera.encoder.channels_last and net.decoder.channels_last

@@ -86,10 +86,12 @@ def resolve_precision(precision: str | int | None, accelerator: str = "auto") ->
 
 
 def resolve_channels_last(value: bool | str, module=None) -> bool:
-    """`channels_last` of the encoders: True/False as given; "auto": on GPUs and on CPUs with native bf16,
-    unless `module` has a convolution oneDNN's NHWC backward gets wrong (nhwc_hazards).
+    """`channels_last` of the encoders: True/False as given; "auto": on GPUs and on CPUs with native bf16, and on
+    CPUs that train in fp32 for a `module` of dense convolutions alone (no grouped ones); never for a module with a
+    convolution oneDNN's NHWC backward gets wrong (nhwc_hazards).
 
-    NHWC pays on those and not on CPUs without native bf16 (docs/training-speed.md).
+    In fp32 on the CPU NHWC pays for dense convolutions and loses on depthwise ones (EfficientNet's):
+    docs/training-speed.md.
     """
     if isinstance(value, str) and value != "auto":
         raise ValueError(f"channels_last must be true, false or auto, got {value!r}")
@@ -107,7 +109,17 @@ def resolve_channels_last(value: bool | str, module=None) -> bool:
         return bool(value)
     import torch
 
-    return not hazards and (torch.cuda.is_available() or cpu_bf16_support() is not None)
+    if hazards:
+        return False
+    return torch.cuda.is_available() or cpu_bf16_support() is not None or _dense_convolutions(module)
+
+
+def _dense_convolutions(module) -> bool:
+    """Whether `module` has 2D convolutions and none of them grouped (depthwise)."""
+    from torch import nn
+
+    convs = [m for m in module.modules() if isinstance(m, nn.Conv2d)] if module is not None else []
+    return bool(convs) and all(m.groups == 1 for m in convs)
 
 
 # oneDNN's AVX-512 1x1 convolution blocks input channels by 16; below one block its strided
