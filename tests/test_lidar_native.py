@@ -219,3 +219,33 @@ def test_bad_input_is_refused():
         native.op("_lidar_count")(t(points), *map(t, boxes[:3]), t(boxes[3]).float())
     with pytest.raises(RuntimeError, match="_lidar_cloud: value must be contiguous Double"):
         native.op("_lidar_cloud")(t(points), torch.zeros(3), t(beam), t(spin.rotation), t(origin))
+
+
+@needs_ops
+def test_opcheck():
+    """torch.library.opcheck of the LiDAR operators and the JPEG pixels' (schemas, mutation annotations, fake
+    kernels): the shapes the fakes give are the kernels'."""
+    rng = np.random.default_rng(5)
+    t = torch.from_numpy
+    depth = np.where(rng.random((4, 6)) < 0.5, rng.uniform(2, 30, (4, 6)), np.inf).astype(np.float32)
+    rays = rng.normal(size=(24, 3)).astype(np.float32)
+    jitter = rng.normal(size=int(np.isfinite(depth).sum()))
+    returns = (t(depth), t(rays), t(np.zeros(3)), t(jitter))
+    torch.library.opcheck(torch.ops.bev._lidar_returns.default, returns)
+    points = rng.uniform(-5, 5, (40, 3))
+    boxes = (
+        t(rng.uniform(-3, 3, (2, 3))),
+        t(_yaws(rng.uniform(-3, 3, 2))),
+        t(np.full((2, 3), 1.5)),
+        t(np.full(2, 3.0)),
+    )
+    torch.library.opcheck(torch.ops.bev._lidar_off_faces.default, (t(points.copy()), *boxes))
+    torch.library.opcheck(torch.ops.bev._lidar_count.default, (t(points), *boxes))
+    cloud = (t(points), t(rng.uniform(0, 1, 40)), t(np.arange(40) % 32), t(np.eye(3)), t(np.zeros(3)))
+    torch.library.opcheck(torch.ops.bev._lidar_cloud.default, cloud)
+    torch.library.opcheck(torch.ops.bev._raycast_rgb8.default, (torch.rand(3, 4, 3),))
+    part = t(np.where(np.arange(40) % 3 == 0, -1, np.arange(40) % 2))
+    values = (t(np.array([10.0, 20.0])), t(np.ones(40)), t(np.array([5.0, 6.0])), t(np.zeros(16, np.uint8)))
+    scalars = (0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.5, 0, 0, 4, 4)
+    inside = rng.uniform(0.1, 7.9, (40, 3))  # every ground point on the 4 x 4 texel window: no NaN to compare
+    torch.library.opcheck(torch.ops.bev._lidar_intensity.default, (t(inside), part, *values, *scalars))

@@ -14,7 +14,15 @@ Operators (namespace `bev`; a leading underscore marks an internal step):
   _raycast_shade(key, face, rays, parts, origin, half, glass, colours, label, image!, depth!, ids!)
   _raycast_rects(corners, rotation, translation, intrinsic, post_rot, post_tran, H, W, near) -> rects
   _raycast_ground(gx, gy, pixels, clear, fog, texels, grass, image!, pose..., window...)
+  _raycast_rgb8(image) -> pixels
                                                                   the synthetic world's ray caster (CPU only;
+                                                                  bev.synthetic.native)
+  _lidar_returns(depth, rays, origin, jitter) -> (points, beam)
+  _lidar_off_faces(points!, centre, R, half, reach)
+  _lidar_cloud(points, value, ring, rotation, translation) -> (cloud, ego)
+  _lidar_count(points, centre, R, half, reach) -> counts
+  _lidar_intensity(points, part, part_value, spread, ground_value, labels, pose..., window...) -> value
+                                                                  the synthetic LiDAR's point cloud (CPU only;
                                                                   bev.synthetic.native)
 """
 
@@ -121,6 +129,35 @@ def _register_raycast_fakes() -> None:
     def _raycast_ground_fake(gx, gy, pixels, clear, fog, texels, grass, image, *scalars):
         return None
 
+    @torch.library.register_fake("bev::_raycast_rgb8")
+    def _raycast_rgb8_fake(image):
+        return image.new_empty(image.shape, dtype=torch.uint8)
+
+
+def _register_lidar_fakes() -> None:
+    """Fake kernels of the synthetic LiDAR's point cloud (bev.synthetic.native): output shapes for opcheck."""
+
+    @torch.library.register_fake("bev::_lidar_returns")
+    def _lidar_returns_fake(depth, rays, origin, jitter):  # one return per finite depth, as many as jitter
+        n = jitter.shape[0]
+        return depth.new_empty(n, 3, dtype=torch.float64), depth.new_empty(n, dtype=torch.long)
+
+    @torch.library.register_fake("bev::_lidar_off_faces")
+    def _lidar_off_faces_fake(points, centre, R, half, reach):
+        return None
+
+    @torch.library.register_fake("bev::_lidar_cloud")
+    def _lidar_cloud_fake(points, value, ring, rotation, translation):
+        return points.new_empty(points.shape[0], 5, dtype=torch.float32), torch.empty_like(points)
+
+    @torch.library.register_fake("bev::_lidar_count")
+    def _lidar_count_fake(points, centre, R, half, reach):
+        return points.new_empty(centre.shape[0], dtype=torch.long)
+
+    @torch.library.register_fake("bev::_lidar_intensity")
+    def _lidar_intensity_fake(points, part, part_value, spread, ground_value, labels, *scalars):
+        return points.new_empty(points.shape[0])
+
 
 def _register() -> None:
     _register_fakes()
@@ -135,7 +172,8 @@ if _C is not None:
         _C, CUDA_BUILT = None, False
         LOAD_ERROR = f"{type(e).__name__} while registering bev operators: {e}"
 if _C is not None:
-    try:
-        _register_raycast_fakes()
-    except Exception:  # a build without the ray caster: bev.synthetic.native falls back to numpy, pooling unaffected
-        pass
+    for _fakes in (_register_raycast_fakes, _register_lidar_fakes):
+        try:
+            _fakes()
+        except Exception:  # a build without these ops: bev.synthetic.native falls back to numpy, pooling unaffected
+            pass
