@@ -40,7 +40,21 @@ def check_settings(cfg: DictConfig) -> None:
     if data is not None:
         check_training(data)
     check_model(cfg)
+    _check_cameras(cfg)
     check_headline(cfg)
+
+
+def _check_cameras(cfg: DictConfig) -> None:
+    """A network with a camera branch reads the items' images: data.cameras=false would leave it none."""
+    from omegaconf import OmegaConf
+
+    cameras = OmegaConf.select(cfg, "data.cameras", default=True)
+    lidar_only = OmegaConf.select(cfg, "model.net.camera") is None and OmegaConf.select(cfg, "model.net.lidar")
+    if cameras is False and OmegaConf.select(cfg, "model.net") is not None and not lidar_only:
+        raise ValueError(
+            "data.cameras=false leaves the items without images, and the network has a camera branch: set "
+            "data.cameras=true (or model.net.camera=null with a LiDAR branch, a LiDAR-only network)"
+        )
 
 
 def check_headline(cfg: DictConfig) -> None:

@@ -210,15 +210,16 @@ def is_temporal(model: nn.Module) -> bool:
     return network(model).past_frames is not None
 
 
-def _batched(batch: Mapping[str, Any], temporal: bool = False) -> dict[str, Any]:
-    """Check the camera inputs; add the batch dimension to a single sample (or window)."""
-    needed = {**CAMERA_INPUTS, **({"future_egomotion": TEMPORAL_INPUT} if temporal else {})}
+def _batched(batch: Mapping[str, Any], temporal: bool = False, cameras: bool = True) -> dict[str, Any]:
+    """Check the camera inputs (none for a network without cameras); add the batch dimension to a single sample
+    (or window)."""
+    needed = {**(CAMERA_INPUTS if cameras else {}), **({"future_egomotion": TEMPORAL_INPUT} if temporal else {})}
     missing = [k for k in needed if k not in batch]
     if missing:
         want = "; ".join(f"{k} {v}" for k, v in needed.items())
         raise KeyError(f"batch lacks {', '.join(missing)}; a batch needs {want}")
     out = dict(batch)
-    if torch.as_tensor(batch["images"]).dim() == (5 if temporal else 4):  # one sample (N, 3, H, W) or window
+    if cameras and torch.as_tensor(batch["images"]).dim() == (5 if temporal else 4):  # one sample or window
         out.update({k: torch.as_tensor(batch[k]).unsqueeze(0) for k in needed})
     return out
 
@@ -248,10 +249,10 @@ def predictions(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
     (bev.lit.BEVLitModule.predict_step) and what it decodes from them (Task.decoded); a bare network's heads give
     what their task classes can without options (Task.head_predictions)."""
     net = network(model)
-    temporal = net.past_frames is not None
-    batch = _batched(batch, temporal)
+    temporal, cameras = net.past_frames is not None, net.camera is not None
+    batch = _batched(batch, temporal, cameras)
     device = next(model.parameters()).device
-    keys = list(CAMERA_INPUTS) + (["future_egomotion"] if temporal else [])
+    keys = (list(CAMERA_INPUTS) if cameras else []) + (["future_egomotion"] if temporal else [])
     keys += [k for k in ("points", "num_points") if k in batch]  # a LiDAR branch's input (bev.data.lidar)
     inputs = {k: torch.as_tensor(batch[k]).to(device) for k in keys}
     was_training = model.training
@@ -270,7 +271,9 @@ def predictions(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
 def _head_predictions(net: nn.Module, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     from bev.tasks import task_classes
 
-    out, pred = net(*inputs.values()), {}
+    lidar = {"points": inputs["points"], "batch_size": len(inputs["num_points"])} if "points" in inputs else {}
+    out = net(*(inputs.get(k) for k in CAMERA_INPUTS), inputs.get("future_egomotion"), **lidar)
+    pred = {}
     for task in task_classes(net.tasks):
         pred.update(task.head_predictions(out))
     if not pred:

@@ -341,7 +341,7 @@ class BEVLitModule(L.LightningModule):
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """The network's outputs on a batch: {task: output, "depth": camera depth logits} (bev.models.BEVNet)."""
-        cams = tuple(batch[k] for k in CAMERA_KEYS)
+        cams = tuple(batch.get(k) for k in CAMERA_KEYS)  # none with data.cameras=false (a LiDAR-only network)
         if self.net.lidar is not None:  # the LiDAR branch's input (bev.data.lidar.collate_points)
             if "points" not in batch:
                 raise ValueError("the network has a LiDAR branch: the batches need points, set data.lidar.enabled=true")
@@ -513,7 +513,7 @@ class BEVLitModule(L.LightningModule):
         # Reading the loss waits for the device: on a GPU only at the logging interval (NaN weights stay NaN).
         if loss.device.type == "cpu" or self.global_step % max(1, self.trainer.log_every_n_steps) == 0:
             check_finite(loss, terms, self.global_step, self.current_epoch, batch_idx)
-        B = batch["images"].shape[0]
+        B = len(batch["bev"])
         self.log_losses("train", loss, terms, B)
         if self.past_cache_hits is not None:
             self.log("train/past_cache_hits", self.past_cache_hits, on_step=False, on_epoch=True, batch_size=B)
@@ -527,7 +527,7 @@ class BEVLitModule(L.LightningModule):
         task's metric updated."""
         out = self(batch)
         if all(getattr(t, "has_targets", lambda b: True)(batch) for t in self.task_modules.values()):
-            self.log_losses(stage, *self.losses(out, batch), batch["images"].shape[0])
+            self.log_losses(stage, *self.losses(out, batch), len(batch["bev"]))
         for task in self.task_modules.values():
             task.update(out, batch, stage)
 

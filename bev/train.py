@@ -144,7 +144,7 @@ def _check_data_fits(cfg: DictConfig, datamodule) -> None:
     datamodule.setup("fit")  # idempotent: Lightning's own setup reuses the datasets
     _check_batches_per_process(cfg.trainer, len(datamodule.train_set), datamodule.batch_size, datamodule.train_split)
     _check_val_samples_per_process(cfg.trainer, len(datamodule.val_set), datamodule.val_split)
-    if len(datamodule.val_set):
+    if len(datamodule.val_set) and getattr(datamodule.val_set, "cameras", True):
         _check_depth_reach(datamodule.grid, datamodule.val_set[0], datamodule.val_split)
 
 

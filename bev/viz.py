@@ -157,9 +157,8 @@ def batch_sample(batch: Mapping[str, Any], i: int) -> dict:
 
 
 def _unbatch(sample: Mapping[str, Any]) -> tuple[dict, bool]:
-    batched = (
-        sample["images"].dim() == 5 if isinstance(sample["images"], torch.Tensor) else np.ndim(sample["images"]) == 5
-    )
+    key, dims = ("images", 5) if "images" in sample else ("bev", 4)  # no images with data.cameras=false
+    batched = np.ndim(sample[key]) == dims if not isinstance(sample[key], torch.Tensor) else sample[key].dim() == dims
     if not batched:
         return dict(sample), False
     out = {}
@@ -219,23 +218,28 @@ def render_figure(
     (a model that only detects) the prediction panel shows the boxes over the target's map layers."""
     points = sample_points(sample)
     s, _ = _unbatch(sample)
-    cams = camera_grid(s["images"], s.get("cam_ids"))
+    cams = camera_grid(s["images"], s.get("cam_ids")) if "images" in s else None  # none: the BEV row alone
     channels = _target_channels(s["bev"], class_names)
     layers = (
         class_names if class_names is not None and len(class_names) > 1 else None
     )  # one class: the grey/viridis view
     target = channels[0] if layers is not None else channels.max(axis=0)
     g = _grid_for(target.shape, _sample_grid(s, grid))
-    fig = Figure(figsize=(12, 4.2 + 3.2), dpi=100)
+    fig = Figure(figsize=(12, 4.2 + (3.2 if cams is not None else 0)), dpi=100)
     FigureCanvasAgg(fig)
-    gs = fig.add_gridspec(2, 3, height_ratios=[cams.shape[0] / cams.shape[1] * 3, 1.0])
+    rows = [cams.shape[0] / cams.shape[1] * 3, 1.0] if cams is not None else [1.0]
+    gs = fig.add_gridspec(len(rows), 3, height_ratios=rows)
     gt_boxes, pred_boxes = sample_gt_boxes(s), box_detections(detections, box_threshold)
-    ax = fig.add_subplot(gs[0, :])
-    _draw_cameras(ax, cams, s, title)
-    draw_points_cameras(ax, points, s)
-    draw_boxes_cameras(ax, _in_grid(gt_boxes, g), s, gt=True)  # those the model could predict
-    draw_boxes_cameras(ax, pred_boxes, s)
-    ax = fig.add_subplot(gs[1, 0])
+    if cams is not None:
+        ax = fig.add_subplot(gs[0, :])
+        _draw_cameras(ax, cams, s, title)
+        draw_points_cameras(ax, points, s)
+        draw_boxes_cameras(ax, _in_grid(gt_boxes, g), s, gt=True)  # those the model could predict
+        draw_boxes_cameras(ax, pred_boxes, s)
+    elif title:
+        fig.suptitle(title, fontsize=10)
+    bev = len(rows) - 1  # the BEV row
+    ax = fig.add_subplot(gs[bev, 0])
     if layers is not None:
         _draw_bev(ax, compose_layers(channels, layers), g, "BEV target")
     else:
@@ -247,11 +251,11 @@ def render_figure(
         prob = probs[0] if probs.ndim > 2 else probs  # the first class's, for the error map
         if prob.shape != target.shape:
             raise ValueError(f"prediction shape {prob.shape} does not match the BEV target {target.shape}")
-        ax = _draw_prediction(fig, gs[1, 1], probs, prob, channels, g, layers)
-        _draw_errors(fig.add_subplot(gs[1, 2]), prob, target, g, layers[0] if layers is not None else "vehicle")
+        ax = _draw_prediction(fig, gs[bev, 1], probs, prob, channels, g, layers)
+        _draw_errors(fig.add_subplot(gs[bev, 2]), prob, target, g, layers[0] if layers is not None else "vehicle")
     elif pred_boxes is not None:  # boxes only: over the target's map layers (or a blank panel)
         base = _map_base(channels, layers, sum(n not in MAP_COLORS for n in layers)) if layers is not None else None
-        ax = fig.add_subplot(gs[1, 1])
+        ax = fig.add_subplot(gs[bev, 1])
         _draw_bev(ax, base if base is not None else np.full(target.shape + (3,), BACKGROUND, np.uint8), g, "boxes")
     if pred_boxes is not None:
         draw_boxes_bev(ax, gt_boxes, g, gt=True)

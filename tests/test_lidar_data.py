@@ -301,3 +301,19 @@ def test_a_sweep_from_another_scene_is_one_error_naming_the_file(damaged, tmp_pa
     with pytest.raises(ValueError, match="is from scene") as e:
         dataset(damaged, tmp_path)
     assert name in str(e.value) and "prev/next links of sample_data.json" in str(e.value)
+
+
+def test_items_without_cameras_hold_no_image_and_the_same_points_and_targets(sweep_root, tmp_path, monkeypatch):
+    """data.cameras=false (the LiDAR-only experiments): no image decoded, no camera key in the item, the same points
+    and targets, also under BEV augmentation; camera depth targets and a camera branch are refused."""
+    aug = {"rot_lim": [35.0, 35.0], "scale_lim": [1.04, 1.04], "flip_x": 1.0, "flip_y": 0.0}
+    with_cams = dataset(sweep_root, tmp_path, augment=True, bev_aug=aug, ncams=6)
+    without = dataset(sweep_root, tmp_path, augment=True, bev_aug=aug, ncams=6, cameras=False)
+    base = with_cams[2]
+    monkeypatch.setattr(type(without), "load_image", lambda *a, **k: pytest.fail("an image was decoded"))
+    item = without[2]
+    assert not {"images", "intrinsics", "rots", "trans", "post_rots", "post_trans", "depth"} & set(item)
+    for key in ("points", "bev", "visibility", "bev_aug"):
+        assert torch.equal(item[key], base[key]), key
+    with pytest.raises(ValueError, match=r"data.depth_target=true is the cameras' depth: set data.cameras=true"):
+        dataset(sweep_root, tmp_path, cameras=False, depth_target=True)

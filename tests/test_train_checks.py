@@ -118,6 +118,11 @@ def _check(*overrides):
         ((OCC, "headline=val/iou"), "headline=val/iou is not a metric of this model's tasks ['occupancy']"),
         ((STATIC, "headline=val/occ_miou"), "headline=val/occ_miou is not a metric of this model's tasks"),
         ((STATIC, "headline=iou"), "headline='iou' must be a val/ metric"),
+        # A camera branch without images (data.cameras=false is the LiDAR-only experiments' setting).
+        (
+            ("experiment=synthetic_fusion_cpu", "data.cameras=false"),
+            "data.cameras=false leaves the items without images, and the network has a camera branch",
+        ),
     ],
 )
 def test_a_bad_model_or_training_setting_is_named_with_the_config(overrides, needle):
@@ -136,6 +141,7 @@ def test_a_bad_model_or_training_setting_is_named_with_the_config(overrides, nee
         (STATIC, "model.net.image_size=[64,176]", "data.final_dim=[64,176]"),
         (DET, "data.bev_aug=bevdet", "data.augment=true"),
         (TEMPORAL, "model.motion.loss.seg_top_k=0.25", "model.past_cache_max_age=null"),
+        ("experiment=synthetic_lidar_cpu", "data.cameras=true"),  # a LiDAR-only network may read items with images
     ],
 )
 def test_good_settings_pass(overrides):

@@ -239,6 +239,8 @@ class DatasetConfig(_Checked):
     map_layers: Any = _option(None, _map_layers)
     # object targets: center (cell centre in the box) | lss (LSS's rounded corners)
     raster: str = _option("center", _raster)
+    # items carry the cameras' images and geometry; false: none (a LiDAR-only network reads none, so none is decoded)
+    cameras: bool = _option(True, _flag)
     # items carry the depth bin of the nearest LIDAR_TOP point per feature cell
     depth_target: bool = _option(False, _flag)
     # the feature cells' stride in pixels: 8 or 16; null: the model's (bev-train sets model.net.camera.downsample), else 16

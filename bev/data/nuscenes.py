@@ -76,6 +76,7 @@ class NuScenesBEVDataset(Dataset):
     most M (bev.data.lidar); batches hold them flat (bev.data.lidar.collate_points).
     occupancy=True adds occ_semantics (200, 200, 16) uint8 Occ3D class ids and occ_mask_camera, occ_mask_lidar
     (200, 200, 16) bool, from <dataroot>/gts/<scene name>/<sample token>/labels.npz (bev.tasks.occupancy.data).
+    cameras=False: no images and no camera geometry (nothing decoded: a LiDAR-only network's data).
     With augment=False images get the deterministic LSS resize + crop and all 6 cameras;
     with augment=True and ncams < 6 a random subset of ncams cameras (kept in camera order).
     resize_lim, bot_pct_lim, rot_lim: None gives Lift-Splat-Shoot's ranges (bev.data.transforms);
@@ -120,6 +121,11 @@ class NuScenesBEVDataset(Dataset):
         self.rand_flip, self.ncams = cfg.rand_flip, cfg.ncams
         self.groups, self.map_layers = cfg.categories, cfg.map_layers
         self.raster, self.depth_target, self.detection = cfg.raster, cfg.depth_target, cfg.detection
+        self.cameras = cfg.cameras
+        if self.depth_target and not self.cameras:
+            raise ValueError(
+                "data.depth_target=true is the cameras' depth: set data.cameras=true or depth_target=false"
+            )
         self.depth_stride = cfg.depth_stride or FEATURE_STRIDE
         self.det_range, self.bev_aug = cfg.det_range, cfg.bev_aug if self.augment else None
         self.index = load_index(
@@ -388,7 +394,8 @@ class NuScenesBEVDataset(Dataset):
     def _augment_bev(self, item: dict[str, Any], i: int, A: np.ndarray) -> None:
         """Sample i's item in the BEV frame A maps to (bev.data.bev_aug), in place: the lift geometry, the object
         targets rasterised anew from the moved footprints, the map targets resampled."""
-        apply_to_geometry(item, A)
+        if "rots" in item:
+            apply_to_geometry(item, A)
         box, k = self.boxes(i), self.num_object_classes
         footprints = box["footprint"] @ A[:2, :2].T
         objects, vis = rasterize_boxes(footprints, box["label"], box["visibility"], self.grid, k, self.raster)
@@ -397,10 +404,13 @@ class NuScenesBEVDataset(Dataset):
         item["bev_aug"] = torch.from_numpy(A.astype(np.float32))
 
     def frame_inputs(self, i: int, cams: np.ndarray, augs: Sequence[ImageAug] | None = None) -> dict[str, torch.Tensor]:
-        """Sample i's images and CAMERA_GEOMETRY tensors of cameras `cams`, and depth with depth_target.
+        """Sample i's images and CAMERA_GEOMETRY tensors of cameras `cams`, and depth with depth_target; nothing
+        with data.cameras=false.
 
         augs: one augmentation per camera (a training window uses the same ones for all its frames),
         None to draw one per image."""
+        if not self.cameras:
+            return {}
         imgs, post_rots, post_trans = [], [], []
         for k, c in enumerate(cams):
             img, pr, pt = self.load_image(i, int(c), self.augment, None if augs is None else augs[k])
