@@ -484,8 +484,12 @@ def _directions(rx: np.ndarray, ry: np.ndarray, rz: np.ndarray, c: np.ndarray, s
 def _part_table(cam: Camera, parts: Parts) -> np.ndarray:
     """(P, 8) float32 per-part values of the slab test: yaw cos, sin; slab bounds -half - o, half - o (o: the camera
     centre in the part's frame), the rows the native caster (bev.synthetic.native) takes."""
-    o, yaw = _part_frames(cam, parts)
-    near, far = (-parts.half - o).astype(np.float32), (parts.half - o).astype(np.float32)
+    return _slab_table(*_part_frames(cam, parts), parts.half)
+
+
+def _slab_table(o: np.ndarray, yaw: np.ndarray, half: np.ndarray) -> np.ndarray:
+    """_part_table from _part_frames' o and yaw and the parts' half extents."""
+    near, far = (-half - o).astype(np.float32), (half - o).astype(np.float32)
     return np.ascontiguousarray(np.concatenate([yaw, near, far], 1))
 
 
@@ -663,9 +667,10 @@ def render_camera(
     parts, rects = _visible(cam, parts)
     if native.active():  # the same keys, faces, coverage and pixels, in C++ (bev.synthetic.native)
         group, objs = _coverage_groups(parts)
-        table = _part_table(cam, parts)
+        o, yaw = _part_frames(cam, parts)
+        table = _slab_table(o, yaw, parts.half)
         best, faces, cover = native.zbuffer(cam.planes, table, rects, cam.ground_key, group, len(objs), faces=True)
-        origin = _part_frames(cam, parts)[0].astype(np.float32)
+        origin = o.astype(np.float32)
         glass = (parts.kind == CABIN) * np.int8(1) + (parts.kind == WINDOWS) * np.int8(2)
         c = np.ascontiguousarray
         arrays = (origin, c(parts.half), glass.astype(np.int8), c(parts.cols), c(parts.label.astype(np.int32)))
