@@ -625,7 +625,7 @@ def _ground_render(world: World, t: float, cam: Camera) -> tuple[np.ndarray, np.
     if native.active():  # the same pixels in one C++ pass (bev.synthetic.native.ground)
         t0x, t0y, n = _tile_window(ego_t)
         texels = _ring(world.seed, world.location).fill(t0x, t0y, n)
-        img, grass = cam.sky.copy(), _PALETTE[_CLASS["grass"]]
+        img, grass = _sky_around_ground(cam), _PALETTE[_CLASS["grass"]]
         window = (t0x * TILE, t0y * TILE, n * TILE, RING * TILE)
         pose = (ego_t[0], ego_t[1], cy, sy, 1 / TEX_RES, np.float32(1 / 255))
         native.ground(gx, gy, cam.ground_pixels, clear.ravel(), fog, texels, grass, img, *pose, *window)
@@ -642,6 +642,18 @@ def _ground_render(world: World, t: float, cam: Camera) -> tuple[np.ndarray, np.
         done, used = stop, used + stop - start
     flat[done:] = sky[done:]
     return img, t_ground.copy()
+
+
+def _sky_around_ground(cam: Camera) -> np.ndarray:
+    """(H, W, 3) the camera's sky outside the ground's runs, the rest unset (the ground paint fills it): half the
+    bytes of a copy of the sky."""
+    img = np.empty_like(cam.sky)
+    flat, sky, done = img.reshape(-1, 3), cam.sky.reshape(-1, 3), 0
+    for start, stop in cam.ground[1]:
+        flat[done:start] = sky[done:start]
+        done = stop
+    flat[done:] = sky[done:]
+    return img
 
 
 def render_camera(
