@@ -201,6 +201,39 @@ def test_scalar_loop_and_threads_agree(monkeypatch):
     assert ref[2].sum() > 0
 
 
+@needs_op
+@pytest.mark.parametrize("scalar", ["0", "1"])
+def test_slab_nan_products_and_partial_blocks(monkeypatch, scalar):
+    """Rays parallel to a slab whose bound is 0 (0 * inf: NaN products, the AVX2 loop's exact blends) and runs of
+    every length mod 8 (its masked last block): keys and faces = numpy's _slab_chunk, AVX2 and scalar loops."""
+    monkeypatch.setenv("BEV_RAYCAST_SCALAR", scalar)
+    rng = np.random.default_rng(4)
+    W = 64
+    rays = np.stack([rng.uniform(0.5, 1, W), rng.uniform(-0.4, 0.4, W), rng.uniform(-0.3, 0.3, W)])[:, None]
+    rays = rays.astype(np.float32)
+    rays[2, 0, ::3] = 0.0  # parallel to the z slabs
+    rays[1, 0, 1::5] = -0.0  # and to the y slabs (a -0 direction)
+    rays[:2, 0, ::7] = [[0.0], [0.3]]  # and to the x slabs, ahead of the last part's y slab
+    # yaw (cos, sin), slab bounds near x y z, far x y z: z bounds of 0 (NaN products), a y bound of 0, overlaps; the
+    # last part's far x bound 0 (0 * inf = NaN as fmax's second operand: maxps would keep it, fmax drops it).
+    table = [[1, 0, 2, -1, 0, 4, 1, 1], [1, 0, 1.5, 0, -1, 3, 0.5, 0], [0.6, 0.8, 1, -2, -0.5, 5, 2, 0.5]]
+    table = np.array(table + [[1, 0, -1, 1, -1, 0, 2, 1]], np.float32)
+    rects = np.array([[0, 1, 0, 61], [0, 1, 3, 64], [0, 1, 7, 58], [0, 1, 0, 64]], np.int64)  # tails 5, 5, 3, 0
+    sky = np.full(W, np.int64(np.float32(np.inf).view(np.int32)) << 32)
+    key, face, _ = native.zbuffer(np.ascontiguousarray(rays), table, rects, sky, faces=True)
+    ref_key, ref_face, nan = sky.copy(), np.zeros(W, np.int8), 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for p, (_, _, c0, c1) in enumerate(rects.tolist()):
+            d = rays[:, 0, c0:c1]
+            k, _, f = raycast._slab_chunk(d, table[p : p + 1].T, np.array([c1 - c0]), p)
+            nan += int(np.isnan(table[p, 2:5, None] / d).sum())
+            better = k < ref_key[c0:c1]
+            ref_key[c0:c1] = np.where(better, k, ref_key[c0:c1])
+            ref_face[c0:c1] = np.where(better, f, ref_face[c0:c1])
+    assert np.array_equal(key, ref_key) and np.array_equal(face, ref_face)
+    assert nan > 10 and ((key & 0xFFFFFFFF) > 0).sum() > 20  # NaN products met, parts won
+
+
 def test_falls_back_to_numpy_without_the_operator(monkeypatch, world):
     """No extension, or one built without the op: the numpy caster runs and renders the same; asking for the
     native caster then is an error that says why."""
@@ -387,12 +420,16 @@ def test_part_corners_are_the_einsums():
 @needs_op
 def test_jpeg_pixels_agree():
     """_raycast_rgb8 = camera_jpeg's numpy conversion (scale, round half up, clip) on every float32 value class: in
-    [0, 1], halfway cases, out of range, infinite; the JPEGs are the same bytes; bad input is refused."""
+    [0, 1], halfway cases, out of range, infinite, NaN, in the AVX2 blocks of 32 values and in the scalar tail (45 x
+    80 x 3 = 337 x 32 + 16); the JPEGs are the same bytes; bad input is refused."""
     rng = np.random.default_rng(0)
     image = rng.uniform(-0.2, 1.2, (45, 80, 3)).astype(np.float32)
     image[0, :, 0] = (np.arange(80, dtype=np.float32) + 0.5) / np.float32(255)  # round-half cases
     image[1, :3] = [[0.0, 1.0, np.float32(0.5 / 255)], [-0.0, np.inf, -np.inf], [1e30, -1e30, 1 - 2**-24]]
-    assert np.array_equal(native.rgb8(image), (image * 255.0 + 0.5).clip(0, 255).astype(np.uint8))
+    image[1, 3, 0] = image[-1, -1, 0] = np.nan
+    with np.errstate(invalid="ignore"):  # NaN's cast: the x86 conversion (0 here, as the kernel's)
+        assert np.array_equal(native.rgb8(image), (image * 255.0 + 0.5).clip(0, 255).astype(np.uint8))
+    image = np.nan_to_num(image)
     jpegs = _both(sensors.camera_jpeg, np.clip(image, 0, 1), 4, False, "x.jpg")
     assert jpegs[0] == jpegs[1]
     with pytest.raises(TypeError, match="image must be float32"):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -188,13 +189,18 @@ def shade(
         ("ids", ids, np.int32, (H, W)),
     ):
         _check(name, a, dtype, shape)
-    if len(key) and int((key & 0xFFFFFFFF).max()) > P:
+    if len(key) and int(_low_halves(key).max()) > P:
         raise ValueError(f"key names a part beyond the {P} parts")
     fn = op(SHADE_OP)
     if fn is None:
         raise RuntimeError(f"bev.ops._C has no {SHADE_OP}: use the numpy caster (bev.synthetic.raycast)")
     t = torch.from_numpy
     fn(*(t(a) for a in (key, face, rays, parts, origin, half, glass, colours, label, image, depth, ids)))
+
+
+def _low_halves(key: np.ndarray) -> np.ndarray:
+    """The low 32 bits of int64 keys as a strided uint32 view (no temporary array)."""
+    return key.view(np.uint32)[0 if sys.byteorder == "little" else 1 :: 2]
 
 
 def rects(corners: np.ndarray, rotation, translation, intrinsic, post_rot, post_tran, H: int, W: int, near: float):

@@ -484,8 +484,12 @@ def _directions(rx: np.ndarray, ry: np.ndarray, rz: np.ndarray, c: np.ndarray, s
 def _part_table(cam: Camera, parts: Parts) -> np.ndarray:
     """(P, 8) float32 per-part values of the slab test: yaw cos, sin; slab bounds -half - o, half - o (o: the camera
     centre in the part's frame), the rows the native caster (bev.synthetic.native) takes."""
-    o, yaw = _part_frames(cam, parts)
-    near, far = (-parts.half - o).astype(np.float32), (parts.half - o).astype(np.float32)
+    return _slab_table(*_part_frames(cam, parts), parts.half)
+
+
+def _slab_table(o: np.ndarray, yaw: np.ndarray, half: np.ndarray) -> np.ndarray:
+    """_part_table from _part_frames' o and yaw and the parts' half extents."""
+    near, far = (-half - o).astype(np.float32), (half - o).astype(np.float32)
     return np.ascontiguousarray(np.concatenate([yaw, near, far], 1))
 
 
@@ -621,7 +625,7 @@ def _ground_render(world: World, t: float, cam: Camera) -> tuple[np.ndarray, np.
     if native.active():  # the same pixels in one C++ pass (bev.synthetic.native.ground)
         t0x, t0y, n = _tile_window(ego_t)
         texels = _ring(world.seed, world.location).fill(t0x, t0y, n)
-        img, grass = cam.sky.copy(), _PALETTE[_CLASS["grass"]]
+        img, grass = _sky_around_ground(cam), _PALETTE[_CLASS["grass"]]
         window = (t0x * TILE, t0y * TILE, n * TILE, RING * TILE)
         pose = (ego_t[0], ego_t[1], cy, sy, 1 / TEX_RES, np.float32(1 / 255))
         native.ground(gx, gy, cam.ground_pixels, clear.ravel(), fog, texels, grass, img, *pose, *window)
@@ -638,6 +642,18 @@ def _ground_render(world: World, t: float, cam: Camera) -> tuple[np.ndarray, np.
         done, used = stop, used + stop - start
     flat[done:] = sky[done:]
     return img, t_ground.copy()
+
+
+def _sky_around_ground(cam: Camera) -> np.ndarray:
+    """(H, W, 3) the camera's sky outside the ground's runs, the rest unset (the ground paint fills it): half the
+    bytes of a copy of the sky."""
+    img = np.empty_like(cam.sky)
+    flat, sky, done = img.reshape(-1, 3), cam.sky.reshape(-1, 3), 0
+    for start, stop in cam.ground[1]:
+        flat[done:start] = sky[done:start]
+        done = stop
+    flat[done:] = sky[done:]
+    return img
 
 
 def render_camera(
@@ -663,9 +679,10 @@ def render_camera(
     parts, rects = _visible(cam, parts)
     if native.active():  # the same keys, faces, coverage and pixels, in C++ (bev.synthetic.native)
         group, objs = _coverage_groups(parts)
-        table = _part_table(cam, parts)
+        o, yaw = _part_frames(cam, parts)
+        table = _slab_table(o, yaw, parts.half)
         best, faces, cover = native.zbuffer(cam.planes, table, rects, cam.ground_key, group, len(objs), faces=True)
-        origin = _part_frames(cam, parts)[0].astype(np.float32)
+        origin = o.astype(np.float32)
         glass = (parts.kind == CABIN) * np.int8(1) + (parts.kind == WINDOWS) * np.int8(2)
         c = np.ascontiguousarray
         arrays = (origin, c(parts.half), glass.astype(np.int8), c(parts.cols), c(parts.label.astype(np.int32)))

@@ -69,19 +69,24 @@ struct Row {
   int32_t *bits, *id, *face, *stamp;
 };
 
+// A run of rays: x, y, z components and 1 / z, which is the same for every part (computed once per image row).
+struct Rays {
+  const float *x, *y, *z, *iz;
+};
+
 // The slab test of rays [i0, n) of a run (x, y, z components rx, ry, rz) against part q (part field id, coverage
 // group g), folded into the row: a hit nearer than the row's key (or as near with a smaller part field) takes the
 // ray; with cover, the rays it hits that its group had not hit yet are counted (the count is returned). The
 // float32 operations are numpy's (raycast._slab_chunk) one by one: products and sums round separately (no FMA:
 // neither the default x86-64 target nor the AVX2 one below has it), fmin/fmax keep the non-NaN operand.
-int64_t slab_scalar(const Part& q, const float* rx, const float* ry, const float* rz, int64_t i0, int64_t n, int32_t id,
-                    int32_t g, bool cover, Row row) {
+int64_t slab_scalar(const Part& q, const Rays& ray, int64_t i0, int64_t n, int32_t id, int32_t g, bool cover, Row row) {
+  const float *rx = ray.x, *ry = ray.y, *rz = ray.z;
   int64_t counted = 0;
   for (int64_t i = i0; i < n; ++i) {
     const float d0 = rx[i] * q.c + ry[i] * q.s;  // the ray along the part's axes (raycast._directions)
     const float d1 = ry[i] * q.c - rx[i] * q.s;
     const float d2 = rz[i];
-    const float v0 = 1.0f / d0, v1 = 1.0f / d1, v2 = 1.0f / d2;
+    const float v0 = 1.0f / d0, v1 = 1.0f / d1, v2 = ray.iz[i];
     const float a0 = q.near[0] * v0, b0 = q.far[0] * v0;
     const float a1 = q.near[1] * v1, b1 = q.far[1] * v1;
     const float a2 = q.near[2] * v2, b2 = q.far[2] * v2;
@@ -123,64 +128,114 @@ BEV_AVX2 __m256i negative(__m256 d) {  // 1 where d < 0, else 0
   return _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_LT_OQ)), _mm256_set1_epi32(1));
 }
 
-// slab_scalar eight rays at a time (AVX2; the last n % 8 rays by slab_scalar).
-__attribute__((target("avx2"))) int64_t slab_avx2(const Part& q, const float* rx, const float* ry, const float* rz,
-                                                  int64_t n, int32_t id, int32_t g, bool cover, Row row) {
-  const __m256 c = _mm256_set1_ps(q.c), s = _mm256_set1_ps(q.s), one = _mm256_set1_ps(1.0f);
-  const __m256 near0 = _mm256_set1_ps(q.near[0]), near1 = _mm256_set1_ps(q.near[1]), near2 = _mm256_set1_ps(q.near[2]);
-  const __m256 far0 = _mm256_set1_ps(q.far[0]), far1 = _mm256_set1_ps(q.far[1]), far2 = _mm256_set1_ps(q.far[2]);
-  const __m256 near_plane = _mm256_set1_ps(kNear);
-  const __m256i ids = _mm256_set1_epi32(id), group = _mm256_set1_epi32(g);
-  int64_t counted = 0, i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_loadu_ps(rx + i), y = _mm256_loadu_ps(ry + i), d2 = _mm256_loadu_ps(rz + i);
-    const __m256 d0 = _mm256_add_ps(_mm256_mul_ps(x, c), _mm256_mul_ps(y, s));
-    const __m256 d1 = _mm256_sub_ps(_mm256_mul_ps(y, c), _mm256_mul_ps(x, s));
-    const __m256 v0 = _mm256_div_ps(one, d0), v1 = _mm256_div_ps(one, d1), v2 = _mm256_div_ps(one, d2);
-    const __m256 a0 = _mm256_mul_ps(near0, v0), b0 = _mm256_mul_ps(far0, v0);
-    const __m256 a1 = _mm256_mul_ps(near1, v1), b1 = _mm256_mul_ps(far1, v1);
-    const __m256 a2 = _mm256_mul_ps(near2, v2), b2 = _mm256_mul_ps(far2, v2);
-    const __m256 lo1 = fmin8(a1, b1), lo2 = fmin8(a2, b2);
-    const __m256 tnear = fmax8(fmax8(fmin8(a0, b0), lo1), lo2);
-    const __m256 tfar = fmin8(fmin8(fmax8(a0, b0), fmax8(a1, b1)), fmax8(a2, b2));
-    const __m256 hit_ps =
-        _mm256_and_ps(_mm256_cmp_ps(tnear, tfar, _CMP_LE_OQ), _mm256_cmp_ps(tnear, near_plane, _CMP_GT_OQ));
-    if (_mm256_testz_ps(hit_ps, hit_ps)) continue;  // no lane hits (the sign bits of the masks)
-    const __m256i hit = _mm256_castps_si256(hit_ps);
-    if (cover) {
-      const __m256i old = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.stamp + i));
-      const __m256i fresh = _mm256_andnot_si256(_mm256_cmpeq_epi32(old, group), hit);
-      counted += __builtin_popcount(_mm256_movemask_ps(_mm256_castsi256_ps(fresh)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row.stamp + i), _mm256_blendv_epi8(old, group, fresh));
-    }
-    const __m256i bits = _mm256_castps_si256(tnear);
-    const __m256i old_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.bits + i));
-    const __m256i old_id = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.id + i));
-    const __m256i nearer = _mm256_or_si256(
-        _mm256_cmpgt_epi32(old_bits, bits),
-        _mm256_and_si256(_mm256_cmpeq_epi32(old_bits, bits), _mm256_cmpgt_epi32(old_id, ids)));
-    const __m256i wins = _mm256_and_si256(hit, nearer);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(row.bits + i), _mm256_blendv_epi8(old_bits, bits, wins));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(row.id + i), _mm256_blendv_epi8(old_id, ids, wins));
-    // The entry face as in slab_scalar: lo2 == tnear ? 4 + (d2 < 0) : lo1 == tnear ? 2 + (d1 < 0) : (d0 < 0).
-    __m256i f = negative(d0);
-    f = _mm256_blendv_epi8(f, _mm256_add_epi32(_mm256_set1_epi32(2), negative(d1)),
-                           _mm256_castps_si256(_mm256_cmp_ps(lo1, tnear, _CMP_EQ_OQ)));
-    f = _mm256_blendv_epi8(f, _mm256_add_epi32(_mm256_set1_epi32(4), negative(d2)),
-                           _mm256_castps_si256(_mm256_cmp_ps(lo2, tnear, _CMP_EQ_OQ)));
-    const __m256i old_face = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.face + i));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(row.face + i), _mm256_blendv_epi8(old_face, f, wins));
+// The slab's near and far distances of eight rays from the six bound products: nan_min / nan_max in slab_scalar's
+// order. Without NaN operands those are minps / maxps (x < y ? x : y, in this operand order), so the four-op blends
+// run only for blocks where a product is NaN (a slab bound of 0 with the ray parallel to it: rare).
+BEV_AVX2 void slab_span(__m256 a0, __m256 b0, __m256 a1, __m256 b1, __m256 a2, __m256 b2, __m256& tnear,
+                        __m256& tfar, __m256& lo1, __m256& lo2) {
+  const __m256 nan = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(a0, b0, _CMP_UNORD_Q), _mm256_cmp_ps(a1, b1, _CMP_UNORD_Q)),
+                                  _mm256_cmp_ps(a2, b2, _CMP_UNORD_Q));
+  if (_mm256_testz_ps(nan, nan)) {
+    lo1 = _mm256_min_ps(a1, b1), lo2 = _mm256_min_ps(a2, b2);
+    tnear = _mm256_max_ps(_mm256_max_ps(_mm256_min_ps(a0, b0), lo1), lo2);
+    tfar = _mm256_min_ps(_mm256_min_ps(_mm256_max_ps(a0, b0), _mm256_max_ps(a1, b1)), _mm256_max_ps(a2, b2));
+    return;
   }
-  return counted + slab_scalar(q, rx, ry, rz, i, n, id, g, cover, row);
+  lo1 = fmin8(a1, b1), lo2 = fmin8(a2, b2);
+  tnear = fmax8(fmax8(fmin8(a0, b0), lo1), lo2);
+  tfar = fmin8(fmin8(fmax8(a0, b0), fmax8(a1, b1)), fmax8(a2, b2));
+}
+
+// Eight lanes of rays: whole blocks load and store plainly; a run's last partial block (kTail) masks its lanes (they
+// load 0 and never hit), so that no ray is left to the scalar loop (rectangles are ~20 rays wide: ~6% of the world's
+// slab pairs fell to it, at several times a lane's cost).
+template <bool kTail>
+BEV_AVX2 __m256 load8(const float* p, __m256i lanes) {
+  return kTail ? _mm256_maskload_ps(p, lanes) : _mm256_loadu_ps(p);
+}
+
+template <bool kTail>
+BEV_AVX2 __m256i load8(const int32_t* p, __m256i lanes) {
+  return kTail ? _mm256_maskload_epi32(p, lanes) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+template <bool kTail>
+BEV_AVX2 void store8(int32_t* p, __m256i lanes, __m256i v) {
+  if (kTail)
+    _mm256_maskstore_epi32(p, lanes, v);
+  else
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
+}
+
+struct Slab8 {  // a part's values broadcast to eight lanes
+  __m256 c, s, near0, near1, near2, far0, far1, far2;
+  __m256i ids, group;
+};
+
+// slab_scalar on the eight rays from i (the lanes of `lanes` only when kTail); returns the coverage count.
+template <bool kTail>
+BEV_AVX2 int64_t slab8(const Slab8& k, const Rays& ray, int64_t i, __m256i lanes, bool cover, Row row) {
+  const __m256 x = load8<kTail>(ray.x + i, lanes), y = load8<kTail>(ray.y + i, lanes);
+  const __m256 v2 = load8<kTail>(ray.iz + i, lanes), one = _mm256_set1_ps(1.0f);
+  const __m256 d0 = _mm256_add_ps(_mm256_mul_ps(x, k.c), _mm256_mul_ps(y, k.s));
+  const __m256 d1 = _mm256_sub_ps(_mm256_mul_ps(y, k.c), _mm256_mul_ps(x, k.s));
+  const __m256 v0 = _mm256_div_ps(one, d0), v1 = _mm256_div_ps(one, d1);
+  __m256 tnear, tfar, lo1, lo2;
+  slab_span(_mm256_mul_ps(k.near0, v0), _mm256_mul_ps(k.far0, v0), _mm256_mul_ps(k.near1, v1),
+            _mm256_mul_ps(k.far1, v1), _mm256_mul_ps(k.near2, v2), _mm256_mul_ps(k.far2, v2), tnear, tfar, lo1, lo2);
+  __m256 hit_ps =
+      _mm256_and_ps(_mm256_cmp_ps(tnear, tfar, _CMP_LE_OQ), _mm256_cmp_ps(tnear, _mm256_set1_ps(kNear), _CMP_GT_OQ));
+  if (kTail) hit_ps = _mm256_and_ps(hit_ps, _mm256_castsi256_ps(lanes));
+  if (_mm256_testz_ps(hit_ps, hit_ps)) return 0;  // no lane hits (the sign bits of the masks)
+  const __m256i hit = _mm256_castps_si256(hit_ps);
+  int64_t counted = 0;
+  if (cover) {
+    const __m256i old = load8<kTail>(row.stamp + i, lanes);
+    const __m256i fresh = _mm256_andnot_si256(_mm256_cmpeq_epi32(old, k.group), hit);
+    counted = __builtin_popcount(_mm256_movemask_ps(_mm256_castsi256_ps(fresh)));
+    store8<kTail>(row.stamp + i, lanes, _mm256_blendv_epi8(old, k.group, fresh));
+  }
+  const __m256i bits = _mm256_castps_si256(tnear);
+  const __m256i old_bits = load8<kTail>(row.bits + i, lanes), old_id = load8<kTail>(row.id + i, lanes);
+  const __m256i nearer = _mm256_or_si256(
+      _mm256_cmpgt_epi32(old_bits, bits),
+      _mm256_and_si256(_mm256_cmpeq_epi32(old_bits, bits), _mm256_cmpgt_epi32(old_id, k.ids)));
+  const __m256i wins = _mm256_and_si256(hit, nearer);
+  if (_mm256_testz_si256(wins, wins)) return counted;  // hits, all behind what the rays already show
+  store8<kTail>(row.bits + i, lanes, _mm256_blendv_epi8(old_bits, bits, wins));
+  store8<kTail>(row.id + i, lanes, _mm256_blendv_epi8(old_id, k.ids, wins));
+  // The entry face as in slab_scalar: lo2 == tnear ? 4 + (d2 < 0) : lo1 == tnear ? 2 + (d1 < 0) : (d0 < 0).
+  __m256i f = negative(d0);
+  f = _mm256_blendv_epi8(f, _mm256_add_epi32(_mm256_set1_epi32(2), negative(d1)),
+                         _mm256_castps_si256(_mm256_cmp_ps(lo1, tnear, _CMP_EQ_OQ)));
+  f = _mm256_blendv_epi8(f, _mm256_add_epi32(_mm256_set1_epi32(4), negative(load8<kTail>(ray.z + i, lanes))),
+                         _mm256_castps_si256(_mm256_cmp_ps(lo2, tnear, _CMP_EQ_OQ)));
+  store8<kTail>(row.face + i, lanes, _mm256_blendv_epi8(load8<kTail>(row.face + i, lanes), f, wins));
+  return counted;
+}
+
+// slab_scalar eight rays at a time (AVX2), the last n % 8 in one masked block.
+__attribute__((target("avx2"))) int64_t slab_avx2(const Part& q, const Rays& ray, int64_t n, int32_t id, int32_t g,
+                                                  bool cover, Row row) {
+  const Slab8 k{_mm256_set1_ps(q.c),       _mm256_set1_ps(q.s),       _mm256_set1_ps(q.near[0]),
+                _mm256_set1_ps(q.near[1]), _mm256_set1_ps(q.near[2]), _mm256_set1_ps(q.far[0]),
+                _mm256_set1_ps(q.far[1]),  _mm256_set1_ps(q.far[2]),  _mm256_set1_epi32(id),
+                _mm256_set1_epi32(g)};
+  const __m256i all = _mm256_set1_epi32(-1);
+  int64_t counted = 0, i = 0;
+  for (; i + 8 <= n; i += 8) counted += slab8<false>(k, ray, i, all, cover, row);
+  if (i < n) {  // lanes j < n - i
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(n - i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    counted += slab8<true>(k, ray, i, lanes, cover, row);
+  }
+  return counted;
 }
 #endif
 
-using SlabRun = int64_t (*)(const Part&, const float*, const float*, const float*, int64_t, int32_t, int32_t, bool,
-                            Row);
+using SlabRun = int64_t (*)(const Part&, const Rays&, int64_t, int32_t, int32_t, bool, Row);
 
-int64_t slab_plain(const Part& q, const float* rx, const float* ry, const float* rz, int64_t n, int32_t id, int32_t g,
-                   bool cover, Row row) {
-  return slab_scalar(q, rx, ry, rz, 0, n, id, g, cover, row);
+int64_t slab_plain(const Part& q, const Rays& ray, int64_t n, int32_t id, int32_t g, bool cover, Row row) {
+  return slab_scalar(q, ray, 0, n, id, g, cover, row);
 }
 
 // The slab loop this CPU runs: AVX2 where it has it, unless BEV_RAYCAST_SCALAR=1 (the tests compare the two).
@@ -190,6 +245,21 @@ SlabRun slab_run() {
   if (__builtin_cpu_supports("avx2") && !(scalar && scalar[0] == '1')) return &slab_avx2;
 #endif
   return &slab_plain;
+}
+
+// A row's ground keys into the row buffers (depth bits, part field 0); the row buffers hold a key's halves as int32.
+void load_ground(const int64_t* ground, int64_t base, int64_t W, Row line) {
+  const int64_t* g = ground + base;
+  int64_t any = 0;  // the bits set in any key: a part field >= 2**31 sets bit 31 (one test per row)
+  for (int64_t x = 0; x < W; ++x) {
+    line.bits[x] = int32_t(g[x] >> 32);
+    line.id[x] = int32_t(g[x] & 0xFFFFFFFF);
+    any |= g[x];
+  }
+  if (!(any & 0x80000000)) return;
+  for (int64_t x = 0; x < W; ++x)
+    TORCH_CHECK((g[x] & 0xFFFFFFFF) < (int64_t(1) << 31), "_raycast_zbuffer: ground_key[", base + x, "] = ", g[x],
+                " has a part field (low half) >= 2**31");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> raycast_zbuffer_cpu(const at::Tensor& rays, const at::Tensor& parts,
@@ -234,10 +304,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> raycast_zbuffer_cpu(const at::Ten
                 " is not in [-1, num_groups = ", num_groups, ")");
   }
 
-  const int64_t* ground = ground_key.data_ptr<int64_t>();
-  for (int64_t x = 0; x < H * W; ++x)  // the row buffers hold a key's halves as int32
-    TORCH_CHECK((ground[x] & 0xFFFFFFFF) < (int64_t(1) << 31), "_raycast_zbuffer: ground_key[", x, "] = ", ground[x],
-                " has a part field (low half) >= 2**31");
+  const int64_t* ground = ground_key.data_ptr<int64_t>();  // (its part fields are checked row by row as they load)
   auto key = at::empty({H * W}, rays.options().dtype(at::kLong));
   auto face = at::empty({faces ? H * W : 0}, rays.options().dtype(at::kChar));
   auto coverage = at::zeros({num_groups}, rays.options().dtype(at::kLong));
@@ -262,6 +329,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> raycast_zbuffer_cpu(const at::Ten
   at::parallel_for(0, H, kRowBlock, [&](int64_t row0, int64_t row1) {
     std::vector<int64_t> counts(num_groups, 0), active;
     std::vector<int32_t> buffers(4 * W);
+    std::vector<float> inverse_z(W);
     const Row line{buffers.data(), buffers.data() + W, buffers.data() + 2 * W, buffers.data() + 3 * W};
     for (int64_t block = row0; block < row1; block += kRowBlock) {
       const int64_t block_end = std::min(block + kRowBlock, row1);
@@ -270,10 +338,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> raycast_zbuffer_cpu(const at::Ten
         if (R[4 * p] < block_end && R[4 * p + 1] > block) active.push_back(p);
       for (int64_t row = block; row < block_end; ++row) {
         const int64_t base = row * W;
-        for (int64_t x = 0; x < W; ++x) {  // the ground's keys: depth bits, part field 0
-          line.bits[x] = int32_t(ground[base + x] >> 32);
-          line.id[x] = int32_t(ground[base + x] & 0xFFFFFFFF);
-        }
+        load_ground(ground, base, W, line);
+        for (int64_t x = 0; x < W; ++x) inverse_z[x] = 1.0f / rz_all[base + x];
         std::fill(line.face, line.face + W, 0);
         std::fill(line.stamp, line.stamp + W, -1);
         for (int64_t p : active) {
@@ -281,8 +347,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> raycast_zbuffer_cpu(const at::Ten
           if (row < r[0] || row >= r[1]) continue;
           const int64_t c0 = r[2], g = G[p];
           const Row at{line.bits + c0, line.id + c0, line.face + c0, line.stamp + c0};
-          const int64_t hits = run(part[p], rx_all + base + c0, ry_all + base + c0, rz_all + base + c0, r[3] - c0,
-                                   int32_t(p + 1), int32_t(g), g >= 0, at);
+          const Rays ray{rx_all + base + c0, ry_all + base + c0, rz_all + base + c0, inverse_z.data() + c0};
+          const int64_t hits = run(part[p], ray, r[3] - c0, int32_t(p + 1), int32_t(g), g >= 0, at);
           if (g >= 0) counts[g] += hits;
         }
         int64_t* best = best_all + base;
@@ -299,9 +365,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> raycast_zbuffer_cpu(const at::Ten
   return {key, face, coverage};
 }
 
+// fmod(a, b) for b > 0 without libm's call: fmod is exact, and so is |a| - n * b in float64 for n = trunc(|a| / b)
+// below 2**24 (24-bit n times 24-bit b, then a difference representable as a float). The rounded quotient can only
+// be one too high (remainders within 2**-52 of b): put back. Other operands (inf, NaN, huge): std::fmod.
+inline float exact_fmod(float a, float b) {
+  const double x = std::fabs(double(a)), y = double(b), q = x / y;
+  if (!(b > 0.0f && q < 16777216.0)) return std::fmod(a, b);
+  const double n = double(int64_t(q));  // trunc without libm's call (the default x86-64 target has no roundsd)
+  double r = x - n * y;
+  if (r < 0.0) r += y;
+  return std::copysign(float(r), a);
+}
+
 // numpy's float32 remainder (npy_divmodf): fmod, moved into the divisor's sign.
 inline float py_mod(float a, float b) {
-  float m = std::fmod(a, b);
+  float m = exact_fmod(a, b);
   if (m != 0.0f && ((b < 0) != (m < 0))) m += b;
   return m;
 }
@@ -335,7 +413,11 @@ void raycast_shade_cpu(const at::Tensor& key, const at::Tensor& face, const at::
   check(depth, "depth", at::kFloat, {H, W});
   check(ids, "ids", at::kInt, {H, W});
   const int64_t* K = key.data_ptr<int64_t>();
-  for (int64_t x = 0; x < N; ++x) {
+  // Part fields (the keys' low halves) up to P: a vectorised test first, the key named only on failure.
+  const uint32_t limit = uint32_t(std::min<int64_t>(P, UINT32_MAX));
+  bool bad = false;
+  for (int64_t x = 0; x < N; ++x) bad |= uint32_t(K[x]) > limit;
+  for (int64_t x = 0; bad && x < N; ++x) {
     const int64_t p = (K[x] & 0xFFFFFFFF) - 1;
     TORCH_CHECK(p < P, "_raycast_shade: key[", x, "] names part ", p, " of ", P);
   }
@@ -477,7 +559,9 @@ void raycast_ground_cpu(const at::Tensor& gx, const at::Tensor& gy, const at::Te
   check(image, "image", at::kFloat, {image.size(0), image.size(1), 3});
   const int64_t N = image.size(0) * image.size(1);
   const int64_t* P = pixels.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
+  bool bad = false;  // a vectorised test first, the index only on failure
+  for (int64_t i = 0; i < n; ++i) bad |= uint64_t(P[i]) >= uint64_t(N);
+  for (int64_t i = 0; bad && i < n; ++i)
     TORCH_CHECK(P[i] >= 0 && P[i] < N, "_raycast_ground: pixels[", i, "] = ", P[i], " is not in the image");
   const float *X = gx.data_ptr<float>(), *Y = gy.data_ptr<float>(), *A = clear.data_ptr<float>();
   const float *B = fog.data_ptr<float>(), *G = grass.data_ptr<float>();
@@ -485,25 +569,60 @@ void raycast_ground_cpu(const at::Tensor& gx, const at::Tensor& gy, const at::Te
   float* img = image.data_ptr<float>();
   const float fe0 = float(e0), fe1 = float(e1), fc = float(c), fs = float(s);
   const float fscale = float(scale), funit = float(unit);
+  // Blocks of rays in two passes: their texels' offsets first (-1: grass), each prefetched, so that the far
+  // ground's scattered texels (one cache line each, from the 50 MB ring) load side by side before the second pass.
+  constexpr int64_t kBlock = 64;
   at::parallel_for(0, n, 4096, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float x = (fe0 + fc * X[i]) - fs * Y[i];  // ego -> map: numpy's float32 order
-      const float y = (fe1 + fs * X[i]) + fc * Y[i];
-      const int64_t col = floor_int(x * fscale), row = floor_int(y * fscale);
-      float rgb[3];
-      if (uint64_t(col - col0) >= uint64_t(size) || uint64_t(row - row0) >= uint64_t(size)) {
-        rgb[0] = G[0], rgb[1] = G[1], rgb[2] = G[2];
-      } else {
-        const uint8_t* t = tex + 3 * ((row & (side - 1)) * side + (col & (side - 1)));
-        rgb[0] = float(t[0]) * funit, rgb[1] = float(t[1]) * funit, rgb[2] = float(t[2]) * funit;
+    int64_t offset[kBlock];
+    for (int64_t b0 = i0; b0 < i1; b0 += kBlock) {
+      const int64_t m = std::min(kBlock, i1 - b0);
+      for (int64_t j = 0; j < m; ++j) {
+        const int64_t i = b0 + j;
+        const float x = (fe0 + fc * X[i]) - fs * Y[i];  // ego -> map: numpy's float32 order
+        const float y = (fe1 + fs * X[i]) + fc * Y[i];
+        const int64_t col = floor_int(x * fscale), row = floor_int(y * fscale);
+        const bool off = uint64_t(col - col0) >= uint64_t(size) || uint64_t(row - row0) >= uint64_t(size);
+        offset[j] = off ? -1 : 3 * ((row & (side - 1)) * side + (col & (side - 1)));
+        __builtin_prefetch(tex + (off ? 0 : offset[j]));
       }
-      if (i < k)
-        for (int j = 0; j < 3; ++j) rgb[j] = rgb[j] * A[i] + B[3 * i + j];
-      float* out = img + 3 * P[i];
-      out[0] = rgb[0], out[1] = rgb[1], out[2] = rgb[2];
+      for (int64_t j = 0; j < m; ++j) {
+        const int64_t i = b0 + j;
+        float rgb[3];
+        if (offset[j] < 0) {
+          rgb[0] = G[0], rgb[1] = G[1], rgb[2] = G[2];
+        } else {
+          const uint8_t* t = tex + offset[j];
+          rgb[0] = float(t[0]) * funit, rgb[1] = float(t[1]) * funit, rgb[2] = float(t[2]) * funit;
+        }
+        if (i < k)
+          for (int c = 0; c < 3; ++c) rgb[c] = rgb[c] * A[i] + B[3 * i + c];
+        float* out = img + 3 * P[i];
+        out[0] = rgb[0], out[1] = rgb[1], out[2] = rgb[2];
+      }
     }
   });
 }
+
+#if defined(__x86_64__)
+// raycast_rgb8_cpu's loop 32 values at a time (the compiler's SSE2 version packs byte by byte): maxps(0, v) and
+// minps(255, v) keep a NaN v as the ternaries do, its conversion's INT32_MIN packs to 0 as its low byte is.
+// Returns the values done (a multiple of 32).
+__attribute__((target("avx2"))) int64_t rgb8_avx2(const float* in, uint8_t* rgb, int64_t n) {
+  const __m256 scale = _mm256_set1_ps(255.0f), half = _mm256_set1_ps(0.5f), zero = _mm256_setzero_ps();
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the packs' per-128-bit-lane order
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    __m256i q[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(in + i + 8 * j), scale), half);
+      q[j] = _mm256_cvttps_epi32(_mm256_min_ps(scale, _mm256_max_ps(zero, v)));
+    }
+    const __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(q[0], q[1]), _mm256_packus_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(rgb + i), _mm256_permutevar8x32_epi32(bytes, order));
+  }
+  return i;
+}
+#endif
 
 // A render's 8-bit pixels for the JPEG encoder: sensors.camera_jpeg's (image * 255.0 + 0.5).clip(0, 255)
 // .astype(uint8) in float32 (NaN kept by the clip, then the x86 conversion numpy's cast makes). One flat loop the
@@ -517,7 +636,11 @@ at::Tensor raycast_rgb8_cpu(const at::Tensor& image) {
   const float* in = image.data_ptr<float>();
   uint8_t* rgb = out.data_ptr<uint8_t>();
   const int64_t n = image.numel();
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx2")) i = rgb8_avx2(in, rgb, n);
+#endif
+  for (; i < n; ++i) {
     float v = in[i] * 255.0f + 0.5f;
     v = v < 0.0f ? 0.0f : v;
     v = v > 255.0f ? 255.0f : v;
