@@ -48,9 +48,10 @@ def _check_cameras(cfg: DictConfig) -> None:
     """A network with a camera branch reads the items' images: data.cameras=false would leave it none."""
     from omegaconf import OmegaConf
 
-    cameras = OmegaConf.select(cfg, "data.cameras", default=True)
-    lidar_only = OmegaConf.select(cfg, "model.net.camera") is None and OmegaConf.select(cfg, "model.net.lidar")
-    if cameras is False and OmegaConf.select(cfg, "model.net") is not None and not lidar_only:
+    net = OmegaConf.select(cfg, "model.net")
+    # BEVNet: a null camera is no camera branch only beside a LiDAR branch
+    has_camera = net is not None and (net.get("camera") is not None or net.get("lidar") is None)
+    if OmegaConf.select(cfg, "data.cameras", default=True) is False and has_camera:
         raise ValueError(
             "data.cameras=false leaves the items without images, and the network has a camera branch: set "
             "data.cameras=true (or model.net.camera=null with a LiDAR branch, a LiDAR-only network)"

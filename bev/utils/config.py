@@ -61,11 +61,9 @@ def _as_list(names: list[str]):
 def on_fp32_cpu(fp32_cpu: Any, other: Any) -> Any:
     """`fp32_cpu` on a machine that trains in fp32 on its CPU (no CUDA GPU, no native bf16: bev.utils.precision),
     else `other`: model sizes chosen for the machine, resolved (and stored in checkpoints) when the config is."""
-    import torch
+    from bev.utils.precision import trains_in_fp32_on_cpu
 
-    from bev.utils.precision import cpu_bf16_support
-
-    return other if torch.cuda.is_available() or cpu_bf16_support() else fp32_cpu
+    return fp32_cpu if trains_in_fp32_on_cpu() else other
 
 
 # The project's resolvers (bev.utils.trust lets stored configs call these and no other of its own).

@@ -40,6 +40,13 @@ def cpu_bf16_support() -> str | None:
     return None if _isa_cap() in ONEDNN_ISAS_WITHOUT_BF16 else _native_flag()
 
 
+def trains_in_fp32_on_cpu() -> bool:
+    """Whether training here runs in fp32 on the CPU: no CUDA GPU and no native bf16 (precision auto's 32-true)."""
+    import torch
+
+    return not torch.cuda.is_available() and cpu_bf16_support() is None
+
+
 def _isa_cap() -> str:
     return (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
 
@@ -107,11 +114,7 @@ def resolve_channels_last(value: bool | str, module=None) -> bool:
         )
     if value != "auto":
         return bool(value)
-    import torch
-
-    if hazards:
-        return False
-    return torch.cuda.is_available() or cpu_bf16_support() is not None or _dense_convolutions(module)
+    return not hazards and (not trains_in_fp32_on_cpu() or _dense_convolutions(module))
 
 
 def _dense_convolutions(module) -> bool:
